@@ -1,0 +1,175 @@
+"""Collective algorithms built from point-to-point ``send``/``recv``: ring and binary tree.
+
+These exist so that the algorithm behind an all-reduce is visible, selectable and measurable
+rather than hidden inside the backend. Every message goes through
+:func:`lightning_sync.comms.collectives.send` / ``recv``, so :class:`CommStats` counts the exact
+wire bytes under ``send`` and ``recv``; the algorithm's own entry (``ring_all_reduce``, ...) counts
+calls and seconds with 0 bytes, so no byte is counted twice.
+
+* **Ring reduce-scatter** (Patarasuk & Yuan 2009): the flat tensor is cut into K chunks of
+  ``c = ceil(n/K)`` elements (zero-padded). In step s = 0..K-2 rank r sends chunk ``(r-s-1) mod K``
+  to rank r+1 and adds the chunk ``(r-s-2) mod K`` it receives from rank r-1. After K-1 steps rank
+  r holds the fully reduced chunk r. Each rank sends ``(K-1) * c`` elements.
+* **Ring all-gather**: rank r starts with chunk r; in step s it forwards chunk ``(r-s) mod K`` and
+  receives chunk ``(r-s-1) mod K``. Each rank sends ``(K-1) * c`` elements.
+* **Ring all-reduce** = reduce-scatter then all-gather: ``2(K-1)/K * S`` bytes per rank, which
+  :func:`~lightning_sync.comms.stats.ring_allreduce_bytes` and the cost model
+  ``T_ring = 2(K-1)*alpha + 2(K-1)*S/(K*BW)`` (:func:`~lightning_sync.comms.stats.ring_allreduce_time`)
+  describe.
+* **Tree all-reduce**: reduce up a binary tree (children of r are 2r+1, 2r+2) to rank 0, then
+  broadcast back down: ``2*ceil(log2 K)`` latency steps, each moving the whole tensor
+  (:func:`~lightning_sync.comms.stats.tree_allreduce_time`). Better than the ring for small,
+  latency-bound messages.
+
+All ranks in ``group`` must call the same function with tensors of the same shape and dtype.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from lightning_sync.comms import collectives as C
+from lightning_sync.comms.stats import ring_allreduce_bytes, ring_allreduce_time, tree_allreduce_time
+
+__all__ = [
+    "ALGORITHMS", "all_reduce_with", "ring_all_gather", "ring_all_reduce", "ring_allreduce_bytes",
+    "ring_allreduce_time", "ring_reduce_scatter", "tree_all_reduce", "tree_allreduce_time",
+]
+
+_COMBINE: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "sum": torch.Tensor.add_, "avg": torch.Tensor.add_,
+    "max": lambda a, b: torch.maximum(a, b, out=a), "min": lambda a, b: torch.minimum(a, b, out=a),
+}
+
+
+def _combine(op: str, tensor: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    C.check_reduce(op, tensor)  # same allowed ops and dtype rules as the backend path
+    return _COMBINE[op]
+
+
+def _exchange(send_buf: torch.Tensor, dst: int, recv_buf: torch.Tensor, src: int,
+              group: dist.ProcessGroup | None) -> None:
+    """Send to ``dst`` and receive from ``src`` at the same time (no ordering deadlock)."""
+    works = [C.send(send_buf, dst, group=group, async_op=True), C.recv(recv_buf, src, group=group, async_op=True)]
+    for w in works:
+        w.wait()
+
+
+def _account(op: str, start: float) -> None:
+    C.get_stats().record(op, 0, time.perf_counter() - start)
+
+
+def _ring_setup(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> tuple[list[int], int, int, int]:
+    ranks = C.group_ranks(group)
+    world = len(ranks)
+    me = ranks.index(C.get_rank())
+    chunk = -(-tensor.numel() // world)
+    return ranks, world, me, chunk
+
+
+def _chunks(tensor: torch.Tensor, world: int, chunk: int) -> torch.Tensor:
+    flat = tensor.new_zeros(world * chunk)
+    flat[: tensor.numel()] = tensor.reshape(-1)
+    return flat.view(world, chunk)
+
+
+def _reduce_scatter_steps(buf: torch.Tensor, ranks: list[int], me: int, op: str,
+                          group: dist.ProcessGroup | None) -> None:
+    world, combine = len(ranks), _COMBINE[op]
+    nxt, prv = ranks[(me + 1) % world], ranks[(me - 1) % world]
+    incoming = torch.empty_like(buf[0])
+    for s in range(world - 1):
+        _exchange(buf[(me - s - 1) % world], nxt, incoming, prv, group)
+        combine(buf[(me - s - 2) % world], incoming)
+
+
+def _all_gather_steps(buf: torch.Tensor, ranks: list[int], me: int, group: dist.ProcessGroup | None) -> None:
+    world = len(ranks)
+    nxt, prv = ranks[(me + 1) % world], ranks[(me - 1) % world]
+    for s in range(world - 1):
+        _exchange(buf[(me - s) % world], nxt, buf[(me - s - 1) % world], prv, group)
+
+
+def ring_reduce_scatter(tensor: torch.Tensor, op: str = "sum", group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Ring reduce-scatter of the flattened ``tensor``; returns this rank's chunk (``ceil(n/K)``
+    elements, trimmed of padding at the end)."""
+    _combine(op, tensor)
+    start = time.perf_counter()
+    ranks, world, me, chunk = _ring_setup(tensor, group)
+    buf = _chunks(tensor, world, chunk)
+    _reduce_scatter_steps(buf, ranks, me, op, group)
+    mine = buf[me].clone()
+    if op == "avg":
+        mine /= world
+    keep = max(0, min(tensor.numel(), (me + 1) * chunk) - me * chunk)
+    _account("ring_reduce_scatter", start)
+    return mine[:keep]
+
+
+def ring_all_gather(shard: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Ring all-gather of equal-sized flat shards; returns a ``(K, shard.numel())`` tensor."""
+    start = time.perf_counter()
+    ranks = C.group_ranks(group)
+    world, me = len(ranks), ranks.index(C.get_rank())
+    buf = shard.new_empty((world, shard.numel()))
+    buf[me] = shard.reshape(-1)
+    _all_gather_steps(buf, ranks, me, group)
+    _account("ring_all_gather", start)
+    return buf
+
+
+def ring_all_reduce(tensor: torch.Tensor, op: str = "sum", group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Ring all-reduce of ``tensor`` in place (reduce-scatter, then all-gather); returns it."""
+    _combine(op, tensor)
+    start = time.perf_counter()
+    ranks, world, me, chunk = _ring_setup(tensor, group)
+    if world > 1:
+        buf = _chunks(tensor, world, chunk)
+        _reduce_scatter_steps(buf, ranks, me, op, group)
+        _all_gather_steps(buf, ranks, me, group)
+        tensor.copy_(buf.view(-1)[: tensor.numel()].view_as(tensor))
+    if op == "avg":
+        tensor /= world
+    _account("ring_all_reduce", start)
+    return tensor
+
+
+def tree_all_reduce(tensor: torch.Tensor, op: str = "sum", group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Binary-tree all-reduce of ``tensor`` in place (reduce to group rank 0, broadcast down)."""
+    combine = _combine(op, tensor)
+    start = time.perf_counter()
+    ranks = C.group_ranks(group)
+    world, me = len(ranks), ranks.index(C.get_rank())
+    children = [c for c in (2 * me + 1, 2 * me + 2) if c < world]
+    incoming = torch.empty_like(tensor)
+    for c in children:  # reduce phase: fold the children's subtrees in, then pass up
+        C.recv(incoming, ranks[c], group=group)
+        combine(tensor, incoming)
+    if me != 0:
+        C.send(tensor, ranks[(me - 1) // 2], group=group)
+        C.recv(tensor, ranks[(me - 1) // 2], group=group)
+    for c in children:  # broadcast phase
+        C.send(tensor, ranks[c], group=group)
+    if op == "avg":
+        tensor /= world
+    _account("tree_all_reduce", start)
+    return tensor
+
+
+ALGORITHMS: dict[str, Callable[..., torch.Tensor]] = {
+    "backend": lambda t, op="sum", group=None: C.all_reduce(t, op=op, group=group),
+    "ring": ring_all_reduce,
+    "tree": tree_all_reduce,
+}
+
+
+def all_reduce_with(algorithm: str, tensor: torch.Tensor, op: str = "sum",
+                    group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """All-reduce with a named algorithm: one of :data:`ALGORITHMS` (``backend``, ``ring``, ``tree``)."""
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"unknown all-reduce algorithm {algorithm!r}; allowed: {sorted(ALGORITHMS)}")
+    return ALGORITHMS[algorithm](tensor, op=op, group=group)

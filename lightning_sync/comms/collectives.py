@@ -1,0 +1,437 @@
+"""The collectives layer: every byte a strategy sends goes through :func:`_issue` in this file.
+
+Each function follows torch.distributed's semantics with four differences that make it safe to
+build strategies on:
+
+* **Uneven inputs work on every backend.** gloo has no uneven all-gather; we exchange sizes and
+  shapes first (counted as ``metadata``), pad to the largest, and trim. Mismatched trailing shapes or
+  dtypes raise a ``ValueError`` on *every* rank instead of hanging.
+* **Objects are first-class.** ``broadcast``/``scatter``/``gather_object``/``all_gather_object``
+  pickle into a uint8 tensor, so the object payload is counted in bytes and can run async.
+* **Every call is accounted.** :func:`_issue` gives each call a sequence number, records calls,
+  payload bytes and seconds in the :class:`~lightning_sync.comms.stats.CommStats` returned by
+  :func:`get_stats`, and returns a :class:`Work` when ``async_op=True``.
+* **Bad input says what is allowed.** Unknown ``op``, out-of-range ``src``/``dst``, wrong chunk
+  counts and calls before ``init_process_group`` raise with the bad value and the allowed ones.
+"""
+
+from __future__ import annotations
+
+import itertools
+import pickle
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Generic, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from lightning_sync.comms.stats import CommStats
+
+__all__ = [
+    "REDUCE_OPS", "Work", "all_gather", "all_gather_into", "all_gather_object", "all_reduce",
+    "barrier", "broadcast", "check_reduce", "gather", "gather_object", "get_rank", "get_stats", "get_world_size",
+    "group_ranks", "recv", "reduce_scatter", "reduce_scatter_into", "reset_stats", "scatter", "send",
+]
+
+T = TypeVar("T")
+REDUCE_OPS: dict[str, dist.ReduceOp.RedOpType] = {
+    "sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
+}
+_MAX_DIMS = 8
+_STATS = CommStats()
+_SEQ = itertools.count(1)
+
+
+def get_stats() -> CommStats:
+    """The process-wide :class:`CommStats` every collective records into."""
+    return _STATS
+
+
+def reset_stats() -> None:
+    """Clear the process-wide :class:`CommStats`."""
+    _STATS.reset()
+
+
+class Work(Generic[T]):
+    """Handle of an issued collective. ``wait()`` blocks until it is done and returns its result.
+
+    ``op`` and ``seq`` name the call (``seq`` counts every collective issued by this process).
+    Waiting twice is allowed and returns the same result.
+    """
+
+    def __init__(self, op: str, seq: int, handles: Sequence[Any], finish: Callable[[], T], start: float,
+                 account: bool = True) -> None:
+        self.op = op
+        self.seq = seq
+        self._handles = list(handles)
+        self._finish = finish
+        self._start = start
+        self._done = False
+        self._result: T | None = None
+        self._account = account
+
+    def is_completed(self) -> bool:
+        """True once every underlying backend request has completed (does not run ``finish``)."""
+        return self._done or all(h.is_completed() for h in self._handles)
+
+    def wait(self) -> T:
+        """Block until the collective completes; returns its result (tensor, list or object)."""
+        if not self._done:
+            for h in self._handles:
+                h.wait()
+            self._result = self._finish()
+            self._done = True
+            if self._account:
+                _STATS.add_seconds(self.op, time.perf_counter() - self._start)
+        return self._result  # type: ignore[return-value]
+
+    def __repr__(self) -> str:
+        return f"Work({self.op} #{self.seq}, done={self._done})"
+
+
+def _require_init() -> None:
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            "lightning_sync.comms needs a default process group, and none exists. Initialise one "
+            "first, e.g. torch.distributed.init_process_group('gloo', rank=RANK, world_size=WORLD) "
+            "with MASTER_ADDR/MASTER_PORT set, or run inside a Trainer with a distributed strategy."
+        )
+
+
+def _issue(op: str, nbytes: int, launch: Callable[[], Sequence[Any]], finish: Callable[[], T], async_op: bool) -> Any:
+    """The one place every collective goes through: sequence number, accounting, async handle."""
+    seq = next(_SEQ)
+    _STATS.record(op, nbytes)
+    work = Work(op, seq, launch(), finish, time.perf_counter())
+    return work if async_op else work.wait()
+
+
+def get_rank(group: dist.ProcessGroup | None = None) -> int:
+    """This process's rank in ``group`` (the default group if None)."""
+    _require_init()
+    return dist.get_rank(group)
+
+
+def get_world_size(group: dist.ProcessGroup | None = None) -> int:
+    """Number of ranks in ``group`` (the default group if None)."""
+    _require_init()
+    return dist.get_world_size(group)
+
+
+def group_ranks(group: dist.ProcessGroup | None = None) -> list[int]:
+    """Global ranks of ``group``, in group-rank order."""
+    _require_init()
+    return dist.get_process_group_ranks(group or dist.group.WORLD)
+
+
+def check_reduce(op: str, tensor: torch.Tensor) -> dist.ReduceOp.RedOpType:
+    """Validate ``op`` for ``tensor`` and return the backend's reduce op."""
+    if op not in REDUCE_OPS:
+        raise ValueError(f"unknown reduce op {op!r}; allowed: {sorted(REDUCE_OPS)}")
+    if op == "avg" and not (tensor.is_floating_point() or tensor.is_complex()):
+        raise ValueError(f"op='avg' needs a floating-point tensor, got dtype {tensor.dtype}; "
+                         f"allowed for it: {sorted(set(REDUCE_OPS) - {'avg'})}")
+    return REDUCE_OPS[op]
+
+
+def _check_rank(name: str, value: int, group: dist.ProcessGroup | None) -> None:
+    ranks = group_ranks(group)
+    if not isinstance(value, int) or value not in ranks:
+        raise ValueError(f"{name}={value!r} is not a rank of the group; allowed: {ranks}")
+
+
+def _device(group: dist.ProcessGroup | None) -> torch.device:
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _to_bytes(obj: Any, device: torch.device) -> torch.Tensor:
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+
+
+def _from_bytes(t: torch.Tensor) -> Any:
+    return pickle.loads(t.cpu().numpy().tobytes())
+
+
+def _metadata_all_gather(row: list[int], group: dist.ProcessGroup | None) -> list[list[int]]:
+    """All-gather one small int64 row per rank (sizes, shapes); counted as ``metadata``."""
+    mine = torch.tensor(row, dtype=torch.int64, device=_device(group))
+    out = [torch.empty_like(mine) for _ in range(get_world_size(group))]
+    return _issue("metadata", _nbytes(mine), lambda: [dist.all_gather(out, mine, group=group, async_op=True)],
+                  lambda: [r.tolist() for r in out], async_op=False)
+
+
+def _metadata_broadcast(obj: Any, src: int, group: dist.ProcessGroup | None) -> Any:
+    box = [obj]
+    nbytes = len(pickle.dumps(obj)) if get_rank() == src else 0
+
+    def launch() -> list[Any]:  # broadcast_object_list is synchronous: no handle to return
+        dist.broadcast_object_list(box, src=src, group=group, device=_device(group))
+        return []
+
+    return _issue("metadata", nbytes, launch, lambda: box[0], async_op=False)
+
+
+def _shape_row(t: torch.Tensor) -> list[int]:
+    if t.dim() > _MAX_DIMS:
+        raise ValueError(f"tensors with more than {_MAX_DIMS} dims are not supported, got shape {tuple(t.shape)}")
+    dtype_code = list(_DTYPES).index(t.dtype) if t.dtype in _DTYPES else -1
+    return [dtype_code, t.dim(), *t.shape, *([0] * (_MAX_DIMS - t.dim()))]
+
+
+_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+           torch.int16, torch.int8, torch.uint8, torch.bool)
+
+
+def _exchange_shapes(t: torch.Tensor, op: str, group: dist.ProcessGroup | None) -> list[torch.Size]:
+    """Every rank's shape; raises on all ranks alike if dtype or trailing dims disagree."""
+    rows = _metadata_all_gather(_shape_row(t), group)
+    shapes = [torch.Size(r[2 : 2 + r[1]]) for r in rows]
+    ref = rows[get_rank(group)]
+    for rank, (row, shape) in enumerate(zip(rows, shapes)):
+        if row[0] != ref[0] or row[1] != ref[1] or (ref[1] > 0 and shape[1:] != shapes[get_rank(group)][1:]):
+            raise ValueError(
+                f"{op}: ranks disagree on dtype or trailing shape; only the first dimension may differ. "
+                f"Shapes by rank: {[tuple(s) for s in shapes]}, dtype codes: {[r[0] for r in rows]} "
+                f"(rank {rank} differs from this rank)"
+            )
+    return shapes
+
+
+def _padded(t: torch.Tensor, rows: int) -> torch.Tensor:
+    if t.shape[0] == rows:
+        return t.contiguous()
+    out = t.new_zeros((rows, *t.shape[1:]))
+    out[: t.shape[0]] = t
+    return out
+
+
+def barrier(group: dist.ProcessGroup | None = None, async_op: bool = False) -> Work[None] | None:
+    """Block until every rank of ``group`` has entered the barrier."""
+    _require_init()
+    return _issue("barrier", 0, lambda: [dist.barrier(group=group, async_op=True)], lambda: None, async_op)
+
+
+def all_reduce(tensor: torch.Tensor, op: str = "sum", group: dist.ProcessGroup | None = None,
+               async_op: bool = False) -> torch.Tensor | Work[torch.Tensor]:
+    """Reduce ``tensor`` over all ranks with ``op`` in place; returns it (or a Work)."""
+    _require_init()
+    red = check_reduce(op, tensor)
+    return _issue("all_reduce", _nbytes(tensor),
+                  lambda: [dist.all_reduce(tensor, op=red, group=group, async_op=True)], lambda: tensor, async_op)
+
+
+def broadcast(value: Any, src: int = 0, group: dist.ProcessGroup | None = None, async_op: bool = False) -> Any:
+    """Broadcast from ``src``; returns the value.
+
+    A tensor is broadcast in place (every rank passes a tensor of the same shape and dtype). Any
+    other value is pickled on ``src``; the other ranks' argument is ignored (pass ``None``).
+    """
+    _require_init()
+    _check_rank("src", src, group)
+    if isinstance(value, torch.Tensor):
+        return _issue("broadcast", _nbytes(value),
+                      lambda: [dist.broadcast(value, src=src, group=group, async_op=True)], lambda: value, async_op)
+    device = _device(group)
+    payload = _to_bytes(value, device) if get_rank() == src else None
+    size = _metadata_broadcast(None if payload is None else payload.numel(), src, group)
+    buf = payload if payload is not None else torch.empty(size, dtype=torch.uint8, device=device)
+    return _issue("broadcast", size, lambda: [dist.broadcast(buf, src=src, group=group, async_op=True)],
+                  lambda: value if payload is not None else _from_bytes(buf), async_op)
+
+
+def all_gather(tensor: torch.Tensor, group: dist.ProcessGroup | None = None,
+               async_op: bool = False) -> list[torch.Tensor] | Work[list[torch.Tensor]]:
+    """One tensor per rank, in rank order. First dimensions may differ between ranks."""
+    _require_init()
+    flat = tensor.reshape(1) if tensor.dim() == 0 else tensor
+    shapes = _exchange_shapes(flat, "all_gather", group)
+    rows = max(s[0] for s in shapes)
+    send = _padded(flat, rows)
+    bufs = [torch.empty_like(send) for _ in shapes]
+
+    def finish() -> list[torch.Tensor]:
+        out = [b[: s[0]] for b, s in zip(bufs, shapes)]
+        return [o.reshape(()) for o in out] if tensor.dim() == 0 else out
+
+    return _issue("all_gather", _nbytes(send),
+                  lambda: [dist.all_gather(bufs, send, group=group, async_op=True)], finish, async_op)
+
+
+def all_gather_into(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None = None,
+                    async_op: bool = False) -> torch.Tensor | Work[torch.Tensor]:
+    """Fast even all-gather: ``output`` (world_size x input.numel()) gets every rank's flat ``input``.
+
+    No metadata exchange; every rank must pass the same ``input.numel()``.
+    """
+    _require_init()
+    world = get_world_size(group)
+    if output.numel() != world * input.numel():
+        raise ValueError(f"all_gather_into: output has {output.numel()} elements, expected "
+                         f"world_size {world} x input {input.numel()} = {world * input.numel()}")
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return _issue("all_gather", _nbytes(input),
+                  lambda: [gather(output.view(-1), input.reshape(-1), group=group, async_op=True)],
+                  lambda: output, async_op)
+
+
+def reduce_scatter(tensor: torch.Tensor, op: str = "sum", group: dist.ProcessGroup | None = None,
+                   async_op: bool = False) -> torch.Tensor | Work[torch.Tensor]:
+    """Reduce ``tensor`` (same shape on every rank) and return this rank's shard of dim 0.
+
+    Shards have ``ceil(n / K)`` rows; the input is zero-padded to ``K * ceil(n / K)`` rows and the
+    last shard(s) are trimmed, so rank r gets rows ``[r*c, min(n, (r+1)*c))`` (possibly empty).
+    """
+    _require_init()
+    red = check_reduce(op, tensor)
+    world, rank = get_world_size(group), get_rank(group)
+    n = tensor.shape[0] if tensor.dim() else 1
+    flat = tensor.reshape(1) if tensor.dim() == 0 else tensor
+    chunk = -(-n // world)
+    send = _padded(flat, chunk * world)
+    out = send.new_empty((chunk, *flat.shape[1:]))
+    keep = max(0, min(n, (rank + 1) * chunk) - rank * chunk)
+    scatter_fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return _issue("reduce_scatter", _nbytes(send),
+                  lambda: [scatter_fn(out, send, op=red, group=group, async_op=True)], lambda: out[:keep], async_op)
+
+
+def reduce_scatter_into(output: torch.Tensor, input: torch.Tensor, op: str = "sum",
+                        group: dist.ProcessGroup | None = None, async_op: bool = False) -> torch.Tensor | Work[torch.Tensor]:
+    """Fast even reduce-scatter of a flat ``input`` (world_size x output.numel()) into ``output``."""
+    _require_init()
+    red = check_reduce(op, input)
+    world = get_world_size(group)
+    if input.numel() != world * output.numel():
+        raise ValueError(f"reduce_scatter_into: input has {input.numel()} elements, expected "
+                         f"world_size {world} x output {output.numel()} = {world * output.numel()}")
+    scatter_fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return _issue("reduce_scatter", _nbytes(input),
+                  lambda: [scatter_fn(output.view(-1), input.reshape(-1), op=red, group=group, async_op=True)],
+                  lambda: output, async_op)
+
+
+def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None, dst: int = 0,
+           group: dist.ProcessGroup | None = None, async_op: bool = False) -> Any:
+    """Gather every rank's ``tensor`` on ``dst`` (first dims may differ).
+
+    On ``dst`` the result is ``gather_list`` filled in place (if given, its tensors must have the
+    gathered shapes) or a new list; on other ranks it is ``None``.
+    """
+    _require_init()
+    _check_rank("dst", dst, group)
+    flat = tensor.reshape(1) if tensor.dim() == 0 else tensor
+    shapes = _exchange_shapes(flat, "gather", group)
+    send = _padded(flat, max(s[0] for s in shapes))
+    on_dst = get_rank() == dst
+    bufs = [torch.empty_like(send) for _ in shapes] if on_dst else None
+    if on_dst and gather_list is not None:
+        if len(gather_list) != len(shapes):
+            raise ValueError(f"gather: gather_list has {len(gather_list)} tensors but the group has {len(shapes)} ranks")
+        for r, (g, s) in enumerate(zip(gather_list, shapes)):
+            if g.shape != (s if tensor.dim() else torch.Size()):
+                raise ValueError(f"gather: gather_list[{r}] has shape {tuple(g.shape)}, rank {r} sent {tuple(s)}")
+
+    def finish() -> list[torch.Tensor] | None:
+        if bufs is None:
+            return None
+        out = [b[: s[0]].reshape(s if tensor.dim() else ()) for b, s in zip(bufs, shapes)]
+        if gather_list is None:
+            return out
+        for g, o in zip(gather_list, out):
+            g.copy_(o)
+        return gather_list
+
+    return _issue("gather", _nbytes(send),
+                  lambda: [dist.gather(send, gather_list=bufs, dst=dst, group=group, async_op=True)], finish, async_op)
+
+
+def scatter(chunks: Sequence[Any] | None, src: int = 0, group: dist.ProcessGroup | None = None,
+            async_op: bool = False) -> Any:
+    """Send ``chunks[r]`` from ``src`` to rank r; returns this rank's chunk.
+
+    Chunks are tensors (any shapes, one dtype) or any picklable objects. Only ``src``'s ``chunks``
+    are read; other ranks pass ``None``. A wrong chunk count raises on every rank.
+    """
+    _require_init()
+    _check_rank("src", src, group)
+    world, device = get_world_size(group), _device(group)
+    meta: Any = None
+    if get_rank() == src:
+        if chunks is None or len(chunks) != world:
+            got = "None" if chunks is None else f"{len(chunks)} chunks"
+            meta = ("error", f"scatter: src rank {src} passed {got}, but the world size is {world}; "
+                             f"pass exactly one chunk per rank")
+        elif all(isinstance(c, torch.Tensor) for c in chunks):
+            dtypes = {c.dtype for c in chunks}
+            meta = ("tensor", [tuple(c.shape) for c in chunks], str(next(iter(dtypes))))
+            if len(dtypes) > 1:
+                meta = ("error", f"scatter: tensor chunks must share one dtype, got {sorted(map(str, dtypes))}")
+            flats = [c.reshape(-1) for c in chunks]
+        else:
+            flats = [_to_bytes(c, device) for c in chunks]
+            meta = ("object", [(f.numel(),) for f in flats], "torch.uint8")
+    meta = _metadata_broadcast(meta, src, group)
+    if meta[0] == "error":
+        raise ValueError(meta[1])
+    kind, shapes, dtype_name = meta
+    dtype = getattr(torch, dtype_name.removeprefix("torch."))
+    numel = max((int(torch.Size(s).numel()) for s in shapes), default=0)
+    mine = shapes[get_rank(group)]
+    recv = torch.empty(numel, dtype=dtype, device=device)
+    send = [_padded(f.to(device), numel) for f in flats] if get_rank() == src else None
+
+    def finish() -> Any:
+        part = recv[: torch.Size(mine).numel()]
+        return part.reshape(mine) if kind == "tensor" else _from_bytes(part)
+
+    return _issue("scatter", _nbytes(recv),
+                  lambda: [dist.scatter(recv, scatter_list=send, src=src, group=group, async_op=True)],
+                  finish, async_op)
+
+
+def all_gather_object(obj: Any, group: dist.ProcessGroup | None = None, async_op: bool = False) -> Any:
+    """Every rank's picklable ``obj``, in rank order."""
+    work = all_gather(_to_bytes(obj, _device(_group_or_init(group))), group=group, async_op=True)
+    return _then(work, lambda parts: [_from_bytes(p) for p in parts], async_op)
+
+
+def gather_object(obj: Any, dst: int = 0, group: dist.ProcessGroup | None = None, async_op: bool = False) -> Any:
+    """Every rank's picklable ``obj`` as a list on ``dst``; ``None`` elsewhere."""
+    work = gather(_to_bytes(obj, _device(_group_or_init(group))), dst=dst, group=group, async_op=True)
+    return _then(work, lambda parts: None if parts is None else [_from_bytes(p) for p in parts], async_op)
+
+
+def _group_or_init(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+    _require_init()
+    return group
+
+
+def _then(work: Work[Any], fn: Callable[[Any], T], async_op: bool) -> T | Work[T]:
+    # the inner Work already accounts the seconds; is_completed() follows its backend requests
+    chained: Work[T] = Work(work.op, work.seq, work._handles, lambda: fn(work.wait()), time.perf_counter(),
+                            account=False)
+    return chained if async_op else chained.wait()
+
+
+def send(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None,
+         async_op: bool = False) -> torch.Tensor | Work[torch.Tensor]:
+    """Point-to-point send of ``tensor`` to global rank ``dst`` (counted as ``send`` bytes)."""
+    _require_init()
+    _check_rank("dst", dst, group)
+    return _issue("send", _nbytes(tensor), lambda: [dist.isend(tensor, dst=dst, group=group)], lambda: tensor, async_op)
+
+
+def recv(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None,
+         async_op: bool = False) -> torch.Tensor | Work[torch.Tensor]:
+    """Point-to-point receive into ``tensor`` from global rank ``src`` (counted as ``recv`` bytes)."""
+    _require_init()
+    _check_rank("src", src, group)
+    return _issue("recv", _nbytes(tensor), lambda: [dist.irecv(tensor, src=src, group=group)], lambda: tensor, async_op)

@@ -1,0 +1,163 @@
+"""Communication accounting (:class:`CommStats`) and the analytic cost model.
+
+Every collective in :mod:`lightning_sync.comms` is issued through one dispatch point that calls
+:meth:`CommStats.record` once per call with the op name, the payload bytes and the seconds taken.
+
+What "bytes" means, per op (always *this rank's* buffer as handed to the backend, padding included):
+
+==================  ===============================================================
+op                  bytes recorded on this rank
+==================  ===============================================================
+all_reduce          the tensor
+broadcast           the tensor (the pickled object for objects), on every rank
+all_gather          this rank's (padded) input
+gather              this rank's (padded) input
+scatter             the (padded) chunk this rank receives
+reduce_scatter      this rank's (padded) full input
+send / recv         the tensor sent / received (the ring and tree algorithms use these)
+metadata            the small size/shape exchanges that uneven inputs and objects need
+==================  ===============================================================
+
+So the *wire* traffic of an algorithm is what its ``send`` entries say; the backend's own
+collectives are counted by payload, and :func:`ring_allreduce_bytes` converts a payload into the
+bytes a ring all-reduce puts on the wire.
+
+Cost model (Patarasuk & Yuan 2009; Thakur et al. 2005), for K ranks, S payload bytes, link
+bandwidth BW (bytes/s) and per-message latency alpha (s):
+
+* ring all-reduce: each rank sends ``2(K-1)/K * S`` bytes in ``2(K-1)`` messages;
+  ``T_ring = 2(K-1) * alpha + 2(K-1) * S / (K * BW)``.
+* ring reduce-scatter or all-gather: half of that, ``(K-1)/K * S`` in ``K-1`` messages.
+* binary-tree all-reduce (reduce to the root, then broadcast): ``2 * ceil(log2 K)`` steps each
+  moving ``S``: ``T_tree = 2 * ceil(log2 K) * (alpha + S / BW)``.
+* with backward overlap: ``T_step = max(T_comp, T_comm) + T_exposed``.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass
+
+__all__ = [
+    "CommStats",
+    "OpStats",
+    "ring_allreduce_bytes",
+    "ring_allreduce_time",
+    "ring_shard_bytes",
+    "tree_allreduce_time",
+    "overlapped_step_time",
+]
+
+
+@dataclass
+class OpStats:
+    """Totals for one op name."""
+
+    calls: int = 0
+    """How many times the op was issued."""
+    bytes: int = 0
+    """Payload bytes, as defined in the module docstring."""
+    seconds: float = 0.0
+    """Wall seconds from issue to completion (for async ops: to the end of ``wait()``)."""
+
+
+class CommStats:
+    """Per-op calls, payload bytes and seconds. Thread-safe; read with :meth:`snapshot`."""
+
+    def __init__(self) -> None:
+        self._ops: dict[str, OpStats] = {}
+        self._lock = threading.Lock()
+
+    def record(self, op: str, nbytes: int, seconds: float = 0.0, calls: int = 1) -> None:
+        """Add one (or ``calls``) call(s) of ``op`` moving ``nbytes`` in ``seconds``."""
+        with self._lock:
+            entry = self._ops.setdefault(op, OpStats())
+            entry.calls += calls
+            entry.bytes += int(nbytes)
+            entry.seconds += seconds
+
+    def add_seconds(self, op: str, seconds: float) -> None:
+        """Add time to ``op`` without counting a call (async ops: the time spent in ``wait``)."""
+        with self._lock:
+            self._ops.setdefault(op, OpStats()).seconds += seconds
+
+    def reset(self) -> None:
+        """Forget everything recorded so far."""
+        with self._lock:
+            self._ops.clear()
+
+    def snapshot(self) -> dict[str, OpStats]:
+        """A copy of the per-op totals, safe to keep while recording continues."""
+        with self._lock:
+            return {k: OpStats(v.calls, v.bytes, v.seconds) for k, v in self._ops.items()}
+
+    def __getitem__(self, op: str) -> OpStats:
+        return self.snapshot().get(op, OpStats())
+
+    @property
+    def total_bytes(self) -> int:
+        """Payload bytes over every op."""
+        return sum(v.bytes for v in self.snapshot().values())
+
+    @property
+    def total_seconds(self) -> float:
+        """Seconds over every op."""
+        return sum(v.seconds for v in self.snapshot().values())
+
+    def as_metrics(self, prefix: str = "comm/") -> dict[str, float]:
+        """Flat ``{prefix}{op}/{calls,bytes,seconds}`` dict, ready for ``LightningModule.log_dict``."""
+        out: dict[str, float] = {}
+        for op, s in sorted(self.snapshot().items()):
+            out[f"{prefix}{op}/calls"] = float(s.calls)
+            out[f"{prefix}{op}/bytes"] = float(s.bytes)
+            out[f"{prefix}{op}/seconds"] = s.seconds
+        return out
+
+    def table(self) -> str:
+        """A human-readable table of the totals."""
+        rows = [f"{'op':<22}{'calls':>8}{'MiB':>12}{'seconds':>10}"]
+        for op, s in sorted(self.snapshot().items()):
+            rows.append(f"{op:<22}{s.calls:>8}{s.bytes / 2**20:>12.3f}{s.seconds:>10.3f}")
+        return "\n".join(rows)
+
+
+def _check(world_size: int, nbytes: float) -> None:
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size!r}")
+    if nbytes < 0:
+        raise ValueError(f"payload bytes must be >= 0, got {nbytes!r}")
+
+
+def ring_allreduce_bytes(nbytes: float, world_size: int) -> float:
+    """Bytes each rank sends in a ring all-reduce of ``nbytes``: ``2(K-1)/K * S``."""
+    _check(world_size, nbytes)
+    return 2.0 * (world_size - 1) / world_size * nbytes
+
+
+def ring_shard_bytes(nbytes: float, world_size: int) -> float:
+    """Bytes each rank sends in a ring reduce-scatter or all-gather of ``nbytes``: ``(K-1)/K * S``."""
+    _check(world_size, nbytes)
+    return (world_size - 1) / world_size * nbytes
+
+
+def ring_allreduce_time(nbytes: float, world_size: int, bandwidth: float, latency: float = 0.0) -> float:
+    """``T_ring = 2(K-1)*alpha + 2(K-1)*S/(K*BW)`` in seconds (bandwidth in bytes/s)."""
+    if bandwidth <= 0:
+        raise ValueError(f"bandwidth must be > 0 bytes/s, got {bandwidth!r}")
+    steps = 2 * (world_size - 1)
+    return steps * latency + ring_allreduce_bytes(nbytes, world_size) / bandwidth
+
+
+def tree_allreduce_time(nbytes: float, world_size: int, bandwidth: float, latency: float = 0.0) -> float:
+    """``T_tree = 2*ceil(log2 K)*(alpha + S/BW)``: reduce up a binary tree, broadcast back down."""
+    _check(world_size, nbytes)
+    if bandwidth <= 0:
+        raise ValueError(f"bandwidth must be > 0 bytes/s, got {bandwidth!r}")
+    depth = math.ceil(math.log2(world_size)) if world_size > 1 else 0
+    return 2 * depth * (latency + nbytes / bandwidth)
+
+
+def overlapped_step_time(compute_s: float, comm_s: float, exposed_s: float = 0.0) -> float:
+    """``T_step = max(T_comp, T_comm) + T_exposed`` for communication overlapped with backward."""
+    return max(compute_s, comm_s) + exposed_s
