@@ -1,0 +1,137 @@
+"""``lightning-sync`` console script: Hydra apps over the shipped ``conf/``.
+
+``lightning-sync train [hydra overrides...]`` composes ``conf/train.yaml`` and builds the strategy,
+model, data module and Trainer with :func:`hydra.utils.instantiate`. Every Hydra flag works
+(``--cfg job``, ``-m`` multirun, ``--help``).
+
+Hydra and Lightning's process launcher: Lightning starts ranks 1..N-1 by re-running the command
+line with ``hydra.run.dir`` set to rank 0's directory. Under ``-m`` that command line would be the
+whole sweep, so every rank would run every job and create its own output directories. Before
+fitting, :func:`_pin_child_command` therefore rewrites ``sys.argv`` to *this job's* overrides and
+pins ``hydra.run.dir`` to this job's output directory, so all ranks share exactly one directory.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import math
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["SUBCOMMANDS", "config_dir", "main", "run_train"]
+
+log = logging.getLogger("lightning_sync")
+SUBCOMMANDS = ("train",)
+_CONFIG_FLAGS = ("--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd")
+
+
+def config_dir() -> str:
+    """Absolute path of the shipped config: ``lightning_sync.conf`` when installed, else ``<repo>/conf``."""
+    try:
+        spec = importlib.util.find_spec("lightning_sync.conf")
+    except ModuleNotFoundError:
+        spec = None
+    if spec is not None and spec.submodule_search_locations:
+        return str(Path(next(iter(spec.submodule_search_locations))).resolve())
+    return str((Path(__file__).resolve().parent.parent / "conf").resolve())
+
+
+def _config_flags(argv: Sequence[str]) -> list[str]:
+    """The ``--config-*`` flags of ``argv`` (with their values), which children must keep."""
+    out: list[str] = []
+    it = iter(argv)
+    for arg in it:
+        if arg in _CONFIG_FLAGS:
+            out += [arg, next(it, "")]
+        elif arg.split("=", 1)[0] in _CONFIG_FLAGS:
+            out.append(arg)
+    return out
+
+
+def _pin_child_command(subcommand: str) -> None:
+    """Make Lightning's relaunch of ranks > 0 run exactly this job, in this job's directory."""
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import read_write
+
+    hc = HydraConfig.get()
+    flags = _config_flags(sys.argv[1:])
+    sys.argv = [sys.argv[0], subcommand, *flags, *hc.overrides.task]
+    run = HydraConfig.instance().cfg.hydra.run  # type: ignore[union-attr]
+    with read_write(run):
+        run.dir = hc.runtime.output_dir
+
+
+def _scalar_metrics(metrics: dict[str, Any]) -> dict[str, float]:
+    out = {}
+    for k, v in metrics.items():
+        value = float(v.item() if hasattr(v, "item") else v)
+        if math.isfinite(value):
+            out[k] = value
+    return out
+
+
+def run_train(cfg: Any) -> dict[str, float]:
+    """Build everything from ``cfg`` (a composed ``train.yaml``), fit, and return rank 0's final metrics."""
+    import lightning.pytorch as pl
+    from hydra.utils import instantiate
+
+    import lightning_sync  # noqa: F401 - registers the strategy names
+
+    pl.seed_everything(cfg.seed, workers=True)
+    datamodule = instantiate(cfg.data)
+    model = instantiate(cfg.model)
+    strategy = instantiate(cfg.strategy)
+    trainer: pl.Trainer = instantiate(cfg.trainer, strategy=strategy)
+    trainer.fit(model, datamodule=datamodule)
+    if cfg.final_validate:
+        trainer.validate(model, datamodule=datamodule, verbose=False)
+    metrics = _scalar_metrics(trainer.callback_metrics)
+    if trainer.is_global_zero:
+        summary = "  ".join(f"{k}={v:.4f}" for k, v in sorted(metrics.items()))
+        log.info("final metrics (%d ranks, %d steps): %s", trainer.world_size, trainer.global_step, summary)
+        if cfg.sample_chars and hasattr(model, "generate"):
+            sample = model.generate("The ", max_new_tokens=int(cfg.sample_chars), seed=int(cfg.seed))
+            log.info("sample:\n%s", sample)
+    return metrics
+
+
+def _train_app(cfg: Any) -> float | None:
+    import os
+
+    import torch.distributed as dist
+
+    env = dict(os.environ)
+    _pin_child_command("train")
+    try:
+        metrics = run_train(cfg)
+    finally:
+        # Lightning leaves the process group and MASTER_* behind; the next multirun job must start clean.
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(env)
+    return metrics.get("val_loss")
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Entry point: ``lightning-sync <subcommand> [hydra args...]``."""
+    import hydra
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(f"usage: lightning-sync {{{','.join(SUBCOMMANDS)}}} [hydra overrides and flags...]\n"
+              f"       lightning-sync train --help   (Hydra's help: config groups and options)")
+        return
+    sub = args.pop(0)
+    if sub not in SUBCOMMANDS:
+        raise SystemExit(f"lightning-sync: unknown subcommand {sub!r}; allowed: {list(SUBCOMMANDS)}")
+    sys.argv = [sys.argv[0], *args]  # Hydra parses sys.argv
+    app = hydra.main(config_path=config_dir(), config_name=sub, version_base="1.3")(_train_app)
+    app()
+
+
+if __name__ == "__main__":
+    main()

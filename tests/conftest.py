@@ -1,0 +1,53 @@
+"""Shared fixtures: process-group teardown, environment-leak check, and the gpu marker's skip."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+# Variables a distributed run sets; a test must never leave them behind in the pytest process.
+_DIST_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK",
+             "LOCAL_WORLD_SIZE", "GROUP_RANK", "PL_GLOBAL_SEED", "PL_TRAINER_GPUS", "TORCHELASTIC_RUN_ID")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA (marker 'gpu'); this machine has none")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def dist_guard():
+    """Tear down any process group a test left, and fail the test if it leaked env vars or children."""
+    before = {k: os.environ.get(k) for k in _DIST_ENV}
+    yield
+    leaked_pg = dist.is_available() and dist.is_initialized()
+    if leaked_pg:
+        dist.destroy_process_group()
+    after = {k: os.environ.get(k) for k in _DIST_ENV}
+    changed = {k: (before[k], after[k]) for k in _DIST_ENV if before[k] != after[k]}
+    for k, (old, _new) in changed.items():  # restore, so one leak does not cascade into other tests
+        if old is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = old
+    children = [p for p in multiprocessing.active_children() if p.name.startswith("lightning_sync-")]
+    for p in children:
+        p.kill()
+        p.join(5)
+    problems = []
+    if leaked_pg:
+        problems.append("left a process group initialised")
+    if changed:
+        problems.append(f"leaked environment variables (before, after): {changed}")
+    if children:
+        problems.append(f"leaked child processes: {[p.name for p in children]}")
+    if problems:
+        pytest.fail("test " + "; ".join(problems))
