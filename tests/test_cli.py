@@ -95,3 +95,17 @@ def test_train_char_gpt_50_steps_reports_bpc_and_sample(tmp_path: Path) -> None:
     # Uniform guessing over the 128-symbol vocabulary is 7 bits/char; 50 steps must already beat it clearly.
     assert metrics["val_bpc"] < 5.0, metrics
     assert "sample:" in proc.stdout + proc.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_plain_trainer_example_trains_on_two_ranks(tmp_path: Path) -> None:
+    example = Path(__file__).resolve().parents[1] / "examples" / "plain_trainer.py"
+    env = {k: v for k, v in os.environ.items() if k not in _SCRUB}
+    proc = subprocess.run([sys.executable, str(example), "--max-steps", "60"], cwd=tmp_path, env=env,
+                          text=True, capture_output=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    match = re.search(r"final train_mse=([\d.]+) after (\d+) steps on (\d+) ranks", proc.stdout)
+    assert match, proc.stdout[-2000:]
+    # Targets are standardised, so predicting their mean scores 1.0; a trained net must do clearly better.
+    assert float(match.group(1)) < 0.8 and match.group(2) == "60" and match.group(3) == "2"

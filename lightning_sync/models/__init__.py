@@ -1,0 +1,39 @@
+"""Example models and data modules used to exercise the synchronisation strategies.
+
+All data is local (scikit-learn's digits, the stdlib's pydoc topics, or
+seeded synthetic tensors), so nothing is ever downloaded.
+"""
+
+from __future__ import annotations
+
+from lightning_sync.models.char_gpt import (
+    VOCAB_SIZE,
+    CharDataModule,
+    CharGPT,
+    decode,
+    encode,
+    load_corpus,
+)
+from lightning_sync.models.digits import (
+    DIGITS_NUM_CLASSES,
+    DIGITS_NUM_FEATURES,
+    DigitsDataModule,
+    DigitsMLP,
+)
+from lightning_sync.models.synthetic import DeepMLP, SyntheticDataModule, WideMLP
+
+__all__ = [
+    "DIGITS_NUM_CLASSES",
+    "DIGITS_NUM_FEATURES",
+    "VOCAB_SIZE",
+    "CharDataModule",
+    "CharGPT",
+    "DeepMLP",
+    "DigitsDataModule",
+    "DigitsMLP",
+    "SyntheticDataModule",
+    "WideMLP",
+    "decode",
+    "encode",
+    "load_corpus",
+]
