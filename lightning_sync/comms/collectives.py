@@ -213,6 +213,20 @@ def _padded(t: torch.Tensor, rows: int) -> torch.Tensor:
     return out
 
 
+# torch 2.13 names the flat even collectives *_single and deprecates the *_tensor spellings.
+_ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER_SINGLE = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _check_even(fn: str, big_name: str, big: torch.Tensor, small_name: str, small: torch.Tensor,
+                group: dist.ProcessGroup | None) -> None:
+    _require_init()
+    world = get_world_size(group)
+    if big.numel() != world * small.numel():
+        raise ValueError(f"{fn}: {big_name} has {big.numel()} elements, expected world_size {world} x "
+                         f"{small_name} {small.numel()} = {world * small.numel()}")
+
+
 def barrier(group: dist.ProcessGroup | None = None, async_op: bool = False) -> Work[None] | None:
     """Block until every rank of ``group`` has entered the barrier."""
     _require_init()
@@ -271,14 +285,9 @@ def all_gather_into(output: torch.Tensor, input: torch.Tensor, group: dist.Proce
 
     No metadata exchange; every rank must pass the same ``input.numel()``.
     """
-    _require_init()
-    world = get_world_size(group)
-    if output.numel() != world * input.numel():
-        raise ValueError(f"all_gather_into: output has {output.numel()} elements, expected "
-                         f"world_size {world} x input {input.numel()} = {world * input.numel()}")
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    _check_even("all_gather_into", "output", output, "input", input, group)
     return _issue("all_gather", _nbytes(input),
-                  lambda: [gather(output.view(-1), input.reshape(-1), group=group, async_op=True)],
+                  lambda: [_ALL_GATHER_SINGLE(output.view(-1), input.reshape(-1), group=group, async_op=True)],
                   lambda: output, async_op)
 
 
@@ -298,23 +307,19 @@ def reduce_scatter(tensor: torch.Tensor, op: str = "sum", group: dist.ProcessGro
     send = _padded(flat, chunk * world)
     out = send.new_empty((chunk, *flat.shape[1:]))
     keep = max(0, min(n, (rank + 1) * chunk) - rank * chunk)
-    scatter_fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     return _issue("reduce_scatter", _nbytes(send),
-                  lambda: [scatter_fn(out, send, op=red, group=group, async_op=True)], lambda: out[:keep], async_op)
+                  lambda: [_REDUCE_SCATTER_SINGLE(out, send, op=red, group=group, async_op=True)],
+                  lambda: out[:keep], async_op)
 
 
 def reduce_scatter_into(output: torch.Tensor, input: torch.Tensor, op: str = "sum",
                         group: dist.ProcessGroup | None = None, async_op: bool = False) -> torch.Tensor | Work[torch.Tensor]:
     """Fast even reduce-scatter of a flat ``input`` (world_size x output.numel()) into ``output``."""
-    _require_init()
     red = check_reduce(op, input)
-    world = get_world_size(group)
-    if input.numel() != world * output.numel():
-        raise ValueError(f"reduce_scatter_into: input has {input.numel()} elements, expected "
-                         f"world_size {world} x output {output.numel()} = {world * output.numel()}")
-    scatter_fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    _check_even("reduce_scatter_into", "input", input, "output", output, group)
     return _issue("reduce_scatter", _nbytes(input),
-                  lambda: [scatter_fn(output.view(-1), input.reshape(-1), op=red, group=group, async_op=True)],
+                  lambda: [_REDUCE_SCATTER_SINGLE(output.view(-1), input.reshape(-1), op=red, group=group,
+                                                  async_op=True)],
                   lambda: output, async_op)
 
 
@@ -332,20 +337,19 @@ def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None, 
     send = _padded(flat, max(s[0] for s in shapes))
     on_dst = get_rank() == dst
     bufs = [torch.empty_like(send) for _ in shapes] if on_dst else None
-    if on_dst and gather_list is not None:
-        if len(gather_list) != len(shapes):
-            raise ValueError(f"gather: gather_list has {len(gather_list)} tensors but the group has {len(shapes)} ranks")
-        for r, (g, s) in enumerate(zip(gather_list, shapes)):
-            if g.shape != (s if tensor.dim() else torch.Size()):
-                raise ValueError(f"gather: gather_list[{r}] has shape {tuple(g.shape)}, rank {r} sent {tuple(s)}")
 
     def finish() -> list[torch.Tensor] | None:
+        # gather_list is checked only after the collective, so a bad one on dst never strands the others
         if bufs is None:
             return None
         out = [b[: s[0]].reshape(s if tensor.dim() else ()) for b, s in zip(bufs, shapes)]
         if gather_list is None:
             return out
-        for g, o in zip(gather_list, out):
+        if len(gather_list) != len(out):
+            raise ValueError(f"gather: gather_list has {len(gather_list)} tensors but the group has {len(out)} ranks")
+        for r, (g, o) in enumerate(zip(gather_list, out)):
+            if g.shape != o.shape:
+                raise ValueError(f"gather: gather_list[{r}] has shape {tuple(g.shape)}, rank {r} sent {tuple(o.shape)}")
             g.copy_(o)
         return gather_list
 

@@ -2,9 +2,11 @@
 
 The harness is what every multi-process test (and benchmark) stands on, so it promises three things:
 
-* **It never hangs.** A hard ``timeout`` bounds the whole run. Shortly before it, each rank dumps
-  the Python stack of every thread (``faulthandler``) so the error shows *where* it was stuck;
-  then the parent kills every child and raises :class:`DistributedTimeoutError`.
+* **It never hangs.** A hard ``timeout`` bounds the whole run. When it passes, the parent sends
+  SIGUSR2 to every stuck rank, whose ``faulthandler`` dumps the Python stack of every thread, so the
+  error shows *where* each rank was stuck; then it kills every child and raises
+  :class:`DistributedTimeoutError`. A rank whose function returned stays connected until all have
+  returned, so a rank that skipped a collective shows up as its peers stuck in it.
 * **Failures name the rank.** An exception in any rank is re-raised in the caller as
   :class:`DistributedRankError` carrying that rank's traceback; the other ranks are killed at once
   instead of waiting for their collectives to time out.
@@ -22,6 +24,7 @@ import io
 import multiprocessing as mp
 import os
 import queue
+import signal
 import tempfile
 import time
 import traceback
@@ -31,7 +34,9 @@ from typing import Any
 
 __all__ = ["DistributedRankError", "DistributedTimeoutError", "run_distributed"]
 
-_STACK_DUMP_MARGIN_S = 3.0
+_DUMP_SIGNAL = signal.SIGUSR2  # the parent sends it to a stuck rank, whose faulthandler dumps all stacks
+_GRACE_S = 1.0  # after a first failure, how long to collect other ranks' reports before choosing the cause
+_DONE_KEY, _ALL_DONE_KEY = "lightning_sync/harness/done", "lightning_sync/harness/all_done"
 
 
 class DistributedRankError(RuntimeError):
@@ -68,7 +73,6 @@ def _child(
     port: int,
     backend: str,
     pg_timeout_s: float,
-    stack_dump_after_s: float,
     stack_file: str,
     env: Mapping[str, str],
     args: Sequence[Any],
@@ -76,7 +80,7 @@ def _child(
     results: Any,
 ) -> None:
     dump = open(stack_file, "w")  # noqa: SIM115 - must outlive this frame for faulthandler
-    faulthandler.dump_traceback_later(stack_dump_after_s, exit=False, file=dump)
+    faulthandler.register(_DUMP_SIGNAL, file=dump, all_threads=True)
     os.environ.update(
         {
             "MASTER_ADDR": "127.0.0.1",
@@ -90,22 +94,27 @@ def _child(
     )
     os.environ.update(env)
     try:
+        import torch
         import torch.distributed as dist
 
+        if backend == "nccl":  # one GPU per rank, as NCCL requires
+            torch.cuda.set_device(rank % torch.cuda.device_count())
         store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False,
                               timeout=timedelta(seconds=pg_timeout_s))
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=pg_timeout_s))
-        try:
-            out = fn(rank, world_size, *args, **kwargs)
-        finally:
-            if dist.is_initialized():
-                dist.destroy_process_group()
-        results.put((rank, "ok", _encode(out)))
-    except BaseException:  # the parent re-raises it with this rank's traceback
-        results.put((rank, "error", traceback.format_exc()))
+        out = fn(rank, world_size, *args, **kwargs)
+        results.put((rank, "ok", time.time(), _encode(out)))
+        # Stay connected until every rank has returned: a rank that skipped a collective then shows
+        # up as a peer stuck in it (a timeout with stacks), not as a "connection reset" elsewhere.
+        if store.add(_DONE_KEY, 1) == world_size:
+            store.set(_ALL_DONE_KEY, "1")
+        store.wait([_ALL_DONE_KEY])
+        dist.destroy_process_group()
+    except BaseException:  # report first, then tear down: the parent names the rank that failed first
+        results.put((rank, "error", time.time(), traceback.format_exc()))
     finally:
-        faulthandler.cancel_dump_traceback_later()
+        faulthandler.unregister(_DUMP_SIGNAL)
         dump.close()
 
 
@@ -138,7 +147,9 @@ def run_distributed(
         env: extra environment variables set inside every child only.
 
     Raises:
-        DistributedRankError: a rank raised or died; carries its traceback.
+        DistributedRankError: a rank raised or died; carries its traceback. When several ranks
+            fail, the root cause is reported: a rank that died without reporting, else the earliest
+            error (peers of a failed rank fail later with "connection closed by peer").
         DistributedTimeoutError: the run exceeded ``timeout``; carries every stuck rank's stacks.
     """
     if not isinstance(world_size, int) or world_size < 1:
@@ -155,12 +166,11 @@ def run_distributed(
                           timeout=timedelta(seconds=timeout))
     tmpdir = tempfile.mkdtemp(prefix="ls_harness_")
     stack_files = [os.path.join(tmpdir, f"rank{r}.stacks") for r in range(world_size)]
-    dump_after = max(1.0, timeout - _STACK_DUMP_MARGIN_S)
     procs = [
         ctx.Process(
             target=_child,
-            args=(fn, r, world_size, store.port, backend, pg_timeout or timeout, dump_after,
-                  stack_files[r], dict(env or {}), args, kwargs, results),
+            args=(fn, r, world_size, store.port, backend, pg_timeout or timeout, stack_files[r],
+                  dict(env or {}), args, kwargs, results),
             name=f"lightning_sync-rank{r}",
             daemon=True,
         )
@@ -168,38 +178,29 @@ def run_distributed(
     ]
     deadline = time.monotonic() + timeout
     outputs: dict[int, Any] = {}
+    errors: dict[int, tuple[float, str]] = {}
     try:
         for p in procs:
             p.start()
+        failed_at: float | None = None
         while len(outputs) < world_size:
             try:
-                rank, status, payload = results.get(timeout=0.2)
-            except queue.Empty:
-                for r, p in enumerate(procs):
-                    if r not in outputs and not p.is_alive() and p.exitcode not in (None, 0):
-                        # drain once more: the message may have arrived just before exit
-                        try:
-                            rank, status, payload = results.get(timeout=1.0)
-                        except queue.Empty:
-                            raise DistributedRankError(
-                                r, f"process exited with code {p.exitcode} without reporting"
-                            ) from None
-                        break
+                rank, status, stamp, payload = results.get(timeout=0.1)
+                if status == "error":
+                    errors[rank] = (stamp, payload)
                 else:
-                    if time.monotonic() > deadline:
-                        stuck = [r for r in range(world_size) if r not in outputs]
-                        time.sleep(0.5)  # let the faulthandler dumps flush
-                        stacks = "\n".join(
-                            f"--- rank {r} stacks ---\n{_read(stack_files[r])}" for r in stuck
-                        )
-                        raise DistributedTimeoutError(
-                            f"{fn.__name__} on {world_size} ranks did not finish within "
-                            f"{timeout:.0f}s; ranks {stuck} never returned\n{stacks}"
-                        )
-                    continue
-            if status == "error":
-                raise DistributedRankError(rank, payload)
-            outputs[rank] = _decode(payload)
+                    outputs[rank] = _decode(payload)
+            except queue.Empty:
+                pass
+            now = time.monotonic()
+            dead = [r for r, p in enumerate(procs)
+                    if r not in outputs and r not in errors and not p.is_alive() and p.exitcode not in (None, 0)]
+            if (errors or dead) and failed_at is None:
+                failed_at = now  # give the other ranks' reports a moment to arrive, then pick the cause
+            if failed_at is not None and now - failed_at > _GRACE_S:
+                _raise_root_cause(procs, dead, errors)
+            if now > deadline:
+                _raise_timeout(fn, procs, outputs, errors, stack_files, timeout)
         return [outputs[r] for r in range(world_size)]
     finally:
         _kill_all(procs)
@@ -212,10 +213,38 @@ def run_distributed(
         os.rmdir(tmpdir)
 
 
-def _read(path: str) -> str:
+def _raise_root_cause(procs: list[Any], dead: list[int], errors: dict[int, tuple[float, str]]) -> None:
+    if dead:
+        r = dead[0]
+        raise DistributedRankError(r, f"process exited with code {procs[r].exitcode} without reporting "
+                                      f"(other failing ranks: {sorted(errors)})")
+    r = min(errors, key=lambda k: errors[k][0])
+    others = "".join(f"\n--- later failure on rank {k} ---\n{errors[k][1]}" for k in sorted(errors) if k != r)
+    raise DistributedRankError(r, errors[r][1] + others)
+
+
+def _raise_timeout(fn: Callable[..., Any], procs: list[Any], outputs: dict[int, Any],
+                   errors: dict[int, tuple[float, str]], stack_files: list[str], timeout: float) -> None:
+    stuck = [r for r in range(len(procs)) if r not in outputs and r not in errors]
+    for r in stuck:  # ask every stuck rank for the stacks of all its threads
+        if procs[r].is_alive():
+            os.kill(procs[r].pid, _DUMP_SIGNAL)
+    end = time.monotonic() + 5.0
+    while time.monotonic() < end and not all(_read(stack_files[r], None) for r in stuck):
+        time.sleep(0.05)
+    time.sleep(0.2)  # let the last dump finish writing
+    stacks = "\n".join(f"--- rank {r} stacks ---\n{_read(stack_files[r])}" for r in stuck)
+    returned = sorted(outputs)
+    raise DistributedTimeoutError(
+        f"{fn.__name__} on {len(procs)} ranks did not finish within {timeout:.0f}s; ranks {stuck} never "
+        f"returned" + (f" (ranks {returned} had returned)" if returned else "") + f"\n{stacks}"
+    )
+
+
+def _read(path: str, missing: str | None = "(no stack dump written)") -> str | None:
     try:
         with open(path) as f:
-            return f.read().strip() or "(no stack dump written)"
+            return f.read().strip() or missing
     except OSError:
-        return "(no stack dump written)"
+        return missing
 

@@ -1,0 +1,227 @@
+"""Ring and tree algorithms (lightning_sync.comms.algorithms) on 2, 3 and 4 gloo ranks.
+
+Each result is compared twice: with the backend's own ``comms.all_reduce`` (reduce_scatter,
+all_gather_into) on the same inputs, and with a plain-torch reference that every rank computes
+locally from the deterministic inputs of all ranks. One spawned run per world size performs every
+check and returns the mismatches; the parent asserts there are none. Comparisons inside a rank
+never raise, so a wrong result on one rank cannot leave the others blocked in the next collective.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_sync import comms
+from lightning_sync.comms import algorithms as A
+from lightning_sync.testing import run_distributed
+
+__all__: list[str] = []
+
+OPS = ("sum", "avg", "max", "min")
+RUN_TIMEOUT_S = 150  # hard limit for one spawned run (start-up ~3 s/rank, checks a few seconds)
+
+
+def _inp(rank: int, shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Floats: multiples of 1/4 in [-8, 8), so sums over <= 4 ranks are exact in fp32 whatever the
+    order of additions (ring, tree and backend all add in different orders). int64: 41-bit values."""
+    g = torch.Generator().manual_seed(104729 * seed + rank)
+    if dtype == torch.int64:
+        return torch.randint(-(2**40), 2**40, shape, generator=g, dtype=torch.int64)
+    return (torch.randint(-32, 32, shape, generator=g, dtype=torch.int64).to(torch.float64) / 4).to(dtype)
+
+
+def _reduce_ref(tensors: list[torch.Tensor], op: str) -> torch.Tensor:
+    """Plain-torch reference in float64 (exact for these inputs) / int64, rounded once to the dtype."""
+    dtype = tensors[0].dtype
+    st = torch.stack([t.to(torch.float64) if t.is_floating_point() else t for t in tensors])
+    out = {"sum": lambda: st.sum(0), "avg": lambda: st.sum(0) / len(tensors),
+           "max": lambda: st.amax(0), "min": lambda: st.amin(0)}[op]()
+    return out.to(dtype)
+
+
+def _tol(op: str) -> dict[str, float]:
+    """sum/max/min are exact (exact sums, see :func:`_inp`; max/min pick an input; int64 is exact).
+    avg divides the exact sum by K in fp32: one rounding, <= 2^-24 relative; rtol 1e-6 is headroom."""
+    return {"rtol": 1e-6, "atol": 1e-7} if op == "avg" else {"rtol": 0.0, "atol": 0.0}
+
+
+def _mismatch(actual: Any, expected: torch.Tensor, rtol: float, atol: float) -> str | None:
+    if not isinstance(actual, torch.Tensor):
+        return f"expected a tensor, got {type(actual).__name__}: {str(actual)[:200]}"
+    if actual.dtype != expected.dtype or actual.shape != expected.shape:
+        return f"got {actual.dtype}{tuple(actual.shape)}, expected {expected.dtype}{tuple(expected.shape)}"
+    if expected.is_floating_point():
+        ok = bool(torch.isclose(actual.double(), expected.double(), rtol=rtol, atol=atol).all())
+    else:
+        ok = torch.equal(actual, expected)
+    if ok:
+        return None
+    diff = (actual.double() - expected.double()).abs().max().item()
+    return f"max abs diff {diff} (rtol={rtol}, atol={atol})\n  actual={actual}\n  expected={expected}"
+
+
+class _Checks:
+    def __init__(self) -> None:
+        self.failures: list[str] = []
+        self.count = 0
+
+    def close(self, name: str, actual: Any, expected: torch.Tensor, rtol: float, atol: float) -> None:
+        self.count += 1
+        why = _mismatch(actual, expected, rtol, atol)
+        if why:
+            self.failures.append(f"{name}: {why}")
+
+    def true(self, name: str, cond: bool, detail: Any = "") -> None:
+        self.count += 1
+        if not cond:
+            self.failures.append(f"{name}: {detail}")
+
+    def raises(self, name: str, fn: Callable[[], Any], *patterns: str) -> None:
+        with pytest.raises(ValueError) as info:  # not raising fails the rank (pytest's Failed)
+            fn()
+        missing = [p for p in patterns if not re.search(p, str(info.value))]
+        self.true(name, not missing, f"message {str(info.value)!r} does not match {missing}")
+
+
+_ALGOS: dict[str, Callable[..., torch.Tensor]] = {
+    "ring": A.ring_all_reduce,
+    "tree": A.tree_all_reduce,
+    "with(ring)": lambda t, op, group: A.all_reduce_with("ring", t, op=op, group=group),
+    "with(tree)": lambda t, op, group: A.all_reduce_with("tree", t, op=op, group=group),
+    "with(backend)": lambda t, op, group: A.all_reduce_with("backend", t, op=op, group=group),
+}
+
+
+def _check_all_reduces(ck: _Checks, me: int, members: list[int], group: Any, label: str,
+                       shapes: list[tuple[int, ...]], seed0: int) -> int:
+    """All-reduce algorithms over ``members`` (global ranks; ``me`` is this rank's global rank)."""
+    seed = seed0
+    for shape, dtype, op in itertools.product(shapes, (torch.float32, torch.int64), OPS):
+        seed += 1
+        ref = None if (op == "avg" and dtype == torch.int64) else \
+            _reduce_ref([_inp(r, shape, dtype, seed) for r in members], op)
+        backend = None
+        if ref is not None:
+            backend = comms.all_reduce(_inp(me, shape, dtype, seed), op=op, group=group)
+            ck.close(f"{label} backend all_reduce{shape}[{op}, {dtype}]", backend, ref, **_tol(op))
+        for name, algo in _ALGOS.items():
+            case = f"{label} {name}{shape}[{op}, {dtype}]"
+            t = _inp(me, shape, dtype, seed)
+            if ref is None:  # avg of integers: same ValueError as the backend path, before any send
+                ck.raises(case, lambda: algo(t, op=op, group=group), r"int64", r"'max'", r"'min'", r"'sum'")
+                continue
+            out = algo(t, op=op, group=group)
+            ck.true(case + " in place", out is t, type(out))
+            ck.close(case + " vs reference", t, ref, **_tol(op))
+            ck.close(case + " vs backend", t, backend, **_tol(op))
+    return seed
+
+
+def _check_ring_pieces(ck: _Checks, me: int, members: list[int], group: Any, label: str,
+                       sizes: list[int], seed0: int) -> int:
+    """ring_reduce_scatter vs comms.reduce_scatter (same chunking), ring_all_gather vs all_gather_into."""
+    seed, k, pos = seed0, len(members), members.index(me)
+    for n, dtype, op in itertools.product(sizes, (torch.float32, torch.int64), OPS):
+        if op == "avg" and dtype == torch.int64:
+            continue
+        seed += 1
+        case = f"{label} ring_reduce_scatter(n={n})[{op}, {dtype}]"
+        full = _reduce_ref([_inp(r, (n,), dtype, seed) for r in members], op)
+        c = -(-n // k)  # chunk r is elements [r*c, min(n, (r+1)*c)) of the flattened tensor
+        expected = full[pos * c:max(pos * c, min(n, (pos + 1) * c))]
+        out = A.ring_reduce_scatter(_inp(me, (n,), dtype, seed), op=op, group=group)
+        ck.close(case + " vs reference", out, expected, **_tol(op))
+        backend = comms.reduce_scatter(_inp(me, (n,), dtype, seed), op=op, group=group)
+        ck.close(case + " vs backend", out, backend, **_tol(op))
+    # a 2-D input is flattened first
+    seed += 1
+    full = _reduce_ref([_inp(r, (3, 5), torch.float32, seed) for r in members], "sum").reshape(-1)
+    c = -(-15 // k)
+    out = A.ring_reduce_scatter(_inp(me, (3, 5), torch.float32, seed), group=group)
+    ck.close(f"{label} ring_reduce_scatter 2-D", out, full[pos * c:min(15, (pos + 1) * c)], **_tol("sum"))
+    for m, dtype in itertools.product((1, 4), (torch.float32, torch.int64)):
+        seed += 1
+        case = f"{label} ring_all_gather(m={m})[{dtype}]"
+        ref = torch.stack([_inp(r, (m,), dtype, seed) for r in members])
+        out = A.ring_all_gather(_inp(me, (m,), dtype, seed), group=group)
+        ck.close(case + " vs reference", out, ref, rtol=0.0, atol=0.0)  # pure data movement: bit-exact
+        backend = comms.all_gather_into(torch.empty(k, m, dtype=dtype), _inp(me, (m,), dtype, seed), group=group)
+        ck.close(case + " vs backend", out, backend, rtol=0.0, atol=0.0)
+    return seed
+
+
+def _check_tree_traffic(ck: _Checks, me: int, members: list[int], group: Any, label: str) -> dict[str, int]:
+    """This rank's tree send/recv bytes; the parent checks the totals (each tree edge carries S twice)."""
+    comms.reset_stats()
+    t = torch.zeros(10)  # S = 40 bytes
+    A.tree_all_reduce(t, group=group)
+    stats = comms.get_stats()
+    ck.true(f"{label} tree entry has 0 bytes", stats["tree_all_reduce"].bytes == 0
+            and stats["tree_all_reduce"].calls == 1, stats["tree_all_reduce"])
+    out = {"send": stats["send"].bytes, "recv": stats["recv"].bytes}
+    comms.reset_stats()
+    return out
+
+
+def _worker(rank: int, k: int) -> tuple[list[str], int, dict[str, Any]]:
+    ck = _Checks()
+    everyone = list(range(k))
+    # sizes that divide by K, do not divide, are smaller than K, a 0-dim and a 2-D tensor
+    shapes = sorted({(1,), (k - 1,), (3 * k,), (3 * k + 1,), (), (2, 5)} - {(0,)})
+    seed = _check_all_reduces(ck, rank, everyone, None, f"world{k}", shapes, 0)
+    seed = _check_ring_pieces(ck, rank, everyone, None, f"world{k}", sorted({1, k - 1, 4 * k, 4 * k + 1}), seed)
+    traffic = {"world": _check_tree_traffic(ck, rank, everyone, None, f"world{k}")}
+
+    ck.raises("unknown algorithm", lambda: A.all_reduce_with("allgather", torch.ones(2)),
+              r"'allgather'", re.escape("['backend', 'ring', 'tree']"))
+    ck.raises("unknown op in ring", lambda: A.ring_all_reduce(torch.ones(2), op="prod"),
+              r"'prod'", re.escape("['avg', 'max', 'min', 'sum']"))
+    ck.raises("unknown op in tree", lambda: A.tree_all_reduce(torch.ones(2), op="mean"), r"'mean'")
+
+    # sub-groups: every rank must call new_group, only members use it
+    subgroups = [[0, 2]] if k == 3 else [[0, 2], [1, 2, 3]] if k == 4 else []
+    for index, members in enumerate(subgroups):
+        group = dist.new_group(members)
+        seed = 10_000 * (index + 1)  # the same seeds on every member, whatever the others did before
+        if rank not in members:
+            continue
+        label = f"world{k} group{members}"
+        ck.true(label + " ranks", comms.group_ranks(group) == members, comms.group_ranks(group))
+        sub_shapes = [(1,), (2 * len(members),), (2 * len(members) + 1,)]
+        seed = _check_all_reduces(ck, rank, members, group, label, sub_shapes, seed)
+        seed = _check_ring_pieces(ck, rank, members, group, label, [1, 5], seed)
+        traffic[str(members)] = _check_tree_traffic(ck, rank, members, group, label)
+    # all ranks still in step after the sub-group work (sum of ones: exact)
+    ck.close("final all_reduce", comms.all_reduce(torch.ones(2)), torch.full((2,), float(k)), rtol=0.0, atol=0.0)
+    return ck.failures, ck.count, traffic
+
+
+@pytest.mark.timeout(RUN_TIMEOUT_S + 30)
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_algorithms_match_backend_and_reference(world_size: int) -> None:
+    results = run_distributed(_worker, world_size, timeout=RUN_TIMEOUT_S)
+    report = "\n".join(f"rank {r}: {f}" for r, (fails, _, _) in enumerate(results) for f in fails)
+    assert not report, f"{sum(len(f) for f, _, _ in results)} failed checks:\n{report}"
+    counts = [n for _, n, _ in results]
+    assert min(counts) >= 150, f"too few checks ran: {counts}"
+    # tree traffic: each of the K-1 tree edges carries the 40-byte tensor up once and down once, so
+    # over all ranks send == recv == 2 * (K-1) * 40 bytes (exact integer accounting)
+    groups = {"world": list(range(world_size)), **{str(m): m for m in ([[0, 2]] if world_size == 3 else
+                                                                       [[0, 2], [1, 2, 3]] if world_size == 4
+                                                                       else [])}}
+    for key, members in groups.items():
+        per_rank = [results[r][2][key] for r in members]
+        assert all(key not in results[r][2] for r in range(world_size) if r not in members)
+        expected = 2 * (len(members) - 1) * 40
+        assert sum(t["send"] for t in per_rank) == expected, (key, per_rank)
+        assert sum(t["recv"] for t in per_rank) == expected, (key, per_rank)
+        # the root (first member) only sends down and receives up: (#children) * 40 each way
+        root_children = min(2, len(members) - 1)
+        assert per_rank[0] == {"send": root_children * 40, "recv": root_children * 40}, (key, per_rank)

@@ -1,0 +1,259 @@
+"""The multi-process harness itself: rank-ordered results, failures that name the rank, hard timeouts
+with stack dumps, and no leaked children on any path.
+
+Ranks that must stay alive without taking part in a collective block on a key of the harness's own
+rendezvous store that nobody sets (:func:`_block_on_store`), so no gloo connection is involved.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import re
+import time
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_sync import comms
+from lightning_sync.testing import DistributedRankError, DistributedTimeoutError, run_distributed
+
+__all__: list[str] = []
+
+PG_TIMEOUT_S = 120.0  # far beyond every run timeout below: only the harness can end a stuck rank
+
+
+def _assert_no_children() -> None:
+    alive = multiprocessing.active_children()
+    assert alive == [], f"harness left children alive: {alive}"
+
+
+def _block_on_store(seconds: float) -> None:
+    """Stay alive without touching gloo: wait for a store key that is never set."""
+    store = dist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=timedelta(seconds=seconds))
+    store.wait(["lightning_sync-test-never-set"])
+
+
+def _stacks_of(message: str, rank: int) -> str:
+    """The stack-dump section the timeout message holds for ``rank``."""
+    match = re.search(rf"--- rank {rank} stacks ---\n(.*?)(?=\n--- rank \d+ stacks ---|\Z)", message, re.S)
+    assert match, f"no stack section for rank {rank} in:\n{message}"
+    return match.group(1)
+
+
+# --------------------------------------------------------------------------- workers (module level: picklable)
+
+
+def _echo_worker(rank: int, world_size: int, base: float, *, scale: int) -> dict[str, Any]:
+    return {
+        "rank": rank,
+        "world_size": world_size,
+        "env": (os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ.get("LS_HARNESS_TEST")),
+        "tensor": torch.arange(rank + 1, dtype=torch.float64) * scale + base,
+        "int_tensor": torch.full((2, rank + 1), rank, dtype=torch.int64),
+        "pg": (dist.get_rank(), dist.get_world_size(), dist.get_backend()),
+        # a real collective: every rank's contribution, in rank order
+        "gathered": comms.all_gather_object(f"r{rank}"),
+    }
+
+
+def _tensor_worker(rank: int, world_size: int) -> torch.Tensor:
+    return torch.full((3,), float(rank * 10))
+
+
+def _fail_while_peer_waits_on_subgroup(rank: int, world_size: int, how: str) -> None:
+    """Rank 1 fails; rank 0 is blocked in a collective (on group [0, 2]) that rank 2 never joins."""
+    sub = dist.new_group([0, 2])  # every rank must call new_group
+    if rank == 1:
+        if how == "raise":
+            raise ValueError("boom on rank 1")
+        os._exit(3)
+    if rank == 0:
+        comms.all_reduce(torch.ones(2), group=sub)
+    else:
+        _block_on_store(PG_TIMEOUT_S)
+
+
+def _fail_while_peer_waits_on_it(rank: int, world_size: int, how: str) -> None:
+    """Rank 1 fails while rank 0 waits for it in an all_reduce: rank 0 then fails too, with
+    'Connection closed by peer', and the harness must still name rank 1 as the root cause."""
+    if rank == 1:
+        if how == "raise":
+            raise ValueError("boom on rank 1")
+        os._exit(3)
+    comms.all_reduce(torch.ones(2))
+
+
+def _exit_worker(rank: int, world_size: int) -> None:
+    if rank == 1:
+        os._exit(3)
+    _block_on_store(PG_TIMEOUT_S)
+
+
+def _deadlock_worker(rank: int, world_size: int, *unused: Any) -> int:
+    """Rank 1 skips the all_reduce (it waits for rank 0 to finish first): rank 0 is stuck in it."""
+    if rank == 0:
+        comms.all_reduce(torch.ones(3))
+    else:
+        _block_on_store(PG_TIMEOUT_S)
+    return rank
+
+
+def _skip_collective_worker(rank: int, world_size: int) -> int:
+    """Rank 1 returns at once; rank 0 does an all_reduce that rank 1 never joins."""
+    if rank == 0:
+        comms.all_reduce(torch.ones(3))
+    return rank
+
+
+class _SlowToUnpickle:
+    """An argument whose unpickling in the child takes 3 s: models a rank that is slow to start
+    (slow imports or filesystem). A fixed delay, not a wait for a condition."""
+
+    def __getstate__(self) -> dict[str, int]:
+        return {"delay": 3}
+
+    def __setstate__(self, state: dict[str, int]) -> None:
+        time.sleep(state["delay"])
+
+
+# --------------------------------------------------------------------------- results
+
+
+@pytest.mark.timeout(90)
+def test_results_come_back_in_rank_order() -> None:
+    results = run_distributed(_echo_worker, 3, 0.5, timeout=60, scale=2, env={"LS_HARNESS_TEST": "yes"})
+    assert [r["rank"] for r in results] == [0, 1, 2]
+    for rank, res in enumerate(results):
+        assert res["world_size"] == 3
+        assert res["env"] == (str(rank), "3", "yes")  # rank variables and env= set inside the child
+        assert res["pg"] == (rank, 3, "gloo")
+        assert res["gathered"] == ["r0", "r1", "r2"]
+        # tensors come back as CPU tensors, bit-exact (arange * 2 + 0.5 is exact in float64)
+        expected = torch.arange(rank + 1, dtype=torch.float64) * 2 + 0.5
+        assert res["tensor"].device.type == "cpu"
+        torch.testing.assert_close(res["tensor"], expected, rtol=0, atol=0)
+        expected_int = torch.full((2, rank + 1), rank, dtype=torch.int64)
+        torch.testing.assert_close(res["int_tensor"], expected_int, rtol=0, atol=0)
+    assert "LS_HARNESS_TEST" not in os.environ  # env= never touches the parent
+    _assert_no_children()
+
+
+@pytest.mark.timeout(90)
+def test_bare_tensor_results_in_rank_order() -> None:
+    results = run_distributed(_tensor_worker, 4, timeout=60)
+    assert len(results) == 4
+    for rank, t in enumerate(results):
+        torch.testing.assert_close(t, torch.full((3,), float(rank * 10)), rtol=0, atol=0)  # exact copy
+    _assert_no_children()
+
+
+# --------------------------------------------------------------------------- failures name the rank
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("how", ["raise", "exit"])
+def test_failing_rank_is_reported_and_blocked_peers_killed(how: str) -> None:
+    # Rank 0 is blocked in a collective with rank 2, and the failing rank 1 is not part of it.
+    start = time.monotonic()
+    with pytest.raises(DistributedRankError) as info:
+        run_distributed(_fail_while_peer_waits_on_subgroup, 3, how, timeout=60, pg_timeout=PG_TIMEOUT_S)
+    elapsed = time.monotonic() - start
+    err = info.value
+    assert err.rank == 1, str(err)
+    if how == "raise":
+        assert "boom on rank 1" in err.remote_traceback
+        assert "ValueError" in err.remote_traceback
+        assert "_fail_while_peer_waits_on_subgroup" in err.remote_traceback  # where it was raised
+    else:
+        assert re.search(r"exit(ed with)? code 3\b", err.remote_traceback), err.remote_traceback
+    assert str(err).startswith("rank 1 failed")
+    # ranks 0 and 2 would wait PG_TIMEOUT_S; the harness kills them at once (start-up is ~3-5 s)
+    assert elapsed < 30, f"took {elapsed:.1f}s"
+    _assert_no_children()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("how", ["raise", "exit"])
+def test_root_cause_named_when_the_blocked_peer_fails_too(how: str) -> None:
+    # Repeated: the peer's secondary error races the root cause to the parent, so one lucky pass
+    # would prove little. Every repetition must name rank 1.
+    for _ in range(3):
+        with pytest.raises(DistributedRankError) as info:
+            run_distributed(_fail_while_peer_waits_on_it, 2, how, timeout=60, pg_timeout=PG_TIMEOUT_S)
+        assert info.value.rank == 1, str(info.value)
+        if how == "raise":
+            assert "boom on rank 1" in info.value.remote_traceback
+        else:
+            assert re.search(r"exit(ed with)? code 3\b", info.value.remote_traceback)
+    _assert_no_children()
+
+
+@pytest.mark.timeout(90)
+def test_rank_exit_code_is_reported() -> None:
+    start = time.monotonic()
+    with pytest.raises(DistributedRankError) as info:
+        run_distributed(_exit_worker, 2, timeout=60, pg_timeout=PG_TIMEOUT_S)
+    assert info.value.rank == 1
+    assert re.search(r"exit(ed with)? code 3\b", str(info.value)), str(info.value)
+    assert time.monotonic() - start < 30
+    _assert_no_children()
+
+
+# --------------------------------------------------------------------------- timeouts
+
+
+@pytest.mark.timeout(90)
+def test_stuck_collective_times_out_and_names_the_stuck_rank() -> None:
+    start = time.monotonic()
+    with pytest.raises(DistributedTimeoutError) as info:
+        run_distributed(_deadlock_worker, 2, timeout=8, pg_timeout=PG_TIMEOUT_S)
+    elapsed = time.monotonic() - start
+    msg = str(info.value)
+    assert re.search(r"ranks \[0(, 1)?\] never returned", msg), msg
+    assert msg.startswith("_deadlock_worker on 2 ranks did not finish within 8s"), msg
+    assert "--- rank 0 stacks ---" in msg
+    assert 8 <= elapsed < 25, f"timeout=8 took {elapsed:.1f}s"  # not early, and bounded
+    _assert_no_children()
+
+
+@pytest.mark.timeout(90)
+def test_timeout_stack_dump_shows_where_a_slow_starting_rank_is_stuck() -> None:
+    with pytest.raises(DistributedTimeoutError) as info:
+        run_distributed(_deadlock_worker, 2, _SlowToUnpickle(), timeout=8, pg_timeout=PG_TIMEOUT_S)
+    _assert_no_children()
+    stacks = _stacks_of(str(info.value), 0)
+    assert "in _deadlock_worker" in stacks, stacks  # faulthandler: 'File "...", line N in <function>'
+    assert "in all_reduce" in stacks, stacks
+
+
+@pytest.mark.timeout(90)
+def test_skipped_collective_times_out_with_stack_of_the_stuck_rank() -> None:
+    with pytest.raises(DistributedTimeoutError) as info:
+        run_distributed(_skip_collective_worker, 2, timeout=8, pg_timeout=PG_TIMEOUT_S)
+    _assert_no_children()
+    msg = str(info.value)
+    assert "ranks [0] never returned" in msg, msg
+    assert "in _skip_collective_worker" in _stacks_of(msg, 0)
+
+
+# --------------------------------------------------------------------------- bad arguments
+
+
+@pytest.mark.parametrize(("kwargs", "patterns"), [
+    ({"world_size": 0}, [r"world_size", r">= 1", r"\b0\b"]),
+    ({"world_size": -2}, [r"world_size", r">= 1", r"-2"]),
+    ({"world_size": 2.0}, [r"world_size", r"int", r"2\.0"]),
+    ({"world_size": 2, "backend": "mpi"}, [r"'mpi'", re.escape("['gloo', 'nccl']")]),
+    ({"world_size": 2, "timeout": 0}, [r"timeout", r"> 0", r"\b0\b"]),
+])
+def test_bad_arguments_raise_value_error_listing_allowed(kwargs: dict[str, Any], patterns: list[str]) -> None:
+    with pytest.raises(ValueError) as info:
+        run_distributed(_tensor_worker, **kwargs)
+    for p in patterns:
+        assert re.search(p, str(info.value)), (p, str(info.value))
+    _assert_no_children()  # nothing was spawned
