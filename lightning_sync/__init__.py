@@ -1,9 +1,11 @@
 """lightning_sync: PyTorch Lightning strategies with every collective written out.
 
-Importing the package registers its strategy names with Lightning's ``StrategyRegistry``.
+Importing the package registers its strategy names with Lightning's ``StrategyRegistry``
+(``Trainer(strategy="bucketed_ddp")``).
 """
 
 from lightning_sync import comms
+from lightning_sync.strategies import BucketedDDPStrategy
 
-__all__ = ["comms"]
+__all__ = ["BucketedDDPStrategy", "comms"]
 __version__ = "0.1.0"

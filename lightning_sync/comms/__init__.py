@@ -18,6 +18,7 @@ from lightning_sync.comms.collectives import (
     all_reduce,
     barrier,
     broadcast,
+    broadcast_object,
     check_reduce,
     gather,
     gather_object,
@@ -36,7 +37,7 @@ from lightning_sync.comms.stats import CommStats, OpStats
 
 __all__ = [
     "REDUCE_OPS", "CommStats", "OpStats", "Work", "algorithms", "all_gather", "all_gather_into",
-    "all_gather_object", "all_reduce", "barrier", "broadcast", "check_reduce", "gather", "gather_object",
+    "all_gather_object", "all_reduce", "barrier", "broadcast", "broadcast_object", "check_reduce", "gather", "gather_object",
     "get_rank", "get_stats", "get_world_size", "group_ranks", "recv", "reduce_scatter",
     "reduce_scatter_into", "reset_stats", "scatter", "send",
 ]

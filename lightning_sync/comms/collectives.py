@@ -30,7 +30,7 @@ from lightning_sync.comms.stats import CommStats
 
 __all__ = [
     "REDUCE_OPS", "Work", "all_gather", "all_gather_into", "all_gather_object", "all_reduce",
-    "barrier", "broadcast", "check_reduce", "gather", "gather_object", "get_rank", "get_stats", "get_world_size",
+    "barrier", "broadcast", "broadcast_object", "check_reduce", "gather", "gather_object", "get_rank", "get_stats", "get_world_size",
     "group_ranks", "recv", "reduce_scatter", "reduce_scatter_into", "reset_stats", "scatter", "send",
 ]
 
@@ -253,6 +253,17 @@ def broadcast(value: Any, src: int = 0, group: dist.ProcessGroup | None = None, 
     if isinstance(value, torch.Tensor):
         return _issue("broadcast", _nbytes(value),
                       lambda: [dist.broadcast(value, src=src, group=group, async_op=True)], lambda: value, async_op)
+    return broadcast_object(value, src=src, group=group, async_op=async_op)
+
+
+def broadcast_object(value: Any, src: int = 0, group: dist.ProcessGroup | None = None, async_op: bool = False) -> Any:
+    """Broadcast any picklable value (tensors included, any shape) from ``src``; returns it.
+
+    Unlike :func:`broadcast`, the path never depends on the local argument's type, so ranks may
+    pass anything (``None``) on non-src ranks even when ``src`` sends a tensor.
+    """
+    _require_init()
+    _check_rank("src", src, group)
     device = _device(group)
     payload = _to_bytes(value, device) if get_rank() == src else None
     size = _metadata_broadcast(None if payload is None else payload.numel(), src, group)

@@ -5,8 +5,8 @@ hundred) and returns the list of mismatches; the parent asserts that the list is
 Comparisons inside a rank never raise (a rank that raised mid-run would leave its peers blocked in
 the next collective), so every rank runs every check and reports all of them.
 
-Inputs are a deterministic function of (rank, seed) (:func:`_inp`), so each rank computes the
-reference for the whole group locally with plain torch.
+Inputs are a deterministic function of (rank, seed) (:func:`lightning_sync.testing.exact_input`),
+so each rank computes the reference for the whole group locally with plain torch.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 from lightning_sync import comms
 from lightning_sync.comms import algorithms as A
 from lightning_sync.comms.stats import ring_allreduce_bytes, ring_shard_bytes
-from lightning_sync.testing import run_distributed
+from lightning_sync.testing import Checks, assert_all_ranks_passed, exact_input, reduce_reference, run_distributed
 
 __all__: list[str] = []
 
@@ -32,33 +32,14 @@ DTYPES = (torch.float32, torch.bfloat16, torch.int64)
 RUN_TIMEOUT_S = 150  # hard limit for one spawned run (start-up ~3 s/rank, the checks a few seconds)
 
 
-# --------------------------------------------------------------------------- inputs, references, tolerances
-
-
-def _inp(rank: int, shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
-    """Rank ``rank``'s input. Floats are multiples of 1/4 in [-8, 8): at most 6 significant bits, so
-    they and their sums over <= 4 ranks (|sum| <= 32, multiples of 1/4: <= 8 bits) are exact in fp32
-    *and* bf16. int64 values use 41 bits, beyond what fp32/fp64 could carry through a lossy path."""
-    g = torch.Generator().manual_seed(7919 * seed + rank)
-    if dtype == torch.int64:
-        return torch.randint(-(2**40), 2**40, shape, generator=g, dtype=torch.int64)
-    return (torch.randint(-32, 32, shape, generator=g, dtype=torch.int64).to(torch.float64) / 4).to(dtype)
-
-
-def _reduce_ref(tensors: list[torch.Tensor], op: str) -> torch.Tensor:
-    """Single-process reference, in float64 (exact for our inputs) or int64, rounded once to the dtype."""
-    dtype = tensors[0].dtype
-    st = torch.stack([t.to(torch.float64) if t.is_floating_point() else t for t in tensors])
-    out = {"sum": lambda: st.sum(0), "avg": lambda: st.sum(0) / len(tensors),
-           "max": lambda: st.amax(0), "min": lambda: st.amin(0)}[op]()
-    return out.to(dtype)
+# --------------------------------------------------------------------------- tolerances
 
 
 def _tol(op: str, dtype: torch.dtype) -> dict[str, float]:
     """Tolerance for a reduction result.
 
     * sum/max/min: exact. max/min select an input; sums of our inputs are exact in fp32 and bf16
-      (see :func:`_inp`) and int64 arithmetic is exact.
+      (see :func:`~lightning_sync.testing.exact_input`) and int64 arithmetic is exact.
     * avg, fp32: the exact sum divided by K costs one rounding, <= 2^-24 relative; rtol 1e-6 leaves
       room for a backend that scales before summing (a few more roundings).
     * avg, bf16: bf16 has an 8-bit significand, so one rounding is <= 2^-8 relative. rtol 2^-7 allows
@@ -75,79 +56,20 @@ def _tol(op: str, dtype: torch.dtype) -> dict[str, float]:
 EXACT = {"rtol": 0.0, "atol": 0.0}  # data movement (broadcast/gather/scatter/all_gather) copies bits
 
 
-def _mismatch(actual: Any, expected: Any, rtol: float, atol: float) -> str | None:
-    """Why ``actual`` is not ``expected`` (None if it is). Never raises on a mismatch."""
-    if isinstance(expected, (list, tuple)):
-        if not isinstance(actual, (list, tuple)) or len(actual) != len(expected):
-            return f"expected a list of {len(expected)} tensors, got {str(actual)[:300]}"
-        for i, (a, e) in enumerate(zip(actual, expected)):
-            why = _mismatch(a, e, rtol, atol)
-            if why:
-                return f"[{i}] {why}"
-        return None
-    if not isinstance(actual, torch.Tensor):
-        return f"expected a tensor, got {type(actual).__name__}: {str(actual)[:300]}"
-    if actual.dtype != expected.dtype or actual.shape != expected.shape:
-        return f"got {actual.dtype}{tuple(actual.shape)}, expected {expected.dtype}{tuple(expected.shape)}"
-    if expected.is_floating_point():
-        ok = bool(torch.isclose(actual.double(), expected.double(), rtol=rtol, atol=atol).all())
-    else:
-        ok = torch.equal(actual, expected)
-    if ok:
-        return None
-    diff = (actual.double() - expected.double()).abs().max().item()
-    return f"max abs diff {diff} (rtol={rtol}, atol={atol})\n  actual={actual}\n  expected={expected}"
-
-
-class _Checks:
-    """Collects failed checks instead of raising, so every rank runs every collective."""
-
-    def __init__(self) -> None:
-        self.failures: list[str] = []
-        self.count = 0
-
-    def close(self, name: str, actual: Any, expected: Any, rtol: float, atol: float) -> None:
-        self.count += 1
-        why = _mismatch(actual, expected, rtol, atol)
-        if why:
-            self.failures.append(f"{name}: {why}")
-
-    def true(self, name: str, cond: bool, detail: Any = "") -> None:
-        self.count += 1
-        if not cond:
-            self.failures.append(f"{name}: {detail}")
-
-    def raises(self, name: str, fn: Callable[[], Any], *patterns: str) -> None:
-        """``fn()`` must raise ValueError whose message matches every regex in ``patterns``."""
-        with pytest.raises(ValueError) as info:  # not raising fails the rank (pytest's Failed)
-            fn()
-        msg = str(info.value)
-        missing = [p for p in patterns if not re.search(p, msg)]
-        self.true(name, not missing, f"message {msg!r} does not match {missing}")
-
-
-def _assert_all_ranks_passed(results: list[tuple[list[str], int]], min_checks: int) -> None:
-    counts = [n for _, n in results]
-    assert len(set(counts)) == 1, f"ranks ran different numbers of checks: {counts}"
-    assert counts[0] >= min_checks, f"only {counts[0]} checks ran, expected >= {min_checks}"
-    report = "\n".join(f"rank {r}: {f}" for r, (fails, _) in enumerate(results) for f in fails)
-    assert not report, f"{sum(len(f) for f, _ in results)} failed checks:\n{report}"
-
-
 # --------------------------------------------------------------------------- reductions
 
 
-def _check_all_reduce(ck: _Checks, rank: int, k: int, seeds: Iterator[int]) -> None:
+def _check_all_reduce(ck: Checks, rank: int, k: int, seeds: Iterator[int]) -> None:
     for dtype, op, async_op in itertools.product(DTYPES, OPS, (False, True)):
         seed = next(seeds)
         name = f"all_reduce[{op}, {dtype}, async={async_op}]"
-        t = _inp(rank, (5, 3), dtype, seed)
+        t = exact_input(rank, (5, 3), dtype, seed)
         if op == "avg" and not dtype.is_floating_point:
             ck.raises(name, lambda: comms.all_reduce(t, op=op, async_op=async_op),
                       r"int64", r"'max'", r"'min'", r"'sum'")
-            ck.true(name + " left input alone", torch.equal(t, _inp(rank, (5, 3), dtype, seed)))
+            ck.true(name + " left input alone", torch.equal(t, exact_input(rank, (5, 3), dtype, seed)))
             continue
-        ref = _reduce_ref([_inp(r, (5, 3), dtype, seed) for r in range(k)], op)
+        ref = reduce_reference([exact_input(r, (5, 3), dtype, seed) for r in range(k)], op)
         if async_op:
             work = comms.all_reduce(t, op=op, async_op=True)
             ck.true(name + " returns Work", isinstance(work, comms.Work) and work.op == "all_reduce", repr(work))
@@ -163,41 +85,41 @@ def _check_all_reduce(ck: _Checks, rank: int, k: int, seeds: Iterator[int]) -> N
 _SHARD_ROWS = {(2, 7): [4, 3], (3, 7): [3, 3, 1], (2, 2): [1, 1], (3, 2): [1, 1, 0], (2, 6): [3, 3], (3, 6): [2, 2, 2]}
 
 
-def _check_reduce_scatter(ck: _Checks, rank: int, k: int, seeds: Iterator[int]) -> None:
+def _check_reduce_scatter(ck: Checks, rank: int, k: int, seeds: Iterator[int]) -> None:
     for n, dtype, op in itertools.product((7, 2, 6), DTYPES, OPS):
         seed = next(seeds)
         name = f"reduce_scatter[n={n}, {op}, {dtype}]"
-        t = _inp(rank, (n, 3), dtype, seed)
+        t = exact_input(rank, (n, 3), dtype, seed)
         if op == "avg" and not dtype.is_floating_point:
             ck.raises(name, lambda: comms.reduce_scatter(t, op=op), r"int64", r"'sum'")
             continue
-        full = _reduce_ref([_inp(r, (n, 3), dtype, seed) for r in range(k)], op)
+        full = reduce_reference([exact_input(r, (n, 3), dtype, seed) for r in range(k)], op)
         c = -(-n // k)
         lo, hi = rank * c, min(n, (rank + 1) * c)
         ck.true(name + " shard rows", max(0, hi - lo) == _SHARD_ROWS[(k, n)][rank], (lo, hi))
         out = comms.reduce_scatter(t, op=op)
         ck.close(name, out, full[lo:max(lo, hi)], **_tol(op, dtype))
-        ck.true(name + " input untouched", torch.equal(t, _inp(rank, (n, 3), dtype, seed)))
+        ck.true(name + " input untouched", torch.equal(t, exact_input(rank, (n, 3), dtype, seed)))
     # 1-D input and the async form
     seed = next(seeds)
-    t = _inp(rank, (7,), torch.float32, seed)
+    t = exact_input(rank, (7,), torch.float32, seed)
     work = comms.reduce_scatter(t, op="avg", async_op=True)
     ck.true("reduce_scatter async returns Work", isinstance(work, comms.Work), type(work))
     c = -(-7 // k)
-    full = _reduce_ref([_inp(r, (7,), torch.float32, seed) for r in range(k)], "avg")
+    full = reduce_reference([exact_input(r, (7,), torch.float32, seed) for r in range(k)], "avg")
     ck.close("reduce_scatter async 1-D avg", work.wait(), full[rank * c:min(7, (rank + 1) * c)],
              **_tol("avg", torch.float32))
 
 
-def _check_flat_fast_paths(ck: _Checks, rank: int, k: int, seeds: Iterator[int]) -> None:
+def _check_flat_fast_paths(ck: Checks, rank: int, k: int, seeds: Iterator[int]) -> None:
     for dtype, async_op in itertools.product((torch.float32, torch.int64), (False, True)):
         seed = next(seeds)
         name = f"all_gather_into[{dtype}, async={async_op}]"
         out = torch.full((k, 6), -99, dtype=dtype)
-        res = comms.all_gather_into(out, _inp(rank, (2, 3), dtype, seed), async_op=async_op)
+        res = comms.all_gather_into(out, exact_input(rank, (2, 3), dtype, seed), async_op=async_op)
         res = res.wait() if async_op else res
         ck.true(name + " fills output", res is out, type(res))
-        ref = torch.stack([_inp(r, (2, 3), dtype, seed).reshape(-1) for r in range(k)])
+        ref = torch.stack([exact_input(r, (2, 3), dtype, seed).reshape(-1) for r in range(k)])
         ck.close(name, out, ref, **EXACT)
     for dtype, op, async_op in itertools.product((torch.float32, torch.bfloat16, torch.int64), OPS, (False, True)):
         if op == "avg" and not dtype.is_floating_point:
@@ -205,10 +127,10 @@ def _check_flat_fast_paths(ck: _Checks, rank: int, k: int, seeds: Iterator[int])
         seed = next(seeds)
         name = f"reduce_scatter_into[{op}, {dtype}, async={async_op}]"
         out = torch.zeros(4, dtype=dtype)
-        res = comms.reduce_scatter_into(out, _inp(rank, (4 * k,), dtype, seed), op=op, async_op=async_op)
+        res = comms.reduce_scatter_into(out, exact_input(rank, (4 * k,), dtype, seed), op=op, async_op=async_op)
         res = res.wait() if async_op else res
         ck.true(name + " fills output", res is out, type(res))
-        full = _reduce_ref([_inp(r, (4 * k,), dtype, seed) for r in range(k)], op)
+        full = reduce_reference([exact_input(r, (4 * k,), dtype, seed) for r in range(k)], op)
         ck.close(name, out, full[4 * rank:4 * (rank + 1)], **_tol(op, dtype))
 
 
@@ -220,17 +142,17 @@ def _obj(rank: int) -> dict[str, Any]:
     return {"rank": rank, "items": list(range(rank * 7)), "name": "r" * (rank + 1), "nested": (rank, [None, 1.5])}
 
 
-def _check_broadcast(ck: _Checks, rank: int, k: int, seeds: Iterator[int]) -> None:
+def _check_broadcast(ck: Checks, rank: int, k: int, seeds: Iterator[int]) -> None:
     for src, dtype, async_op in itertools.product((0, k - 1), (torch.float32, torch.int64), (False, True)):
         seed = next(seeds)
         name = f"broadcast tensor[src={src}, {dtype}, async={async_op}]"
-        t = _inp(rank, (4, 2), dtype, seed)
+        t = exact_input(rank, (4, 2), dtype, seed)
         res = comms.broadcast(t, src=src, async_op=async_op)
         if async_op:
             ck.true(name + " returns Work", isinstance(res, comms.Work), type(res))
             res = res.wait()
         ck.true(name + " in place", res is t, type(res))
-        ck.close(name, t, _inp(src, (4, 2), dtype, seed), **EXACT)
+        ck.close(name, t, exact_input(src, (4, 2), dtype, seed), **EXACT)
     for src, async_op in itertools.product((0, k - 1), (False, True)):
         name = f"broadcast object[src={src}, async={async_op}]"
         res = comms.broadcast(_obj(src) if rank == src else None, src=src, async_op=async_op)
@@ -241,10 +163,10 @@ def _check_broadcast(ck: _Checks, rank: int, k: int, seeds: Iterator[int]) -> No
 def _scatter_chunk(r: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
     # shapes differ in size *and* rank: (3,), (2, 2), (0,), (1, 1, 2)
     shape = [(3,), (2, 2), (0,), (1, 1, 2)][r % 4]
-    return _inp(r, shape, dtype, seed)
+    return exact_input(r, shape, dtype, seed)
 
 
-def _check_scatter(ck: _Checks, rank: int, k: int, seeds: Iterator[int]) -> None:
+def _check_scatter(ck: Checks, rank: int, k: int, seeds: Iterator[int]) -> None:
     for src, dtype, async_op in itertools.product((0, k - 1), (torch.float32, torch.int64), (False, True)):
         seed = next(seeds)
         name = f"scatter tensors[src={src}, {dtype}, async={async_op}]"
@@ -266,15 +188,15 @@ def _check_scatter(ck: _Checks, rank: int, k: int, seeds: Iterator[int]) -> None
     ck.true("scatter ignores non-src chunks", res == _obj(rank), res)
 
 
-def _check_gather(ck: _Checks, rank: int, k: int, seeds: Iterator[int]) -> None:
+def _check_gather(ck: Checks, rank: int, k: int, seeds: Iterator[int]) -> None:
     def shape(r: int) -> tuple[int, ...]:
         return (r, 3)  # uneven first dim; rank 0 sends 0 rows
 
     for dst, dtype, async_op in itertools.product((0, k - 1), (torch.float32, torch.bfloat16), (False, True)):
         seed = next(seeds)
         name = f"gather[dst={dst}, {dtype}, async={async_op}]"
-        refs = [_inp(r, shape(r), dtype, seed) for r in range(k)]
-        res = comms.gather(_inp(rank, shape(rank), dtype, seed), dst=dst, async_op=async_op)
+        refs = [exact_input(r, shape(r), dtype, seed) for r in range(k)]
+        res = comms.gather(exact_input(rank, shape(rank), dtype, seed), dst=dst, async_op=async_op)
         if async_op:
             ck.true(name + " returns Work", isinstance(res, comms.Work), type(res))
             res = res.wait()
@@ -285,9 +207,9 @@ def _check_gather(ck: _Checks, rank: int, k: int, seeds: Iterator[int]) -> None:
     for dst in (0, k - 1):  # gather_list given on dst: filled in place and returned
         seed = next(seeds)
         name = f"gather with gather_list[dst={dst}]"
-        refs = [_inp(r, shape(r), torch.float32, seed) for r in range(k)]
+        refs = [exact_input(r, shape(r), torch.float32, seed) for r in range(k)]
         gl = [torch.full(shape(r), float("nan")) for r in range(k)] if rank == dst else None
-        res = comms.gather(_inp(rank, shape(rank), torch.float32, seed), gather_list=gl, dst=dst)
+        res = comms.gather(exact_input(rank, shape(rank), torch.float32, seed), gather_list=gl, dst=dst)
         if rank == dst:  # the very list passed in, filled
             ck.close(name, res if res is gl else f"not the given gather_list: {res}", refs, **EXACT)
         else:
@@ -306,7 +228,7 @@ def _check_gather(ck: _Checks, rank: int, k: int, seeds: Iterator[int]) -> None:
         ck.true(name, res == expected, res)
 
 
-def _check_all_gather(ck: _Checks, rank: int, k: int, seeds: Iterator[int]) -> None:
+def _check_all_gather(ck: Checks, rank: int, k: int, seeds: Iterator[int]) -> None:
     cases: list[tuple[str, Callable[[int], tuple[int, ...]], torch.dtype]] = [
         ("uneven, rank 0 empty, 2 trailing dims", lambda r: (r, 2, 3), torch.float32),
         ("uneven 1-D int64", lambda r: (2 * r + 1,), torch.int64),
@@ -319,8 +241,8 @@ def _check_all_gather(ck: _Checks, rank: int, k: int, seeds: Iterator[int]) -> N
     for (label, shape, dtype), async_op in itertools.product(cases, (False, True)):
         seed = next(seeds)
         name = f"all_gather[{label}, async={async_op}]"
-        refs = [_inp(r, shape(r), dtype, seed) for r in range(k)]
-        res = comms.all_gather(_inp(rank, shape(rank), dtype, seed), async_op=async_op)
+        refs = [exact_input(r, shape(r), dtype, seed) for r in range(k)]
+        res = comms.all_gather(exact_input(rank, shape(rank), dtype, seed), async_op=async_op)
         if async_op:
             ck.true(name + " returns Work", isinstance(res, comms.Work) and res.op == "all_gather", res)
             res = res.wait()
@@ -331,7 +253,7 @@ def _check_all_gather(ck: _Checks, rank: int, k: int, seeds: Iterator[int]) -> N
         ck.true(f"all_gather_object async={async_op}", res == [_obj(r) for r in range(k)], res)
 
 
-def _check_barrier_and_work(ck: _Checks, rank: int, k: int) -> None:
+def _check_barrier_and_work(ck: Checks, rank: int, k: int) -> None:
     ck.true("barrier returns None", comms.barrier() is None)
     work = comms.barrier(async_op=True)
     ck.true("barrier async returns Work", isinstance(work, comms.Work) and work.op == "barrier", work)
@@ -352,7 +274,7 @@ def _check_barrier_and_work(ck: _Checks, rank: int, k: int) -> None:
 # --------------------------------------------------------------------------- exact byte accounting
 
 
-def _check_stats(ck: _Checks, rank: int, k: int) -> None:
+def _check_stats(ck: Checks, rank: int, k: int) -> None:
     def expect(label: str, op: str, nbytes: int, calls: int) -> None:
         got = comms.get_stats()[op]
         ck.true(f"stats {label}: {op}", (got.bytes, got.calls) == (nbytes, calls),
@@ -411,10 +333,10 @@ def _check_stats(ck: _Checks, rank: int, k: int) -> None:
         ck.true(f"ring bytes formula {dtype}", wire == ring_allreduce_bytes(size, k), (wire, size))
         comms.reset_stats()
         seed = 1000 + n
-        t = _inp(rank, (n,), dtype, seed)
+        t = exact_input(rank, (n,), dtype, seed)
         A.ring_all_reduce(t)
-        ck.close(f"ring_all_reduce result {dtype}", t, _reduce_ref([_inp(r, (n,), dtype, seed) for r in range(k)],
-                                                                   "sum"), **EXACT)
+        ref = reduce_reference([exact_input(r, (n,), dtype, seed) for r in range(k)], "sum")
+        ck.close(f"ring_all_reduce result {dtype}", t, ref, **EXACT)
         expect(f"ring_all_reduce {dtype}", "send", wire, 2 * (k - 1))
         expect(f"ring_all_reduce {dtype}", "recv", wire, 2 * (k - 1))
         expect(f"ring_all_reduce {dtype}", "ring_all_reduce", 0, 1)
@@ -422,7 +344,7 @@ def _check_stats(ck: _Checks, rank: int, k: int) -> None:
                 {"send", "recv", "ring_all_reduce"}, sorted(comms.get_stats().snapshot()))
 
         comms.reset_stats()
-        A.ring_reduce_scatter(_inp(rank, (n,), dtype, seed))
+        A.ring_reduce_scatter(exact_input(rank, (n,), dtype, seed))
         half = int(ring_shard_bytes(size, k))
         ck.true("ring shard formula", half == (k - 1) * size // k, half)
         expect(f"ring_reduce_scatter {dtype}", "send", half, k - 1)
@@ -430,7 +352,7 @@ def _check_stats(ck: _Checks, rank: int, k: int) -> None:
         expect(f"ring_reduce_scatter {dtype}", "ring_reduce_scatter", 0, 1)
 
         comms.reset_stats()
-        A.ring_all_gather(_inp(rank, (n // k,), dtype, seed))  # K shards make S bytes
+        A.ring_all_gather(exact_input(rank, (n // k,), dtype, seed))  # K shards make S bytes
         expect(f"ring_all_gather {dtype}", "send", half, k - 1)
         expect(f"ring_all_gather {dtype}", "recv", half, k - 1)
         expect(f"ring_all_gather {dtype}", "ring_all_gather", 0, 1)
@@ -440,7 +362,7 @@ def _check_stats(ck: _Checks, rank: int, k: int) -> None:
 # --------------------------------------------------------------------------- errors (on every rank)
 
 
-def _check_errors(ck: _Checks, rank: int, k: int) -> None:
+def _check_errors(ck: Checks, rank: int, k: int) -> None:
     allowed = re.escape(str(list(range(k))))
     t = torch.ones(2)
     for count in (k + 1, k - 1):
@@ -502,7 +424,7 @@ def _check_errors(ck: _Checks, rank: int, k: int) -> None:
 
 
 def _worker(rank: int, k: int) -> tuple[list[str], int]:
-    ck, seeds = _Checks(), itertools.count(1)
+    ck, seeds = Checks(), itertools.count(1)
     ck.true("world size", comms.get_world_size() == k and comms.get_rank() == rank, (comms.get_rank(), k))
     ck.true("group ranks", comms.group_ranks() == list(range(k)), comms.group_ranks())
     _check_all_reduce(ck, rank, k, seeds)
@@ -523,4 +445,4 @@ def _worker(rank: int, k: int) -> tuple[list[str], int]:
 def test_collectives_against_reference(world_size: int) -> None:
     """Every collective (sync and async), exact CommStats byte counts, and the errors, in one spawned run."""
     results = run_distributed(_worker, world_size, timeout=RUN_TIMEOUT_S)
-    _assert_all_ranks_passed(results, min_checks=300)
+    assert_all_ranks_passed(results, min_checks=300)

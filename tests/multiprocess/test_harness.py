@@ -11,8 +11,9 @@ import multiprocessing
 import os
 import re
 import time
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 import torch
@@ -23,12 +24,28 @@ from lightning_sync.testing import DistributedRankError, DistributedTimeoutError
 
 __all__: list[str] = []
 
+E = TypeVar("E", bound=BaseException)
+
 PG_TIMEOUT_S = 120.0  # far beyond every run timeout below: only the harness can end a stuck rank
 
 
 def _assert_no_children() -> None:
     alive = multiprocessing.active_children()
     assert alive == [], f"harness left children alive: {alive}"
+
+
+def _run_expecting(error: type[E], fn: Callable[..., Any], world_size: int, *args: Any,
+                   **kwargs: Any) -> tuple[E, float]:
+    """Run ``fn`` on ``world_size`` ranks, which must raise ``error``; return it and the seconds taken.
+
+    Every failure path must leave no children behind, so that is asserted here too.
+    """
+    start = time.monotonic()
+    with pytest.raises(error) as info:
+        run_distributed(fn, world_size, *args, **kwargs)
+    elapsed = time.monotonic() - start
+    _assert_no_children()
+    return info.value, elapsed
 
 
 def _block_on_store(seconds: float) -> None:
@@ -159,11 +176,8 @@ def test_bare_tensor_results_in_rank_order() -> None:
 @pytest.mark.parametrize("how", ["raise", "exit"])
 def test_failing_rank_is_reported_and_blocked_peers_killed(how: str) -> None:
     # Rank 0 is blocked in a collective with rank 2, and the failing rank 1 is not part of it.
-    start = time.monotonic()
-    with pytest.raises(DistributedRankError) as info:
-        run_distributed(_fail_while_peer_waits_on_subgroup, 3, how, timeout=60, pg_timeout=PG_TIMEOUT_S)
-    elapsed = time.monotonic() - start
-    err = info.value
+    err, elapsed = _run_expecting(DistributedRankError, _fail_while_peer_waits_on_subgroup, 3, how,
+                                  timeout=60, pg_timeout=PG_TIMEOUT_S)
     assert err.rank == 1, str(err)
     if how == "raise":
         assert "boom on rank 1" in err.remote_traceback
@@ -174,7 +188,6 @@ def test_failing_rank_is_reported_and_blocked_peers_killed(how: str) -> None:
     assert str(err).startswith("rank 1 failed")
     # ranks 0 and 2 would wait PG_TIMEOUT_S; the harness kills them at once (start-up is ~3-5 s)
     assert elapsed < 30, f"took {elapsed:.1f}s"
-    _assert_no_children()
 
 
 @pytest.mark.timeout(120)
@@ -182,26 +195,22 @@ def test_failing_rank_is_reported_and_blocked_peers_killed(how: str) -> None:
 def test_root_cause_named_when_the_blocked_peer_fails_too(how: str) -> None:
     # Repeated: the peer's secondary error races the root cause to the parent, so one lucky pass
     # would prove little. Every repetition must name rank 1.
-    for _ in range(3):
-        with pytest.raises(DistributedRankError) as info:
-            run_distributed(_fail_while_peer_waits_on_it, 2, how, timeout=60, pg_timeout=PG_TIMEOUT_S)
-        assert info.value.rank == 1, str(info.value)
+    for attempt in range(3):
+        err, _ = _run_expecting(DistributedRankError, _fail_while_peer_waits_on_it, 2, how,
+                                timeout=60, pg_timeout=PG_TIMEOUT_S)
+        assert err.rank == 1, f"attempt {attempt}: {err}"
         if how == "raise":
-            assert "boom on rank 1" in info.value.remote_traceback
+            assert "boom on rank 1" in err.remote_traceback
         else:
-            assert re.search(r"exit(ed with)? code 3\b", info.value.remote_traceback)
-    _assert_no_children()
+            assert re.search(r"exit(ed with)? code 3\b", err.remote_traceback)
 
 
 @pytest.mark.timeout(90)
 def test_rank_exit_code_is_reported() -> None:
-    start = time.monotonic()
-    with pytest.raises(DistributedRankError) as info:
-        run_distributed(_exit_worker, 2, timeout=60, pg_timeout=PG_TIMEOUT_S)
-    assert info.value.rank == 1
-    assert re.search(r"exit(ed with)? code 3\b", str(info.value)), str(info.value)
-    assert time.monotonic() - start < 30
-    _assert_no_children()
+    err, elapsed = _run_expecting(DistributedRankError, _exit_worker, 2, timeout=60, pg_timeout=PG_TIMEOUT_S)
+    assert err.rank == 1
+    assert re.search(r"exit(ed with)? code 3\b", str(err)), str(err)
+    assert elapsed < 30, f"took {elapsed:.1f}s"
 
 
 # --------------------------------------------------------------------------- timeouts
@@ -209,34 +218,27 @@ def test_rank_exit_code_is_reported() -> None:
 
 @pytest.mark.timeout(90)
 def test_stuck_collective_times_out_and_names_the_stuck_rank() -> None:
-    start = time.monotonic()
-    with pytest.raises(DistributedTimeoutError) as info:
-        run_distributed(_deadlock_worker, 2, timeout=8, pg_timeout=PG_TIMEOUT_S)
-    elapsed = time.monotonic() - start
-    msg = str(info.value)
+    err, elapsed = _run_expecting(DistributedTimeoutError, _deadlock_worker, 2, timeout=8, pg_timeout=PG_TIMEOUT_S)
+    msg = str(err)
     assert re.search(r"ranks \[0(, 1)?\] never returned", msg), msg
     assert msg.startswith("_deadlock_worker on 2 ranks did not finish within 8s"), msg
     assert "--- rank 0 stacks ---" in msg
     assert 8 <= elapsed < 25, f"timeout=8 took {elapsed:.1f}s"  # not early, and bounded
-    _assert_no_children()
 
 
 @pytest.mark.timeout(90)
 def test_timeout_stack_dump_shows_where_a_slow_starting_rank_is_stuck() -> None:
-    with pytest.raises(DistributedTimeoutError) as info:
-        run_distributed(_deadlock_worker, 2, _SlowToUnpickle(), timeout=8, pg_timeout=PG_TIMEOUT_S)
-    _assert_no_children()
-    stacks = _stacks_of(str(info.value), 0)
+    err, _ = _run_expecting(DistributedTimeoutError, _deadlock_worker, 2, _SlowToUnpickle(),
+                            timeout=8, pg_timeout=PG_TIMEOUT_S)
+    stacks = _stacks_of(str(err), 0)
     assert "in _deadlock_worker" in stacks, stacks  # faulthandler: 'File "...", line N in <function>'
     assert "in all_reduce" in stacks, stacks
 
 
 @pytest.mark.timeout(90)
 def test_skipped_collective_times_out_with_stack_of_the_stuck_rank() -> None:
-    with pytest.raises(DistributedTimeoutError) as info:
-        run_distributed(_skip_collective_worker, 2, timeout=8, pg_timeout=PG_TIMEOUT_S)
-    _assert_no_children()
-    msg = str(info.value)
+    err, _ = _run_expecting(DistributedTimeoutError, _skip_collective_worker, 2, timeout=8, pg_timeout=PG_TIMEOUT_S)
+    msg = str(err)
     assert "ranks [0] never returned" in msg, msg
     assert "in _skip_collective_worker" in _stacks_of(msg, 0)
 

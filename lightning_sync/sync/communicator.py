@@ -1,0 +1,130 @@
+"""The communicator interface the ``sync`` algorithms talk to (as torchft's LocalSGD/DiLoCo do).
+
+Algorithms never call torch.distributed directly: they get a :class:`Communicator`, so they run
+unchanged on a real process group (:class:`ProcessGroupCommunicator`, which goes through
+:mod:`lightning_sync.comms` and is therefore counted in ``CommStats``) or, in one-process unit
+tests, on a fake such as :class:`LoopbackCommunicator`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from lightning_sync import comms
+
+__all__ = ["Communicator", "CompletedWork", "LoopbackCommunicator", "ProcessGroupCommunicator", "WorkLike"]
+
+
+class WorkLike(Protocol):
+    """An issued operation; ``wait()`` blocks until done and returns its result."""
+
+    def wait(self) -> Any: ...
+
+
+class Communicator(Protocol):
+    """What an algorithm may ask of its peers."""
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False) -> Any: ...
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any: ...
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False) -> Any: ...
+
+    def all_gather_object(self, obj: Any) -> list[Any]: ...
+
+
+class ProcessGroupCommunicator:
+    """A :class:`Communicator` over a torch process group, through :mod:`lightning_sync.comms`."""
+
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+        self._group = group
+
+    @property
+    def group(self) -> dist.ProcessGroup | None:
+        """The process group (None: the default group)."""
+        return self._group
+
+    @property
+    def rank(self) -> int:
+        return comms.get_rank(self._group)
+
+    @property
+    def world_size(self) -> int:
+        return comms.get_world_size(self._group)
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False) -> Any:
+        return comms.all_reduce(tensor, op=op, group=self._group, async_op=async_op)
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        return comms.broadcast_object(obj, src=src, group=self._group)
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False) -> Any:
+        return comms.broadcast(tensor, src=src, group=self._group, async_op=async_op)
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        return comms.all_gather_object(obj, group=self._group)
+
+
+class CompletedWork:
+    """A :class:`WorkLike` that is already done."""
+
+    def __init__(self, result: Any = None) -> None:
+        self._result = result
+
+    def wait(self) -> Any:
+        return self._result
+
+    def is_completed(self) -> bool:
+        return True
+
+
+class LoopbackCommunicator:
+    """A fake for one-process tests: ``world_size`` identical ranks, all of them this process.
+
+    Every rank is assumed to hold the same tensor, so ``sum`` multiplies by ``world_size`` and the
+    other ops leave it unchanged. ``calls`` records ``(op, numel)`` for each call so tests can check
+    what an algorithm sent, and when.
+    """
+
+    def __init__(self, world_size: int = 1, rank: int = 0) -> None:
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"need world_size >= 1 and 0 <= rank < world_size, got {world_size=}, {rank=}")
+        self._world, self._rank = world_size, rank
+        self.calls: list[tuple[str, int]] = []
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return self._world
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False) -> Any:
+        if op not in comms.REDUCE_OPS:
+            raise ValueError(f"unknown reduce op {op!r}; allowed: {sorted(comms.REDUCE_OPS)}")
+        self.calls.append(("all_reduce", tensor.numel()))
+        if op == "sum":
+            tensor.mul_(self._world)
+        return CompletedWork(tensor) if async_op else tensor
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        self.calls.append(("broadcast_object", 0))
+        return obj
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False) -> Any:
+        self.calls.append(("broadcast", tensor.numel()))
+        return CompletedWork(tensor) if async_op else tensor
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        self.calls.append(("all_gather_object", 0))
+        return [obj] * self._world
