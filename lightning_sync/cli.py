@@ -24,7 +24,7 @@ from typing import Any
 __all__ = ["SUBCOMMANDS", "config_dir", "main", "run_train"]
 
 log = logging.getLogger("lightning_sync")
-SUBCOMMANDS = ("train",)
+SUBCOMMANDS = ("train", "bench")
 _CONFIG_FLAGS = ("--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd")
 
 
@@ -93,8 +93,9 @@ def run_train(cfg: Any) -> dict[str, float]:
         summary = "  ".join(f"{k}={v:.4f}" for k, v in sorted(metrics.items()))
         log.info("final metrics (%d ranks, %d steps): %s", trainer.world_size, trainer.global_step, summary)
         if cfg.sample_chars and hasattr(model, "generate"):
-            sample = model.generate("The ", max_new_tokens=int(cfg.sample_chars), seed=int(cfg.seed))
-            log.info("sample:\n%s", sample)
+            prompt = "The "
+            sample = model.generate(prompt, max_new_tokens=int(cfg.sample_chars), seed=int(cfg.seed))
+            log.info("sample:\n%s%s", prompt, sample)
     return metrics
 
 
@@ -116,6 +117,14 @@ def _train_app(cfg: Any) -> float | None:
     return metrics.get("val_loss")
 
 
+def _bench_app(cfg: Any) -> None:
+    from hydra.core.hydra_config import HydraConfig
+
+    from lightning_sync.bench.app import run_bench
+
+    run_bench(cfg, Path(HydraConfig.get().runtime.output_dir))
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """Entry point: ``lightning-sync <subcommand> [hydra args...]``."""
     import hydra
@@ -129,7 +138,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     if sub not in SUBCOMMANDS:
         raise SystemExit(f"lightning-sync: unknown subcommand {sub!r}; allowed: {list(SUBCOMMANDS)}")
     sys.argv = [sys.argv[0], *args]  # Hydra parses sys.argv
-    app = hydra.main(config_path=config_dir(), config_name=sub, version_base="1.3")(_train_app)
+    task = {"train": _train_app, "bench": _bench_app}[sub]
+    app = hydra.main(config_path=config_dir(), config_name=sub, version_base="1.3")(task)
     app()
 
 

@@ -131,8 +131,9 @@ class PowerSGD:
             for t in rest:
                 t.copy_(msg1[offset : offset + t.numel()].view_as(t)).div_(world)
                 offset += t.numel()
-            ps_orth = [torch.linalg.qr(p, mode="reduced").Q for p in ps]
-            qs = [m.t() @ p for (_, m, _), p in zip(mats, ps_orth)]
+            ps_orth = [_orthonormalize(p) for p in ps]
+            # Q = M^T P computed as (P^T M)^T: the same numbers, ~40x faster for row-major M on CPU
+            qs = [(p.t() @ m).t().contiguous() for (_, m, _), p in zip(mats, ps_orth)]
             if qs:  # message 2: every Q = M^T P
                 msg2 = torch.cat([q.reshape(-1) for q in qs])
                 comm.all_reduce(msg2, op="sum")
@@ -171,6 +172,18 @@ class PowerSGD:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._q = {int(i): q for i, q in state.get("q", {}).items()}
         self._error = {int(i): e for i, e in state.get("error", {}).items()}
+
+
+def _orthonormalize(p: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """Gram-Schmidt on the r columns of the tall matrix ``p``, in place (LAPACK QR is ~100x slower
+    for n x 2 here). ``eps`` keeps an all-zero column (an unused parameter) finite."""
+    for i in range(p.shape[1]):
+        col = p[:, i : i + 1]
+        col.div_(col.norm() + eps)
+        if i + 1 < p.shape[1]:
+            rest = p[:, i + 1 :]
+            rest.sub_(col @ (col.t() @ rest))
+    return p
 
 
 class _Done:

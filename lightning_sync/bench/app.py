@@ -1,0 +1,105 @@
+"""``lightning-sync bench``: strategies side by side, in one invocation, A/B alternated.
+
+The schedule (:func:`schedule`) interleaves every strategy in each of ``pairs`` rounds, reversing
+the order every other round (A B C, C B A, ...), so every strategy sees the same machine drift. All
+trials of one world size run inside one spawned process group, one ``Trainer.fit`` each, so start-up
+cost is paid once. Scaling efficiency ``T1(b) / TK(b)`` compares one process with per-rank batch b
+against K ranks each with batch b. Results go to ``report.md`` and PNG plots in the Hydra output
+directory; the table is printed too.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import sys
+from datetime import date
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from lightning_sync.bench.report import Report
+from lightning_sync.bench.runner import Trial, run_trials
+
+__all__ = ["run_bench", "schedule"]
+
+log = logging.getLogger("lightning_sync.bench")
+
+
+def _node(cfg: Any) -> dict[str, Any]:
+    return OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
+
+
+def schedule(names: list[str], pairs: int) -> list[str]:
+    """Round-robin order over ``pairs`` rounds, reversed every other round (ABAB... generalized)."""
+    if pairs < 1:
+        raise ValueError(f"pairs must be >= 1, got {pairs!r}")
+    order: list[str] = []
+    for p in range(pairs):
+        order += names if p % 2 == 0 else list(reversed(names))
+    return order
+
+
+def _trials(cfg: DictConfig, model: str, rows: dict[str, tuple[dict[str, Any], dict[str, Any]]],
+            label: str | None = None) -> list[Trial]:
+    m = cfg.models[model]
+    out = []
+    for name in schedule(list(rows), int(cfg.pairs)):
+        strategy, extra = rows[name]
+        out.append(Trial(name=name, model=label or model, strategy=strategy, model_cfg=_node(m.model),
+                         data_cfg=_node(m.data), steps=int(cfg.steps), warmup=int(cfg.warmup_steps), extra=extra))
+    return out
+
+
+def _bucket_rows(cfg: DictConfig) -> dict[str, tuple[dict[str, Any], dict[str, Any]]]:
+    base = _node(cfg.strategies[cfg.bucket_sweep.strategy])
+    rows = {str(cfg.baseline): (_node(cfg.strategies[cfg.baseline]), {})}  # ratios stay same-pair
+    for cap in cfg.bucket_sweep.caps_mb:
+        label = "one bucket" if float(cap) >= float(cfg.bucket_sweep.one_bucket_mb) else f"cap={cap}"
+        rows[label] = ({**base, "bucket_cap_mb": float(cap)}, {"cap_mb": float(cap)})
+    return rows
+
+
+def run_bench(cfg: DictConfig, out_dir: Path) -> Report:
+    """Run the configured suite and write the report into ``out_dir``."""
+    from lightning_sync.testing import run_distributed
+
+    world, threads = int(cfg.world_size), int(cfg.threads_per_rank)
+    env = {"OMP_NUM_THREADS": str(threads), "PL_GLOBAL_SEED": "0"}
+    strategies = {name: (_node(s), {}) for name, s in cfg.strategies.items()}
+    trials = [t for model in cfg.run_models for t in _trials(cfg, model, strategies)]
+    if cfg.bucket_sweep.enabled:
+        trials += _trials(cfg, cfg.bucket_sweep.model, _bucket_rows(cfg), f"{cfg.bucket_sweep.model} (bucket sweep)")
+    log.info("bench: %d trials on %d ranks (%d pairs, %d timed steps each)", len(trials), world, cfg.pairs, cfg.steps)
+    results = run_distributed(run_trials, world, trials, threads, timeout=float(cfg.timeout_s), env=env)
+    single: list[dict[str, Any]] = []
+    if cfg.scaling.enabled:
+        one = {"single": ({"_target_": None}, {})}
+        solo = [t for model in cfg.scaling.models for t in _trials(cfg, model, one)]
+        log.info("bench: %d single-process trials for scaling efficiency", len(solo))
+        single = run_distributed(run_trials, 1, solo, threads, timeout=float(cfg.timeout_s), env=env)[0]
+    meta = {"date": date.today().isoformat(), "cpu": _cpu_model(), "python": platform.python_version(),
+            "torch": _version("torch"), "lightning": _version("lightning"), "world_size": world,
+            "threads_per_rank": threads, "command": " ".join(["lightning-sync", "bench", *sys.argv[1:]])}
+    report = Report(results, single, cfg, meta)
+    report.write(out_dir)
+    return report
+
+
+def _version(pkg: str) -> str:
+    from importlib.metadata import version
+
+    return version(pkg)
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip() + f" ({os.cpu_count()} cores)"
+    except OSError:
+        pass
+    return platform.processor() or "unknown"

@@ -1,0 +1,147 @@
+"""Benchmark trials, run inside every rank: one ``Trainer.fit`` per trial, measured by a callback.
+
+A *trial* is one strategy on one model for ``warmup + steps`` optimizer steps. Every rank runs the
+same list of trials in the same order (the schedule alternates strategies A, B, A, B, ... so slow
+drifts of the machine hit all of them alike). Each trial reports, per rank:
+
+* ``step_s``: wall time of each timed step (``on_train_batch_start`` to ``on_train_batch_end``:
+  forward, backward, communication and the optimizer step);
+* ``bytes_per_step``: payload bytes this rank sent through ``lightning_sync.comms`` per timed step
+  (0 for torch's own DDP, whose traffic bypasses comms; the report shows the analytic figure);
+* ``exposed_s``: per step, communication still running after backward ended (strategies with a
+  ``bucketer``), and ``comm_s``: the same gradient buckets all-reduced alone, without compute;
+* ``peak_mib``: peak resident memory during the timed steps above the level before the model was
+  built (``torch.cuda.max_memory_allocated`` on GPU).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+from lightning_sync import comms
+
+__all__ = ["StepProbe", "Trial", "run_trials"]
+
+
+@dataclass
+class Trial:
+    """One measured fit."""
+
+    name: str
+    """Row name in the report (e.g. ``bucketed_ddp`` or ``cap=5``)."""
+    model: str
+    """Model name (a key of the bench config's ``models``)."""
+    strategy: dict[str, Any]
+    """Hydra node with ``_target_`` building the strategy (``None`` target: single device)."""
+    model_cfg: dict[str, Any]
+    """Hydra node building the LightningModule."""
+    data_cfg: dict[str, Any]
+    """Hydra node building the LightningDataModule."""
+    steps: int = 20
+    """Timed optimizer steps."""
+    warmup: int = 5
+    """Untimed steps first (bucket rebuild, allocator warm-up, PowerSGD warm-up)."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Free-form labels carried into the report (e.g. the bucket cap)."""
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+class StepProbe(pl.Callback):
+    """Times each step and samples bytes, exposed communication and memory (see module docstring)."""
+
+    def __init__(self, warmup: int) -> None:
+        self.warmup = warmup
+        self.step_s: list[float] = []
+        self.exposed_s: list[float] = []
+        self.bytes: list[int] = []
+        self.peak_rss = 0.0
+        self.bucketer: Any = None  # kept past teardown, for the communication-alone measurement
+        self._t0 = 0.0
+        self._b0 = 0
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        self._t0 = time.perf_counter()
+        self._b0 = comms.get_stats().total_bytes
+
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.peak_rss = max(self.peak_rss, _rss_mib())
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        elapsed = time.perf_counter() - self._t0
+        self.peak_rss = max(self.peak_rss, _rss_mib())
+        if trainer.global_step <= self.warmup:
+            return
+        self.step_s.append(elapsed)
+        self.bytes.append(comms.get_stats().total_bytes - self._b0)
+        bucketer = getattr(trainer.strategy, "bucketer", None)
+        if bucketer is not None:
+            self.bucketer = bucketer
+            self.exposed_s.append(bucketer.trace.exposed_seconds)
+
+
+def _comm_alone(bucketer: Any, repeats: int = 3) -> float:
+    """Seconds to all-reduce the strategy's buckets back to back with no compute (median of repeats)."""
+    times = []
+    for _ in range(repeats):
+        comms.barrier()
+        t0 = time.perf_counter()
+        works = [comms.all_reduce(b.buffer.clone(), op="avg", async_op=True) for b in bucketer.buckets]
+        for w in works:
+            w.wait()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def _run_one(trial: Trial, world: int) -> dict[str, Any]:
+    from hydra.utils import instantiate
+
+    import lightning_sync  # noqa: F401 - registers the strategy names
+
+    gc.collect()  # the previous trial's Trainer/module cycles, so the baseline is not inflated
+    base_rss = _rss_mib()
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    pl.seed_everything(0, verbose=False)
+    model = instantiate(trial.model_cfg)
+    data = instantiate(trial.data_cfg)
+    strategy = instantiate(trial.strategy) if trial.strategy.get("_target_") else "auto"
+    probe = StepProbe(trial.warmup)
+    trainer = pl.Trainer(accelerator="gpu" if torch.cuda.is_available() else "cpu", devices=world,
+                         strategy=strategy, max_steps=trial.warmup + trial.steps, max_epochs=-1,
+                         limit_val_batches=0, num_sanity_val_steps=0, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[probe])
+    comms.reset_stats()
+    trainer.fit(model, datamodule=data)
+    bucketer = probe.bucketer
+    comm_s = _comm_alone(bucketer) if bucketer is not None and world > 1 else None
+    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    peak = (torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available()
+            else probe.peak_rss - base_rss)
+    if bucketer is not None:
+        bucketer.close()
+    return {"name": trial.name, "model": trial.model, "world": world, "step_s": probe.step_s,
+            "bytes_per_step": (sum(probe.bytes) / len(probe.bytes)) if probe.bytes else 0.0,
+            "exposed_s": probe.exposed_s, "comm_s": comm_s, "grad_bytes": grad_bytes, "peak_mib": peak,
+            "extra": trial.extra}
+
+
+def run_trials(rank: int, world: int, trials: list[Trial], threads: int = 1) -> list[dict[str, Any]]:
+    """Run every trial in order on this rank (called by ``run_distributed``); returns the measurements."""
+    import logging
+    import warnings
+
+    torch.set_num_threads(threads)
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore")
+    return [_run_one(t, world) for t in trials]
