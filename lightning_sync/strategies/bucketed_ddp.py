@@ -16,14 +16,16 @@ What is synchronized, and when:
   flat message; ``broadcast_buffers=False`` keeps each rank's own.
 * **Metrics:** ``reduce``/``all_gather``/``broadcast``/``barrier`` go through ``lightning_sync.comms``.
 * **Checkpoints:** the model and optimizer are identical on every rank and saved by rank 0; the
-  compressor state (PowerSGD's error feedback differs per rank) is gathered from every rank into
-  the checkpoint and handed back to each rank on resume (reset if the world size changed).
+  bucketer state (step count, recorded bucket order, and the compressor state: PowerSGD's error
+  feedback differs per rank) is gathered from every rank into the checkpoint and handed back to each
+  rank on resume (the compressor state is reset if the world size changed).
 
 If a rank fails, its peers raise once the process group notices (connection closed, or ``timeout``).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Generator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -96,8 +98,12 @@ class BucketedDDPStrategy(DDPStrategy):
                  broadcast_buffers: bool = True, process_group_backend: str | None = None,
                  timeout: float | timedelta = 1800.0, start_method: str = "popen", **kwargs: Any) -> None:
         for name, value in (("bucket_cap_mb", bucket_cap_mb), ("first_bucket_mb", first_bucket_mb)):
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
-                raise ValueError(f"{name} must be a number > 0 (MiB), got {value!r}")
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < math.inf:
+                raise ValueError(f"{name} must be a finite number > 0 (MiB), got {value!r}")
+        for name, value, low in (("powersgd_rank", powersgd_rank, 1),
+                                 ("powersgd_warmup_steps", powersgd_warmup_steps, 0)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:  # checked even if unused
+                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
         if compression not in (None, "none", *COMPRESSIONS):
             raise ValueError(f"unknown compression {compression!r}; allowed: {[None, *COMPRESSIONS]}")
         if start_method not in ("popen", "spawn", "fork", "forkserver"):
@@ -244,7 +250,8 @@ class BucketedDDPStrategy(DDPStrategy):
         else:
             rank_zero_info(f"{type(self).__name__}: checkpoint has compressor state for {len(states)} ranks, "
                            f"this run has {self.world_size}; starting compression state afresh")
-            self.bucketer.load_state_dict({"step": states[0].get("step", 0)})
+            self.bucketer.load_state_dict({"step": states[0].get("step", 0),
+                                           "ready_order": states[0].get("ready_order", [])})
         self._pending_state = None
 
     @classmethod

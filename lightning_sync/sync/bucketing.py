@@ -4,9 +4,10 @@ What is synchronized, and when (Li et al., "PyTorch Distributed", VLDB 2020):
 
 1. **Plan.** Parameters that require grad (each tied/shared tensor once) are walked in *reverse*
    registration order, roughly the order backward produces their gradients, and packed into
-   buckets of at most ``bucket_cap_mb`` (the first at most ``first_bucket_mb``, so communication
-   starts early). A bucket holds one dtype on one device and is one flat buffer; a parameter larger
-   than the cap gets a bucket of its own. With ``gradient_as_bucket_view`` every ``param.grad`` *is*
+   buckets that close once they hold ``bucket_cap_mb`` (the first ``first_bucket_mb``, so
+   communication starts early). A bucket holds one dtype on one device and is one flat buffer; a
+   parameter is never split, so the one that closes a bucket may take it past the cap (as in torch).
+   With ``gradient_as_bucket_view`` every ``param.grad`` *is*
    a view into its bucket, so gradients are never copied into or out of a bucket.
 2. **Overlap.** A post-accumulate-grad hook marks each parameter ready once its gradient for this
    backward is complete. When a bucket's last parameter is ready, its asynchronous all-reduce
@@ -16,7 +17,8 @@ What is synchronized, and when (Li et al., "PyTorch Distributed", VLDB 2020):
    optimizer step.
 3. **Rebuild.** The first synchronized backward records the order in which gradients became ready.
    Before the next backward the buckets are re-planned in that order; rank 0's order is broadcast so
-   every rank builds the same buckets.
+   every rank builds the same buckets. :meth:`GradBucketer.state_dict` carries the order, so a run
+   resumed from a checkpoint re-plans the same buckets before its first backward.
 4. **Unused parameters.** A parameter that got no gradient is zero-filled so the bucket can still
    be reduced (no peer is left waiting in a collective). With ``find_unused_parameters=True`` that
    is the intended behaviour, and one extra all-reduce of a "used" bitmap finds the parameters no
@@ -32,6 +34,7 @@ times out or notices the dead peer ("connection closed"); nothing here retries.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -54,7 +57,9 @@ def plan_buckets(sizes: list[int], keys: list[Any], order: Iterable[int], cap_by
 
     Walk ``order``; each (dtype, device) ``key`` has one open bucket; a bucket closes once it holds
     at least its limit in bytes (``first_cap_bytes`` for the first bucket closed, then
-    ``cap_bytes``). Buckets are returned in the order they closed, so index 0 fills first.
+    ``cap_bytes``). A parameter is never split: one that reaches the limit on its own joins the open
+    bucket of its key (alone if none is open) and closes it. Buckets are returned in the order they
+    closed, so index 0 fills first.
     """
     if cap_bytes <= 0 or first_cap_bytes <= 0:
         raise ValueError(f"bucket caps must be > 0 bytes, got cap={cap_bytes}, first={first_cap_bytes}")
@@ -115,8 +120,8 @@ class GradBucketer:
     Args:
         named_params: the model's ``named_parameters()``; frozen ones are skipped, shared ones kept once.
         comm: the :class:`~lightning_sync.sync.communicator.Communicator` to reduce over.
-        bucket_cap_mb: bucket size limit in MiB (> 0).
-        first_bucket_mb: limit of the first bucket in MiB (> 0).
+        bucket_cap_mb: bucket size limit in MiB (finite, > 0).
+        first_bucket_mb: limit of the first bucket in MiB (finite, > 0; capped at bucket_cap_mb).
         gradient_as_bucket_view: make each ``param.grad`` a view into its bucket (no copies).
         find_unused_parameters: zero-fill parameters without a gradient instead of raising.
         compressor: how a bucket is reduced (``None``: plain average); see ``sync.compression``.
@@ -126,8 +131,8 @@ class GradBucketer:
                  bucket_cap_mb: float = 25.0, first_bucket_mb: float = 1.0, gradient_as_bucket_view: bool = True,
                  find_unused_parameters: bool = False, compressor: Any | None = None) -> None:
         for name, value in (("bucket_cap_mb", bucket_cap_mb), ("first_bucket_mb", first_bucket_mb)):
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
-                raise ValueError(f"{name} must be a number > 0 (MiB), got {value!r}")
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < math.inf:
+                raise ValueError(f"{name} must be a finite number > 0 (MiB), got {value!r}")
         seen: set[int] = set()
         self._params: list[nn.Parameter] = []
         self.names: list[str] = []
@@ -137,8 +142,10 @@ class GradBucketer:
                 self._params.append(p)
                 self.names.append(name)
         self._comm = comm
-        self._cap = int(bucket_cap_mb * _MB)
-        self._first_cap = int(first_bucket_mb * _MB)
+        # at least one byte, so a tiny cap means "one parameter a bucket"; the first bucket is never
+        # larger than the cap (torch's 1 MiB first bucket only ever shrinks the first bucket)
+        self._cap = max(1, int(bucket_cap_mb * _MB))
+        self._first_cap = max(1, int(min(first_bucket_mb, bucket_cap_mb) * _MB))
         self._as_view = gradient_as_bucket_view
         self._find_unused = find_unused_parameters
         self._compressor = compressor
@@ -149,6 +156,7 @@ class GradBucketer:
         self._ready = [False] * len(self._params)
         self._ready_order: list[int] = []
         self._rebuilt = False
+        self._order_known = False  # a ready order was recorded (or restored): rebuild before the next backward
         self._next_launch = 0
         self.step = 0
         self.trace = StepTrace()
@@ -189,9 +197,10 @@ class GradBucketer:
         self._rebuilt = True
 
     def prepare_for_backward(self) -> None:
-        """Call before each backward: rebuild once after the first synchronized step, and point
-        ``None`` gradients at their (zeroed) bucket views so autograd accumulates in place."""
-        if self.step >= 1 and not self._rebuilt and self._sync:
+        """Call before each backward: rebuild once after the first synchronized step (or at once
+        after :meth:`load_state_dict` restored a ready order), and point ``None`` gradients at their
+        (zeroed) bucket views so autograd accumulates in place."""
+        if self._order_known and not self._rebuilt and self._sync:
             self.rebuild()
         if self._as_view:
             for i, p in enumerate(self._params):
@@ -234,7 +243,7 @@ class GradBucketer:
                 p.grad = view
         if not self._ready[i]:
             self._ready[i] = True
-            if not self._rebuilt:
+            if not self._order_known:  # only the first synchronized backward is recorded
                 self._ready_order.append(i)
             bucket.pending -= 1
             if bucket.pending == 0:
@@ -287,6 +296,7 @@ class GradBucketer:
                 p.grad.copy_(view)
         self.trace.synced_at = time.perf_counter()
         self.step += 1
+        self._order_known = True
         self._used = [False] * len(self._params)
         if missing and not self._find_unused:
             names = [self.names[i] for i in sorted(missing)]
@@ -303,15 +313,20 @@ class GradBucketer:
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """Rebuilt order and compressor state (this rank's)."""
-        state: dict[str, Any] = {"step": self.step}
+        """Step count, the recorded ready order and compressor state (this rank's)."""
+        state: dict[str, Any] = {"step": self.step, "ready_order": list(self._ready_order)}
         if self._compressor is not None and hasattr(self._compressor, "state_dict"):
             state["compressor"] = self._compressor.state_dict()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` saved (the buckets are re-planned on the next step)."""
+        """Restore what :meth:`state_dict` saved. A saved ready order re-plans the buckets before the next
+        synchronized backward (as the saving run had them); without one, the next backward records it.
+        Every rank must load a state with or without an order alike (the re-plan is a collective)."""
         self.step = int(state.get("step", 0))
+        order = [int(i) for i in state.get("ready_order", [])]
+        if order and len(set(order)) == len(order) and all(0 <= i < len(self._params) for i in order):
+            self._ready_order, self._order_known, self._rebuilt = order, True, False
         if "compressor" in state and self._compressor is not None:
             self._compressor.load_state_dict(state["compressor"])
 

@@ -204,4 +204,4 @@ def make_compressor(name: str | None, powersgd_rank: int = 2, powersgd_warmup_st
         return CastCompression(torch.bfloat16)
     if name == "powersgd":
         return PowerSGD(rank=powersgd_rank, warmup_steps=powersgd_warmup_steps)
-    raise ValueError(f"unknown compression {name!r}; allowed: {[None, *COMPRESSIONS]}")
+    raise ValueError(f"unknown compression {name!r}; allowed: {[None, 'none', *COMPRESSIONS]}")
