@@ -10,12 +10,14 @@ drifts of the machine hit all of them alike). Each trial reports, per rank:
   (0 for torch's own DDP, whose traffic bypasses comms; the report shows the analytic figure);
 * ``exposed_s``: per step, communication still running after backward ended (strategies with a
   ``bucketer``), and ``comm_s``: the same gradient buckets all-reduced alone, without compute;
-* ``peak_mib``: peak resident memory during the timed steps above the level before the model was
-  built (``torch.cuda.max_memory_allocated`` on GPU).
+* ``peak_mib``: peak allocated memory (glibc ``mallinfo2``, sampled before and after each backward
+  and after each step) above the level before the model was built: parameters, gradients, bucket
+  buffers, optimizer state and activations (``torch.cuda.max_memory_allocated`` on GPU).
 """
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import os
 import time
@@ -52,9 +54,25 @@ class Trial:
     """Free-form labels carried into the report (e.g. the bucket cap)."""
 
 
-def _rss_mib() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                               "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def _allocated_mib() -> float:
+    """Bytes currently allocated through malloc (heap in use + mmapped blocks), in MiB.
+
+    Unlike RSS this falls when tensors are freed, so it can be compared across trials that share a
+    process. glibc only; elsewhere it falls back to RSS.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallinfo2.restype = _MallInfo2
+        info = libc.mallinfo2()
+        return (info.uordblks + info.hblkhd) / 2**20
+    except (OSError, AttributeError):
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
 class StepProbe(pl.Callback):
@@ -74,12 +92,15 @@ class StepProbe(pl.Callback):
         self._t0 = time.perf_counter()
         self._b0 = comms.get_stats().total_bytes
 
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Any) -> None:
+        self.peak_rss = max(self.peak_rss, _allocated_mib())  # activations are alive here
+
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.peak_rss = max(self.peak_rss, _rss_mib())
+        self.peak_rss = max(self.peak_rss, _allocated_mib())
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         elapsed = time.perf_counter() - self._t0
-        self.peak_rss = max(self.peak_rss, _rss_mib())
+        self.peak_rss = max(self.peak_rss, _allocated_mib())
         if trainer.global_step <= self.warmup:
             return
         self.step_s.append(elapsed)
@@ -109,7 +130,7 @@ def _run_one(trial: Trial, world: int) -> dict[str, Any]:
     import lightning_sync  # noqa: F401 - registers the strategy names
 
     gc.collect()  # the previous trial's Trainer/module cycles, so the baseline is not inflated
-    base_rss = _rss_mib()
+    base_rss = _allocated_mib()
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     pl.seed_everything(0, verbose=False)
