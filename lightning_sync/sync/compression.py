@@ -119,7 +119,12 @@ class PowerSGD:
         # message 1: every P = M Q, plus the uncompressed tensors, in one flat all-reduce
         ps = [m @ q for _, m, q in mats]
         msg1 = torch.cat([t.reshape(-1) for t in ps + rest]) if ps or rest else bucket.buffer.new_zeros(0)
-        inputs = [m.clone() for _, m, _ in mats] if self.error_feedback else []
+        if self.error_feedback:  # keep this step's input; the buffers persist, so no allocation per step
+            for i, m, _ in mats:
+                if i in self._error and self._error[i].shape == m.shape:
+                    self._error[i].copy_(m)
+                else:
+                    self._error[i] = m.clone()
         work1 = comm.all_reduce(msg1, op="sum", async_op=True)
 
         def finish() -> None:
@@ -141,12 +146,11 @@ class PowerSGD:
                 for q in qs:
                     q.copy_(msg2[offset : offset + q.numel()].view_as(q))
                     offset += q.numel()
-            for k, ((i, m, _), p, q) in enumerate(zip(mats, ps_orth, qs)):
-                torch.matmul(p, q.t(), out=m)
-                m.div_(world)
+            for (i, m, _), p, q in zip(mats, ps_orth, qs):
+                torch.matmul(p, q.t() / world, out=m)  # the average of the approximations
                 self._q[i] = q
                 if self.error_feedback:
-                    self._error[i] = inputs[k] - m
+                    self._error[i].sub_(m)  # error = input - approximation
 
         return _Deferred(_Done(), finish)
 
@@ -166,8 +170,8 @@ class PowerSGD:
         return total
 
     def state_dict(self) -> dict[str, Any]:
-        return {"q": {i: q.cpu() for i, q in self._q.items()},
-                "error": {i: e.cpu() for i, e in self._error.items()}}
+        return {"q": {i: q.detach().cpu().clone() for i, q in self._q.items()},
+                "error": {i: e.detach().cpu().clone() for i, e in self._error.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._q = {int(i): q for i, q in state.get("q", {}).items()}

@@ -23,6 +23,7 @@ import faulthandler
 import io
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import signal
 import tempfile
@@ -67,7 +68,7 @@ def _decode(data: bytes) -> Any:
 
 
 def _child(
-    fn: Callable[..., Any],
+    job: bytes,
     rank: int,
     world_size: int,
     port: int,
@@ -75,12 +76,14 @@ def _child(
     pg_timeout_s: float,
     stack_file: str,
     env: Mapping[str, str],
-    args: Sequence[Any],
-    kwargs: Mapping[str, Any],
     results: Any,
 ) -> None:
-    dump = open(stack_file, "w")  # noqa: SIM115 - must outlive this frame for faulthandler
+    # The handler is in place before the (possibly slow) unpickling of the job. The file appears
+    # under its final name only once the handler is registered: the parent signals only ranks
+    # whose file exists, since SIGUSR2 would otherwise terminate the process.
+    dump = open(stack_file + ".tmp", "w")  # noqa: SIM115 - must outlive this frame for faulthandler
     faulthandler.register(_DUMP_SIGNAL, file=dump, all_threads=True)
+    os.rename(stack_file + ".tmp", stack_file)
     os.environ.update(
         {
             "MASTER_ADDR": "127.0.0.1",
@@ -94,6 +97,7 @@ def _child(
     )
     os.environ.update(env)
     try:
+        fn, args, kwargs = pickle.loads(job)
         import torch
         import torch.distributed as dist
 
@@ -160,6 +164,7 @@ def run_distributed(
         raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
     import torch.distributed as dist
 
+    job = pickle.dumps((fn, args, kwargs))  # unpickled in the child after its stack-dump handler is set
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False,
@@ -169,8 +174,8 @@ def run_distributed(
     procs = [
         ctx.Process(
             target=_child,
-            args=(fn, r, world_size, store.port, backend, pg_timeout or timeout, stack_files[r],
-                  dict(env or {}), args, kwargs, results),
+            args=(job, r, world_size, store.port, backend, pg_timeout or timeout, stack_files[r],
+                  dict(env or {}), results),
             name=f"lightning_sync-rank{r}",
             daemon=True,
         )
@@ -226,14 +231,15 @@ def _raise_root_cause(procs: list[Any], dead: list[int], errors: dict[int, tuple
 def _raise_timeout(fn: Callable[..., Any], procs: list[Any], outputs: dict[int, Any],
                    errors: dict[int, tuple[float, str]], stack_files: list[str], timeout: float) -> None:
     stuck = [r for r in range(len(procs)) if r not in outputs and r not in errors]
-    for r in stuck:  # ask every stuck rank for the stacks of all its threads
-        if procs[r].is_alive():
-            os.kill(procs[r].pid, _DUMP_SIGNAL)
+    ready = [r for r in stuck if procs[r].is_alive() and os.path.exists(stack_files[r])]
+    for r in ready:  # ask every stuck rank for the stacks of all its threads
+        os.kill(procs[r].pid, _DUMP_SIGNAL)
     end = time.monotonic() + 5.0
-    while time.monotonic() < end and not all(_read(stack_files[r], None) for r in stuck):
+    while time.monotonic() < end and not all(_read(stack_files[r], None) for r in ready):
         time.sleep(0.05)
     time.sleep(0.2)  # let the last dump finish writing
-    stacks = "\n".join(f"--- rank {r} stacks ---\n{_read(stack_files[r])}" for r in stuck)
+    stacks = "\n".join(f"--- rank {r} stacks ---\n" + (_read(stack_files[r]) if r in ready else
+                        "(still starting up: the process had not reached the harness yet)") for r in stuck)
     returned = sorted(outputs)
     raise DistributedTimeoutError(
         f"{fn.__name__} on {len(procs)} ranks did not finish within {timeout:.0f}s; ranks {stuck} never "
