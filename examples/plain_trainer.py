@@ -1,7 +1,7 @@
 """Put a strategy on your own LightningModule: no Hydra, just ``Trainer(strategy=...)``.
 
-    python examples/plain_trainer.py                      # 2 CPU processes, Lightning's "ddp"
-    python examples/plain_trainer.py --strategy ddp --devices 2 --max-steps 100
+    python examples/plain_trainer.py                      # 2 CPU processes, "bucketed_ddp"
+    python examples/plain_trainer.py --strategy ddp --devices 2 --max-steps 100   # Lightning's own DDP
 
 Any name registered with Lightning's StrategyRegistry works for ``--strategy``; importing
 ``lightning_sync`` registers the package's own strategies. The model below is deliberately yours,
@@ -50,7 +50,7 @@ def diabetes_loader(batch_size: int) -> DataLoader:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--strategy", default="ddp", help="a registered strategy name")
+    parser.add_argument("--strategy", default="bucketed_ddp", help="a registered strategy name")
     parser.add_argument("--devices", type=int, default=2, help="processes on this machine")
     parser.add_argument("--max-steps", type=int, default=60, help="optimizer steps")
     parser.add_argument("--batch-size", type=int, default=32, help="per-rank batch size")
@@ -61,7 +61,7 @@ def main() -> None:
                          max_steps=args.max_steps, logger=False, enable_checkpointing=False)
     model = MyRegressor()
     trainer.fit(model, diabetes_loader(args.batch_size))
-    if trainer.is_global_zero:
+    if trainer.is_global_zero and trainer.global_step:  # a *_spawn strategy trains in child processes
         print(f"final train_mse={float(trainer.callback_metrics['train_mse']):.4f} "
               f"after {trainer.global_step} steps on {trainer.world_size} ranks ({args.strategy})")
 
