@@ -30,7 +30,7 @@ def test_bench_smoke_writes_report_with_exact_byte_ratios(tmp_path: Path) -> Non
     rows = {}
     for line in report.read_text().splitlines():
         cells = [c.strip() for c in line.strip("|").split("|")]
-        if len(cells) == 11 and cells[0] == "deep_mlp":
+        if len(cells) == 12 and cells[0] == "deep_mlp":
             rows[cells[1]] = cells
     assert set(rows) == {"lightning_ddp", "bucketed_ddp", "bucketed_ddp_fp16", "bucketed_ddp_bf16",
                          "bucketed_ddp_powersgd"}
