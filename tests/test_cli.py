@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import shutil
@@ -26,6 +27,16 @@ def _cli() -> list[str]:
 def run_cli(args: list[str], cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k not in _SCRUB}
     return subprocess.run([*_cli(), *args], cwd=cwd, env=env, text=True, capture_output=True, timeout=timeout)
+
+
+def run_example(name: str, args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    """Run ``examples/<name>`` with this interpreter; fails the test on a non-zero exit."""
+    example = Path(__file__).resolve().parents[1] / "examples" / name
+    env = {k: v for k, v in os.environ.items() if k not in _SCRUB}
+    proc = subprocess.run([sys.executable, str(example), *args], cwd=cwd, env=env, text=True,
+                          capture_output=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc
 
 
 def final_metrics(out: str) -> tuple[int, int, dict[str, float]]:
@@ -100,12 +111,20 @@ def test_train_char_gpt_50_steps_reports_bpc_and_sample(tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_plain_trainer_example_trains_on_two_ranks(tmp_path: Path) -> None:
-    example = Path(__file__).resolve().parents[1] / "examples" / "plain_trainer.py"
-    env = {k: v for k, v in os.environ.items() if k not in _SCRUB}
-    proc = subprocess.run([sys.executable, str(example), "--max-steps", "60"], cwd=tmp_path, env=env,
-                          text=True, capture_output=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    proc = run_example("plain_trainer.py", ["--max-steps", "60"], tmp_path)
     match = re.search(r"final train_mse=([\d.]+) after (\d+) steps on (\d+) ranks", proc.stdout)
     assert match, proc.stdout[-2000:]
     # Targets are standardised, so predicting their mean scores 1.0; a trained net must do clearly better.
     assert float(match.group(1)) < 0.8 and match.group(2) == "60" and match.group(3) == "2"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_overlap_probe_example_reports_its_measurements(tmp_path: Path) -> None:
+    proc = run_example("overlap_probe.py", ["--caps", "0.5"], tmp_path)
+    match = re.search(r"cap=0.5 MiB: (\{.*\})", proc.stdout)
+    assert match, proc.stdout[-2000:]
+    got = ast.literal_eval(match.group(1))  # the example prints a dict literal
+    assert got["buckets"] > 2  # 0.5 MiB caps split deep_mlp's 8 MiB of gradients
+    assert all(got[k] > 0 for k in ("compute_ms", "comm_alone_ms", "step_ms", "backward_ms"))
+    assert got["backward_ms"] <= got["step_ms"]  # backward ends inside the step it is part of

@@ -7,8 +7,10 @@ from lightning_sync.sync.communicator import (
     ProcessGroupCommunicator,
 )
 from lightning_sync.sync.compression import COMPRESSIONS, CastCompression, PowerSGD, make_compressor
+from lightning_sync.sync.sharding import ZERO_STAGES, FlatShard, OwnedSlice, zero_memory_bytes
 
 __all__ = [
-    "COMPRESSIONS", "Bucket", "CastCompression", "Communicator", "GradBucketer", "LoopbackCommunicator",
-    "PowerSGD", "ProcessGroupCommunicator", "StepTrace", "make_compressor", "plan_buckets",
+    "COMPRESSIONS", "ZERO_STAGES", "Bucket", "CastCompression", "Communicator", "FlatShard", "GradBucketer",
+    "LoopbackCommunicator", "OwnedSlice", "PowerSGD", "ProcessGroupCommunicator", "StepTrace", "make_compressor",
+    "plan_buckets", "zero_memory_bytes",
 ]

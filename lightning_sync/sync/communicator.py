@@ -41,6 +41,11 @@ class Communicator(Protocol):
 
     def all_gather_object(self, obj: Any) -> list[Any]: ...
 
+    def all_gather_into(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> Any: ...
+
+    def reduce_scatter_into(self, output: torch.Tensor, input: torch.Tensor, op: str = "sum",
+                            async_op: bool = False) -> Any: ...
+
 
 class ProcessGroupCommunicator:
     """A :class:`Communicator` over a torch process group, through :mod:`lightning_sync.comms`."""
@@ -72,6 +77,13 @@ class ProcessGroupCommunicator:
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         return comms.all_gather_object(obj, group=self._group)
+
+    def all_gather_into(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> Any:
+        return comms.all_gather_into(output, input, group=self._group, async_op=async_op)
+
+    def reduce_scatter_into(self, output: torch.Tensor, input: torch.Tensor, op: str = "sum",
+                            async_op: bool = False) -> Any:
+        return comms.reduce_scatter_into(output, input, op=op, group=self._group, async_op=async_op)
 
 
 class CompletedWork:
@@ -128,3 +140,25 @@ class LoopbackCommunicator:
     def all_gather_object(self, obj: Any) -> list[Any]:
         self.calls.append(("all_gather_object", 0))
         return [obj] * self._world
+
+    def all_gather_into(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> Any:
+        """Every rank holds ``input``, so the gathered buffer is ``input`` repeated K times."""
+        if output.numel() != self._world * input.numel():
+            raise ValueError(f"output has {output.numel()} elements, expected {self._world} x {input.numel()}")
+        self.calls.append(("all_gather_into", input.numel()))
+        output.view(self._world, -1).copy_(input.reshape(1, -1))
+        return CompletedWork(output) if async_op else output
+
+    def reduce_scatter_into(self, output: torch.Tensor, input: torch.Tensor, op: str = "sum",
+                            async_op: bool = False) -> Any:
+        """Every rank holds ``input``: this rank's chunk, times K for ``sum``, unchanged otherwise."""
+        if op not in comms.REDUCE_OPS:
+            raise ValueError(f"unknown reduce op {op!r}; allowed: {sorted(comms.REDUCE_OPS)}")
+        if input.numel() != self._world * output.numel():
+            raise ValueError(f"input has {input.numel()} elements, expected {self._world} x {output.numel()}")
+        self.calls.append(("reduce_scatter_into", input.numel()))
+        n = output.numel()
+        output.view(-1).copy_(input.reshape(-1)[self._rank * n : (self._rank + 1) * n])
+        if op == "sum":
+            output.mul_(self._world)
+        return CompletedWork(output) if async_op else output
