@@ -163,15 +163,23 @@ class BucketedDDPStrategy(DDPStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self.broadcast_buffers and self.model is not None:
-            buffers = [b for b in self.model.buffers() if b.numel()]
-            if buffers:
-                flat = torch.cat([b.detach().reshape(-1).to(buffers[0].dtype) for b in buffers])
-                comms.broadcast(flat, src=0)
-                offset = 0
-                for b in buffers:
-                    b.data.copy_(flat[offset : offset + b.numel()].view_as(b))
-                    offset += b.numel()
+            self._broadcast_buffers(self.model)
         return super().training_step(*args, **kwargs)
+
+    @staticmethod
+    def _broadcast_buffers(model: torch.nn.Module) -> None:
+        """Rank 0's buffers to every rank: one flat broadcast per dtype (none without buffers)."""
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for b in model.buffers():
+            if b.numel():
+                by_dtype.setdefault(b.dtype, []).append(b)
+        for buffers in by_dtype.values():
+            flat = torch.cat([b.detach().reshape(-1) for b in buffers])
+            comms.broadcast(flat, src=0)
+            offset = 0
+            for b in buffers:
+                b.data.copy_(flat[offset : offset + b.numel()].view_as(b))
+                offset += b.numel()
 
     @override
     def pre_backward(self, closure_loss: torch.Tensor) -> None:
