@@ -6,6 +6,7 @@ that the model files only describe what is particular to them.
 
 from __future__ import annotations
 
+import abc
 import math
 from collections.abc import Iterable
 
@@ -227,7 +228,7 @@ class ClassifierModule(pl.LightningModule):
         )
 
 
-class SplitDataModule(pl.LightningDataModule):
+class SplitDataModule(pl.LightningDataModule, metaclass=abc.ABCMeta):
     """LightningDataModule base for a fixed train/val pair of map-style datasets.
 
     Subclasses implement :meth:`_build_datasets`, which must be deterministic
@@ -253,9 +254,9 @@ class SplitDataModule(pl.LightningDataModule):
         """Per-process batch size."""
         return self._batch_size
 
+    @abc.abstractmethod
     def _build_datasets(self) -> tuple[Dataset, Dataset]:
-        """Return the ``(train, val)`` datasets."""
-        raise NotImplementedError
+        """Return the ``(train, val)`` datasets (each concrete data module defines it)."""
 
     def setup(self, stage: str | None = None) -> None:
         if self._datasets is None:
@@ -313,9 +314,9 @@ class TensorDataModule(SplitDataModule):
         """Number of target classes."""
         return self._num_classes
 
+    @abc.abstractmethod
     def _build(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """Return ``(x_train, y_train, x_val, y_val)``."""
-        raise NotImplementedError
+        """Return ``(x_train, y_train, x_val, y_val)`` (each concrete data module defines it)."""
 
     def _build_datasets(self) -> tuple[Dataset, Dataset]:
         x_train, y_train, x_val, y_val = self._build()
