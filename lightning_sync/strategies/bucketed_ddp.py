@@ -37,6 +37,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_sync import comms
+from lightning_sync.strategies._common import CommsCollectivesMixin, as_timedelta, check_launch_args
 from lightning_sync.sync.bucketing import GradBucketer
 from lightning_sync.sync.communicator import ProcessGroupCommunicator
 from lightning_sync.sync.compression import COMPRESSIONS, make_compressor
@@ -44,36 +45,9 @@ from lightning_sync.sync.compression import COMPRESSIONS, make_compressor
 __all__ = ["BucketedDDPStrategy"]
 
 _CKPT_KEY = "lightning_sync/bucketed_ddp"
-_REDUCE_OPS = {"mean": "avg", "avg": "avg", "sum": "sum", "max": "max", "min": "min"}
-_TORCH_OPS = {torch.distributed.ReduceOp.SUM: "sum", torch.distributed.ReduceOp.MAX: "max",
-              torch.distributed.ReduceOp.MIN: "min", torch.distributed.ReduceOp.AVG: "avg"}
-# Lightning components a user may pass explicitly; anything else is a typo and raises.
-_PASSTHROUGH = ("accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin")
 
 
-def _as_timedelta(timeout: float | timedelta) -> timedelta:
-    if isinstance(timeout, timedelta):
-        return timeout
-    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
-        raise ValueError(f"timeout must be a number of seconds > 0 or a timedelta, got {timeout!r}")
-    return timedelta(seconds=timeout)
-
-
-class _AllGatherWithGrad(torch.autograd.Function):
-    """``comms.all_gather`` whose backward sends each rank the gradient of its own slice."""
-
-    @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor) -> torch.Tensor:
-        return torch.stack(comms.all_gather(tensor.contiguous()))
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        grad = grad.contiguous()
-        comms.all_reduce(grad, op="sum")
-        return grad[comms.get_rank()]
-
-
-class BucketedDDPStrategy(DDPStrategy):
+class BucketedDDPStrategy(CommsCollectivesMixin, DDPStrategy):
     """Bucketed, overlapped gradient averaging; every collective explicit and counted.
 
     Args:
@@ -106,18 +80,9 @@ class BucketedDDPStrategy(DDPStrategy):
                 raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
         if compression not in (None, "none", *COMPRESSIONS):
             raise ValueError(f"unknown compression {compression!r}; allowed: {[None, *COMPRESSIONS]}")
-        if start_method not in ("popen", "spawn", "fork", "forkserver"):
-            raise ValueError(f"start_method must be one of ['popen', 'spawn', 'fork', 'forkserver'], "
-                             f"got {start_method!r}")
-        if process_group_backend not in (None, "gloo", "nccl"):
-            raise ValueError(f"process_group_backend must be one of [None, 'gloo', 'nccl'], "
-                             f"got {process_group_backend!r}")
-        unknown = sorted(set(kwargs) - set(_PASSTHROUGH))
-        if unknown:
-            raise ValueError(f"{type(self).__name__} got unknown arguments {unknown}; besides its own it accepts "
-                             f"{list(_PASSTHROUGH)}")
+        check_launch_args(type(self).__name__, process_group_backend, start_method, kwargs)
         self._compressor = make_compressor(compression, powersgd_rank, powersgd_warmup_steps)  # validates
-        super().__init__(process_group_backend=process_group_backend, timeout=_as_timedelta(timeout),
+        super().__init__(process_group_backend=process_group_backend, timeout=as_timedelta(timeout),
                          start_method=start_method, **kwargs)
         self.bucket_cap_mb, self.first_bucket_mb = bucket_cap_mb, first_bucket_mb
         self.gradient_as_bucket_view, self.find_unused_parameters = gradient_as_bucket_view, find_unused_parameters
@@ -199,39 +164,6 @@ class BucketedDDPStrategy(DDPStrategy):
             return
         with self.bucketer.no_sync():
             yield None
-
-    # ------------------------------------------------------------------ collectives for Lightning
-    @override
-    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
-        if not isinstance(tensor, torch.Tensor) or not torch.distributed.is_initialized():
-            return tensor
-        name = _TORCH_OPS.get(reduce_op, reduce_op) if reduce_op is not None else "mean"
-        if not isinstance(name, str) or name.lower() not in _REDUCE_OPS:
-            raise ValueError(f"reduce_op {reduce_op!r} is not supported; allowed: {sorted(_REDUCE_OPS)}")
-        op = _REDUCE_OPS[name.lower()]
-        out = tensor.detach().clone()
-        if op == "avg" and not out.is_floating_point():
-            out = out.float()
-        return comms.all_reduce(out, op=op, group=group)
-
-    @override
-    def all_gather(self, tensor: torch.Tensor, group: Any | None = None, sync_grads: bool = False) -> torch.Tensor:
-        if not torch.distributed.is_initialized():
-            return tensor
-        if sync_grads:
-            return _AllGatherWithGrad.apply(tensor)
-        return torch.stack(comms.all_gather(tensor.detach().contiguous(), group=group))
-
-    @override
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not torch.distributed.is_initialized():
-            return obj
-        return comms.broadcast_object(obj, src=src)
-
-    @override
-    def barrier(self, *args: Any, **kwargs: Any) -> None:
-        if torch.distributed.is_initialized():
-            comms.barrier()
 
     # ------------------------------------------------------------------ checkpoints
     @override

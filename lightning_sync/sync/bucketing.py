@@ -46,7 +46,7 @@ from torch import nn
 
 from lightning_sync.sync.communicator import Communicator, WorkLike
 
-__all__ = ["Bucket", "GradBucketer", "StepTrace", "plan_buckets"]
+__all__ = ["Bucket", "GradBucketer", "StepTrace", "SyncSwitch", "plan_buckets"]
 
 _MB = 2**20
 
@@ -114,7 +114,22 @@ class StepTrace:
         return sum(1 for t in self.launched_at if t is not None and t < self.backward_end)
 
 
-class GradBucketer:
+class SyncSwitch:
+    """``no_sync()``: backward passes inside it accumulate locally and issue no collective."""
+
+    _sync: bool = True
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate gradients locally and issue no collective."""
+        previous, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+
+class GradBucketer(SyncSwitch):
     """Average gradients across ranks in buckets, overlapped with backward. See the module docstring.
 
     Args:
@@ -218,15 +233,6 @@ class GradBucketer:
         return self._index[id(p)]
 
     # ------------------------------------------------------------------ backward
-    @contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Backward passes inside accumulate locally and issue no collective."""
-        previous, self._sync = self._sync, False
-        try:
-            yield
-        finally:
-            self._sync = previous
-
     def _on_grad_ready(self, p: torch.Tensor) -> None:
         i = self._index[id(p)]
         self._used[i] = True

@@ -1,0 +1,89 @@
+"""What the lightning_sync strategies share: argument checks and Lightning's collectives, routed
+through :mod:`lightning_sync.comms` so that metric syncing is counted like everything else."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from lightning_sync import comms
+
+__all__ = ["CommsCollectivesMixin", "as_timedelta", "check_launch_args", "PASSTHROUGH"]
+
+_REDUCE_OPS = {"mean": "avg", "avg": "avg", "sum": "sum", "max": "max", "min": "min"}
+_TORCH_OPS = {torch.distributed.ReduceOp.SUM: "sum", torch.distributed.ReduceOp.MAX: "max",
+              torch.distributed.ReduceOp.MIN: "min", torch.distributed.ReduceOp.AVG: "avg"}
+# Lightning components a user may pass explicitly; anything else is a typo and raises.
+PASSTHROUGH = ("accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin")
+
+
+def as_timedelta(timeout: float | timedelta) -> timedelta:
+    """A collective timeout given in seconds (or already a ``timedelta``), checked."""
+    if isinstance(timeout, timedelta):
+        return timeout
+    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
+        raise ValueError(f"timeout must be a number of seconds > 0 or a timedelta, got {timeout!r}")
+    return timedelta(seconds=timeout)
+
+
+class _AllGatherWithGrad(torch.autograd.Function):
+    """``comms.all_gather`` whose backward sends each rank the gradient of its own slice."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor) -> torch.Tensor:
+        return torch.stack(comms.all_gather(tensor.contiguous()))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.contiguous()
+        comms.all_reduce(grad, op="sum")
+        return grad[comms.get_rank()]
+
+
+def check_launch_args(owner: str, process_group_backend: Any, start_method: Any, kwargs: dict[str, Any]) -> None:
+    """Validate the launch arguments every strategy takes; unknown keyword arguments are typos."""
+    if start_method not in ("popen", "spawn", "fork", "forkserver"):
+        raise ValueError(f"start_method must be one of ['popen', 'spawn', 'fork', 'forkserver'], "
+                         f"got {start_method!r}")
+    if process_group_backend not in (None, "gloo", "nccl"):
+        raise ValueError(f"process_group_backend must be one of [None, 'gloo', 'nccl'], "
+                         f"got {process_group_backend!r}")
+    unknown = sorted(set(kwargs) - set(PASSTHROUGH))
+    if unknown:
+        raise ValueError(f"{owner} got unknown arguments {unknown}; besides its own it accepts {list(PASSTHROUGH)}")
+
+
+class CommsCollectivesMixin:
+    """``reduce``/``all_gather``/``broadcast``/``barrier`` for Lightning (torchmetrics ``sync_dist``,
+    ``self.all_gather``, checkpoint-path broadcasts) through :mod:`lightning_sync.comms`."""
+
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
+        if not isinstance(tensor, torch.Tensor) or not torch.distributed.is_initialized():
+            return tensor
+        name = _TORCH_OPS.get(reduce_op, reduce_op) if reduce_op is not None else "mean"
+        if not isinstance(name, str) or name.lower() not in _REDUCE_OPS:
+            raise ValueError(f"reduce_op {reduce_op!r} is not supported; allowed: {sorted(_REDUCE_OPS)}")
+        op = _REDUCE_OPS[name.lower()]
+        out = tensor.detach().clone()
+        if op == "avg" and not out.is_floating_point():
+            out = out.float()
+        return comms.all_reduce(out, op=op, group=group)
+
+    def all_gather(self, tensor: torch.Tensor, group: Any | None = None, sync_grads: bool = False) -> torch.Tensor:
+        if not torch.distributed.is_initialized():
+            return tensor
+        if sync_grads:
+            return _AllGatherWithGrad.apply(tensor)
+        return torch.stack(comms.all_gather(tensor.detach().contiguous(), group=group))
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not torch.distributed.is_initialized():
+            return obj
+        return comms.broadcast_object(obj, src=src)
+
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if torch.distributed.is_initialized():
+            comms.barrier()
+
