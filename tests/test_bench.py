@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 
+import lightning.pytorch as pl
 import pytest
+import torch
 
-from lightning_sync.bench import schedule
+from lightning_sync.bench import Report, schedule
+from lightning_sync.bench.app import select_strategies
+from lightning_sync.bench.report import analytic_wire_bytes, analytic_wire_factor, wire_bytes
+from lightning_sync.testing import run_distributed
 from test_cli import run_cli  # noqa: E402 - tests/ is on sys.path under pytest's rootdir import mode
 
 
@@ -17,25 +23,244 @@ def test_schedule_alternates_and_reverses() -> None:
         schedule(["a"], 0)
 
 
+SMOKE_ROWS = ["bucketed_ddp", "bucketed_ddp_fp16", "bucketed_ddp_bf16", "bucketed_ddp_powersgd", "fsdp2", "zero1",
+              "zero2", "zero3"]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_bench_smoke_writes_report_with_exact_byte_ratios(tmp_path: Path) -> None:
     proc = run_cli(["bench", "pairs=1", "steps=3", "warmup_steps=3", "run_models=[deep_mlp]",
+                    f"run_strategies=[{','.join(SMOKE_ROWS)}]",
                     "bucket_sweep.caps_mb=[1,10000]", "scaling.models=[deep_mlp]",
                     "models.deep_mlp.data.num_samples=1024"], tmp_path, timeout=360)
     assert proc.returncode == 0, proc.stderr[-4000:]
     (report,) = (tmp_path / "outputs" / "bench").glob("*/*/report.md")
-    assert (report.parent / "step_time.png").stat().st_size > 0
-    assert (report.parent / "bucket_sweep.png").stat().st_size > 0
-    rows = {}
+    for png in ("step_time.png", "bucket_sweep.png", "sharding.png"):
+        assert (report.parent / png).stat().st_size > 0
+    rows, shard_rows = {}, {}
     for line in report.read_text().splitlines():
         cells = [c.strip() for c in line.strip("|").split("|")]
         if len(cells) == 12 and cells[0] == "deep_mlp":
             rows[cells[1]] = cells
-    assert set(rows) == {"lightning_ddp", "bucketed_ddp", "bucketed_ddp_fp16", "bucketed_ddp_bf16",
-                         "bucketed_ddp_powersgd"}
+        if len(cells) == 9 and cells[0] == "deep_mlp":
+            shard_rows[cells[1]] = cells
+    assert set(rows) == {"lightning_ddp", *SMOKE_ROWS}
     # column 5 is payload bytes / gradient bytes: exact by construction for plain and cast buckets
     assert rows["bucketed_ddp"][5] == "1.000" and rows["bucketed_ddp_fp16"][5] == "0.500"
     assert rows["bucketed_ddp_bf16"][5] == "0.500" and float(rows["bucketed_ddp_powersgd"][5]) < 0.1
     assert rows["lightning_ddp"][3] == "1.000"  # the baseline's ratio to itself
+    assert rows["lightning_ddp"][6] == "n/a" and rows["fsdp2"][6] == "n/a"  # traffic outside comms
     assert re.search(r"Single-process step time T1\(b\) \(ms\): deep_mlp \d", report.read_text())
+    # sharding table: step ms, x lightning_ddp, x fsdp2, peak, wire, analytic, wire / analytic
+    assert list(shard_rows) == ["lightning_ddp", "bucketed_ddp", "fsdp2", "zero1", "zero2", "zero3"]
+    assert shard_rows["fsdp2"][4] == "1.000" and shard_rows["lightning_ddp"][3] == "1.000"
+    # measured wire bytes hit the analytic figure exactly (deep_mlp's units split evenly over 2 ranks, no
+    # padding): DDP one all-reduce, ZeRO-1/2 reduce-scatter + all-gather, ZeRO-3 two all-gathers + one
+    # reduce-scatter of every parameter byte
+    for name in ("bucketed_ddp", "zero1", "zero2", "zero3"):
+        assert shard_rows[name][8] == "1.000", shard_rows[name]
+    assert shard_rows["zero3"][7] == shard_rows["fsdp2"][7]  # like for like: 3(K-1)/K * S
+    assert float(shard_rows["zero1"][7]) == pytest.approx(float(shard_rows["bucketed_ddp"][7]), rel=1e-3)
+    assert shard_rows["fsdp2"][6] == "n/a" and float(shard_rows["fsdp2"][7]) == pytest.approx(
+        1.5 * float(shard_rows["bucketed_ddp"][7]), rel=1e-3)  # 3(K-1)/K against 2(K-1)/K
+    assert float(shard_rows["fsdp2"][5]) > 0
+
+
+# --------------------------------------------------------------------------- wire bytes arithmetic
+
+DDP = {"_target_": "lightning.pytorch.strategies.DDPStrategy"}
+FSDP2 = {"_target_": "lightning_sync.bench.fsdp2.FullyShardStrategy", "shard_classes": ["torch.nn.Linear"]}
+
+
+def _zero(stage: int, **kw: object) -> dict[str, object]:
+    return {"_target_": "lightning_sync.strategies.sharded.ShardedStrategy", "stage": stage, **kw}
+
+
+def test_wire_bytes_apply_the_ring_factor_of_each_op() -> None:
+    # K=4: all_reduce 2*3/4 = 1.5, reduce_scatter 3/4, all_gather 3 (payload = one shard), send 1,
+    # recv 0 (the sender counts it), barrier 0, an op the table does not know counts once
+    ops = {"all_reduce": 100, "reduce_scatter": 40, "all_gather": 10, "send": 7, "recv": 999, "barrier": 0,
+           "custom": 5}
+    assert wire_bytes(ops, 4) == pytest.approx(150 + 30 + 30 + 7 + 5)
+    assert wire_bytes({"all_reduce": 8, "all_gather": 8, "reduce_scatter": 8}, 1) == 0.0  # one rank sends nothing
+    # ZeRO-3 on K=2 with S=1000 bytes: two all-gathers of a 500-byte shard and one reduce-scatter of
+    # the full 1000 bytes are exactly the analytic 3(K-1)/K * S = 1500
+    assert wire_bytes({"all_gather": 2 * 500, "reduce_scatter": 1000}, 2) == pytest.approx(1500)
+    with pytest.raises(ValueError, match="world size must be an int >= 1, got 0"):
+        wire_bytes({}, 0)
+
+
+def test_analytic_wire_bytes_per_strategy() -> None:
+    s = 1000.0
+    assert analytic_wire_bytes(DDP, s, 2) == pytest.approx(1000)  # 2(K-1)/K * S
+    assert analytic_wire_bytes(DDP, s, 4) == pytest.approx(1500)
+    assert analytic_wire_bytes({"_target_": None}, s, 1) == 0.0
+    assert analytic_wire_bytes(_zero(1), s, 4) == pytest.approx(1500)
+    assert analytic_wire_bytes(_zero(2), s, 4) == pytest.approx(1500)
+    assert analytic_wire_bytes(_zero(3, wrap_policy=["torch.nn.Linear"]), s, 4) == pytest.approx(2250)  # 3(K-1)/K
+    assert analytic_wire_bytes(_zero(3, reshard_after_forward=False), s, 4) == pytest.approx(1500)
+    assert analytic_wire_bytes({k: v for k, v in _zero(3).items() if k != "stage"}, s, 2) == pytest.approx(1500)
+    assert analytic_wire_bytes(FSDP2, s, 2) == pytest.approx(1500)
+    assert analytic_wire_bytes({**FSDP2, "reshard_after_forward": False}, s, 2) == pytest.approx(1000)
+    with pytest.raises(ValueError, match=r"stage must be one of \[1, 2, 3\], got 4"):
+        analytic_wire_factor(_zero(4), 2)
+    with pytest.raises(ValueError, match="param_bytes must be >= 0, got -1"):
+        analytic_wire_bytes(DDP, -1, 2)
+
+
+def _result(name: str, strategy: dict[str, object], step_ms: float, ops: dict[str, float], calls: int,
+            peak: float, world: int = 2, param_bytes: int = 2**20) -> dict[str, object]:
+    return {"name": name, "model": "m", "world": world, "step_s": [step_ms / 1e3] * 3,
+            "bytes_per_step": sum(ops.values()), "op_bytes_per_step": ops, "comm_calls": calls, "exposed_s": [],
+            "comm_s": None, "grad_bytes": param_bytes, "param_bytes": param_bytes, "strategy": strategy,
+            "peak_mib": peak, "extra": {}}
+
+
+def test_report_sharding_table_measured_against_analytic(tmp_path: Path) -> None:
+    from omegaconf import OmegaConf
+
+    mib = 2**20
+    cfg = OmegaConf.create({"baseline": "lightning_ddp", "pairs": 2, "steps": 3, "warmup_steps": 1,
+                            "sharding_table": {"rows": ["lightning_ddp", "bucketed_ddp", "fsdp2", "zero3"],
+                                               "reference": "fsdp2"}})
+    bucketed = {"_target_": "lightning_sync.strategies.bucketed_ddp.BucketedDDPStrategy"}
+    one_pair = [
+        ("lightning_ddp", DDP, 100.0, {}, 0),
+        ("bucketed_ddp", bucketed, 110.0, {"all_reduce": mib}, 4),
+        ("fsdp2", FSDP2, 200.0, {}, 0),
+        # zero3 that gathers once more than it should (3 all-gathers of the half shard): 1.25 MiB over 1.5 analytic
+        ("zero3", _zero(3, wrap_policy=["torch.nn.Linear"]), 300.0,
+         {"all_gather": 3 * mib / 2, "reduce_scatter": mib, "broadcast": 0}, 9),
+    ]
+    rank0 = [_result(n, s, t, o, c, peak=50.0) for n, s, t, o, c in one_pair * 2]
+    rank1 = [_result(n, s, t, o, c, peak=70.0) for n, s, t, o, c in one_pair * 2]
+    meta = {"date": "2026-01-01", "cpu": "cpu", "python": "3", "torch": "t", "lightning": "l", "world_size": 2,
+            "threads_per_rank": 1, "command": "x"}
+    report = Report([rank0, rank1], [], cfg, meta)
+    rows = {r["strategy"]: r for r in report.sharding_rows()}
+    assert list(rows) == ["lightning_ddp", "bucketed_ddp", "fsdp2", "zero3"]
+    assert rows["zero3"]["ratio"] == pytest.approx(3.0) and rows["zero3"]["ratio_ref"] == pytest.approx(1.5)
+    assert rows["fsdp2"]["ratio"] == pytest.approx(2.0) and rows["lightning_ddp"]["ratio_ref"] == pytest.approx(0.5)
+    assert rows["zero3"]["peak_mib"] == 70.0  # the largest over ranks
+    assert rows["bucketed_ddp"]["wire_x_analytic"] == pytest.approx(1.0)
+    assert rows["zero3"]["wire_measured_mib"] == pytest.approx(1.5 + 0.5)
+    assert rows["zero3"]["wire_analytic_mib"] == pytest.approx(1.5)
+    assert rows["zero3"]["wire_x_analytic"] == pytest.approx(2.0 / 1.5)
+    assert not rows["fsdp2"]["measured"] and not rows["lightning_ddp"]["measured"]
+    text = report.markdown()
+    assert "| m | zero3 | 300.0 | 3.000 | 1.500 | 70 | 2.00 | 1.50 | 1.333 |" in text
+    assert "| m | fsdp2 | 200.0 | 2.000 | 1.000 | 70 | n/a | 1.50 | n/a |" in text
+    assert "| m | lightning_ddp | 100.0 | 1.000 | 0.500 | 70 | n/a | 1.00 | n/a |" in text
+    report.write(tmp_path)
+    assert (tmp_path / "sharding.png").stat().st_size > 0
+    # without a sharded row there is no sharding table
+    plain = Report([rank0[:2], rank1[:2]], [], cfg, meta)
+    assert plain.sharding_rows() == [] and "## Sharding" not in plain.markdown()
+
+
+# --------------------------------------------------------------------------- strategy selection
+
+def test_select_strategies_subset_keeps_baseline_and_fails_fast() -> None:
+    from omegaconf import OmegaConf
+
+    rows = {"lightning_ddp": DDP, "fsdp2": FSDP2, "broken": {"_target_": "lightning_sync.no_such_module.Nope"}}
+    cfg = OmegaConf.create({"baseline": "lightning_ddp", "strategies": rows, "run_strategies": ["fsdp2"]})
+    assert list(select_strategies(cfg)) == ["lightning_ddp", "fsdp2"]
+    cfg.run_strategies = ["fsdp2", "zero9"]
+    with pytest.raises(ValueError, match=r"run_strategies must name rows of strategies .*got \['zero9'\]"):
+        select_strategies(cfg)
+    cfg.run_strategies = None
+    with pytest.raises(ImportError, match=r"strategy row 'broken': cannot import 'lightning_sync.no_such_module.Nope'"
+                                          r".*run_strategies=\[lightning_ddp,fsdp2\]"):
+        select_strategies(cfg)
+    cfg.baseline = "nope"
+    with pytest.raises(ValueError, match="baseline must be one of"):
+        select_strategies(cfg)
+
+
+# --------------------------------------------------------------------------- the FSDP2 baseline
+
+def test_fully_shard_strategy_rejects_bad_arguments() -> None:
+    from lightning_sync.bench.fsdp2 import FullyShardStrategy, resolve_classes
+
+    assert resolve_classes(["torch.nn.Linear", "torch.nn.Conv1d"]) == (torch.nn.Linear, torch.nn.Conv1d)
+    with pytest.raises(ValueError, match=r"nn.Module subclasses .*got 'torch.nn.NoSuchLayer'"):
+        FullyShardStrategy(shard_classes=["torch.nn.NoSuchLayer"])
+    with pytest.raises(ValueError, match=r"got 'torch.tensor'"):
+        FullyShardStrategy(shard_classes=["torch.tensor"])
+    with pytest.raises(ValueError, match="must be a list of dotted class names, got 'torch.nn.Linear'"):
+        FullyShardStrategy(shard_classes="torch.nn.Linear")
+    with pytest.raises(ValueError, match="tensor_parallel_size must be 1"):
+        FullyShardStrategy(tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="reshard_after_forward must be True or False, got 'yes'"):
+        FullyShardStrategy(reshard_after_forward="yes")  # type: ignore[arg-type]
+
+
+class _LossLog(pl.Callback):
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: object,
+                           *args: object) -> None:
+        self.losses.append(float(outputs["loss"]))  # type: ignore[index]
+
+
+def _fit_fsdp2_and_ddp(rank: int, world: int) -> dict[str, object]:
+    """Fit the same tiny WideMLP with the FSDP2 baseline and with Lightning DDP; report what each did."""
+    import logging
+    import warnings
+
+    from lightning.pytorch.strategies import DDPStrategy
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    from lightning_sync.bench.fsdp2 import FullyShardStrategy
+    from lightning_sync.models.synthetic import SyntheticDataModule, WideMLP
+
+    torch.set_num_threads(1)
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore")
+    out: dict[str, object] = {}
+    for name in ("fsdp2", "ddp"):
+        pl.seed_everything(0, verbose=False)
+        model = WideMLP(in_features=16, hidden=33, lr=0.1)  # 33: dim 0 does not split evenly over 2 ranks
+        before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        log = _LossLog()
+        strategy = FullyShardStrategy(shard_classes=["torch.nn.Linear"]) if name == "fsdp2" else DDPStrategy()
+        trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=4, max_epochs=-1,
+                             limit_val_batches=0, num_sanity_val_steps=0, logger=False, enable_checkpointing=False,
+                             enable_progress_bar=False, enable_model_summary=False, callbacks=[log])
+        trainer.fit(model, datamodule=SyntheticDataModule(num_samples=256, in_features=16, batch_size=8))
+        params = dict(model.named_parameters())
+        out[name] = {
+            "losses": log.losses, "before": before,
+            "after": {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+                      for k, v in model.state_dict().items()},
+            "units": sum(isinstance(m, FSDPModule) for m in model.modules()),
+            "local_numel": {k: (p.to_local() if isinstance(p, DTensor) else p).numel() for k, p in params.items()},
+            "hook_left": "configure_model" in model.__dict__,
+        }
+    return out
+
+
+@pytest.mark.timeout(240)
+def test_fsdp2_baseline_trains_like_ddp_on_two_ranks() -> None:
+    results = run_distributed(_fit_fsdp2_and_ddp, 2, timeout=200, env={"PL_GLOBAL_SEED": "0"})
+    for rank, res in enumerate(results):
+        fsdp, ddp = res["fsdp2"], res["ddp"]
+        assert len(fsdp["losses"]) == 4 and all(math.isfinite(x) for x in fsdp["losses"])
+        assert fsdp["units"] == 4  # three Linear units plus the root
+        assert not fsdp["hook_left"]  # the installed configure_model is gone after teardown
+        for key, w in fsdp["after"].items():
+            assert (w - fsdp["before"][key]).abs().max() > 1e-3, f"rank {rank}: {key} did not train"
+        # every rank holds only its shard: 33 rows split 17 + 16
+        assert fsdp["local_numel"]["net.0.weight"] == (17 if rank == 0 else 16) * 16
+        assert fsdp["local_numel"]["net.0.bias"] == (17 if rank == 0 else 16)
+        # Same seed, same DistributedSampler batches, gradients averaged over the same 2 ranks: FSDP2
+        # (reduce-scatter) and DDP (all-reduce) differ only in float32 rounding of the average (~1e-7
+        # relative); 4 SGD steps at lr 0.1 on weights <= ~1 keep that below 1e-5, while a missing
+        # average or a skipped unit moves weights by ~1e-3 or more.
+        assert fsdp["losses"] == pytest.approx(ddp["losses"], abs=1e-5)
+        for key, w in ddp["after"].items():
+            torch.testing.assert_close(fsdp["after"][key], w, rtol=0.0, atol=1e-5)

@@ -1,7 +1,8 @@
 """``lightning-sync bench``: strategies side by side, in one invocation, A/B alternated.
 
 The schedule (:func:`schedule`) interleaves every strategy in each of ``pairs`` rounds, reversing
-the order every other round (A B C, C B A, ...), so every strategy sees the same machine drift. All
+the order every other round (A B C, C B A, ...), so every strategy sees the same machine drift;
+``run_strategies=[a,b]`` runs a subset (:func:`select_strategies`; the baseline always runs). All
 trials of one world size run inside one spawned process group, one ``Trainer.fit`` each, so start-up
 cost is paid once. Scaling efficiency ``T1(b) / TK(b)`` compares one process with per-rank batch b
 against K ranks each with batch b. Results go to ``report.md`` and PNG plots in the Hydra output
@@ -10,6 +11,7 @@ directory; the table is printed too.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import platform
@@ -23,7 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 from lightning_sync.bench.report import Report
 from lightning_sync.bench.runner import Trial, run_trials
 
-__all__ = ["run_bench", "schedule"]
+__all__ = ["run_bench", "schedule", "select_strategies"]
 
 log = logging.getLogger("lightning_sync.bench")
 
@@ -62,13 +64,41 @@ def _bucket_rows(cfg: DictConfig) -> dict[str, tuple[dict[str, Any], dict[str, A
     return rows
 
 
+def select_strategies(cfg: DictConfig) -> dict[str, dict[str, Any]]:
+    """The ``strategies`` rows to run: all of them, or ``run_strategies`` plus the baseline, in config order.
+
+    Raises ``ValueError`` for a name that is not a row, and ``ImportError`` (before any rank starts)
+    for a row whose ``_target_`` cannot be imported, naming the row and suggesting a subset.
+    """
+    rows = {str(name): _node(s) for name, s in cfg.strategies.items()}
+    wanted = cfg.get("run_strategies")
+    if str(cfg.baseline) not in rows:
+        raise ValueError(f"baseline must be one of {list(rows)}, got {cfg.baseline!r}")
+    if wanted is not None:
+        wanted = [str(w) for w in wanted]
+        unknown = [w for w in wanted if w not in rows]
+        if unknown:
+            raise ValueError(f"run_strategies must name rows of strategies {list(rows)}, got {unknown!r}")
+        rows = {n: s for n, s in rows.items() if n in wanted or n == str(cfg.baseline)}  # ratios need the baseline
+    for name, node in rows.items():
+        target = node.get("_target_")
+        if target:
+            module, _, attr = str(target).rpartition(".")
+            try:
+                getattr(importlib.import_module(module), attr)
+            except (ImportError, AttributeError) as err:
+                raise ImportError(f"strategy row {name!r}: cannot import {target!r} ({err}); run the others with "
+                                  f"run_strategies=[{','.join(n for n in rows if n != name)}]") from err
+    return rows
+
+
 def run_bench(cfg: DictConfig, out_dir: Path) -> Report:
     """Run the configured suite and write the report into ``out_dir``."""
     from lightning_sync.testing import run_distributed
 
     world, threads = int(cfg.world_size), int(cfg.threads_per_rank)
     env = {"OMP_NUM_THREADS": str(threads), "PL_GLOBAL_SEED": "0"}
-    strategies = {name: (_node(s), {}) for name, s in cfg.strategies.items()}
+    strategies = {name: (node, {}) for name, node in select_strategies(cfg).items()}
     trials = [t for model in cfg.run_models for t in _trials(cfg, model, strategies)]
     if cfg.bucket_sweep.enabled:
         trials += _trials(cfg, cfg.bucket_sweep.model, _bucket_rows(cfg), f"{cfg.bucket_sweep.model} (bucket sweep)")

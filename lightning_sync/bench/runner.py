@@ -7,7 +7,13 @@ drifts of the machine hit all of them alike). Each trial reports, per rank:
 * ``step_s``: wall time of each timed step (``on_train_batch_start`` to ``on_train_batch_end``:
   forward, backward, communication and the optimizer step);
 * ``bytes_per_step``: payload bytes this rank sent through ``lightning_sync.comms`` per timed step
-  (0 for torch's own DDP, whose traffic bypasses comms; the report shows the analytic figure);
+  (0 for torch's own DDP and FSDP2, whose traffic bypasses comms; the report shows the analytic figure);
+* ``op_bytes_per_step``: the same payload split by op name (``all_reduce``, ``all_gather``,
+  ``reduce_scatter``, ...: per-op deltas of ``comms.get_stats().snapshot()`` around each step, averaged
+  over the timed steps), from which the report derives ring wire bytes; ``comm_calls`` counts the
+  collectives issued during the timed steps (0: the strategy does not use comms, measured = n/a);
+* ``param_bytes``: bytes of the trainable parameters, counted on the module before the strategy
+  touched it (S of the analytic wire bytes; tied parameters once, padding aside);
 * ``exposed_s``: per step, communication still running after backward ended (strategies with a
   ``bucketer``), and ``comm_s``: the same gradient buckets all-reduced alone, without compute;
 * ``peak_mib``: peak allocated memory (glibc ``mallinfo2``, sampled before and after each backward
@@ -83,14 +89,16 @@ class StepProbe(pl.Callback):
         self.step_s: list[float] = []
         self.exposed_s: list[float] = []
         self.bytes: list[int] = []
+        self.op_bytes: dict[str, int] = {}  # summed over the timed steps
+        self.calls = 0
         self.peak_rss = 0.0
         self.bucketer: Any = None  # kept past teardown, for the communication-alone measurement
         self._t0 = 0.0
-        self._b0 = 0
+        self._snap0: dict[str, comms.OpStats] = {}
 
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        self._snap0 = comms.get_stats().snapshot()
         self._t0 = time.perf_counter()
-        self._b0 = comms.get_stats().total_bytes
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Any) -> None:
         self.peak_rss = max(self.peak_rss, _allocated_mib())  # activations are alive here
@@ -104,7 +112,13 @@ class StepProbe(pl.Callback):
         if trainer.global_step <= self.warmup:
             return
         self.step_s.append(elapsed)
-        self.bytes.append(comms.get_stats().total_bytes - self._b0)
+        step_bytes = 0
+        for op, now in comms.get_stats().snapshot().items():
+            before = self._snap0.get(op, comms.OpStats())
+            step_bytes += now.bytes - before.bytes
+            self.op_bytes[op] = self.op_bytes.get(op, 0) + now.bytes - before.bytes
+            self.calls += now.calls - before.calls
+        self.bytes.append(step_bytes)
         bucketer = getattr(trainer.strategy, "bucketer", None)
         if bucketer is not None:
             self.bucketer = bucketer
@@ -136,6 +150,7 @@ def _run_one(trial: Trial, world: int) -> dict[str, Any]:
     pl.seed_everything(0, verbose=False)
     model = instantiate(trial.model_cfg)
     data = instantiate(trial.data_cfg)
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     strategy = instantiate(trial.strategy) if trial.strategy.get("_target_") else "auto"
     probe = StepProbe(trial.warmup)
     trainer = pl.Trainer(accelerator="gpu" if torch.cuda.is_available() else "cpu", devices=world,
@@ -146,15 +161,16 @@ def _run_one(trial: Trial, world: int) -> dict[str, Any]:
     trainer.fit(model, datamodule=data)
     bucketer = probe.bucketer
     comm_s = _comm_alone(bucketer) if bucketer is not None and world > 1 else None
-    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     peak = (torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available()
             else probe.peak_rss - base_rss)
     if bucketer is not None:
         bucketer.close()
+    n = max(len(probe.step_s), 1)
     return {"name": trial.name, "model": trial.model, "world": world, "step_s": probe.step_s,
             "bytes_per_step": (sum(probe.bytes) / len(probe.bytes)) if probe.bytes else 0.0,
-            "exposed_s": probe.exposed_s, "comm_s": comm_s, "grad_bytes": grad_bytes, "peak_mib": peak,
-            "extra": trial.extra}
+            "op_bytes_per_step": {op: b / n for op, b in probe.op_bytes.items()}, "comm_calls": probe.calls,
+            "exposed_s": probe.exposed_s, "comm_s": comm_s, "grad_bytes": param_bytes, "param_bytes": param_bytes,
+            "strategy": dict(trial.strategy), "peak_mib": peak, "extra": trial.extra}
 
 
 def run_trials(rank: int, world: int, trials: list[Trial], threads: int = 1) -> list[dict[str, Any]]:

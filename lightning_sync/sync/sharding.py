@@ -260,6 +260,7 @@ class FlatParam:
         self._gather_work: Any = None
         self._gather_src: torch.Tensor | None = None
         self._reduce: tuple[torch.Tensor, Any] | None = None
+        self._touched: set[int] = set()  # parameters whose gradient is in grad_full this window
         with torch.no_grad():
             flat = self.layout.flatten([p.detach() for p in params])
             if stage < 3:
@@ -320,23 +321,38 @@ class FlatParam:
         return self.comm.all_gather_into(self.full, self._gather_src, async_op=True)
 
     # ------------------------------------------------------------------ gradients
-    def accumulate(self, index: int, grad: torch.Tensor) -> None:
-        """Add parameter ``index``'s gradient into the full flat gradient (allocated, zeroed, on demand)."""
-        if self.grad_full is None:
-            self.grad_full = torch.zeros(self.layout.padded, dtype=self.reduce_dtype, device=self.device)
-        off, n = self.layout.offsets[index], self.layout.numels[index]
-        self.grad_full[off : off + n].add_(grad.reshape(-1))
+    def _grad_buffer(self) -> torch.Tensor:
+        if self.grad_full is None:  # uninitialised: each parameter's first gradient is copied in
+            self.grad_full = torch.empty(self.layout.padded, dtype=self.reduce_dtype, device=self.device)
+            self._touched = set()
+        return self.grad_full
 
-    def ensure_grad(self) -> None:
-        if self.grad_full is None:
-            self.grad_full = torch.zeros(self.layout.padded, dtype=self.reduce_dtype, device=self.device)
+    def accumulate(self, index: int, grad: torch.Tensor) -> None:
+        """Add parameter ``index``'s gradient into the full flat gradient (copy on its first gradient
+        of the accumulation window, so the buffer is never cleared as a whole)."""
+        off, n = self.layout.offsets[index], self.layout.numels[index]
+        view = self._grad_buffer()[off : off + n]
+        if index in self._touched:
+            view.add_(grad.reshape(-1))
+        else:
+            view.copy_(grad.reshape(-1))
+            self._touched.add(index)
+
+    def complete_grad(self) -> torch.Tensor:
+        """The full gradient, with zeros where no gradient arrived this window and in the padding."""
+        buffer = self._grad_buffer()
+        for i, (off, n) in enumerate(zip(self.layout.offsets, self.layout.numels)):
+            if i not in self._touched:
+                buffer[off : off + n].zero_()
+                self._touched.add(i)
+        buffer[self.layout.total :].zero_()
+        return buffer
 
     def launch_reduce(self) -> None:
         """Issue the averaging reduce-scatter of the full gradient into this rank's shard (async)."""
-        self.ensure_grad()
-        assert self.grad_full is not None
+        full = self.complete_grad()
         out = torch.empty(self.layout.shard_numel, dtype=self.reduce_dtype, device=self.device)
-        self._reduce = (out, self.comm.reduce_scatter_into(out, self.grad_full, op="avg", async_op=True))
+        self._reduce = (out, self.comm.reduce_scatter_into(out, full, op="avg", async_op=True))
 
     def finish_reduce(self) -> None:
         """Wait for the reduce-scatter; add the averaged shard to the master's gradient. Stage 1 keeps
@@ -360,9 +376,9 @@ class FlatParam:
                 master_grad.add_(shard)
 
     def start_window(self) -> None:
-        """Stage 1 keeps its full gradient buffer between steps: zero it when a window opens."""
-        if self.grad_full is not None:
-            self.grad_full.zero_()
+        """A new accumulation window: every parameter's next gradient is copied, not added (stage 1
+        keeps its full gradient buffer between steps)."""
+        self._touched = set()
 
 
 @dataclass
@@ -708,9 +724,7 @@ class ZeroEngine(SyncSwitch):
     def _finalize(self) -> None:
         self._in_backward = False
         for unit in self.units:
-            if not unit.done:  # parameters without a gradient this backward count as zero gradients
-                for f in unit.flats:
-                    f.ensure_grad()
+            if not unit.done:  # parameters without a gradient this window count as zero gradients
                 self._unit_done(unit)
         if self._sync:
             self._launch_in_order()

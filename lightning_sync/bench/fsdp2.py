@@ -1,0 +1,135 @@
+"""The sharding baseline of the benchmark: torch's FSDP2 ``fully_shard`` under Lightning's ModelParallelStrategy.
+
+Lightning's :class:`~lightning.pytorch.strategies.ModelParallelStrategy` builds the device mesh and
+leaves parallelization to the LightningModule's ``configure_model`` hook; it refuses a module that
+does not define one. The benchmark models (``WideMLP``, ``DeepMLP``) are plain modules without such
+a hook, so :class:`FullyShardStrategy` supplies it: when the strategy connects to a module that has
+no ``configure_model`` of its own, it installs one on that instance (removed again at teardown) that
+applies ``fully_shard`` to
+
+1. every submodule whose class is one of ``shard_classes`` (default: every ``torch.nn.Linear``), in
+   post-order, each becoming its own FSDP2 unit (one all-gather and one reduce-scatter group), and
+2. the LightningModule itself, the root unit (whatever parameters are not inside a unit above).
+
+Lightning then calls that hook at its usual place (after the process group and the mesh exist,
+before the optimizer is built), and the rest of ``ModelParallelStrategy.setup`` runs unchanged. The
+root's forward hooks run only if ``training_step`` calls the module (``self(x)``), as
+``ClassifierModule`` does; otherwise every unit acts as its own root and nothing is prefetched.
+
+What is synchronized, and when (Zhao et al., "PyTorch FSDP", VLDB 2023; torch's FSDP2): each unit
+all-gathers its parameters before its forward, frees them after it (``reshard_after_forward``),
+all-gathers them again before its backward, and reduce-scatters (averages) its gradients right after
+it; every rank keeps and steps only its shard. Per step each rank sends ``3(K-1)/K * S`` bytes
+(``2(K-1)/K * S`` without resharding after forward), S the parameter bytes. A rank that fails
+leaves its peers blocked in the next collective until the process group's timeout.
+
+Example (what ``conf/bench.yaml``'s ``fsdp2`` row builds)::
+
+    FullyShardStrategy(shard_classes=["torch.nn.Linear"])   # data parallel over all ranks
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Sequence
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from torch import nn
+from typing_extensions import override
+
+__all__ = ["FullyShardStrategy", "resolve_classes"]
+
+
+def resolve_classes(names: Sequence[str | type]) -> tuple[type[nn.Module], ...]:
+    """Turn dotted class names (``"torch.nn.Linear"``) or classes into ``nn.Module`` subclasses.
+
+    Raises ``ValueError`` naming the entry that does not resolve to an ``nn.Module`` subclass.
+    """
+    if isinstance(names, (str, type)) or not isinstance(names, Sequence):
+        raise ValueError(f"shard_classes must be a list of dotted class names, got {names!r}")
+    out = []
+    for name in names:
+        cls: Any = name
+        if isinstance(name, str):
+            module, _, attr = name.rpartition(".")
+            try:
+                cls = getattr(importlib.import_module(module), attr) if module else None
+            except (ImportError, AttributeError):
+                cls = None
+        if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+            raise ValueError(f"shard_classes entries must name nn.Module subclasses (e.g. 'torch.nn.Linear'), "
+                             f"got {name!r}")
+        out.append(cls)
+    return tuple(out)
+
+
+class FullyShardStrategy(ModelParallelStrategy):
+    """FSDP2 (``fully_shard``) on every module of the given classes plus the root; pure data parallelism.
+
+    Args:
+        shard_classes: dotted names (or classes) of the modules that each become one FSDP2 unit.
+        reshard_after_forward: free each unit's gathered parameters after its forward and gather them
+            again for backward (ZeRO-3 behaviour); ``False`` keeps them until after backward.
+        data_parallel_size: ranks in the data-parallel (sharding) group; ``None`` means all of them
+            (with tensor-parallel size 1).
+        **kwargs: passed on to :class:`~lightning.pytorch.strategies.ModelParallelStrategy`.
+    """
+
+    def __init__(self, shard_classes: Sequence[str | type] = ("torch.nn.Linear",), reshard_after_forward: bool = True,
+                 data_parallel_size: int | None = None, **kwargs: Any) -> None:
+        if "tensor_parallel_size" in kwargs and kwargs["tensor_parallel_size"] not in (1, "auto"):
+            raise ValueError(f"tensor_parallel_size must be 1 (this strategy only shards data-parallel), "
+                             f"got {kwargs['tensor_parallel_size']!r}")
+        kwargs.pop("tensor_parallel_size", None)
+        if not isinstance(reshard_after_forward, bool):
+            raise ValueError(f"reshard_after_forward must be True or False, got {reshard_after_forward!r}")
+        super().__init__(data_parallel_size=data_parallel_size or "auto", tensor_parallel_size=1, **kwargs)
+        self._dp_from_world = data_parallel_size is None
+        self._shard_classes = resolve_classes(shard_classes)
+        self._reshard_after_forward = reshard_after_forward
+        self._installed_on: pl.LightningModule | None = None
+
+    @property
+    def shard_classes(self) -> tuple[type[nn.Module], ...]:
+        """The module classes that become FSDP2 units."""
+        return self._shard_classes
+
+    @override
+    def connect(self, model: pl.LightningModule) -> None:
+        super().connect(model)
+        if is_overridden("configure_model", model):
+            raise ValueError(f"{type(model).__name__} defines configure_model() itself; apply fully_shard there and "
+                             f"use lightning's ModelParallelStrategy, or drop the hook to let {type(self).__name__} "
+                             f"shard {[c.__name__ for c in self._shard_classes]} modules")
+        model.configure_model = self._configure_model  # type: ignore[method-assign]
+        self._installed_on = model
+
+    @override
+    def setup_environment(self) -> None:
+        if self._dp_from_world:
+            self._data_parallel_size = self.num_nodes * self.num_processes
+        super().setup_environment()
+
+    def _configure_model(self) -> None:
+        """The ``configure_model`` hook this strategy gives the module: one unit per matching module + root."""
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+
+        root = self.lightning_module
+        assert root is not None
+        if isinstance(root, FSDPModule):  # configure_model runs again in a later fit/validate
+            return
+        mesh = self.device_mesh["data_parallel"]
+        units = [m for m in root.modules() if m is not root and isinstance(m, self._shard_classes)]
+        for module in reversed(units):  # post-order: children before their parents
+            fully_shard(module, mesh=mesh, reshard_after_forward=self._reshard_after_forward)
+        fully_shard(root, mesh=mesh, reshard_after_forward=self._reshard_after_forward)
+
+    @override
+    def teardown(self) -> None:
+        if self._installed_on is not None:
+            self._installed_on.__dict__.pop("configure_model", None)
+            self._installed_on = None
+        super().teardown()
