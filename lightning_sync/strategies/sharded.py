@@ -88,7 +88,7 @@ class ShardedStrategy(CommsCollectivesMixin, DDPStrategy):
                  reshard_after_forward: bool = True, param_dtype: Any = None, reduce_dtype: Any = None,
                  bucket_cap_mb: float = 25.0, process_group_backend: str | None = None,
                  timeout: float | timedelta = 1800.0, start_method: str = "popen", **kwargs: Any) -> None:
-        if isinstance(stage, bool) or stage not in ZERO_STAGES:
+        if isinstance(stage, bool) or not isinstance(stage, int) or stage not in ZERO_STAGES:
             raise ValueError(f"stage must be one of {list(ZERO_STAGES)}, got {stage!r}")
         if not isinstance(bucket_cap_mb, (int, float)) or isinstance(bucket_cap_mb, bool) or \
                 not 0 < bucket_cap_mb < math.inf:

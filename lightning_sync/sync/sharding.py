@@ -449,7 +449,7 @@ class ZeroEngine(SyncSwitch):
                  stage: int = 3, wrap_policy: Any = None, prefetch: bool = True, reshard_after_forward: bool = True,
                  param_dtype: Any = None, reduce_dtype: Any = None, bucket_cap_mb: float = 25.0,
                  broadcast: bool = True) -> None:
-        if stage not in ZERO_STAGES:
+        if isinstance(stage, bool) or not isinstance(stage, int) or stage not in ZERO_STAGES:
             raise ValueError(f"stage must be one of {list(ZERO_STAGES)}, got {stage!r}")
         if not isinstance(bucket_cap_mb, (int, float)) or isinstance(bucket_cap_mb, bool) or \
                 not 0 < bucket_cap_mb < math.inf:
@@ -475,6 +475,7 @@ class ZeroEngine(SyncSwitch):
         self._forward_order: list[int] | None = None
         self._recording: list[int] = []
         self._order_checked = False
+        self._frozen_orig: dict[int, torch.Tensor] = {}  # frozen parameters' own data (param_dtype set)
         self.events: list[tuple[str, int]] = []
         """``(event, unit index)`` in order: gather_issue, gather_wait, forward_begin, forward_end,
         backward_begin, reduce_issue, free; appended while :attr:`record_events` is True (tests clear it)."""
@@ -533,6 +534,7 @@ class ZeroEngine(SyncSwitch):
                 for i, p in enumerate(flat.params):
                     self._where[id(p)] = (unit, flat, i)
         self._rewrite_optimizer()
+        self._cast_frozen()
         self._handles: list[Any] = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
         if self.stage == 3:
             for unit in self.units:
@@ -588,6 +590,16 @@ class ZeroEngine(SyncSwitch):
             return [u.index for u in self.units]
         forward = self._forward_order or [u.index for u in self.units if not u.is_root]
         return list(reversed(forward)) + ([self.root.index] if self.root is not None else [])
+
+    def _cast_frozen(self) -> None:
+        """With ``param_dtype``, frozen floating parameters compute in it too; their own data is kept
+        (for checkpoints, :meth:`full_state_dict` and :meth:`unshard`)."""
+        if self.param_dtype is None:
+            return
+        for p in self.module.parameters():
+            if not p.requires_grad and p.is_floating_point():
+                original = self._frozen_orig.setdefault(id(p), p.data)
+                p.data = original.to(self.param_dtype)
 
     def _rewrite_optimizer(self) -> None:
         if self.optimizer is None:
@@ -734,6 +746,8 @@ class ZeroEngine(SyncSwitch):
             self._window_open = False
         if self.stage == 3:
             self.reshard()
+        for unit in self.units:  # ready for the next backward (its first pre-backward hook reads them)
+            unit.fired, unit.done, unit.launched = set(), False, False
         if self.stage == 3 and not self._order_checked:
             self._check_forward_order()
 
@@ -759,9 +773,11 @@ class ZeroEngine(SyncSwitch):
             f._gather_src = None
 
     def after_load(self) -> None:
-        """Re-derive the full parameters from freshly loaded master shards (stages 1/2)."""
+        """Re-derive the full parameters from freshly loaded master shards (stages 1/2) and the
+        compute copies of frozen parameters."""
         if self.stage < 3:
             self._after_step(None, None, None)
+        self._cast_frozen()
 
     # ------------------------------------------------------------------ inspection
     def memory_bytes(self) -> dict[str, int]:
@@ -781,17 +797,26 @@ class ZeroEngine(SyncSwitch):
     def largest_unit_numel(self) -> int:
         return max((u.numel for u in self.units), default=0)
 
+    def _full_params(self) -> dict[str, torch.Tensor]:
+        """Canonical name -> full parameter in its original dtype, gathered from the master shards
+        (full precision whatever ``param_dtype`` is); a collective."""
+        issued = []
+        for f in self.flats:
+            buffer = torch.empty(f.layout.padded, dtype=f.master_dtype, device=f.device)
+            issued.append((f, buffer, self.comm.all_gather_into(buffer, f.master.detach(), async_op=True)))
+        out: dict[str, torch.Tensor] = {}
+        for f, buffer, work in issued:
+            work.wait()
+            for name, view in zip(f.names, f.layout.views(buffer)):
+                out[name] = view.to(f.orig_dtype, copy=True)
+        return out
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The module's full ``state_dict`` (cloned), every parameter gathered; a collective."""
-        gathered = self.stage == 3
-        if gathered:
-            for unit in self.units:
-                self._gather(unit, wait=True)
-        try:
-            return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
-        finally:
-            if gathered:
-                self.reshard()
+        """The module's full ``state_dict`` (copies, original dtypes, gathered from the fp32 master
+        shards; tied parameters under each name); a collective."""
+        params = self._full_params()
+        keys, replicated = self._replicated()
+        return {k: params[c] if c is not None else replicated[k].clone() for k, c in keys}
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the masters' gradients by the *global* norm (all ranks' shards together); a collective.
@@ -822,7 +847,7 @@ class ZeroEngine(SyncSwitch):
                 keys.append((key, canonical[id(value)]))
             else:
                 keys.append((key, None))
-                replicated[key] = value.detach()
+                replicated[key] = self._frozen_orig.get(id(value), value).detach()
         return keys, replicated
 
     def save_sharded(self, path: str | os.PathLike[str]) -> None:
@@ -852,7 +877,7 @@ class ZeroEngine(SyncSwitch):
                                for f in self.flats for n, shape in zip(f.names, f.layout.shapes)},
                     "keys": keys}
             (path / _META).write_text(json.dumps(meta, indent=1))
-        dcp.save(out, checkpoint_id=str(path))
+        dcp.save(out, checkpoint_id=str(path), process_group=getattr(self.comm, "group", None))
 
     def _shape(self, name: str) -> torch.Size:
         for f in self.flats:
@@ -898,7 +923,7 @@ class ZeroEngine(SyncSwitch):
         _, replicated = self._replicated()
         for key, tensor in replicated.items():
             want[f"full/{key}"] = tensor
-        dcp.load(want, checkpoint_id=str(path))
+        dcp.load(want, checkpoint_id=str(path), process_group=getattr(self.comm, "group", None))
         with torch.no_grad():
             for f in self.flats:
                 state: dict[str, Any] = {}
@@ -938,9 +963,15 @@ class ZeroEngine(SyncSwitch):
     def unshard(self) -> None:
         """Leave the module with its full parameters (stage 3 gathers every unit) and remove the hooks:
         after training the module is an ordinary module with the trained weights on every rank."""
-        if self.stage == 3:
-            for unit in self.units:
-                self._gather(unit, wait=True)
+        params = self._full_params()
+        self.reshard()
+        with torch.no_grad():
+            for f in self.flats:
+                for name, p in zip(f.names, f.params):
+                    p.data = params[name]
+            for p in self.module.parameters():
+                if id(p) in self._frozen_orig:
+                    p.data = self._frozen_orig[id(p)]
         self.close()
 
     def close(self) -> None:
@@ -1023,7 +1054,9 @@ def consolidate_checkpoint(path: str | os.PathLike[str]) -> dict[str, torch.Tens
     chunks = _chunk_index(saved)
     want: dict[str, Any] = {k: _placeholder(md) for k, md in saved.items()
                             if k.startswith("full/") or (k.startswith("model/") and "@" in k)}
-    dcp.load(want, checkpoint_id=str(path), no_dist=True)
+    with warnings.catch_warnings():  # "torch.distributed is disabled..." is what no_dist asks for
+        warnings.filterwarnings("ignore", message=".*torch.distributed.*disabled.*")
+        dcp.load(want, checkpoint_id=str(path), no_dist=True)
     params: dict[str, torch.Tensor] = {}
     for name, (shape, dtype) in meta["params"].items():
         numel = math.prod(shape)
