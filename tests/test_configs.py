@@ -55,3 +55,17 @@ def test_model_trainer_keys_win_over_trainer_defaults(composer) -> None:
     assert cfg.trainer.max_steps == 300 and cfg.trainer.max_epochs == -1
     cfg = composer(["model=char_gpt", "trainer.max_steps=7"])  # the command line still wins
     assert cfg.trainer.max_steps == 7
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_configs_build_sharded_strategies_of_their_stage(composer, stage: int) -> None:
+    from torch import nn
+
+    from lightning_sync import ShardedStrategy
+    from lightning_sync.sync.sharding import resolve_wrap_policy
+
+    strategy = instantiate(composer([f"strategy=zero{stage}"]).strategy)
+    assert type(strategy) is ShardedStrategy and strategy.stage == stage
+    if stage == 3:  # the YAML's wrap policy resolves and selects Linear layers (and nothing else)
+        policy = resolve_wrap_policy(strategy.wrap_policy)
+        assert policy is not None and policy(nn.Linear(2, 2), 6) and not policy(nn.Embedding(2, 2), 4)

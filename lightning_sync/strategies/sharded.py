@@ -32,7 +32,8 @@ What is sharded, and what is synchronized when (K ranks):
   replicated tensors, ``lightning_sync_meta.json`` and Lightning's own state (``lightning.pt``). They
   load at any world size and stage; :func:`~lightning_sync.sync.sharding.consolidate_checkpoint`
   turns one into a plain ``state_dict``; :meth:`ShardedStrategy.full_state_dict` consolidates in memory.
-* **After fit** (teardown) every rank's module holds the full trained parameters again.
+* **After fit** (teardown) every rank's module holds the full trained parameters again, and
+  ``trainer.save_checkpoint`` then writes a plain full checkpoint file (which loads back, sharded).
 
 The model's own ``param.grad`` stay ``None``: gradients live in the engine's buffers and the masters'
 ``.grad``. Gradient clipping by norm uses the global norm over all shards. Buffers (e.g. BatchNorm
@@ -120,7 +121,9 @@ class ShardedStrategy(CommsCollectivesMixin, DDPStrategy):
     @property
     @override
     def lightning_restore_optimizer(self) -> bool:
-        return False
+        """True: Lightning then hands the checkpoint to :meth:`load_optimizer_state_dict`, which
+        restores the hyperparameters (learning rates a scheduler changed); the state is in the shards."""
+        return True
 
     # ------------------------------------------------------------------ setup / teardown
     @override
@@ -226,6 +229,8 @@ class ShardedStrategy(CommsCollectivesMixin, DDPStrategy):
     # ------------------------------------------------------------------ checkpoints
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
+        if self.engine is None:  # after fit: the module holds its full parameters again
+            return super().lightning_module_state_dict()
         return {}  # the shards are written by save_checkpoint; full_state_dict() consolidates
 
     @override
@@ -254,8 +259,10 @@ class ShardedStrategy(CommsCollectivesMixin, DDPStrategy):
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint does not take storage_options (it writes "
                             f"a sharded directory through torch.distributed.checkpoint)")
+        if self.engine is None:  # after fit (teardown unsharded the module): a plain full checkpoint file
+            super().save_checkpoint(checkpoint, filepath)
+            return
         path = Path(self.broadcast(str(filepath)))
-        assert self.engine is not None, "save_checkpoint needs the strategy to be set up"
         if self.global_rank == 0:
             if path.is_file():
                 path.unlink()

@@ -7,66 +7,25 @@ perm[r::W]) on the same device.
 
 from __future__ import annotations
 
-import os
-
-import lightning.pytorch as pl
 import pytest
 import torch
-from torch import nn
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from _nccl_reference import RegressionModule, fit, reference
 
 from lightning_sync import BucketedDDPStrategy
 from lightning_sync.testing import run_distributed
 
 pytestmark = pytest.mark.gpu
-STEPS, BATCH, LR = 4, 8, 0.1
-
-
-def _data() -> TensorDataset:
-    g = torch.Generator().manual_seed(0)
-    return TensorDataset(torch.randn(256, 16, generator=g), torch.randn(256, 1, generator=g))
-
-
-def _net() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1))
-
-
-class _Module(pl.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = _net()
-
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], _: int) -> torch.Tensor:
-        x, y = batch
-        return nn.functional.mse_loss(self.net(x), y)
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=LR)
+HIDDEN = 32
 
 
 def _train(rank: int, world: int, compression: str | None) -> list[torch.Tensor]:
-    module = _Module()
-    trainer = pl.Trainer(accelerator="gpu", devices=world, strategy=BucketedDDPStrategy(
-        compression=compression, bucket_cap_mb=0.001, first_bucket_mb=0.001), max_steps=STEPS,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
-    trainer.fit(module, DataLoader(_data(), batch_size=BATCH, shuffle=True))
+    module = RegressionModule(HIDDEN, momentum=0.0)
+    fit(module, BucketedDDPStrategy(compression=compression, bucket_cap_mb=0.001, first_bucket_mb=0.001), world)
     return [p.detach().cpu() for p in module.parameters()]
 
 
 def _reference(world: int) -> list[torch.Tensor]:
-    dev = torch.device("cuda", 0)
-    net = _net().to(dev)
-    opt = torch.optim.SGD(net.parameters(), lr=LR)
-    seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
-    loaders = [iter(DataLoader(_data(), batch_size=BATCH, sampler=DistributedSampler(
-        _data(), num_replicas=world, rank=r, shuffle=True, seed=seed))) for r in range(world)]
-    for _ in range(STEPS):
-        opt.zero_grad()
-        loss = sum(nn.functional.mse_loss(net(x.to(dev)), y.to(dev)) for x, y in (next(it) for it in loaders))
-        (loss / world).backward()  # the average of the per-rank mean losses, as the all-reduce computes
-        opt.step()
-    return [p.detach().cpu() for p in net.parameters()]
+    return reference(world, torch.device("cuda", 0), HIDDEN, momentum=0.0)
 
 
 @pytest.mark.timeout(400)

@@ -5,28 +5,39 @@ runs several ``Trainer.fit`` calls in sequence inside them, each on a fresh mode
 a mismatch: a :class:`~lightning_sync.testing.Checks` collects the failures and the parent asserts
 (:func:`~lightning_sync.testing.assert_all_ranks_passed`), so every rank takes part in every collective.
 
-The single-process reference walks exactly the batches Lightning hands each rank: Lightning replaces
-the training sampler with ``DistributedSampler(shuffle=True, seed=PL_GLOBAL_SEED)``, so the reference
-builds that sampler for every rank ``r`` (``set_epoch(e)`` per epoch), computes each rank's mean loss
-on its batch, and backpropagates their average (divided again by ``accumulate_grad_batches``, as
-Lightning's automatic optimization does), then takes one optimizer step.
+The single-process reference (``_lightning_reference.py``, shared with the ShardedStrategy tests) walks
+exactly the batches Lightning hands each rank: Lightning replaces the training sampler with
+``DistributedSampler(shuffle=True, seed=PL_GLOBAL_SEED)``, so the reference builds that sampler for every
+rank ``r`` (``set_epoch(e)`` per epoch), computes each rank's mean loss on its batch, and backpropagates
+their average (divided again by ``accumulate_grad_batches``, as Lightning's automatic optimization
+does), then takes one optimizer step.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import time
-import warnings
 from typing import Any
 
 import lightning.pytorch as pl
 import pytest
 import torch
+from _lightning_reference import (
+    BATCH,
+    ENV,
+    STEPS,
+    _check_against,
+    _quiet_rank,
+    _reference,
+    _state,
+    _TiedModule,
+    _token_data,
+    _trainer,
+)
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.nn import functional as F
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics.aggregation import MeanMetric, SumMetric
 
 from lightning_sync import BucketedDDPStrategy, comms
@@ -35,151 +46,7 @@ from lightning_sync.testing import Checks, assert_all_ranks_passed, run_distribu
 
 __all__: list[str] = []
 
-SEED = 11  # PL_GLOBAL_SEED in every rank; Lightning seeds its DistributedSampler with it (not the default 0)
-ENV = {"PL_GLOBAL_SEED": str(SEED)}
-VOCAB, DIM, HIDDEN, SEQ = 40, 16, 48, 5
-BATCH = 4  # per rank
-N_TRAIN = 288  # 2 ranks: 36 batches per rank and epoch; 3 ranks: 24 (divisible by accumulate 2 and 3)
-STEPS = 6
 TINY_MB, MID_MB, HUGE_MB = 0.0001, 0.002, 1000.0  # ~100 B: a bucket per 1-2 parameters; ~2 KiB: a few; one
-
-# Tolerance of the equivalence checks. The distributed run averages per-rank gradients with an
-# all-reduce (float32 sum over ranks, then a divide), the reference accumulates loss/(W*A) gradients
-# into .grad: the two differ only in float32 rounding order, ~1e-7 relative per gradient value. Over
-# 6 steps of SGD+momentum (lr 0.1) or AdamW (lr 0.01; its update is normalised, so a relative change
-# of the gradient moves the update by about the same relative amount) on weights of magnitude <= ~1,
-# that stays below ~1e-6 (observed max: 5e-7). 1e-5 is the issue's bound, still far below what a bug
-# does: a missing or doubled average, a stale, skipped or double-counted bucket, or a wrong sample
-# each move weights by ~1e-3 or more (every scenario checks the weights moved by > 1e-2 from init).
-EQ_TOL = {"rtol": 0.0, "atol": 1e-5}
-MIN_MOVE = 1e-2
-
-_QUIET = {"enable_checkpointing": False, "logger": False, "enable_progress_bar": False,
-          "enable_model_summary": False, "num_sanity_val_steps": 0}
-
-
-def _quiet_rank() -> None:
-    torch.set_num_threads(1)  # two ranks on two cores
-    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
-    logging.getLogger("lightning.fabric").setLevel(logging.ERROR)
-    warnings.filterwarnings("ignore")
-
-
-# --------------------------------------------------------------------------- models and data
-
-
-def _token_data(n: int = N_TRAIN) -> TensorDataset:
-    """Deterministic token sequences; the target is the first token (learnable through the tied head)."""
-    g = torch.Generator().manual_seed(5)
-    ids = torch.randint(0, VOCAB, (n, SEQ), generator=g)
-    return TensorDataset(ids, ids[:, 0].clone())
-
-
-class _TiedNet(nn.Module):
-    """Embedding tied with the output head, a frozen layer, and parameters from 1 to 768 values.
-
-    ``unused``: a layer that never takes part in the loss. ``sometimes``: a layer used only when the
-    batch's first target is even, so whether it gets a gradient depends on the rank and the step.
-    """
-
-    def __init__(self, unused: bool = False, sometimes: bool = False) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, DIM)
-        self.frozen = nn.Linear(DIM, DIM)
-        self.frozen.requires_grad_(False)
-        self.fc1 = nn.Linear(DIM, HIDDEN)
-        self.fc2 = nn.Linear(HIDDEN, DIM)
-        self.sometimes = nn.Linear(DIM, DIM) if sometimes else None
-        self.scale = nn.Parameter(torch.ones(()))  # a 0-d parameter: one value
-        self.head = nn.Linear(DIM, VOCAB)
-        self.head.weight = self.embed.weight  # tied: one parameter, used twice per forward
-        self.unused = nn.Linear(3, 3) if unused else None
-
-    def forward(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        h = torch.tanh(self.frozen(self.embed(ids).mean(1)))
-        h = h + self.fc2(torch.tanh(self.fc1(h)))
-        if self.sometimes is not None and int(targets[0]) % 2 == 0:
-            h = h + self.sometimes(h)
-        return self.scale * self.head(h)
-
-
-class _TiedModule(pl.LightningModule):
-    def __init__(self, optimizer: str = "sgd", ds: TensorDataset | None = None, **net_kw: bool) -> None:
-        super().__init__()
-        with torch.random.fork_rng():
-            torch.manual_seed(1234)  # the same initial weights in every rank and in the reference
-            self.net = _TiedNet(**net_kw)
-        self.optimizer_name = optimizer
-        self.ds = ds if ds is not None else _token_data()
-
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        ids, y = batch
-        return F.cross_entropy(self.net(ids, y), y)
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        if self.optimizer_name == "sgd":  # no weight decay: an unused parameter (grad None) stays put
-            return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
-        return torch.optim.AdamW(self.parameters(), lr=0.01, weight_decay=0.01)
-
-    def train_dataloader(self) -> DataLoader:
-        return DataLoader(self.ds, batch_size=BATCH, shuffle=True)  # Lightning swaps in a DistributedSampler
-
-
-def _rank_batches(n: int, world: int, epoch: int, batch: int = BATCH) -> list[list[list[int]]]:
-    """``[rank][batch] -> sample indices``: what Lightning's DistributedSampler gives each rank."""
-    seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
-    out = []
-    for r in range(world):
-        sampler = DistributedSampler(range(n), num_replicas=world, rank=r,  # type: ignore[arg-type]
-                                     shuffle=True, seed=seed)
-        sampler.set_epoch(epoch)
-        idx = list(sampler)
-        out.append([idx[i:i + batch] for i in range(0, len(idx), batch)])
-    return out
-
-
-def _reference(module: pl.LightningModule, ds: TensorDataset, world: int, steps: int, accumulate: int = 1,
-               batch: int = BATCH) -> dict[str, Any]:
-    """Train ``module`` in this one process on the global batches of ``world`` ranks; return a summary."""
-    opt = module.configure_optimizers()
-    x, y = ds.tensors
-    epoch, micro = 0, 0
-    batches = _rank_batches(len(ds), world, epoch, batch)
-    assert len(batches[0]) % accumulate == 0, "an accumulation window must not straddle epochs"
-    usage: list[int] = []  # "sometimes" layer: on how many ranks it was used, per step
-    for _ in range(steps):
-        opt.zero_grad(set_to_none=True)
-        used = 0
-        for _ in range(accumulate):
-            if micro == len(batches[0]):
-                epoch, micro = epoch + 1, 0
-                batches = _rank_batches(len(ds), world, epoch, batch)
-            for r in range(world):
-                idx = batches[r][micro]
-                used += int(int(y[idx][0]) % 2 == 0)
-                loss = module.training_step((x[idx], y[idx]), micro)
-                (loss / (world * accumulate)).backward()
-            micro += 1
-        usage.append(used)
-        opt.step()
-    return {"state": _state(module), "usage": usage}
-
-
-def _state(module: nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in module.state_dict().items()}
-
-
-def _check_against(ck: Checks, tag: str, module: nn.Module, ref: dict[str, torch.Tensor],
-                   init: dict[str, torch.Tensor], tol: dict[str, float] = EQ_TOL) -> None:
-    """Every tensor of ``module`` equals the reference; and the reference did move (a check that can fail)."""
-    for name, value in _state(module).items():
-        ck.close(f"{tag} {name}", value, ref[name], **tol)
-    moved = max((ref[k] - init[k]).abs().max().item() for k in ref)
-    ck.true(f"{tag} weights moved", moved > MIN_MOVE, f"max |ref - init| = {moved}")
-
-
-def _trainer(world: int, strategy: BucketedDDPStrategy, **kw: Any) -> pl.Trainer:
-    return pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, **{**_QUIET, **kw})
 
 
 class _CommCounter(pl.Callback):

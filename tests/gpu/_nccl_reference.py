@@ -1,0 +1,57 @@
+"""What the NCCL tests share: a small regression model, its data, and the single-process reference that
+walks the same global batches as Lightning's DistributedSampler hands the ranks (perm[r::W])."""
+
+from __future__ import annotations
+
+import os
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+STEPS, BATCH, LR = 4, 8, 0.1
+
+
+def data() -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    return TensorDataset(torch.randn(256, 16, generator=g), torch.randn(256, 1, generator=g))
+
+
+def net(hidden: int) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, hidden), nn.Tanh(), nn.Linear(hidden, 1))
+
+
+class RegressionModule(pl.LightningModule):
+    def __init__(self, hidden: int, momentum: float) -> None:
+        super().__init__()
+        self.net, self.momentum = net(hidden), momentum
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], _: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=LR, momentum=self.momentum)
+
+
+def fit(module: pl.LightningModule, strategy: object, world: int, accelerator: str = "gpu") -> None:
+    trainer = pl.Trainer(accelerator=accelerator, devices=world, strategy=strategy, max_steps=STEPS, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module, DataLoader(data(), batch_size=BATCH, shuffle=True))
+
+
+def reference(world: int, device: torch.device, hidden: int, momentum: float) -> list[torch.Tensor]:
+    """One process, the average of the per-rank mean losses (what the gradient average computes)."""
+    model = net(hidden).to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=momentum)
+    seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
+    loaders = [iter(DataLoader(data(), batch_size=BATCH, sampler=DistributedSampler(
+        data(), num_replicas=world, rank=r, shuffle=True, seed=seed))) for r in range(world)]
+    for _ in range(STEPS):
+        opt.zero_grad()
+        loss = sum(nn.functional.mse_loss(model(x.to(device)), y.to(device)) for x, y in (next(it) for it in loaders))
+        (loss / world).backward()
+        opt.step()
+    return [p.detach().cpu() for p in model.parameters()]
