@@ -290,13 +290,28 @@ def all_gather(tensor: torch.Tensor, group: dist.ProcessGroup | None = None,
                   lambda: [dist.all_gather(bufs, send, group=group, async_op=True)], finish, async_op)
 
 
+def _is_gloo(group: dist.ProcessGroup | None) -> bool:
+    return dist.get_backend(group) == "gloo"
+
+
 def all_gather_into(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None = None,
                     async_op: bool = False) -> torch.Tensor | Work[torch.Tensor]:
     """Fast even all-gather: ``output`` (world_size x input.numel()) gets every rank's flat ``input``.
 
-    No metadata exchange; every rank must pass the same ``input.numel()``.
+    No metadata exchange; every rank must pass the same ``input.numel()``. On gloo it is issued as K
+    asynchronous broadcasts, one per source chunk, straight into ``output``: gloo's own
+    ``all_gather_into_tensor`` measured 4.8x slower here (72 ms against 15 ms for 32 MiB on 2 ranks),
+    for the same bytes on the wire (each rank sends its chunk to the K-1 others).
     """
     _check_even("all_gather_into", "output", output, "input", input, group)
+    if _is_gloo(group):
+        chunks, rank, ranks = output.view(-1).chunk(get_world_size(group)), get_rank(group), group_ranks(group)
+
+        def launch() -> list[Any]:
+            chunks[rank].copy_(input.reshape(-1))
+            return [dist.broadcast(c, src=ranks[i], group=group, async_op=True) for i, c in enumerate(chunks)]
+
+        return _issue("all_gather", _nbytes(input), launch, lambda: output, async_op)
     return _issue("all_gather", _nbytes(input),
                   lambda: [_ALL_GATHER_SINGLE(output.view(-1), input.reshape(-1), group=group, async_op=True)],
                   lambda: output, async_op)
@@ -324,10 +339,31 @@ def reduce_scatter(tensor: torch.Tensor, op: str = "sum", group: dist.ProcessGro
 
 
 def reduce_scatter_into(output: torch.Tensor, input: torch.Tensor, op: str = "sum",
-                        group: dist.ProcessGroup | None = None, async_op: bool = False) -> torch.Tensor | Work[torch.Tensor]:
-    """Fast even reduce-scatter of a flat ``input`` (world_size x output.numel()) into ``output``."""
+                        group: dist.ProcessGroup | None = None, async_op: bool = False,
+                        scratch: bool = False) -> torch.Tensor | Work[torch.Tensor]:
+    """Fast even reduce-scatter of a flat ``input`` (world_size x output.numel()) into ``output``.
+
+    With ``scratch=True`` the caller gives ``input`` up as scratch space (its contents are undefined
+    afterwards): on gloo the op is then issued as K asynchronous reduces, one to each chunk's owner,
+    which measured 1.5x faster than gloo's ``reduce_scatter_tensor`` on 2 ranks (36 against 53 ms for
+    32 MiB) and 2.4x on 3, for the same bytes on the wire.
+    """
     red = check_reduce(op, input)
     _check_even("reduce_scatter_into", "input", input, "output", output, group)
+    if scratch and _is_gloo(group):
+        world, rank, ranks = get_world_size(group), get_rank(group), group_ranks(group)
+        chunks, out = input.reshape(-1).chunk(world), output.view(-1)
+        by = dist.ReduceOp.SUM if op == "avg" else red
+
+        def launch() -> list[Any]:
+            out.copy_(chunks[rank])
+            return [dist.reduce(out if i == rank else c, dst=ranks[i], op=by, group=group, async_op=True)
+                    for i, c in enumerate(chunks)]
+
+        def finish() -> torch.Tensor:
+            return output.div_(world) if op == "avg" else output
+
+        return _issue("reduce_scatter", _nbytes(input), launch, finish, async_op)
     return _issue("reduce_scatter", _nbytes(input),
                   lambda: [_REDUCE_SCATTER_SINGLE(output.view(-1), input.reshape(-1), op=red, group=group,
                                                   async_op=True)],

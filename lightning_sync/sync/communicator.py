@@ -44,7 +44,7 @@ class Communicator(Protocol):
     def all_gather_into(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> Any: ...
 
     def reduce_scatter_into(self, output: torch.Tensor, input: torch.Tensor, op: str = "sum",
-                            async_op: bool = False) -> Any: ...
+                            async_op: bool = False, scratch: bool = False) -> Any: ...
 
 
 class ProcessGroupCommunicator:
@@ -82,8 +82,9 @@ class ProcessGroupCommunicator:
         return comms.all_gather_into(output, input, group=self._group, async_op=async_op)
 
     def reduce_scatter_into(self, output: torch.Tensor, input: torch.Tensor, op: str = "sum",
-                            async_op: bool = False) -> Any:
-        return comms.reduce_scatter_into(output, input, op=op, group=self._group, async_op=async_op)
+                            async_op: bool = False, scratch: bool = False) -> Any:
+        return comms.reduce_scatter_into(output, input, op=op, group=self._group, async_op=async_op,
+                                         scratch=scratch)
 
 
 class CompletedWork:
@@ -150,7 +151,7 @@ class LoopbackCommunicator:
         return CompletedWork(output) if async_op else output
 
     def reduce_scatter_into(self, output: torch.Tensor, input: torch.Tensor, op: str = "sum",
-                            async_op: bool = False) -> Any:
+                            async_op: bool = False, scratch: bool = False) -> Any:
         """Every rank holds ``input``: this rank's chunk, times K for ``sum``, unchanged otherwise."""
         if op not in comms.REDUCE_OPS:
             raise ValueError(f"unknown reduce op {op!r}; allowed: {sorted(comms.REDUCE_OPS)}")

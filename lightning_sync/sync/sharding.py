@@ -352,7 +352,8 @@ class FlatParam:
         """Issue the averaging reduce-scatter of the full gradient into this rank's shard (async)."""
         full = self.complete_grad()
         out = torch.empty(self.layout.shard_numel, dtype=self.reduce_dtype, device=self.device)
-        self._reduce = (out, self.comm.reduce_scatter_into(out, full, op="avg", async_op=True))
+        # the full gradient is not needed after this (stage 1 keeps only its own slice, copied from out)
+        self._reduce = (out, self.comm.reduce_scatter_into(out, full, op="avg", async_op=True, scratch=True))
 
     def finish_reduce(self) -> None:
         """Wait for the reduce-scatter; add the averaged shard to the master's gradient. Stage 1 keeps
