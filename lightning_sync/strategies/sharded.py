@@ -132,6 +132,11 @@ class ShardedStrategy(CommsCollectivesMixin, DDPStrategy):
 
     @override
     def setup(self, trainer: Any) -> None:
+        if getattr(self.precision_plugin, "scaler", None) is not None:
+            # a GradScaler decides per rank whether to skip a step, from this rank's shard only: ranks
+            # would disagree, and the ones that step would wait in the all-gather for the ones that skipped
+            raise ValueError(f"{type(self).__name__} does not support fp16 loss scaling (precision='16-mixed'); "
+                             f"use precision='bf16-mixed', or param_dtype='bf16' with the default precision")
         super().setup(trainer)
         if trainer.state.fn != TrainerFn.FITTING:  # evaluation: shard the parameters, no optimizer
             self._build_engine(None)

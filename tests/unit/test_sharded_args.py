@@ -130,3 +130,13 @@ def test_wrap_policy_matching_modules_does_not_warn(monkeypatch: pytest.MonkeyPa
         warnings.simplefilter("error")
         engine = _build_engine(monkeypatch, ["Linear"])
     assert sorted(u.name for u in engine.units if u.numel) == ["", "fc", "out"]
+
+
+def test_fp16_loss_scaling_is_refused_with_a_clear_error() -> None:
+    """A GradScaler would skip steps per rank (each sees only its shard's infs) and hang the others."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    strategy = ShardedStrategy(stage=2)
+    strategy.precision_plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+    with pytest.raises(ValueError, match=r"16-mixed.*bf16-mixed"):
+        strategy.setup(object())
