@@ -7,10 +7,18 @@ from lightning_sync.sync.communicator import (
     ProcessGroupCommunicator,
 )
 from lightning_sync.sync.compression import COMPRESSIONS, CastCompression, PowerSGD, make_compressor
-from lightning_sync.sync.sharding import ZERO_STAGES, FlatShard, OwnedSlice, zero_memory_bytes
+from lightning_sync.sync.periodic import DiLoCoOuter, PeriodicAverager
+from lightning_sync.sync.sharding import (
+    ZERO_STAGES,
+    FlatShard,
+    OwnedSlice,
+    ZeroEngine,
+    consolidate_checkpoint,
+    zero_memory_bytes,
+)
 
 __all__ = [
-    "COMPRESSIONS", "ZERO_STAGES", "Bucket", "CastCompression", "Communicator", "FlatShard", "GradBucketer",
-    "LoopbackCommunicator", "OwnedSlice", "PowerSGD", "ProcessGroupCommunicator", "StepTrace", "make_compressor",
-    "plan_buckets", "zero_memory_bytes",
+    "COMPRESSIONS", "ZERO_STAGES", "Bucket", "CastCompression", "Communicator", "DiLoCoOuter", "FlatShard",
+    "GradBucketer", "LoopbackCommunicator", "OwnedSlice", "PeriodicAverager", "PowerSGD", "ProcessGroupCommunicator",
+    "StepTrace", "ZeroEngine", "consolidate_checkpoint", "make_compressor", "plan_buckets", "zero_memory_bytes",
 ]
