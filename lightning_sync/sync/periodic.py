@@ -29,10 +29,11 @@ from torch import nn
 
 from lightning_sync.sync.communicator import Communicator
 
-__all__ = ["DiLoCoOuter", "PeriodicAverager", "average_tensors"]
+__all__ = ["DiLoCoOuter", "PeriodicAverager", "average_tensors", "check_int"]
 
 
-def _check_int(name: str, value: Any, low: int) -> int:
+def check_int(name: str, value: Any, low: int) -> int:
+    """``value`` if it is an int (not a bool) >= ``low``, else a ValueError naming it."""
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
     return value
@@ -79,8 +80,8 @@ class PeriodicAverager:
 
     def __init__(self, params: Iterable[torch.Tensor], comm: Communicator, sync_every: int, warmup_steps: int = 0,
                  optimizer: torch.optim.Optimizer | None = None, average_optimizer_state: bool = False) -> None:
-        self.sync_every = _check_int("sync_every", sync_every, 1)
-        self.warmup_steps = _check_int("warmup_steps", warmup_steps, 0)
+        self.sync_every = check_int("sync_every", sync_every, 1)
+        self.warmup_steps = check_int("warmup_steps", warmup_steps, 0)
         if average_optimizer_state and optimizer is None:
             raise ValueError("average_optimizer_state=True needs the optimizer")
         self.params = _distinct(params)
@@ -134,7 +135,7 @@ class DiLoCoOuter:
 
     def __init__(self, params: Iterable[torch.Tensor], comm: Communicator, sync_every: int, outer_lr: float = 0.7,
                  outer_momentum: float = 0.9, nesterov: bool = True) -> None:
-        self.sync_every = _check_int("sync_every", sync_every, 1)
+        self.sync_every = check_int("sync_every", sync_every, 1)
         if isinstance(outer_lr, bool) or not isinstance(outer_lr, (int, float)) or not 0 < outer_lr < math.inf:
             raise ValueError(f"outer_lr must be a finite number > 0, got {outer_lr!r}")
         if isinstance(outer_momentum, bool) or not isinstance(outer_momentum, (int, float)) or \

@@ -1,0 +1,171 @@
+"""``LocalSGDStrategy``: every rank steps its own replica; the replicas are averaged every H steps.
+
+The Lightning adapter of :class:`lightning_sync.sync.periodic.PeriodicAverager` (post-local SGD; Lin
+et al., ICLR 2020; torch's ``PeriodicModelAverager``). It extends ``BucketedDDPStrategy`` for the
+warm-up phase, which is ordinary synchronous data parallelism.
+
+What is synchronized, and when:
+
+* **Setup:** parameters and buffers are broadcast from rank 0 (every replica starts equal).
+* **The first** ``warmup_steps`` **optimizer steps:** gradients are averaged in buckets during
+  backward, exactly as ``bucketed_ddp``.
+* **After that:** no gradient is synchronized; every ``sync_every`` (H) optimizer steps the
+  parameters and floating-point buffers (and, with ``average_optimizer_state``, the optimizer's
+  per-parameter state) are all-reduce-averaged, one flat message per dtype. With H = 1 and plain SGD
+  this is DDP exactly.
+* **Validation / test** run on the *averaged* model: if the replicas have drifted since the last
+  sync, the parameters are averaged for the evaluation and each rank's own replica is restored after,
+  so evaluating does not change training.
+* **Checkpoints** hold one consistent global model, the average of the replicas (a collective when
+  saving); the optimizer state is rank 0's, and the step counter of the schedule is saved, so a
+  resumed run syncs on the same steps. Resuming starts every replica from that average.
+* **Metrics:** ``reduce``/``all_gather``/``broadcast``/``barrier`` go through ``lightning_sync.comms``.
+
+Lightning's ``global_step`` counts optimizer steps as usual, and LR schedulers step on it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from typing_extensions import override
+
+from lightning_sync.strategies.bucketed_ddp import BucketedDDPStrategy
+from lightning_sync.sync.communicator import ProcessGroupCommunicator
+from lightning_sync.sync.periodic import PeriodicAverager, average_tensors, check_int
+
+__all__ = ["LocalSGDStrategy"]
+
+_CKPT_KEY = "lightning_sync/local_sgd"
+
+
+class LocalSGDStrategy(BucketedDDPStrategy):
+    """LocalSGD / post-local SGD (see the module docstring).
+
+    Args:
+        sync_every: H, optimizer steps between parameter averages (>= 1).
+        warmup_steps: optimizer steps of synchronous (gradient-averaging) training first (>= 0).
+        average_optimizer_state: also average the optimizer's per-parameter state at every sync.
+        **kwargs: ``BucketedDDPStrategy``'s arguments (used during warm-up), e.g. ``bucket_cap_mb``,
+            ``process_group_backend``, ``timeout``. ``broadcast_buffers`` defaults to False here:
+            buffers are averaged at every sync instead.
+    """
+
+    strategy_name = "local_sgd"
+
+    def __init__(self, sync_every: int = 8, warmup_steps: int = 0, average_optimizer_state: bool = False,
+                 **kwargs: Any) -> None:
+        self.sync_every = check_int("sync_every", sync_every, 1)
+        self.warmup_steps = check_int("warmup_steps", warmup_steps, 0)
+        if not isinstance(average_optimizer_state, bool):
+            raise ValueError(f"average_optimizer_state must be True or False, got {average_optimizer_state!r}")
+        self.average_optimizer_state = average_optimizer_state
+        kwargs.setdefault("broadcast_buffers", False)
+        super().__init__(**kwargs)
+        self.averager: PeriodicAverager | None = None
+        self._pending_averager: dict[str, Any] | None = None
+        self._stashed: list[torch.Tensor] | None = None
+
+    def _averaged_tensors(self) -> list[torch.Tensor]:
+        assert self.model is not None
+        buffers = [b for b in self.model.buffers() if b.is_floating_point()]
+        return [*self.model.parameters(), *buffers]
+
+    @override
+    def setup_optimizers(self, trainer: Any) -> None:
+        super().setup_optimizers(trainer)
+        if self.average_optimizer_state and len(self.optimizers) != 1:
+            raise ValueError(f"average_optimizer_state=True needs exactly one optimizer, got {len(self.optimizers)}")
+        self.averager = PeriodicAverager(self._averaged_tensors(), ProcessGroupCommunicator(), self.sync_every,
+                                         self.warmup_steps, self.optimizers[0] if self.optimizers else None,
+                                         self.average_optimizer_state)
+        if self._pending_averager is not None:
+            self.averager.load_state_dict(self._pending_averager)
+            self._pending_averager = None
+
+    # ------------------------------------------------------------------ training
+    @override
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """Local steps: backward without any gradient collective (warm-up steps average as DDP does)."""
+        if self.averager is None or self.averager.in_warmup or self.bucketer is None:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        with self.bucketer.no_sync():
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        out = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self.averager is not None:
+            self.averager.step()
+        return out
+
+    # ------------------------------------------------------------------ evaluation on the averaged model
+    def _drifted(self) -> bool:
+        a = self.averager
+        return a is not None and not a.in_warmup and (a.steps - a.warmup_steps) % a.sync_every != 0
+
+    def _average_for_evaluation(self) -> None:
+        if self._drifted() and self._stashed is None:
+            tensors = self._averaged_tensors()
+            self._stashed = [t.detach().clone() for t in tensors]
+            average_tensors(tensors, ProcessGroupCommunicator())
+
+    def _restore_after_evaluation(self) -> None:
+        if self._stashed is not None:
+            with torch.no_grad():
+                for t, saved in zip(self._averaged_tensors(), self._stashed):
+                    t.copy_(saved)
+            self._stashed = None
+
+    @override
+    def on_validation_start(self) -> None:
+        self._average_for_evaluation()
+
+    @override
+    def on_validation_end(self) -> None:
+        self._restore_after_evaluation()
+
+    @override
+    def on_test_start(self) -> None:
+        self._average_for_evaluation()
+
+    @override
+    def on_test_end(self) -> None:
+        self._restore_after_evaluation()
+
+    # ------------------------------------------------------------------ checkpoints
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The average of the replicas (a collective; every rank computes it, rank 0 saves it)."""
+        state = super().lightning_module_state_dict()
+        if not self._drifted() or not torch.distributed.is_initialized():
+            return state
+        assert self.model is not None
+        live = self.model.state_dict(keep_vars=True)
+        averaged = {id(t): t.detach().clone() for t in self._averaged_tensors()}
+        average_tensors(list(averaged.values()), ProcessGroupCommunicator())
+        return {k: averaged.get(id(live.get(k)), v) for k, v in state.items()}
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        if self.averager is not None:
+            checkpoint[_CKPT_KEY] = self.averager.state_dict()
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
+        state = checkpoint.get(_CKPT_KEY)
+        if state is not None:
+            if self.averager is not None:
+                self.averager.load_state_dict(state)
+            else:
+                self._pending_averager = state
+        return checkpoint
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register("local_sgd", cls, description="LocalSGD: local steps, parameters averaged every "
+                                   "sync_every steps (lightning_sync)", override=True)
