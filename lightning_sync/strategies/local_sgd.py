@@ -63,7 +63,7 @@ class LocalSGDStrategy(BucketedDDPStrategy):
         self.average_optimizer_state = average_optimizer_state
         kwargs.setdefault("broadcast_buffers", False)
         super().__init__(**kwargs)
-        self.averager: PeriodicAverager | None = None
+        self.averager: Any = None  # PeriodicAverager (DiLoCoOuter in the DiLoCo subclass)
         self._pending_averager: dict[str, Any] | None = None
         self._stashed: list[torch.Tensor] | None = None
 
@@ -77,12 +77,15 @@ class LocalSGDStrategy(BucketedDDPStrategy):
         super().setup_optimizers(trainer)
         if self.average_optimizer_state and len(self.optimizers) != 1:
             raise ValueError(f"average_optimizer_state=True needs exactly one optimizer, got {len(self.optimizers)}")
-        self.averager = PeriodicAverager(self._averaged_tensors(), ProcessGroupCommunicator(), self.sync_every,
-                                         self.warmup_steps, self.optimizers[0] if self.optimizers else None,
-                                         self.average_optimizer_state)
+        self.averager = self._make_syncer()
         if self._pending_averager is not None:
             self.averager.load_state_dict(self._pending_averager)
             self._pending_averager = None
+
+    def _make_syncer(self) -> Any:
+        return PeriodicAverager(self._averaged_tensors(), ProcessGroupCommunicator(), self.sync_every,
+                                self.warmup_steps, self.optimizers[0] if self.optimizers else None,
+                                self.average_optimizer_state)
 
     # ------------------------------------------------------------------ training
     @override
@@ -105,11 +108,16 @@ class LocalSGDStrategy(BucketedDDPStrategy):
         a = self.averager
         return a is not None and not a.in_warmup and (a.steps - a.warmup_steps) % a.sync_every != 0
 
+    def _synchronize(self, tensors: list[torch.Tensor]) -> None:
+        """Turn ``tensors`` (parallel to :meth:`_averaged_tensors`) into the synchronized model, in place:
+        here the average of the replicas (a collective)."""
+        average_tensors(tensors, ProcessGroupCommunicator())
+
     def _average_for_evaluation(self) -> None:
         if self._drifted() and self._stashed is None:
             tensors = self._averaged_tensors()
             self._stashed = [t.detach().clone() for t in tensors]
-            average_tensors(tensors, ProcessGroupCommunicator())
+            self._synchronize(tensors)
 
     def _restore_after_evaluation(self) -> None:
         if self._stashed is not None:
@@ -144,19 +152,21 @@ class LocalSGDStrategy(BucketedDDPStrategy):
         assert self.model is not None
         live = self.model.state_dict(keep_vars=True)
         averaged = {id(t): t.detach().clone() for t in self._averaged_tensors()}
-        average_tensors(list(averaged.values()), ProcessGroupCommunicator())
+        self._synchronize(list(averaged.values()))
         return {k: averaged.get(id(live.get(k)), v) for k, v in state.items()}
+
+    _ckpt_key = _CKPT_KEY
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         if self.averager is not None:
-            checkpoint[_CKPT_KEY] = self.averager.state_dict()
+            checkpoint[self._ckpt_key] = self.averager.state_dict()
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
-        state = checkpoint.get(_CKPT_KEY)
+        state = checkpoint.get(self._ckpt_key)
         if state is not None:
             if self.averager is not None:
                 self.averager.load_state_dict(state)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import lightning.pytorch as pl
 import pytest
 import torch
 from _lightning_reference import (
@@ -19,7 +20,7 @@ from _lightning_reference import (
     _trainer,
 )
 
-from lightning_sync import LocalSGDStrategy, comms
+from lightning_sync import DiLoCoStrategy, LocalSGDStrategy, comms
 from lightning_sync.testing import Checks, assert_all_ranks_passed, run_distributed
 
 # averaging K replicas in fp32: a few ulps of weights ~1
@@ -101,7 +102,52 @@ def _worker(rank: int, world: int, tmpdir: str) -> tuple[list[str], int]:
                                              for k in average) > 1e-6)
     ck.true("[ckpt] schedule state saved", saved["lightning_sync/local_sgd"]["steps"] == 4,
             saved.get("lightning_sync/local_sgd"))
+    _check_diloco(ck, world, tmpdir)
     return ck.failures, ck.count
+
+
+class _AfterInner(pl.Callback):
+    """The parameters right after each inner optimizer step (before any outer step) and after each batch."""
+
+    def __init__(self) -> None:
+        self.after_inner: list[dict[str, torch.Tensor]] = []
+        self.after_batch: list[dict[str, torch.Tensor]] = []
+
+    def on_fit_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        trainer.optimizers[0].register_step_post_hook(lambda *a: self.after_inner.append(_state(module)))
+
+    def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, *args: Any) -> None:
+        self.after_batch.append(_state(module))
+
+
+def _check_diloco(ck: Checks, world: int, tmpdir: str) -> None:
+    """H=2: after inner step 2 every replica becomes w0 - lr * (g + mu * g), g = mean_r(w0 - local_r) (the
+    first outer step's Nesterov momentum buffer is g itself); replicas differ after steps 1 and 3."""
+    module, rec = _TiedModule("sgd"), _AfterInner()
+    w0 = _state(module)
+    trainer = _trainer(world, DiLoCoStrategy(sync_every=2, outer_lr=0.7, outer_momentum=0.9), max_steps=3,
+                       callbacks=[rec])
+    trainer.fit(module)
+    inner = comms.all_gather_object(rec.after_inner)
+    after = comms.all_gather_object(rec.after_batch)
+    trainable = [n for n, p in module.named_parameters() if p.requires_grad]
+    for name in trainable:
+        g = sum(w0[name] - inner[r][1][name] for r in range(world)) / world
+        want = w0[name] - 0.7 * (g + 0.9 * g)
+        # fp32: an average of 2 values and two multiply-adds on weights ~1 -> a few ulps
+        ck.close(f"[diloco] outer step by hand: {name}", after[0][1][name], want, rtol=0.0, atol=1e-6)
+    for step, same in ((0, False), (1, True), (2, False)):
+        diff = max((after[0][step][k] - after[1][step][k]).abs().max().item() for k in trainable)
+        ck.true(f"[diloco] replicas {'identical' if same else 'differ'} after step {step + 1}",
+                (diff == 0.0) if same else (diff > 1e-6), diff)
+    path = os.path.join(tmpdir, "diloco.ckpt")
+    trainer.save_checkpoint(path)  # after step 3 (drifted): the checkpoint holds the global model of step 2
+    saved = torch.load(path, map_location="cpu", weights_only=False)
+    for name in trainable:
+        ck.close(f"[diloco] checkpoint holds the global model: {name}", saved["state_dict"][name],
+                 after[0][1][name], rtol=0.0, atol=0.0)
+    ck.true("[diloco] outer optimizer state saved",
+            len(saved["lightning_sync/diloco"]["outer_optimizer"]["state"]) == len(trainable))
 
 
 @pytest.mark.timeout(240)
@@ -117,3 +163,12 @@ def test_local_sgd_equals_ddp_at_h1_syncs_on_schedule_and_saves_the_average(tmp_
 def test_bad_arguments_are_named(kw: dict[str, Any], named: str) -> None:
     with pytest.raises(ValueError, match=named):
         LocalSGDStrategy(**kw)
+
+
+@pytest.mark.parametrize(("kw", "named"), [({"sync_every": 0}, "sync_every"), ({"outer_lr": 0}, "outer_lr"),
+                                           ({"outer_momentum": 1}, "outer_momentum"),
+                                           ({"outer_momentum": 0.0}, "nesterov"),
+                                           ({"warmup_steps": 5}, "warmup_steps")])
+def test_diloco_bad_arguments_are_named(kw: dict[str, Any], named: str) -> None:
+    with pytest.raises(ValueError, match=named):
+        DiLoCoStrategy(**kw)

@@ -1,0 +1,111 @@
+"""``DiLoCoStrategy``: local inner steps, and every H steps an outer Nesterov step on the averaged
+pseudo-gradient (Douillard et al., "DiLoCo", 2023; torchft's ``DiLoCo``).
+
+The Lightning adapter of :class:`lightning_sync.sync.periodic.DiLoCoOuter`, built on
+``LocalSGDStrategy``'s plumbing. What is synchronized, and when:
+
+* **Setup:** parameters and buffers are broadcast from rank 0; the global parameters start as them.
+* **Inner steps:** the LightningModule's own optimizer steps each rank's replica; no gradient is sent.
+* **Every** ``sync_every`` **(H) inner steps:** the pseudo-gradient ``global - local`` is
+  all-reduce-averaged (one flat message per dtype), the outer SGD (``outer_lr`` 0.7, momentum 0.9,
+  Nesterov by default) steps the global parameters, which are copied into every replica; floating
+  buffers are averaged.
+* **Validation / test** run on the global parameters of the last outer step (identical on every
+  rank) with averaged buffers; each rank's replica is restored afterwards.
+* **Checkpoints** hold that global model, the outer optimizer's state and the schedule; resuming
+  starts every replica from the global model (inner progress since the last outer step is not kept).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from typing_extensions import override
+
+from lightning_sync.strategies.local_sgd import LocalSGDStrategy
+from lightning_sync.sync.communicator import ProcessGroupCommunicator
+from lightning_sync.sync.periodic import DiLoCoOuter, average_tensors
+
+__all__ = ["DiLoCoStrategy"]
+
+
+class DiLoCoStrategy(LocalSGDStrategy):
+    """DiLoCo (see the module docstring).
+
+    Args:
+        sync_every: H, inner steps per outer step (>= 1; the paper uses 500).
+        outer_lr: outer SGD learning rate (> 0; 0.7).
+        outer_momentum: outer momentum in [0, 1) (0.9).
+        nesterov: Nesterov outer momentum (True).
+        **kwargs: launch arguments (``process_group_backend``, ``timeout``, ``start_method``, ...).
+    """
+
+    strategy_name = "diloco"
+    _ckpt_key = "lightning_sync/diloco"
+
+    def __init__(self, sync_every: int = 500, outer_lr: float = 0.7, outer_momentum: float = 0.9,
+                 nesterov: bool = True, **kwargs: Any) -> None:
+        if isinstance(outer_lr, bool) or not isinstance(outer_lr, (int, float)) or not 0 < outer_lr < math.inf:
+            raise ValueError(f"outer_lr must be a finite number > 0, got {outer_lr!r}")
+        if isinstance(outer_momentum, bool) or not isinstance(outer_momentum, (int, float)) or \
+                not 0 <= outer_momentum < 1:
+            raise ValueError(f"outer_momentum must be a number in [0, 1), got {outer_momentum!r}")
+        if not isinstance(nesterov, bool) or (nesterov and outer_momentum == 0):
+            raise ValueError(f"nesterov must be True or False (True needs outer_momentum > 0), got {nesterov!r}")
+        unsupported = sorted({"warmup_steps", "average_optimizer_state"} & set(kwargs))
+        if unsupported:
+            raise ValueError(f"DiLoCoStrategy does not take {unsupported} (LocalSGDStrategy does)")
+        super().__init__(sync_every=sync_every, **kwargs)
+        self.outer_lr, self.outer_momentum, self.nesterov = float(outer_lr), float(outer_momentum), nesterov
+
+    def _trainable(self) -> list[torch.Tensor]:
+        assert self.model is not None
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    @override
+    def _make_syncer(self) -> DiLoCoOuter:
+        return DiLoCoOuter(self._trainable(), ProcessGroupCommunicator(), self.sync_every, self.outer_lr,
+                           self.outer_momentum, self.nesterov)
+
+    @override
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """Inner steps never send gradients."""
+        if self.bucketer is None:
+            return super(LocalSGDStrategy, self).backward(closure_loss, optimizer, *args, **kwargs)
+        with self.bucketer.no_sync():
+            return super(LocalSGDStrategy, self).backward(closure_loss, optimizer, *args, **kwargs)
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        out = super(LocalSGDStrategy, self).optimizer_step(optimizer, closure, model, **kwargs)
+        if self.averager is not None and self.averager.step():
+            assert self.model is not None
+            average_tensors([b for b in self.model.buffers() if b.is_floating_point()], ProcessGroupCommunicator())
+        return out
+
+    @override
+    def _drifted(self) -> bool:
+        return self.averager is not None and self.averager.steps % self.averager.sync_every != 0
+
+    @override
+    def _synchronize(self, tensors: list[torch.Tensor]) -> None:
+        """Trainable parameters take the global ones (no collective); the rest (buffers) is averaged."""
+        assert self.averager is not None
+        global_of = {id(p): g for p, g in zip(self.averager.params, self.averager.global_params)}
+        rest = []
+        with torch.no_grad():
+            for live, t in zip(self._averaged_tensors(), tensors):
+                if id(live) in global_of:
+                    t.copy_(global_of[id(live)])
+                elif live.is_floating_point() and not isinstance(live, torch.nn.Parameter):
+                    rest.append(t)
+        average_tensors(rest, ProcessGroupCommunicator())
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register("diloco", cls, description="DiLoCo: local inner steps, outer Nesterov step on "
+                                   "the averaged pseudo-gradient every sync_every steps (lightning_sync)",
+                                   override=True)
