@@ -22,20 +22,10 @@ import torch
 
 from lightning_sync.models.synthetic import WideMLP
 from lightning_sync.sync.communicator import ProcessGroupCommunicator
-from lightning_sync.sync.sharding import ZeroEngine, zero_memory_bytes
+from lightning_sync.sync.sharding import ZeroEngine, storage_bytes, zero_memory_bytes
 from lightning_sync.testing import run_distributed
 
 _MIB = 2**20
-
-
-def _storage_total(tensors: list[torch.Tensor]) -> int:
-    seen, total = set(), 0
-    for t in tensors:
-        s = t.untyped_storage()
-        if s.data_ptr() not in seen:
-            seen.add(s.data_ptr())
-            total += s.nbytes()
-    return total
 
 
 def _ddp_bytes(model: torch.nn.Module) -> int:
@@ -44,7 +34,7 @@ def _ddp_bytes(model: torch.nn.Module) -> int:
     model(torch.randn(8, 1024)).sum().backward()
     opt.step()
     state = [t for s in opt.state.values() for t in s.values() if t.dim() > 0]
-    return _storage_total([*model.parameters(), *(p.grad for p in model.parameters()), *state])
+    return storage_bytes([*model.parameters(), *(p.grad for p in model.parameters()), *state], set())
 
 
 def _measure(rank: int, world: int, stage: int, param_dtype: str | None) -> dict[str, Any]:

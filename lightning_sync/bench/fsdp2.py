@@ -30,7 +30,6 @@ Example (what ``conf/bench.yaml``'s ``fsdp2`` row builds)::
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -39,6 +38,8 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 from typing_extensions import override
+
+from lightning_sync.sync.sharding import import_class
 
 __all__ = ["FullyShardStrategy", "resolve_classes"]
 
@@ -54,10 +55,9 @@ def resolve_classes(names: Sequence[str | type]) -> tuple[type[nn.Module], ...]:
     for name in names:
         cls: Any = name
         if isinstance(name, str):
-            module, _, attr = name.rpartition(".")
             try:
-                cls = getattr(importlib.import_module(module), attr) if module else None
-            except (ImportError, AttributeError):
+                cls = import_class(name, "shard_classes")
+            except ValueError:
                 cls = None
         if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
             raise ValueError(f"shard_classes entries must name nn.Module subclasses (e.g. 'torch.nn.Linear'), "

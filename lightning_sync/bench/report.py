@@ -172,7 +172,7 @@ class Report:
                          f"{r['bytes_mib']:.2f} | {r['x_grad']:.3f} | {wire} | {r['comm_ms']:.1f} | "
                          f"{r['exposed_ms']:.1f} | "
                          f"{r['exposed_share']:.2f} | {r['peak_mib']:.0f} | {r['scaling']:.2f} |")
-        lines += ["", f"Single-process step time T1(b) (ms): "
+        lines += ["", "Single-process step time T1(b) (ms): "
                   + ", ".join(f"{k} {1e3 * v:.1f}" for k, v in self._single.items()),
                   "", "Overlap check: with perfect overlap a step would take max(T1, comm alone); on a machine "
                   "where communication competes with compute for the same cores it takes about T1 + comm alone.",

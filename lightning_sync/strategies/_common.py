@@ -3,6 +3,7 @@ through :mod:`lightning_sync.comms` so that metric syncing is counted like every
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
 from typing import Any
 
@@ -10,7 +11,7 @@ import torch
 
 from lightning_sync import comms
 
-__all__ = ["CommsCollectivesMixin", "as_timedelta", "check_launch_args", "PASSTHROUGH"]
+__all__ = ["CommsCollectivesMixin", "as_timedelta", "check_launch_args", "no_sync_of", "PASSTHROUGH"]
 
 _REDUCE_OPS = {"mean": "avg", "avg": "avg", "sum": "sum", "max": "max", "min": "min"}
 _TORCH_OPS = {torch.distributed.ReduceOp.SUM: "sum", torch.distributed.ReduceOp.MAX: "max",
@@ -40,6 +41,11 @@ class _AllGatherWithGrad(torch.autograd.Function):
         grad = grad.contiguous()
         comms.all_reduce(grad, op="sum")
         return grad[comms.get_rank()]
+
+
+def no_sync_of(switch: Any | None) -> AbstractContextManager[Any]:
+    """``switch.no_sync()`` (a ``SyncSwitch``: the bucketer or the ZeRO engine), or nothing before setup."""
+    return switch.no_sync() if switch is not None else nullcontext()
 
 
 def check_launch_args(owner: str, process_group_backend: Any, start_method: Any, kwargs: dict[str, Any]) -> None:

@@ -25,7 +25,6 @@ If a rank fails, its peers raise once the process group notices (connection clos
 
 from __future__ import annotations
 
-import math
 from collections.abc import Generator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -37,8 +36,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_sync import comms
-from lightning_sync.strategies._common import CommsCollectivesMixin, as_timedelta, check_launch_args
-from lightning_sync.sync.bucketing import GradBucketer
+from lightning_sync.strategies._common import CommsCollectivesMixin, as_timedelta, check_launch_args, no_sync_of
+from lightning_sync.sync.bucketing import GradBucketer, check_mib
 from lightning_sync.sync.communicator import ProcessGroupCommunicator
 from lightning_sync.sync.compression import COMPRESSIONS, make_compressor
 
@@ -71,9 +70,8 @@ class BucketedDDPStrategy(CommsCollectivesMixin, DDPStrategy):
                  compression: str | None = None, powersgd_rank: int = 2, powersgd_warmup_steps: int = 10,
                  broadcast_buffers: bool = True, process_group_backend: str | None = None,
                  timeout: float | timedelta = 1800.0, start_method: str = "popen", **kwargs: Any) -> None:
-        for name, value in (("bucket_cap_mb", bucket_cap_mb), ("first_bucket_mb", first_bucket_mb)):
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < math.inf:
-                raise ValueError(f"{name} must be a finite number > 0 (MiB), got {value!r}")
+        check_mib("bucket_cap_mb", bucket_cap_mb)
+        check_mib("first_bucket_mb", first_bucket_mb)
         for name, value, low in (("powersgd_rank", powersgd_rank, 1),
                                  ("powersgd_warmup_steps", powersgd_warmup_steps, 0)):
             if not isinstance(value, int) or isinstance(value, bool) or value < low:  # checked even if unused
@@ -159,10 +157,7 @@ class BucketedDDPStrategy(CommsCollectivesMixin, DDPStrategy):
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
         """Accumulation micro-steps: gradients accumulate locally, no collective is issued."""
-        if self.bucketer is None:
-            yield None
-            return
-        with self.bucketer.no_sync():
+        with no_sync_of(self.bucketer):
             yield None
 
     # ------------------------------------------------------------------ checkpoints

@@ -18,7 +18,6 @@ The Lightning adapter of :class:`lightning_sync.sync.periodic.DiLoCoOuter`, buil
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -26,7 +25,7 @@ from typing_extensions import override
 
 from lightning_sync.strategies.local_sgd import LocalSGDStrategy
 from lightning_sync.sync.communicator import ProcessGroupCommunicator
-from lightning_sync.sync.periodic import DiLoCoOuter, average_tensors
+from lightning_sync.sync.periodic import DiLoCoOuter, average_tensors, check_outer
 
 __all__ = ["DiLoCoStrategy"]
 
@@ -47,13 +46,7 @@ class DiLoCoStrategy(LocalSGDStrategy):
 
     def __init__(self, sync_every: int = 500, outer_lr: float = 0.7, outer_momentum: float = 0.9,
                  nesterov: bool = True, **kwargs: Any) -> None:
-        if isinstance(outer_lr, bool) or not isinstance(outer_lr, (int, float)) or not 0 < outer_lr < math.inf:
-            raise ValueError(f"outer_lr must be a finite number > 0, got {outer_lr!r}")
-        if isinstance(outer_momentum, bool) or not isinstance(outer_momentum, (int, float)) or \
-                not 0 <= outer_momentum < 1:
-            raise ValueError(f"outer_momentum must be a number in [0, 1), got {outer_momentum!r}")
-        if not isinstance(nesterov, bool) or (nesterov and outer_momentum == 0):
-            raise ValueError(f"nesterov must be True or False (True needs outer_momentum > 0), got {nesterov!r}")
+        check_outer(outer_lr, outer_momentum, nesterov)
         unsupported = sorted({"warmup_steps", "average_optimizer_state"} & set(kwargs))
         if unsupported:
             raise ValueError(f"DiLoCoStrategy does not take {unsupported} (LocalSGDStrategy does)")
@@ -70,20 +63,16 @@ class DiLoCoStrategy(LocalSGDStrategy):
                            self.outer_momentum, self.nesterov)
 
     @override
-    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+    def _local_step(self) -> bool:
         """Inner steps never send gradients."""
-        if self.bucketer is None:
-            return super(LocalSGDStrategy, self).backward(closure_loss, optimizer, *args, **kwargs)
-        with self.bucketer.no_sync():
-            return super(LocalSGDStrategy, self).backward(closure_loss, optimizer, *args, **kwargs)
+        return True
 
     @override
-    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        out = super(LocalSGDStrategy, self).optimizer_step(optimizer, closure, model, **kwargs)
-        if self.averager is not None and self.averager.step():
+    def _after_step(self) -> None:
+        """Count the inner step; at an outer step, average the floating buffers too."""
+        if self.averager.step():
             assert self.model is not None
             average_tensors([b for b in self.model.buffers() if b.is_floating_point()], ProcessGroupCommunicator())
-        return out
 
     @override
     def _drifted(self) -> bool:

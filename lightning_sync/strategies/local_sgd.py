@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from typing_extensions import override
 
+from lightning_sync.strategies._common import no_sync_of
 from lightning_sync.strategies.bucketed_ddp import BucketedDDPStrategy
 from lightning_sync.sync.communicator import ProcessGroupCommunicator
 from lightning_sync.sync.periodic import PeriodicAverager, average_tensors, check_int
@@ -91,17 +92,23 @@ class LocalSGDStrategy(BucketedDDPStrategy):
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         """Local steps: backward without any gradient collective (warm-up steps average as DDP does)."""
-        if self.averager is None or self.averager.in_warmup or self.bucketer is None:
+        with no_sync_of(self.bucketer if self._local_step() else None):
             return super().backward(closure_loss, optimizer, *args, **kwargs)
-        with self.bucketer.no_sync():
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    def _local_step(self) -> bool:
+        """Whether this step sends no gradient (after the warm-up)."""
+        return self.averager is not None and not self.averager.in_warmup
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         out = super().optimizer_step(optimizer, closure, model, **kwargs)
         if self.averager is not None:
-            self.averager.step()
+            self._after_step()
         return out
+
+    def _after_step(self) -> None:
+        """Count the optimizer step; average when a period ends."""
+        self.averager.step()
 
     # ------------------------------------------------------------------ evaluation on the averaged model
     def _drifted(self) -> bool:

@@ -42,7 +42,6 @@ statistics) are broadcast at setup only, as in FSDP.
 
 from __future__ import annotations
 
-import math
 import shutil
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager
@@ -56,9 +55,17 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_sync.strategies._common import CommsCollectivesMixin, as_timedelta, check_launch_args
+from lightning_sync.strategies._common import CommsCollectivesMixin, as_timedelta, check_launch_args, no_sync_of
 from lightning_sync.sync.communicator import ProcessGroupCommunicator
-from lightning_sync.sync.sharding import ZERO_STAGES, ZeroEngine, read_meta, resolve_dtype, resolve_wrap_policy
+from lightning_sync.sync.bucketing import check_mib
+from lightning_sync.sync.sharding import (
+    ZERO_STAGES,
+    ZeroEngine,
+    check_stage,
+    read_meta,
+    resolve_dtype,
+    resolve_wrap_policy,
+)
 
 __all__ = ["ShardedStrategy"]
 
@@ -89,11 +96,8 @@ class ShardedStrategy(CommsCollectivesMixin, DDPStrategy):
                  reshard_after_forward: bool = True, param_dtype: Any = None, reduce_dtype: Any = None,
                  bucket_cap_mb: float = 25.0, process_group_backend: str | None = None,
                  timeout: float | timedelta = 1800.0, start_method: str = "popen", **kwargs: Any) -> None:
-        if isinstance(stage, bool) or not isinstance(stage, int) or stage not in ZERO_STAGES:
-            raise ValueError(f"stage must be one of {list(ZERO_STAGES)}, got {stage!r}")
-        if not isinstance(bucket_cap_mb, (int, float)) or isinstance(bucket_cap_mb, bool) or \
-                not 0 < bucket_cap_mb < math.inf:
-            raise ValueError(f"bucket_cap_mb must be a finite number > 0 (MiB), got {bucket_cap_mb!r}")
+        check_stage(stage)
+        check_mib("bucket_cap_mb", bucket_cap_mb)
         for name, value in (("prefetch", prefetch), ("reshard_after_forward", reshard_after_forward)):
             if not isinstance(value, bool):
                 raise ValueError(f"{name} must be True or False, got {value!r}")
@@ -219,10 +223,7 @@ class ShardedStrategy(CommsCollectivesMixin, DDPStrategy):
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
         """Accumulation micro-steps: unsharded gradients accumulate locally, no collective is issued."""
-        if self.engine is None:
-            yield None
-            return
-        with self.engine.no_sync():
+        with no_sync_of(self.engine):
             yield None
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:

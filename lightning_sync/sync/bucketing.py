@@ -46,9 +46,16 @@ from torch import nn
 
 from lightning_sync.sync.communicator import Communicator, WorkLike
 
-__all__ = ["Bucket", "GradBucketer", "StepTrace", "SyncSwitch", "plan_buckets"]
+__all__ = ["Bucket", "GradBucketer", "StepTrace", "SyncSwitch", "check_mib", "plan_buckets"]
 
 _MB = 2**20
+
+
+def check_mib(name: str, value: Any) -> float:
+    """``value`` if it is a finite number of MiB > 0, else a ValueError naming it."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < math.inf:
+        raise ValueError(f"{name} must be a finite number > 0 (MiB), got {value!r}")
+    return value
 
 
 def plan_buckets(sizes: list[int], keys: list[Any], order: Iterable[int], cap_bytes: int,
@@ -145,9 +152,8 @@ class GradBucketer(SyncSwitch):
     def __init__(self, named_params: Iterable[tuple[str, nn.Parameter]], comm: Communicator,
                  bucket_cap_mb: float = 25.0, first_bucket_mb: float = 1.0, gradient_as_bucket_view: bool = True,
                  find_unused_parameters: bool = False, compressor: Any | None = None) -> None:
-        for name, value in (("bucket_cap_mb", bucket_cap_mb), ("first_bucket_mb", first_bucket_mb)):
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < math.inf:
-                raise ValueError(f"{name} must be a finite number > 0 (MiB), got {value!r}")
+        check_mib("bucket_cap_mb", bucket_cap_mb)
+        check_mib("first_bucket_mb", first_bucket_mb)
         seen: set[int] = set()
         self._params: list[nn.Parameter] = []
         self.names: list[str] = []

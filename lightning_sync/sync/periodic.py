@@ -29,7 +29,7 @@ from torch import nn
 
 from lightning_sync.sync.communicator import Communicator
 
-__all__ = ["DiLoCoOuter", "PeriodicAverager", "average_tensors", "check_int"]
+__all__ = ["DiLoCoOuter", "PeriodicAverager", "average_tensors", "check_int", "check_outer"]
 
 
 def check_int(name: str, value: Any, low: int) -> int:
@@ -37,6 +37,17 @@ def check_int(name: str, value: Any, low: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
     return value
+
+
+def check_outer(outer_lr: Any, outer_momentum: Any, nesterov: Any) -> None:
+    """DiLoCo's outer SGD settings, each checked; a ValueError names the bad one."""
+    if isinstance(outer_lr, bool) or not isinstance(outer_lr, (int, float)) or not 0 < outer_lr < math.inf:
+        raise ValueError(f"outer_lr must be a finite number > 0, got {outer_lr!r}")
+    if isinstance(outer_momentum, bool) or not isinstance(outer_momentum, (int, float)) or not 0 <= outer_momentum < 1:
+        raise ValueError(f"outer_momentum must be a number in [0, 1), got {outer_momentum!r}")
+    if not isinstance(nesterov, bool) or (nesterov and outer_momentum == 0):
+        raise ValueError(f"nesterov must be True or False (True needs outer_momentum > 0), got {nesterov!r} "
+                         f"with outer_momentum={outer_momentum!r}")
 
 
 def _distinct(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
@@ -136,13 +147,7 @@ class DiLoCoOuter:
     def __init__(self, params: Iterable[torch.Tensor], comm: Communicator, sync_every: int, outer_lr: float = 0.7,
                  outer_momentum: float = 0.9, nesterov: bool = True) -> None:
         self.sync_every = check_int("sync_every", sync_every, 1)
-        if isinstance(outer_lr, bool) or not isinstance(outer_lr, (int, float)) or not 0 < outer_lr < math.inf:
-            raise ValueError(f"outer_lr must be a finite number > 0, got {outer_lr!r}")
-        if isinstance(outer_momentum, bool) or not isinstance(outer_momentum, (int, float)) or \
-                not 0 <= outer_momentum < 1:
-            raise ValueError(f"outer_momentum must be a number in [0, 1), got {outer_momentum!r}")
-        if nesterov and outer_momentum == 0:
-            raise ValueError("nesterov=True needs outer_momentum > 0")
+        check_outer(outer_lr, outer_momentum, nesterov)
         self.params = _distinct(params)
         self.comm = comm
         self.global_params = [nn.Parameter(p.detach().clone()) for p in self.params]

@@ -40,11 +40,12 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from lightning_sync.sync.bucketing import SyncSwitch, plan_buckets
+from lightning_sync.sync.bucketing import SyncSwitch, check_mib, plan_buckets
 from lightning_sync.sync.communicator import Communicator
 
-__all__ = ["FlatParam", "FlatShard", "OwnedSlice", "Unit", "ZERO_STAGES", "ZeroEngine", "consolidate_checkpoint", "read_meta", "resolve_dtype",
-           "resolve_wrap_policy", "zero_memory_bytes"]
+__all__ = ["FlatParam", "FlatShard", "OwnedSlice", "Unit", "ZERO_STAGES", "ZeroEngine", "check_stage",
+           "consolidate_checkpoint", "import_class", "read_meta", "resolve_dtype", "resolve_wrap_policy",
+           "storage_bytes", "zero_memory_bytes"]
 
 ZERO_STAGES = (1, 2, 3)
 
@@ -165,6 +166,13 @@ _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "32": torch.float32,
            "half": torch.float16}
 
 
+def check_stage(stage: Any) -> int:
+    """``stage`` if it is one of :data:`ZERO_STAGES` (an int, not a bool or float), else a ValueError."""
+    if isinstance(stage, bool) or not isinstance(stage, int) or stage not in ZERO_STAGES:
+        raise ValueError(f"stage must be one of {list(ZERO_STAGES)}, got {stage!r}")
+    return stage
+
+
 def resolve_dtype(value: Any, what: str) -> torch.dtype | None:
     """``None``, a floating ``torch.dtype`` or one of the names in ``_DTYPES`` (for Hydra)."""
     if value is None or isinstance(value, torch.dtype) and value.is_floating_point:
@@ -174,14 +182,15 @@ def resolve_dtype(value: Any, what: str) -> torch.dtype | None:
     raise ValueError(f"{what} must be None, a floating torch.dtype or one of {sorted(_DTYPES)}, got {value!r}")
 
 
-def _import_class(path: str) -> type:
+def import_class(path: str, what: str = "wrap_policy") -> type:
+    """The class a dotted path (``"torch.nn.Linear"``) names; a ValueError naming ``what`` and the path."""
     module_name, _, attr = path.rpartition(".")
     try:
         obj = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError, ValueError) as err:
-        raise ValueError(f"wrap_policy names {path!r}, which is not an importable class") from err
+        raise ValueError(f"{what} names {path!r}, which is not an importable class") from err
     if not isinstance(obj, type):
-        raise ValueError(f"wrap_policy names {path!r}, which is not a class")
+        raise ValueError(f"{what} names {path!r}, which is not a class")
     return obj
 
 
@@ -212,7 +221,7 @@ def resolve_wrap_policy(policy: Any) -> Callable[[nn.Module, int], bool] | None:
         policy = [policy]
     if isinstance(policy, Sequence) and policy and all(isinstance(p, (str, type)) for p in policy):
         classes = tuple(p for p in policy if isinstance(p, type)) + tuple(
-            _import_class(p) for p in policy if isinstance(p, str) and "." in p)
+            import_class(p) for p in policy if isinstance(p, str) and "." in p)
         names = {p for p in policy if isinstance(p, str) and "." not in p}
         return lambda module, unclaimed: isinstance(module, classes) or type(module).__name__ in names
     if callable(policy) and not isinstance(policy, Sequence):
@@ -220,7 +229,7 @@ def resolve_wrap_policy(policy: Any) -> Callable[[nn.Module, int], bool] | None:
     raise ValueError(f"unknown wrap_policy {policy!r}; allowed forms: {allowed}")
 
 
-def _storage_bytes(tensors: Iterable[torch.Tensor | None], seen: set[int]) -> int:
+def storage_bytes(tensors: Iterable[torch.Tensor | None], seen: set[int]) -> int:
     """Bytes of the distinct storages behind ``tensors`` (each storage counted once across calls)."""
     total = 0
     for t in tensors:
@@ -394,7 +403,10 @@ class Unit:
     expected: int = 0
     fired: set[int] = field(default_factory=set)
     done: bool = False
-    launched: bool = False
+
+    def reset(self) -> None:
+        """Ready for the next backward: no gradient has arrived yet."""
+        self.fired, self.done = set(), False
 
     @property
     def gathered(self) -> bool:
@@ -450,11 +462,8 @@ class ZeroEngine(SyncSwitch):
                  stage: int = 3, wrap_policy: Any = None, prefetch: bool = True, reshard_after_forward: bool = True,
                  param_dtype: Any = None, reduce_dtype: Any = None, bucket_cap_mb: float = 25.0,
                  broadcast: bool = True) -> None:
-        if isinstance(stage, bool) or not isinstance(stage, int) or stage not in ZERO_STAGES:
-            raise ValueError(f"stage must be one of {list(ZERO_STAGES)}, got {stage!r}")
-        if not isinstance(bucket_cap_mb, (int, float)) or isinstance(bucket_cap_mb, bool) or \
-                not 0 < bucket_cap_mb < math.inf:
-            raise ValueError(f"bucket_cap_mb must be a finite number > 0 (MiB), got {bucket_cap_mb!r}")
+        check_stage(stage)
+        check_mib("bucket_cap_mb", bucket_cap_mb)
         if optimizer is not None and hasattr(optimizer, "_params"):
             raise ValueError(f"{type(optimizer).__name__} keeps its own parameter list and cannot step shards; "
                              f"use an optimizer that reads param_groups (SGD, Adam, AdamW, ...)")
@@ -710,7 +719,7 @@ class ZeroEngine(SyncSwitch):
             for f in self.flats:
                 f.start_window()
         for unit in self.units:
-            unit.fired, unit.done, unit.launched = set(), False, False
+            unit.reset()
         self._next_launch = 0
         torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
 
@@ -731,7 +740,6 @@ class ZeroEngine(SyncSwitch):
             self._log("reduce_issue", unit)
             for f in unit.flats:
                 f.launch_reduce()
-            unit.launched = True
             self._next_launch += 1
 
     def _finalize(self) -> None:
@@ -748,7 +756,7 @@ class ZeroEngine(SyncSwitch):
         if self.stage == 3:
             self.reshard()
         for unit in self.units:  # ready for the next backward (its first pre-backward hook reads them)
-            unit.fired, unit.done, unit.launched = set(), False, False
+            unit.reset()
         if self.stage == 3 and not self._order_checked:
             self._check_forward_order()
 
@@ -784,15 +792,15 @@ class ZeroEngine(SyncSwitch):
     def memory_bytes(self) -> dict[str, int]:
         """Bytes of parameter, gradient and optimizer-state storage this rank holds now (each storage once)."""
         seen: set[int] = set()
-        params = _storage_bytes([p for p in self.module.parameters()], seen)
-        params += _storage_bytes([f.master for f in self.flats], seen)
-        grads = _storage_bytes([p.grad for p in self.module.parameters()], seen)
-        grads += _storage_bytes([f.grad_full for f in self.flats] + [f.master.grad for f in self.flats], seen)
+        params = storage_bytes([p for p in self.module.parameters()], seen)
+        params += storage_bytes([f.master for f in self.flats], seen)
+        grads = storage_bytes([p.grad for p in self.module.parameters()], seen)
+        grads += storage_bytes([f.grad_full for f in self.flats] + [f.master.grad for f in self.flats], seen)
         state: list[Any] = []
         if self.optimizer is not None:
             for s in self.optimizer.state.values():
                 state.extend(s.values())
-        return {"params": params, "grads": grads, "optimizer": _storage_bytes(state, seen)}
+        return {"params": params, "grads": grads, "optimizer": storage_bytes(state, seen)}
 
     @property
     def largest_unit_numel(self) -> int:
@@ -880,18 +888,11 @@ class ZeroEngine(SyncSwitch):
             (path / _META).write_text(json.dumps(meta, indent=1))
         dcp.save(out, checkpoint_id=str(path), process_group=getattr(self.comm, "group", None))
 
-    def _shape(self, name: str) -> torch.Size:
-        for f in self.flats:
-            if name in f.names:
-                return f.layout.shapes[f.names.index(name)]
-        raise KeyError(name)
-
     def check_compatible(self, meta: Mapping[str, Any]) -> None:
         """Raise ``ValueError`` naming the first key where the checkpoint and this module differ."""
-        keys, replicated = self._replicated()
-        mine = [(k, c) for k, c in keys]
+        mine, _ = self._replicated()
         theirs = [tuple(k) for k in meta["keys"]]
-        shapes = {n: list(self._shape(n)) for f in self.flats for n in f.names}
+        shapes = {n: list(shape) for f in self.flats for n, shape in zip(f.names, f.layout.shapes)}
         for (mk, mc), (tk, tc) in zip(mine, theirs):
             if mk != tk or (mc is None) != (tc is None):
                 raise ValueError(f"checkpoint does not match this model: first mismatched key {mk!r} "
