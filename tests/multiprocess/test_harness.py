@@ -176,8 +176,10 @@ def test_bare_tensor_results_in_rank_order() -> None:
 @pytest.mark.parametrize("how", ["raise", "exit"])
 def test_failing_rank_is_reported_and_blocked_peers_killed(how: str) -> None:
     # Rank 0 is blocked in a collective with rank 2, and the failing rank 1 is not part of it.
-    err, elapsed = _run_expecting(DistributedRankError, _fail_while_peer_waits_on_subgroup, 3, how,
-                                  timeout=60, pg_timeout=PG_TIMEOUT_S)
+    # ranks 0 and 2 would wait PG_TIMEOUT_S (120 s), past the run's 60 s timeout: the run ending in a
+    # DistributedRankError, not a DistributedTimeoutError, shows the harness killed them once rank 1 failed
+    err, _ = _run_expecting(DistributedRankError, _fail_while_peer_waits_on_subgroup, 3, how,
+                            timeout=60, pg_timeout=PG_TIMEOUT_S)
     assert err.rank == 1, str(err)
     if how == "raise":
         assert "boom on rank 1" in err.remote_traceback
@@ -186,8 +188,6 @@ def test_failing_rank_is_reported_and_blocked_peers_killed(how: str) -> None:
     else:
         assert re.search(r"exit(ed with)? code 3\b", err.remote_traceback), err.remote_traceback
     assert str(err).startswith("rank 1 failed")
-    # ranks 0 and 2 would wait PG_TIMEOUT_S; the harness kills them at once (start-up is ~3-5 s)
-    assert elapsed < 30, f"took {elapsed:.1f}s"
 
 
 @pytest.mark.timeout(120)
@@ -207,10 +207,10 @@ def test_root_cause_named_when_the_blocked_peer_fails_too(how: str) -> None:
 
 @pytest.mark.timeout(90)
 def test_rank_exit_code_is_reported() -> None:
-    err, elapsed = _run_expecting(DistributedRankError, _exit_worker, 2, timeout=60, pg_timeout=PG_TIMEOUT_S)
+    # a DistributedRankError (not a timeout after 60 s) shows the exit was noticed and the peer ended
+    err, _ = _run_expecting(DistributedRankError, _exit_worker, 2, timeout=60, pg_timeout=PG_TIMEOUT_S)
     assert err.rank == 1
     assert re.search(r"exit(ed with)? code 3\b", str(err)), str(err)
-    assert elapsed < 30, f"took {elapsed:.1f}s"
 
 
 # --------------------------------------------------------------------------- timeouts
@@ -223,7 +223,8 @@ def test_stuck_collective_times_out_and_names_the_stuck_rank() -> None:
     assert re.search(r"ranks \[0(, 1)?\] never returned", msg), msg
     assert msg.startswith("_deadlock_worker on 2 ranks did not finish within 8s"), msg
     assert "--- rank 0 stacks ---" in msg
-    assert 8 <= elapsed < 25, f"timeout=8 took {elapsed:.1f}s"  # not early, and bounded
+    # not early (a lower bound cannot be broken by a slow machine); the upper bound is pytest's timeout
+    assert elapsed >= 8, f"timeout=8 fired after {elapsed:.1f}s"
 
 
 @pytest.mark.timeout(90)
