@@ -10,9 +10,16 @@ The harness is what every multi-process test (and benchmark) stands on, so it pr
 * **Failures name the rank.** An exception in any rank is re-raised in the caller as
   :class:`DistributedRankError` carrying that rank's traceback; the other ranks are killed at once
   instead of waiting for their collectives to time out.
-* **Nothing leaks.** Children are killed and joined on every path; the rendezvous store lives in the
+* **Nothing leaks.** Every rank leads its own process group, and on every path the whole group is
+  killed (processes a rank started itself included) and joined; the rendezvous store lives in the
   parent (port chosen by the OS, so there is no free-port race), and the parent's environment is
   never modified - the rank variables are set only inside the children.
+
+With ``process_group=False`` the ranks get the environment but no default process group: code that
+must not have one (the asynchronous parameter server talks over RPC only) or that starts its own
+processes (Hogwild) runs as it would under a launcher. Any rendezvous it does through ``env://``
+(``torch.distributed.rpc``, or Lightning creating a process group itself) joins the parent's store as
+a client, as under torchrun (``TORCHELASTIC_USE_AGENT_STORE``).
 
 Results travel back through ``torch.save`` bytes, so tensors come back as ordinary CPU tensors.
 """
@@ -77,12 +84,14 @@ def _child(
     stack_file: str,
     env: Mapping[str, str],
     results: Any,
+    process_group: bool = True,
 ) -> None:
     # The handler is in place before the (possibly slow) unpickling of the job. The file appears
     # under its final name only once the handler is registered: the parent signals only ranks
     # whose file exists, since SIGUSR2 would otherwise terminate the process.
     dump = open(stack_file + ".tmp", "w")  # noqa: SIM115 - must outlive this frame for faulthandler
     faulthandler.register(_DUMP_SIGNAL, file=dump, all_threads=True)
+    os.setpgrp()  # this rank leads a process group: the parent kills it with everything it started
     os.rename(stack_file + ".tmp", stack_file)
     os.environ.update(
         {
@@ -95,6 +104,8 @@ def _child(
             "LOCAL_WORLD_SIZE": str(world_size),
         }
     )
+    if not process_group:
+        os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"  # env:// rendezvous: a client of the parent's store
     os.environ.update(env)
     try:
         fn, args, kwargs = pickle.loads(job)
@@ -105,8 +116,9 @@ def _child(
             torch.cuda.set_device(rank % torch.cuda.device_count())
         store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False,
                               timeout=timedelta(seconds=pg_timeout_s))
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=pg_timeout_s))
+        if process_group:
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                    timeout=timedelta(seconds=pg_timeout_s))
         out = fn(rank, world_size, *args, **kwargs)
         results.put((rank, "ok", time.time(), _encode(out)))
         # Stay connected until every rank has returned: a rank that skipped a collective then shows
@@ -114,7 +126,8 @@ def _child(
         if store.add(_DONE_KEY, 1) == world_size:
             store.set(_ALL_DONE_KEY, "1")
         store.wait([_ALL_DONE_KEY])
-        dist.destroy_process_group()
+        if dist.is_initialized():  # ours, or one that fn's code created itself
+            dist.destroy_process_group()
     except BaseException:  # report first, then tear down: the parent names the rank that failed first
         results.put((rank, "error", time.time(), traceback.format_exc()))
     finally:
@@ -124,8 +137,13 @@ def _child(
 
 def _kill_all(procs: list[Any]) -> None:
     for p in procs:
-        if p.is_alive():
-            p.kill()
+        if p.pid is None:
+            continue
+        try:  # the rank's whole process group: the rank and any process it started
+            os.killpg(p.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):  # the group is gone (or the rank never reached setpgrp)
+            if p.is_alive():
+                p.kill()
     for p in procs:
         p.join(timeout=10)
 
@@ -138,6 +156,7 @@ def run_distributed(
     backend: str = "gloo",
     pg_timeout: float | None = None,
     env: Mapping[str, str] | None = None,
+    process_group: bool = True,
     **kwargs: Any,
 ) -> list[Any]:
     """Call ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` spawned ranks.
@@ -149,6 +168,9 @@ def run_distributed(
         backend: process-group backend, ``"gloo"`` or ``"nccl"``.
         pg_timeout: the process group's own collective timeout (default: ``timeout``).
         env: extra environment variables set inside every child only.
+        process_group: initialise the default process group before calling ``fn`` (else ranks get
+            only the environment, may start processes of their own, and an ``env://`` rendezvous
+            joins the parent's store as a client; see the module docstring).
 
     Raises:
         DistributedRankError: a rank raised or died; carries its traceback. When several ranks
@@ -175,9 +197,9 @@ def run_distributed(
         ctx.Process(
             target=_child,
             args=(job, r, world_size, store.port, backend, pg_timeout or timeout, stack_files[r],
-                  dict(env or {}), results),
+                  dict(env or {}), results, process_group),
             name=f"lightning_sync-rank{r}",
-            daemon=True,
+            daemon=process_group,  # a daemonic process cannot start processes of its own
         )
         for r in range(world_size)
     ]

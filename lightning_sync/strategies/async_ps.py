@@ -1,0 +1,458 @@
+"""``AsyncParameterServerStrategy``: workers push gradients to a parameter server and pull the global
+model back, with no collective at all; a worker runs at most ``max_staleness`` versions ahead.
+
+The Lightning adapter of :class:`lightning_sync.sync.parameter_server.ParameterServer` (Li et al.,
+OSDI 2014; stale-synchronous parallel, Ho et al., NIPS 2013). See that module for the step rule.
+
+Where the server runs
+    In the process of rank ``server_rank`` (0 by default), beside that rank's own worker: the server
+    keeps its own copy of the model and the LightningModule's optimizer (rewritten to step that copy),
+    and answers requests on RPC threads while the rank's worker trains. The rank's worker reaches it
+    with direct calls; the other ranks over ``torch.distributed.rpc`` (TensorPipe), counted in
+    ``comms.get_stats()`` as ``rpc_send`` / ``rpc_recv``.
+
+What is synchronized, and when
+    * **Setup:** every worker pulls the server's model (``server_rank``'s weights, or the checkpoint's).
+    * **Every optimizer step:** the worker pushes its gradients, waits until the server has applied
+      them (at once unless some other worker would fall more than ``max_staleness`` versions behind),
+      and continues from the model the server returns. Nothing else is exchanged: there is no process
+      group, so no rank ever waits for another except through the bound. ``max_staleness=0`` is
+      synchronous training step for step; ``math.inf`` never waits.
+    * **Validation / test / predict:** each worker first pulls the newest global model, and evaluates
+      it on the *whole* evaluation set (evaluation samplers are not sharded): its metrics are not
+      reduced across ranks, because workers reach evaluation at different times. Rank 0's logger
+      records rank 0's figures. ``sync_dist``, ``all_gather``, ``broadcast`` and ``barrier`` are local
+      (no process group exists); torchmetrics metrics compute on the rank's own data.
+    * **End of fit:** each worker waits for all the others to finish and takes the final global
+      model, so every rank's module holds the same trained weights after ``fit``.
+
+Clocks
+    ``trainer.global_step`` is *this worker's* optimizer steps (its pushes; they differ between
+    workers when some are faster). :attr:`AsyncParameterServerStrategy.global_step` is the global
+    clock, pushes applied // K: synchronous steps' worth of samples. ``Trainer(max_steps=N)`` is a
+    budget on that clock (N x K pushes in all, the samples N synchronous steps would see), so fast
+    workers take more steps than slow ones; step-interval LR schedulers step on it, on the server.
+    Epoch-interval and plateau schedulers follow ``server_rank``'s epochs and metrics.
+
+Checkpoints
+    Rank 0 writes the server's model, optimizer state, LR schedulers and counters, all taken at
+    one server version (a consistent global model). Resuming restores them, with the global clock.
+
+Logged on rank 0, every ``log_every_n_steps`` of its steps: ``ps/global_step``, ``ps/version``,
+``ps/staleness_mean``, ``ps/staleness_max``; at the end of fit the staleness histogram
+(``ps/staleness_count/<s>``, and a TensorBoard histogram when that logger is used).
+
+Failure
+    A worker that raises makes every other worker's next request fail with an error naming it. A
+    worker process that dies silently blocks peers waiting on the bound until ``timeout``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any
+
+import torch
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
+from typing_extensions import override
+
+from lightning_sync.comms import rpc
+from lightning_sync.strategies._common import as_timedelta, check_launch_args
+from lightning_sync.sync.parameter_server import ParameterServer, Reply, check_staleness
+from lightning_sync.sync.ps_worker import LocalLink, PSWorker, RpcLink, host
+
+__all__ = ["AsyncParameterServerStrategy"]
+
+_CKPT_KEY = "lightning_sync/async_ps"
+
+
+class _PushingOptimizer(torch.optim.Optimizer):
+    """What Lightning steps on every worker: the user's optimizer's param groups over this replica's
+    parameters. ``step`` runs the closure (forward, backward, hooks) and pushes the gradients; the
+    server steps the real optimizer. ``zero_grad`` clears this replica's gradients."""
+
+    def __init__(self, real: torch.optim.Optimizer, strategy: AsyncParameterServerStrategy) -> None:
+        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": list(g["params"])}
+                  for g in real.param_groups]
+        super().__init__(groups, dict(real.defaults))
+        self._strategy = strategy
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        with torch.enable_grad():
+            loss = closure() if closure is not None else None
+        self._strategy._push()
+        return loss
+
+
+class _GlobalClockScheduler:
+    """An LR scheduler Lightning holds but does not step: the server steps it (step-interval ones on
+    the global clock; the others, under the server's lock, when Lightning steps them on the server rank)."""
+
+    def __init__(self, scheduler: Any, server: ParameterServer | None, lightning_steps: bool) -> None:
+        self._scheduler, self._server, self._lightning_steps = scheduler, server, lightning_steps
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        if self._server is not None and self._lightning_steps:
+            with self._server.lock:
+                self._scheduler.step(*args, **kwargs)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._scheduler.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._scheduler.load_state_dict(state)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._scheduler, name)
+
+
+class AsyncParameterServerStrategy(ParallelStrategy):
+    """Asynchronous parameter server with bounded staleness (see the module docstring).
+
+    Args:
+        max_staleness: s, the most versions a pushed gradient may lag the model it is applied to:
+            an int >= 0 (0 is synchronous training), or ``math.inf`` / ``.inf`` in YAML (no bound).
+        server_rank: the global rank whose process hosts the server (beside its own worker).
+        timeout: seconds an RPC request may wait (a silent dead peer is noticed after this).
+        start_method: ``"popen"`` (re-run the script per rank), ``"spawn"``, ``"fork"`` or ``"forkserver"``.
+    """
+
+    strategy_name = "async_ps"
+
+    def __init__(self, max_staleness: int | float = 4, server_rank: int = 0, timeout: float | timedelta = 1800.0,
+                 start_method: str = "popen", **kwargs: Any) -> None:
+        self.max_staleness = check_staleness(max_staleness)
+        if isinstance(server_rank, bool) or not isinstance(server_rank, int) or server_rank < 0:
+            raise ValueError(f"server_rank must be an int >= 0, got {server_rank!r}")
+        check_launch_args(type(self).__name__, None, start_method, kwargs)
+        super().__init__(**kwargs)
+        self.server_rank, self._timeout, self._start_method = server_rank, as_timedelta(timeout), start_method
+        self._num_nodes = 1
+        self.server: ParameterServer | None = None
+        self.worker: PSWorker | None = None
+        self._clip: tuple[str, float] | None = None
+        self._pending_state: dict[str, Any] | None = None
+        self._lifted_max_steps: int | None = None
+        self._logged_at = 0
+        self._failed = False
+        self._last: Reply | None = None  # the latest reply (kept after teardown)
+
+    # ------------------------------------------------------------------ Lightning plumbing
+    @property
+    def is_distributed(self) -> bool:
+        """True: Lightning shards the training data with a DistributedSampler."""
+        return True
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """Training data is sharded; evaluation data is not (each worker evaluates on all of it)."""
+        trainer = self._trainer()
+        if trainer is not None and trainer.state.stage != RunningStage.TRAINING:
+            return {"num_replicas": 1, "rank": 0}
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if self._start_method == "popen":
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = self.global_rank
+
+    @override
+    def setup_environment(self) -> None:
+        """Join the RPC group (no process group: there is nothing collective to do)."""
+        super().setup_environment()
+        reset_seed()  # spawned ranks re-seed from PL_GLOBAL_SEED, as Lightning's DDP does
+        self.set_world_ranks()
+        if not 0 <= self.server_rank < self.world_size:
+            raise ValueError(f"server_rank must be a rank of this job, in [0, {self.world_size - 1}], "
+                             f"got {self.server_rank}")
+        if torch.distributed.is_initialized():
+            rank_zero_warn(f"{type(self).__name__}: a default process group exists; Lightning 2.6 then broadcasts "
+                           "a flag on it before every training step, so workers wait for each other anyway. "
+                           "This strategy needs none: run it without one to keep workers independent.")
+        if self.world_size > 1:
+            rpc.init(self.global_rank, self.world_size, self._timeout)
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    def _trainer(self) -> Any:
+        return getattr(self._lightning_module, "_trainer", None) if self._lightning_module is not None else None
+
+    @override
+    def setup(self, trainer: Any) -> None:
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        if getattr(self.precision_plugin, "scaler", None) is not None:
+            raise ValueError(f"{type(self).__name__} does not support fp16 loss scaling (precision='16-mixed'): each "
+                             "worker's scaler would skip steps on its own; use precision='bf16-mixed'")
+        self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting:
+            self.setup_optimizers(trainer)
+            if len(self.optimizers) != 1:
+                raise ValueError(f"{type(self).__name__} supports exactly one optimizer, got {len(self.optimizers)}")
+        self.setup_precision_plugin()
+        self._build(trainer, fitting)
+
+    def _build(self, trainer: Any, fitting: bool) -> None:
+        """Server on ``server_rank`` (from its weights, or the restored checkpoint's), then every worker pulls."""
+        assert self.model is not None
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        buffers = list(self.model.buffers())
+        real = self.optimizers[0] if fitting else None
+        if fitting:
+            self.optimizers = [_PushingOptimizer(real, self)]  # what Lightning steps; built before the server repoints `real`
+        if self.global_rank == self.server_rank:
+            budget = trainer.max_steps if fitting and trainer.max_steps >= 0 else None
+            self.server = ParameterServer(params, buffers, real, self.world_size, self.max_staleness, budget)
+            if self._pending_state is not None:
+                self.server.load_state_dict(self._pending_state)
+            host(self.server)
+            link: Any = LocalLink(self.server)
+        else:
+            link = RpcLink(self.server_rank)
+        if fitting:
+            self._wrap_schedulers()
+            self._route_clipping()
+        self.worker = PSWorker(self.global_rank, params, buffers, link)
+        self.worker.pull()
+        rank_zero_info(f"{type(self).__name__}: server on rank {self.server_rank}, {self.world_size} workers, "
+                       f"max_staleness={self.max_staleness}, {len(params)} parameters"
+                       + (f", budget {trainer.max_steps} global steps" if fitting and trainer.max_steps >= 0 else ""))
+
+    def _wrap_schedulers(self) -> None:
+        server = self.server
+        clocked = []
+        for config in self.lr_scheduler_configs:
+            on_clock = config.interval == "step" and not config.reduce_on_plateau
+            if on_clock:
+                clocked.append((config.scheduler, max(int(config.frequency), 1)))
+            config.scheduler = _GlobalClockScheduler(config.scheduler, server, lightning_steps=not on_clock)
+        if server is not None:
+            server.schedulers = [c.scheduler._scheduler for c in self.lr_scheduler_configs]
+
+            def step_schedulers(global_step: int) -> None:
+                for scheduler, every in clocked:
+                    if global_step % every == 0:
+                        scheduler.step()
+
+            server.on_global_step = step_schedulers
+
+    def _route_clipping(self) -> None:
+        """Clipping applies on the server, to the step's summed gradient (see the parameter server)."""
+        plugin = self.precision_plugin
+
+        def clip_by_norm(optimizer: Any, clip_val: int | float) -> None:
+            self._clip = ("norm", float(clip_val))
+
+        def clip_by_value(optimizer: Any, clip_val: int | float) -> None:
+            self._clip = ("value", float(clip_val))
+
+        plugin.clip_grad_by_norm = clip_by_norm  # type: ignore[method-assign]
+        plugin.clip_grad_by_value = clip_by_value  # type: ignore[method-assign]
+
+    # ------------------------------------------------------------------ training
+    @override
+    def on_train_start(self) -> None:
+        """``max_steps`` is the global budget: the server stops every worker, so lift the per-worker limit."""
+        trainer = self.lightning_module.trainer
+        if trainer.fit_loop.max_steps >= 0:
+            self._lifted_max_steps = trainer.fit_loop.max_steps
+            trainer.fit_loop.epoch_loop.max_steps = -1
+
+    def _push(self) -> None:
+        assert self.worker is not None
+        reply = self._last = self.worker.push(self._clip)
+        self._clip = None
+        for group, lr in zip(self.optimizers[0].param_groups, reply.lrs):
+            group["lr"] = lr  # every worker reports the global learning rate
+        trainer = self.lightning_module.trainer
+        if reply.stop:
+            trainer.should_stop = True
+        if self.global_rank == 0:
+            self._log_progress(trainer, reply)
+
+    @property
+    def global_step(self) -> int:
+        """The global clock: pushes applied // K, as of this worker's last reply."""
+        return self._last.global_step if self._last is not None else 0
+
+    @property
+    def staleness_histogram(self) -> dict[int, int]:
+        """Staleness -> applied gradients, as of this worker's last reply."""
+        return dict(self._last.staleness) if self._last is not None else {}
+
+    def _log_progress(self, trainer: Any, reply: Any) -> None:
+        own = self.worker.steps if self.worker is not None else 0
+        if not trainer.loggers or own - self._logged_at < max(trainer.log_every_n_steps, 1):
+            return
+        self._logged_at = own
+        counts = reply.staleness
+        n = sum(counts.values())
+        metrics = {"ps/global_step": float(reply.global_step), "ps/version": float(reply.version),
+                   "ps/staleness_mean": sum(k * v for k, v in counts.items()) / n if n else 0.0,
+                   "ps/staleness_max": float(max(counts, default=0))}
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        yield None  # backward never communicates: accumulation needs nothing
+
+    # ------------------------------------------------------------------ evaluation on the global model
+    def _pull(self) -> None:
+        if self.worker is not None:
+            self.worker.pull()
+
+    @override
+    def on_validation_start(self) -> None:
+        self._pull()
+
+    @override
+    def on_test_start(self) -> None:
+        self._pull()
+
+    @override
+    def on_predict_start(self) -> None:
+        self._pull()
+
+    # ------------------------------------------------------------------ no process group: local collectives
+    @override
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
+        return tensor
+
+    @override
+    def all_gather(self, tensor: torch.Tensor, group: Any | None = None, sync_grads: bool = False) -> torch.Tensor:
+        return tensor
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return obj
+
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        return decision
+
+    # ------------------------------------------------------------------ checkpoints
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """Rank 0 writes the server's state, all of it from one server version."""
+        if self.is_global_zero and self.worker is not None:
+            snap = self.worker.link.snapshot()
+            assert self.model is not None
+            live = {id(t): v for t, v in zip([p for p in self.model.parameters() if p.requires_grad], snap["params"])}
+            live.update({id(t): v for t, v in zip(self.model.buffers(), snap["buffers"])})
+            current = self.model.state_dict(keep_vars=True)
+            checkpoint["state_dict"] = {k: live[id(v)].to(v.device) if id(v) in live else v.detach()
+                                        for k, v in current.items()}
+            if snap["optimizer"] is not None:
+                checkpoint["optimizer_states"] = [snap["optimizer"]]
+                checkpoint["lr_schedulers"] = snap["schedulers"]
+            checkpoint[_CKPT_KEY] = snap["state"]
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
+        self._pending_state = checkpoint.get(_CKPT_KEY)
+        return checkpoint
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        """Only the server's optimizer has state; the workers' are never stepped."""
+        if self.server is not None and self.server.optimizer is not None:
+            with self.server.lock:
+                self.server.optimizer.load_state_dict(checkpoint["optimizer_states"][0])
+
+    # ------------------------------------------------------------------ end
+    @override
+    def on_train_end(self) -> None:
+        trainer = self.lightning_module.trainer
+        counts = self.staleness_histogram
+        if self.global_rank == 0 and counts:
+            rank_zero_info(f"{type(self).__name__}: staleness of the {sum(counts.values())} applied gradients: "
+                           + ", ".join(f"{k}: {v}" for k, v in sorted(counts.items())))
+            for logger in trainer.loggers:
+                logger.log_metrics({f"ps/staleness_count/{k}": float(v) for k, v in sorted(counts.items())},
+                                   step=trainer.global_step)
+                experiment = getattr(logger, "experiment", None)
+                if hasattr(experiment, "add_histogram"):
+                    values = torch.tensor([k for k, v in counts.items() for _ in range(v)], dtype=torch.float32)
+                    experiment.add_histogram("ps/staleness", values, trainer.global_step)
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        """Tell the server, so every other worker stops with an error naming this one."""
+        self._failed = True
+        if self.worker is not None:
+            try:
+                self.worker.link.abort(self.global_rank, f"{type(exception).__name__}: {exception}")
+            except Exception:  # noqa: BLE001 - the server may be gone already; the original error propagates
+                pass
+            self.worker = None
+
+    @override
+    def teardown(self) -> None:
+        """After fit every worker takes the final global model; then leave RPC."""
+        trainer = self._trainer()
+        if self.worker is not None and not self._failed and trainer is not None and trainer.state.fn == TrainerFn.FITTING:
+            self._last = self.worker.finish()
+        if self._lifted_max_steps is not None and trainer is not None:
+            trainer.fit_loop.epoch_loop.max_steps = self._lifted_max_steps
+            self._lifted_max_steps = None
+        if self.server is not None:
+            host(None)
+        self.server, self.worker = None, None
+        rpc.shutdown(graceful=not self._failed)  # after a failure, peers may never arrive
+        self._failed = False
+        super().teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register("async_ps", cls, description="asynchronous parameter server with bounded "
+                                   "staleness over RPC (lightning_sync)", override=True)
+

@@ -1,0 +1,391 @@
+"""Asynchronous parameter server with bounded staleness (stale-synchronous parallel).
+
+The global model and its optimizer live in one place, the :class:`ParameterServer` (Li et al., "Scaling
+distributed machine learning with the parameter server", OSDI 2014; the bound is SSP, Ho et al., NIPS
+2013, counted in server versions). Workers never meet each other: each one pulls parameters, computes
+a gradient on its own data, pushes it, and gets the newest parameters back. Nothing is group-wide,
+so a slow worker delays only itself, up to the staleness bound.
+
+Versions and staleness
+    The server's *version* V counts the optimizer steps it has applied. A worker's gradient is
+    computed on the version it last received, r. Applied at version V, its *staleness* is V - r.
+    With bound s (``max_staleness``), the server applies the pending gradients as one step only if
+    every other worker that is still running would then stay within the bound, i.e. V + 1 - r_u <= s
+    for each running worker u that has not pushed; otherwise the pushes wait (their workers block).
+    So no applied gradient is ever staler than s, and nothing deadlocks: the step waits only for
+    workers that will push or finish.
+
+    * s = 0 is synchronous training: a step waits for every worker's gradient of the same version
+      and applies them together, which is data-parallel SGD step for step.
+    * s = inf is fully asynchronous: every push is applied at once (Downpour SGD).
+    * In between, a fast worker runs up to s versions ahead of the slowest, then waits for it.
+
+Step rule
+    A step averages the pending gradients over all K workers, ``sum / K``, so every gradient enters
+    the model with the same weight as in a synchronous all-reduce average, whatever the timing: K
+    pushes of batch b are worth one synchronous step of batch K*b. Gradient-norm clipping applies to
+    that sum with the threshold scaled by the share of the K gradients it holds (exactly DDP's clip
+    at s = 0). A parameter that no pushed gradient touched keeps ``grad = None`` for the step, so the
+    optimizer skips it, as in one process.
+
+Global clock and budget
+    ``pushes // K`` is the *global step*: the number of synchronous steps' worth of samples applied.
+    LR schedulers are stepped on it (:attr:`ParameterServer.on_global_step`), and a ``budget`` of
+    global steps stops training: pushes beyond it are discarded and every reply then says ``stop``.
+
+Failure
+    A worker that raises reports it (:meth:`ParameterServer.abort`): every waiting and later request
+    of every worker then fails with an error naming it. A worker process that dies without a word
+    never pushes again, so a peer waiting on the bound blocks until the transport's timeout; if the
+    server's process dies, every request fails at once. A worker that finishes normally
+    (:meth:`ParameterServer.finish`) stops counting against the bound.
+
+Transport
+    Workers reach the server through :mod:`lightning_sync.sync.ps_worker`: directly in the server's
+    own process, over ``torch.distributed.rpc`` from other ranks (through
+    :mod:`lightning_sync.comms.rpc`, which counts the bytes). Payloads are one flat tensor per dtype,
+    staged through host memory.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import threading
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["FlatLayout", "ParameterServer", "Reply", "check_staleness"]
+
+
+def check_staleness(value: Any) -> int | float:
+    """``max_staleness`` checked and returned: an int >= 0, or ``math.inf`` for no bound."""
+    if isinstance(value, float) and value == math.inf:
+        return math.inf
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"max_staleness must be an int >= 0 or math.inf (no bound), got {value!r}")
+    return value
+
+
+class FlatLayout:
+    """A fixed list of tensors packed as one flat tensor per dtype (in first-seen dtype order)."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+        self.shapes = [t.shape for t in tensors]
+        self.groups: dict[torch.dtype, list[int]] = {}
+        for i, t in enumerate(tensors):
+            self.groups.setdefault(t.dtype, []).append(i)
+
+    def flatten(self, tensors: Sequence[torch.Tensor | None], fill_missing: bool = False) -> list[torch.Tensor]:
+        """One new CPU tensor per dtype; ``None`` entries become zeros when ``fill_missing``."""
+        out = []
+        for dtype, idx in self.groups.items():
+            parts = []
+            for i in idx:
+                t = tensors[i]
+                if t is None:
+                    if not fill_missing:
+                        raise ValueError(f"tensor {i} is None")
+                    t = torch.zeros(self.shapes[i], dtype=dtype)
+                parts.append(t.detach().reshape(-1).to("cpu", dtype))
+            out.append(torch.cat(parts) if parts else torch.zeros(0, dtype=dtype))
+        return out
+
+    def views(self, flats: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The tensors as views into ``flats`` (in the original order)."""
+        out: list[torch.Tensor | None] = [None] * len(self.shapes)
+        for flat, idx in zip(flats, self.groups.values()):
+            offset = 0
+            for i in idx:
+                n = math.prod(self.shapes[i])
+                out[i] = flat[offset : offset + n].view(self.shapes[i])
+                offset += n
+        return out  # type: ignore[return-value]
+
+    def copy_into(self, flats: Sequence[torch.Tensor], tensors: Sequence[torch.Tensor]) -> None:
+        """Copy ``flats`` into ``tensors`` in place (any device)."""
+        with torch.no_grad():
+            for t, v in zip(tensors, self.views(flats)):
+                t.copy_(v)
+
+
+@dataclass
+class Reply:
+    """What a worker gets back: the global model now, and whether to stop."""
+
+    version: int
+    """Server version of ``params`` (optimizer steps applied)."""
+    params: list[torch.Tensor]
+    """The trainable parameters, one flat tensor per dtype (:class:`FlatLayout` order)."""
+    buffers: list[torch.Tensor]
+    """The model's buffers, one flat tensor per dtype."""
+    lrs: list[float]
+    """The optimizer's current learning rate per param group (so every worker reports the global LR)."""
+    global_step: int
+    """Pushes applied // K: synchronous steps' worth of samples."""
+    stop: bool
+    """The budget is spent; the worker should stop training."""
+    applied: bool = True
+    """False when this push was discarded (the budget was spent before it could be applied)."""
+    staleness: dict[int, int] = field(default_factory=dict)
+    """Histogram so far: staleness -> applied gradients (so any rank can log it)."""
+
+
+@dataclass
+class _Push:
+    worker: int
+    read_version: int
+    grads: list[torch.Tensor]
+    present: list[bool]
+    buffers: list[torch.Tensor]
+    clip: tuple[str, float] | None
+    future: torch.futures.Future = field(default_factory=torch.futures.Future)
+
+
+class ParameterServer:
+    """The global model, its optimizer and the staleness bound (see the module docstring).
+
+    Args:
+        params: the trainable parameters as they are now (each tensor once, in a fixed order every
+            worker uses too); the server keeps its own copies.
+        buffers: the model's buffers (the server keeps the values of the latest push).
+        optimizer: the optimizer over ``params``; its param groups are rewritten in place to step the
+            server's copies (same object, same hyperparameters: LR schedulers on it keep working).
+            ``None`` for a server that only serves pulls (evaluation).
+        num_workers: K, the number of workers (>= 1).
+        max_staleness: s, an int >= 0 or ``math.inf``.
+        budget: stop after this many global steps (``pushes // K``); ``None`` for no limit.
+
+    Attributes:
+        staleness: ``Counter`` of staleness -> number of applied gradients.
+        pushes_by_worker: applied pushes per worker.
+        on_global_step: called with the new global step whenever it advances (under the server lock).
+        schedulers: objects with ``state_dict()`` saved in :meth:`snapshot` (the LR schedulers).
+        lock: guards every read and write of the server's state.
+    """
+
+    def __init__(self, params: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor],
+                 optimizer: torch.optim.Optimizer | None, num_workers: int, max_staleness: float,
+                 budget: int | None = None) -> None:
+        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
+            raise ValueError(f"num_workers must be an int >= 1, got {num_workers!r}")
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 0):
+            raise ValueError(f"budget must be None or an int >= 0, got {budget!r}")
+        self.max_staleness = check_staleness(max_staleness)
+        self.num_workers, self.budget = num_workers, budget
+        self.params = [nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad) for p in params]
+        self.buffers = [b.detach().clone() for b in buffers]
+        self.layout, self.buffer_layout = FlatLayout(self.params), FlatLayout(self.buffers)
+        self.optimizer = optimizer
+        if optimizer is not None:
+            self._repoint(optimizer, params)
+        self.lock = threading.Lock()
+        self.version = 0
+        self.pushes = 0
+        self.discarded = 0
+        self.global_step = 0
+        self.staleness: Counter[int] = Counter()
+        self.pushes_by_worker = [0] * num_workers
+        self.on_global_step: Callable[[int], None] | None = None
+        self.schedulers: list[Any] = []
+        self._read = [0] * num_workers  # every worker starts computing on version 0
+        self._done = [False] * num_workers
+        self._pending: list[_Push] = []
+        self._finishing: list[torch.futures.Future] = []
+        self._error: str | None = None
+
+    def _repoint(self, optimizer: torch.optim.Optimizer, live: Sequence[torch.Tensor]) -> None:
+        if hasattr(optimizer, "_params"):
+            raise ValueError(f"{type(optimizer).__name__} keeps its own parameter list; the parameter server "
+                             f"needs an optimizer that reads param_groups (SGD, Adam, AdamW, ...)")
+        if any(len(s) for s in optimizer.state.values()):
+            raise ValueError("the optimizer already has state; build the ParameterServer before the first step")
+        copies = {id(p): c for p, c in zip(live, self.params)}
+        for group in optimizer.param_groups:
+            group["params"] = [copies.get(id(p), p) for p in group["params"]]  # frozen ones stay as they are
+
+    # ------------------------------------------------------------------ requests
+    @property
+    def stopped(self) -> bool:
+        """Whether the budget is spent."""
+        return self.budget is not None and self.global_step >= self.budget
+
+    def pull(self, worker: int) -> Reply:
+        """The newest parameters; the worker computes on this version from now on."""
+        with self.lock:
+            self._check_worker(worker)
+            self._read[worker] = self.version
+            return self._reply()
+
+    def push(self, worker: int, read_version: int, grads: list[torch.Tensor], present: list[bool],
+             buffers: list[torch.Tensor], clip: tuple[str, float] | None = None) -> torch.futures.Future:
+        """Queue a gradient computed on ``read_version``; the future completes with the :class:`Reply`
+        once it has been applied (or discarded because the budget is spent)."""
+        item = _Push(worker, read_version, grads, present, buffers, clip)
+        with self.lock:
+            self._check_worker(worker)
+            if self.optimizer is None:
+                raise RuntimeError("this ParameterServer has no optimizer (it only serves pulls)")
+            if read_version != self._read[worker]:
+                raise ValueError(f"worker {worker} pushed a gradient of version {read_version}, but it last "
+                                 f"received version {self._read[worker]}")
+            if len(present) != len(self.params):
+                raise ValueError(f"worker {worker} sent {len(present)} presence flags for {len(self.params)} parameters")
+            self._pending.append(item)
+            done = self._try_step()
+        self._complete(done)
+        return item.future
+
+    def finish(self, worker: int) -> torch.futures.Future:
+        """The worker is done training; the future completes with the final :class:`Reply` once every
+        worker has finished (so all of them end with the same model)."""
+        future: torch.futures.Future = torch.futures.Future()
+        with self.lock:
+            self._check_worker(worker)
+            self._done[worker] = True
+            self._finishing.append(future)
+            done = self._try_step()  # this worker no longer holds anyone back
+            if all(self._done):
+                reply = self._reply()
+                done += [(f, reply) for f in self._finishing]
+                self._finishing = []
+        self._complete(done)
+        return future
+
+    def abort(self, worker: int, message: str) -> None:
+        """``worker`` failed: fail every waiting request, and every later one, with an error naming it."""
+        with self.lock:
+            if self._error is None:
+                self._error = f"parameter server: worker {worker} failed, so training stopped: {message}"
+            waiting = [p.future for p in self._pending] + self._finishing
+            self._pending, self._finishing = [], []
+        for future in waiting:
+            future.set_exception(RuntimeError(self._error))
+
+    def _check_worker(self, worker: int) -> None:
+        if self._error is not None:
+            raise RuntimeError(self._error)
+        if isinstance(worker, bool) or not isinstance(worker, int) or not 0 <= worker < self.num_workers:
+            raise ValueError(f"worker must be an int in [0, {self.num_workers - 1}], got {worker!r}")
+        if self._done[worker]:
+            raise RuntimeError(f"worker {worker} already finished")
+
+    @staticmethod
+    def _complete(done: list[tuple[torch.futures.Future, Reply]]) -> None:
+        for future, reply in done:  # outside the lock: completing may send the reply right away
+            future.set_result(reply)
+
+    # ------------------------------------------------------------------ the step
+    def _blocked(self) -> bool:
+        """Whether applying a step now would push some running worker's next gradient past the bound."""
+        waiting = {p.worker for p in self._pending}
+        return any(not self._done[u] and u not in waiting and self.version + 1 - self._read[u] > self.max_staleness
+                   for u in range(self.num_workers))
+
+    def _try_step(self) -> list[tuple[torch.futures.Future, Reply]]:
+        if not self._pending:
+            return []
+        if self.stopped:
+            dropped, self._pending = self._pending, []
+            self.discarded += len(dropped)
+            for p in dropped:
+                self._read[p.worker] = self.version
+            reply = self._reply(applied=False)
+            return [(p.future, reply) for p in dropped]
+        if self._blocked():
+            return []
+        take = self._pending
+        if self.budget is not None:
+            room = self.budget * self.num_workers - self.pushes
+            take, dropped = take[:room], take[room:]
+        else:
+            dropped = []
+        self._pending = []
+        self._step(take)
+        self.discarded += len(dropped)
+        reply = self._reply()
+        out = [(p.future, reply) for p in take]
+        if dropped:
+            lost = self._reply(applied=False)
+            out += [(p.future, lost) for p in dropped]
+        for p in take + dropped:
+            self._read[p.worker] = self.version
+        return out
+
+    def _step(self, take: list[_Push]) -> None:
+        assert self.optimizer is not None
+        k = self.num_workers
+        total = [torch.zeros_like(f) for f in take[0].grads]
+        for p in take:
+            for t, g in zip(total, p.grads):
+                t.add_(g)
+        touched = [any(p.present[i] for p in take) for i in range(len(self.params))]
+        for param, grad, used in zip(self.params, self.layout.views(total), touched):
+            param.grad = (grad / k).to(param.device) if used else None
+        clip = take[-1].clip
+        if clip is not None:
+            self._clip(clip, len(take) / k)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.buffer_layout.copy_into(take[-1].buffers, self.buffers)  # the newest push's buffers
+        for p in take:
+            self.staleness[self.version - p.read_version] += 1
+            self.pushes_by_worker[p.worker] += 1
+        self.version += 1
+        self.pushes += len(take)
+        while self.pushes // k > self.global_step:
+            self.global_step += 1
+            if self.on_global_step is not None:
+                self.on_global_step(self.global_step)
+
+    def _clip(self, clip: tuple[str, float], share: float) -> None:
+        algorithm, value = clip
+        grads = [p for p in self.params if p.grad is not None]
+        if algorithm == "norm":
+            torch.nn.utils.clip_grad_norm_(grads, value * share)
+        elif algorithm == "value":
+            torch.nn.utils.clip_grad_value_(grads, value * share)
+        else:
+            raise ValueError(f"gradient clipping algorithm must be one of ['norm', 'value'], got {algorithm!r}")
+
+    def _reply(self, applied: bool = True) -> Reply:
+        lrs = [float(g["lr"]) for g in self.optimizer.param_groups] if self.optimizer is not None else []
+        return Reply(self.version, self.layout.flatten(self.params), self.buffer_layout.flatten(self.buffers), lrs,
+                     self.global_step, self.stopped, applied, dict(self.staleness))
+
+    # ------------------------------------------------------------------ checkpoints
+    def snapshot(self) -> dict[str, Any]:
+        """One consistent copy of the global model, optimizer state and counters (taken under the lock)."""
+        with self.lock:
+            return {"params": [p.detach().clone() for p in self.params],
+                    "buffers": [b.clone() for b in self.buffers],
+                    "optimizer": copy.deepcopy(self.optimizer.state_dict()) if self.optimizer is not None else None,
+                    "schedulers": [copy.deepcopy(s.state_dict()) for s in self.schedulers],
+                    "state": self.state_dict()}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Counters (version, pushes, global step, staleness histogram); call under the lock or when idle."""
+        return {"version": self.version, "pushes": self.pushes, "discarded": self.discarded,
+                "global_step": self.global_step, "staleness": dict(self.staleness),
+                "pushes_by_worker": list(self.pushes_by_worker), "num_workers": self.num_workers}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the counters of :meth:`state_dict` (the model and optimizer are restored separately).
+
+        Every worker restarts on the restored version. The pushes are rescaled if the number of workers
+        changed, so the global step is kept."""
+        with self.lock:
+            self.version = int(state["version"])
+            self.global_step = int(state["global_step"])
+            same = int(state.get("num_workers", self.num_workers)) == self.num_workers
+            self.pushes = int(state["pushes"]) if same else self.global_step * self.num_workers
+            self.discarded = int(state.get("discarded", 0))
+            self.staleness = Counter({int(k): int(v) for k, v in state.get("staleness", {}).items()})
+            if same:
+                self.pushes_by_worker = [int(x) for x in state.get("pushes_by_worker", self.pushes_by_worker)]
+            self._read = [self.version] * self.num_workers

@@ -1,0 +1,189 @@
+"""A worker's side of the parameter server, and how it reaches the server.
+
+:class:`PSWorker` pushes one replica's gradients and takes the global model back. It talks to the
+:class:`~lightning_sync.sync.parameter_server.ParameterServer` through a :class:`ServerLink`:
+
+* :class:`LocalLink`: the server is in this process (direct calls; no bytes on any wire);
+* :class:`RpcLink`: the server is on another rank, reached with ``torch.distributed.rpc`` through
+  :mod:`lightning_sync.comms.rpc` (bytes counted as ``rpc_send`` / ``rpc_recv``). The server's rank
+  makes its server reachable with :func:`host`; a request that arrives before then waits for it.
+  Pushes and finishes are answered asynchronously (``async_execution``): no RPC thread is held while
+  a push waits on the staleness bound.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import torch
+
+from lightning_sync.sync.parameter_server import FlatLayout, ParameterServer, Reply
+
+__all__ = ["LocalLink", "PSWorker", "RpcLink", "ServerLink", "host"]
+
+
+class ServerLink(Protocol):
+    """How a worker talks to the server (in its process, or over RPC)."""
+
+    def pull(self, worker: int) -> Reply: ...
+
+    def push(self, worker: int, read_version: int, grads: list[torch.Tensor], present: list[bool],
+             buffers: list[torch.Tensor], clip: tuple[str, float] | None) -> Reply: ...
+
+    def finish(self, worker: int) -> Reply: ...
+
+    def abort(self, worker: int, message: str) -> None: ...
+
+    def snapshot(self) -> dict[str, Any]: ...
+
+
+class LocalLink:
+    """The server is in this process: direct calls, no bytes on any wire."""
+
+    def __init__(self, server: ParameterServer) -> None:
+        self.server = server
+
+    def pull(self, worker: int) -> Reply:
+        return self.server.pull(worker)
+
+    def push(self, worker: int, read_version: int, grads: list[torch.Tensor], present: list[bool],
+             buffers: list[torch.Tensor], clip: tuple[str, float] | None) -> Reply:
+        return self.server.push(worker, read_version, grads, present, buffers, clip).wait()
+
+    def finish(self, worker: int) -> Reply:
+        return self.server.finish(worker).wait()
+
+    def abort(self, worker: int, message: str) -> None:
+        self.server.abort(worker, message)
+
+    def snapshot(self) -> dict[str, Any]:
+        return self.server.snapshot()
+
+
+_HOSTED: dict[str, Any] = {"server": None}
+_HOSTED_READY = threading.Condition()
+
+
+def host(server: ParameterServer | None) -> None:
+    """Make ``server`` the one this process serves over RPC (``None``: stop serving)."""
+    with _HOSTED_READY:
+        _HOSTED["server"] = server
+        _HOSTED_READY.notify_all()
+
+
+def _hosted(timeout: float = 600.0) -> ParameterServer:
+    with _HOSTED_READY:  # a worker may call before the server rank has built its server
+        if not _HOSTED_READY.wait_for(lambda: _HOSTED["server"] is not None, timeout=timeout):
+            raise RuntimeError(f"no parameter server was hosted on this rank within {timeout:.0f}s")
+        return _HOSTED["server"]
+
+
+def _remote_pull(worker: int) -> Reply:
+    return _hosted().pull(worker)
+
+
+def _remote_push(worker: int, read_version: int, grads: list[torch.Tensor], present: list[bool],
+                 buffers: list[torch.Tensor], clip: tuple[str, float] | None) -> torch.futures.Future:
+    return _hosted().push(worker, read_version, grads, present, buffers, clip)
+
+
+def _remote_finish(worker: int) -> torch.futures.Future:
+    return _hosted().finish(worker)
+
+
+def _remote_abort(worker: int, message: str) -> None:
+    _hosted().abort(worker, message)
+
+
+def _remote_snapshot() -> dict[str, Any]:
+    return _hosted().snapshot()
+
+
+def _async_execution(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """RPC runs ``fn`` and answers when the future it returns completes (no thread blocks meanwhile)."""
+    import torch.distributed.rpc as rpc
+
+    return rpc.functions.async_execution(fn) if rpc.is_available() else fn
+
+
+_remote_push = _async_execution(_remote_push)
+_remote_finish = _async_execution(_remote_finish)
+
+
+class RpcLink:
+    """The server is on rank ``server_rank``: requests over ``torch.distributed.rpc`` (counted bytes)."""
+
+    def __init__(self, server_rank: int) -> None:
+        self.server_rank = server_rank
+
+    def pull(self, worker: int) -> Reply:
+        from lightning_sync.comms import rpc
+
+        return rpc.rpc_call(self.server_rank, _remote_pull, worker)
+
+    def push(self, worker: int, read_version: int, grads: list[torch.Tensor], present: list[bool],
+             buffers: list[torch.Tensor], clip: tuple[str, float] | None) -> Reply:
+        from lightning_sync.comms import rpc
+
+        return rpc.rpc_call(self.server_rank, _remote_push, worker, read_version, grads, present, buffers, clip)
+
+    def finish(self, worker: int) -> Reply:
+        from lightning_sync.comms import rpc
+
+        return rpc.rpc_call(self.server_rank, _remote_finish, worker)
+
+    def abort(self, worker: int, message: str) -> None:
+        from lightning_sync.comms import rpc
+
+        rpc.rpc_call(self.server_rank, _remote_abort, worker, message)
+
+    def snapshot(self) -> dict[str, Any]:
+        from lightning_sync.comms import rpc
+
+        return rpc.rpc_call(self.server_rank, _remote_snapshot)
+
+
+# ---------------------------------------------------------------------- the worker
+class PSWorker:
+    """One worker's side: push this replica's gradients, take the global model back.
+
+    Args:
+        worker: this worker's index (its global rank).
+        params: the replica's trainable parameters, in the server's order.
+        buffers: the replica's buffers, in the server's order.
+        link: how to reach the server.
+    """
+
+    def __init__(self, worker: int, params: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor],
+                 link: ServerLink) -> None:
+        self.worker, self.params, self.buffers, self.link = worker, list(params), list(buffers), link
+        self.layout, self.buffer_layout = FlatLayout(self.params), FlatLayout(self.buffers)
+        self.version = 0
+        self.steps = 0
+        self.last: Reply | None = None
+
+    def _take(self, reply: Reply) -> Reply:
+        self.layout.copy_into(reply.params, self.params)
+        self.buffer_layout.copy_into(reply.buffers, self.buffers)
+        self.version, self.last = reply.version, reply
+        return reply
+
+    def pull(self) -> Reply:
+        """Take the newest global model; the next gradient is computed on it."""
+        return self._take(self.link.pull(self.worker))
+
+    def push(self, clip: tuple[str, float] | None = None) -> Reply:
+        """Send the replica's current gradients (``.grad``; missing ones are flagged), wait until the
+        server applied them, and take the new global model."""
+        grads = [p.grad for p in self.params]
+        present = [g is not None for g in grads]
+        reply = self.link.push(self.worker, self.version, self.layout.flatten(grads, fill_missing=True), present,
+                               self.buffer_layout.flatten(self.buffers), clip)
+        self.steps += 1
+        return self._take(reply)
+
+    def finish(self) -> Reply:
+        """Leave the bound; wait for every worker to finish and take the final global model."""
+        return self._take(self.link.finish(self.worker))

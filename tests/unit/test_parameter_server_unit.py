@@ -1,0 +1,177 @@
+"""ParameterServer in one process: the staleness bound, the synchronous case, the budget, clipping and
+checkpoint counters, driven step by step (each push's future shows whether it was applied yet).
+
+The multi-process tests (``tests/multiprocess/test_async_ps.py``) run the same server over real RPC."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_sync.sync.parameter_server import FlatLayout, ParameterServer, check_staleness
+from lightning_sync.sync.ps_worker import LocalLink, PSWorker
+
+LR = 0.1
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+
+
+def _server(k: int, s: float, budget: int | None = None, momentum: float = 0.0) -> tuple[ParameterServer, nn.Module]:
+    model = _model()
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.SGD(params, lr=LR, momentum=momentum)
+    return ParameterServer(params, list(model.buffers()), opt, k, s, budget), model
+
+
+def _grads(server: ParameterServer, seed: int) -> tuple[list[torch.Tensor], list[bool]]:
+    g = torch.Generator().manual_seed(seed)
+    grads = [torch.randn(p.shape, generator=g) for p in server.params]
+    return server.layout.flatten(grads), [True] * len(grads)
+
+
+def _push(server: ParameterServer, worker: int, seed: int, clip: Any = None) -> torch.futures.Future:
+    grads, present = _grads(server, seed)
+    version = server._read[worker]
+    return server.push(worker, version, grads, present, server.buffer_layout.flatten(server.buffers), clip)
+
+
+def test_staleness_zero_is_synchronous_sgd() -> None:
+    """s = 0: no step until every worker pushed; then one step with the average (SGD with momentum,
+    3 steps, against the same steps taken by hand). Sums of 3 fp32 values in another order: 1e-6."""
+    k = 3
+    server, model = _server(k, 0, momentum=0.9)
+    ref = [p.detach().clone() for p in model.parameters()]
+    ref_opt = torch.optim.SGD([nn.Parameter(r) for r in ref], lr=LR, momentum=0.9)
+    for step in range(3):
+        futures = []
+        for w in (2, 0, 1):  # arrival order differs from worker order
+            futures.append(_push(server, w, seed=10 * step + w))
+            assert all(not f.done() for f in futures) == (len(futures) < k), f"step {step}: applied before all {k}"
+        assert all(f.done() for f in futures) and server.version == step + 1
+        grads = [_grads(server, 10 * step + w)[0] for w in range(k)]
+        mean = [sum(g[i] for g in grads) / k for i in range(len(grads[0]))]
+        for p, g in zip(ref_opt.param_groups[0]["params"], FlatLayout(ref).views(mean)):
+            p.grad = g.clone()
+        ref_opt.step()
+    for got, want in zip(server.params, ref_opt.param_groups[0]["params"]):
+        torch.testing.assert_close(got.detach(), want.detach(), rtol=0, atol=1e-6)
+    assert server.staleness == {0: 9} and server.global_step == 3
+
+
+def test_bound_two_holds_the_fast_worker_back_and_nothing_is_staler() -> None:
+    """s = 2, worker 1 never pushes in between: worker 0's first two pushes apply at once, the third
+    waits for worker 1 and is applied together with it."""
+    server, _ = _server(2, 2)
+    assert _push(server, 0, 1).done() and _push(server, 0, 2).done()
+    third = _push(server, 0, 3)
+    assert not third.done() and server.version == 2
+    slow = _push(server, 1, 4)  # read version 0, applied at version 2: staleness 2
+    assert third.done() and slow.done() and server.version == 3
+    assert max(server.staleness) == 2 and server.staleness == {0: 3, 2: 1}
+    assert server.pushes_by_worker == [3, 1]
+
+
+def test_unbounded_applies_every_push_at_once() -> None:
+    server, _ = _server(2, math.inf)
+    for i in range(5):
+        assert _push(server, 0, i).done()
+    assert server.version == 5 and server.global_step == 2  # 5 pushes of K=2: two global steps
+    assert _push(server, 1, 9).done() and server.staleness == {0: 5, 5: 1}
+
+
+def test_finished_worker_no_longer_holds_others_back() -> None:
+    server, _ = _server(2, 0)
+    pending = _push(server, 0, 1)
+    assert not pending.done()
+    final = server.finish(1)
+    assert pending.done() and not final.done()  # worker 0 still runs
+    assert server.finish(0).done() and final.done()
+    torch.testing.assert_close(final.wait().params[0], server.layout.flatten(server.params)[0], rtol=0, atol=0)
+
+
+def test_budget_discards_pushes_past_it_and_says_stop() -> None:
+    server, _ = _server(2, math.inf, budget=1)  # one global step = two pushes
+    assert not _push(server, 0, 1).wait().stop
+    reply = _push(server, 1, 2).wait()
+    assert reply.stop and reply.applied and server.pushes == 2
+    late = _push(server, 0, 3).wait()
+    assert late.stop and not late.applied and server.discarded == 1 and server.version == 2
+
+
+def test_missing_gradients_leave_parameters_alone_and_clipping_scales_with_the_share() -> None:
+    """A parameter no push touched is not stepped (weight decay would otherwise move it); the clip
+    threshold is value x (pushes / K): one of two pushes with clip 1.0 clips its half-sum to 0.5."""
+    model = _model()
+    params = [p for p in model.parameters() if p.requires_grad]
+    server = ParameterServer(params, list(model.buffers()), torch.optim.SGD(params, lr=1.0, weight_decay=0.5),
+                             2, math.inf)
+    before = [p.detach().clone() for p in server.params]
+    grads, present = _grads(server, 3)
+    present[0] = False
+    views = server.layout.views(grads)
+    views[0].zero_()
+    server.push(0, 0, grads, present, server.buffer_layout.flatten(server.buffers), ("norm", 1.0)).wait()
+    assert torch.equal(server.params[0].detach(), before[0])
+    moved = torch.cat([(b - p.detach()).reshape(-1) for p, b in zip(server.params[1:], before[1:])])
+    decay = torch.cat([0.5 * b.reshape(-1) for b in before[1:]])
+    assert math.isclose((moved - decay).norm().item(), 0.5, rel_tol=1e-5)  # lr 1: the clipped half-sum
+
+
+def test_workers_take_the_global_model_and_counters_survive_a_checkpoint() -> None:
+    server, model = _server(2, 1)
+    replicas = [_model(), _model()]
+    workers = []
+    for w, replica in enumerate(replicas):
+        with torch.no_grad():
+            for p in replica.parameters():
+                p.add_(1.0)  # start different: the first pull must overwrite them
+        params = [p for p in replica.parameters() if p.requires_grad]
+        workers.append(PSWorker(w, params, list(replica.buffers()), LocalLink(server)))
+    for worker, replica in zip(workers, replicas):
+        worker.pull()
+        replica(torch.randn(5, 3)).sum().backward()
+    workers[0].push()
+    for a, b in zip(replicas[0].parameters(), server.params):
+        assert torch.equal(a.detach(), b.detach())
+    snap = server.snapshot()
+    fresh, _ = _server(2, 1)
+    fresh.load_state_dict(snap["state"])
+    assert fresh.version == server.version == 1 and fresh.staleness == server.staleness
+    assert fresh._read == [1, 1]
+
+
+@pytest.mark.parametrize("bad", [-1, 2.5, "2", True, None])
+def test_bad_staleness_is_named(bad: Any) -> None:
+    with pytest.raises(ValueError, match="max_staleness"):
+        check_staleness(bad)
+
+
+def test_bad_requests_are_named() -> None:
+    server, _ = _server(2, 1)
+    with pytest.raises(ValueError, match="num_workers"):
+        ParameterServer(server.params, [], None, 0, 1)
+    with pytest.raises(ValueError, match="worker must be an int in \\[0, 1\\]"):
+        server.pull(2)
+    grads, present = _grads(server, 0)
+    with pytest.raises(ValueError, match="version 5"):
+        server.push(0, 5, grads, present, [], None)
+    server.finish(0)
+    with pytest.raises(RuntimeError, match="worker 0 already finished"):
+        server.pull(0)
+
+
+def test_abort_fails_waiting_and_later_requests_naming_the_worker() -> None:
+    server, _ = _server(2, 0)
+    waiting = _push(server, 0, 1)
+    server.abort(1, "ValueError('boom')")
+    with pytest.raises(RuntimeError, match="worker 1 failed.*boom"):
+        waiting.wait()
+    with pytest.raises(RuntimeError, match="worker 1 failed"):
+        server.pull(0)
