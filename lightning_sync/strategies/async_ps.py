@@ -143,6 +143,7 @@ class AsyncParameterServerStrategy(ParallelStrategy):
         self._logged_at = 0
         self._failed = False
         self._last: Reply | None = None  # the latest reply (kept after teardown)
+        self._final: dict[str, Any] | None = None  # rank 0: the server's state at the end of fit
 
     # ------------------------------------------------------------------ Lightning plumbing
     @property
@@ -379,9 +380,11 @@ class AsyncParameterServerStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ checkpoints
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        """Rank 0 writes the server's state, all of it from one server version."""
-        if self.is_global_zero and self.worker is not None:
-            snap = self.worker.link.snapshot()
+        """Rank 0 writes the server's state, all of it from one server version (after fit: the final one)."""
+        snap = None
+        if self.is_global_zero:
+            snap = self.worker.link.snapshot() if self.worker is not None else self._final
+        if snap is not None:
             assert self.model is not None
             live = {id(t): v for t, v in zip([p for p in self.model.parameters() if p.requires_grad], snap["params"])}
             live.update({id(t): v for t, v in zip(self.model.buffers(), snap["buffers"])})
@@ -440,6 +443,8 @@ class AsyncParameterServerStrategy(ParallelStrategy):
         trainer = self._trainer()
         if self.worker is not None and not self._failed and trainer is not None and trainer.state.fn == TrainerFn.FITTING:
             self._last = self.worker.finish()
+            if self.is_global_zero:  # so that trainer.save_checkpoint after fit still saves the server's state
+                self._final = self.worker.link.snapshot()
         if self._lifted_max_steps is not None and trainer is not None:
             trainer.fit_loop.epoch_loop.max_steps = self._lifted_max_steps
             self._lifted_max_steps = None
