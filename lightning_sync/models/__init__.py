@@ -21,19 +21,33 @@ from lightning_sync.models.digits import (
     DigitsMLP,
 )
 from lightning_sync.models.synthetic import DeepMLP, SyntheticDataModule, WideMLP
+from lightning_sync.models.topics import (
+    UNKNOWN_WORD,
+    BagOfWordsClassifier,
+    TopicDataModule,
+    load_topics,
+    tokenize,
+    window_starts,
+)
 
 __all__ = [
     "DIGITS_NUM_CLASSES",
     "DIGITS_NUM_FEATURES",
+    "UNKNOWN_WORD",
     "VOCAB_SIZE",
+    "BagOfWordsClassifier",
     "CharDataModule",
     "CharGPT",
     "DeepMLP",
     "DigitsDataModule",
     "DigitsMLP",
     "SyntheticDataModule",
+    "TopicDataModule",
     "WideMLP",
     "decode",
     "encode",
     "load_corpus",
+    "load_topics",
+    "tokenize",
+    "window_starts",
 ]

@@ -142,6 +142,7 @@ class AsyncParameterServerStrategy(ParallelStrategy):
         self._lifted_max_steps: int | None = None
         self._logged_at = 0
         self._failed = False
+        self._finished = False
         self._last: Reply | None = None  # the latest reply (kept after teardown)
         self._final: dict[str, Any] | None = None  # rank 0: the server's state at the end of fit
 
@@ -411,8 +412,19 @@ class AsyncParameterServerStrategy(ParallelStrategy):
                 self.server.optimizer.load_state_dict(checkpoint["optimizer_states"][0])
 
     # ------------------------------------------------------------------ end
+    def _finish(self) -> None:
+        """Leave the bound, wait for every worker to finish, take the final global model (once)."""
+        if self.worker is None or self._finished:
+            return
+        self._last = self.worker.finish()
+        self._finished = True
+        if self.is_global_zero:  # so that trainer.save_checkpoint after fit still saves the server's state
+            self._final = self.worker.link.snapshot()
+
     @override
     def on_train_end(self) -> None:
+        """Every worker ends with the final global model; rank 0 logs the final staleness histogram."""
+        self._finish()
         trainer = self.lightning_module.trainer
         counts = self.staleness_histogram
         if self.global_rank == 0 and counts:
@@ -441,10 +453,8 @@ class AsyncParameterServerStrategy(ParallelStrategy):
     def teardown(self) -> None:
         """After fit every worker takes the final global model; then leave RPC."""
         trainer = self._trainer()
-        if self.worker is not None and not self._failed and trainer is not None and trainer.state.fn == TrainerFn.FITTING:
-            self._last = self.worker.finish()
-            if self.is_global_zero:  # so that trainer.save_checkpoint after fit still saves the server's state
-                self._final = self.worker.link.snapshot()
+        if not self._failed and trainer is not None and trainer.state.fn == TrainerFn.FITTING:
+            self._finish()  # if the fit loop ended without on_train_end
         if self._lifted_max_steps is not None and trainer is not None:
             trainer.fit_loop.epoch_loop.max_steps = self._lifted_max_steps
             self._lifted_max_steps = None
@@ -452,7 +462,7 @@ class AsyncParameterServerStrategy(ParallelStrategy):
             host(None)
         self.server, self.worker = None, None
         rpc.shutdown(graceful=not self._failed)  # after a failure, peers may never arrive
-        self._failed = False
+        self._failed = self._finished = False
         super().teardown()
 
     @classmethod

@@ -1,0 +1,192 @@
+"""``HogwildStrategy``: N processes on one machine train one model in shared memory, without locks.
+
+Hogwild! (Niu, Recht, Ré and Wright, NIPS 2011): the model's parameters and buffers live in shared
+memory (``share_memory_()``); every process computes gradients on its own shard of the data and its
+own optimizer writes its update straight into the shared tensors, with no lock and no message. Two
+processes that update the same element at the same time may lose one of the two updates. That is
+rare, and harmless, when updates are *sparse*: a bag-of-words or embedding model touches only the
+rows of the words in its batch (``nn.EmbeddingBag(..., sparse=True)`` with SGD), so updates seldom
+collide. Dense models collide on every step and gain little. CPU only, one node; nothing goes on a
+wire, so ``comms`` counts no bytes.
+
+What is synchronized, and when:
+
+* **Parameters:** never exchanged; they *are* shared. Each process's optimizer (its own state, e.g.
+  momentum) steps the shared tensors after every backward. Gradients are private to each process.
+* **Start:** the launcher moves the module into shared memory before starting the processes (``fork``
+  by default; ``spawn`` and ``forkserver`` share it through torch.multiprocessing's pickling).
+* **Validation, test and checkpoints:** a barrier stops every process before evaluation or a
+  checkpoint's snapshot, and another releases them after, so these see one consistent model (no
+  update in flight) and metrics are reduced across processes as usual. A checkpoint holds that
+  model and rank 0's optimizer state (each process has its own; on resume every process starts
+  from rank 0's).
+* **Clocks:** each process counts its own steps (``trainer.global_step``); the model receives N
+  updates per step of the clock, each from a batch of the per-process size. LR schedulers step on
+  each process's own clock and set that process's learning rate. Lightning 2.6 broadcasts a flag on
+  the process group before every training step, so processes stay within a step of each other.
+* **After fit** the main process's module holds the trained weights (it shares their memory).
+
+If a process fails, the others raise at the next barrier or collective (or at ``timeout``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Generator
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any
+
+import torch
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from typing_extensions import override
+
+from lightning_sync.strategies._common import CommsCollectivesMixin, as_timedelta, check_launch_args
+
+__all__ = ["HogwildStrategy"]
+
+_START_METHODS = ("fork", "spawn", "forkserver")
+
+
+class _SharedMemoryLauncher(_MultiProcessingLauncher):
+    """Lightning's multiprocessing launcher, with the module moved into shared memory first, and rank 0's
+    fit-loop progress brought back to the main process (so ``trainer.global_step`` is right there too)."""
+
+    def launch(self, function: Any, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        module = trainer.lightning_module if trainer is not None else None
+        if module is not None:
+            module.share_memory()
+        return super().launch(function, *args, trainer=trainer, **kwargs)
+
+    @override
+    def get_extra_results(self, trainer: Any) -> dict[str, Any]:
+        extra = super().get_extra_results(trainer)
+        extra["fit_loop"] = trainer.fit_loop.state_dict()
+        return extra
+
+    @override
+    def update_main_process_results(self, trainer: Any, extra: dict[str, Any]) -> None:
+        super().update_main_process_results(trainer, extra)
+        if "fit_loop" in extra:
+            trainer.fit_loop.load_state_dict(extra["fit_loop"])
+
+
+class HogwildStrategy(CommsCollectivesMixin, DDPStrategy):
+    """Lock-free shared-memory SGD on one machine (see the module docstring).
+
+    Args:
+        num_processes: how many processes share the model (None: the Trainer's ``devices``). It may not
+            exceed the CPU count unless ``oversubscribe=True``.
+        oversubscribe: allow more processes than CPUs (each then gets a fraction of a core).
+        start_method: ``"fork"`` (default; no pickling), ``"spawn"`` or ``"forkserver"``. Processes
+            must start from this one to share its memory, so ``"popen"`` is not offered.
+        timeout: seconds a barrier or metric reduction may wait for a peer.
+    """
+
+    strategy_name = "hogwild"
+
+    def __init__(self, num_processes: int | None = None, oversubscribe: bool = False, start_method: str = "fork",
+                 timeout: float | timedelta = 1800.0, **kwargs: Any) -> None:
+        if num_processes is not None and (isinstance(num_processes, bool) or not isinstance(num_processes, int)
+                                          or num_processes < 1):
+            raise ValueError(f"num_processes must be None or an int >= 1, got {num_processes!r}")
+        if not isinstance(oversubscribe, bool):
+            raise ValueError(f"oversubscribe must be True or False, got {oversubscribe!r}")
+        cpus = os.cpu_count() or 1
+        if num_processes is not None and num_processes > cpus and not oversubscribe:
+            raise ValueError(f"num_processes={num_processes} is more than this machine's {cpus} CPUs; lock-free "
+                             f"updates then compete for cores. Pass oversubscribe=True to run it anyway")
+        if start_method not in _START_METHODS:
+            raise ValueError(f"start_method must be one of {list(_START_METHODS)} (processes must share this "
+                             f"process's memory), got {start_method!r}")
+        check_launch_args(type(self).__name__, None, start_method, kwargs)
+        if num_processes is not None:
+            kwargs["parallel_devices"] = [torch.device("cpu")] * num_processes
+        super().__init__(process_group_backend="gloo", timeout=as_timedelta(timeout), start_method=start_method,
+                         **kwargs)
+        self.num_processes_requested, self.oversubscribe = num_processes, oversubscribe
+
+    @property
+    def is_distributed(self) -> bool:
+        """True: each process gets its own shard of the training data."""
+        return True
+
+    @override
+    def _configure_launcher(self) -> None:
+        self._launcher = _SharedMemoryLauncher(self, start_method=self._start_method)
+
+    @override
+    def setup_environment(self) -> None:
+        if self.root_device.type != "cpu":
+            raise ValueError(f"{type(self).__name__} runs on CPU (shared host memory), got device {self.root_device}; "
+                             f"use accelerator='cpu'")
+        if self.num_nodes != 1:
+            raise ValueError(f"{type(self).__name__} shares memory, so it runs on one node, got num_nodes={self.num_nodes}")
+        cpus = os.cpu_count() or 1
+        if self.num_processes > cpus and not self.oversubscribe:
+            raise ValueError(f"{self.num_processes} processes (devices) is more than this machine's {cpus} CPUs; pass "
+                             f"oversubscribe=True to run it anyway")
+        super().setup_environment()
+
+    @override
+    def configure_ddp(self) -> None:
+        """No wrapper and no broadcast: every process already holds the same (shared) tensors."""
+        assert self.model is not None
+        private = [n for n, t in [*self.model.named_parameters(), *self.model.named_buffers()]
+                   if t.numel() and not t.is_shared()]
+        if private:
+            raise RuntimeError(f"{type(self).__name__}: {private[:3]} are not in shared memory; the module must come "
+                               f"through the strategy's launcher (trainer.fit), not be created inside a rank")
+        rank_zero_info(f"{type(self).__name__}: {self.num_processes} processes share "
+                       f"{sum(p.numel() for p in self.model.parameters())} parameters, lock-free")
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        yield None  # backward never communicates: accumulation needs nothing
+
+    def _quiesce(self) -> None:
+        """A barrier: once every process is here, no update is in flight on any of them."""
+        if torch.distributed.is_initialized():
+            self.barrier()
+
+    @override
+    def on_validation_start(self) -> None:
+        self._quiesce()
+
+    @override
+    def on_validation_end(self) -> None:
+        self._quiesce()
+
+    @override
+    def on_test_start(self) -> None:
+        self._quiesce()
+
+    @override
+    def on_test_end(self) -> None:
+        self._quiesce()
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """A copy taken while every process waits (one consistent model; every rank calls this when saving)."""
+        if not torch.distributed.is_initialized():
+            return super().lightning_module_state_dict()
+        self.barrier()
+        state = {k: v.detach().clone() if isinstance(v, torch.Tensor) else v
+                 for k, v in super().lightning_module_state_dict().items()}
+        self.barrier()
+        return state
+
+    @override
+    def teardown(self) -> None:
+        if torch.distributed.is_initialized():  # nobody leaves while another still writes the shared model
+            self.barrier()
+        super().teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register("hogwild", cls, description="Hogwild!: processes update one shared-memory model "
+                                   "without locks (lightning_sync)", override=True)
