@@ -92,29 +92,37 @@ def select_strategies(cfg: DictConfig) -> dict[str, dict[str, Any]]:
     return rows
 
 
-def run_bench(cfg: DictConfig, out_dir: Path) -> Report:
-    """Run the configured suite and write the report into ``out_dir``."""
+def run_bench(cfg: DictConfig, out_dir: Path) -> Report | None:
+    """Run the configured suite and write the reports into ``out_dir`` (the strategy rows' ``report.md``,
+    and ``tradeoff.md`` when the trade-off is enabled); returns the strategy rows' report, if any ran."""
     from lightning_sync.testing import run_distributed
 
     world, threads = int(cfg.world_size), int(cfg.threads_per_rank)
     env = {"OMP_NUM_THREADS": str(threads), "PL_GLOBAL_SEED": "0"}
+    meta = {"date": date.today().isoformat(), "cpu": _cpu_model(), "python": platform.python_version(),
+            "torch": _version("torch"), "lightning": _version("lightning"), "world_size": world,
+            "threads_per_rank": threads, "command": " ".join(["lightning-sync", "bench", *sys.argv[1:]])}
     strategies = {name: (node, {}) for name, node in select_strategies(cfg).items()}
     trials = [t for model in cfg.run_models for t in _trials(cfg, model, strategies)]
     if cfg.bucket_sweep.enabled:
         trials += _trials(cfg, cfg.bucket_sweep.model, _bucket_rows(cfg), f"{cfg.bucket_sweep.model} (bucket sweep)")
-    log.info("bench: %d trials on %d ranks (%d pairs, %d timed steps each)", len(trials), world, cfg.pairs, cfg.steps)
-    results = run_distributed(run_trials, world, trials, threads, timeout=float(cfg.timeout_s), env=env)
-    single: list[dict[str, Any]] = []
-    if cfg.scaling.enabled:
-        one = {"single": ({"_target_": None}, {})}
-        solo = [t for model in cfg.scaling.models for t in _trials(cfg, model, one)]
-        log.info("bench: %d single-process trials for scaling efficiency", len(solo))
-        single = run_distributed(run_trials, 1, solo, threads, timeout=float(cfg.timeout_s), env=env)[0]
-    meta = {"date": date.today().isoformat(), "cpu": _cpu_model(), "python": platform.python_version(),
-            "torch": _version("torch"), "lightning": _version("lightning"), "world_size": world,
-            "threads_per_rank": threads, "command": " ".join(["lightning-sync", "bench", *sys.argv[1:]])}
-    report = Report(results, single, cfg, meta)
-    report.write(out_dir)
+    report = None
+    if trials:
+        log.info("bench: %d trials on %d ranks (%d pairs, %d timed steps each)", len(trials), world, cfg.pairs,
+                 cfg.steps)
+        results = run_distributed(run_trials, world, trials, threads, timeout=float(cfg.timeout_s), env=env)
+        single: list[dict[str, Any]] = []
+        if cfg.scaling.enabled:
+            one = {"single": ({"_target_": None}, {})}
+            solo = [t for model in cfg.scaling.models for t in _trials(cfg, model, one)]
+            log.info("bench: %d single-process trials for scaling efficiency", len(solo))
+            single = run_distributed(run_trials, 1, solo, threads, timeout=float(cfg.timeout_s), env=env)[0]
+        report = Report(results, single, cfg, meta)
+        report.write(out_dir)
+    if cfg.tradeoff.enabled:
+        from lightning_sync.bench.tradeoff import run_tradeoff
+
+        run_tradeoff(cfg, out_dir, meta)
     return report
 
 
