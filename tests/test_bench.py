@@ -264,3 +264,62 @@ def test_fsdp2_baseline_trains_like_ddp_on_two_ranks() -> None:
         assert fsdp["losses"] == pytest.approx(ddp["losses"], abs=1e-5)
         for key, w in ddp["after"].items():
             torch.testing.assert_close(fsdp["after"][key], w, rtol=0.0, atol=1e-5)
+
+
+# --------------------------------------------------------------------------- the synchronization trade-off
+
+
+def _trade(name: str, slow: float | None, rnd: int, loss: float, mib: float, wall: float) -> dict[str, object]:
+    return {"name": name, "model": "m", "slow": slow, "round": rnd, "val_loss": loss, "metrics": {}, "bytes": mib * 2**20,
+            "wall_s": wall, "samples": 1000, "samples_per_s": 1000 / wall, "steps_by_rank": [4, 4]}
+
+
+def test_tradeoff_rows_take_same_round_ratios_and_check_the_targets() -> None:
+    from omegaconf import OmegaConf
+
+    from lightning_sync.bench.tradeoff import tradeoff_markdown, tradeoff_rows
+
+    results = [
+        # round 0: the machine is slow for both rows; round 1: fast. Same-round ratios cancel that out.
+        _trade("bucketed_ddp", None, 0, 2.0, 80.0, 20.0), _trade("local_sgd", None, 0, 2.02, 10.0, 18.0),
+        _trade("bucketed_ddp", None, 1, 2.0, 80.0, 10.0), _trade("local_sgd", None, 1, 2.08, 10.0, 9.0),
+        _trade("bucketed_ddp", 2.0, 0, 2.0, 80.0, 40.0), _trade("async_ps", 2.0, 0, 2.04, 40.0, 25.0),
+        _trade("bucketed_ddp", 2.0, 1, 2.0, 80.0, 20.0), _trade("async_ps", 2.0, 1, 2.06, 40.0, 16.0),
+    ]
+    rows = {(r["name"], r["slow"]): r for r in tradeoff_rows(results)}
+    local = rows[("local_sgd", None)]
+    assert local["x_bytes"] == pytest.approx(0.125)
+    assert local["x_loss"] == pytest.approx((1.01 + 1.04) / 2)  # median of the two same-round ratios
+    assert local["x_throughput"] == pytest.approx((20 / 18 + 10 / 9) / 2)
+    ps = rows[("async_ps", 2.0)]
+    assert ps["x_throughput"] == pytest.approx((40 / 25 + 20 / 16) / 2)  # 1.6 and 1.25: median 1.425
+    assert rows[("bucketed_ddp", 2.0)]["x_throughput"] == 1.0
+    cfg = OmegaConf.create({"tradeoff": {"steps": 4, "world_size": 2, "pairs": 2, "reference": "bucketed_ddp"}})
+    text = tradeoff_markdown(results, cfg)
+    assert "m local_sgd: bytes x0.1250 <= 0.1250: met; loss x1.025 <= 1.03: met" in text
+    assert "m async_ps with the straggler: throughput x1.43 >= 1.4: met; loss x1.025 <= 1.05: met" in text
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_tradeoff_smoke_runs_every_strategy_and_writes_the_plot(tmp_path: Path) -> None:
+    """Every trade-off row for 8 steps (no straggler rows): the report and plot exist, LocalSGD with
+    sync_every=8 sends exactly 1/8 of DDP's bytes, DiLoCo (sync_every=50) sends nothing in 8 steps and
+    Hogwild sends nothing at all."""
+    proc = run_cli(["bench", "suite=tradeoff", "tradeoff.pairs=1", "tradeoff.steps=8", "tradeoff.slow_factor=null",
+                    "+tradeoff.models.char_gpt.model.n_layer=1"], tmp_path, timeout=360)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    (report,) = (tmp_path / "outputs" / "bench").glob("*/*/tradeoff.md")
+    assert (report.parent / "tradeoff.png").stat().st_size > 0
+    rows = {}
+    for line in report.read_text().splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) == 11 and cells[0] in ("char_gpt", "bow_topics"):
+            rows[(cells[0], cells[1])] = cells
+    assert set(rows) == {("char_gpt", n) for n in ("bucketed_ddp", "local_sgd", "diloco", "async_ps")} | {
+        ("bow_topics", "bucketed_ddp"), ("bow_topics", "hogwild")}
+    assert rows[("char_gpt", "local_sgd")][6] == "0.1250"  # column 6: bytes / bucketed_ddp's bytes
+    assert rows[("char_gpt", "diloco")][6] == "0.0000" and rows[("bow_topics", "hogwild")][6] == "0.0000"
+    assert rows[("char_gpt", "bucketed_ddp")][10] == "[8, 8]"
+    for cells in rows.values():
+        assert math.isfinite(float(cells[3])), cells  # a real validation loss for every row

@@ -13,7 +13,9 @@ from lightning_sync.cli import config_dir
 
 CONF = Path(config_dir())
 GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir() and not p.name.startswith("__"))
-OPTIONS = [(g, f.stem) for g in GROUPS for f in sorted((CONF / g).glob("*.yaml"))]
+BENCH_GROUPS = {"suite"}  # groups of bench.yaml; every other group belongs to train.yaml
+OPTIONS = [(g, f.stem) for g in GROUPS if g not in BENCH_GROUPS for f in sorted((CONF / g).glob("*.yaml"))]
+SUITES = sorted(f.stem for f in (CONF / "suite").glob("*.yaml"))
 # Groups whose objects are cheap enough to build here (trainer needs a Hydra run; built by the CLI tests).
 BUILDABLE = {"strategy", "model", "data"}
 
@@ -42,12 +44,31 @@ def test_option_composes_and_builds(composer, group: str, option: str) -> None:
         assert isinstance(obj, get_class(cfg[group]._target_))
 
 
-@pytest.mark.parametrize("model", ["digits_mlp", "char_gpt", "wide_mlp", "deep_mlp"])
+@pytest.mark.parametrize("model", ["digits_mlp", "char_gpt", "wide_mlp", "deep_mlp", "bow_topics"])
 def test_model_selects_matching_data(composer, model: str) -> None:
     cfg = composer([f"model={model}"])
     expected = {"digits_mlp": "DigitsDataModule", "char_gpt": "CharDataModule",
-                "wide_mlp": "SyntheticDataModule", "deep_mlp": "SyntheticDataModule"}[model]
+                "wide_mlp": "SyntheticDataModule", "deep_mlp": "SyntheticDataModule",
+                "bow_topics": "TopicDataModule"}[model]
     assert cfg.data._target_.endswith(expected)
+
+
+@pytest.mark.parametrize("suite", SUITES)
+def test_bench_suites_compose_and_name_importable_strategies(suite: str) -> None:
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose("bench", overrides=[f"suite={suite}"])
+    GlobalHydra.instance().clear()
+    assert cfg.tradeoff.enabled == (suite == "tradeoff")
+    if suite == "tradeoff":  # only the trade-off runs
+        assert list(cfg.run_models) == [] and not cfg.bucket_sweep.enabled and not cfg.scaling.enabled
+    for rows in cfg.tradeoff.rows.values():
+        for node in rows.values():
+            get_class(node._target_)
+    for node in cfg.strategies.values():
+        get_class(node._target_)
+    periods = [int(n.sync_every) for rows in cfg.tradeoff.rows.values() for n in rows.values() if "sync_every" in n]
+    assert all(cfg.tradeoff.steps % p == 0 for p in periods), "the budget must end on a sync of every periodic row"
 
 
 def test_model_trainer_keys_win_over_trainer_defaults(composer) -> None:

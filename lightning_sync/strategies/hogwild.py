@@ -38,6 +38,7 @@ from datetime import timedelta
 from typing import Any
 
 import torch
+from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -119,9 +120,9 @@ class HogwildStrategy(CommsCollectivesMixin, DDPStrategy):
 
     @override
     def setup_environment(self) -> None:
-        if self.root_device.type != "cpu":
-            raise ValueError(f"{type(self).__name__} runs on CPU (shared host memory), got device {self.root_device}; "
-                             f"use accelerator='cpu'")
+        if not isinstance(self.accelerator, CPUAccelerator) or self.root_device.type != "cpu":
+            raise ValueError(f"{type(self).__name__} runs on CPU (shared host memory), got "
+                             f"{type(self.accelerator).__name__} on {self.root_device}; use accelerator='cpu'")
         if self.num_nodes != 1:
             raise ValueError(f"{type(self).__name__} shares memory, so it runs on one node, got num_nodes={self.num_nodes}")
         cpus = os.cpu_count() or 1

@@ -7,7 +7,9 @@ from lightning_sync.sync.communicator import (
     ProcessGroupCommunicator,
 )
 from lightning_sync.sync.compression import COMPRESSIONS, CastCompression, PowerSGD, make_compressor
+from lightning_sync.sync.parameter_server import ParameterServer, Reply, check_staleness
 from lightning_sync.sync.periodic import DiLoCoOuter, PeriodicAverager
+from lightning_sync.sync.ps_worker import LocalLink, PSWorker, RpcLink
 from lightning_sync.sync.sharding import (
     ZERO_STAGES,
     FlatShard,
@@ -19,6 +21,7 @@ from lightning_sync.sync.sharding import (
 
 __all__ = [
     "COMPRESSIONS", "ZERO_STAGES", "Bucket", "CastCompression", "Communicator", "DiLoCoOuter", "FlatShard",
-    "GradBucketer", "LoopbackCommunicator", "OwnedSlice", "PeriodicAverager", "PowerSGD", "ProcessGroupCommunicator",
-    "StepTrace", "ZeroEngine", "consolidate_checkpoint", "make_compressor", "plan_buckets", "zero_memory_bytes",
+    "GradBucketer", "LocalLink", "LoopbackCommunicator", "OwnedSlice", "PSWorker", "ParameterServer", "PeriodicAverager",
+    "PowerSGD", "ProcessGroupCommunicator", "Reply", "RpcLink", "StepTrace", "ZeroEngine", "check_staleness",
+    "consolidate_checkpoint", "make_compressor", "plan_buckets", "zero_memory_bytes",
 ]

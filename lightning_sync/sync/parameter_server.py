@@ -21,12 +21,15 @@ Versions and staleness
     * In between, a fast worker runs up to s versions ahead of the slowest, then waits for it.
 
 Step rule
-    A step averages the pending gradients over all K workers, ``sum / K``, so every gradient enters
-    the model with the same weight as in a synchronous all-reduce average, whatever the timing: K
-    pushes of batch b are worth one synchronous step of batch K*b. Gradient-norm clipping applies to
-    that sum with the threshold scaled by the share of the K gradients it holds (exactly DDP's clip
-    at s = 0). A parameter that no pushed gradient touched keeps ``grad = None`` for the step, so the
-    optimizer skips it, as in one process.
+    A step carries a share |S| / K of the global batch (|S| pending gradients, K workers). It applies
+    the *mean* of its gradients with the optimizer's learning rate scaled by that share (the linear
+    scaling rule, per step), so K pushes are worth one synchronous step whatever the timing and the
+    optimizer: for plain SGD the update is ``lr * sum / K``, each gradient weighted as in a synchronous
+    all-reduce average; for an optimizer that normalizes the gradient's scale away (Adam, AdamW) one
+    push moves the model by 1/K of a synchronous step instead of a whole one (decoupled weight decay
+    scales with it). At s = 0 every step carries all K gradients: exactly synchronous SGD. Gradient
+    clipping applies to the mean, with the user's threshold. A parameter that no pushed gradient
+    touched keeps ``grad = None`` for the step, so the optimizer skips it, as in one process.
 
 Global clock and budget
     ``pushes // K`` is the *global step*: the number of synchronous steps' worth of samples applied.
@@ -319,37 +322,44 @@ class ParameterServer:
 
     def _step(self, take: list[_Push]) -> None:
         assert self.optimizer is not None
-        k = self.num_workers
+        n, k = len(take), self.num_workers
         total = [torch.zeros_like(f) for f in take[0].grads]
         for p in take:
             for t, g in zip(total, p.grads):
                 t.add_(g)
         touched = [any(p.present[i] for p in take) for i in range(len(self.params))]
         for param, grad, used in zip(self.params, self.layout.views(total), touched):
-            param.grad = (grad / k).to(param.device) if used else None
+            param.grad = (grad / n).to(param.device) if used else None
         clip = take[-1].clip
         if clip is not None:
-            self._clip(clip, len(take) / k)
-        self.optimizer.step()
+            self._clip(clip)
+        lrs = [g["lr"] for g in self.optimizer.param_groups]
+        for g in self.optimizer.param_groups:  # this step carries n / k of the global batch
+            g["lr"] = g["lr"] * (n / k)
+        try:
+            self.optimizer.step()
+        finally:
+            for g, lr in zip(self.optimizer.param_groups, lrs):
+                g["lr"] = lr
         self.optimizer.zero_grad(set_to_none=True)
         self.buffer_layout.copy_into(take[-1].buffers, self.buffers)  # the newest push's buffers
         for p in take:
             self.staleness[self.version - p.read_version] += 1
             self.pushes_by_worker[p.worker] += 1
         self.version += 1
-        self.pushes += len(take)
+        self.pushes += n
         while self.pushes // k > self.global_step:
             self.global_step += 1
             if self.on_global_step is not None:
                 self.on_global_step(self.global_step)
 
-    def _clip(self, clip: tuple[str, float], share: float) -> None:
+    def _clip(self, clip: tuple[str, float]) -> None:
         algorithm, value = clip
         grads = [p for p in self.params if p.grad is not None]
         if algorithm == "norm":
-            torch.nn.utils.clip_grad_norm_(grads, value * share)
+            torch.nn.utils.clip_grad_norm_(grads, value)
         elif algorithm == "value":
-            torch.nn.utils.clip_grad_value_(grads, value * share)
+            torch.nn.utils.clip_grad_value_(grads, value)
         else:
             raise ValueError(f"gradient clipping algorithm must be one of ['norm', 'value'], got {algorithm!r}")
 

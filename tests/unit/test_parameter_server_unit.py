@@ -105,9 +105,10 @@ def test_budget_discards_pushes_past_it_and_says_stop() -> None:
     assert late.stop and not late.applied and server.discarded == 1 and server.version == 2
 
 
-def test_missing_gradients_leave_parameters_alone_and_clipping_scales_with_the_share() -> None:
-    """A parameter no push touched is not stepped (weight decay would otherwise move it); the clip
-    threshold is value x (pushes / K): one of two pushes with clip 1.0 clips its half-sum to 0.5."""
+def test_missing_gradients_leave_parameters_alone_and_a_step_carries_its_share() -> None:
+    """A parameter no push touched is not stepped (weight decay would otherwise move it). One of two
+    pushes carries half the global batch: its gradient (the mean of one) is clipped to norm 1.0 and
+    applied, with the weight decay, at half the learning rate."""
     model = _model()
     params = [p for p in model.parameters() if p.requires_grad]
     server = ParameterServer(params, list(model.buffers()), torch.optim.SGD(params, lr=1.0, weight_decay=0.5),
@@ -120,8 +121,8 @@ def test_missing_gradients_leave_parameters_alone_and_clipping_scales_with_the_s
     server.push(0, 0, grads, present, server.buffer_layout.flatten(server.buffers), ("norm", 1.0)).wait()
     assert torch.equal(server.params[0].detach(), before[0])
     moved = torch.cat([(b - p.detach()).reshape(-1) for p, b in zip(server.params[1:], before[1:])])
-    decay = torch.cat([0.5 * b.reshape(-1) for b in before[1:]])
-    assert math.isclose((moved - decay).norm().item(), 0.5, rel_tol=1e-5)  # lr 1: the clipped half-sum
+    decay = torch.cat([0.5 * 0.5 * b.reshape(-1) for b in before[1:]])  # lr 1 x share 1/2 x weight decay 0.5
+    assert math.isclose((moved - decay).norm().item(), 0.5, rel_tol=1e-5)  # lr x share x the clipped gradient
 
 
 def test_workers_take_the_global_model_and_counters_survive_a_checkpoint() -> None:
@@ -175,3 +176,17 @@ def test_abort_fails_waiting_and_later_requests_naming_the_worker() -> None:
         waiting.wait()
     with pytest.raises(RuntimeError, match="worker 1 failed"):
         server.pull(0)
+
+
+def test_an_adaptive_optimizer_moves_k_pushes_as_far_as_one_synchronous_step() -> None:
+    """Adam ignores the gradient's scale, so only the learning-rate share keeps one push at 1/K of a
+    step: the first Adam step moves each element by lr (sign of the gradient), so one push of K = 2 at
+    lr 0.1 moves every touched element by exactly 0.05."""
+    model = _model()
+    params = [p for p in model.parameters() if p.requires_grad]
+    server = ParameterServer(params, list(model.buffers()), torch.optim.Adam(params, lr=0.1), 2, math.inf)
+    before = [p.detach().clone() for p in server.params]
+    _push(server, 0, 5).wait()
+    for p, b in zip(server.params, before):
+        torch.testing.assert_close((p.detach() - b).abs(), torch.full_like(b, 0.05), rtol=0, atol=1e-6)
+    assert server.optimizer.param_groups[0]["lr"] == 0.1  # the scaled rate was for that step only
