@@ -118,7 +118,8 @@ class AsyncParameterServerStrategy(ParallelStrategy):
 
     Args:
         max_staleness: s, the most versions a pushed gradient may lag the model it is applied to:
-            an int >= 0 (0 is synchronous training), or ``math.inf`` / ``.inf`` in YAML (no bound).
+            an int >= 0 (0 is synchronous training), or ``math.inf`` (``.inf`` in YAML, ``inf`` on the
+            Hydra command line) for no bound.
         server_rank: the global rank whose process hosts the server (beside its own worker).
         timeout: seconds an RPC request may wait (a silent dead peer is noticed after this).
         start_method: ``"popen"`` (re-run the script per rank), ``"spawn"``, ``"fork"`` or ``"forkserver"``.
@@ -279,7 +280,7 @@ class AsyncParameterServerStrategy(ParallelStrategy):
             server.on_global_step = step_schedulers
 
     def _route_clipping(self) -> None:
-        """Clipping applies on the server, to the step's summed gradient (see the parameter server)."""
+        """Clipping applies on the server, to the mean gradient of each step (see the parameter server)."""
         plugin = self.precision_plugin
 
         def clip_by_norm(optimizer: Any, clip_val: int | float) -> None:

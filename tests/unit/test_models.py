@@ -12,12 +12,14 @@ from torch.nn import functional as F
 
 from lightning_sync.models import (
     VOCAB_SIZE,
+    BagOfWordsClassifier,
     CharDataModule,
     CharGPT,
     DeepMLP,
     DigitsDataModule,
     DigitsMLP,
     SyntheticDataModule,
+    TopicDataModule,
     WideMLP,
     decode,
     encode,
@@ -199,6 +201,23 @@ BAD_ARGS: list[tuple[Callable[..., object], dict[str, object], str]] = [
     (DeepMLP, {"depth": 0}, "0"),
     (DeepMLP, {"num_classes": 1}, "1"),
     (SyntheticDataModule, {"num_samples": 0}, "0"),
+    # the sparse topic classifier and its data (models/topics.py)
+    (TopicDataModule, {"num_topics": 1}, "1"),
+    (TopicDataModule, {"num_topics": 500}, "500"),
+    (TopicDataModule, {"num_topics": 2.5}, "2.5"),
+    (TopicDataModule, {"window": 0}, "0"),
+    (TopicDataModule, {"stride": -3}, "-3"),
+    (TopicDataModule, {"val_fraction": 1.0}, "1.0"),
+    (TopicDataModule, {"block_words": 0}, "0"),
+    (TopicDataModule, {"block_words": 31}, "31"),  # shorter than the default 32-word window
+    (TopicDataModule, {"block_words": 64.0}, "64.0"),
+    (TopicDataModule, {"vocab_size": 1}, "1"),
+    (TopicDataModule, {"batch_size": 0}, "0"),
+    (BagOfWordsClassifier, {"vocab_size": 0}, "0"),
+    (BagOfWordsClassifier, {"num_classes": 1}, "1"),
+    (BagOfWordsClassifier, {"embed_dim": -1}, "-1"),
+    (BagOfWordsClassifier, {"sparse": "yes"}, "'yes'"),
+    (BagOfWordsClassifier, {"lr": 0.0}, "0.0"),
 ]
 
 
