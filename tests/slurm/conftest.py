@@ -1,0 +1,35 @@
+"""The slurm tier: one real Slurm (munged, slurmctld, slurmd n1 and n2) for the whole session.
+
+Skipped, with the reason, only where the Slurm/munge binaries are missing (``.ci/run`` installs them) or
+where the daemons cannot run as root. Every test is marked ``slurm`` and has a hard timeout; a failing
+job's error carries the daemons' logs."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+
+from lightning_sync.testing.slurm_cluster import SlurmCluster, missing_binaries
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if "tests/slurm/" in item.nodeid.replace("\\", "/"):
+            item.add_marker(pytest.mark.slurm)
+
+
+@pytest.fixture(scope="session")
+def slurm() -> Iterator[SlurmCluster]:
+    missing = missing_binaries()
+    if missing:
+        pytest.skip(f"Slurm binaries missing: {missing} (apt-get install slurm-wlm munge; .ci/run does this)")
+    if os.geteuid() != 0:
+        pytest.skip("the slurm tier starts munged and slurmd, which needs root")
+    cluster = SlurmCluster()
+    cluster.start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
