@@ -79,12 +79,16 @@ def run_train(cfg: Any) -> dict[str, float]:
     from hydra.utils import instantiate
 
     import lightning_sync  # noqa: F401 - registers the strategy names
+    from lightning_sync.launch import NodeBanner, prepare
 
+    rendezvous = prepare()  # under SLURM: a MASTER_ADDR that resolves and a port from the job id
     pl.seed_everything(cfg.seed, workers=True)
     datamodule = instantiate(cfg.data)
     model = instantiate(cfg.model)
     strategy = instantiate(cfg.strategy)
     trainer: pl.Trainer = instantiate(cfg.trainer, strategy=strategy)
+    if rendezvous is not None:
+        trainer.callbacks.append(NodeBanner(rendezvous))
     trainer.fit(model, datamodule=datamodule)
     if cfg.final_validate:
         trainer.validate(model, datamodule=datamodule, verbose=False)
