@@ -1,5 +1,8 @@
 """``lightning-sync`` console script: Hydra apps over the shipped ``conf/``.
 
+``lightning-sync sbatch [overrides...]`` prints the SLURM job of the same config as an sbatch script
+(:mod:`lightning_sync.launch.sbatch`).
+
 ``lightning-sync train [hydra overrides...]`` composes ``conf/train.yaml`` and builds the strategy,
 model, data module and Trainer with :func:`hydra.utils.instantiate`. Every Hydra flag works
 (``--cfg job``, ``-m`` multirun, ``--help``).
@@ -24,7 +27,7 @@ from typing import Any
 __all__ = ["SUBCOMMANDS", "config_dir", "main", "run_train"]
 
 log = logging.getLogger("lightning_sync")
-SUBCOMMANDS = ("train", "bench")
+SUBCOMMANDS = ("train", "bench", "sbatch")
 _CONFIG_FLAGS = ("--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd")
 
 
@@ -141,6 +144,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     sub = args.pop(0)
     if sub not in SUBCOMMANDS:
         raise SystemExit(f"lightning-sync: unknown subcommand {sub!r}; allowed: {list(SUBCOMMANDS)}")
+    if sub == "sbatch":  # renders a script from the composed config; not a Hydra run (no output directory)
+        from lightning_sync.launch.sbatch import main as sbatch_main
+
+        sbatch_main(args)
+        return
     sys.argv = [sys.argv[0], *args]  # Hydra parses sys.argv
     task = {"train": _train_app, "bench": _bench_app}[sub]
     app = hydra.main(config_path=config_dir(), config_name=sub, version_base="1.3")(task)

@@ -30,10 +30,10 @@ def _cli() -> str:
     return str(exe) if exe.exists() else str(shutil.which("lightning-sync"))
 
 
-def _metrics(text: str) -> dict[str, float]:
+def _metrics(text: str, ranks: int = 2) -> dict[str, float]:
     match = re.search(r"final metrics \((\d+) ranks, (\d+) steps\): (.*)", text)
     assert match, text[-3000:]
-    assert (match.group(1), match.group(2)) == ("2", "20"), match.group(0)
+    assert (match.group(1), match.group(2)) == (str(ranks), "20"), match.group(0)
     return {k: float(v) for k, v in (kv.split("=") for kv in match.group(3).split())}
 
 

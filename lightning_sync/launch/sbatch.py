@@ -1,0 +1,90 @@
+"""``lightning-sync sbatch``: the SLURM job of a train config, as a plain sbatch script to read and submit.
+
+The script is rendered from the same composed config as ``lightning-sync train -m launch=slurm``
+(``conf/launch/slurm.yaml``): one task per rank (``trainer.devices`` tasks on each of ``launch.nodes``
+nodes), ``srun`` starting ``lightning-sync train`` with exactly the overrides given here, so the job
+trains what the command line says. Every value that reaches the script is shell-quoted
+(:func:`shlex.quote`): a job name or override holding ``$(...)``, backticks, ``;`` or quotes stays a
+literal string and never runs.
+
+Usage::
+
+    lightning-sync sbatch launch.nodes=2 trainer.devices=2 strategy=bucketed_ddp > job.sh
+    sbatch job.sh
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["compose_job", "render_sbatch"]
+
+
+def compose_job(overrides: Sequence[str]) -> Any:
+    """The train config with ``launch=slurm`` and ``overrides`` (a plain ``DictConfig``, resolved later)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from lightning_sync.cli import config_dir
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
+        cfg = compose("train", overrides=["launch=slurm", *overrides])
+    GlobalHydra.instance().clear()
+    return cfg
+
+
+def _one_line(name: str, value: Any) -> str:
+    """A value for an ``#SBATCH`` line: a newline would end the comment and start a line bash runs."""
+    text = str(value)
+    if "\n" in text or "\r" in text:
+        raise ValueError(f"{name} must be one line (it goes into an #SBATCH directive), got {text!r}")
+    return text
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    return value
+
+
+def render_sbatch(overrides: Sequence[str], output: str = "slurm-%j.out") -> str:
+    """The sbatch script of ``lightning-sync train launch=slurm <overrides>`` (see the module docstring)."""
+    cfg = compose_job(overrides)
+    launch = cfg.launch
+    nodes = _positive_int("launch.nodes", launch.nodes)
+    tasks = _positive_int("trainer.devices", cfg.trainer.devices)
+    cpus = _positive_int("launch.cpus_per_task", launch.cpus_per_task)
+    minutes = _positive_int("launch.time_min", launch.time_min)
+    signal = _one_line("launch.signal", launch.signal).upper().removeprefix("SIG")
+    delay = _positive_int("launch.signal_delay_s", launch.signal_delay_s)
+    q = shlex.quote
+    directives = [f"--job-name={q(_one_line('launch.job_name', launch.job_name))}", f"--nodes={nodes}",
+                  f"--ntasks-per-node={tasks}", f"--cpus-per-task={cpus}", f"--time={minutes}",
+                  f"--signal={q(signal)}@{delay}", f"--output={q(_one_line('output', output))}"]
+    if launch.partition:
+        directives.append(f"--partition={q(_one_line('launch.partition', launch.partition))}")
+    if launch.requeue:
+        directives.append("--requeue")
+    python = str(launch.python) if launch.python else sys.executable
+    args = [python, "-m", "lightning_sync", "train", "launch=slurm", *overrides]
+    lines = ["#!/bin/bash", "# Rendered by `lightning-sync sbatch`; submit with `sbatch <this file>`.",
+             *(f"#SBATCH {d}" for d in directives), "",
+             "# One task per rank: Lightning's SLURMEnvironment reads the ranks from srun; the train app sets",
+             "# a MASTER_ADDR that resolves and MASTER_PORT from the job id.",
+             "srun " + " ".join(q(a) for a in args), ""]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str]) -> None:
+    """``lightning-sync sbatch [overrides...]``: print the script (a bad override exits with Hydra's message)."""
+    from hydra.errors import HydraException
+
+    try:
+        script = render_sbatch(list(argv))
+    except (HydraException, ValueError) as err:
+        raise SystemExit(f"lightning-sync sbatch: {err}") from None
+    sys.stdout.write(script)
