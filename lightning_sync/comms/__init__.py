@@ -27,10 +27,12 @@ from lightning_sync.comms.collectives import (
     get_world_size,
     group_ranks,
     recv,
+    reduce,
     reduce_scatter,
     reduce_scatter_into,
     reset_stats,
     scatter,
+    scope,
     send,
 )
 from lightning_sync.comms.stats import CommStats, OpStats
@@ -38,6 +40,6 @@ from lightning_sync.comms.stats import CommStats, OpStats
 __all__ = [
     "REDUCE_OPS", "CommStats", "OpStats", "Work", "algorithms", "all_gather", "all_gather_into",
     "all_gather_object", "all_reduce", "barrier", "broadcast", "broadcast_object", "check_reduce", "gather", "gather_object",
-    "get_rank", "get_stats", "get_world_size", "group_ranks", "recv", "reduce_scatter", "rpc",
-    "reduce_scatter_into", "reset_stats", "scatter", "send",
+    "get_rank", "get_stats", "get_world_size", "group_ranks", "recv", "reduce", "reduce_scatter", "rpc",
+    "reduce_scatter_into", "reset_stats", "scatter", "scope", "send",
 ]

@@ -20,12 +20,20 @@ calls and seconds with 0 bytes, so no byte is counted twice.
   broadcast back down: ``2*ceil(log2 K)`` latency steps, each moving the whole tensor
   (:func:`~lightning_sync.comms.stats.tree_allreduce_time`). Better than the ring for small,
   latency-bound messages.
+* **Hierarchical all-reduce** (multi-node): reduce within each node to its leader (local rank 0),
+  all-reduce among the node leaders, broadcast within each node. Only the leaders' step crosses
+  nodes: with N nodes of L ranks, the inter-node traffic is one all-reduce among N ranks instead of
+  among N*L. Ranks are laid out node by node (global rank = node * L + local rank, as Lightning and
+  SLURM number them); the sub-groups come from :class:`NodeGroups`. Its traffic is recorded under
+  ``intra_node/reduce``, ``inter_node/all_reduce`` and ``intra_node/broadcast``
+  (:func:`~lightning_sync.comms.collectives.scope`), so intra- and inter-node bytes are separate.
 
 All ranks in ``group`` must call the same function with tensors of the same shape and dtype.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 
@@ -36,8 +44,9 @@ from lightning_sync.comms import collectives as C
 from lightning_sync.comms.stats import ring_allreduce_bytes, ring_allreduce_time, tree_allreduce_time
 
 __all__ = [
-    "ALGORITHMS", "all_reduce_with", "ring_all_gather", "ring_all_reduce", "ring_allreduce_bytes",
-    "ring_allreduce_time", "ring_reduce_scatter", "tree_all_reduce", "tree_allreduce_time",
+    "ALGORITHMS", "NodeGroups", "all_reduce_with", "hierarchical_all_reduce", "node_groups", "ring_all_gather",
+    "ring_all_reduce", "ring_allreduce_bytes", "ring_allreduce_time", "ring_reduce_scatter", "tree_all_reduce",
+    "tree_allreduce_time",
 ]
 
 _COMBINE: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
@@ -160,16 +169,82 @@ def tree_all_reduce(tensor: torch.Tensor, op: str = "sum", group: dist.ProcessGr
     return tensor
 
 
+class NodeGroups:
+    """The sub-groups of a job laid out node by node, ``ranks_per_node`` (L) ranks each: one group per node
+    and one of the node leaders (local rank 0). ``torch.distributed.new_group`` is collective, so every
+    rank builds every group, in the same order; build it outside backward (use :func:`node_groups`)."""
+
+    def __init__(self, ranks_per_node: int) -> None:
+        world = C.get_world_size()
+        if isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) or ranks_per_node < 1 \
+                or world % ranks_per_node:
+            raise ValueError(f"ranks_per_node must be an int >= 1 that divides the world size {world}, "
+                             f"got {ranks_per_node!r}")
+        self.ranks_per_node = ranks_per_node
+        self.nodes = [list(range(n * ranks_per_node, (n + 1) * ranks_per_node)) for n in range(world // ranks_per_node)]
+        self.leaders = [ranks[0] for ranks in self.nodes]
+        groups = [dist.new_group(ranks) for ranks in self.nodes]
+        self.leader_group = dist.new_group(self.leaders)
+        me = C.get_rank()
+        self.node = me // ranks_per_node
+        self.node_group = groups[self.node]
+        self.leader = self.leaders[self.node]
+
+
+_NODE_GROUPS: dict[tuple[int, int], NodeGroups] = {}
+
+
+def node_groups(ranks_per_node: int | None = None) -> NodeGroups:
+    """The :class:`NodeGroups` of the current default group (built once per process group and layout).
+
+    ``ranks_per_node`` defaults to ``LOCAL_WORLD_SIZE`` (torchrun, Lightning) or ``SLURM_NTASKS_PER_NODE``.
+    """
+    if ranks_per_node is None:
+        value = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("SLURM_NTASKS_PER_NODE", "").split("(")[0]
+        if not value:
+            raise ValueError("hierarchical all-reduce needs ranks_per_node (or LOCAL_WORLD_SIZE / SLURM_NTASKS_PER_NODE "
+                             "in the environment)")
+        ranks_per_node = int(value)
+    key = (id(dist.group.WORLD), ranks_per_node)
+    if key not in _NODE_GROUPS:
+        _NODE_GROUPS[key] = NodeGroups(ranks_per_node)
+    return _NODE_GROUPS[key]
+
+
+def hierarchical_all_reduce(tensor: torch.Tensor, op: str = "sum", group: dist.ProcessGroup | None = None,
+                            ranks_per_node: int | None = None) -> torch.Tensor:
+    """Hierarchical all-reduce of ``tensor`` in place over the default group (see the module docstring)."""
+    if group is not None and group is not dist.group.WORLD:
+        raise ValueError("hierarchical all-reduce runs over the default group (its node layout), got a sub-group")
+    _combine(op, tensor)  # the allowed ops and dtypes
+    start = time.perf_counter()
+    g = node_groups(ranks_per_node)
+    step_op = "sum" if op == "avg" else op
+    with C.scope("intra_node"):
+        C.reduce(tensor, dst=g.leader, op=step_op, group=g.node_group)
+    if C.get_rank() == g.leader and len(g.leaders) > 1:
+        with C.scope("inter_node"):
+            C.all_reduce(tensor, op=step_op, group=g.leader_group)
+    with C.scope("intra_node"):
+        C.broadcast(tensor, src=g.leader, group=g.node_group)
+    if op == "avg":
+        tensor /= C.get_world_size()
+    _account("hierarchical_all_reduce", start)
+    return tensor
+
+
 ALGORITHMS: dict[str, Callable[..., torch.Tensor]] = {
     "backend": lambda t, op="sum", group=None: C.all_reduce(t, op=op, group=group),
     "ring": ring_all_reduce,
     "tree": tree_all_reduce,
+    "hierarchical": hierarchical_all_reduce,
 }
 
 
 def all_reduce_with(algorithm: str, tensor: torch.Tensor, op: str = "sum",
                     group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """All-reduce with a named algorithm: one of :data:`ALGORITHMS` (``backend``, ``ring``, ``tree``)."""
+    """All-reduce with a named algorithm: one of :data:`ALGORITHMS` (``backend``, ``ring``, ``tree``,
+    ``hierarchical``)."""
     if algorithm not in ALGORITHMS:
         raise ValueError(f"unknown all-reduce algorithm {algorithm!r}; allowed: {sorted(ALGORITHMS)}")
     return ALGORITHMS[algorithm](tensor, op=op, group=group)

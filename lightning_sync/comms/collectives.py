@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import itertools
 import pickle
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, Generic, TypeVar
 
 import torch
@@ -31,7 +33,7 @@ from lightning_sync.comms.stats import CommStats
 __all__ = [
     "REDUCE_OPS", "Work", "all_gather", "all_gather_into", "all_gather_object", "all_reduce",
     "barrier", "broadcast", "broadcast_object", "check_reduce", "gather", "gather_object", "get_rank", "get_stats", "get_world_size",
-    "group_ranks", "recv", "reduce_scatter", "reduce_scatter_into", "reset_stats", "scatter", "send",
+    "group_ranks", "recv", "reduce", "reduce_scatter", "reduce_scatter_into", "reset_stats", "scatter", "scope", "send",
 ]
 
 T = TypeVar("T")
@@ -41,6 +43,7 @@ REDUCE_OPS: dict[str, dist.ReduceOp.RedOpType] = {
 _MAX_DIMS = 8
 _STATS = CommStats()
 _SEQ = itertools.count(1)
+_SCOPE = threading.local()  # op-name prefixes of the scopes this thread is in (see scope())
 
 
 def get_stats() -> CommStats:
@@ -99,8 +102,28 @@ def _require_init() -> None:
         )
 
 
+@contextmanager
+def scope(name: str) -> Iterator[None]:
+    """Record every op issued by this thread inside the block as ``"<name>/<op>"`` (scopes nest).
+
+    Algorithms use it to split their traffic without counting a byte twice, e.g. hierarchical
+    all-reduce's ``intra_node/reduce`` against ``inter_node/all_reduce``.
+    """
+    if not name or "/" in name:
+        raise ValueError(f"scope name must be a non-empty string without '/', got {name!r}")
+    stack = getattr(_SCOPE, "names", [])
+    _SCOPE.names = [*stack, name]
+    try:
+        yield
+    finally:
+        _SCOPE.names = stack
+
+
 def _issue(op: str, nbytes: int, launch: Callable[[], Sequence[Any]], finish: Callable[[], T], async_op: bool) -> Any:
     """The one place every collective goes through: sequence number, accounting, async handle."""
+    names = getattr(_SCOPE, "names", None)
+    if names:
+        op = "/".join([*names, op])
     seq = next(_SEQ)
     _STATS.record(op, nbytes)
     work = Work(op, seq, launch(), finish, time.perf_counter())
@@ -240,6 +263,20 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", group: dist.ProcessGroup |
     red = check_reduce(op, tensor)
     return _issue("all_reduce", _nbytes(tensor),
                   lambda: [dist.all_reduce(tensor, op=red, group=group, async_op=True)], lambda: tensor, async_op)
+
+
+def reduce(tensor: torch.Tensor, dst: int, op: str = "sum", group: dist.ProcessGroup | None = None,
+           async_op: bool = False) -> torch.Tensor | Work[torch.Tensor]:
+    """Reduce ``tensor`` over the ranks of ``group`` into global rank ``dst``, in place on ``dst`` (other
+    ranks' tensors are left unspecified, as in torch); ``avg`` is not a backend reduce op here: sum and
+    divide. Returns the tensor (or a Work)."""
+    _require_init()
+    _check_rank("dst", dst, group)
+    if op == "avg":
+        raise ValueError("reduce supports op in ['sum', 'max', 'min'] (for an average, sum then divide); got 'avg'")
+    red = check_reduce(op, tensor)
+    return _issue("reduce", _nbytes(tensor),
+                  lambda: [dist.reduce(tensor, dst=dst, op=red, group=group, async_op=True)], lambda: tensor, async_op)
 
 
 def broadcast(value: Any, src: int = 0, group: dist.ProcessGroup | None = None, async_op: bool = False) -> Any:

@@ -36,6 +36,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_sync import comms
+from lightning_sync.comms.algorithms import ALGORITHMS
 from lightning_sync.strategies._common import CommsCollectivesMixin, as_timedelta, check_launch_args, no_sync_of
 from lightning_sync.sync.bucketing import GradBucketer, check_mib
 from lightning_sync.sync.communicator import ProcessGroupCommunicator
@@ -58,6 +59,10 @@ class BucketedDDPStrategy(CommsCollectivesMixin, DDPStrategy):
         powersgd_rank: rank of the PowerSGD approximation (with ``compression="powersgd"``).
         powersgd_warmup_steps: uncompressed steps before PowerSGD starts.
         broadcast_buffers: broadcast rank 0's buffers at every training step (torch DDP's default).
+        comm_algorithm: how each bucket is all-reduced: ``"backend"`` (the backend's collective, overlapped
+            with backward), or written out in ``comms``: ``"ring"``, ``"tree"`` or ``"hierarchical"``
+            (within each node, among node leaders, within each node again; for multi-node jobs). These
+            complete as each bucket launches, so they overlap less.
         process_group_backend: ``"gloo"``, ``"nccl"`` or None (Lightning picks for the accelerator).
         timeout: collective timeout in seconds (or a ``timedelta``).
         start_method: ``"popen"`` (re-run the script per rank), ``"spawn"``, ``"fork"`` or ``"forkserver"``.
@@ -68,7 +73,7 @@ class BucketedDDPStrategy(CommsCollectivesMixin, DDPStrategy):
     def __init__(self, bucket_cap_mb: float = 25.0, first_bucket_mb: float = 1.0,
                  gradient_as_bucket_view: bool = True, find_unused_parameters: bool = False,
                  compression: str | None = None, powersgd_rank: int = 2, powersgd_warmup_steps: int = 10,
-                 broadcast_buffers: bool = True, process_group_backend: str | None = None,
+                 broadcast_buffers: bool = True, comm_algorithm: str = "backend", process_group_backend: str | None = None,
                  timeout: float | timedelta = 1800.0, start_method: str = "popen", **kwargs: Any) -> None:
         check_mib("bucket_cap_mb", bucket_cap_mb)
         check_mib("first_bucket_mb", first_bucket_mb)
@@ -78,13 +83,15 @@ class BucketedDDPStrategy(CommsCollectivesMixin, DDPStrategy):
                 raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
         if compression not in (None, "none", *COMPRESSIONS):
             raise ValueError(f"unknown compression {compression!r}; allowed: {[None, *COMPRESSIONS]}")
+        if comm_algorithm not in ALGORITHMS:
+            raise ValueError(f"unknown comm_algorithm {comm_algorithm!r}; allowed: {sorted(ALGORITHMS)}")
         check_launch_args(type(self).__name__, process_group_backend, start_method, kwargs)
         self._compressor = make_compressor(compression, powersgd_rank, powersgd_warmup_steps)  # validates
         super().__init__(process_group_backend=process_group_backend, timeout=as_timedelta(timeout),
                          start_method=start_method, **kwargs)
         self.bucket_cap_mb, self.first_bucket_mb = bucket_cap_mb, first_bucket_mb
         self.gradient_as_bucket_view, self.find_unused_parameters = gradient_as_bucket_view, find_unused_parameters
-        self.compression, self.broadcast_buffers = compression, broadcast_buffers
+        self.compression, self.broadcast_buffers, self.comm_algorithm = compression, broadcast_buffers, comm_algorithm
         self.bucketer: GradBucketer | None = None
         self._pending_state: list[dict[str, Any]] | None = None
 
@@ -100,14 +107,14 @@ class BucketedDDPStrategy(CommsCollectivesMixin, DDPStrategy):
         model = self.model
         assert model is not None
         self._broadcast_module_states(model)
-        comm = ProcessGroupCommunicator()
+        comm = ProcessGroupCommunicator(algorithm=self.comm_algorithm, ranks_per_node=self.num_processes)
         self.bucketer = GradBucketer(model.named_parameters(), comm, self.bucket_cap_mb, self.first_bucket_mb,
                                      self.gradient_as_bucket_view, self.find_unused_parameters, self._compressor)
         if self._pending_state is not None:
             self._restore_bucketer_state(self._pending_state)
         rank_zero_info(f"{type(self).__name__}: {len(self.bucketer.params)} parameters in "
                        f"{len(self.bucketer.buckets)} buckets (cap {self.bucket_cap_mb} MiB, first "
-                       f"{self.first_bucket_mb} MiB), compression={self.compression}")
+                       f"{self.first_bucket_mb} MiB), compression={self.compression}, all-reduce: {self.comm_algorithm}")
 
     @staticmethod
     def _broadcast_module_states(model: torch.nn.Module) -> None:

@@ -48,10 +48,25 @@ class Communicator(Protocol):
 
 
 class ProcessGroupCommunicator:
-    """A :class:`Communicator` over a torch process group, through :mod:`lightning_sync.comms`."""
+    """A :class:`Communicator` over a torch process group, through :mod:`lightning_sync.comms`.
 
-    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
-        self._group = group
+    Args:
+        group: the process group (None: the default group).
+        algorithm: how ``all_reduce`` runs: ``"backend"`` (the backend's own, asynchronous), or one of
+            :data:`lightning_sync.comms.algorithms.ALGORITHMS` written out in ``comms`` (``"ring"``,
+            ``"tree"``, ``"hierarchical"``), which complete before ``all_reduce`` returns.
+        ranks_per_node: the node layout for ``"hierarchical"`` (its sub-groups are built here, once).
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None, algorithm: str = "backend",
+                 ranks_per_node: int | None = None) -> None:
+        from lightning_sync.comms import algorithms
+
+        if algorithm not in algorithms.ALGORITHMS:
+            raise ValueError(f"unknown all-reduce algorithm {algorithm!r}; allowed: {sorted(algorithms.ALGORITHMS)}")
+        if algorithm == "hierarchical":
+            algorithms.node_groups(ranks_per_node)  # collective: every rank builds the sub-groups now
+        self._group, self.algorithm, self.ranks_per_node = group, algorithm, ranks_per_node
 
     @property
     def group(self) -> dist.ProcessGroup | None:
@@ -67,7 +82,15 @@ class ProcessGroupCommunicator:
         return comms.get_world_size(self._group)
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False) -> Any:
-        return comms.all_reduce(tensor, op=op, group=self._group, async_op=async_op)
+        if self.algorithm == "backend":
+            return comms.all_reduce(tensor, op=op, group=self._group, async_op=async_op)
+        from lightning_sync.comms import algorithms
+
+        if self.algorithm == "hierarchical":
+            algorithms.hierarchical_all_reduce(tensor, op=op, group=self._group, ranks_per_node=self.ranks_per_node)
+        else:
+            algorithms.all_reduce_with(self.algorithm, tensor, op=op, group=self._group)
+        return CompletedWork(tensor) if async_op else tensor
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         return comms.broadcast_object(obj, src=src, group=self._group)

@@ -83,7 +83,7 @@ def test_check_reduce_maps_ops_and_rejects_bad_ones() -> None:
 
 def test_all_reduce_with_unknown_algorithm_lists_allowed_names() -> None:
     # validated before any communication, so this needs no process group
-    with pytest.raises(ValueError, match=r"'butterfly'.*\['backend', 'ring', 'tree'\]"):
+    with pytest.raises(ValueError, match=r"'butterfly'.*\['backend', 'hierarchical', 'ring', 'tree'\]"):
         A.all_reduce_with("butterfly", torch.ones(2))
 
 

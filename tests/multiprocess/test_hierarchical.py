@@ -1,0 +1,57 @@
+"""Hierarchical all-reduce on 4 gloo ranks laid out as 2 nodes x 2 (ranks 0-1 and 2-3), against the flat
+all-reduce; CommStats splits intra-node from inter-node bytes; BucketedDDP trains with it like the
+single-process reference. (The same on real Slurm, 2 nodes x 2 tasks: tests/slurm/test_sbatch.py.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _lightning_reference import ENV, EQ_TOL, _check_against, _quiet_rank, _reference, _state, _TiedModule, _trainer
+
+from lightning_sync import BucketedDDPStrategy, comms
+from lightning_sync.comms.algorithms import hierarchical_all_reduce
+from lightning_sync.testing import Checks, assert_all_ranks_passed, run_distributed
+
+
+def _worker(rank: int, world: int) -> tuple[list[str], int]:
+    _quiet_rank()
+    ck = Checks()
+    # integer-valued data: every summation order gives the same float, so equality is exact
+    for op in ("sum", "avg", "max", "min"):
+        for dtype in (torch.float32, torch.bfloat16, torch.int64):
+            if op == "avg" and dtype == torch.int64:
+                continue
+            base = (torch.arange(37) * (rank + 1) % 11).to(dtype)
+            flat, mine = base.clone(), base.clone()
+            comms.all_reduce(flat, op=op)
+            hierarchical_all_reduce(mine, op=op, ranks_per_node=2)
+            ck.close(f"[{op} {dtype}] hierarchical equals flat", mine.float(), flat.float(), rtol=0.0, atol=0.0)
+    comms.reset_stats()
+    payload = torch.ones(1000)
+    hierarchical_all_reduce(payload, op="sum", ranks_per_node=2)
+    stats = comms.get_stats().snapshot()
+    got = {op: stats[op].bytes for op in stats if op.startswith(("intra_node/", "inter_node/"))}
+    leader = rank in (0, 2)
+    want = {"intra_node/reduce": 4000, "intra_node/broadcast": 4000, **({"inter_node/all_reduce": 4000} if leader else {})}
+    ck.true(f"[bytes] rank {rank}: intra-node and inter-node traffic apart", got == want, got)
+    ck.close("[bytes] the sum", payload, torch.full((1000,), 4.0), rtol=0.0, atol=0.0)
+    # BucketedDDP selects it: 4 ranks of one Lightning node (devices=4) against the single-process
+    # reference; within EQ_TOL for the summation order of a reduce then broadcast
+    module = _TiedModule("sgd")
+    init = _state(module)
+    ref = _reference(_TiedModule("sgd"), module.ds, world, steps=4)["state"]
+    strategy = BucketedDDPStrategy(comm_algorithm="hierarchical", bucket_cap_mb=0.004, first_bucket_mb=0.004)
+    _trainer(world, strategy, max_steps=4).fit(module)
+    _check_against(ck, "[bucketed_ddp hierarchical]", module, ref, init, tol=EQ_TOL)
+    return ck.failures, ck.count
+
+
+@pytest.mark.timeout(200)
+def test_hierarchical_equals_flat_and_splits_its_bytes() -> None:
+    assert_all_ranks_passed(run_distributed(_worker, 4, timeout=160, env=ENV), min_checks=20)
+
+
+@pytest.mark.parametrize("bad", ["butterfly", None, 2])
+def test_unknown_algorithm_is_named(bad: object) -> None:
+    with pytest.raises(ValueError, match="comm_algorithm"):
+        BucketedDDPStrategy(comm_algorithm=bad)
