@@ -125,7 +125,7 @@ def _worker(rank: int, k: int) -> tuple[list[str], int, dict[str, Any]]:
     traffic = {"world": _check_tree_traffic(ck, rank, everyone, None, f"world{k}")}
 
     ck.raises("unknown algorithm", lambda: A.all_reduce_with("allgather", torch.ones(2)),
-              r"'allgather'", re.escape("['backend', 'ring', 'tree']"))
+              r"'allgather'", re.escape("['backend', 'hierarchical', 'ring', 'tree']"))
     ck.raises("unknown op in ring", lambda: A.ring_all_reduce(torch.ones(2), op="prod"),
               r"'prod'", re.escape("['avg', 'max', 'min', 'sum']"))
     ck.raises("unknown op in tree", lambda: A.tree_all_reduce(torch.ones(2), op="mean"), r"'mean'")
