@@ -19,6 +19,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import math
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -80,19 +81,37 @@ def run_train(cfg: Any) -> dict[str, float]:
     """Build everything from ``cfg`` (a composed ``train.yaml``), fit, and return rank 0's final metrics."""
     import lightning.pytorch as pl
     from hydra.utils import instantiate
+    from lightning.pytorch.plugins.environments import SLURMEnvironment
 
     import lightning_sync  # noqa: F401 - registers the strategy names
     from lightning_sync.launch import NodeBanner, prepare
+    from lightning_sync.launch.requeue import Preempted, RequeueOnSignal, latest_checkpoint
 
     rendezvous = prepare()  # under SLURM: a MASTER_ADDR that resolves and a port from the job id
     pl.seed_everything(cfg.seed, workers=True)
     datamodule = instantiate(cfg.data)
     model = instantiate(cfg.model)
     strategy = instantiate(cfg.strategy)
-    trainer: pl.Trainer = instantiate(cfg.trainer, strategy=strategy)
+    plugins = []
+    if SLURMEnvironment.detect():  # ranks from Slurm; requeue is ours (RequeueOnSignal), not Lightning's
+        plugins.append(SLURMEnvironment(auto_requeue=False))
+    trainer: pl.Trainer = instantiate(cfg.trainer, strategy=strategy, **({"plugins": plugins} if plugins else {}))
     if rendezvous is not None:
         trainer.callbacks.append(NodeBanner(rendezvous))
-    trainer.fit(model, datamodule=datamodule)
+    requeue, resume = None, None
+    if cfg.launch.get("signal"):
+        requeue = RequeueOnSignal(cfg.launch.checkpoint_dir, cfg.launch.signal, requeue=bool(cfg.launch.requeue))
+        trainer.callbacks.append(requeue)
+        resume = latest_checkpoint(requeue.directory)
+        if resume is not None and trainer.is_global_zero:
+            log.info("resuming from the preemption checkpoint %s (SLURM restart count %s)", resume,
+                     os.environ.get("SLURM_RESTART_COUNT", "0"))
+    trainer.fit(model, datamodule=datamodule, ckpt_path=resume)
+    if requeue is not None and requeue.preempted:
+        raise Preempted(f"preempted at global step {trainer.global_step}: checkpoint {requeue.checkpoint}, "
+                        + ("job requeued" if requeue.requeued else "job NOT requeued (see above)"))
+    if cfg.get("final_checkpoint"):
+        trainer.save_checkpoint(cfg.final_checkpoint)
     if cfg.final_validate:
         trainer.validate(model, datamodule=datamodule, verbose=False)
     metrics = _scalar_metrics(trainer.callback_metrics)
@@ -113,8 +132,16 @@ def _train_app(cfg: Any) -> float | None:
 
     env = dict(os.environ)
     _pin_child_command("train")
+    from lightning_sync.launch.requeue import Preempted
+
     try:
         metrics = run_train(cfg)
+    except Preempted as stop:
+        log.warning("%s", stop)
+        if "SUBMITIT_EXECUTOR" in env:
+            # submitit must not record a result for a job that was requeued (its own preemption path exits too)
+            raise SystemExit(0) from None
+        return None
     finally:
         # Lightning leaves the process group and MASTER_* behind; the next multirun job must start clean.
         if dist.is_available() and dist.is_initialized():

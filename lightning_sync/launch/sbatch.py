@@ -20,6 +20,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from lightning_sync.launch.requeue import resolve_signal
+
 __all__ = ["compose_job", "render_sbatch"]
 
 
@@ -59,12 +61,16 @@ def render_sbatch(overrides: Sequence[str], output: str = "slurm-%j.out") -> str
     tasks = _positive_int("trainer.devices", cfg.trainer.devices)
     cpus = _positive_int("launch.cpus_per_task", launch.cpus_per_task)
     minutes = _positive_int("launch.time_min", launch.time_min)
-    signal = _one_line("launch.signal", launch.signal).upper().removeprefix("SIG")
+    try:
+        signal = resolve_signal(launch.signal).name.removeprefix("SIG")
+    except ValueError as err:
+        raise ValueError(f"launch.{err}") from None
     delay = _positive_int("launch.signal_delay_s", launch.signal_delay_s)
     q = shlex.quote
     directives = [f"--job-name={q(_one_line('launch.job_name', launch.job_name))}", f"--nodes={nodes}",
                   f"--ntasks-per-node={tasks}", f"--cpus-per-task={cpus}", f"--time={minutes}",
-                  f"--signal={q(signal)}@{delay}", f"--output={q(_one_line('output', output))}"]
+                  f"--signal={q(signal)}@{delay}", f"--output={q(_one_line('output', output))}",
+                  "--open-mode=append"]
     if launch.partition:
         directives.append(f"--partition={q(_one_line('launch.partition', launch.partition))}")
     if launch.requeue:
@@ -75,7 +81,14 @@ def render_sbatch(overrides: Sequence[str], output: str = "slurm-%j.out") -> str
              *(f"#SBATCH {d}" for d in directives), "",
              "# One task per rank: Lightning's SLURMEnvironment reads the ranks from srun; the train app sets",
              "# a MASTER_ADDR that resolves and MASTER_PORT from the job id.",
-             "srun " + " ".join(q(a) for a in args), ""]
+             "srun " + " ".join(q(a) for a in args) + " &",
+             "pid=$!",
+             f"# --signal sends SIG{signal} to every task; `scancel --signal={signal} --batch` reaches only this shell,",
+             "# which passes it on (srun forwards it to the tasks). The tasks save, requeue the job and exit.",
+             f"trap 'kill -s {q(signal)} \"$pid\" 2>/dev/null' {q(signal)}",
+             'wait "$pid"; status=$?',
+             'while kill -0 "$pid" 2>/dev/null; do wait "$pid"; status=$?; done  # a trapped signal ends `wait` early',
+             'exit "$status"', ""]
     return "\n".join(lines)
 
 

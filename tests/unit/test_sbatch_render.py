@@ -12,7 +12,9 @@ from lightning_sync.launch.sbatch import render_sbatch
 
 def _srun_args(script: str) -> list[str]:
     (line,) = [line for line in script.splitlines() if line.startswith("srun ")]
-    return shlex.split(line)[1:]
+    *args, background = shlex.split(line)[1:]
+    assert background == "&"  # the batch shell waits for it, so it can pass signals on
+    return args
 
 
 def test_directives_follow_the_config() -> None:
@@ -39,8 +41,16 @@ def test_shell_syntax_in_values_reaches_the_job_as_literal_text() -> None:
     ("launch.job_name='a\nrm -rf /'", "launch.job_name must be one line"),  # a real newline: a new bash line
     ("launch.nodes=0", "launch.nodes must be an int >= 1, got 0"),
     ("trainer.devices=0", "trainer.devices must be an int >= 1, got 0"),
+    ("launch.signal=KILL", r"launch.signal must be one of \['USR1', 'USR2', .*got 'KILL'"),
     ("launch.time_min=-5", "launch.time_min must be an int >= 1, got -5"),
 ])
 def test_bad_values_are_named(override: str, named: str) -> None:
     with pytest.raises(ValueError, match=named):
         render_sbatch([override])
+
+
+def test_the_batch_shell_forwards_the_requeue_signal_and_output_is_appended() -> None:
+    script = render_sbatch(["launch.python=python", "launch.signal=USR2"])
+    assert "#SBATCH --open-mode=append" in script  # a requeued run adds to the same log
+    assert "trap 'kill -s USR2 \"$pid\" 2>/dev/null' USR2" in script
+    assert script.rstrip().endswith('exit "$status"')

@@ -1,0 +1,98 @@
+"""Preemption stop and exact resume (``RequeueOnSignal``) on 2 real gloo ranks.
+
+A real SIGUSR1 reaches only rank 1, in the middle of an accumulation window and of an epoch. Both ranks
+must stop together at the next optimizer step, with one atomically published checkpoint; a fresh Trainer
+resumed from it must finish with exactly the weights of an uninterrupted run (same ops in the same order:
+bitwise), and both must equal the single-process reference within EQ_TOL. Checked for BucketedDDP (one
+checkpoint file) and ZeRO-3 (a sharded checkpoint directory). Nothing is requeued here (no Slurm:
+``requeue=False``); the Slurm tier checks the requeue itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from _lightning_reference import ENV, EQ_TOL, _check_against, _quiet_rank, _reference, _state, _TiedModule, _trainer
+
+from lightning_sync import BucketedDDPStrategy, ShardedStrategy
+from lightning_sync.launch.requeue import POINTER, RequeueOnSignal, latest_checkpoint
+from lightning_sync.testing import Checks, assert_all_ranks_passed, run_distributed
+
+STEPS, ACCUMULATE = 24, 2  # 36 batches per rank and epoch at 2 ranks: 18 steps per epoch, so epoch 2 is reached
+SIGNAL_AT_BATCH = 13  # rank 1 signals itself after micro-batch 13, the first half of step 7's window: the stop
+STOP_STEP = 7  # must wait for the step boundary (micro-batch 14), optimizer step 7, and not save mid-window
+
+
+class _SignalAt(pl.Callback):
+    """Sends a real ``sig`` to this process after training batch ``batch`` (1-based) on rank ``rank`` only."""
+
+    def __init__(self, rank: int, batch: int, sig: signal.Signals = signal.SIGUSR1) -> None:
+        self.rank, self.batch, self.sig = rank, batch, sig
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        batch_idx = args[-1]
+        if trainer.global_rank == self.rank and trainer.current_epoch == 0 and batch_idx + 1 == self.batch:
+            os.kill(os.getpid(), self.sig)
+
+
+def _strategies() -> dict[str, Any]:
+    return {"bucketed_ddp": lambda: BucketedDDPStrategy(bucket_cap_mb=0.001),
+            "zero3": lambda: ShardedStrategy(stage=3, bucket_cap_mb=0.001)}
+
+
+def _fit(world: int, strategy: Any, callbacks: list[Any], ckpt: Path | None = None) -> tuple[pl.Trainer, Any]:
+    module = _TiedModule("adamw", scheduler=True)
+    trainer = _trainer(world, strategy, max_steps=STEPS, accumulate_grad_batches=ACCUMULATE, callbacks=callbacks)
+    trainer.fit(module, ckpt_path=ckpt)
+    return trainer, module
+
+
+def _worker(rank: int, world: int, tmpdir: str) -> tuple[list[str], int]:
+    _quiet_rank()
+    ck = Checks()
+    init = _state(_TiedModule("adamw", scheduler=True))
+    ref = _reference(_TiedModule("adamw", scheduler=True), _TiedModule().ds, world, STEPS, accumulate=ACCUMULATE)
+    for name, make in _strategies().items():
+        directory = Path(tmpdir) / name
+        _, whole = _fit(world, make(), [])
+        _check_against(ck, f"[{name} uninterrupted]", whole, ref["state"], init)
+
+        stopper = RequeueOnSignal(directory, "USR1", requeue=False)
+        trainer, _ = _fit(world, make(), [stopper, _SignalAt(1, SIGNAL_AT_BATCH)])
+        ck.true(f"[{name}] every rank stopped", stopper.preempted)
+        ck.true(f"[{name}] stopped at the step boundary after the signal", trainer.global_step == STOP_STEP,
+                trainer.global_step)
+        ck.true(f"[{name}] handler restored", signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL,
+                signal.getsignal(signal.SIGUSR1))
+        ckpt = latest_checkpoint(directory)
+        ck.true(f"[{name}] latest.json names the checkpoint",
+                ckpt == directory / f"requeue-step{STOP_STEP:09d}.ckpt", ckpt)
+        if rank == 0:
+            pointer = json.loads((directory / POINTER).read_text())
+            ck.true(f"[{name}] pointer step", pointer.get("global_step") == STOP_STEP, pointer)
+            left = sorted(p.name for p in directory.iterdir())
+            ck.true(f"[{name}] no temporary left", left == sorted([POINTER, ckpt.name]), left)
+
+        resumed_stopper = RequeueOnSignal(directory, "USR1", requeue=False)
+        trainer, resumed = _fit(world, make(), [resumed_stopper], ckpt=ckpt)
+        ck.true(f"[{name}] the resumed run was not stopped", not resumed_stopper.preempted)
+        ck.true(f"[{name}] resumed run ends at max_steps", trainer.global_step == STEPS, trainer.global_step)
+        for key, value in _state(resumed).items():
+            # same batches, same ops, same order as the uninterrupted run: bitwise equal
+            ck.true(f"[{name}] resumed == uninterrupted: {key}", torch.equal(value, _state(whole)[key]),
+                    (value - _state(whole)[key]).abs().max().item())
+        _check_against(ck, f"[{name} resumed]", resumed, ref["state"], init)
+    return ck.result()
+
+
+@pytest.mark.timeout(300)
+def test_signal_on_one_rank_stops_both_and_resume_is_exact(tmp_path: Path) -> None:
+    results = run_distributed(_worker, 2, str(tmp_path), timeout=240, env=ENV)
+    assert_all_ranks_passed(results, min_checks=20, same_count=False)

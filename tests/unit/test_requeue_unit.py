@@ -1,0 +1,128 @@
+"""``lightning_sync.launch.requeue`` in one process: arguments, the atomic checkpoint pointer (a save killed at
+any point leaves the previous checkpoint as "latest"), exact mid-epoch skipping, and requeue outside Slurm
+or without ``scontrol``. The 2-rank stop-and-resume is ``tests/multiprocess/test_requeue.py``; the real
+requeue is ``tests/slurm/test_requeue_on_slurm.py``."""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, TensorDataset
+
+from lightning_sync.launch.requeue import (
+    POINTER,
+    RequeueOnSignal,
+    latest_checkpoint,
+    publish_checkpoint,
+    requeue_job,
+    resolve_signal,
+    skip_batches,
+)
+
+
+@pytest.mark.parametrize(("value", "expected"), [("USR1", signal.SIGUSR1), ("sigusr2", signal.SIGUSR2),
+                                                 (" TERM ", signal.SIGTERM), (int(signal.SIGUSR1), signal.SIGUSR1),
+                                                 (signal.SIGHUP, signal.SIGHUP)])
+def test_signal_names_and_numbers(value: object, expected: signal.Signals) -> None:
+    assert resolve_signal(value) is expected
+
+
+@pytest.mark.parametrize("value", ["KILL", "SIGSTOP", "usr3", "", None, True, 9999, 1.5])
+def test_bad_signal_is_named_with_the_allowed_ones(value: object) -> None:
+    with pytest.raises(ValueError, match=r"signal must be one of \['USR1', 'USR2', 'TERM'.*got " + repr(value)
+                       .replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
+        resolve_signal(value)
+
+
+def test_bad_callback_arguments(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="requeue must be True or False, got 'yes'"):
+        RequeueOnSignal(tmp_path, requeue="yes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="directory must be a path .*got ''"):
+        RequeueOnSignal("")
+    with pytest.raises(ValueError, match="signal must be one of"):
+        RequeueOnSignal(tmp_path, signal="KILL")
+
+
+def _ckpt(path: Path, value: float) -> Path:
+    torch.save({"w": torch.full((3,), value)}, path)
+    return path
+
+
+def test_no_pointer_means_a_first_run(tmp_path: Path) -> None:
+    assert latest_checkpoint(tmp_path) is None
+    assert latest_checkpoint(tmp_path / "missing") is None
+    assert latest_checkpoint(None) is None
+
+
+def test_pointer_moves_only_after_the_new_checkpoint_is_complete(tmp_path: Path) -> None:
+    first = publish_checkpoint(tmp_path, _ckpt(tmp_path / ".a.tmp", 1.0), "requeue-step000000005.ckpt",
+                               {"global_step": 5})
+    assert latest_checkpoint(tmp_path) == first
+    assert json.loads((tmp_path / POINTER).read_text()) == {"checkpoint": first.name, "global_step": 5}
+    # a second save killed half-way: the temporary exists (truncated), the pointer never moved
+    (tmp_path / ".requeue-step000000009.ckpt.tmp").write_bytes(b"PK\x03\x04 truncated")
+    assert latest_checkpoint(tmp_path) == first
+    assert torch.load(latest_checkpoint(tmp_path))["w"][0] == 1.0  # type: ignore[arg-type]
+    # killed after the rename but before the pointer: the old checkpoint is still the one named, and whole
+    _ckpt(tmp_path / "requeue-step000000009.ckpt", 2.0)
+    assert latest_checkpoint(tmp_path) == first
+    # a complete publish: the pointer moves, and older checkpoints (and the leftover) are removed
+    second = publish_checkpoint(tmp_path, _ckpt(tmp_path / ".b.tmp", 3.0), "requeue-step000000012.ckpt")
+    assert latest_checkpoint(tmp_path) == second
+    assert not first.exists() and not (tmp_path / "requeue-step000000009.ckpt").exists()
+    assert torch.load(second)["w"][0] == 3.0
+
+
+def test_sharded_checkpoint_directories_publish_too(tmp_path: Path) -> None:
+    tmp = tmp_path / ".dir.tmp"
+    (tmp / "shards").mkdir(parents=True)
+    _ckpt(tmp / "shards" / "rank0.pt", 4.0)
+    final = publish_checkpoint(tmp_path, tmp, "requeue-step000000001.ckpt")
+    assert final.is_dir() and latest_checkpoint(tmp_path) == final and not tmp.exists()
+
+
+def test_a_pointer_to_a_missing_checkpoint_fails_loudly(tmp_path: Path) -> None:
+    (tmp_path / POINTER).write_text(json.dumps({"checkpoint": "requeue-step000000003.ckpt"}))
+    with pytest.raises(FileNotFoundError, match=r"latest.json names the checkpoint .*requeue-step000000003"):
+        latest_checkpoint(tmp_path)
+
+
+def _indices(loader: DataLoader) -> list[list[int]]:
+    return [batch[0].tolist() for batch in loader]
+
+
+def test_skip_batches_resumes_the_same_permutation_once() -> None:
+    ds = TensorDataset(torch.arange(40))
+    sampler = DistributedSampler(ds, num_replicas=2, rank=1, shuffle=True, seed=3)
+    loader = DataLoader(ds, batch_size=4, sampler=sampler)
+    sampler.set_epoch(2)
+    full = _indices(loader)
+    skip_batches(loader, 3)
+    sampler.set_epoch(2)  # Lightning sets the epoch on the original sampler: the wrapper must follow it
+    assert _indices(loader) == full[3:]
+    assert len(loader) == len(full)  # Lightning's batch count for the epoch is unchanged
+    assert _indices(loader) == full  # the next epoch (same epoch number here) is whole again
+
+
+def test_skip_batches_refuses_what_it_cannot_skip_exactly() -> None:
+    class Stream(IterableDataset):  # type: ignore[type-arg]
+        def __iter__(self):  # type: ignore[no-untyped-def]
+            return iter(range(8))
+
+    with pytest.raises(TypeError, match="cannot resume mid-epoch on DataLoader: .*map-style"):
+        skip_batches(DataLoader(Stream(), batch_size=None), 1)
+
+
+def test_requeue_outside_slurm_or_without_scontrol_logs_and_returns_false(caplog: pytest.LogCaptureFixture,
+                                                                          tmp_path: Path) -> None:
+    caplog.set_level(logging.INFO, logger="lightning_sync.launch")
+    assert requeue_job({"PATH": str(tmp_path)}) is False
+    assert "not a SLURM job (no SLURM_JOB_ID)" in caplog.text
+    caplog.clear()
+    assert requeue_job({"SLURM_JOB_ID": "42", "PATH": str(tmp_path)}) is False  # no scontrol on this PATH
+    assert "scontrol is not on PATH, so job 42 is NOT requeued; the checkpoint is saved" in caplog.text
