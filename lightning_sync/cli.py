@@ -109,7 +109,8 @@ def run_train(cfg: Any) -> dict[str, float]:
     trainer.fit(model, datamodule=datamodule, ckpt_path=resume)
     if requeue is not None and requeue.preempted:
         raise Preempted(f"preempted at global step {trainer.global_step}: checkpoint {requeue.checkpoint}, "
-                        + ("job requeued" if requeue.requeued else "job NOT requeued (see above)"))
+                        + ("job requeued" if requeue.requeued else "job NOT requeued (see above)")
+                        if trainer.is_global_zero else "")
     if cfg.get("final_checkpoint"):
         trainer.save_checkpoint(cfg.final_checkpoint)
     if cfg.final_validate:
@@ -137,7 +138,8 @@ def _train_app(cfg: Any) -> float | None:
     try:
         metrics = run_train(cfg)
     except Preempted as stop:
-        log.warning("%s", stop)
+        if str(stop):  # rank 0 says it once
+            log.warning("%s", stop)
         if "SUBMITIT_EXECUTOR" in env:
             # submitit must not record a result for a job that was requeued (its own preemption path exits too)
             raise SystemExit(0) from None

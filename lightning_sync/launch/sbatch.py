@@ -79,6 +79,9 @@ def render_sbatch(overrides: Sequence[str], output: str = "slurm-%j.out") -> str
     args = [python, "-m", "lightning_sync", "train", "launch=slurm", *overrides]
     lines = ["#!/bin/bash", "# Rendered by `lightning-sync sbatch`; submit with `sbatch <this file>`.",
              *(f"#SBATCH {d}" for d in directives), "",
+             "# One intra-op thread per CPU of the task (Lightning's own launcher does the same; unset, every rank",
+             "# starts a thread per core of the node and they fight over them).",
+             f"export OMP_NUM_THREADS=\"${{OMP_NUM_THREADS:-{cpus}}}\"",
              "# One task per rank: Lightning's SLURMEnvironment reads the ranks from srun; the train app sets",
              "# a MASTER_ADDR that resolves and MASTER_PORT from the job id.",
              "srun " + " ".join(q(a) for a in args) + " &",
