@@ -60,9 +60,20 @@ def _weights(path: Path) -> dict[str, torch.Tensor]:
     return torch.load(path, map_location="cpu", weights_only=True)["state_dict"]
 
 
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    """Final weights of the same job on 2 local ranks, never interrupted (no SlowRank: it only sleeps)."""
+    tmp = tmp_path_factory.mktemp("uninterrupted")
+    local = subprocess.run([_cli(), "train", *TRAIN, "trainer.devices=2", f"hydra.run.dir={tmp / 'run'}",
+                            f"final_checkpoint={tmp / 'final.ckpt'}"],
+                           capture_output=True, text=True, timeout=300, cwd=tmp, check=False)
+    assert local.returncode == 0, local.stderr[-3000:]
+    return _weights(tmp / "final.ckpt")
+
+
 @pytest.mark.timeout(600)
-def test_usr1_mid_run_requeues_and_the_resumed_job_ends_with_the_uninterrupted_weights(slurm: SlurmCluster,
-                                                                                      tmp_path: Path) -> None:
+def test_usr1_mid_run_requeues_and_the_resumed_job_ends_with_the_uninterrupted_weights(
+        slurm: SlurmCluster, tmp_path: Path, uninterrupted: dict[str, torch.Tensor]) -> None:
     run_dir = tmp_path / "run"
     render = subprocess.run([_cli(), "sbatch", "launch.nodes=2", "trainer.devices=1", *TRAIN, SLOW,
                              f"hydra.run.dir={run_dir}", f"final_checkpoint={tmp_path / 'slurm-final.ckpt'}"],
@@ -93,13 +104,49 @@ def test_usr1_mid_run_requeues_and_the_resumed_job_ends_with_the_uninterrupted_w
                      r"trained are skipped", text), text[-4000:]
     assert f"`Trainer.fit` stopped: `max_steps={STEPS}` reached." in text, text[-4000:]
 
-    local = subprocess.run([_cli(), "train", *TRAIN, "trainer.devices=2", f"hydra.run.dir={tmp_path / 'local'}",
-                            f"final_checkpoint={tmp_path / 'local-final.ckpt'}"],
-                           capture_output=True, text=True, timeout=300, cwd=tmp_path, check=False)
-    assert local.returncode == 0, local.stderr[-3000:]
-    resumed, whole = _weights(tmp_path / "slurm-final.ckpt"), _weights(tmp_path / "local-final.ckpt")
+    _assert_bitwise_equal(_weights(tmp_path / "slurm-final.ckpt"), uninterrupted)
+    print(f"preempted at step {stop_step}; signal to completion of the requeued job: {requeue_s:.1f} s")
+
+
+@pytest.mark.timeout(600)
+def test_the_hydra_submitit_route_requeues_and_resumes_too(slurm: SlurmCluster, tmp_path: Path,
+                                                           uninterrupted: dict[str, torch.Tensor]) -> None:
+    # submitit's batch shell does not trap signals, so the signal goes to the job's tasks (scancel without
+    # --batch), which is where Slurm's --signal=USR1@90 sends it before the time limit as well
+    sweep = tmp_path / "multirun"
+    submit = subprocess.Popen([_cli(), "train", "-m", "launch=slurm", "launch.nodes=2", "trainer.devices=1", *TRAIN,
+                               SLOW, f"hydra.sweep.dir={sweep}", f"final_checkpoint={tmp_path / 'slurm-final.ckpt'}"],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path,
+                              env=slurm.env)
+    try:
+        deadline = time.monotonic() + 120
+        while not list(sweep.glob(".submitit/*/*_0_log.out")) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        logs = list(sweep.glob(".submitit/*/*_0_log.out"))
+        assert logs, "submitit never started the job"
+        log, job = logs[0], logs[0].parent.name
+        _wait_for(log, r"node 0 of 2 on host", 180, slurm, job)
+        time.sleep(6.0)
+        slurm.run("scancel", "--signal=USR1", job)
+        saved = _wait_for(log, r"saving at global step (\d+)", 120, slurm, job)
+        stop_step = int(saved.group(1))
+        assert 0 < stop_step < STEPS, saved.group(0)
+        _wait_for(log, rf"requeue: job {job} requeued \(scontrol requeue\)", 60, slurm, job)
+        _release(slurm, job)
+        out, _ = submit.communicate(timeout=420)  # the launcher waits through the requeue for the result
+    finally:
+        if submit.poll() is None:
+            submit.kill()
+            slurm.run("scancel", job, check=False)
+    assert submit.returncode == 0, out[-4000:]
+    text = log.read_text()
+    assert re.search(rf"resuming epoch \d+ at batch \d+ \(global step {stop_step}\)", text), text[-4000:]
+    assert f"final metrics (2 ranks, {STEPS} steps)" in text, text[-4000:]
+    _assert_bitwise_equal(_weights(tmp_path / "slurm-final.ckpt"), uninterrupted)
+
+
+def _assert_bitwise_equal(resumed: dict[str, torch.Tensor], whole: dict[str, torch.Tensor]) -> None:
     assert resumed.keys() == whole.keys()
     for key in whole:
-        # bitwise: the same batches through the same ops in the same order (2 ranks both times)
+        # bitwise: the same batches through the same ops in the same order (2 ranks, one thread each, both times)
         assert torch.equal(resumed[key], whole[key]), (key, (resumed[key] - whole[key]).abs().max().item())
-    print(f"preempted at step {stop_step}; signal to completion of the requeued job: {requeue_s:.1f} s")
