@@ -54,3 +54,11 @@ def test_the_batch_shell_forwards_the_requeue_signal_and_output_is_appended() ->
     assert "#SBATCH --open-mode=append" in script  # a requeued run adds to the same log
     assert "trap 'kill -s USR2 \"$pid\" 2>/dev/null' USR2" in script
     assert script.rstrip().endswith('exit "$status"')
+
+
+def test_the_shipped_example_is_what_the_command_renders() -> None:
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parents[2] / "examples" / "slurm" / "train_2x2.sh"
+    assert example.read_text() == render_sbatch(["launch.nodes=2", "trainer.devices=2", "strategy=bucketed_ddp",
+                                                 "launch.python=python"])
