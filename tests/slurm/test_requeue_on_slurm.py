@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_train_on_slurm import _cli
+from test_train_on_slurm import _cli, submit_rendered
 
 from lightning_sync.testing.slurm_cluster import SlurmCluster
 
@@ -75,13 +75,9 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.T
 def test_usr1_mid_run_requeues_and_the_resumed_job_ends_with_the_uninterrupted_weights(
         slurm: SlurmCluster, tmp_path: Path, uninterrupted: dict[str, torch.Tensor]) -> None:
     run_dir = tmp_path / "run"
-    render = subprocess.run([_cli(), "sbatch", "launch.nodes=2", "trainer.devices=1", *TRAIN, SLOW,
-                             f"hydra.run.dir={run_dir}", f"final_checkpoint={tmp_path / 'slurm-final.ckpt'}"],
-                            capture_output=True, text=True, timeout=120, cwd=tmp_path, check=False)
-    assert render.returncode == 0, render.stderr[-3000:]
-    script = tmp_path / "job.sh"
-    script.write_text(render.stdout)
-    job = slurm.run("sbatch", "--parsable", f"--chdir={tmp_path}", str(script)).stdout.strip().split(";")[0]
+    job, _ = submit_rendered(slurm, tmp_path, ["launch.nodes=2", "trainer.devices=1", *TRAIN, SLOW,
+                                               f"hydra.run.dir={run_dir}",
+                                               f"final_checkpoint={tmp_path / 'slurm-final.ckpt'}"])
     log = tmp_path / f"slurm-{job}.out"
     _wait_for(log, r"node 1 of 2 on host", 180, slurm, job)
     time.sleep(6.0)  # past setup and the sanity check, into the training loop

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -37,10 +38,34 @@ def _metrics(text: str, ranks: int = 2) -> dict[str, float]:
     return {k: float(v) for k, v in (kv.split("=") for kv in match.group(3).split())}
 
 
+def train_locally(tmp_path: Path, devices: int, args: list[str], name: str = "local") -> str:
+    """``lightning-sync train <args> trainer.devices=<devices>`` on this machine; its output (it must succeed)."""
+    local = subprocess.run([_cli(), "train", *args, f"trainer.devices={devices}", f"hydra.run.dir={tmp_path / name}"],
+                           capture_output=True, text=True, timeout=300, cwd=tmp_path, check=False)
+    assert local.returncode == 0, local.stderr[-3000:]
+    return local.stdout + local.stderr
+
+
+def submit_rendered(slurm: SlurmCluster, tmp_path: Path, overrides: list[str]) -> tuple[str, str]:
+    """Render ``lightning-sync sbatch <overrides>`` into ``tmp_path/job.sh`` and submit it as it is.
+
+    Returns the job id and the script; the job writes ``tmp_path/slurm-<id>.out``."""
+    render = subprocess.run([_cli(), "sbatch", *overrides], capture_output=True, text=True, timeout=120,
+                            cwd=tmp_path, check=False)
+    assert render.returncode == 0, render.stderr[-3000:]
+    script = tmp_path / "job.sh"
+    script.write_text(render.stdout)
+    job = slurm.run("sbatch", "--parsable", f"--chdir={tmp_path}", str(script)).stdout.strip().split(";")[0]
+    return job, render.stdout
+
+
+def assert_same_metrics(on_slurm: dict[str, float], expected: dict[str, float]) -> None:
+    for key in ("val_loss", "val_acc"):
+        assert abs(on_slurm[key] - expected[key]) <= TOL, (key, on_slurm, expected)
+
+
 @pytest.mark.timeout(420)
 def test_two_nodes_one_task_each_train_like_two_local_ranks(slurm: SlurmCluster, tmp_path: Path) -> None:
-    import subprocess
-
     out_dir = tmp_path / "run"
     script = tmp_path / "job.sh"
     script.write_text("#!/bin/bash\n" + f"srun {_cli()} train {' '.join(TRAIN)} trainer.devices=1 trainer.num_nodes=2 "
@@ -54,9 +79,4 @@ def test_two_nodes_one_task_each_train_like_two_local_ranks(slurm: SlurmCluster,
     assert sorted(banners) == [("0", "0", str(15000 + int(job) % 10000)), ("1", "1", str(15000 + int(job) % 10000))], \
         log[-4000:]
     on_slurm = _metrics(log)
-    local = subprocess.run([_cli(), "train", *TRAIN, "trainer.devices=2", f"hydra.run.dir={tmp_path / 'local'}"],
-                           capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert local.returncode == 0, local.stderr[-3000:]
-    expected = _metrics(local.stdout + local.stderr)
-    for key in ("val_loss", "val_acc"):
-        assert abs(on_slurm[key] - expected[key]) <= TOL, (key, on_slurm, expected)
+    assert_same_metrics(on_slurm, _metrics(train_locally(tmp_path, 2, TRAIN)))
