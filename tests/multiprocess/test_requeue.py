@@ -4,15 +4,20 @@ A real SIGUSR1 reaches only rank 1, in the middle of an accumulation window and 
 must stop together at the next optimizer step, with one atomically published checkpoint; a fresh Trainer
 resumed from it must finish with exactly the weights of an uninterrupted run (same ops in the same order:
 bitwise), and both must equal the single-process reference within EQ_TOL. Checked for BucketedDDP (one
-checkpoint file) and ZeRO-3 (a sharded checkpoint directory). Nothing is requeued here (no Slurm:
-``requeue=False``); the Slurm tier checks the requeue itself.
+checkpoint file) and ZeRO-3 (a sharded checkpoint directory). Nothing is requeued here: the BucketedDDP run
+asks to requeue a job id with no ``scontrol`` on PATH, which must be logged while the checkpoint is still
+saved; the Slurm tier checks the requeue itself.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import signal
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +47,31 @@ class _SignalAt(pl.Callback):
             os.kill(os.getpid(), self.sig)
 
 
+@contextlib.contextmanager
+def _no_scontrol_job() -> Iterator[list[str]]:
+    """A SLURM job id, a PATH without scontrol, and the ``lightning_sync.launch`` log lines said meanwhile."""
+    records: list[str] = []
+
+    class _Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    handler, logger = _Keep(), logging.getLogger("lightning_sync.launch")
+    saved = {k: os.environ.get(k) for k in ("SLURM_JOB_ID", "PATH")}
+    with tempfile.TemporaryDirectory() as empty:
+        os.environ.update(SLURM_JOB_ID="4242", PATH=empty)
+        logger.addHandler(handler)
+        try:
+            yield records
+        finally:
+            logger.removeHandler(handler)
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+
+
 def _strategies() -> dict[str, Any]:
     return {"bucketed_ddp": lambda: BucketedDDPStrategy(bucket_cap_mb=0.001),
             "zero3": lambda: ShardedStrategy(stage=3, bucket_cap_mb=0.001)}
@@ -64,9 +94,16 @@ def _worker(rank: int, world: int, tmpdir: str) -> tuple[list[str], int]:
         _, whole = _fit(world, make(), [])
         _check_against(ck, f"[{name} uninterrupted]", whole, ref["state"], init)
 
-        stopper = RequeueOnSignal(directory, "USR1", requeue=False)
-        trainer, _ = _fit(world, make(), [stopper, _SignalAt(1, SIGNAL_AT_BATCH)])
+        # bucketed_ddp: asked to requeue "job 4242" with no scontrol on PATH: it must say so and still save
+        requeue = name == "bucketed_ddp"
+        stopper = RequeueOnSignal(directory, "USR1", requeue=requeue)
+        with _no_scontrol_job() as records:
+            trainer, _ = _fit(world, make(), [stopper, _SignalAt(1, SIGNAL_AT_BATCH)])
         ck.true(f"[{name}] every rank stopped", stopper.preempted)
+        ck.true(f"[{name}] not requeued", not stopper.requeued)
+        if requeue and rank == 0:
+            said = [r for r in records if "scontrol is not on PATH, so job 4242 is NOT requeued" in r]
+            ck.true(f"[{name}] the missing scontrol is logged", len(said) == 1, records)
         ck.true(f"[{name}] stopped at the step boundary after the signal", trainer.global_step == STOP_STEP,
                 trainer.global_step)
         ck.true(f"[{name}] handler restored", signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL,
