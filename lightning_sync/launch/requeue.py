@@ -34,6 +34,9 @@ after setup).
 
 Lightning's own SLURM auto-requeue (``SLURMEnvironment(auto_requeue=True)``: it saves from inside the
 handler and restarts the epoch) must be off; the train app passes ``SLURMEnvironment(auto_requeue=False)``.
+Pitfalls from Lightning's tracker handled here: #21406 (work inside the signal handler), #21404 (a
+hard-coded SIGUSR1; a missing ``scontrol`` ending the job without a checkpoint), #15022 (an array job must
+be requeued as ``<array job id>_<task id>``, not its whole array) and #2397 (mid-epoch resume).
 """
 
 from __future__ import annotations
