@@ -64,7 +64,7 @@ from typing_extensions import override
 
 from lightning_sync.comms import rpc
 from lightning_sync.strategies._common import as_timedelta, check_launch_args
-from lightning_sync.sync.parameter_server import ParameterServer, Reply, check_staleness
+from lightning_sync.sync.parameter_server import ParameterServer, Reply, check_lr_scaling, check_staleness
 from lightning_sync.sync.ps_worker import LocalLink, PSWorker, RpcLink, host
 
 __all__ = ["AsyncParameterServerStrategy"]
@@ -121,6 +121,9 @@ class AsyncParameterServerStrategy(ParallelStrategy):
             an int >= 0 (0 is synchronous training), or ``math.inf`` (``.inf`` in YAML, ``inf`` on the
             Hydra command line) for no bound.
         server_rank: the global rank whose process hosts the server (beside its own worker).
+        lr_scaling: how a step carrying |S| of the K workers' gradients scales the learning rate:
+            ``"linear"`` (|S| / K: exact for SGD) or ``"sqrt"`` (sqrt(|S| / K): the square-root rule for
+            Adam-type optimizers; see :mod:`lightning_sync.sync.parameter_server`).
         timeout: seconds an RPC request may wait (a silent dead peer is noticed after this).
         start_method: ``"popen"`` (re-run the script per rank), ``"spawn"``, ``"fork"`` or ``"forkserver"``.
     """
@@ -128,8 +131,9 @@ class AsyncParameterServerStrategy(ParallelStrategy):
     strategy_name = "async_ps"
 
     def __init__(self, max_staleness: int | float = 4, server_rank: int = 0, timeout: float | timedelta = 1800.0,
-                 start_method: str = "popen", **kwargs: Any) -> None:
+                 start_method: str = "popen", lr_scaling: str = "linear", **kwargs: Any) -> None:
         self.max_staleness = check_staleness(max_staleness)
+        self.lr_scaling = check_lr_scaling(lr_scaling)
         if isinstance(server_rank, bool) or not isinstance(server_rank, int) or server_rank < 0:
             raise ValueError(f"server_rank must be an int >= 0, got {server_rank!r}")
         check_launch_args(type(self).__name__, None, start_method, kwargs)
@@ -245,7 +249,8 @@ class AsyncParameterServerStrategy(ParallelStrategy):
             self.optimizers = [_PushingOptimizer(real, self)]  # what Lightning steps; built before the server repoints `real`
         if self.global_rank == self.server_rank:
             budget = trainer.max_steps if fitting and trainer.max_steps >= 0 else None
-            self.server = ParameterServer(params, buffers, real, self.world_size, self.max_staleness, budget)
+            self.server = ParameterServer(params, buffers, real, self.world_size, self.max_staleness, budget,
+                                          self.lr_scaling)
             if self._pending_state is not None:
                 self.server.load_state_dict(self._pending_state)
             host(self.server)

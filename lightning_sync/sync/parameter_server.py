@@ -31,6 +31,13 @@ Step rule
     clipping applies to the mean, with the user's threshold. A parameter that no pushed gradient
     touched keeps ``grad = None`` for the step, so the optimizer skips it, as in one process.
 
+    ``lr_scaling="sqrt"`` scales the learning rate by sqrt(|S| / K) instead: the square-root rule for
+    adaptive optimizers (Malladi et al., "On the SDEs and Scaling Rules for Adaptive Gradient
+    Algorithms", NeurIPS 2022). Adam normalizes each step by the gradient's second moment, which grows
+    as the batch shrinks, so a push of 1/K of the batch at lr / K moves the model by less than 1/K of a
+    synchronous step; at lr / sqrt(K) it moves it by about that. At s = 0 (|S| = K) both rules are 1:
+    still exactly synchronous.
+
 Global clock and budget
     ``pushes // K`` is the *global step*: the number of synchronous steps' worth of samples applied.
     LR schedulers are stepped on it (:attr:`ParameterServer.on_global_step`), and a ``budget`` of
@@ -64,6 +71,16 @@ import torch
 from torch import nn
 
 __all__ = ["FlatLayout", "ParameterServer", "Reply", "check_staleness"]
+
+
+LR_SCALINGS = ("linear", "sqrt")
+
+
+def check_lr_scaling(value: Any) -> str:
+    """``lr_scaling`` checked and returned: one of :data:`LR_SCALINGS`."""
+    if value not in LR_SCALINGS:
+        raise ValueError(f"lr_scaling must be one of {list(LR_SCALINGS)}, got {value!r}")
+    return str(value)
 
 
 def check_staleness(value: Any) -> int | float:
@@ -174,12 +191,13 @@ class ParameterServer:
 
     def __init__(self, params: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor],
                  optimizer: torch.optim.Optimizer | None, num_workers: int, max_staleness: float,
-                 budget: int | None = None) -> None:
+                 budget: int | None = None, lr_scaling: str = "linear") -> None:
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
             raise ValueError(f"num_workers must be an int >= 1, got {num_workers!r}")
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 0):
             raise ValueError(f"budget must be None or an int >= 0, got {budget!r}")
         self.max_staleness = check_staleness(max_staleness)
+        self.lr_scaling = check_lr_scaling(lr_scaling)
         self.num_workers, self.budget = num_workers, budget
         self.params = [nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad) for p in params]
         self.buffers = [b.detach().clone() for b in buffers]
@@ -334,8 +352,9 @@ class ParameterServer:
         if clip is not None:
             self._clip(clip)
         lrs = [g["lr"] for g in self.optimizer.param_groups]
+        share = n / k if self.lr_scaling == "linear" else math.sqrt(n / k)
         for g in self.optimizer.param_groups:  # this step carries n / k of the global batch
-            g["lr"] = g["lr"] * (n / k)
+            g["lr"] = g["lr"] * share
         try:
             self.optimizer.step()
         finally:

@@ -6,13 +6,15 @@ The multi-process tests (``tests/multiprocess/test_async_ps.py``) run the same s
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
-from lightning_sync.sync.parameter_server import FlatLayout, ParameterServer, check_staleness
+from lightning_sync import AsyncParameterServerStrategy
+from lightning_sync.sync.parameter_server import FlatLayout, ParameterServer, check_lr_scaling, check_staleness
 from lightning_sync.sync.ps_worker import LocalLink, PSWorker
 
 LR = 0.1
@@ -190,3 +192,38 @@ def test_an_adaptive_optimizer_moves_k_pushes_as_far_as_one_synchronous_step() -
     for p, b in zip(server.params, before):
         torch.testing.assert_close((p.detach() - b).abs(), torch.full_like(b, 0.05), rtol=0, atol=1e-6)
     assert server.optimizer.param_groups[0]["lr"] == 0.1  # the scaled rate was for that step only
+
+
+def test_sqrt_lr_scaling_moves_one_push_by_lr_over_sqrt_k_and_is_exact_at_s0() -> None:
+    """lr_scaling="sqrt": the first Adam step moves each element by the step's lr, so one push of K = 4 at
+    lr 0.1 moves it by 0.1 / sqrt(4) = 0.05 (linear: 0.025). At s = 0 a step carries all K gradients,
+    sqrt(K / K) = 1: the same model as linear scaling, which is synchronous SGD."""
+    def adam_server(k: int, s: float, scaling: str) -> ParameterServer:
+        model = _model()
+        params = [p for p in model.parameters() if p.requires_grad]
+        return ParameterServer(params, list(model.buffers()), torch.optim.Adam(params, lr=0.1), k, s,
+                               lr_scaling=scaling)
+
+    server = adam_server(4, math.inf, "sqrt")
+    before = [p.detach().clone() for p in server.params]
+    _push(server, 0, 5).wait()
+    for p, b in zip(server.params, before):
+        torch.testing.assert_close((p.detach() - b).abs(), torch.full_like(b, 0.05), rtol=0, atol=1e-6)
+    synchronous = []
+    for scaling in ("linear", "sqrt"):
+        server = adam_server(2, 0, scaling)
+        for step in range(3):
+            futures = [_push(server, w, 10 * step + w) for w in range(2)]
+            for f in futures:
+                f.wait()
+        synchronous.append([p.detach().clone() for p in server.params])
+    for a, b in zip(*synchronous):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("bad", ["Linear", "none", None, 1])
+def test_bad_lr_scaling_is_named_with_the_allowed_ones(bad: Any) -> None:
+    with pytest.raises(ValueError, match=r"lr_scaling must be one of \['linear', 'sqrt'\], got " + re.escape(repr(bad))):
+        check_lr_scaling(bad)
+    with pytest.raises(ValueError, match=r"lr_scaling must be one of \['linear', 'sqrt'\]"):
+        AsyncParameterServerStrategy(lr_scaling=bad)
