@@ -84,6 +84,7 @@ def run_train(cfg: Any) -> dict[str, float]:
     from lightning.pytorch.plugins.environments import SLURMEnvironment
 
     import lightning_sync  # noqa: F401 - registers the strategy names
+    from lightning_sync.diagnostics import ConsistencyCheck
     from lightning_sync.launch import NodeBanner, prepare
     from lightning_sync.launch.requeue import Preempted, RequeueOnSignal, latest_checkpoint
 
@@ -98,6 +99,7 @@ def run_train(cfg: Any) -> dict[str, float]:
     trainer: pl.Trainer = instantiate(cfg.trainer, strategy=strategy, **({"plugins": plugins} if plugins else {}))
     if rendezvous is not None:
         trainer.callbacks.append(NodeBanner(rendezvous))
+    trainer.callbacks.append(ConsistencyCheck())  # ranks with another model or strategy fail at setup, not hang
     requeue, resume = None, None
     if cfg.launch.get("signal"):
         requeue = RequeueOnSignal(cfg.launch.checkpoint_dir, cfg.launch.signal, requeue=bool(cfg.launch.requeue))

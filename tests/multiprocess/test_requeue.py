@@ -24,7 +24,7 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from _lightning_reference import ENV, EQ_TOL, _check_against, _quiet_rank, _reference, _state, _TiedModule, _trainer
+from _lightning_reference import ENV, _check_against, _quiet_rank, _reference, _state, _TiedModule, _trainer
 
 from lightning_sync import BucketedDDPStrategy, ShardedStrategy
 from lightning_sync.launch.requeue import POINTER, RequeueOnSignal, latest_checkpoint
