@@ -81,12 +81,15 @@ class Work(Generic[T]):
     def wait(self) -> T:
         """Block until the collective completes; returns its result (tensor, list or object)."""
         if not self._done:
+            blocked = time.perf_counter()
             for h in self._handles:
                 h.wait()
             self._result = self._finish()
             self._done = True
+            now = time.perf_counter()
+            _STATS.add_blocked(now - blocked)
             if self._account:
-                _STATS.add_seconds(self.op, time.perf_counter() - self._start)
+                _STATS.add_seconds(self.op, now - self._start)
         return self._result  # type: ignore[return-value]
 
     def __repr__(self) -> str:
@@ -126,7 +129,9 @@ def _issue(op: str, nbytes: int, launch: Callable[[], Sequence[Any]], finish: Ca
         op = "/".join([*names, op])
     seq = next(_SEQ)
     _STATS.record(op, nbytes)
-    work = Work(op, seq, launch(), finish, time.perf_counter())
+    start = time.perf_counter()
+    work = Work(op, seq, launch(), finish, start)
+    _STATS.add_blocked(time.perf_counter() - start)  # a synchronous backend call blocks in launch
     return work if async_op else work.wait()
 
 

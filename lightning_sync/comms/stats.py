@@ -68,6 +68,7 @@ class CommStats:
     def __init__(self) -> None:
         self._ops: dict[str, OpStats] = {}
         self._lock = threading.Lock()
+        self._blocked = 0.0
 
     def record(self, op: str, nbytes: int, seconds: float = 0.0, calls: int = 1) -> None:
         """Add one (or ``calls``) call(s) of ``op`` moving ``nbytes`` in ``seconds``."""
@@ -82,10 +83,22 @@ class CommStats:
         with self._lock:
             self._ops.setdefault(op, OpStats()).seconds += seconds
 
+    def add_blocked(self, seconds: float) -> None:
+        """Add time a caller spent blocked in a collective (launching it, or in ``Work.wait``)."""
+        with self._lock:
+            self._blocked += seconds
+
+    def blocked_seconds(self) -> float:
+        """Seconds callers spent blocked in collectives; unlike an op's ``seconds`` (issue to completion),
+        time an async op ran while the caller computed does not count."""
+        with self._lock:
+            return self._blocked
+
     def reset(self) -> None:
         """Forget everything recorded so far."""
         with self._lock:
             self._ops.clear()
+            self._blocked = 0.0
 
     def snapshot(self) -> dict[str, OpStats]:
         """A copy of the per-op totals, safe to keep while recording continues."""

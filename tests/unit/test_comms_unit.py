@@ -240,3 +240,13 @@ def test_overlapped_step_time() -> None:
 def test_cost_model_value_errors(fn: Callable[..., float], args: tuple[float, ...], pattern: str) -> None:
     with pytest.raises(ValueError, match=pattern):
         fn(*args)
+
+
+def test_blocked_seconds_add_up_apart_from_the_ops_and_reset() -> None:
+    s = CommStats()
+    s.add_blocked(0.25)
+    s.add_blocked(0.5)
+    s.record("all_reduce", 8, 1.0)
+    assert s.blocked_seconds() == 0.75 and s.total_seconds == 1.0  # blocked time is not an op's time
+    s.reset()
+    assert s.blocked_seconds() == 0.0 and s.snapshot() == {}
