@@ -110,8 +110,9 @@ def run_train(cfg: Any) -> dict[str, float]:
                      os.environ.get("SLURM_RESTART_COUNT", "0"))
     trainer.fit(model, datamodule=datamodule, ckpt_path=resume)
     if requeue is not None and requeue.preempted:
-        raise Preempted(f"preempted at global step {trainer.global_step}: checkpoint {requeue.checkpoint}, "
-                        + ("job requeued" if requeue.requeued else "job NOT requeued (see above)")
+        said = "job requeued" if requeue.requeued else "job NOT requeued (see above)"
+        # only rank 0 (which ran scontrol) has a message; the app logs a non-empty one
+        raise Preempted(f"preempted at global step {trainer.global_step}: checkpoint {requeue.checkpoint}, {said}"
                         if trainer.is_global_zero else "")
     if cfg.get("final_checkpoint"):
         trainer.save_checkpoint(cfg.final_checkpoint)
@@ -129,14 +130,12 @@ def run_train(cfg: Any) -> dict[str, float]:
 
 
 def _train_app(cfg: Any) -> float | None:
-    import os
-
     import torch.distributed as dist
+
+    from lightning_sync.launch.requeue import Preempted
 
     env = dict(os.environ)
     _pin_child_command("train")
-    from lightning_sync.launch.requeue import Preempted
-
     try:
         metrics = run_train(cfg)
     except Preempted as stop:

@@ -336,8 +336,8 @@ class RequeueOnSignal(pl.Callback):
             self._state = {}
         trainer.strategy.barrier("requeue_saved")
         if trainer.is_global_zero:
-            self.checkpoint = publish_checkpoint(self.directory, tmp, name, {"global_step": trainer.global_step})
-            log.warning("requeue: checkpoint %s written in %.2f s", self.checkpoint, time.monotonic() - started)
+            final = publish_checkpoint(self.directory, tmp, name, {"global_step": trainer.global_step})
+            log.warning("requeue: checkpoint %s written in %.2f s", final, time.monotonic() - started)
             if self.requeue:
                 self.requeued = requeue_job()
         trainer.strategy.barrier("requeue_published")

@@ -159,7 +159,8 @@ def test_global_stats_reset_and_work_without_handles() -> None:
     assert comms.get_stats().snapshot() == {}
     assert comms.get_stats() is comms.get_stats()  # one process-wide instance
     calls = []
-    work = comms.Work("unit_op", 7, [], lambda: calls.append(1) or "result", time.perf_counter())
+    # issued 100 s ago (a start time in the past, not a measured duration): wait() adds at least those 100 s
+    work = comms.Work("unit_op", 7, [], lambda: calls.append(1) or "result", time.perf_counter() - 100.0)
     assert work.is_completed()  # no backend request outstanding
     assert "unit_op #7" in repr(work) and "done=False" in repr(work)
     assert work.wait() == "result"
@@ -167,7 +168,7 @@ def test_global_stats_reset_and_work_without_handles() -> None:
     assert calls == [1]  # ... without running finish again
     assert "done=True" in repr(work)
     stats = comms.get_stats()["unit_op"]
-    assert stats.calls == 0 and stats.seconds >= 0.0  # wait() adds seconds, never a call
+    assert stats.calls == 0 and stats.seconds >= 100.0  # wait() adds the seconds since issue, never a call
     assert "unit_op" in comms.get_stats().snapshot()
     comms.reset_stats()
     assert comms.get_stats().snapshot() == {}
