@@ -8,7 +8,7 @@ Usage::
     print(comms.get_stats().table())
 """
 
-from lightning_sync.comms import algorithms, rpc
+from lightning_sync.comms import algorithms, rpc, watchdog
 from lightning_sync.comms.collectives import (
     REDUCE_OPS,
     Work,
@@ -41,5 +41,5 @@ __all__ = [
     "REDUCE_OPS", "CommStats", "OpStats", "Work", "algorithms", "all_gather", "all_gather_into",
     "all_gather_object", "all_reduce", "barrier", "broadcast", "broadcast_object", "check_reduce", "gather", "gather_object",
     "get_rank", "get_stats", "get_world_size", "group_ranks", "recv", "reduce", "reduce_scatter", "rpc",
-    "reduce_scatter_into", "reset_stats", "scatter", "scope", "send",
+    "reduce_scatter_into", "reset_stats", "scatter", "scope", "send", "watchdog",
 ]

@@ -28,6 +28,7 @@ from typing import Any, Generic, TypeVar
 import torch
 import torch.distributed as dist
 
+from lightning_sync.comms import watchdog as _watchdog
 from lightning_sync.comms.stats import CommStats
 
 __all__ = [
@@ -42,7 +43,8 @@ REDUCE_OPS: dict[str, dist.ReduceOp.RedOpType] = {
 }
 _MAX_DIMS = 8
 _STATS = CommStats()
-_SEQ = itertools.count(1)
+_SEQ: dict[str, Iterator[int]] = {}  # per group: collective sequence numbers (a point-to-point counter apart)
+_SEQ_LOCK = threading.Lock()
 _SCOPE = threading.local()  # op-name prefixes of the scopes this thread is in (see scope())
 
 
@@ -59,12 +61,13 @@ def reset_stats() -> None:
 class Work(Generic[T]):
     """Handle of an issued collective. ``wait()`` blocks until it is done and returns its result.
 
-    ``op`` and ``seq`` name the call (``seq`` counts every collective issued by this process).
-    Waiting twice is allowed and returns the same result.
+    ``op`` and ``seq`` name the call: ``seq`` counts the collectives this process issued on the call's
+    group (point-to-point ops count apart), so ranks in lockstep agree on it, and the hang watchdog
+    names a hung call by it. Waiting twice is allowed and returns the same result.
     """
 
     def __init__(self, op: str, seq: int, handles: Sequence[Any], finish: Callable[[], T], start: float,
-                 account: bool = True) -> None:
+                 account: bool = True, tracked: _watchdog.Pending | None = None) -> None:
         self.op = op
         self.seq = seq
         self._handles = list(handles)
@@ -73,6 +76,7 @@ class Work(Generic[T]):
         self._done = False
         self._result: T | None = None
         self._account = account
+        self._tracked = tracked
 
     def is_completed(self) -> bool:
         """True once every underlying backend request has completed (does not run ``finish``)."""
@@ -82,8 +86,14 @@ class Work(Generic[T]):
         """Block until the collective completes; returns its result (tensor, list or object)."""
         if not self._done:
             blocked = time.perf_counter()
+            wd = _watchdog.active() if self._tracked is not None else None
             for h in self._handles:
-                h.wait()
+                if wd is None:
+                    h.wait()
+                else:  # in slices: a hang or a lost peer becomes an error naming the culprit
+                    wd.wait(self._tracked, h)
+            if wd is not None:
+                wd.finished(self._tracked)
             self._result = self._finish()
             self._done = True
             now = time.perf_counter()
@@ -122,15 +132,31 @@ def scope(name: str) -> Iterator[None]:
         _SCOPE.names = stack
 
 
-def _issue(op: str, nbytes: int, launch: Callable[[], Sequence[Any]], finish: Callable[[], T], async_op: bool) -> Any:
-    """The one place every collective goes through: sequence number, accounting, async handle."""
+def _group_name(group: dist.ProcessGroup | None) -> str:
+    if group is None or group == dist.group.WORLD:
+        return "world"
+    return f"group {group_ranks(group)}"
+
+
+def _issue(op: str, nbytes: int, launch: Callable[[], Sequence[Any]], finish: Callable[[], T], async_op: bool,
+           group: dist.ProcessGroup | None = None, peer: int | None = None) -> Any:
+    """The one place every collective goes through: sequence number, accounting, watchdog, async handle.
+
+    ``peer`` marks a point-to-point op with that global rank (its sequence numbers count apart)."""
     names = getattr(_SCOPE, "names", None)
     if names:
         op = "/".join([*names, op])
-    seq = next(_SEQ)
+    name = _group_name(group)
+    with _SEQ_LOCK:
+        seq = next(_SEQ.setdefault(name if peer is None else f"{name}/p2p", itertools.count(1)))
+    wd = _watchdog.active()
+    tracked = None if wd is None else wd.issued(op, seq, name, group_ranks(group), nbytes, peer)
     _STATS.record(op, nbytes)
     start = time.perf_counter()
-    work = Work(op, seq, launch(), finish, start)
+    handles = launch()
+    if tracked is not None:
+        wd.launched(tracked, handles)
+    work = Work(op, seq, handles, finish, start, tracked=tracked)
     _STATS.add_blocked(time.perf_counter() - start)  # a synchronous backend call blocks in launch
     return work if async_op else work.wait()
 
@@ -193,18 +219,26 @@ def _metadata_all_gather(row: list[int], group: dist.ProcessGroup | None) -> lis
     mine = torch.tensor(row, dtype=torch.int64, device=_device(group))
     out = [torch.empty_like(mine) for _ in range(get_world_size(group))]
     return _issue("metadata", _nbytes(mine), lambda: [dist.all_gather(out, mine, group=group, async_op=True)],
-                  lambda: [r.tolist() for r in out], async_op=False)
+                  lambda: [r.tolist() for r in out], async_op=False, group=group)
+
+
+def _broadcast_size(n: int | None, src: int, group: dist.ProcessGroup | None) -> int:
+    """Broadcast one int from ``src`` as an int64 tensor (counted as ``metadata``)."""
+    box = torch.tensor([-1 if n is None else n], dtype=torch.int64, device=_device(group))
+    return _issue("metadata", _nbytes(box), lambda: [dist.broadcast(box, src=src, group=group, async_op=True)],
+                  lambda: int(box.item()), async_op=False, group=group)
 
 
 def _metadata_broadcast(obj: Any, src: int, group: dist.ProcessGroup | None) -> Any:
-    box = [obj]
-    nbytes = len(pickle.dumps(obj)) if get_rank() == src else 0
+    """Broadcast a small picklable object from ``src``: its length, then its bytes (both ``metadata``).
 
-    def launch() -> list[Any]:  # broadcast_object_list is synchronous: no handle to return
-        dist.broadcast_object_list(box, src=src, group=group, device=_device(group))
-        return []
-
-    return _issue("metadata", nbytes, launch, lambda: box[0], async_op=False)
+    Asynchronous backend calls, unlike ``broadcast_object_list``, so the hang watchdog can interrupt a wait."""
+    device = _device(group)
+    data = _to_bytes(obj, device) if get_rank() == src else None
+    size = _broadcast_size(None if data is None else data.numel(), src, group)
+    buf = data if data is not None else torch.empty(size, dtype=torch.uint8, device=device)
+    return _issue("metadata", size, lambda: [dist.broadcast(buf, src=src, group=group, async_op=True)],
+                  lambda: obj if data is not None else _from_bytes(buf), async_op=False, group=group)
 
 
 def _shape_row(t: torch.Tensor) -> list[int]:
@@ -258,7 +292,8 @@ def _check_even(fn: str, big_name: str, big: torch.Tensor, small_name: str, smal
 def barrier(group: dist.ProcessGroup | None = None, async_op: bool = False) -> Work[None] | None:
     """Block until every rank of ``group`` has entered the barrier."""
     _require_init()
-    return _issue("barrier", 0, lambda: [dist.barrier(group=group, async_op=True)], lambda: None, async_op)
+    return _issue("barrier", 0, lambda: [dist.barrier(group=group, async_op=True)], lambda: None, async_op,
+                  group=group)
 
 
 def all_reduce(tensor: torch.Tensor, op: str = "sum", group: dist.ProcessGroup | None = None,
@@ -267,7 +302,8 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", group: dist.ProcessGroup |
     _require_init()
     red = check_reduce(op, tensor)
     return _issue("all_reduce", _nbytes(tensor),
-                  lambda: [dist.all_reduce(tensor, op=red, group=group, async_op=True)], lambda: tensor, async_op)
+                  lambda: [dist.all_reduce(tensor, op=red, group=group, async_op=True)], lambda: tensor, async_op,
+                  group=group)
 
 
 def reduce(tensor: torch.Tensor, dst: int, op: str = "sum", group: dist.ProcessGroup | None = None,
@@ -281,7 +317,8 @@ def reduce(tensor: torch.Tensor, dst: int, op: str = "sum", group: dist.ProcessG
         raise ValueError("reduce supports op in ['sum', 'max', 'min'] (for an average, sum then divide); got 'avg'")
     red = check_reduce(op, tensor)
     return _issue("reduce", _nbytes(tensor),
-                  lambda: [dist.reduce(tensor, dst=dst, op=red, group=group, async_op=True)], lambda: tensor, async_op)
+                  lambda: [dist.reduce(tensor, dst=dst, op=red, group=group, async_op=True)], lambda: tensor,
+                  async_op, group=group)
 
 
 def broadcast(value: Any, src: int = 0, group: dist.ProcessGroup | None = None, async_op: bool = False) -> Any:
@@ -294,7 +331,8 @@ def broadcast(value: Any, src: int = 0, group: dist.ProcessGroup | None = None, 
     _check_rank("src", src, group)
     if isinstance(value, torch.Tensor):
         return _issue("broadcast", _nbytes(value),
-                      lambda: [dist.broadcast(value, src=src, group=group, async_op=True)], lambda: value, async_op)
+                      lambda: [dist.broadcast(value, src=src, group=group, async_op=True)], lambda: value,
+                      async_op, group=group)
     return broadcast_object(value, src=src, group=group, async_op=async_op)
 
 
@@ -308,10 +346,10 @@ def broadcast_object(value: Any, src: int = 0, group: dist.ProcessGroup | None =
     _check_rank("src", src, group)
     device = _device(group)
     payload = _to_bytes(value, device) if get_rank() == src else None
-    size = _metadata_broadcast(None if payload is None else payload.numel(), src, group)
+    size = _broadcast_size(None if payload is None else payload.numel(), src, group)
     buf = payload if payload is not None else torch.empty(size, dtype=torch.uint8, device=device)
     return _issue("broadcast", size, lambda: [dist.broadcast(buf, src=src, group=group, async_op=True)],
-                  lambda: value if payload is not None else _from_bytes(buf), async_op)
+                  lambda: value if payload is not None else _from_bytes(buf), async_op, group=group)
 
 
 def all_gather(tensor: torch.Tensor, group: dist.ProcessGroup | None = None,
@@ -329,7 +367,8 @@ def all_gather(tensor: torch.Tensor, group: dist.ProcessGroup | None = None,
         return [o.reshape(()) for o in out] if tensor.dim() == 0 else out
 
     return _issue("all_gather", _nbytes(send),
-                  lambda: [dist.all_gather(bufs, send, group=group, async_op=True)], finish, async_op)
+                  lambda: [dist.all_gather(bufs, send, group=group, async_op=True)], finish, async_op,
+                  group=group)
 
 
 def _is_gloo(group: dist.ProcessGroup | None) -> bool:
@@ -353,10 +392,10 @@ def all_gather_into(output: torch.Tensor, input: torch.Tensor, group: dist.Proce
             chunks[rank].copy_(input.reshape(-1))
             return [dist.broadcast(c, src=ranks[i], group=group, async_op=True) for i, c in enumerate(chunks)]
 
-        return _issue("all_gather", _nbytes(input), launch, lambda: output, async_op)
+        return _issue("all_gather", _nbytes(input), launch, lambda: output, async_op, group=group)
     return _issue("all_gather", _nbytes(input),
                   lambda: [_ALL_GATHER_SINGLE(output.view(-1), input.reshape(-1), group=group, async_op=True)],
-                  lambda: output, async_op)
+                  lambda: output, async_op, group=group)
 
 
 def reduce_scatter(tensor: torch.Tensor, op: str = "sum", group: dist.ProcessGroup | None = None,
@@ -377,7 +416,7 @@ def reduce_scatter(tensor: torch.Tensor, op: str = "sum", group: dist.ProcessGro
     keep = max(0, min(n, (rank + 1) * chunk) - rank * chunk)
     return _issue("reduce_scatter", _nbytes(send),
                   lambda: [_REDUCE_SCATTER_SINGLE(out, send, op=red, group=group, async_op=True)],
-                  lambda: out[:keep], async_op)
+                  lambda: out[:keep], async_op, group=group)
 
 
 def reduce_scatter_into(output: torch.Tensor, input: torch.Tensor, op: str = "sum",
@@ -405,11 +444,11 @@ def reduce_scatter_into(output: torch.Tensor, input: torch.Tensor, op: str = "su
         def finish() -> torch.Tensor:
             return output.div_(world) if op == "avg" else output
 
-        return _issue("reduce_scatter", _nbytes(input), launch, finish, async_op)
+        return _issue("reduce_scatter", _nbytes(input), launch, finish, async_op, group=group)
     return _issue("reduce_scatter", _nbytes(input),
                   lambda: [_REDUCE_SCATTER_SINGLE(output.view(-1), input.reshape(-1), op=red, group=group,
                                                   async_op=True)],
-                  lambda: output, async_op)
+                  lambda: output, async_op, group=group)
 
 
 def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None, dst: int = 0,
@@ -443,7 +482,8 @@ def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None, 
         return gather_list
 
     return _issue("gather", _nbytes(send),
-                  lambda: [dist.gather(send, gather_list=bufs, dst=dst, group=group, async_op=True)], finish, async_op)
+                  lambda: [dist.gather(send, gather_list=bufs, dst=dst, group=group, async_op=True)], finish,
+                  async_op, group=group)
 
 
 def scatter(chunks: Sequence[Any] | None, src: int = 0, group: dist.ProcessGroup | None = None,
@@ -487,7 +527,7 @@ def scatter(chunks: Sequence[Any] | None, src: int = 0, group: dist.ProcessGroup
 
     return _issue("scatter", _nbytes(recv),
                   lambda: [dist.scatter(recv, scatter_list=send, src=src, group=group, async_op=True)],
-                  finish, async_op)
+                  finish, async_op, group=group)
 
 
 def all_gather_object(obj: Any, group: dist.ProcessGroup | None = None, async_op: bool = False) -> Any:
@@ -510,7 +550,7 @@ def _group_or_init(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
 def _then(work: Work[Any], fn: Callable[[Any], T], async_op: bool) -> T | Work[T]:
     # the inner Work already accounts the seconds; is_completed() follows its backend requests
     chained: Work[T] = Work(work.op, work.seq, work._handles, lambda: fn(work.wait()), time.perf_counter(),
-                            account=False)
+                            account=False, tracked=work._tracked)
     return chained if async_op else chained.wait()
 
 
@@ -519,7 +559,8 @@ def send(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None,
     """Point-to-point send of ``tensor`` to global rank ``dst`` (counted as ``send`` bytes)."""
     _require_init()
     _check_rank("dst", dst, group)
-    return _issue("send", _nbytes(tensor), lambda: [dist.isend(tensor, dst=dst, group=group)], lambda: tensor, async_op)
+    return _issue("send", _nbytes(tensor), lambda: [dist.isend(tensor, dst=dst, group=group)], lambda: tensor,
+                  async_op, group=group, peer=dst)
 
 
 def recv(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None,
@@ -527,4 +568,5 @@ def recv(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None,
     """Point-to-point receive into ``tensor`` from global rank ``src`` (counted as ``recv`` bytes)."""
     _require_init()
     _check_rank("src", src, group)
-    return _issue("recv", _nbytes(tensor), lambda: [dist.irecv(tensor, src=src, group=group)], lambda: tensor, async_op)
+    return _issue("recv", _nbytes(tensor), lambda: [dist.irecv(tensor, src=src, group=group)], lambda: tensor,
+                  async_op, group=group, peer=src)

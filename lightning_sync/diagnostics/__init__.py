@@ -1,9 +1,11 @@
 """Diagnostics callbacks (issue 7 grows this package): straggler injection and detection, the startup
-consistency check, and skipping non-finite steps."""
+consistency check, skipping non-finite steps, the replica drift check, and the hang watchdog."""
 
 from lightning_sync.diagnostics.consistency import ConsistencyCheck
+from lightning_sync.diagnostics.drift import ReplicaDriftCheck
 from lightning_sync.diagnostics.nonfinite import NonFiniteGuard
 from lightning_sync.diagnostics.slow_rank import SlowRank
 from lightning_sync.diagnostics.straggler import StragglerDetector
+from lightning_sync.diagnostics.watchdog import HangWatchdog
 
-__all__ = ["ConsistencyCheck", "NonFiniteGuard", "SlowRank", "StragglerDetector"]
+__all__ = ["ConsistencyCheck", "HangWatchdog", "NonFiniteGuard", "ReplicaDriftCheck", "SlowRank", "StragglerDetector"]

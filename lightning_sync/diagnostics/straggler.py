@@ -32,6 +32,7 @@ import lightning.pytorch as pl
 import torch
 
 from lightning_sync import comms
+from lightning_sync.diagnostics._steps import optimizer_step_ended
 
 __all__ = ["StragglerDetector"]
 
@@ -66,7 +67,7 @@ class StragglerDetector(pl.Callback):
             started, blocked = self._start
             self._busy += (time.perf_counter() - started) - (comms.get_stats().blocked_seconds() - blocked)
             self._start = None
-        if trainer.fit_loop.epoch_loop._should_accumulate():
+        if not optimizer_step_ended(trainer):
             return  # mid-window of an accumulated step: the same decision on every rank
         self._steps += 1
         if self._steps < self.every_n_steps:

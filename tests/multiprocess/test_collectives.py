@@ -313,7 +313,8 @@ def _check_stats(ck: Checks, rank: int, k: int) -> None:
     comms.scatter([torch.zeros(r + 1) for r in range(k)] if rank == 0 else None, src=0)
     expect("0-dim", "all_gather", 4, 1)
     expect("scatter", "scatter", 4 * k, 1)
-    ck.true("stats scatter metadata separate", comms.get_stats()["metadata"].calls == 2,
+    # metadata: the all_gather's shape row, and scatter's header broadcast as its length, then its bytes
+    ck.true("stats scatter metadata separate", comms.get_stats()["metadata"].calls == 3,
             comms.get_stats()["metadata"])
 
     # objects: the pickled payload (padded to the longest for all_gather), on every rank

@@ -1,0 +1,71 @@
+"""``HangWatchdog``: the Lightning face of :mod:`lightning_sync.comms.watchdog`.
+
+It starts the comms watchdog once the process group exists (``setup``) and stops it in ``teardown``.
+Every collective our strategies issue (gradient buckets, shards, ``self.log(..., sync_dist=True)``,
+``reduce_boolean_decision``, barriers, broadcasts) then goes through it, so:
+
+* a rank that skips a collective, or takes another code path (logs a key with ``sync_dist`` that the
+  others do not), makes every rank raise a :class:`~lightning_sync.comms.watchdog.CollectiveTimeout`
+  within ``collective_timeout + 3 * interval`` seconds, naming the op, its sequence number and the ranks;
+* a rank that dies makes the others raise :class:`~lightning_sync.comms.watchdog.RankLost` naming it (gloo
+  reports "Connection closed by peer" within about 2 s; the heartbeats say which peer).
+
+An error raised outside ``comms`` (say, a collective of Lightning's own ``ddp`` strategy, which does not
+use our layer) gets a note naming the lost ranks, when there are any. Strategies built on another
+collectives layer are not covered beyond that note.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import lightning.pytorch as pl
+import torch.distributed as dist
+
+from lightning_sync.comms import watchdog
+
+__all__ = ["HangWatchdog"]
+
+log = logging.getLogger("lightning_sync.diagnostics")
+
+
+class HangWatchdog(pl.Callback):
+    """Turn hung and failed collectives into errors on every rank that name the culprit ranks.
+
+    Args:
+        collective_timeout: seconds a collective may take before it is declared hung (> 0). Set it
+            above the longest legitimate wait: a slow rank's step, or a checkpoint written by one rank
+            while the others wait in a barrier.
+        interval: heartbeat and polling period in seconds (default ``min(1, collective_timeout / 5)``).
+        exit_after: seconds after an abort before a rank blocked outside ``comms`` ends its process with
+            exit code 1 (default ``collective_timeout``).
+    """
+
+    def __init__(self, collective_timeout: float = 300.0, interval: float | None = None,
+                 exit_after: float | None = None) -> None:
+        watchdog.check_args(collective_timeout, interval, exit_after)
+        self.collective_timeout, self.interval, self.exit_after = collective_timeout, interval, exit_after
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            watchdog.start(self.collective_timeout, self.interval, self.exit_after)
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        watchdog.stop(clean=True)
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        wd = watchdog.active()
+        if wd is None:
+            return
+        if not isinstance(exception, watchdog.CollectiveError):
+            try:
+                lost = wd.lost_ranks()
+            except Exception as err:  # noqa: BLE001 - the store host itself is gone: say that instead
+                lost, note = None, (f"lightning_sync watchdog: the rendezvous store at {wd.store_address} is "
+                                    f"unreachable ({err}); its host (global rank 0 under Lightning) is lost")
+            else:
+                note = f"lightning_sync watchdog: ranks {lost} lost (no heartbeat)" if lost else ""
+            if note:
+                exception.add_note(note)
+                log.error("rank %d: %s", wd.rank, note)
+        watchdog.stop(clean=False)
