@@ -8,9 +8,16 @@ import re
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from hydra.errors import MissingConfigException
+from omegaconf import OmegaConf
+
+from lightning_sync import cli
 
 # Rank variables must not reach the CLI from the test process: the CLI would think it is a child rank.
 _SCRUB = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "PL_GLOBAL_SEED")
@@ -64,6 +71,66 @@ def test_wrong_override_lists_valid_options(tmp_path: Path) -> None:
     assert proc.returncode != 0
     assert "no_such_strategy" in proc.stderr and "Available options" in proc.stderr
     assert "lightning_ddp" in proc.stderr
+    for name in _options("strategy"):  # every one, as the user sees it
+        assert f"\t{name}\n" in proc.stderr, name
+
+
+def _options(group: str) -> list[str]:
+    """The options of a config group: the YAML files in ``conf/<group>``."""
+    names = sorted(p.stem for p in Path(cli.config_dir(), group).glob("*.yaml"))
+    assert names, f"no options found in conf/{group}"
+    return names
+
+
+@pytest.mark.parametrize("group", ["strategy", "model"])
+def test_unknown_strategy_or_model_lists_every_available_one(group: str) -> None:
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=cli.config_dir(), version_base="1.3"):
+            with pytest.raises(MissingConfigException) as info:
+                compose("train", overrides=[f"{group}=nope"])
+    finally:
+        GlobalHydra.instance().clear()
+    msg = str(info.value)  # the CLI prints this message (test_wrong_override_lists_valid_options)
+    assert f"Could not find '{group}/nope'" in msg and f"Available options in '{group}':" in msg
+    listed = msg.split(f"Available options in '{group}':", 1)[1].split("Config search path:", 1)[0].split()
+    assert listed == _options(group)
+
+
+def _trainer_cfg(accelerator: object, devices: object) -> object:
+    return OmegaConf.create({"trainer": {"accelerator": accelerator, "devices": devices}})
+
+
+@pytest.mark.parametrize(("accelerator", "devices", "per_cpu"), [("cpu", 3, "1.5"), ("cpu", "8", "4"), ("CPU", 4, "2")])
+def test_more_cpu_processes_than_cpus_warns_about_oversubscription(monkeypatch: pytest.MonkeyPatch, accelerator: str,
+                                                                   devices: object, per_cpu: str) -> None:
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    with pytest.warns(UserWarning, match=rf"trainer.devices={int(devices)} .* 2 CPUs: oversubscription") as record:
+        message = cli._warn_oversubscription(_trainer_cfg(accelerator, devices))
+    assert len(record) == 1 and str(record[0].message) == message
+    assert f"{per_cpu} processes per CPU" in message and "time-share the cores" in message
+    assert "slower" in message and "timings are meaningless" in message
+
+
+def test_accelerator_auto_without_cuda_counts_as_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.warns(UserWarning, match="oversubscription"):
+        assert cli._warn_oversubscription(_trainer_cfg("auto", 3)) is not None
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert cli._warn_oversubscription(_trainer_cfg("auto", 3)) is None
+
+
+@pytest.mark.parametrize(("accelerator", "devices"), [("cpu", 2), ("cpu", 1), ("cpu", "2"), ("cpu", "auto"),
+                                                      ("cpu", -1), ("cpu", [0, 1, 2]), ("cpu", True),
+                                                      ("gpu", 8), ("cuda", 8)])
+def test_no_oversubscription_no_warning(monkeypatch: pytest.MonkeyPatch, accelerator: str, devices: object) -> None:
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert cli._warn_oversubscription(_trainer_cfg(accelerator, devices)) is None
 
 
 @pytest.mark.slow

@@ -57,7 +57,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-__all__ = ["POINTER", "Preempted", "RequeueOnSignal", "latest_checkpoint", "publish_checkpoint", "requeue_job",
+__all__ = ["POINTER", "Preempted", "RequeueOnSignal", "fsync_dir", "fsync_path", "remove_path", "latest_checkpoint", "publish_checkpoint", "requeue_job",
            "resolve_signal", "skip_batches"]
 
 log = logging.getLogger("lightning_sync.launch")
@@ -87,7 +87,7 @@ class Preempted(Exception):
 
 
 # --------------------------------------------------------------------------- atomic files
-def _fsync_path(path: Path) -> None:
+def fsync_path(path: Path) -> None:
     """fsync a file, or every file and directory under a directory (sharded checkpoints), then its parent."""
     paths = [path] if path.is_file() else [*sorted(p for p in path.rglob("*")), path]
     for p in paths:
@@ -96,10 +96,10 @@ def _fsync_path(path: Path) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
-def _fsync_dir(directory: Path) -> None:
+def fsync_dir(directory: Path) -> None:
     fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -107,7 +107,7 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def _remove(path: Path) -> None:
+def remove_path(path: Path) -> None:
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path)
     elif path.exists() or path.is_symlink():
@@ -121,7 +121,7 @@ def _write_text_atomically(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 def publish_checkpoint(directory: str | os.PathLike[str], tmp: str | os.PathLike[str], name: str,
@@ -132,15 +132,15 @@ def publish_checkpoint(directory: str | os.PathLike[str], tmp: str | os.PathLike
     remove older ``requeue-step*`` checkpoints. A crash before the pointer moves leaves the previous one."""
     directory, tmp = Path(directory), Path(tmp)
     final = directory / name
-    _fsync_path(tmp)
+    fsync_path(tmp)
     if final.exists():
-        _remove(final)
+        remove_path(final)
     os.replace(tmp, final)
-    _fsync_dir(directory)
+    fsync_dir(directory)
     _write_text_atomically(directory / POINTER, json.dumps({"checkpoint": name, **(info or {})}, sort_keys=True))
     for old in directory.glob(f"{_PREFIX}*"):
         if old.name != name:
-            _remove(old)
+            remove_path(old)
     return final
 
 
@@ -325,7 +325,7 @@ class RequeueOnSignal(pl.Callback):
         tmp = self.directory / f".{name}.tmp"
         if trainer.is_global_zero:
             self.directory.mkdir(parents=True, exist_ok=True)
-            _remove(tmp)  # a half-written file from a save that was itself killed
+            remove_path(tmp)  # a half-written file from a save that was itself killed
         trainer.strategy.barrier("requeue_prepare")
         self._state = {"epoch": trainer.current_epoch, "batches": batch_idx + 1, "global_step": trainer.global_step,
                        "rng": gathered, "signal": self.signal.name,

@@ -7,6 +7,12 @@ trains what the command line says. Every value that reaches the script is shell-
 (:func:`shlex.quote`): a job name or override holding ``$(...)``, backticks, ``;`` or quotes stays a
 literal string and never runs.
 
+``train -m launch=slurm`` goes through hydra-submitit-launcher instead, whose script holds the job name,
+partition, signal, CPUs and setup lines (submitit shell-quotes each ``#SBATCH`` value; the overrides
+travel in a pickle, not in the script). :class:`SlurmLauncherValues`, a Hydra callback of
+``conf/launch/slurm.yaml``, refuses what quoting cannot stop before submitit writes it: a value that
+spans lines (a newline ends the ``#SBATCH`` comment and bash runs the next line).
+
 Usage::
 
     lightning-sync sbatch launch.nodes=2 trainer.devices=2 strategy=bucketed_ddp > job.sh
@@ -20,9 +26,11 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from hydra.experimental.callback import Callback
+
 from lightning_sync.launch.requeue import resolve_signal
 
-__all__ = ["compose_job", "render_sbatch"]
+__all__ = ["SlurmLauncherValues", "compose_job", "render_sbatch"]
 
 
 def compose_job(overrides: Sequence[str]) -> Any:
@@ -93,6 +101,42 @@ def render_sbatch(overrides: Sequence[str], output: str = "slurm-%j.out") -> str
              'while kill -0 "$pid" 2>/dev/null; do wait "$pid"; status=$?; done  # a trapped signal ends `wait` early',
              'exit "$status"', ""]
     return "\n".join(lines)
+
+
+def _strings(resolved: Any, raw: Any, key: str) -> Any:
+    """``(key, resolved text, raw text)`` of every string in a resolved config container (raw: unresolved)."""
+    if isinstance(resolved, dict):
+        for k, v in resolved.items():
+            yield from _strings(v, raw.get(k) if isinstance(raw, dict) else None, f"{key}.{k}")
+    elif isinstance(resolved, list):
+        for i, v in enumerate(resolved):
+            yield from _strings(v, raw[i] if isinstance(raw, list) and i < len(raw) else None, f"{key}[{i}]")
+    elif isinstance(resolved, str):
+        yield key, resolved, raw
+
+
+class SlurmLauncherValues(Callback):
+    """Hydra callback (``conf/launch/slurm.yaml``): before hydra-submitit-launcher writes its sbatch script,
+    refuse a launcher value that spans lines, and ``launch.cpus_per_task`` (in the ``setup`` shell line)
+    unless it is an int. ``setup`` entries themselves are shell commands by design and are not checked."""
+
+    def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
+        from omegaconf import OmegaConf
+
+        if "launch" in config and "cpus_per_task" in config.launch:
+            _positive_int("launch.cpus_per_task", config.launch.cpus_per_task)
+        launcher = config.hydra.launcher
+        try:
+            resolved = OmegaConf.to_container(launcher, resolve=True)
+        except Exception:  # noqa: BLE001 - the launcher raises the same error, with Hydra's context
+            return
+        raw = OmegaConf.to_container(launcher, resolve=False)
+        for key, text, source in _strings(resolved, raw, "hydra.launcher"):
+            if key.startswith("hydra.launcher.setup[") or ("\n" not in text and "\r" not in text):
+                continue
+            origin = f" (set from {source})" if isinstance(source, str) and "${" in source else ""
+            raise ValueError(f"{key}{origin} must be one line (it goes into submitit's sbatch script, where a "
+                             f"newline ends the #SBATCH comment and bash runs the next line), got {text!r}")
 
 
 def main(argv: Sequence[str]) -> None:

@@ -3,6 +3,7 @@ through :mod:`lightning_sync.comms` so that metric syncing is counted like every
 
 from __future__ import annotations
 
+import math
 from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
 from typing import Any
@@ -11,7 +12,7 @@ import torch
 
 from lightning_sync import comms
 
-__all__ = ["CommsCollectivesMixin", "as_timedelta", "check_launch_args", "no_sync_of", "PASSTHROUGH"]
+__all__ = ["AtomicCheckpoints", "CommsCollectivesMixin", "as_timedelta", "check_bool", "check_launch_args", "no_sync_of", "PASSTHROUGH"]
 
 _REDUCE_OPS = {"mean": "avg", "avg": "avg", "sum": "sum", "max": "max", "min": "min"}
 _TORCH_OPS = {torch.distributed.ReduceOp.SUM: "sum", torch.distributed.ReduceOp.MAX: "max",
@@ -22,11 +23,19 @@ PASSTHROUGH = ("accelerator", "parallel_devices", "cluster_environment", "checkp
 
 def as_timedelta(timeout: float | timedelta) -> timedelta:
     """A collective timeout given in seconds (or already a ``timedelta``), checked."""
-    if isinstance(timeout, timedelta):
+    if isinstance(timeout, timedelta) and timeout > timedelta(0):
         return timeout
-    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
-        raise ValueError(f"timeout must be a number of seconds > 0 or a timedelta, got {timeout!r}")
+    if isinstance(timeout, timedelta) or not isinstance(timeout, (int, float)) or isinstance(timeout, bool) \
+            or not 0 < timeout < math.inf:
+        raise ValueError(f"timeout must be a finite number of seconds > 0 or a timedelta > 0, got {timeout!r}")
     return timedelta(seconds=timeout)
+
+
+def check_bool(name: str, value: Any) -> bool:
+    """``value`` if it is True or False (not 0/1, not a string), else a ValueError naming it."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+    return value
 
 
 class _AllGatherWithGrad(torch.autograd.Function):
@@ -61,7 +70,24 @@ def check_launch_args(owner: str, process_group_backend: Any, start_method: Any,
         raise ValueError(f"{owner} got unknown arguments {unknown}; besides its own it accepts {list(PASSTHROUGH)}")
 
 
-class CommsCollectivesMixin:
+class AtomicCheckpoints:
+    """Strategies whose checkpoint files are written atomically (:class:`~lightning_sync.launch.AtomicCheckpointIO`)
+    unless the user passes another ``checkpoint_io``."""
+
+    @property
+    def checkpoint_io(self) -> Any:
+        if self._checkpoint_io is None:  # type: ignore[attr-defined]
+            from lightning_sync.launch.atomic import AtomicCheckpointIO
+
+            self._checkpoint_io = AtomicCheckpointIO()
+        return super().checkpoint_io  # type: ignore[misc]
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: Any) -> None:
+        self._checkpoint_io = io
+
+
+class CommsCollectivesMixin(AtomicCheckpoints):
     """``reduce``/``all_gather``/``broadcast``/``barrier`` for Lightning (torchmetrics ``sync_dist``,
     ``self.all_gather``, checkpoint-path broadcasts) through :mod:`lightning_sync.comms`."""
 

@@ -63,9 +63,10 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from typing_extensions import override
 
 from lightning_sync.comms import rpc
-from lightning_sync.strategies._common import as_timedelta, check_launch_args
+from lightning_sync.strategies._common import AtomicCheckpoints, as_timedelta, check_launch_args
 from lightning_sync.sync.parameter_server import ParameterServer, Reply, check_lr_scaling, check_staleness
 from lightning_sync.sync.ps_worker import LocalLink, PSWorker, RpcLink, host
+from lightning_sync.sync.safe_load import guarded_load
 
 __all__ = ["AsyncParameterServerStrategy"]
 
@@ -113,7 +114,7 @@ class _GlobalClockScheduler:
         return getattr(self._scheduler, name)
 
 
-class AsyncParameterServerStrategy(ParallelStrategy):
+class AsyncParameterServerStrategy(AtomicCheckpoints, ParallelStrategy):
     """Asynchronous parameter server with bounded staleness (see the module docstring).
 
     Args:
@@ -405,8 +406,12 @@ class AsyncParameterServerStrategy(ParallelStrategy):
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override
-    def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Weights-only unless ``weights_only=False`` (``trainer.fit(..., weights_only=False)``); a
+        checkpoint that needs more raises :class:`~lightning_sync.sync.safe_load.UntrustedCheckpointError`."""
+        checkpoint = guarded_load(
+            lambda wo: super(AsyncParameterServerStrategy, self).load_checkpoint(checkpoint_path, wo),
+            checkpoint_path, weights_only)
         self._pending_state = checkpoint.get(_CKPT_KEY)
         return checkpoint
 

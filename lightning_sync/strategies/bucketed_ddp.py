@@ -37,10 +37,17 @@ from typing_extensions import override
 
 from lightning_sync import comms
 from lightning_sync.comms.algorithms import ALGORITHMS
-from lightning_sync.strategies._common import CommsCollectivesMixin, as_timedelta, check_launch_args, no_sync_of
+from lightning_sync.strategies._common import (
+    CommsCollectivesMixin,
+    as_timedelta,
+    check_bool,
+    check_launch_args,
+    no_sync_of,
+)
 from lightning_sync.sync.bucketing import GradBucketer, check_mib
 from lightning_sync.sync.communicator import ProcessGroupCommunicator
 from lightning_sync.sync.compression import COMPRESSIONS, make_compressor
+from lightning_sync.sync.safe_load import guarded_load
 
 __all__ = ["BucketedDDPStrategy"]
 
@@ -83,7 +90,10 @@ class BucketedDDPStrategy(CommsCollectivesMixin, DDPStrategy):
                 raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
         if compression not in (None, "none", *COMPRESSIONS):
             raise ValueError(f"unknown compression {compression!r}; allowed: {[None, *COMPRESSIONS]}")
-        if comm_algorithm not in ALGORITHMS:
+        for name, flag in (("gradient_as_bucket_view", gradient_as_bucket_view),
+                           ("find_unused_parameters", find_unused_parameters), ("broadcast_buffers", broadcast_buffers)):
+            check_bool(name, flag)
+        if not isinstance(comm_algorithm, str) or comm_algorithm not in ALGORITHMS:
             raise ValueError(f"unknown comm_algorithm {comm_algorithm!r}; allowed: {sorted(ALGORITHMS)}")
         check_launch_args(type(self).__name__, process_group_backend, start_method, kwargs)
         self._compressor = make_compressor(compression, powersgd_rank, powersgd_warmup_steps)  # validates
@@ -175,8 +185,11 @@ class BucketedDDPStrategy(CommsCollectivesMixin, DDPStrategy):
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override
-    def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Weights-only unless ``weights_only=False`` (``trainer.fit(..., weights_only=False)``); a
+        checkpoint that needs more raises :class:`~lightning_sync.sync.safe_load.UntrustedCheckpointError`."""
+        checkpoint = guarded_load(lambda wo: super(BucketedDDPStrategy, self).load_checkpoint(checkpoint_path, wo),
+                                  checkpoint_path, weights_only)
         states = checkpoint.get(_CKPT_KEY)
         if states is not None:
             if self.bucketer is not None:

@@ -45,6 +45,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_sync.strategies._common import CommsCollectivesMixin, as_timedelta, check_launch_args
+from lightning_sync.sync.safe_load import guarded_load
 
 __all__ = ["HogwildStrategy"]
 
@@ -97,8 +98,9 @@ class HogwildStrategy(CommsCollectivesMixin, DDPStrategy):
             raise ValueError(f"oversubscribe must be True or False, got {oversubscribe!r}")
         cpus = os.cpu_count() or 1
         if num_processes is not None and num_processes > cpus and not oversubscribe:
-            raise ValueError(f"num_processes={num_processes} is more than this machine's {cpus} CPUs; lock-free "
-                             f"updates then compete for cores. Pass oversubscribe=True to run it anyway")
+            raise ValueError(f"num_processes={num_processes!r} is more than this machine's {cpus} CPUs (allowed: 1 to "
+                             f"{cpus}); lock-free updates then compete for cores. Pass oversubscribe=True to run "
+                             f"it anyway")
         if start_method not in _START_METHODS:
             raise ValueError(f"start_method must be one of {list(_START_METHODS)} (processes must share this "
                              f"process's memory), got {start_method!r}")
@@ -179,6 +181,13 @@ class HogwildStrategy(CommsCollectivesMixin, DDPStrategy):
                  for k, v in super().lightning_module_state_dict().items()}
         self.barrier()
         return state
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Weights-only unless ``weights_only=False`` (``trainer.fit(..., weights_only=False)``); a
+        checkpoint that needs more raises :class:`~lightning_sync.sync.safe_load.UntrustedCheckpointError`."""
+        return guarded_load(lambda wo: super(HogwildStrategy, self).load_checkpoint(checkpoint_path, wo),
+                            checkpoint_path, weights_only)
 
     @override
     def teardown(self) -> None:

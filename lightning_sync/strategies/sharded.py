@@ -32,6 +32,11 @@ What is sharded, and what is synchronized when (K ranks):
   replicated tensors, ``lightning_sync_meta.json`` and Lightning's own state (``lightning.pt``). They
   load at any world size and stage; :func:`~lightning_sync.sync.sharding.consolidate_checkpoint`
   turns one into a plain ``state_dict``; :meth:`ShardedStrategy.full_state_dict` consolidates in memory.
+  The save is atomic: the shards go into a hidden ``.<name>.tmp`` directory; after all of them, rank 0
+  adds ``lightning.pt`` and the ``COMPLETE`` marker, fsyncs, and renames it into place. A directory
+  without the marker (a save that was killed) is refused at load.
+  Everything is read back weights-only (``lightning.pt``, DCP's pickled ``.metadata`` and entries; see
+  :mod:`lightning_sync.sync.safe_load`) unless ``trainer.fit(..., weights_only=False)`` opts in.
 * **After fit** (teardown) every rank's module holds the full trained parameters again, and
   ``trainer.save_checkpoint`` then writes a plain full checkpoint file (which loads back, sharded).
 
@@ -42,6 +47,8 @@ statistics) are broadcast at setup only, as in FSDP.
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager
@@ -55,9 +62,11 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from lightning_sync.launch.requeue import fsync_dir, fsync_path, remove_path
 from lightning_sync.strategies._common import CommsCollectivesMixin, as_timedelta, check_launch_args, no_sync_of
 from lightning_sync.sync.communicator import ProcessGroupCommunicator
 from lightning_sync.sync.bucketing import check_mib
+from lightning_sync.sync.safe_load import load_file
 from lightning_sync.sync.sharding import (
     ZERO_STAGES,
     ZeroEngine,
@@ -70,6 +79,7 @@ from lightning_sync.sync.sharding import (
 __all__ = ["ShardedStrategy"]
 
 _LIGHTNING_STATE = "lightning.pt"
+COMPLETE_MARKER = "COMPLETE"  # rank 0 writes it after every shard and Lightning's state
 
 
 class ShardedStrategy(CommsCollectivesMixin, DDPStrategy):
@@ -268,28 +278,46 @@ class ShardedStrategy(CommsCollectivesMixin, DDPStrategy):
         if self.engine is None:  # after fit (teardown unsharded the module): a plain full checkpoint file
             super().save_checkpoint(checkpoint, filepath)
             return
+        # atomic: every rank writes its shards into a hidden temporary directory; once all are written,
+        # rank 0 adds Lightning's state and the completion marker, fsyncs, and renames it into place
         path = Path(self.broadcast(str(filepath)))
-        if self.global_rank == 0:
-            if path.is_file():
-                path.unlink()
-            elif path.is_dir():
-                shutil.rmtree(path)
+        tmp = path.with_name(f".{path.name}.tmp")
+        if self.global_rank == 0 and (tmp.exists() or tmp.is_symlink()):
+            remove_path(tmp)  # a save killed earlier
         self.barrier()
         checkpoint = {k: v for k, v in checkpoint.items() if k != "state_dict"}
-        self.engine.save_sharded(path)
+        self.engine.save_sharded(tmp)
+        self.barrier()  # every shard is written
         if self.global_rank == 0:
-            torch.save(checkpoint, path / _LIGHTNING_STATE)
+            torch.save(checkpoint, tmp / _LIGHTNING_STATE)
+            (tmp / COMPLETE_MARKER).write_text(json.dumps({"world_size": self.world_size}))
+            fsync_path(tmp)
+            old = path.with_name(f".{path.name}.old")
+            if old.exists():
+                remove_path(old)
+            if path.exists() or path.is_symlink():
+                os.replace(path, old)  # a directory cannot replace a non-empty one: move it aside first
+            os.replace(tmp, path)
+            fsync_dir(path.parent)
+            if old.exists():
+                remove_path(old)
         self.barrier()
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Weights-only unless ``weights_only=False`` (``trainer.fit(..., weights_only=False)``); a
+        checkpoint that needs more raises :class:`~lightning_sync.sync.safe_load.UntrustedCheckpointError`."""
         path = Path(self.broadcast(str(checkpoint_path)))
         assert self.engine is not None, "load_checkpoint needs the strategy to be set up"
         if path.is_dir():
             read_meta(path)  # clear error if it is not ours
-            self.engine.load_sharded(path)
-            return torch.load(path / _LIGHTNING_STATE, map_location="cpu", weights_only=False)
-        checkpoint = torch.load(path, map_location="cpu", weights_only=bool(weights_only))
+            if not (path / COMPLETE_MARKER).is_file():
+                raise ValueError(f"{path} is an incomplete sharded checkpoint (no {COMPLETE_MARKER}): its save "
+                                 f"was interrupted; resume from an earlier one")
+            state = load_file(path / _LIGHTNING_STATE, weights_only)
+            self.engine.load_sharded(path, weights_only)
+            return state
+        checkpoint = load_file(path, weights_only)
         self.engine.load_full_state_dict(checkpoint["state_dict"])
         if checkpoint.get("optimizer_states"):
             rank_zero_warn(f"{path} is a full (unsharded) checkpoint: its weights were loaded and sharded; its "

@@ -10,6 +10,7 @@ from lightning_sync.sync.compression import COMPRESSIONS, CastCompression, Power
 from lightning_sync.sync.parameter_server import ParameterServer, Reply, check_staleness
 from lightning_sync.sync.periodic import DiLoCoOuter, PeriodicAverager
 from lightning_sync.sync.ps_worker import LocalLink, PSWorker, RpcLink
+from lightning_sync.sync.safe_load import UntrustedCheckpointError
 from lightning_sync.sync.sharding import (
     ZERO_STAGES,
     FlatShard,
@@ -22,6 +23,7 @@ from lightning_sync.sync.sharding import (
 __all__ = [
     "COMPRESSIONS", "ZERO_STAGES", "Bucket", "CastCompression", "Communicator", "DiLoCoOuter", "FlatShard",
     "GradBucketer", "LocalLink", "LoopbackCommunicator", "OwnedSlice", "PSWorker", "ParameterServer", "PeriodicAverager",
-    "PowerSGD", "ProcessGroupCommunicator", "Reply", "RpcLink", "StepTrace", "ZeroEngine", "check_staleness",
+    "PowerSGD", "ProcessGroupCommunicator", "Reply", "RpcLink", "StepTrace", "UntrustedCheckpointError", "ZeroEngine",
+    "check_staleness",
     "consolidate_checkpoint", "make_compressor", "plan_buckets", "zero_memory_bytes",
 ]

@@ -42,6 +42,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from lightning_sync.sync.bucketing import SyncSwitch, check_mib, plan_buckets
 from lightning_sync.sync.communicator import Communicator
+from lightning_sync.sync.safe_load import check_dcp_metadata, dcp_load
 
 __all__ = ["FlatParam", "FlatShard", "OwnedSlice", "Unit", "ZERO_STAGES", "ZeroEngine", "check_stage",
            "consolidate_checkpoint", "import_class", "read_meta", "resolve_dtype", "resolve_wrap_policy",
@@ -212,10 +213,19 @@ def resolve_wrap_policy(policy: Any) -> Callable[[nn.Module, int], bool] | None:
             raise ValueError(f"wrap_policy mapping must have exactly one of 'min_num_params' or 'module_classes', "
                              f"got keys {sorted(policy)}; allowed forms: {allowed}")
         key, value = next(iter(policy.items()))
-        return resolve_wrap_policy(int(value) if key == "min_num_params" else list(value))
+        if key == "min_num_params":
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"wrap_policy min_num_params must be an int >= 1, got {value!r}")
+            return resolve_wrap_policy(value)
+        if isinstance(value, (str, type)):
+            return resolve_wrap_policy([value])
+        if not isinstance(value, Sequence):
+            raise ValueError(f"wrap_policy module_classes must be a list of module classes / class paths / class "
+                             f"names, got {value!r}")
+        return resolve_wrap_policy(list(value))
     if isinstance(policy, int) and not isinstance(policy, bool):
         if policy < 1:
-            raise ValueError(f"wrap_policy min_num_params must be >= 1, got {policy}")
+            raise ValueError(f"wrap_policy min_num_params must be an int >= 1, got {policy!r}")
         return lambda module, unclaimed: unclaimed >= policy
     if isinstance(policy, (str, type)):
         policy = [policy]
@@ -905,11 +915,13 @@ class ZeroEngine(SyncSwitch):
             raise ValueError(f"checkpoint does not match this model: first mismatched key {first!r} "
                              f"({'missing from the checkpoint' if len(mine) > len(theirs) else 'not in this model'})")
 
-    def load_sharded(self, path: str | os.PathLike[str]) -> None:
-        """Load a :meth:`save_sharded` checkpoint written at any world size and stage; a collective."""
+    def load_sharded(self, path: str | os.PathLike[str], weights_only: bool | None = None) -> None:
+        """Load a :meth:`save_sharded` checkpoint written at any world size and stage; a collective.
+        Weights-only (see :mod:`lightning_sync.sync.safe_load`) unless ``weights_only=False``."""
         path = Path(path)
         meta = read_meta(path)
         self.check_compatible(meta)
+        check_dcp_metadata(path, weights_only)  # before FileSystemReader pickle.loads it
         saved = FileSystemReader(str(path)).read_metadata().state_dict_metadata
         chunks = _chunk_index(saved)
         want: dict[str, Any] = {}
@@ -925,7 +937,7 @@ class ZeroEngine(SyncSwitch):
         _, replicated = self._replicated()
         for key, tensor in replicated.items():
             want[f"full/{key}"] = tensor
-        dcp.load(want, checkpoint_id=str(path), process_group=getattr(self.comm, "group", None))
+        dcp_load(want, path, weights_only, process_group=getattr(self.comm, "group", None))
         with torch.no_grad():
             for f in self.flats:
                 state: dict[str, Any] = {}
@@ -1048,17 +1060,19 @@ def _fill(dest: torch.Tensor, prefix: str, chunks: Mapping[str, list[tuple[int, 
         raise ValueError(f"checkpoint holds {covered} of the {s.length} elements of {prefix} this rank needs")
 
 
-def consolidate_checkpoint(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+def consolidate_checkpoint(path: str | os.PathLike[str], weights_only: bool = True) -> dict[str, torch.Tensor]:
     """A plain full ``state_dict`` (original keys, order and dtypes; tied parameters under every name)
-    from a sharded checkpoint directory, in one process, without a process group. For inference."""
+    from a sharded checkpoint directory, in one process, without a process group. For inference.
+    Weights-only (see :mod:`lightning_sync.sync.safe_load`) unless ``weights_only=False``."""
     meta = read_meta(path)
+    check_dcp_metadata(path, weights_only)  # before FileSystemReader pickle.loads it
     saved = FileSystemReader(str(path)).read_metadata().state_dict_metadata
     chunks = _chunk_index(saved)
     want: dict[str, Any] = {k: _placeholder(md) for k, md in saved.items()
                             if k.startswith("full/") or (k.startswith("model/") and "@" in k)}
     with warnings.catch_warnings():  # "torch.distributed is disabled..." is what no_dist asks for
         warnings.filterwarnings("ignore", message=".*torch.distributed.*disabled.*")
-        dcp.load(want, checkpoint_id=str(path), no_dist=True)
+        dcp_load(want, path, weights_only, no_dist=True)
     params: dict[str, torch.Tensor] = {}
     for name, (shape, dtype) in meta["params"].items():
         numel = math.prod(shape)
