@@ -77,6 +77,34 @@ def _scalar_metrics(metrics: dict[str, Any]) -> dict[str, float]:
     return out
 
 
+def _warn_oversubscription(cfg: Any) -> str | None:
+    """Warn (on rank 0) when a CPU run starts more processes per node than this machine has CPUs.
+
+    ``trainer.devices`` is an int or a digit string for the CPU accelerator (``"auto"`` is one process;
+    other forms are Lightning's to reject). ``accelerator: auto`` counts as CPU when CUDA is absent.
+    Returns the warning's text, or None when there is nothing to warn about.
+    """
+    trainer = cfg.get("trainer") or {}
+    accelerator = str(trainer.get("accelerator", "auto")).lower()
+    if accelerator == "auto":
+        import torch
+
+        accelerator = "gpu" if torch.cuda.is_available() else "cpu"
+    devices = trainer.get("devices", "auto")
+    if isinstance(devices, str) and devices.strip().isdigit():
+        devices = int(devices)
+    cpus = os.cpu_count() or 1
+    if accelerator != "cpu" or isinstance(devices, bool) or not isinstance(devices, int) or devices <= cpus:
+        return None
+    from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+    message = (f"trainer.devices={devices} on a CPU run, but this machine has {cpus} CPUs: oversubscription, "
+               f"{devices / cpus:.2g} processes per CPU. The processes will time-share the cores, so training is "
+               f"slower and its timings are meaningless; use trainer.devices<={cpus} for measurements.")
+    rank_zero_warn(message, category=UserWarning)
+    return message
+
+
 def run_train(cfg: Any) -> dict[str, float]:
     """Build everything from ``cfg`` (a composed ``train.yaml``), fit, and return rank 0's final metrics."""
     import lightning.pytorch as pl
@@ -88,26 +116,35 @@ def run_train(cfg: Any) -> dict[str, float]:
     from lightning_sync.launch import NodeBanner, prepare
     from lightning_sync.launch.requeue import Preempted, RequeueOnSignal, latest_checkpoint
 
+    _warn_oversubscription(cfg)
     rendezvous = prepare()  # under SLURM: a MASTER_ADDR that resolves and a port from the job id
     pl.seed_everything(cfg.seed, workers=True)
-    datamodule = instantiate(cfg.data)
-    model = instantiate(cfg.model)
+    datamodule = instantiate(cfg.data, _convert_="all")
+    model = instantiate(cfg.model, _convert_="all")  # plain lists and dicts: weights-only checkpoints load
     strategy = instantiate(cfg.strategy)
     plugins = []
     if SLURMEnvironment.detect():  # ranks from Slurm; requeue is ours (RequeueOnSignal), not Lightning's
         plugins.append(SLURMEnvironment(auto_requeue=False))
-    trainer: pl.Trainer = instantiate(cfg.trainer, strategy=strategy, **({"plugins": plugins} if plugins else {}))
+    # trainer.callbacks from the command line (+trainer.callbacks=[...]) first, then ours
+    callbacks = [instantiate(spec) for spec in cfg.trainer.get("callbacks") or []]
+    callbacks.append(ConsistencyCheck())  # ranks with another model or strategy fail at setup, not hang
+    callbacks += [instantiate(spec) for spec in (cfg.get("diagnostics") or {}).values() if spec is not None]
+    if cfg.get("checkpoint") and cfg.trainer.get("enable_checkpointing", True):
+        callbacks.append(instantiate(cfg.checkpoint))
+    trainer: pl.Trainer = instantiate(cfg.trainer, strategy=strategy, callbacks=callbacks,
+                                      **({"plugins": plugins} if plugins else {}))
     if rendezvous is not None:
         trainer.callbacks.append(NodeBanner(rendezvous))
-    trainer.callbacks.append(ConsistencyCheck())  # ranks with another model or strategy fail at setup, not hang
-    requeue, resume = None, None
+    requeue, resume = None, cfg.get("ckpt_path")
     if cfg.launch.get("signal"):
         requeue = RequeueOnSignal(cfg.launch.checkpoint_dir, cfg.launch.signal, requeue=bool(cfg.launch.requeue))
         trainer.callbacks.append(requeue)
-        resume = latest_checkpoint(requeue.directory)
-        if resume is not None and trainer.is_global_zero:
-            log.info("resuming from the preemption checkpoint %s (SLURM restart count %s)", resume,
-                     os.environ.get("SLURM_RESTART_COUNT", "0"))
+        preempted = latest_checkpoint(requeue.directory)
+        if preempted is not None:
+            resume = preempted
+            if trainer.is_global_zero:
+                log.info("resuming from the preemption checkpoint %s (SLURM restart count %s)", resume,
+                         os.environ.get("SLURM_RESTART_COUNT", "0"))
     trainer.fit(model, datamodule=datamodule, ckpt_path=resume)
     if requeue is not None and requeue.preempted:
         said = "job requeued" if requeue.requeued else "job NOT requeued (see above)"
@@ -132,12 +169,22 @@ def run_train(cfg: Any) -> dict[str, float]:
 def _train_app(cfg: Any) -> float | None:
     import torch.distributed as dist
 
+    from lightning_sync.comms.watchdog import CollectiveError
     from lightning_sync.launch.requeue import Preempted
 
     env = dict(os.environ)
     _pin_child_command("train")
     try:
         metrics = run_train(cfg)
+    except CollectiveError as err:
+        # The process group holds a request that can never complete, and gloo cannot cancel one: tearing the
+        # group down would wait for the strategy's own timeout. Say why, then end the process, as torch's
+        # NCCL watchdog does.
+        log.error("%s: %s", type(err).__name__, err)
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
     except Preempted as stop:
         if str(stop):  # rank 0 says it once
             log.warning("%s", stop)

@@ -90,3 +90,15 @@ def test_zero_configs_build_sharded_strategies_of_their_stage(composer, stage: i
     if stage == 3:  # the YAML's wrap policy resolves and selects Linear layers (and nothing else)
         policy = resolve_wrap_policy(strategy.wrap_policy)
         assert policy is not None and policy(nn.Linear(2, 2), 6) and not policy(nn.Embedding(2, 2), 4)
+
+
+@pytest.mark.parametrize("option", sorted(f.stem for f in (CONF / "diagnostics").glob("*.yaml")))
+def test_diagnostics_options_build_callbacks(composer, option: str) -> None:
+    import lightning.pytorch as pl
+
+    cfg = composer([f"diagnostics={option}"])
+    built = {key: instantiate(spec) for key, spec in cfg.diagnostics.items()}
+    assert all(isinstance(cb, pl.Callback) for cb in built.values()), built
+    expected = {"none": set(), "default": {"watchdog"},
+                "full": {"watchdog", "straggler", "replica_drift", "nonfinite"}}[option]
+    assert set(built) == expected

@@ -45,14 +45,14 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["CollectiveError", "CollectiveTimeout", "RankLost", "Watchdog", "active", "check_args", "start", "stop"]
+__all__ = ["CollectiveError", "CollectiveTimeout", "RankLost", "Watchdog", "active", "check_args", "explain", "start", "stop"]
 
 _HISTORY = 8  # ops remembered per group in a rank's record: enough to compare the op at a pending seq
 _ACTIVE: Watchdog | None = None
@@ -313,12 +313,17 @@ class Watchdog:
 
     def lost_ranks(self) -> list[int]:
         """Ranks whose heartbeat does not move over ``2 * interval`` seconds (the store host's loss raises)."""
-        others = [r for r in range(self.world_size) if r != self.rank]
-        first = self._read(others)
+        return self._survey([r for r in range(self.world_size) if r != self.rank])[1]
+
+    def _survey(self, ranks: Sequence[int]) -> tuple[dict[int, dict[str, Any] | None], list[int]]:
+        """The ranks' records, read twice ``2 * interval`` apart, and the lost ones: no record, or a
+        running rank whose heartbeat did not move (every live rank publishes at least once meanwhile)."""
+        first = self._read(ranks)
         self._pause(2 * self.interval + 0.1)
-        now = self._read(others)
-        return [r for r in others if now[r] is None or (now[r]["state"] == "running" and first[r] is not None
+        now = self._read(ranks)
+        lost = [r for r in ranks if now[r] is None or (now[r]["state"] == "running" and first[r] is not None
                                                          and now[r]["beat"] == first[r]["beat"])]
+        return now, lost
 
     def _set_error(self, err: CollectiveError, post: bool) -> CollectiveError:
         with self._lock:
@@ -343,48 +348,57 @@ class Watchdog:
 
     def _diagnose(self, p: Pending, what: str) -> str:
         others = [r for r in ([p.peer] if p.peer is not None else p.ranks) if r != self.rank]
-        first = self._read(others)
-        self._pause(2 * self.interval + 0.1)  # every live rank publishes at least once in this window
-        now = self._read(others)
-        key = f"{p.group}/p2p" if p.peer is not None else p.group
-        lost, left, never, sig_by_rank, details = [], [], [], {self.rank: (p.op, p.nbytes)}, []
-        for r in others:
-            rec, before = now[r], first[r]
-            where = "never published a heartbeat" if rec is None else (
-                f"waiting in {rec['waiting']}" if rec["waiting"] else "not in a collective")
-            if rec is None or (rec["state"] == "running" and before is not None and rec["beat"] == before["beat"]):
-                lost.append(r)
-                details.append(f"rank {r}: no heartbeat for {2 * self.interval + 0.1:.1f} s; last seen {where}")
-                continue
-            details.append(f"rank {r} ({rec['host']} pid {rec['pid']}): last issued #{rec['last'].get(key, 0)} "
-                           f"here, {where}")
-            if rec["state"] == "done":
-                left.append(r)
-            elif p.peer is not None:
-                continue  # point-to-point: where the peer is (above) is the diagnosis
-            elif rec["last"].get(key, 0) < p.seq:
-                never.append(r)
-            else:
-                at = {h[0]: (h[1], h[2]) for h in rec["hist"].get(key, [])}
-                if p.seq in at:
-                    sig_by_rank[r] = at[p.seq]
-        parts = []
-        sigs: dict[tuple[str, int], list[int]] = {}
-        for r, sig in sorted(sig_by_rank.items()):
-            sigs.setdefault(sig, []).append(r)
-        if len(sigs) > 1:
-            ranked = sorted(sigs.items(), key=lambda kv: (len(kv[1]), kv[1]))  # the minority first
-            parts.append(f"ranks took different code paths at #{p.seq}: " +
-                         "; ".join(f"{op} ({_size(n)}) on ranks {rs}" for (op, n), rs in ranked))
-        if never:
-            parts.append(f"ranks {never} never joined")
-        if left:
-            parts.append(f"ranks {left} already left (stopped their watchdog)")
-        if lost:
-            parts.append(f"ranks {lost} lost")
-        if not parts:
-            parts.append("every peer issued it; the transport did not complete it")
-        return f"{p.label()} {what}: " + "; ".join(parts) + "\n  " + "\n  ".join(details)
+        records, lost = self._survey(others)
+        return explain(p, what, self.rank, records, lost, silent_for=2 * self.interval + 0.1)
+
+
+def explain(p: Pending, what: str, rank: int, records: Mapping[int, dict[str, Any] | None], lost: Sequence[int],
+            silent_for: float) -> str:
+    """The diagnosis of ``p`` (pending on ``rank``) from its peers' published records.
+
+    Per peer: lost (in ``lost``: no heartbeat for ``silent_for`` s), left (stopped its watchdog), never
+    joined (its last sequence number on the group is below ``p.seq``), or issued something at ``p.seq``
+    whose op or size differs (different code paths; the ranks are grouped by what they issued, the
+    smallest group first, since with three or more ranks the odd one out is the culprit).
+    """
+    key = f"{p.group}/p2p" if p.peer is not None else p.group
+    left, never, sig_by_rank, details = [], [], {rank: (p.op, p.nbytes)}, []
+    for r in sorted(records):
+        rec = records.get(r)
+        where = "never published a heartbeat" if rec is None else (
+            f"waiting in {rec['waiting']}" if rec["waiting"] else "not in a collective")
+        if r in lost:
+            details.append(f"rank {r}: no heartbeat for {silent_for:.1f} s; last seen {where}")
+            continue
+        details.append(f"rank {r} ({rec['host']} pid {rec['pid']}): last issued #{rec['last'].get(key, 0)} "
+                       f"here, {where}")
+        if rec["state"] == "done":
+            left.append(r)
+        elif p.peer is not None:
+            continue  # point-to-point: where the peer is (above) is the diagnosis
+        elif rec["last"].get(key, 0) < p.seq:
+            never.append(r)
+        else:
+            at = {h[0]: (h[1], h[2]) for h in rec["hist"].get(key, [])}
+            if p.seq in at:
+                sig_by_rank[r] = at[p.seq]
+    parts = []
+    sigs: dict[tuple[str, int], list[int]] = {}
+    for r, sig in sorted(sig_by_rank.items()):
+        sigs.setdefault(sig, []).append(r)
+    if len(sigs) > 1:
+        ranked = sorted(sigs.items(), key=lambda kv: (len(kv[1]), kv[1]))  # the minority first
+        parts.append(f"ranks took different code paths at #{p.seq}: " +
+                     "; ".join(f"{op} ({_size(n)}) on ranks {rs}" for (op, n), rs in ranked))
+    if never:
+        parts.append(f"ranks {never} never joined")
+    if left:
+        parts.append(f"ranks {left} already left (stopped their watchdog)")
+    if lost:
+        parts.append(f"ranks {lost} lost")
+    if not parts:
+        parts.append("every peer issued it; the transport did not complete it")
+    return f"{p.label()} {what}: " + "; ".join(parts) + "\n  " + "\n  ".join(details)
 
 
 def _client_store(generation: int) -> tuple[dist.Store, str]:

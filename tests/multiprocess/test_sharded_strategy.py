@@ -22,6 +22,7 @@ mean), so a run resumed at 3 or 1 rank(s) from a 2-rank checkpoint must continue
 from __future__ import annotations
 
 import os
+import shutil
 import traceback
 import warnings
 from collections.abc import Callable
@@ -427,8 +428,20 @@ def _reshard_source(ck: Checks, world: int, tmpdir: str, out: dict[str, Any]) ->
     for step in (RESHARD_K, RESHARD_N):
         path = Path(dirpath, f"step={step}.ckpt")
         ck.true(f"[checkpoint] step={step}.ckpt is a sharded directory",
-                path.is_dir() and (path / "lightning_sync_meta.json").is_file() and (path / "lightning.pt").is_file(),
+                path.is_dir() and (path / "lightning_sync_meta.json").is_file() and (path / "lightning.pt").is_file()
+                and (path / "COMPLETE").is_file(),
                 sorted(p.name for p in path.iterdir()) if path.is_dir() else path)
+    ck.true("[checkpoint] no temporary directory left", not any(p.name.startswith(".") for p in Path(dirpath).iterdir()),
+            sorted(p.name for p in Path(dirpath).iterdir()))
+    broken = Path(tmpdir, "broken.ckpt")  # a save killed before its marker: refused, never half-loaded
+    if torch.distributed.get_rank() == 0:
+        shutil.copytree(Path(dirpath, f"step={RESHARD_K}.ckpt"), broken)
+        (broken / "COMPLETE").unlink()
+    torch.distributed.barrier()
+    ck.raises("[checkpoint] a directory without its COMPLETE marker is refused",
+              lambda: _trainer(world, _sharded(3), max_steps=RESHARD_N).fit(
+                  _Module("adamw", ds, RESHARD_BATCH[world], scheduler=False), ckpt_path=str(broken)),
+              r"incomplete sharded checkpoint \(no COMPLETE\)", exc=ValueError)
     if torch.distributed.get_rank() == 0:
         ck.true("[full_state_dict] rank 0 gets every key", probe.state is not None and
                 list(probe.state) == list(module.state_dict()), None if probe.state is None else list(probe.state))
