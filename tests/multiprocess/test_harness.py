@@ -240,7 +240,9 @@ def test_timeout_stack_dump_shows_where_a_slow_starting_rank_is_stuck() -> None:
 
 @pytest.mark.timeout(90)
 def test_skipped_collective_times_out_with_stack_of_the_stuck_rank() -> None:
-    err, _ = _run_expecting(DistributedTimeoutError, _skip_collective_worker, 2, timeout=8, pg_timeout=PG_TIMEOUT_S)
+    # timeout=15: both ranks must be past start-up (imports take up to ~10 s on a loaded 2-core machine)
+    # for rank 1 to have returned and rank 0 to be stuck in its all_reduce when the deadline passes
+    err, _ = _run_expecting(DistributedTimeoutError, _skip_collective_worker, 2, timeout=15, pg_timeout=PG_TIMEOUT_S)
     msg = str(err)
     assert "ranks [0] never returned" in msg, msg
     assert "in _skip_collective_worker" in _stacks_of(msg, 0)
