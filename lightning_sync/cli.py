@@ -105,6 +105,50 @@ def _warn_oversubscription(cfg: Any) -> str | None:
     return message
 
 
+def _apply_batch(cfg: Any) -> Any:
+    """Derive the global batch from ``cfg.batch`` (any two of its keys) and write it into ``cfg`` before builds.
+
+    The world size is ``trainer.devices x trainer.num_nodes`` (``"auto"`` is refused). Sets ``data.batch_size``
+    to ``per_device`` and ``trainer.accumulate_grad_batches`` to ``accumulate``; an explicit
+    ``trainer.accumulate_grad_batches`` (not 1, or given on the command line) that differs is refused, naming
+    both. Logs the arithmetic on rank 0 and warns (once, rank 0) above 32k without LARS/LAMB. Returns the
+    :class:`~lightning_sync.batch.BatchPlan`, or None when every ``batch`` key is null (nothing changes).
+    """
+    keys = {k: v for k, v in (cfg.get("batch") or {}).items() if v is not None}
+    if not keys:
+        return None
+    from hydra.core.hydra_config import HydraConfig
+    from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
+    from omegaconf import open_dict
+
+    from lightning_sync.batch import derive_batch, large_batch_warning, world_size_of
+
+    devices, nodes = cfg.trainer.get("devices", "auto"), cfg.trainer.get("num_nodes", 1)
+    try:
+        plan = derive_batch(world_size_of(devices, nodes), **keys)
+    except ValueError as err:
+        given = " ".join(f"batch.{k}={v}" for k, v in keys.items())
+        raise ValueError(f"{given} with trainer.devices={devices!r} x trainer.num_nodes={nodes!r}: {err}") from None
+    current = cfg.trainer.get("accumulate_grad_batches", 1)
+    overrides = HydraConfig.get().overrides.task if HydraConfig.initialized() else []
+    explicit = current != 1 or any(o.lstrip("+~").split("=")[0] == "trainer.accumulate_grad_batches"
+                                   for o in overrides)
+    if explicit and current != plan.accumulate:
+        raise ValueError(f"trainer.accumulate_grad_batches={current} contradicts the batch config, which derives "
+                         f"accumulate {plan.accumulate} ({plan.describe()}): drop one, or make them agree")
+    with open_dict(cfg):
+        cfg.data.batch_size = plan.per_device
+        cfg.trainer.accumulate_grad_batches = plan.accumulate
+    if rank_zero_only.rank == 0:
+        log.info("batch: %s", plan.describe())
+    optim = cfg.get("optim") or {}  # the optimizer's name, wherever the config gives one
+    warning = large_batch_warning(plan.global_size, optim.get("name") or optim.get("_target_")
+                                  or (cfg.get("model") or {}).get("optimizer"))
+    if warning is not None:
+        rank_zero_warn(warning, category=UserWarning)
+    return plan
+
+
 def run_train(cfg: Any) -> dict[str, float]:
     """Build everything from ``cfg`` (a composed ``train.yaml``), fit, and return rank 0's final metrics."""
     import lightning.pytorch as pl
@@ -117,6 +161,7 @@ def run_train(cfg: Any) -> dict[str, float]:
     from lightning_sync.launch.requeue import Preempted, RequeueOnSignal, latest_checkpoint
 
     _warn_oversubscription(cfg)
+    plan = _apply_batch(cfg)  # batch.*: data.batch_size and trainer.accumulate_grad_batches, before either is built
     rendezvous = prepare()  # under SLURM: a MASTER_ADDR that resolves and a port from the job id
     pl.seed_everything(cfg.seed, workers=True)
     datamodule = instantiate(cfg.data, _convert_="all")
@@ -128,6 +173,16 @@ def run_train(cfg: Any) -> dict[str, float]:
     # trainer.callbacks from the command line (+trainer.callbacks=[...]) first, then ours
     callbacks = [instantiate(spec) for spec in cfg.trainer.get("callbacks") or []]
     callbacks.append(ConsistencyCheck())  # ranks with another model or strategy fail at setup, not hang
+    optim = cfg.get("optim") or {}
+    if optim.get("lr_scaling", "none") != "none" or optim.get("warmup_steps", 0):
+        # optim.*: LR scaling to the global batch and gradual warmup (a callback, outside any strategy)
+        from lightning_sync.lr_rules import ScaledWarmup
+
+        callbacks.append(ScaledWarmup(lr_scaling=optim.get("lr_scaling", "none"),
+                                      base_batch_size=optim.get("base_batch_size"),
+                                      global_batch_size=plan.global_size if plan is not None else None,
+                                      warmup_steps=optim.get("warmup_steps", 0),
+                                      warmup_start=optim.get("warmup_start", "base")))
     callbacks += [instantiate(spec) for spec in (cfg.get("diagnostics") or {}).values() if spec is not None]
     if cfg.get("checkpoint") and cfg.trainer.get("enable_checkpointing", True):
         callbacks.append(instantiate(cfg.checkpoint))

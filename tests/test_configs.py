@@ -8,6 +8,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.utils import get_class, instantiate
+from omegaconf import DictConfig, OmegaConf
 
 from lightning_sync.cli import config_dir
 
@@ -18,6 +19,8 @@ OPTIONS = [(g, f.stem) for g in GROUPS if g not in BENCH_GROUPS for f in sorted(
 SUITES = sorted(f.stem for f in (CONF / "suite").glob("*.yaml"))
 # Groups whose objects are cheap enough to build here (trainer needs a Hydra run; built by the CLI tests).
 BUILDABLE = {"strategy", "model", "data"}
+# Groups train.yaml's defaults list selects; another group's options are appended (+group=option).
+SELECTED = {next(iter(d)) for d in OmegaConf.load(CONF / "train.yaml").defaults if isinstance(d, DictConfig)}
 
 
 @pytest.fixture
@@ -35,7 +38,7 @@ def test_expected_groups_exist() -> None:
 
 @pytest.mark.parametrize(("group", "option"), OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
 def test_option_composes_and_builds(composer, group: str, option: str) -> None:
-    cfg = composer([f"{group}={option}"])
+    cfg = composer([f"{'' if group in SELECTED else '+'}{group}={option}"])
     for key in ("strategy", "model", "data", "trainer"):
         assert "_target_" in cfg[key], f"{group}={option}: {key} has no _target_"
         get_class(cfg[key]._target_)  # the target must import

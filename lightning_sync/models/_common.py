@@ -36,8 +36,9 @@ __all__ = [
     "seeded_split",
 ]
 
-#: Optimizer names accepted by :func:`build_optimizer`.
-OPTIMIZERS: tuple[str, ...] = ("adam", "sgd")
+#: Optimizer names accepted by :func:`build_optimizer`. ``lamb`` and ``lars`` come from the
+#: ``pytorch-optimizer`` package: ``pip install lightning-sync[optim]``.
+OPTIMIZERS: tuple[str, ...] = ("adam", "sgd", "lamb", "lars")
 
 
 def _is_int(value: object) -> bool:
@@ -154,11 +155,27 @@ def he_init(layer: nn.Linear) -> nn.Linear:
 def build_optimizer(
     params: Iterable[nn.Parameter], name: str, lr: float, weight_decay: float = 0.0
 ) -> torch.optim.Optimizer:
-    """Create the optimizer called ``name`` (one of :data:`OPTIMIZERS`); SGD uses momentum 0.9."""
+    """Create the optimizer called ``name`` (one of :data:`OPTIMIZERS`); SGD uses momentum 0.9.
+
+    ``params`` may also be param-group dicts (a group's own ``weight_decay`` wins). The large-batch,
+    layer-wise adaptive optimizers come from ``pytorch-optimizer`` (the ``optim`` extra), with its
+    defaults otherwise: ``"lamb"`` is LAMB (You et al., 2019; Adam moments, per-tensor trust ratio,
+    decoupled weight decay), ``"lars"`` is LARS (You et al., 2017; momentum 0.9, trust coefficient
+    1e-3 on tensors of 2 or more dims, plain momentum SGD on biases and other vectors).
+    """
     check_choice("optimizer", name, OPTIMIZERS)
     if name == "adam":
         return torch.optim.Adam(params, lr=lr, weight_decay=weight_decay)
-    return torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=weight_decay)
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=weight_decay)
+    try:
+        import pytorch_optimizer
+    except ImportError as err:
+        raise ImportError(f"optimizer={name!r} needs the pytorch-optimizer package: "
+                          f"pip install lightning-sync[optim] (or pip install pytorch-optimizer)") from err
+    if name == "lamb":
+        return pytorch_optimizer.Lamb(params, lr=lr, weight_decay=weight_decay)
+    return pytorch_optimizer.LARS(params, lr=lr, momentum=0.9, weight_decay=weight_decay)
 
 
 def make_loader(dataset: Dataset, batch_size: int, shuffle: bool, num_workers: int) -> DataLoader:
@@ -193,7 +210,7 @@ class ClassifierModule(pl.LightningModule):
             net: module mapping a ``(batch, features)`` tensor to ``(batch, num_classes)`` logits.
             num_classes: number of target classes (>= 2).
             lr: learning rate (> 0).
-            optimizer: one of :data:`OPTIMIZERS`; SGD uses momentum 0.9.
+            optimizer: one of :data:`OPTIMIZERS` (see :func:`build_optimizer`).
             weight_decay: L2 penalty passed to the optimizer (>= 0).
         """
         super().__init__()

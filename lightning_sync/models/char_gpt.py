@@ -18,7 +18,10 @@ from torch.nn import functional as F
 from torch.utils.data import Dataset
 
 from lightning_sync.models._common import (
+    OPTIMIZERS,
     SplitDataModule,
+    build_optimizer,
+    check_choice,
     check_fraction,
     check_non_negative_float,
     check_non_negative_int,
@@ -26,11 +29,13 @@ from lightning_sync.models._common import (
     check_positive_int,
 )
 
-__all__ = ["VOCAB_SIZE", "CharDataModule", "CharGPT", "decode", "encode", "load_corpus"]
+__all__ = ["CHAR_GPT_OPTIMIZERS", "VOCAB_SIZE", "CharDataModule", "CharGPT", "decode", "encode", "load_corpus"]
 
 #: Size of the fixed ASCII vocabulary.
 VOCAB_SIZE = 128
 _UNKNOWN = ord("?")
+#: Optimizers :class:`CharGPT` accepts: its own AdamW (betas 0.9, 0.95), or any of :func:`build_optimizer`'s.
+CHAR_GPT_OPTIMIZERS: tuple[str, ...] = ("adamw", *OPTIMIZERS)
 
 
 @functools.lru_cache(maxsize=1)
@@ -176,9 +181,10 @@ class CharGPT(pl.LightningModule):
 
     Learned position embeddings, pre-LayerNorm blocks with causal
     ``scaled_dot_product_attention``, and (by default) an output head whose
-    weight is the token-embedding matrix itself. Trained with AdamW (decay on
-    matrices only). Logs ``train_loss``, ``val_loss`` and ``val_bpc``
-    (validation bits per character, ``val_loss / ln 2``).
+    weight is the token-embedding matrix itself. Trained with AdamW by default
+    (or LAMB, LARS, ... via ``optimizer``), with weight decay on matrices only.
+    Logs ``train_loss``, ``val_loss`` and ``val_bpc`` (validation bits per
+    character, ``val_loss / ln 2``).
     """
 
     def __init__(
@@ -191,6 +197,7 @@ class CharGPT(pl.LightningModule):
         lr: float = 3e-3,
         weight_decay: float = 0.01,
         tie_weights: bool = True,
+        optimizer: str = "adamw",
     ) -> None:
         """
         Args:
@@ -199,9 +206,12 @@ class CharGPT(pl.LightningModule):
             n_head: attention heads per block (>= 1, must divide ``n_embd``).
             n_embd: embedding width (>= 1).
             dropout: dropout probability in [0, 1).
-            lr: AdamW learning rate (> 0).
-            weight_decay: AdamW weight decay applied to matrices (>= 0).
+            lr: learning rate (> 0).
+            weight_decay: weight decay applied to matrices (>= 0).
             tie_weights: share one parameter between token embedding and output head.
+            optimizer: one of :data:`CHAR_GPT_OPTIMIZERS`: ``"adamw"`` (betas 0.9, 0.95) or a
+                :func:`~lightning_sync.models._common.build_optimizer` name (``"lamb"``, ``"lars"``, ...),
+                over the same two param groups (decay on matrices, none on vectors).
         """
         super().__init__()
         check_positive_int("block_size", block_size)
@@ -215,6 +225,7 @@ class CharGPT(pl.LightningModule):
         self._weight_decay = check_non_negative_float("weight_decay", weight_decay)
         if not isinstance(tie_weights, bool):
             raise ValueError(f"tie_weights must be True or False, got {tie_weights!r}")
+        self._optimizer_name = check_choice("optimizer", optimizer, CHAR_GPT_OPTIMIZERS)
         self.save_hyperparameters()
         self._block_size = block_size
 
@@ -274,7 +285,9 @@ class CharGPT(pl.LightningModule):
             {"params": decay, "weight_decay": self._weight_decay},
             {"params": no_decay, "weight_decay": 0.0},
         ]
-        return torch.optim.AdamW(groups, lr=self._lr, betas=(0.9, 0.95))
+        if self._optimizer_name == "adamw":
+            return torch.optim.AdamW(groups, lr=self._lr, betas=(0.9, 0.95))
+        return build_optimizer(groups, self._optimizer_name, self._lr, self._weight_decay)
 
     @torch.no_grad()
     def generate(

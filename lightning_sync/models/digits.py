@@ -101,7 +101,8 @@ class DigitsMLP(ClassifierModule):
             depth: number of Linear layers (>= 1); ``depth - 1`` hidden layers.
             lr: learning rate (> 0).
             weight_decay: L2 penalty passed to the optimizer (>= 0).
-            optimizer: ``"adam"`` or ``"sgd"`` (SGD uses momentum 0.9).
+            optimizer: ``"adam"``, ``"sgd"`` (momentum 0.9), ``"lamb"`` or ``"lars"``
+                (see :func:`~lightning_sync.models._common.build_optimizer`).
         """
         super().__init__(
             net=make_mlp(DIGITS_NUM_FEATURES, hidden, depth, DIGITS_NUM_CLASSES),

@@ -231,7 +231,7 @@ def test_bad_constructor_args_raise_value_error(
 
 
 def test_optimizer_error_lists_allowed_choices() -> None:
-    with pytest.raises(ValueError, match=r"\['adam', 'sgd'\].*'rmsprop'"):
+    with pytest.raises(ValueError, match=r"\['adam', 'sgd', 'lamb', 'lars'\].*'rmsprop'"):
         DigitsMLP(optimizer="rmsprop")
 
 
