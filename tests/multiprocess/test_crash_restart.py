@@ -16,7 +16,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -76,14 +75,14 @@ def test_a_killed_rank_is_named_and_the_restart_ends_where_an_uninterrupted_run_
                              f"rank: 1, step: {KILL_STEP}}}")
     try:
         procs[1].wait(timeout=120)
-        died = time.monotonic()
-        rank0_text, _ = procs[0].communicate(timeout=LOST_WITHIN_S + 30)
-        waited = time.monotonic() - died
+        try:  # the bound as the wait's timeout (a hang guard): rank 0 measured 3.9 s here
+            rank0_text, _ = procs[0].communicate(timeout=LOST_WITHIN_S)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"rank 0 was still running {LOST_WITHIN_S} s after rank 1 died")
     finally:
         _finish(procs, timeout=5)
     assert procs[1].returncode == -signal.SIGKILL, f"rank 1 was to die by SIGKILL: {procs[1].returncode}"
     assert procs[0].returncode != 0, f"rank 0 exited 0 after losing rank 1:\n{rank0_text[-3000:]}"
-    assert waited < LOST_WITHIN_S, f"rank 0 took {waited:.1f} s to exit after rank 1 died (bound {LOST_WITHIN_S} s)"
     assert re.search(r"RankLost: .*ranks \[1\] lost", rank0_text), f"rank 0 did not name rank 1:\n{rank0_text[-3000:]}"
     last = crashed / "checkpoints" / "last.ckpt"
     assert torch.load(last, map_location="cpu", weights_only=True)["global_step"] == 2 * STEPS_PER_EPOCH
