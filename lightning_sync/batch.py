@@ -21,6 +21,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from lightning_sync._checks import check_int
+
 __all__ = ["LARGE_BATCH", "LARGE_BATCH_OPTIMIZERS", "BatchPlan", "derive_batch", "large_batch_warning",
            "world_size_of"]
 
@@ -48,7 +50,7 @@ class BatchPlan:
 
     def __post_init__(self) -> None:
         for name in ("world_size", *_KEYS):
-            _check_count(name, getattr(self, name))
+            check_int(name, getattr(self, name), 1)
         product = self.per_device * self.world_size * self.accumulate
         if product != self.global_size:
             raise ValueError(f"inconsistent batch: global {self.global_size} != per_device {self.per_device} x "
@@ -60,12 +62,6 @@ class BatchPlan:
                 f"x accumulate {self.accumulate}")
 
 
-def _check_count(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    return value
-
-
 def derive_batch(world_size: int, global_size: int | None = None, per_device: int | None = None,
                  accumulate: int | None = None) -> BatchPlan:
     """The :class:`BatchPlan` of ``world_size`` ranks and at least two of the three batch numbers.
@@ -75,10 +71,10 @@ def derive_batch(world_size: int, global_size: int | None = None, per_device: in
     when ``global_size`` is not divisible by the product of the other two given numbers, or when
     the three given numbers are inconsistent.
     """
-    _check_count("world_size", world_size)
+    check_int("world_size", world_size, 1)
     given = {k: v for k, v in zip(_KEYS, (global_size, per_device, accumulate)) if v is not None}
     for name, value in given.items():
-        _check_count(name, value)
+        check_int(name, value, 1)
     if len(given) < 2:
         got = ", ".join(f"{k}={v}" for k, v in given.items()) or "none"
         raise ValueError(f"batch: give at least two of {', '.join(_KEYS)} (the third is derived with world "
@@ -115,7 +111,7 @@ def world_size_of(devices: object, num_nodes: object = 1) -> int:
     if isinstance(count, bool) or not isinstance(count, int) or count < 1:
         raise ValueError(f"devices={devices!r}: the batch arithmetic needs the number of processes per node, "
                          f"an int >= 1 (or a list of device indices); 'auto' and -1 are not allowed here")
-    return count * _check_count("num_nodes", num_nodes)
+    return count * check_int("num_nodes", num_nodes, 1)
 
 
 def large_batch_warning(global_size: int, optimizer: str | None) -> str | None:

@@ -141,9 +141,8 @@ def _apply_batch(cfg: Any) -> Any:
         cfg.trainer.accumulate_grad_batches = plan.accumulate
     if rank_zero_only.rank == 0:
         log.info("batch: %s", plan.describe())
-    optim = cfg.get("optim") or {}  # the optimizer's name, wherever the config gives one
-    warning = large_batch_warning(plan.global_size, optim.get("name") or optim.get("_target_")
-                                  or (cfg.get("model") or {}).get("optimizer"))
+    # the optimizer's name: model.optimizer (what optim=lamb / optim=lars set); None for a model without one
+    warning = large_batch_warning(plan.global_size, (cfg.get("model") or {}).get("optimizer"))
     if warning is not None:
         rank_zero_warn(warning, category=UserWarning)
     return plan

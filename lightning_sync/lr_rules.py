@@ -22,6 +22,8 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
+from lightning_sync._checks import check_choice, check_int
+
 __all__ = ["LR_SCALINGS", "SCALE_KEY", "WARMUP_STARTS", "ScaledWarmup", "lr_scale_factor", "scale_lr",
            "warmup_factor"]
 
@@ -40,26 +42,14 @@ _GROUP_LR_KEYS = ("lr", "initial_lr", "max_lr", "min_lr")
 _SCHEDULER_LR_ATTRS = ("base_lrs", "_last_lr", "max_lrs", "min_lrs")
 
 
-def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> str:
-    if not isinstance(value, str) or value not in choices:
-        raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
-    return value
-
-
-def _check_int(name: str, value: object, minimum: int) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-    return value
-
-
 def lr_scale_factor(global_batch: int, base_batch: int, rule: str) -> float:
     """The factor f(global_batch / base_batch) of ``rule`` (one of :data:`LR_SCALINGS`).
 
     ``"none"`` gives 1.0, ``"linear"`` ``global_batch / base_batch``, ``"sqrt"`` its square root.
     """
-    _check_choice("lr_scaling", rule, LR_SCALINGS)
-    _check_int("global_batch", global_batch, 1)
-    _check_int("base_batch", base_batch, 1)
+    check_choice("lr_scaling", rule, LR_SCALINGS)
+    check_int("global_batch", global_batch, 1)
+    check_int("base_batch", base_batch, 1)
     ratio = global_batch / base_batch
     return {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}[rule]
 
@@ -181,18 +171,18 @@ class ScaledWarmup(pl.Callback):
     def __init__(self, lr_scaling: str = "none", base_batch_size: int | None = None,
                  global_batch_size: int | None = None, warmup_steps: int = 0, warmup_start: str = "base") -> None:
         super().__init__()
-        self.lr_scaling = _check_choice("lr_scaling", lr_scaling, LR_SCALINGS)
+        self.lr_scaling = check_choice("lr_scaling", lr_scaling, LR_SCALINGS)
         if base_batch_size is not None:
-            _check_int("base_batch_size", base_batch_size, 1)
+            check_int("base_batch_size", base_batch_size, 1)
         elif lr_scaling != "none":
             raise ValueError(f"lr_scaling={lr_scaling!r} needs base_batch_size (an int >= 1, the global batch "
                              f"the learning rate was tuned for), got None")
         self.base_batch_size = base_batch_size
         if global_batch_size is not None:
-            _check_int("global_batch_size", global_batch_size, 1)
+            check_int("global_batch_size", global_batch_size, 1)
         self.global_batch_size = global_batch_size
-        self.warmup_steps = _check_int("warmup_steps", warmup_steps, 0)
-        self.warmup_start = _check_choice("warmup_start", warmup_start, WARMUP_STARTS)
+        self.warmup_steps = check_int("warmup_steps", warmup_steps, 0)
+        self.warmup_start = check_choice("warmup_start", warmup_start, WARMUP_STARTS)
         self._scale: float | None = None
         self._start = 0.0
         self._clock: Callable[[], int] = lambda: 0

@@ -44,6 +44,7 @@ REDUCE_OPS: dict[str, dist.ReduceOp.RedOpType] = {
 _MAX_DIMS = 8
 _STATS = CommStats()
 _SEQ: dict[str, Iterator[int]] = {}  # per group: collective sequence numbers (a point-to-point counter apart)
+_SEQ_WORLD: list[Any] = [None]  # the default process group those counters belong to
 _SEQ_LOCK = threading.Lock()
 _SCOPE = threading.local()  # op-name prefixes of the scopes this thread is in (see scope())
 
@@ -62,7 +63,8 @@ class Work(Generic[T]):
     """Handle of an issued collective. ``wait()`` blocks until it is done and returns its result.
 
     ``op`` and ``seq`` name the call: ``seq`` counts the collectives this process issued on the call's
-    group (point-to-point ops count apart), so ranks in lockstep agree on it, and the hang watchdog
+    group since the default process group was created (point-to-point ops count apart), so ranks in
+    lockstep agree on it, and the hang watchdog
     names a hung call by it. Waiting twice is allowed and returns the same result.
     """
 
@@ -148,7 +150,10 @@ def _issue(op: str, nbytes: int, launch: Callable[[], Sequence[Any]], finish: Ca
         op = "/".join([*names, op])
     name = _group_name(group)
     with _SEQ_LOCK:
-        seq = next(_SEQ.setdefault(name if peer is None else f"{name}/p2p", itertools.count(1)))
+        if dist.group.WORLD is not _SEQ_WORLD[0]:  # a new default group (a multirun's next job): count from 1
+            _SEQ.clear()
+            _SEQ_WORLD[0] = dist.group.WORLD
+        seq = next(_SEQ.setdefault(_watchdog.sequence_key(name, peer), itertools.count(1)))
     wd = _watchdog.active()
     tracked = None if wd is None else wd.issued(op, seq, name, group_ranks(group), nbytes, peer)
     _STATS.record(op, nbytes)
@@ -229,16 +234,21 @@ def _broadcast_size(n: int | None, src: int, group: dist.ProcessGroup | None) ->
                   lambda: int(box.item()), async_op=False, group=group)
 
 
-def _metadata_broadcast(obj: Any, src: int, group: dist.ProcessGroup | None) -> Any:
-    """Broadcast a small picklable object from ``src``: its length, then its bytes (both ``metadata``).
+def _broadcast_pickled(value: Any, src: int, group: dist.ProcessGroup | None, op: str, async_op: bool) -> Any:
+    """Broadcast any picklable ``value`` from ``src``: its length (``metadata``), then its bytes (``op``).
 
     Asynchronous backend calls, unlike ``broadcast_object_list``, so the hang watchdog can interrupt a wait."""
     device = _device(group)
-    data = _to_bytes(obj, device) if get_rank() == src else None
-    size = _broadcast_size(None if data is None else data.numel(), src, group)
-    buf = data if data is not None else torch.empty(size, dtype=torch.uint8, device=device)
-    return _issue("metadata", size, lambda: [dist.broadcast(buf, src=src, group=group, async_op=True)],
-                  lambda: obj if data is not None else _from_bytes(buf), async_op=False, group=group)
+    payload = _to_bytes(value, device) if get_rank() == src else None
+    size = _broadcast_size(None if payload is None else payload.numel(), src, group)
+    buf = payload if payload is not None else torch.empty(size, dtype=torch.uint8, device=device)
+    return _issue(op, size, lambda: [dist.broadcast(buf, src=src, group=group, async_op=True)],
+                  lambda: value if payload is not None else _from_bytes(buf), async_op, group=group)
+
+
+def _metadata_broadcast(obj: Any, src: int, group: dist.ProcessGroup | None) -> Any:
+    """Broadcast a small picklable header from ``src`` (both its messages counted as ``metadata``)."""
+    return _broadcast_pickled(obj, src, group, "metadata", async_op=False)
 
 
 def _shape_row(t: torch.Tensor) -> list[int]:
@@ -344,12 +354,7 @@ def broadcast_object(value: Any, src: int = 0, group: dist.ProcessGroup | None =
     """
     _require_init()
     _check_rank("src", src, group)
-    device = _device(group)
-    payload = _to_bytes(value, device) if get_rank() == src else None
-    size = _broadcast_size(None if payload is None else payload.numel(), src, group)
-    buf = payload if payload is not None else torch.empty(size, dtype=torch.uint8, device=device)
-    return _issue("broadcast", size, lambda: [dist.broadcast(buf, src=src, group=group, async_op=True)],
-                  lambda: value if payload is not None else _from_bytes(buf), async_op, group=group)
+    return _broadcast_pickled(value, src, group, "broadcast", async_op)
 
 
 def all_gather(tensor: torch.Tensor, group: dist.ProcessGroup | None = None,

@@ -52,7 +52,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["CollectiveError", "CollectiveTimeout", "RankLost", "Watchdog", "active", "check_args", "explain", "start", "stop"]
+__all__ = ["CollectiveError", "CollectiveTimeout", "RankLost", "Watchdog", "active", "check_args", "explain",
+           "sequence_key", "start", "stop"]
 
 _HISTORY = 8  # ops remembered per group in a rank's record: enough to compare the op at a pending seq
 _ACTIVE: Watchdog | None = None
@@ -106,6 +107,11 @@ def check_args(timeout: Any, interval: Any = None, exit_after: Any = None) -> tu
     return float(timeout), float(interval), float(exit_after)
 
 
+def sequence_key(group: str, peer: int | None) -> str:
+    """The name sequence numbers count under: the group's, or ``"<group>/p2p"`` for point-to-point ops."""
+    return group if peer is None else f"{group}/p2p"
+
+
 def _size(nbytes: int) -> str:
     for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
         if nbytes >= scale:
@@ -125,6 +131,10 @@ class Pending:
     peer: int | None = None  # point-to-point: the other rank (sequence numbers do not pair up)
     start: float = field(default_factory=time.monotonic)
     handles: list[Any] | None = None  # None while the backend call is still being launched
+
+    @property
+    def key(self) -> str:
+        return sequence_key(self.group, self.peer)
 
     def label(self) -> str:
         where = f"with rank {self.peer}" if self.peer is not None else f"on {self.group}"
@@ -173,9 +183,8 @@ class Watchdog:
         self.check()
         p = Pending(op, seq, group, list(ranks), nbytes, peer)
         with self._lock:
-            key = f"{group}/p2p" if peer is not None else group
-            self._last[key] = seq
-            hist = self._history.setdefault(key, [])
+            self._last[p.key] = seq
+            hist = self._history.setdefault(p.key, [])
             hist.append([seq, op, nbytes])
             del hist[:-_HISTORY]
             self._pending[id(p)] = p
@@ -249,11 +258,11 @@ class Watchdog:
                     if stuck is not None:
                         self._fail(CollectiveTimeout, stuck, f"did not complete within {self.timeout:g} s")
             except Exception as err:  # noqa: BLE001 - the store (or its host) is gone; diagnosis says so
-                if self._error is None and self._stuck() is not None:
+                stuck = self._stuck() if self._error is None else None
+                if stuck is not None:
                     self._set_error(CollectiveTimeout(
-                        f"{self._stuck().label()} did not complete within {self.timeout:g} s, and the rendezvous "
-                        f"store at {self.store_address} is unreachable ({err}); its host (under Lightning: "
-                        f"global rank 0) is lost"), post=False)
+                        f"{stuck.label()} did not complete within {self.timeout:g} s; {self.store_lost(err)}"),
+                        post=False)
             if self._error is not None and time.monotonic() - self._error_at > self.exit_after:
                 self._hard_exit()
 
@@ -311,6 +320,11 @@ class Watchdog:
             out[r] = json.loads(self._store.get(key)) if self._store.check([key]) else None
         return out
 
+    def store_lost(self, err: BaseException) -> str:
+        """What to say when the rendezvous store cannot be reached: its host is gone."""
+        return (f"the rendezvous store at {self.store_address} is unreachable ({err}): its host (under Lightning: "
+                f"global rank 0) is lost")
+
     def lost_ranks(self) -> list[int]:
         """Ranks whose heartbeat does not move over ``2 * interval`` seconds (the store host's loss raises)."""
         return self._survey([r for r in range(self.world_size) if r != self.rank])[1]
@@ -341,9 +355,7 @@ class Watchdog:
         try:
             message = self._diagnose(p, what)
         except Exception as err:  # noqa: BLE001 - the store host is gone: that is the diagnosis
-            return self._set_error(kind(f"{p.label()} {what}; the rendezvous store at {self.store_address} is "
-                                        f"unreachable ({err}): its host (under Lightning: global rank 0) is lost"),
-                                   post=False)
+            return self._set_error(kind(f"{p.label()} {what}; {self.store_lost(err)}"), post=False)
         return self._set_error(kind(message), post=True)
 
     def _diagnose(self, p: Pending, what: str) -> str:
@@ -361,7 +373,7 @@ def explain(p: Pending, what: str, rank: int, records: Mapping[int, dict[str, An
     whose op or size differs (different code paths; the ranks are grouped by what they issued, the
     smallest group first, since with three or more ranks the odd one out is the culprit).
     """
-    key = f"{p.group}/p2p" if p.peer is not None else p.group
+    key = p.key
     left, never, sig_by_rank, details = [], [], {rank: (p.op, p.nbytes)}, []
     for r in sorted(records):
         rec = records.get(r)

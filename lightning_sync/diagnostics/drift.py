@@ -55,6 +55,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.nn.modules.batchnorm import _NormBase
 
 from lightning_sync import comms
+from lightning_sync._checks import check_bool, check_choice, check_int
 from lightning_sync.diagnostics._steps import optimizer_step_ended
 from lightning_sync.diagnostics.consistency import first_difference
 from lightning_sync.strategies import (
@@ -153,12 +154,9 @@ class ReplicaDriftCheck(pl.Callback):
     """
 
     def __init__(self, every_n_steps: int = 100, action: str = "raise", buffers: bool = True) -> None:
-        if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1:
-            raise ValueError(f"every_n_steps must be an int >= 1, got {every_n_steps!r}")
-        if action not in ACTIONS:
-            raise ValueError(f"action must be one of {list(ACTIONS)}, got {action!r}")
-        if not isinstance(buffers, bool):
-            raise ValueError(f"buffers must be True or False, got {buffers!r}")
+        check_int("every_n_steps", every_n_steps, 1)
+        check_choice("action", action, ACTIONS)
+        check_bool("buffers", buffers)
         self.every_n_steps, self.action, self.buffers = every_n_steps, action, buffers
         self.checked_steps: list[int] = []
         self.compared = 0

@@ -21,6 +21,8 @@ import logging
 import lightning.pytorch as pl
 import torch
 
+from lightning_sync._checks import check_int
+
 __all__ = ["NonFiniteGuard"]
 
 log = logging.getLogger("lightning_sync.diagnostics")
@@ -34,9 +36,7 @@ class NonFiniteGuard(pl.Callback):
     """
 
     def __init__(self, max_consecutive: int = 10) -> None:
-        if isinstance(max_consecutive, bool) or not isinstance(max_consecutive, int) or max_consecutive < 1:
-            raise ValueError(f"max_consecutive must be an int >= 1, got {max_consecutive!r}")
-        self.max_consecutive = max_consecutive
+        self.max_consecutive = check_int("max_consecutive", max_consecutive, 1)
         self.skipped = 0
         self.skipped_steps: list[int] = []
         self._run = 0

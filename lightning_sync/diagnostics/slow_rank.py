@@ -18,6 +18,8 @@ from typing import Any
 
 import lightning.pytorch as pl
 
+from lightning_sync._checks import check_int
+
 __all__ = ["SlowRank"]
 
 
@@ -34,8 +36,7 @@ class SlowRank(pl.Callback):
     """
 
     def __init__(self, rank: int, factor: float) -> None:
-        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
-            raise ValueError(f"rank must be an int >= 0, got {rank!r}")
+        check_int("rank", rank, 0)
         if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 1 <= factor < math.inf:
             raise ValueError(f"factor must be a finite number >= 1, got {factor!r}")
         self.rank, self.factor = rank, float(factor)

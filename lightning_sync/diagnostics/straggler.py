@@ -32,6 +32,7 @@ import lightning.pytorch as pl
 import torch
 
 from lightning_sync import comms
+from lightning_sync._checks import check_int
 from lightning_sync.diagnostics._steps import optimizer_step_ended
 
 __all__ = ["StragglerDetector"]
@@ -48,8 +49,7 @@ class StragglerDetector(pl.Callback):
     """
 
     def __init__(self, every_n_steps: int = 50, threshold: float = 1.5) -> None:
-        if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1:
-            raise ValueError(f"every_n_steps must be an int >= 1, got {every_n_steps!r}")
+        check_int("every_n_steps", every_n_steps, 1)
         if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 1 < threshold < math.inf:
             raise ValueError(f"threshold must be a finite number > 1, got {threshold!r}")
         self.every_n_steps, self.threshold = every_n_steps, float(threshold)

@@ -61,8 +61,7 @@ class HangWatchdog(pl.Callback):
             try:
                 lost = wd.lost_ranks()
             except Exception as err:  # noqa: BLE001 - the store host itself is gone: say that instead
-                lost, note = None, (f"lightning_sync watchdog: the rendezvous store at {wd.store_address} is "
-                                    f"unreachable ({err}); its host (global rank 0 under Lightning) is lost")
+                note = f"lightning_sync watchdog: {wd.store_lost(err)}"
             else:
                 note = f"lightning_sync watchdog: ranks {lost} lost (no heartbeat)" if lost else ""
             if note:

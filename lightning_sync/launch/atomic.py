@@ -17,20 +17,84 @@ Every lightning_sync strategy uses it unless a ``checkpoint_io`` is passed; for 
 from __future__ import annotations
 
 import os
+import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
-from lightning_sync.launch.requeue import fsync_dir
+__all__ = ["AtomicCheckpointIO", "fsync_dir", "fsync_path", "publish_path", "remove_path", "write_atomically"]
 
-__all__ = ["AtomicCheckpointIO"]
+
+def fsync_dir(directory: Path) -> None:
+    """fsync a directory, so the names created or renamed in it survive a crash."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_path(path: Path) -> None:
+    """fsync a file, or every file and directory under a directory (sharded checkpoints), then its parent."""
+    paths = [path] if path.is_file() else [*sorted(p for p in path.rglob("*")), path]
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    fsync_dir(path.parent)
+
+
+def remove_path(path: Path) -> None:
+    """Remove a file, link or directory tree; nothing to do when there is nothing there."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+def write_atomically(path: Path, write: Callable[[IO[bytes]], Any]) -> None:
+    """Write ``path`` through the hidden temporary file ``.<name>.tmp-<pid>`` beside it: ``write(f)``,
+    flush, fsync, ``os.replace`` onto ``path``, fsync the directory. A kill at any moment leaves the old
+    file or the new one (and at worst the stray temporary file, which the next write of ``path`` replaces)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    fsync_dir(path.parent)
+
+
+def publish_path(tmp: Path, final: Path) -> None:
+    """Make the complete file or directory ``tmp`` the one at ``final``: fsync it, then rename it.
+
+    A file replaces ``final`` in one ``os.replace``. A directory cannot replace a non-empty one, so an
+    existing ``final`` directory is first renamed aside (``.<name>.old``) and removed after the swap."""
+    fsync_path(tmp)
+    aside = final.with_name(f".{final.name}.old")
+    move_aside = final.is_dir() and not final.is_symlink()
+    if move_aside:
+        remove_path(aside)
+        os.replace(final, aside)
+    os.replace(tmp, final)
+    fsync_dir(final.parent)
+    if move_aside:
+        remove_path(aside)
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """``TorchCheckpointIO`` whose saves are atomic: temporary file, fsync, rename, fsync the directory.
+    """``TorchCheckpointIO`` whose saves are atomic (:func:`write_atomically`).
 
     Remote filesystems (``s3://`` and the like, through fsspec) fall back to Lightning's own write.
     """
@@ -42,16 +106,4 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         if "file" not in ((protocol,) if isinstance(protocol, str) else tuple(protocol)):
             super().save_checkpoint(checkpoint, path)
             return
-        target = Path(path)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-        try:
-            with open(tmp, "wb") as f:
-                torch.save(checkpoint, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, target)
-        finally:
-            if tmp.exists():
-                tmp.unlink()
-        fsync_dir(target.parent)
+        write_atomically(Path(path), lambda f: torch.save(checkpoint, f))

@@ -57,7 +57,9 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-__all__ = ["POINTER", "Preempted", "RequeueOnSignal", "fsync_dir", "fsync_path", "remove_path", "latest_checkpoint", "publish_checkpoint", "requeue_job",
+from lightning_sync.launch.atomic import publish_path, remove_path, write_atomically
+
+__all__ = ["POINTER", "Preempted", "RequeueOnSignal", "latest_checkpoint", "publish_checkpoint", "requeue_job",
            "resolve_signal", "skip_batches"]
 
 log = logging.getLogger("lightning_sync.launch")
@@ -87,43 +89,6 @@ class Preempted(Exception):
 
 
 # --------------------------------------------------------------------------- atomic files
-def fsync_path(path: Path) -> None:
-    """fsync a file, or every file and directory under a directory (sharded checkpoints), then its parent."""
-    paths = [path] if path.is_file() else [*sorted(p for p in path.rglob("*")), path]
-    for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    fsync_dir(path.parent)
-
-
-def fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def remove_path(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)
-    elif path.exists() or path.is_symlink():
-        path.unlink()
-
-
-def _write_text_atomically(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
-
-
 def publish_checkpoint(directory: str | os.PathLike[str], tmp: str | os.PathLike[str], name: str,
                        info: Mapping[str, Any] | None = None) -> Path:
     """Make the complete checkpoint ``tmp`` (file or directory) the one :func:`latest_checkpoint` returns.
@@ -132,12 +97,9 @@ def publish_checkpoint(directory: str | os.PathLike[str], tmp: str | os.PathLike
     remove older ``requeue-step*`` checkpoints. A crash before the pointer moves leaves the previous one."""
     directory, tmp = Path(directory), Path(tmp)
     final = directory / name
-    fsync_path(tmp)
-    if final.exists():
-        remove_path(final)
-    os.replace(tmp, final)
-    fsync_dir(directory)
-    _write_text_atomically(directory / POINTER, json.dumps({"checkpoint": name, **(info or {})}, sort_keys=True))
+    publish_path(tmp, final)
+    pointer = json.dumps({"checkpoint": name, **(info or {})}, sort_keys=True).encode()
+    write_atomically(directory / POINTER, lambda f: f.write(pointer))
     for old in directory.glob(f"{_PREFIX}*"):
         if old.name != name:
             remove_path(old)

@@ -11,8 +11,10 @@ from typing import Any
 import torch
 
 from lightning_sync import comms
+from lightning_sync._checks import check_bool
 
-__all__ = ["AtomicCheckpoints", "CommsCollectivesMixin", "as_timedelta", "check_bool", "check_launch_args", "no_sync_of", "PASSTHROUGH"]
+__all__ = ["AtomicCheckpoints", "CommsCollectivesMixin", "as_timedelta", "check_bool", "check_launch_args", "no_sync_of",
+           "PASSTHROUGH"]
 
 _REDUCE_OPS = {"mean": "avg", "avg": "avg", "sum": "sum", "max": "max", "min": "min"}
 _TORCH_OPS = {torch.distributed.ReduceOp.SUM: "sum", torch.distributed.ReduceOp.MAX: "max",
@@ -29,13 +31,6 @@ def as_timedelta(timeout: float | timedelta) -> timedelta:
             or not 0 < timeout < math.inf:
         raise ValueError(f"timeout must be a finite number of seconds > 0 or a timedelta > 0, got {timeout!r}")
     return timedelta(seconds=timeout)
-
-
-def check_bool(name: str, value: Any) -> bool:
-    """``value`` if it is True or False (not 0/1, not a string), else a ValueError naming it."""
-    if not isinstance(value, bool):
-        raise ValueError(f"{name} must be True or False, got {value!r}")
-    return value
 
 
 class _AllGatherWithGrad(torch.autograd.Function):

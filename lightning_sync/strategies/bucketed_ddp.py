@@ -91,7 +91,8 @@ class BucketedDDPStrategy(CommsCollectivesMixin, DDPStrategy):
         if compression not in (None, "none", *COMPRESSIONS):
             raise ValueError(f"unknown compression {compression!r}; allowed: {[None, *COMPRESSIONS]}")
         for name, flag in (("gradient_as_bucket_view", gradient_as_bucket_view),
-                           ("find_unused_parameters", find_unused_parameters), ("broadcast_buffers", broadcast_buffers)):
+                           ("find_unused_parameters", find_unused_parameters),
+                           ("broadcast_buffers", broadcast_buffers)):
             check_bool(name, flag)
         if not isinstance(comm_algorithm, str) or comm_algorithm not in ALGORITHMS:
             raise ValueError(f"unknown comm_algorithm {comm_algorithm!r}; allowed: {sorted(ALGORITHMS)}")

@@ -44,7 +44,12 @@ from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from lightning_sync.strategies._common import CommsCollectivesMixin, as_timedelta, check_launch_args
+from lightning_sync.strategies._common import (
+    CommsCollectivesMixin,
+    as_timedelta,
+    check_bool,
+    check_launch_args,
+)
 from lightning_sync.sync.safe_load import guarded_load
 
 __all__ = ["HogwildStrategy"]
@@ -94,8 +99,7 @@ class HogwildStrategy(CommsCollectivesMixin, DDPStrategy):
         if num_processes is not None and (isinstance(num_processes, bool) or not isinstance(num_processes, int)
                                           or num_processes < 1):
             raise ValueError(f"num_processes must be None or an int >= 1, got {num_processes!r}")
-        if not isinstance(oversubscribe, bool):
-            raise ValueError(f"oversubscribe must be True or False, got {oversubscribe!r}")
+        check_bool("oversubscribe", oversubscribe)
         cpus = os.cpu_count() or 1
         if num_processes is not None and num_processes > cpus and not oversubscribe:
             raise ValueError(f"num_processes={num_processes!r} is more than this machine's {cpus} CPUs (allowed: 1 to "

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from typing_extensions import override
 
-from lightning_sync.strategies._common import no_sync_of
+from lightning_sync.strategies._common import check_bool, no_sync_of
 from lightning_sync.strategies.bucketed_ddp import BucketedDDPStrategy
 from lightning_sync.sync.communicator import ProcessGroupCommunicator
 from lightning_sync.sync.periodic import PeriodicAverager, average_tensors, check_int
@@ -59,9 +59,7 @@ class LocalSGDStrategy(BucketedDDPStrategy):
                  **kwargs: Any) -> None:
         self.sync_every = check_int("sync_every", sync_every, 1)
         self.warmup_steps = check_int("warmup_steps", warmup_steps, 0)
-        if not isinstance(average_optimizer_state, bool):
-            raise ValueError(f"average_optimizer_state must be True or False, got {average_optimizer_state!r}")
-        self.average_optimizer_state = average_optimizer_state
+        self.average_optimizer_state = check_bool("average_optimizer_state", average_optimizer_state)
         kwargs.setdefault("broadcast_buffers", False)
         super().__init__(**kwargs)
         self.averager: Any = None  # PeriodicAverager (DiLoCoOuter in the DiLoCo subclass)

@@ -48,8 +48,6 @@ statistics) are broadcast at setup only, as in FSDP.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
@@ -62,10 +60,16 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_sync.launch.requeue import fsync_dir, fsync_path, remove_path
-from lightning_sync.strategies._common import CommsCollectivesMixin, as_timedelta, check_launch_args, no_sync_of
-from lightning_sync.sync.communicator import ProcessGroupCommunicator
+from lightning_sync.launch.atomic import publish_path, remove_path
+from lightning_sync.strategies._common import (
+    CommsCollectivesMixin,
+    as_timedelta,
+    check_bool,
+    check_launch_args,
+    no_sync_of,
+)
 from lightning_sync.sync.bucketing import check_mib
+from lightning_sync.sync.communicator import ProcessGroupCommunicator
 from lightning_sync.sync.safe_load import load_file
 from lightning_sync.sync.sharding import (
     ZERO_STAGES,
@@ -109,8 +113,7 @@ class ShardedStrategy(CommsCollectivesMixin, DDPStrategy):
         check_stage(stage)
         check_mib("bucket_cap_mb", bucket_cap_mb)
         for name, value in (("prefetch", prefetch), ("reshard_after_forward", reshard_after_forward)):
-            if not isinstance(value, bool):
-                raise ValueError(f"{name} must be True or False, got {value!r}")
+            check_bool(name, value)
         resolve_wrap_policy(wrap_policy)  # validates
         self.param_dtype = resolve_dtype(param_dtype, "param_dtype")
         self.reduce_dtype = resolve_dtype(reduce_dtype, "reduce_dtype")
@@ -282,7 +285,7 @@ class ShardedStrategy(CommsCollectivesMixin, DDPStrategy):
         # rank 0 adds Lightning's state and the completion marker, fsyncs, and renames it into place
         path = Path(self.broadcast(str(filepath)))
         tmp = path.with_name(f".{path.name}.tmp")
-        if self.global_rank == 0 and (tmp.exists() or tmp.is_symlink()):
+        if self.global_rank == 0:
             remove_path(tmp)  # a save killed earlier
         self.barrier()
         checkpoint = {k: v for k, v in checkpoint.items() if k != "state_dict"}
@@ -291,16 +294,7 @@ class ShardedStrategy(CommsCollectivesMixin, DDPStrategy):
         if self.global_rank == 0:
             torch.save(checkpoint, tmp / _LIGHTNING_STATE)
             (tmp / COMPLETE_MARKER).write_text(json.dumps({"world_size": self.world_size}))
-            fsync_path(tmp)
-            old = path.with_name(f".{path.name}.old")
-            if old.exists():
-                remove_path(old)
-            if path.exists() or path.is_symlink():
-                os.replace(path, old)  # a directory cannot replace a non-empty one: move it aside first
-            os.replace(tmp, path)
-            fsync_dir(path.parent)
-            if old.exists():
-                remove_path(old)
+            publish_path(tmp, path)
         self.barrier()
 
     @override
@@ -328,11 +322,7 @@ class ShardedStrategy(CommsCollectivesMixin, DDPStrategy):
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
         if self.is_global_zero:
-            path = Path(filepath)
-            if path.is_dir():
-                shutil.rmtree(path)
-            elif path.exists():
-                path.unlink()
+            remove_path(Path(filepath))
 
     @classmethod
     @override

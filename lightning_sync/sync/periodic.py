@@ -27,16 +27,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_sync._checks import check_int
 from lightning_sync.sync.communicator import Communicator
 
 __all__ = ["DiLoCoOuter", "PeriodicAverager", "average_tensors", "check_int", "check_outer"]
-
-
-def check_int(name: str, value: Any, low: int) -> int:
-    """``value`` if it is an int (not a bool) >= ``low``, else a ValueError naming it."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-    return value
 
 
 def check_outer(outer_lr: Any, outer_momentum: Any, nesterov: Any) -> None:

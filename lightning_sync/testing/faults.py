@@ -1,4 +1,5 @@
-"""Fault injection for reliability tests: a rank that dies with a real signal at a chosen point of a step.
+"""Fault injection for reliability tests: a rank that dies with a real signal at a chosen point of a step
+(:class:`KillAtStep`), and a pickle that runs a command when loaded (:class:`UnpicklePayload`).
 
 From the command line of a test run::
 
@@ -9,10 +10,14 @@ from __future__ import annotations
 
 import os
 import signal as _signal
+from typing import Any
+
 import lightning.pytorch as pl
 import torch
 
-__all__ = ["KillAtStep"]
+from lightning_sync._checks import check_int
+
+__all__ = ["KillAtStep", "UnpicklePayload"]
 
 
 class KillAtStep(pl.Callback):
@@ -27,9 +32,8 @@ class KillAtStep(pl.Callback):
     """
 
     def __init__(self, rank: int, step: int, signal: str | int = "KILL") -> None:
-        for name, value, low in (("rank", rank, 0), ("step", step, 1)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+        check_int("rank", rank, 0)
+        check_int("step", step, 1)
         names = sorted(s.name for s in _signal.Signals)
         try:
             self.signal = _signal.Signals(signal) if isinstance(signal, int) else \
@@ -41,3 +45,14 @@ class KillAtStep(pl.Callback):
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
         if trainer.global_rank == self.rank and trainer.global_step + 1 == self.step:
             os.kill(os.getpid(), self.signal)
+
+
+class UnpicklePayload:
+    """Unpickling this runs ``touch <marker>`` through ``os.system``: a hostile checkpoint entry whose effect
+    (the marker file) shows whether a loader ran arbitrary code."""
+
+    def __init__(self, marker: str | os.PathLike[str]) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (os.system, (f"touch '{self.marker}'",))

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -22,6 +21,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_sync import BucketedDDPStrategy, DiLoCoStrategy, LocalSGDStrategy, ShardedStrategy
 from lightning_sync.sync import consolidate_checkpoint
 from lightning_sync.sync.safe_load import UntrustedCheckpointError
+from lightning_sync.testing.faults import UnpicklePayload
 from lightning_sync.testing import Checks, assert_all_ranks_passed, run_distributed
 
 _STRATEGIES = {
@@ -30,14 +30,6 @@ _STRATEGIES = {
     "diloco": lambda: DiLoCoStrategy(sync_every=1),
     "zero2": lambda: ShardedStrategy(stage=2),
 }
-
-
-class _Payload:
-    def __init__(self, marker: str) -> None:
-        self.marker = marker
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (os.system, (f"touch '{self.marker}'",))
 
 
 class Extra:
@@ -68,7 +60,7 @@ def _worker(rank: int, world: int, tmpdir: str) -> tuple[list[str], int]:
     extra = os.path.join(tmpdir, "extra.ckpt")
     if rank == 0:
         good = torch.load(os.path.join(tmpdir, "bucketed_ddp.ckpt"), weights_only=True)
-        torch.save({**good, "payload": _Payload(marker)}, hostile)
+        torch.save({**good, "payload": UnpicklePayload(marker)}, hostile)
         torch.save({**good, "extra": Extra()}, extra)
     torch.distributed.barrier()
     for path, offending in ((hostile, f"{os.system.__module__}.system"), (extra, f"{__name__}.Extra")):

@@ -31,18 +31,9 @@ from lightning_sync.strategies.sharded import COMPLETE_MARKER
 from lightning_sync.sync import DiLoCoOuter, GradBucketer, LoopbackCommunicator, ParameterServer, PeriodicAverager
 from lightning_sync.sync import PowerSGD, ZeroEngine, consolidate_checkpoint
 from lightning_sync.sync.safe_load import UntrustedCheckpointError, dcp_load, load_file
+from lightning_sync.testing.faults import UnpicklePayload
 
 SYSTEM = f"{os.system.__module__}.system"  # how pickle names os.system ("posix.system" on Linux)
-
-
-class _Payload:
-    """Unpickling this runs a shell command that creates ``marker``."""
-
-    def __init__(self, marker: Path) -> None:
-        self.marker = marker
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (os.system, (f"touch '{self.marker}'",))
 
 
 class Custom:
@@ -55,7 +46,7 @@ class Custom:
 def _hostile(tmp_path: Path, name: str = "hostile.ckpt") -> tuple[Path, Path]:
     marker = tmp_path / f"{name}.MARKER"
     path = tmp_path / name
-    torch.save({"state_dict": {"w": torch.ones(2)}, "extra": _Payload(marker)}, path)
+    torch.save({"state_dict": {"w": torch.ones(2)}, "extra": UnpicklePayload(marker)}, path)
     return path, marker
 
 
@@ -177,7 +168,7 @@ def test_a_sharded_checkpoint_loads_weights_only_and_refuses_payloads(tmp_path: 
     # 1. Lightning's state next to the shards
     good = (path / "lightning.pt").read_bytes()
     marker = tmp_path / "lightning.MARKER"
-    torch.save({"global_step": 1, "x": _Payload(marker)}, path / "lightning.pt")
+    torch.save({"global_step": 1, "x": UnpicklePayload(marker)}, path / "lightning.pt")
     with pytest.raises(UntrustedCheckpointError) as error:
         strategy.load_checkpoint(path)
     _assert_refused(error, path / "lightning.pt", SYSTEM)
@@ -189,7 +180,7 @@ def test_a_sharded_checkpoint_loads_weights_only_and_refuses_payloads(tmp_path: 
     with open(meta_file, "rb") as f:
         meta = pickle.load(f)  # our own file, just written
     marker = tmp_path / "metadata.MARKER"
-    meta.planner_data = _Payload(marker)
+    meta.planner_data = UnpicklePayload(marker)
     with open(meta_file, "wb") as f:
         pickle.dump(meta, f)
     for load in (lambda: consolidate_checkpoint(path), lambda: strategy.load_checkpoint(path)):
@@ -216,7 +207,7 @@ def test_non_tensor_dcp_entries_are_read_weights_only(tmp_path: Path) -> None:
     marker, path = tmp_path / "entry.MARKER", tmp_path / "d"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # DCP without a process group says it runs without one
-        dcp.save({"t": torch.ones(2), "n": 5, "evil": _Payload(marker)}, checkpoint_id=str(path), no_dist=True)
+        dcp.save({"t": torch.ones(2), "n": 5, "evil": UnpicklePayload(marker)}, checkpoint_id=str(path), no_dist=True)
         want: dict[str, Any] = {"t": torch.zeros(2), "n": 0}
         dcp_load(want, path, no_dist=True)
         assert want["n"] == 5 and torch.equal(want["t"], torch.ones(2))  # plain entries load
