@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from pathlib import Path
@@ -23,48 +24,57 @@ def test_schedule_alternates_and_reverses() -> None:
         schedule(["a"], 0)
 
 
-SMOKE_ROWS = ["bucketed_ddp", "bucketed_ddp_fp16", "bucketed_ddp_bf16", "bucketed_ddp_powersgd", "fsdp2", "zero1",
-              "zero2", "zero3"]
+ALL_ROWS = ["lightning_ddp", "bucketed_ddp", "bucketed_ddp_fp16", "bucketed_ddp_bf16", "bucketed_ddp_powersgd", "fsdp2",
+            "zero1", "zero2", "zero3", "local_sgd", "diloco"]
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_bench_smoke_writes_report_with_exact_byte_ratios(tmp_path: Path) -> None:
-    proc = run_cli(["bench", "pairs=1", "steps=3", "warmup_steps=3", "run_models=[deep_mlp]",
-                    f"run_strategies=[{','.join(SMOKE_ROWS)}]",
-                    "bucket_sweep.caps_mb=[1,10000]", "scaling.models=[deep_mlp]",
+def test_bench_quick_suite_smoke_writes_report_with_exact_byte_ratios(tmp_path: Path) -> None:
+    """``suite=quick`` with a few steps per strategy (the issue's CI smoke test), the bucket sweep and a
+    small all-reduce sweep: every strategy row, the cost model's validation row for each, the plots, and
+    the byte figures that are exact by construction. No timing is asserted."""
+    proc = run_cli(["bench", "suite=quick", "steps=10", "warmup_steps=2", "bucket_sweep.enabled=true",
+                    "bucket_sweep.caps_mb=[1,10000]", "cost_model.sweep.largest=65536", "cost_model.sweep.repeats=1",
                     "models.deep_mlp.data.num_samples=1024"], tmp_path, timeout=360)
     assert proc.returncode == 0, proc.stderr[-4000:]
     (report,) = (tmp_path / "outputs" / "bench").glob("*/*/report.md")
-    for png in ("step_time.png", "bucket_sweep.png", "sharding.png"):
+    for png in ("step_time.png", "bucket_sweep.png", "sharding.png", "fit.png", "projection.png"):
         assert (report.parent / png).stat().st_size > 0
     rows, shard_rows = {}, {}
     for line in report.read_text().splitlines():
         cells = [c.strip() for c in line.strip("|").split("|")]
-        if len(cells) == 12 and cells[0] == "deep_mlp":
-            rows[cells[1]] = cells
-        if len(cells) == 9 and cells[0] == "deep_mlp":
-            shard_rows[cells[1]] = cells
-    assert set(rows) == {"lightning_ddp", *SMOKE_ROWS}
-    # column 5 is payload bytes / gradient bytes: exact by construction for plain and cast buckets
-    assert rows["bucketed_ddp"][5] == "1.000" and rows["bucketed_ddp_fp16"][5] == "0.500"
-    assert rows["bucketed_ddp_bf16"][5] == "0.500" and float(rows["bucketed_ddp_powersgd"][5]) < 0.1
-    assert rows["lightning_ddp"][3] == "1.000"  # the baseline's ratio to itself
-    assert rows["lightning_ddp"][6] == "n/a" and rows["fsdp2"][6] == "n/a"  # traffic outside comms
+        if len(cells) == 15 and cells[0] == "deep_mlp":
+            rows[cells[2]] = cells
+        if len(cells) == 10 and cells[0] == "deep_mlp" and cells[1].isdigit():  # not the validation table's
+            shard_rows[cells[2]] = cells
+    assert set(rows) == set(ALL_ROWS)
+    assert all(r[1] == "2" for r in rows.values())  # K
+    # column 7 is payload bytes / gradient bytes: exact by construction for plain and cast buckets, and
+    # LocalSGD (sync_every 5) averages its parameters twice in the 10 timed steps, DiLoCo (10) once
+    assert rows["bucketed_ddp"][7] == "1.000" and rows["bucketed_ddp_fp16"][7] == "0.500"
+    assert rows["bucketed_ddp_bf16"][7] == "0.500" and float(rows["bucketed_ddp_powersgd"][7]) < 0.1
+    assert rows["local_sgd"][7] == "0.200" and rows["diloco"][7] == "0.100"
+    assert rows["lightning_ddp"][4] == "1.000" and rows["fsdp2"][5] == "1.000"  # each reference's ratio to itself
+    assert rows["lightning_ddp"][8] == "n/a" and rows["fsdp2"][8] == "n/a"  # traffic outside comms
     assert re.search(r"Single-process step time T1\(b\) \(ms\): deep_mlp \d", report.read_text())
-    # sharding table: step ms, x lightning_ddp, x fsdp2, peak, wire, analytic, wire / analytic
+    # sharding table: K, step ms, x lightning_ddp, x fsdp2, peak, wire, analytic, wire / analytic
     assert list(shard_rows) == ["lightning_ddp", "bucketed_ddp", "fsdp2", "zero1", "zero2", "zero3"]
-    assert shard_rows["fsdp2"][4] == "1.000" and shard_rows["lightning_ddp"][3] == "1.000"
     # measured wire bytes hit the analytic figure exactly (deep_mlp's units split evenly over 2 ranks, no
     # padding): DDP one all-reduce, ZeRO-1/2 reduce-scatter + all-gather, ZeRO-3 two all-gathers + one
     # reduce-scatter of every parameter byte
     for name in ("bucketed_ddp", "zero1", "zero2", "zero3"):
-        assert shard_rows[name][8] == "1.000", shard_rows[name]
-    assert shard_rows["zero3"][7] == shard_rows["fsdp2"][7]  # like for like: 3(K-1)/K * S
-    assert float(shard_rows["zero1"][7]) == pytest.approx(float(shard_rows["bucketed_ddp"][7]), rel=1e-3)
-    assert shard_rows["fsdp2"][6] == "n/a" and float(shard_rows["fsdp2"][7]) == pytest.approx(
-        1.5 * float(shard_rows["bucketed_ddp"][7]), rel=1e-3)  # 3(K-1)/K against 2(K-1)/K
-    assert float(shard_rows["fsdp2"][5]) > 0
+        assert shard_rows[name][9] == "1.000", shard_rows[name]
+    assert shard_rows["zero3"][8] == shard_rows["fsdp2"][8]  # like for like: 3(K-1)/K * S
+    assert float(shard_rows["fsdp2"][8]) == pytest.approx(1.5 * float(shard_rows["bucketed_ddp"][8]), rel=1e-3)
+    # the cost model: a fit per swept op, a finite prediction for every row, a projection to 4096 ranks
+    data = json.loads((report.parent / "report.json").read_text())
+    assert set(data["fits"]) == {"backend", "ring", "tree", "all_gather", "reduce_scatter"}
+    assert {v["strategy"] for v in data["validation"]} == set(ALL_ROWS)
+    assert all(math.isfinite(v["predicted_s"]) and v["predicted_s"] > 0 for v in data["validation"])
+    assert {p["world"] for p in data["projection"]} == {8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096}
+    assert all(r["torch"] and r["lightning"] and r["cpu"] and r["date"] and r["command"] for r in data["rows"])
+    assert "## Cost model" in report.read_text() and "### Projection to K ranks" in report.read_text()
 
 
 # --------------------------------------------------------------------------- wire bytes arithmetic
@@ -149,9 +159,9 @@ def test_report_sharding_table_measured_against_analytic(tmp_path: Path) -> None
     assert rows["zero3"]["wire_x_analytic"] == pytest.approx(2.0 / 1.5)
     assert not rows["fsdp2"]["measured"] and not rows["lightning_ddp"]["measured"]
     text = report.markdown()
-    assert "| m | zero3 | 300.0 | 3.000 | 1.500 | 70 | 2.00 | 1.50 | 1.333 |" in text
-    assert "| m | fsdp2 | 200.0 | 2.000 | 1.000 | 70 | n/a | 1.50 | n/a |" in text
-    assert "| m | lightning_ddp | 100.0 | 1.000 | 0.500 | 70 | n/a | 1.00 | n/a |" in text
+    assert "| m | 2 | zero3 | 300.0 | 3.000 | 1.500 | 70 | 2.00 | 1.50 | 1.333 |" in text
+    assert "| m | 2 | fsdp2 | 200.0 | 2.000 | 1.000 | 70 | n/a | 1.50 | n/a |" in text
+    assert "| m | 2 | lightning_ddp | 100.0 | 1.000 | 0.500 | 70 | n/a | 1.00 | n/a |" in text
     report.write(tmp_path)
     assert (tmp_path / "sharding.png").stat().st_size > 0
     # without a sharded row there is no sharding table

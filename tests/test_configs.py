@@ -62,7 +62,11 @@ def test_bench_suites_compose_and_name_importable_strategies(suite: str) -> None
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = compose("bench", overrides=[f"suite={suite}"])
     GlobalHydra.instance().clear()
-    assert cfg.tradeoff.enabled == (suite == "tradeoff")
+    assert cfg.tradeoff.enabled == (suite in ("tradeoff", "full"))
+    assert cfg.cost_model.enabled == (suite in ("full", "quick"))
+    if suite == "full":  # the report: every model at 2, 3 and 4 ranks, every strategy row
+        assert list(cfg.world_sizes) == [2, 3, 4] and cfg.run_strategies is None
+        assert set(cfg.run_models) == {"wide_mlp", "deep_mlp", "char_gpt"} == set(cfg.scaling.models)
     if suite == "tradeoff":  # only the trade-off runs
         assert list(cfg.run_models) == [] and not cfg.bucket_sweep.enabled and not cfg.scaling.enabled
     for rows in cfg.tradeoff.rows.values():
@@ -72,6 +76,10 @@ def test_bench_suites_compose_and_name_importable_strategies(suite: str) -> None
         get_class(node._target_)
     periods = [int(n.sync_every) for rows in cfg.tradeoff.rows.values() for n in rows.values() if "sync_every" in n]
     assert all(cfg.tradeoff.steps % p == 0 for p in periods), "the budget must end on a sync of every periodic row"
+    # the strategy rows' periodic syncs fall evenly in the timed window, so bytes/step is the exact amortized figure
+    for n in cfg.strategies.values():
+        if "sync_every" in n:
+            assert cfg.steps % n.sync_every == 0, n
 
 
 def test_model_trainer_keys_win_over_trainer_defaults(composer) -> None:

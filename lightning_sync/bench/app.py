@@ -20,12 +20,13 @@ from datetime import date
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from lightning_sync.bench.report import Report
-from lightning_sync.bench.runner import Trial, run_trials
+from lightning_sync.bench.runner import Trial, run_solo_trials, run_trials
+from lightning_sync.bench.sweep import sweep_all_reduce, sweep_sizes
 
-__all__ = ["run_bench", "schedule", "select_strategies"]
+__all__ = ["run_bench", "run_sweep", "schedule", "select_strategies", "world_sizes"]
 
 log = logging.getLogger("lightning_sync.bench")
 
@@ -92,38 +93,92 @@ def select_strategies(cfg: DictConfig) -> dict[str, dict[str, Any]]:
     return rows
 
 
+def world_sizes(cfg: DictConfig) -> list[int]:
+    """The measured world sizes: ``world_sizes`` (a list of ints >= 2), in ascending order without repeats."""
+    raw = cfg.get("world_sizes")
+    if not isinstance(raw, (list, ListConfig)) or not raw:
+        raise ValueError(f"world_sizes must be a non-empty list of ints >= 2, got {raw!r}")
+    for k in raw:
+        if isinstance(k, bool) or not isinstance(k, int) or k < 2:
+            raise ValueError(f"world_sizes must be a non-empty list of ints >= 2, got {list(raw)!r}")
+    return sorted(set(int(k) for k in raw))
+
+
 def run_bench(cfg: DictConfig, out_dir: Path) -> Report | None:
     """Run the configured suite and write the reports into ``out_dir`` (the strategy rows' ``report.md``,
-    and ``tradeoff.md`` when the trade-off is enabled); returns the strategy rows' report, if any ran."""
+    ``report.json`` and plots, and ``tradeoff.md`` when the trade-off is enabled); returns the strategy
+    rows' report, if any ran.
+
+    Order: the strategy rows at every world size (one spawned group per size; the bucket sweep at the
+    smallest), the single-process rows, the compute-under-time-sharing rows and the all-reduce sweep of
+    the cost model, then the trade-off.
+    """
     from lightning_sync.testing import run_distributed
 
-    world, threads = int(cfg.world_size), int(cfg.threads_per_rank)
+    worlds, threads = world_sizes(cfg), int(cfg.threads_per_rank)
     env = {"OMP_NUM_THREADS": str(threads), "PL_GLOBAL_SEED": "0"}
-    meta = {"date": date.today().isoformat(), "cpu": _cpu_model(), "python": platform.python_version(),
-            "torch": _version("torch"), "lightning": _version("lightning"), "world_size": world,
-            "threads_per_rank": threads, "command": " ".join(["lightning-sync", "bench", *sys.argv[1:]])}
+    meta = {"date": date.today().isoformat(), "cpu": _cpu_model(), "cores": os.cpu_count() or 1,
+            "python": platform.python_version(), "torch": _version("torch"), "lightning": _version("lightning"),
+            "world_sizes": worlds, "threads_per_rank": threads,
+            "command": " ".join(["lightning-sync", "bench", *sys.argv[1:]])}
     strategies = {name: (node, {}) for name, node in select_strategies(cfg).items()}
-    trials = [t for model in cfg.run_models for t in _trials(cfg, model, strategies)]
-    if cfg.bucket_sweep.enabled:
-        trials += _trials(cfg, cfg.bucket_sweep.model, _bucket_rows(cfg), f"{cfg.bucket_sweep.model} (bucket sweep)")
+    timeout = float(cfg.timeout_s)
+    results: dict[int, list[list[dict[str, Any]]]] = {}
+    for world in worlds:
+        trials = [t for model in cfg.run_models for t in _trials(cfg, model, strategies)]
+        if cfg.bucket_sweep.enabled and world == worlds[0]:
+            trials += _trials(cfg, cfg.bucket_sweep.model, _bucket_rows(cfg), f"{cfg.bucket_sweep.model} (bucket sweep)")
+        if trials:
+            log.info("bench: %d trials on %d ranks (%d pairs, %d timed steps each)", len(trials), world, cfg.pairs,
+                     cfg.steps)
+            results[world] = run_distributed(run_trials, world, trials, threads, f"K={world}", timeout=timeout,
+                                             env=env)
     report = None
-    if trials:
-        log.info("bench: %d trials on %d ranks (%d pairs, %d timed steps each)", len(trials), world, cfg.pairs,
-                 cfg.steps)
-        results = run_distributed(run_trials, world, trials, threads, timeout=float(cfg.timeout_s), env=env)
+    if results:
         single: list[dict[str, Any]] = []
-        if cfg.scaling.enabled:
-            one = {"single": ({"_target_": None}, {})}
-            solo = [t for model in cfg.scaling.models for t in _trials(cfg, model, one)]
-            log.info("bench: %d single-process trials for scaling efficiency", len(solo))
-            single = run_distributed(run_trials, 1, solo, threads, timeout=float(cfg.timeout_s), env=env)[0]
-        report = Report(results, single, cfg, meta)
+        concurrent: list[dict[str, Any]] = []
+        cost = cfg.get("cost_model") or {}
+        solo_models = list(dict.fromkeys([*(cfg.scaling.models if cfg.scaling.enabled else []),
+                                          *(cfg.run_models if cost.get("enabled") else [])]))
+        one = {"single": ({"_target_": None}, {})}
+        solo = [t for model in solo_models for t in _trials(cfg, model, one)]
+        if solo:
+            log.info("bench: %d single-process trials (T1)", len(solo))
+            single = run_distributed(run_trials, 1, solo, threads, "K=1", timeout=timeout, env=env)[0]
+        sweep: list[dict[str, Any]] = []
+        if cost.get("enabled"):
+            for world in worlds:  # compute alone under the time-sharing of a K-rank job
+                log.info("bench: %d x %d independent single-process trials (compute under time-sharing)", world,
+                         len(solo))
+                ranks = run_distributed(run_solo_trials, world, solo, threads, timeout=timeout, env=env,
+                                        process_group=False)
+                concurrent += [r for rank in ranks for r in rank]
+            sweep = run_sweep(cost, threads, timeout)
+        report = Report(results, single, cfg, meta, concurrent=concurrent, sweep=sweep)
         report.write(out_dir)
     if cfg.tradeoff.enabled:
         from lightning_sync.bench.tradeoff import run_tradeoff
 
         run_tradeoff(cfg, out_dir, meta)
+        if report is not None:  # one report: the trade-off rows go below the strategy rows
+            with open(out_dir / "report.md", "a") as f:
+                f.write("\n\n" + (out_dir / "tradeoff.md").read_text())
     return report
+
+
+def run_sweep(cost: Any, threads: int, timeout: float) -> list[dict[str, Any]]:
+    """The cost model's all-reduce sweep (``cost_model.sweep``) at every world size it names."""
+    from lightning_sync.testing import run_distributed
+
+    node = cost.sweep
+    sizes = sweep_sizes(int(node.smallest), int(node.largest), int(node.factor))
+    points: list[dict[str, Any]] = []
+    for world in node.worlds:
+        log.info("bench: all-reduce sweep on %d ranks (%d sizes x %s)", world, len(sizes), list(node.algorithms))
+        points += run_distributed(sweep_all_reduce, int(world), sizes, [str(a) for a in node.algorithms],
+                                  int(node.repeats), threads, timeout=timeout,
+                                  env={"OMP_NUM_THREADS": str(threads)})[0]
+    return points
 
 
 def _version(pkg: str) -> str:

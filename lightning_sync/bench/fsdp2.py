@@ -8,8 +8,11 @@ no ``configure_model`` of its own, it installs one on that instance (removed aga
 applies ``fully_shard`` to
 
 1. every submodule whose class is one of ``shard_classes`` (default: every ``torch.nn.Linear``), in
-   post-order, each becoming its own FSDP2 unit (one all-gather and one reduce-scatter group), and
-2. the LightningModule itself, the root unit (whatever parameters are not inside a unit above).
+   post-order, each becoming its own FSDP2 unit (one all-gather and one reduce-scatter group),
+   except one holding a parameter tied to a module outside it (a GPT head sharing the token
+   embedding's weight: FSDP2 refuses a parameter managed by two groups), and
+2. the LightningModule itself, the root unit (whatever parameters are not inside a unit above,
+   tied ones included).
 
 Lightning then calls that hook at its usual place (after the process group and the mesh exist,
 before the optimizer is built), and the rest of ``ModelParallelStrategy.setup`` runs unchanged. The
@@ -122,7 +125,17 @@ class FullyShardStrategy(ModelParallelStrategy):
         if isinstance(root, FSDPModule):  # configure_model runs again in a later fit/validate
             return
         mesh = self.device_mesh["data_parallel"]
-        units = [m for m in root.modules() if m is not root and isinstance(m, self._shard_classes)]
+        owners: dict[int, list[nn.Module]] = {}
+        for mod in root.modules():
+            for p in mod.parameters(recurse=False):  # a tied parameter is listed by every module holding it
+                owners.setdefault(id(p), []).append(mod)
+
+        def tied_outside(unit: nn.Module) -> bool:
+            inside = {id(m) for m in unit.modules()}
+            return any(id(o) not in inside for p in unit.parameters() for o in owners[id(p)])
+
+        units = [m for m in root.modules()
+                 if m is not root and isinstance(m, self._shard_classes) and not tied_outside(m)]
         for module in reversed(units):  # post-order: children before their parents
             fully_shard(module, mesh=mesh, reshard_after_forward=self._reshard_after_forward)
         fully_shard(root, mesh=mesh, reshard_after_forward=self._reshard_after_forward)

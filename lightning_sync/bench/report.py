@@ -25,6 +25,7 @@ Statistics (this machine is noisy, so only medians and same-run ratios are repor
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 from collections import defaultdict
@@ -32,7 +33,9 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["WIRE_FACTORS", "Report", "analytic_wire_bytes", "analytic_wire_factor", "wire_bytes"]
+from lightning_sync.bench.cost_report import CostModel
+
+__all__ = ["WIRE_FACTORS", "Report", "analytic_wire_bytes", "analytic_wire_factor", "expected_max", "wire_bytes"]
 
 #: Bytes a rank puts on the wire per payload byte recorded by ``comms`` (see ``comms/stats.py`` for what
 #: each op records), for K ranks, under the ring model. Ops whose payload is one rank's share of a
@@ -100,6 +103,27 @@ def _median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
+def expected_max(samples: list[float], k: int) -> float:
+    """E[max of ``k`` independent draws] from the empirical distribution of ``samples``.
+
+    A synchronous step ends when the slowest rank's compute ends, so K ranks whose step times scatter
+    (the scheduler time-slicing busy cores) wait for the largest of K draws, not the median. With the
+    samples sorted, ``E = sum_i x_i ((i/n)^k - ((i-1)/n)^k)``; ``k = 1`` gives the mean.
+    """
+    if not samples:
+        return float("nan")
+    if not isinstance(k, int) or k < 1:
+        raise ValueError(f"k must be an int >= 1, got {k!r}")
+    xs, n = sorted(samples), len(samples)
+    return sum(x * ((i / n) ** k - ((i - 1) / n) ** k) for i, x in enumerate(xs, 1))
+
+
+def _median_ops(trials: list[dict[str, Any]], key: str) -> dict[str, float]:
+    """Per op, the median over trials of ``trial[key][op]`` (0 where a trial lacks the op)."""
+    ops = dict.fromkeys(op for t in trials for op in t.get(key, {}))
+    return {op: _median([float(t.get(key, {}).get(op, 0.0)) for t in trials]) for op in ops}
+
+
 def _is_sharded(strategy: Mapping[str, Any]) -> bool:
     return str(strategy.get("_target_") or "").rpartition(".")[2] in ("ShardedStrategy", "FullyShardStrategy")
 
@@ -107,31 +131,46 @@ def _is_sharded(strategy: Mapping[str, Any]) -> bool:
 class Report:
     """Aggregates ``results[rank][trial]`` (see ``bench.runner``) into tables and plots."""
 
-    def __init__(self, results: list[list[dict[str, Any]]], single: list[dict[str, Any]], cfg: Any,
-                 meta: dict[str, Any]) -> None:
+    def __init__(self, results: list[list[dict[str, Any]]] | Mapping[int, list[list[dict[str, Any]]]],
+                 single: list[dict[str, Any]], cfg: Any, meta: dict[str, Any],
+                 concurrent: list[dict[str, Any]] | None = None, sweep: list[dict[str, Any]] | None = None) -> None:
+        """``results``: per world size (or one world size's list), per rank, the trials' measurements;
+        ``single``: one-process trials (T1); ``concurrent``: the same run as K independent processes at once
+        (compute under K-way time-sharing, ``world`` 1 and ``concurrent`` K); ``sweep``: all-reduce sweep points."""
         self.meta, self.cfg = meta, cfg
         self.baseline = str(cfg.baseline)
-        self._trials: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
-        for i, rank0 in enumerate(results[0]):
-            peak = max(r[i]["peak_mib"] for r in results)
-            wire = max(wire_bytes(r[i].get("op_bytes_per_step", {}), r[i]["world"]) for r in results)
-            self._trials[(rank0["model"], rank0["name"])].append({**rank0, "peak_mib": peak, "wire_bytes": wire})
+        by_world = results if isinstance(results, Mapping) else {results[0][0]["world"] if results[0] else 0: results}
+        self._trials: dict[tuple[str, str, int], list[dict[str, Any]]] = defaultdict(list)
+        for world, ranks in by_world.items():
+            for i, rank0 in enumerate(ranks[0]):
+                peak = max(r[i]["peak_mib"] for r in ranks)
+                wire = max(wire_bytes(r[i].get("op_bytes_per_step", {}), r[i]["world"]) for r in ranks)
+                self._trials[(rank0["model"], rank0["name"], int(world))].append(
+                    {**rank0, "peak_mib": peak, "wire_bytes": wire})
         self._single = {r["model"]: _median(r["step_s"]) for r in single}
+        pooled: dict[tuple[str, int], list[float]] = defaultdict(list)
+        for r in concurrent or []:
+            pooled[(r["model"], int(r["concurrent"]))] += list(r["step_s"])
+        self.compute = {key: expected_max(v, key[1]) for key, v in pooled.items()}
+        """Compute step time per (model, K) under K-way time-sharing: the expected slowest of K ranks'
+        steps (:func:`expected_max` of the K independent processes' pooled step times; K = 1: T1)."""
+        for model, t1 in self._single.items():
+            self.compute.setdefault((model, 1), t1)
+        self.sweep = list(sweep or [])
 
     def _step(self, t: dict[str, Any]) -> float:
         return _median(t["step_s"])
 
-    def _ratio(self, model: str, name: str, reference: str) -> float:
+    def _ratio(self, model: str, name: str, reference: str, world: int) -> float:
         """Median over pairs of this strategy's step time over ``reference``'s in the same pair."""
         if name == reference:
             return 1.0
-        trials, base = self._trials[(model, name)], self._trials.get((model, reference), [])
+        trials, base = self._trials[(model, name, world)], self._trials.get((model, reference, world), [])
         return _median([self._step(t) / self._step(b) for t, b in zip(trials, base)])
 
-    def row(self, model: str, name: str) -> dict[str, Any]:
-        """Aggregated figures of one strategy on one model."""
-        trials = self._trials[(model, name)]
-        world = trials[0]["world"]
+    def row(self, model: str, name: str, world: int) -> dict[str, Any]:
+        """Aggregated figures of one strategy on one model at one world size."""
+        trials = self._trials[(model, name, world)]
         grad = trials[0]["grad_bytes"]
         sent = _median([t["bytes_per_step"] for t in trials])
         exposed = _median([_median(t["exposed_s"]) for t in trials if t["exposed_s"]])
@@ -141,8 +180,11 @@ class Report:
         measured = any(t.get("comm_calls", 0) for t in trials)  # else the strategy bypasses comms
         wire = _median([t["wire_bytes"] for t in trials]) if measured else float("nan")
         analytic = analytic_wire_bytes(trials[0].get("strategy", {}), trials[0].get("param_bytes", grad), world)
-        return {"model": model, "strategy": name, "step_ms": 1e3 * step,
-                "ratio": self._ratio(model, name, self.baseline),
+        reference = self._reference()
+        ratio_ref = (self._ratio(model, name, reference, world) if (model, reference, world) in self._trials
+                     else float("nan"))
+        return {"model": model, "strategy": name, "world": world, "step_ms": 1e3 * step,
+                "ratio": self._ratio(model, name, self.baseline, world), "ratio_ref": ratio_ref,
                 "bytes_mib": sent / 2**20, "x_grad": sent / grad if grad else float("nan"),
                 "wire_mib": (wire if measured else 0.0) / 2**20, "measured": measured,
                 "wire_measured_mib": wire / 2**20, "wire_analytic_mib": analytic / 2**20,
@@ -150,38 +192,101 @@ class Report:
                 "exposed_ms": 1e3 * exposed, "exposed_share": exposed / comm if comm else float("nan"),
                 "comm_ms": 1e3 * comm,
                 "peak_mib": _median([t["peak_mib"] for t in trials]),
-                "scaling": single / step if single else float("nan"), "pairs": len(trials), "extra": trials[0]["extra"]}
+                "scaling": single / step if single else float("nan"), "pairs": len(trials), "extra": trials[0]["extra"],
+                "op_bytes_per_step": _median_ops(trials, "op_bytes_per_step"),
+                "op_calls_per_step": _median_ops(trials, "op_calls_per_step"),
+                "param_bytes": trials[0].get("param_bytes", grad), "n_linear": trials[0].get("n_linear", 0),
+                "strategy_node": trials[0].get("strategy", {})}
 
     def rows(self) -> list[dict[str, Any]]:
-        return [self.row(m, n) for (m, n) in self._trials]
+        return [self.row(m, n, k) for (m, n, k) in self._trials]
+
+    def _reference(self) -> str:
+        """The second ratio's reference row (``sharding_table.reference``, FSDP2 by default)."""
+        return self._sharding_cfg()[1]
 
     def markdown(self) -> str:
         m = self.meta
+        ref = self._reference()
+        worlds = sorted({k for _, _, k in self._trials})
         lines = [f"# lightning-sync bench ({m['date']})", "",
-                 f"- machine: {m['cpu']}; {m['world_size']} ranks x {m['threads_per_rank']} thread(s)",
+                 f"- machine: {m['cpu']}; {', '.join(map(str, worlds))} ranks x {m['threads_per_rank']} thread(s)",
                  f"- torch {m['torch']}, lightning {m['lightning']}, python {m['python']}",
                  f"- command: `{m['command']}`",
                  f"- {self.cfg.pairs} alternating pairs x {self.cfg.steps} timed steps (after "
-                 f"{self.cfg.warmup_steps} warm-up steps); medians; ratios are to `{self.baseline}` in the same pair", "",
-                 "| model | strategy | step ms | x baseline | MiB/step/rank | x grad bytes | ring wire MiB "
-                 "| comm alone ms | exposed ms | exposed / comm | peak MiB | T1/TK |",
-                 "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                 f"{self.cfg.warmup_steps} warm-up steps); medians; ratios are to `{self.baseline}` and to `{ref}` "
+                 "in the same pair and world size", "",
+                 f"| model | K | strategy | step ms | x {self.baseline} | x {ref} | MiB/step/rank | x grad bytes "
+                 "| ring wire MiB | analytic MiB | comm alone ms | exposed ms | exposed / comm | peak MiB | T1/TK |",
+                 "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for r in self.rows():
             wire = f"{r['wire_mib']:.2f}" if r["measured"] else "n/a"
-            lines.append(f"| {r['model']} | {r['strategy']} | {r['step_ms']:.1f} | {r['ratio']:.3f} | "
-                         f"{r['bytes_mib']:.2f} | {r['x_grad']:.3f} | {wire} | {r['comm_ms']:.1f} | "
-                         f"{r['exposed_ms']:.1f} | "
+            x_ref = "n/a" if math.isnan(r["ratio_ref"]) else f"{r['ratio_ref']:.3f}"
+            lines.append(f"| {r['model']} | {r['world']} | {r['strategy']} | {r['step_ms']:.1f} | {r['ratio']:.3f} | "
+                         f"{x_ref} | {r['bytes_mib']:.2f} | {r['x_grad']:.3f} | {wire} | {r['wire_analytic_mib']:.2f} | "
+                         f"{r['comm_ms']:.1f} | {r['exposed_ms']:.1f} | "
                          f"{r['exposed_share']:.2f} | {r['peak_mib']:.0f} | {r['scaling']:.2f} |")
-        lines += ["", "Single-process step time T1(b) (ms): "
-                  + ", ".join(f"{k} {1e3 * v:.1f}" for k, v in self._single.items()),
-                  "", "Overlap check: with perfect overlap a step would take max(T1, comm alone); on a machine "
+        if self._single:
+            lines += ["", "Single-process step time T1(b) (ms): "
+                      + ", ".join(f"{k} {1e3 * v:.1f}" for k, v in self._single.items())]
+        lines += ["", "Overlap check: with perfect overlap a step would take max(T1, comm alone); on a machine "
                   "where communication competes with compute for the same cores it takes about T1 + comm alone.",
                   "", "torch's own DDP sends its gradients outside `lightning_sync.comms`, so its bytes read 0 here; "
                   "its payload is the gradient size (x grad bytes 1.00) by construction. Ring wire MiB converts "
                   "each op's payload with the ring model (all_reduce 2(K-1)/K, reduce_scatter (K-1)/K, "
-                  "all_gather K-1); n/a where the strategy bypasses `comms`.", ""]
+                  "all_gather K-1); n/a where the strategy bypasses `comms`. Analytic MiB is the textbook figure "
+                  "(DDP 2(K-1)/K x S, ZeRO-3 and FSDP2 3(K-1)/K x S; compression and periodic syncs not modelled).",
+                  ""]
+        lines += self.scaling_markdown()
         lines += self.sharding_markdown()
+        cost = self.cost_model()
+        if cost is not None:
+            lines += cost.markdown()
         return "\n".join(lines)
+
+    def cost_model(self) -> CostModel | None:
+        """The fitted cost model (None without a sweep)."""
+        if not self.sweep:
+            return None
+        node = self.cfg.get("cost_model") if hasattr(self.cfg, "get") else None
+        proj = (node or {}).get("projection") or {}
+        return CostModel(self.rows(), self.compute, self.sweep, cores=self.meta.get("cores"),
+                         threads_per_rank=int(self.meta.get("threads_per_rank", 1)),
+                         projection=(int(proj.get("smallest", 8)), int(proj.get("largest", 4096))))
+
+    def as_json(self) -> dict[str, Any]:
+        """Every row (each carrying the run's versions, CPU, date and command), and the cost model's fits,
+        validation and projection."""
+        rows = [{**{k: v for k, v in r.items() if k != "strategy_node"}, "strategy_node": r["strategy_node"], **self.meta}
+                for r in self.rows()]
+        out: dict[str, Any] = {"meta": self.meta, "rows": rows,
+                               "compute_s": [{"model": m, "concurrent": k, "seconds": v}
+                                             for (m, k), v in self.compute.items()]}
+        cost = self.cost_model()
+        if cost is not None:
+            out["sweep"] = self.sweep
+            out["fits"] = {a: {"alpha_s": f.link.alpha, "beta_s_per_byte": f.link.beta, "points": f.points}
+                           for a, f in cost.fits.items()}
+            out["validation"] = cost.validation()
+            out["projection"] = cost.projection()
+        return out
+
+    def scaling_markdown(self) -> list[str]:
+        """Scaling efficiency ``T1(b) / TK(b)`` per model and strategy, one column per measured K."""
+        worlds = sorted({k for _, _, k in self._trials})
+        names = list(dict.fromkeys((m, n) for m, n, _ in self._trials if m in self._single))
+        if not names or not worlds:
+            return []
+        lines = ["## Scaling efficiency", "",
+                 "T1(b) / TK(b) at a fixed per-rank batch b: one process against K ranks (1.00 is perfect). "
+                 "On this machine K ranks beyond its cores time-share them.", "",
+                 "| model | strategy | " + " | ".join(f"K={k}" for k in worlds) + " |",
+                 "|---|---|" + "---:|" * len(worlds)]
+        for model, name in names:
+            cells = [f"{self.row(model, name, k)['scaling']:.2f}" if (model, name, k) in self._trials else "-"
+                     for k in worlds]
+            lines.append(f"| {model} | {name} | " + " | ".join(cells) + " |")
+        return [*lines, ""]
 
     def _sharding_cfg(self) -> tuple[list[str], str]:
         node = self.cfg.get("sharding_table") if hasattr(self.cfg, "get") else None
@@ -189,19 +294,15 @@ class Report:
         return [str(n) for n in node.get("rows", [])], str(node.get("reference", "fsdp2"))
 
     def sharding_rows(self) -> list[dict[str, Any]]:
-        """Rows of the sharding table: ``sharding_table.rows`` that ran, per model, if a sharded one ran.
-
-        Adds ``ratio_ref``, the same-pair step-time ratio to ``sharding_table.reference``.
-        """
-        names, reference = self._sharding_cfg()
+        """Rows of the sharding table: ``sharding_table.rows`` that ran, per model and world size, if a
+        sharded one ran (``ratio_ref``: the same-pair step-time ratio to ``sharding_table.reference``)."""
+        names, _ = self._sharding_cfg()
         out = []
-        for model in dict.fromkeys(m for m, _ in self._trials):
-            present = [n for n in names if (model, n) in self._trials]
-            if not any(_is_sharded(self._trials[(model, n)][0].get("strategy", {})) for n in present):
+        for model, world in dict.fromkeys((m, k) for m, _, k in self._trials):
+            present = [n for n in names if (model, n, world) in self._trials]
+            if not any(_is_sharded(self._trials[(model, n, world)][0].get("strategy", {})) for n in present):
                 continue
-            for n in present:
-                ratio_ref = self._ratio(model, n, reference) if (model, reference) in self._trials else float("nan")
-                out.append({**self.row(model, n), "ratio_ref": ratio_ref})
+            out += [self.row(model, n, world) for n in present]
         return out
 
     def sharding_markdown(self) -> list[str]:
@@ -216,15 +317,15 @@ class Report:
                  "and rank, measured through `comms` with the ring model, against the analytic figure "
                  "(DDP and ZeRO-1/2: 2(K-1)/K x S, ZeRO-3 and FSDP2: 3(K-1)/K x S, S = trainable parameter bytes, "
                  "padding aside). torch DDP and FSDP2 bypass `comms`: measured n/a.", "",
-                 f"| model | strategy | step ms | x {self.baseline} | x {reference} | peak MiB/rank "
+                 f"| model | K | strategy | step ms | x {self.baseline} | x {reference} | peak MiB/rank "
                  "| wire MiB/step/rank | analytic MiB | wire / analytic |",
-                 "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+                 "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
         for r in rows:
             ref = "n/a" if math.isnan(r["ratio_ref"]) else f"{r['ratio_ref']:.3f}"
             wire = f"{r['wire_measured_mib']:.2f}" if r["measured"] else "n/a"
             x_an = f"{r['wire_x_analytic']:.3f}" if r["measured"] else "n/a"
-            lines.append(f"| {r['model']} | {r['strategy']} | {r['step_ms']:.1f} | {r['ratio']:.3f} | {ref} | "
-                         f"{r['peak_mib']:.0f} | {wire} | {r['wire_analytic_mib']:.2f} | {x_an} |")
+            lines.append(f"| {r['model']} | {r['world']} | {r['strategy']} | {r['step_ms']:.1f} | {r['ratio']:.3f} | "
+                         f"{ref} | {r['peak_mib']:.0f} | {wire} | {r['wire_analytic_mib']:.2f} | {x_an} |")
         return [*lines, ""]
 
     def write(self, out_dir: Path) -> None:
@@ -232,6 +333,7 @@ class Report:
         out_dir.mkdir(parents=True, exist_ok=True)
         text = self.markdown()
         (out_dir / "report.md").write_text(text)
+        (out_dir / "report.json").write_text(json.dumps(self.as_json(), indent=1, default=str))
         print(text)
         self._plots(out_dir)
 
@@ -245,14 +347,18 @@ class Report:
             raise ImportError("lightning-sync bench draws its plots with matplotlib: "
                               "pip install 'lightning-sync[bench]'") from err
         rows = self.rows()
-        models = sorted({r["model"] for r in rows})
-        fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 4), squeeze=False)
-        for ax, model in zip(axes[0], models):
-            mine = [r for r in rows if r["model"] == model]
+        panels = list(dict.fromkeys((r["model"], r["world"]) for r in rows))
+        cols = min(len(panels), 3)
+        fig, axes = plt.subplots(math.ceil(len(panels) / cols), cols, figsize=(5.5 * cols, 4 * math.ceil(len(panels) / cols)),
+                                 squeeze=False)
+        for ax in axes.flat[len(panels):]:
+            ax.axis("off")
+        for ax, (model, world) in zip(axes.flat, panels):
+            mine = [r for r in rows if (r["model"], r["world"]) == (model, world)]
             ax.bar([r["strategy"] for r in mine], [r["step_ms"] for r in mine], color="tab:blue")
             for i, r in enumerate(mine):
                 ax.text(i, r["step_ms"], f"{r['ratio']:.2f}x", ha="center", va="bottom", fontsize=8)
-            ax.set_title(f"{model}: median step time (x {self.baseline})")
+            ax.set_title(f"{model}, K={world}: median step time (x {self.baseline})", fontsize=9)
             ax.set_ylabel("ms / step")
             ax.tick_params(axis="x", rotation=30, labelsize=8)
         fig.tight_layout()
@@ -273,23 +379,48 @@ class Report:
             fig.savefig(out_dir / "bucket_sweep.png", dpi=110)
             plt.close(fig)
         self._sharding_plot(out_dir, plt)
+        self._scaling_plot(out_dir, plt)
+        cost = self.cost_model()
+        if cost is not None:
+            cost.plots(out_dir, plt)
+
+    def _scaling_plot(self, out_dir: Path, plt: Any) -> None:
+        """``scaling.png``: T1/TK against K per strategy, one panel per model (only with 2+ world sizes)."""
+        worlds = sorted({k for _, _, k in self._trials})
+        models = [m for m in dict.fromkeys(m for m, _, _ in self._trials) if m in self._single]
+        if len(worlds) < 2 or not models:
+            return
+        fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 4), squeeze=False)
+        for ax, model in zip(axes[0], models):
+            for name in dict.fromkeys(n for m, n, _ in self._trials if m == model):
+                ks = [k for k in worlds if (model, name, k) in self._trials]
+                ax.plot([1, *ks], [1.0, *(self.row(model, name, k)["scaling"] for k in ks)], "o-", label=name, ms=3)
+            ax.set_xticks([1, *worlds])
+            ax.set_ylim(0, 1.05)
+            ax.set_xlabel("ranks K (fixed per-rank batch)")
+            ax.set_ylabel("T1 / TK")
+            ax.set_title(f"{model}: scaling efficiency")
+            ax.legend(fontsize=6)
+        fig.tight_layout()
+        fig.savefig(out_dir / "scaling.png", dpi=110)
+        plt.close(fig)
 
     def _sharding_plot(self, out_dir: Path, plt: Any) -> None:
         """``sharding.png``: per model, step time (top) and wire MiB measured vs analytic (bottom)."""
         rows = self.sharding_rows()
         if not rows:
             return
-        models = list(dict.fromkeys(r["model"] for r in rows))
+        models = list(dict.fromkeys((r["model"], r["world"]) for r in rows))
         fig, axes = plt.subplots(2, len(models), figsize=(5 * len(models), 7), squeeze=False)
-        for col, model in enumerate(models):
-            mine = [r for r in rows if r["model"] == model]
+        for col, (model, world) in enumerate(models):
+            mine = [r for r in rows if (r["model"], r["world"]) == (model, world)]
             names = [r["strategy"] for r in mine]
             xs = list(range(len(mine)))
             top, bottom = axes[0][col], axes[1][col]
             top.bar(xs, [r["step_ms"] for r in mine], color="tab:blue")
             for i, r in enumerate(mine):
                 top.text(i, r["step_ms"], f"{r['ratio']:.2f}x", ha="center", va="bottom", fontsize=8)
-            top.set_title(f"{model}: median step time (x {self.baseline})")
+            top.set_title(f"{model}, K={world}: median step time (x {self.baseline})", fontsize=9)
             top.set_ylabel("ms / step")
             measured = [r["wire_measured_mib"] if r["measured"] else 0.0 for r in mine]
             bottom.bar([x - 0.2 for x in xs], measured, width=0.4, color="tab:orange", label="measured (comms)")
@@ -298,7 +429,7 @@ class Report:
             for i, r in enumerate(mine):
                 if not r["measured"]:
                     bottom.text(i - 0.2, 0, "n/a", ha="center", va="bottom", fontsize=8)
-            bottom.set_title(f"{model}: wire MiB / step / rank")
+            bottom.set_title(f"{model}, K={world}: wire MiB / step / rank", fontsize=9)
             bottom.set_ylabel("MiB")
             bottom.legend(fontsize=8)
             for ax in (top, bottom):

@@ -58,6 +58,8 @@ class Trial:
     """Untimed steps first (bucket rebuild, allocator warm-up, PowerSGD warm-up)."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Free-form labels carried into the report (e.g. the bucket cap)."""
+    devices: int | None = None
+    """Devices of the Trainer (``None``: every rank of the group; 1: one independent process per rank)."""
 
 
 class _MallInfo2(ctypes.Structure):
@@ -90,6 +92,7 @@ class StepProbe(pl.Callback):
         self.exposed_s: list[float] = []
         self.bytes: list[int] = []
         self.op_bytes: dict[str, int] = {}  # summed over the timed steps
+        self.op_calls: dict[str, int] = {}
         self.calls = 0
         self.peak_rss = 0.0
         self.bucketer: Any = None  # kept past teardown, for the communication-alone measurement
@@ -117,6 +120,7 @@ class StepProbe(pl.Callback):
             before = self._snap0.get(op, comms.OpStats())
             step_bytes += now.bytes - before.bytes
             self.op_bytes[op] = self.op_bytes.get(op, 0) + now.bytes - before.bytes
+            self.op_calls[op] = self.op_calls.get(op, 0) + now.calls - before.calls
             self.calls += now.calls - before.calls
         self.bytes.append(step_bytes)
         bucketer = getattr(trainer.strategy, "bucketer", None)
@@ -153,7 +157,8 @@ def _run_one(trial: Trial, world: int) -> dict[str, Any]:
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     strategy = instantiate(trial.strategy) if trial.strategy.get("_target_") else "auto"
     probe = StepProbe(trial.warmup)
-    trainer = pl.Trainer(accelerator="gpu" if torch.cuda.is_available() else "cpu", devices=world,
+    n_linear = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    trainer = pl.Trainer(accelerator="gpu" if torch.cuda.is_available() else "cpu", devices=trial.devices or world,
                          strategy=strategy, max_steps=trial.warmup + trial.steps, max_epochs=-1,
                          limit_val_batches=0, num_sanity_val_steps=0, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, callbacks=[probe])
@@ -169,16 +174,45 @@ def _run_one(trial: Trial, world: int) -> dict[str, Any]:
     return {"name": trial.name, "model": trial.model, "world": world, "step_s": probe.step_s,
             "bytes_per_step": (sum(probe.bytes) / len(probe.bytes)) if probe.bytes else 0.0,
             "op_bytes_per_step": {op: b / n for op, b in probe.op_bytes.items()}, "comm_calls": probe.calls,
+            "op_calls_per_step": {op: c / n for op, c in probe.op_calls.items()}, "n_linear": n_linear,
             "exposed_s": probe.exposed_s, "comm_s": comm_s, "grad_bytes": param_bytes, "param_bytes": param_bytes,
             "strategy": dict(trial.strategy), "peak_mib": peak, "extra": trial.extra}
 
 
-def run_trials(rank: int, world: int, trials: list[Trial], threads: int = 1) -> list[dict[str, Any]]:
-    """Run every trial in order on this rank (called by ``run_distributed``); returns the measurements."""
+def run_trials(rank: int, world: int, trials: list[Trial], threads: int = 1,
+               label: str = "") -> list[dict[str, Any]]:
+    """Run every trial in order on this rank (called by ``run_distributed``); returns the measurements.
+
+    Rank 0 shows a progress bar on stderr (``label``: what the group is, e.g. ``"K=4"``).
+    """
     import logging
     import warnings
+
+    from tqdm import tqdm
 
     torch.set_num_threads(threads)
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore")
-    return [_run_one(t, world) for t in trials]
+    bar = tqdm(trials, desc=f"bench {label}".strip(), unit="trial", disable=rank != 0, dynamic_ncols=True)
+    out = []
+    for t in bar:
+        bar.set_postfix_str(f"{t.model} / {t.name}")
+        out.append(_run_one(t, world))
+    return out
+
+
+_RANK_ENV = ("RANK", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+             "TORCHELASTIC_USE_AGENT_STORE")
+
+
+def run_solo_trials(rank: int, world: int, trials: list[Trial], threads: int = 1) -> list[dict[str, Any]]:
+    """``world`` independent single-process fits at once (``run_distributed(..., process_group=False)``).
+
+    Each process forgets the launcher's rank variables, so Lightning sees one device and no cluster; the
+    step times are compute under the same time-sharing of the cores as a ``world``-rank job, with no
+    communication (the cost model's ``c(K) T_comp``).
+    """
+    for name in _RANK_ENV:  # this child's own environment only
+        os.environ.pop(name, None)
+    solo = [Trial(**{**t.__dict__, "devices": 1}) for t in trials]
+    return [{**r, "world": 1, "concurrent": world} for r in run_trials(rank, 1, solo, threads, f"{world} solo")]

@@ -1,0 +1,236 @@
+"""The report's cost-model sections: the fitted links, the validation against measured step times, and
+the projection to thousands of ranks (formulas: :mod:`lightning_sync.bench.model`).
+
+* **Fit.** :func:`~lightning_sync.bench.model.fit_alpha_beta` per all-reduce algorithm over every
+  world size of the sweep; ``fit.png`` draws the measured points against the fitted lines.
+* **Validation.** For every measured row with a compute time: its traffic (``CommStats``, or the
+  analytic one for torch's DDP and FSDP2, which bypass ``comms``: :func:`traffic_of`), the backend's
+  fitted link and the compute time measured under the same time-sharing of the cores (K independent
+  processes at once, no communication) give a predicted step time, compared with the measured median.
+  A second prediction replaces that compute time with ``c(K) T1`` (:func:`~lightning_sync.bench.model.contention`).
+* **Projection.** Every strategy at the largest measured K, projected to K = 8 ... 4096 with this
+  machine's link and with :data:`~lightning_sync.bench.model.H100_NDR400`, for ring, tree and
+  hierarchical all-reduce, without and with perfect overlap; ``projection.png``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+from lightning_sync.bench import model as M
+
+__all__ = ["CostModel", "traffic_of"]
+
+_MIB = 2**20
+_DDP_FIRST_BUCKET, _DDP_BUCKET = 1 * _MIB, 25 * _MIB  # torch DDP's first bucket and bucket_cap_mb
+
+
+def traffic_of(row: dict[str, Any]) -> M.Traffic:
+    """A report row's per-step traffic: measured through ``comms``, else the analytic traffic of the
+    strategies that bypass it (torch DDP: one all-reduce of the gradients in 1 MiB then 25 MiB buckets;
+    FSDP2: per ``nn.Linear`` unit two all-gathers of its shard, one without ``reshard_after_forward``,
+    and one reduce-scatter)."""
+    world, s = int(row["world"]), float(row["param_bytes"])
+    if row["measured"]:
+        calls = row["op_calls_per_step"]
+        return M.Traffic({op: (float(calls.get(op, 0.0)), float(b)) for op, b in row["op_bytes_per_step"].items()},
+                         world)
+    cls = str(row["strategy_node"].get("_target_") or "").rpartition(".")[2]
+    if cls == "FullyShardStrategy":
+        units = max(int(row.get("n_linear", 1)), 1)
+        gathers = 2 if row["strategy_node"].get("reshard_after_forward", True) else 1
+        return M.Traffic({"all_gather": (gathers * units, gathers * s / world), "reduce_scatter": (units, s)},
+                         world, "analytic")
+    buckets = 1 + math.ceil(max(0.0, s - _DDP_FIRST_BUCKET) / _DDP_BUCKET) if s else 0
+    return M.Traffic({"all_reduce": (buckets, s)} if s else {}, world, "analytic")
+
+
+class CostModel:
+    """Fits, validates and projects from a :class:`~lightning_sync.bench.report.Report`'s rows."""
+
+    def __init__(self, rows: list[dict[str, Any]], compute: dict[tuple[str, int], float],
+                 sweep: list[dict[str, Any]], cores: int | None = None, threads_per_rank: int = 1,
+                 projection: tuple[int, int] = (8, 4096)) -> None:
+        self.rows = [r for r in rows if (r["model"], 1) in compute]  # bucket-sweep rows have no compute of their own
+        self.compute = compute
+        self.cores = cores or os.cpu_count() or 1
+        self.threads = threads_per_rank
+        self.fits = {a: M.fit_alpha_beta(sweep, a) for a in M.SWEPT
+                     if sum(p["algorithm"] == a and p["world"] > 1 for p in sweep) >= 2}
+        self.worlds = M.projection_worlds(*projection)
+
+    @property
+    def link(self) -> M.Link:
+        """The backend all-reduce's fitted link: what every strategy's collectives use here."""
+        return self.fits["backend"].link
+
+    @property
+    def op_links(self) -> dict[str, M.Link]:
+        """The fitted links of the swept all_gather and reduce_scatter."""
+        return {op: self.fits[op].link for op in ("all_gather", "reduce_scatter") if op in self.fits}
+
+    def validation(self) -> list[dict[str, Any]]:
+        """Predicted against measured step time for every row whose K has a compute measurement."""
+        out = []
+        for r in self.rows:
+            k = int(r["world"])
+            t1 = self.compute[(r["model"], 1)]
+            traffic = traffic_of(r)
+            comm = M.predict_here(traffic, k, 0.0, self.link, self.op_links)
+            measured = r["step_ms"] / 1e3
+            compute = self.compute.get((r["model"], k))
+            simple = comm + M.contention(k, self.cores, self.threads) * t1
+            row = {"model": r["model"], "strategy": r["strategy"], "world": k, "measured_s": measured,
+                   "compute_s": compute, "comm_s": comm, "traffic": traffic.source,
+                   "predicted_s": None if compute is None else compute + comm,
+                   "predicted_ck_s": simple, "error_ck": simple / measured - 1}
+            row["error"] = None if compute is None else row["predicted_s"] / measured - 1
+            out.append(row)
+        return out
+
+    def projection(self) -> list[dict[str, Any]]:
+        """Every strategy of the largest measured K, projected on both fabrics (see module docstring)."""
+        top = max((int(r["world"]) for r in self.rows), default=0)
+        fabrics = [M.this_machine(self.link, self.cores, self.threads, self.op_links), M.H100_NDR400]
+        out = []
+        for r in self.rows:
+            if int(r["world"]) != top:
+                continue
+            t1 = self.compute[(r["model"], 1)]
+            for fabric in fabrics:
+                for p in M.project(traffic_of(r), t1, fabric, self.worlds):
+                    out.append({"model": r["model"], "strategy": r["strategy"], "fabric": fabric.name, **p})
+        return out
+
+    # ------------------------------------------------------------------------------------ markdown
+    def markdown(self) -> list[str]:
+        lines = ["## Cost model", "",
+                 "Latency a and bandwidth 1/b fitted by least squares (relative error) to the measured all-reduce "
+                 "sweep, every world size together, with T = 2(K-1) a + 2(K-1)/K S b (ring and backend all-reduce), "
+                 "T = 2 ceil(log2 K)(a + S b) (tree), T = (K-1) a + (K-1)/K S b (the backend's all-gather and "
+                 "reduce-scatter of a whole of S bytes). Formulas: `lightning_sync/bench/model.py`.", "",
+                 "| algorithm | a (us) | bandwidth (GB/s) | points | median abs error | error >= 1 MiB | "
+                 + " | ".join(f"K={k}" for k in self._sweep_worlds()) + " |",
+                 "|---|---:|---:|---:|---:|---:|" + "---:|" * len(self._sweep_worlds())]
+        for a, fit in self.fits.items():
+            per_k = " | ".join(f"{fit.median_abs_error(k):.0%}" for k in self._sweep_worlds())
+            lines.append(f"| {a} | {fit.link.alpha * 1e6:.0f} | {fit.link.bandwidth / 1e9:.2f} | {len(fit.points)} | "
+                         f"{fit.median_abs_error():.0%} | {fit.median_abs_error(min_bytes=_MIB):.0%} | {per_k} |")
+        lines += ["", "### Validation: predicted against measured step time", "",
+                  "Predicted = compute measured under the same time-sharing (K independent processes at once, no "
+                  "communication; the expected slowest of K draws from their step times, since a synchronous step "
+                  "waits for its slowest rank) + T_comm from the row's per-step traffic (`CommStats`; analytic for torch DDP "
+                  "and FSDP2) and the backend's fitted links (all-reduce; all-gather and reduce-scatter), no overlap. The last two columns use c(K) T1 "
+                  f"(c = max(1, K / {self.cores} cores)) instead of the measured compute.", "",
+                  "| model | strategy | K | measured ms | compute ms | T_comm ms | predicted ms | error "
+                  "| c(K) T1 + T_comm ms | error |",
+                  "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        val = self.validation()
+        for v in val:
+            comp = "n/a" if v["compute_s"] is None else f"{v['compute_s'] * 1e3:.1f}"
+            pred = "n/a" if v["predicted_s"] is None else f"{v['predicted_s'] * 1e3:.1f}"
+            err = "n/a" if v["error"] is None else f"{v['error']:+.0%}"
+            lines.append(f"| {v['model']} | {v['strategy']} | {v['world']} | {v['measured_s'] * 1e3:.1f} | {comp} | "
+                         f"{v['comm_s'] * 1e3:.1f} | {pred} | {err} | {v['predicted_ck_s'] * 1e3:.1f} | "
+                         f"{v['error_ck']:+.0%} |")
+        errs = [abs(v["error"]) for v in val if v["error"] is not None]
+        if errs:
+            within = sum(e <= 0.25 for e in errs)
+            lines += ["", f"{within} of {len(errs)} predictions lie within 25 % of the measured step time; largest "
+                      f"error {max(errs):.0%}, median {sorted(errs)[len(errs) // 2]:.0%}.", "",
+                      "Largest |error| per strategy over models and K: " + ", ".join(
+                          f"{name} {max(abs(v['error']) for v in val if v['strategy'] == name and v['error'] is not None):.0%}"
+                          for name in dict.fromkeys(v["strategy"] for v in val if v["error"] is not None)) + "."]
+        lines += self._projection_markdown()
+        return [*lines, ""]
+
+    def _sweep_worlds(self) -> list[int]:
+        return sorted({int(p["world"]) for fit in self.fits.values() for p in fit.points})
+
+    def _projection_markdown(self) -> list[str]:
+        proj = self.projection()
+        if not proj:
+            return []
+        show = [k for k in (8, 64, 512, 4096) if k in self.worlds]
+        lines = ["", "### Projection to K ranks", "",
+                 "Weak scaling at the measured per-rank batch: T_comp = the measured single-process step time "
+                 "(this machine's CPU compute), T_comm from the row's traffic at the largest measured K rescaled to K "
+                 "(shards shrink as 1/K). Efficiency T_comp / T_step without overlap, as ring / tree / hierarchical "
+                 "all-reduce; the last column is the compute per step that would give 0.9 with the best algorithm "
+                 "at the largest K (9 T_comm): what a faster accelerator may not undercut.", ""]
+        for fabric in dict.fromkeys(p["fabric"] for p in proj):
+            lines += [f"**{fabric}**", "",
+                      "| model | strategy | " + " | ".join(f"K={k}" for k in show) + f" | compute for 0.9 at K={show[-1]} |",
+                      "|---|---|" + "---:|" * (len(show) + 1)]
+            mine = [p for p in proj if p["fabric"] == fabric]
+            for model, name in dict.fromkeys((p["model"], p["strategy"]) for p in mine):
+                cells = []
+                for k in show:
+                    effs = {p["algorithm"]: p["efficiency"] for p in mine
+                            if (p["model"], p["strategy"], p["world"]) == (model, name, k)}
+                    cells.append(" / ".join(f"{effs[a]:.2f}" for a in ("ring", "tree", "hierarchical")))
+                best = min(p["compute_for_90"] for p in mine
+                           if (p["model"], p["strategy"], p["world"]) == (model, name, show[-1]))
+                lines.append(f"| {model} | {name} | " + " | ".join(cells) + f" | {_fmt_s(best)} |")
+            lines.append("")
+        lines += [f"Fabric links: {M.H100_NDR400.intra.source}; {M.H100_NDR400.inter.source}. This machine: "
+                  f"the backend fit ({self.link.alpha * 1e6:.0f} us, {self.link.bandwidth / 1e9:.2f} GB/s), nodes of "
+                  f"{max(1, self.cores // self.threads)} ranks."]
+        return lines
+
+    # --------------------------------------------------------------------------------------- plots
+    def plots(self, out_dir: Path, plt: Any) -> None:
+        """``fit.png`` (sweep against fit) and ``projection.png`` (efficiency against K)."""
+        fig, axes = plt.subplots(1, len(self.fits), figsize=(5 * len(self.fits), 4), squeeze=False)
+        for ax, (a, fit) in zip(axes[0], self.fits.items()):
+            for k in self._sweep_worlds():
+                pts = sorted((p for p in fit.points if p["world"] == k), key=lambda p: p["bytes"])
+                line = ax.plot([p["bytes"] for p in pts], [p["seconds"] * 1e3 for p in pts], "o", ms=4,
+                               label=f"K={k} measured")
+                ax.plot([p["bytes"] for p in pts], [p["predicted"] * 1e3 for p in pts], "-",
+                        color=line[0].get_color(), label=f"K={k} fit")
+            ax.set_xscale("log")
+            ax.set_yscale("log")
+            _label(ax, "payload, the whole tensor (bytes)", "ms",
+                   f"{a}: a={fit.link.alpha * 1e6:.0f} us, {fit.link.bandwidth / 1e9:.2f} GB/s")
+        _save(fig, out_dir / "fit.png", plt)
+        proj = self.projection()
+        if not proj:
+            return
+        fabrics = list(dict.fromkeys(p["fabric"] for p in proj))
+        models = list(dict.fromkeys(p["model"] for p in proj))
+        fig, axes = plt.subplots(len(fabrics), len(models), figsize=(5 * len(models), 4 * len(fabrics)), squeeze=False)
+        for i, fabric in enumerate(fabrics):
+            for j, model in enumerate(models):
+                ax = axes[i][j]
+                mine = [p for p in proj if p["fabric"] == fabric and p["model"] == model]
+                for name in dict.fromkeys(p["strategy"] for p in mine):
+                    best = {}
+                    for p in mine:
+                        if p["strategy"] == name and p["efficiency"] > best.get(p["world"], -1):
+                            best[p["world"]] = p["efficiency"]
+                    ax.plot(list(best), list(best.values()), "o-", ms=3, label=name)
+                ax.set_xscale("log", base=2)
+                ax.set_ylim(0, 1.05)
+                _label(ax, "ranks K", "efficiency (best algorithm, no overlap)", f"{model}\n{fabric}")
+        _save(fig, out_dir / "projection.png", plt)
+
+
+def _label(ax: Any, xlabel: str, ylabel: str, title: str) -> None:
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=8)
+    ax.legend(fontsize=6)
+
+
+def _save(fig: Any, path: Path, plt: Any) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _fmt_s(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f} ms" if seconds >= 1e-3 else f"{seconds * 1e6:.0f} us"

@@ -1,0 +1,95 @@
+"""The all-reduce size sweep behind the cost model: one timed all-reduce per size and algorithm.
+
+:func:`sweep_all_reduce` runs inside every rank (``run_distributed``). For each payload size (bytes of
+float32) and each algorithm of :data:`lightning_sync.comms.algorithms.ALGORITHMS` that it is asked for
+(``backend``: gloo's or NCCL's own all-reduce; ``ring`` and ``tree``: ours, built from send/recv;
+``all_gather`` and ``reduce_scatter``: ``comms.all_gather_into`` and ``reduce_scatter_into`` of a
+whole of that size, what the sharded strategies call), it
+times ``repeats`` all-reduces, each started by a barrier so every rank begins together, and reports
+the median of the slowest rank's time (the collective ends when its last rank ends). Algorithms and
+repeats alternate within a size (A B C, C B A, ...) so a burst of load hits them alike.
+
+:func:`lightning_sync.bench.model.fit_alpha_beta` turns the points into latency and bandwidth.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from lightning_sync import comms
+from lightning_sync._checks import check_choice, check_int
+from lightning_sync.comms.algorithms import ALGORITHMS, all_reduce_with
+
+#: What can be swept: every all-reduce algorithm, and the backend's even all-gather and reduce-scatter.
+OPS = (*sorted(ALGORITHMS), "all_gather", "reduce_scatter")
+
+
+def _run(op: str, whole: torch.Tensor) -> None:
+    """One ``op`` on a tensor of ``whole``'s size (all_gather: each rank's 1/K shard of it)."""
+    k = comms.get_world_size()
+    if op == "all_gather":
+        comms.all_gather_into(torch.empty_like(whole), whole[: whole.numel() // k])
+    elif op == "reduce_scatter":
+        comms.reduce_scatter_into(torch.empty(whole.numel() // k), whole, scratch=True)
+    else:
+        all_reduce_with(op, whole)
+
+__all__ = ["DEFAULT_SIZES", "OPS", "sweep_all_reduce", "sweep_sizes"]
+
+
+def sweep_sizes(smallest: int = 1024, largest: int = 256 * 2**20, factor: int = 4) -> list[int]:
+    """Payload sizes in bytes from ``smallest`` to ``largest`` (inclusive), each ``factor`` x the previous."""
+    check_int("smallest", smallest, 4)
+    check_int("factor", factor, 2)
+    check_int("largest", largest, smallest)
+    out, s = [], smallest
+    while s <= largest:
+        out.append(s)
+        s *= factor
+    return out
+
+
+#: 1 KiB to 256 MiB by factors of 4 (10 sizes).
+DEFAULT_SIZES = sweep_sizes()
+
+
+def _repeats_for(nbytes: int, repeats: int) -> int:
+    """Fewer repeats for the largest payloads (each takes ~1 s here), at least 3 for a median."""
+    return repeats if nbytes <= 16 * 2**20 else max(3, repeats // 3)
+
+
+def sweep_all_reduce(rank: int, world: int, sizes: list[int], algorithms: list[str],
+                     repeats: int = 7, threads: int = 1) -> list[dict[str, Any]]:
+    """Time all-reduces of every size with every algorithm; returns one point per (algorithm, size).
+
+    Each point: ``{"algorithm", "world", "bytes", "seconds"}`` where ``seconds`` is the median over the
+    repeats of the slowest rank's wall time (every repeat is started by a barrier). One untimed
+    all-reduce per (algorithm, size) warms the buffers and the connections first.
+    """
+    for a in algorithms:
+        check_choice("algorithm", a, OPS)
+    check_int("repeats", repeats, 1)
+    torch.set_num_threads(threads)
+    points = []
+    for nbytes in sizes:
+        check_int("size", nbytes, 4)
+        buf = torch.ones(nbytes // 4 // world * world, dtype=torch.float32)  # divisible into K shards
+        times: dict[str, list[float]] = {a: [] for a in algorithms}
+        for a in algorithms:  # warm-up
+            _run(a, buf.clone())
+        for rep in range(_repeats_for(nbytes, repeats)):
+            for a in (algorithms if rep % 2 == 0 else list(reversed(algorithms))):
+                t = buf.clone()
+                comms.barrier()
+                t0 = time.perf_counter()
+                _run(a, t)
+                mine = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+                comms.all_reduce(mine, op="max")
+                times[a].append(float(mine))
+        points += [{"algorithm": a, "world": world, "bytes": buf.numel() * 4, "seconds": statistics.median(times[a])}
+                   for a in algorithms]
+    return points

@@ -1,0 +1,202 @@
+"""The communication cost model (lightning_sync.bench.model) and the report's use of it (cost_report).
+
+Every expected figure is computed by hand from the formulas in the module docstring; the fit tests
+generate points from known latency and bandwidth and require the fit to recover them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from omegaconf import OmegaConf
+
+from lightning_sync.bench import model as M
+from lightning_sync.bench.app import world_sizes
+from lightning_sync.bench.cost_report import CostModel, traffic_of
+from lightning_sync.bench.report import expected_max
+from lightning_sync.bench.sweep import sweep_sizes
+
+MIB = 2**20
+ONE = M.Link(alpha=1e-3, beta=1e-9)  # 1 ms per message, 1 GB/s
+
+
+def _flat(link: M.Link = ONE, g: int = 1 << 20) -> M.Fabric:
+    return M.Fabric(name="flat", intra=link, inter=link, ranks_per_node=g)
+
+
+@pytest.mark.parametrize(("algorithm", "k", "expected"), [
+    ("ring", 2, (2, 1.0)), ("ring", 4, (6, 1.5)), ("backend", 8, (14, 1.75)),
+    ("tree", 2, (2, 2)), ("tree", 5, (6, 6)), ("tree", 1, (0, 0)),
+    ("all_gather", 4, (3, 0.75)), ("reduce_scatter", 2, (1, 0.5)),
+])
+def test_coefficients(algorithm: str, k: int, expected: tuple[float, float]) -> None:
+    assert M.all_reduce_coefficients(algorithm, k) == pytest.approx(expected)
+
+
+def test_bad_arguments_name_the_value() -> None:
+    with pytest.raises(ValueError, match=r"algorithm must be one of .*'tree'.*, got 'star'"):
+        M.all_reduce_coefficients("star", 4)
+    with pytest.raises(ValueError, match="world must be an int >= 1, got 0"):
+        M.all_reduce_coefficients("ring", 0)
+    with pytest.raises(ValueError, match=r"Link.beta must be a finite number >= 0, got -1"):
+        M.Link(alpha=0.0, beta=-1)
+    with pytest.raises(ValueError, match=r"Link.alpha must be a finite number >= 0, got inf"):
+        M.Link(alpha=math.inf, beta=0.0)
+    with pytest.raises(ValueError, match="ranks_per_node must be an int >= 1, got 0"):
+        M.Fabric(name="x", intra=ONE, inter=ONE, ranks_per_node=0)
+    with pytest.raises(ValueError, match=r"algorithm must be one of .*, got 'mesh'"):
+        M.comm_seconds(M.Traffic({}, 2), 4, _flat(), "mesh")
+    with pytest.raises(ValueError, match="compute_s must be > 0, got 0"):
+        M.project(M.Traffic({}, 2), 0, _flat(), [8])
+    with pytest.raises(ValueError, match="needs >= 2 ring points with world > 1"):
+        M.fit_alpha_beta([{"algorithm": "ring", "world": 2, "bytes": 8, "seconds": 1.0}], "ring")
+    with pytest.raises(ValueError, match=r"world_sizes must be a non-empty list of ints >= 2, got \[2, 1\]"):
+        world_sizes(OmegaConf.create({"world_sizes": [2, 1]}))
+    with pytest.raises(ValueError, match="world_sizes must be a non-empty list of ints >= 2, got 4"):
+        world_sizes(OmegaConf.create({"world_sizes": 4}))
+    assert world_sizes(OmegaConf.create({"world_sizes": [4, 2, 4]})) == [2, 4]
+
+
+def test_all_reduce_seconds_by_hand() -> None:
+    s = 8 * MIB
+    # ring over 4 ranks: 6 messages of 1 ms + 1.5 S at 1 GB/s
+    assert M.all_reduce_seconds(s, 4, _flat()) == pytest.approx(6e-3 + 1.5 * s * 1e-9)
+    # tree: 2 * ceil(log2 4) = 4 rounds, each a message and the whole tensor
+    assert M.all_reduce_seconds(s, 4, _flat(), "tree") == pytest.approx(4 * (1e-3 + s * 1e-9))
+    # three calls: three times the latency, the same bytes
+    assert M.all_reduce_seconds(s, 4, _flat(), "ring", calls=3) == pytest.approx(18e-3 + 1.5 * s * 1e-9)
+    # hierarchical over 4 nodes of 8: tree inside a node (2 * 3 rounds) + ring among 4 leaders on the slow link
+    fast, slow = M.Link(alpha=1e-6, beta=1e-11), M.Link(alpha=1e-5, beta=1e-10)
+    fab = M.Fabric(name="two-level", intra=fast, inter=slow, ranks_per_node=8)
+    inside = 6 * (1e-6 + s * 1e-11)
+    among = 6 * 1e-5 + 1.5 * s * 1e-10
+    assert M.all_reduce_seconds(s, 32, fab, "hierarchical") == pytest.approx(inside + among)
+    # a flat ring over 32 ranks spans nodes: the slow link; within one node the fast one, and there
+    # hierarchical is the ring
+    assert M.all_reduce_seconds(s, 32, fab, "ring") == pytest.approx(62 * 1e-5 + 62 / 32 * s * 1e-10)
+    assert M.all_reduce_seconds(s, 8, fab, "hierarchical") == M.all_reduce_seconds(s, 8, fab, "ring")
+    assert M.all_reduce_seconds(s, 8, fab, "ring") == pytest.approx(14e-6 + 1.75 * s * 1e-11)
+
+
+def test_traffic_rescales_shards_only() -> None:
+    t = M.Traffic({"all_gather": (4, 1000.0), "reduce_scatter": (2, 2000.0), "all_reduce": (1, 10.0)}, world=2)
+    assert t.at(8) == {"all_gather": (4, 250.0), "reduce_scatter": (2, 2000.0), "all_reduce": (1, 10.0)}
+    assert t.bytes == 3010.0
+
+
+def test_comm_seconds_of_a_zero3_like_step_by_hand() -> None:
+    # measured at K=2: two all-gathers of a 4 MiB shard (the whole is 8 MiB), one reduce-scatter of 8 MiB,
+    # in 3 + 3 and 3 calls; at K=4 the shard is 2 MiB
+    t = M.Traffic({"all_gather": (6, 8.0 * MIB), "reduce_scatter": (3, 8.0 * MIB)}, world=2)
+    gather = 6 * 3 * 1e-3 + 3 * (8 * MIB / 2) * 1e-9  # calls * (K-1) messages; (K-1) x the 2-rank-shard x 2/4
+    scatter = 3 * 3 * 1e-3 + 0.75 * 8 * MIB * 1e-9
+    assert M.comm_seconds(t, 4, _flat()) == pytest.approx(gather + scatter)
+    # an op-specific link replaces the fabric's for that op only
+    slow_gather = M.Link(alpha=2e-3, beta=2e-9)
+    fab = M.Fabric(name="x", intra=ONE, inter=ONE, ranks_per_node=64, op_links={"all_gather": slow_gather})
+    assert M.comm_seconds(t, 4, fab) == pytest.approx(2 * gather + scatter)
+    # an op the table does not know costs one message and its payload once; recv costs nothing
+    assert M.comm_seconds(M.Traffic({"custom": (2, 100.0), "recv": (5, 1e9)}, 2), 2, _flat()) == pytest.approx(
+        2e-3 + 100e-9)
+
+
+@pytest.mark.parametrize("algorithm", ["backend", "ring", "tree", "all_gather", "reduce_scatter"])
+def test_fit_recovers_known_latency_and_bandwidth(algorithm: str) -> None:
+    alpha, beta = 250e-6, 1 / 1.5e9
+    points = []
+    for k in (2, 3, 4):
+        for s in sweep_sizes(1024, 256 * MIB):
+            msgs, factor = M.all_reduce_coefficients(algorithm, k)
+            points.append({"algorithm": algorithm, "world": k, "bytes": s, "seconds": msgs * alpha + factor * s * beta})
+    points.append({"algorithm": "other", "world": 2, "bytes": 8, "seconds": 99.0})  # another algorithm's point
+    fit = M.fit_alpha_beta(points, algorithm)
+    assert fit.link.alpha == pytest.approx(alpha, rel=1e-9) and fit.link.beta == pytest.approx(beta, rel=1e-9)
+    assert len(fit.points) == 30 and fit.median_abs_error() == pytest.approx(0.0, abs=1e-9)
+
+
+def test_fit_clamps_a_negative_latency_and_reports_errors() -> None:
+    # times that fall faster than linearly at small sizes would need a negative latency: clamp it to 0
+    pts = [{"algorithm": "ring", "world": 2, "bytes": b, "seconds": t}
+           for b, t in ((1000, 1e-7), (1_000_000, 1e-3), (10_000_000, 1e-2))]
+    fit = M.fit_alpha_beta(pts, "ring")
+    assert fit.link.alpha == 0.0 and fit.link.beta > 0
+    assert all(p["predicted"] == pytest.approx(p["bytes"] * fit.link.beta) for p in fit.points)
+    assert fit.median_abs_error(world=3) != fit.median_abs_error(world=3)  # nan: no point of that world
+
+
+def test_projection_efficiency_falls_with_ranks_and_overlap_helps() -> None:
+    t = M.Traffic({"all_reduce": (2, 64.0 * MIB)}, world=2)
+    rows = M.project(t, 0.1, M.H100_NDR400, M.projection_worlds(8, 4096))
+    ring = [r for r in rows if r["algorithm"] == "ring"]
+    assert [r["world"] for r in ring] == M.projection_worlds(8, 4096) == [2**i for i in range(3, 13)]
+    assert all(a["efficiency"] >= b["efficiency"] for a, b in zip(ring, ring[1:]))
+    for r in rows:
+        assert r["step_s"] == pytest.approx(0.1 + r["comm_s"])
+        assert r["step_overlap_s"] == pytest.approx(max(0.1, r["comm_s"]))
+        assert r["efficiency_overlap"] >= r["efficiency"]
+        assert r["compute_for_90"] == pytest.approx(9 * r["comm_s"])
+    # at 4096 ranks (512 nodes) the leader-based hierarchical all-reduce pays 2*511 inter-node latencies,
+    # the flat ring 2*4095: hierarchical must be faster
+    at = {r["algorithm"]: r for r in rows if r["world"] == 4096}
+    assert at["hierarchical"]["comm_s"] < at["ring"]["comm_s"]
+
+
+def test_contention_and_predict_here() -> None:
+    assert M.contention(2, 2) == 1.0 and M.contention(4, 2) == 2.0 and M.contention(3, 2, threads_per_rank=2) == 3.0
+    t = M.Traffic({"all_reduce": (1, 1e6)}, world=2)
+    assert M.predict_here(t, 2, 0.01, ONE) == pytest.approx(0.01 + 2e-3 + 1e6 * 1e-9)
+    m = M.this_machine(ONE, cores=2)
+    assert m.ranks_per_node == 2 and m.intra == m.inter == ONE
+
+
+def test_expected_max_order_statistic() -> None:
+    assert expected_max([1.0, 2.0], 1) == pytest.approx(1.5)  # the mean
+    assert expected_max([1.0, 2.0], 2) == pytest.approx(1.0 * 0.25 + 2.0 * 0.75)  # P(max = 1) = 1/4
+    xs = [10.0, 11.0, 12.0, 30.0]
+    assert expected_max(xs, 2) < expected_max(xs, 3) < expected_max(xs, 4) < 30.0
+    assert expected_max([5.0] * 7, 4) == pytest.approx(5.0)
+    assert math.isnan(expected_max([], 2))
+    with pytest.raises(ValueError, match="k must be an int >= 1, got 0"):
+        expected_max([1.0], 0)
+
+
+def _row(strategy: dict[str, object], measured: bool, world: int = 2, **kw: object) -> dict[str, object]:
+    return {"model": "m", "strategy": kw.pop("name", "s"), "world": world, "param_bytes": 60 * MIB,
+            "measured": measured, "op_bytes_per_step": kw.pop("ops", {}), "op_calls_per_step": kw.pop("calls", {}),
+            "n_linear": 5, "strategy_node": strategy, "step_ms": kw.pop("step_ms", 100.0), **kw}
+
+
+def test_traffic_of_measured_and_analytic_rows() -> None:
+    measured = traffic_of(_row({}, True, ops={"all_reduce": 8.0}, calls={"all_reduce": 2.0}))
+    assert measured.ops == {"all_reduce": (2.0, 8.0)} and measured.source == "measured"
+    # torch DDP: a 1 MiB first bucket, then 25 MiB buckets: 60 MiB -> 1 + ceil(59 / 25) = 4 all-reduces
+    ddp = traffic_of(_row({"_target_": "lightning.pytorch.strategies.DDPStrategy"}, False))
+    assert ddp.ops == {"all_reduce": (4, 60.0 * MIB)} and ddp.source == "analytic"
+    fsdp = traffic_of(_row({"_target_": "lightning_sync.bench.fsdp2.FullyShardStrategy"}, False, world=4))
+    assert fsdp.ops == {"all_gather": (10, 30.0 * MIB), "reduce_scatter": (5, 60.0 * MIB)}
+    once = traffic_of(_row({"_target_": "x.FullyShardStrategy", "reshard_after_forward": False}, False, world=4))
+    assert once.ops["all_gather"] == (5, 15.0 * MIB)
+
+
+def test_cost_model_validation_error_by_hand() -> None:
+    sweep = [{"algorithm": "backend", "world": k, "bytes": s, "seconds": 2 * (k - 1) * 1e-3 + 2 * (k - 1) / k * s * 1e-9}
+             for k in (2, 4) for s in (1000, 10**6, 10**8)]
+    rows = [_row({}, True, name="ddp", ops={"all_reduce": 1e7}, calls={"all_reduce": 1.0}, step_ms=40.0),
+            _row({}, True, name="ddp", world=4, ops={"all_reduce": 1e7}, calls={"all_reduce": 1.0}, step_ms=50.0)]
+    compute = {("m", 1): 0.020, ("m", 2): 0.025}  # no K=4 measurement of compute under time-sharing
+    cost = CostModel(rows, compute, sweep, cores=2)
+    assert cost.link.alpha == pytest.approx(1e-3) and cost.link.beta == pytest.approx(1e-9)
+    v2, v4 = cost.validation()
+    comm2 = 2e-3 + 1e7 * 1e-9
+    assert v2["comm_s"] == pytest.approx(comm2) and v2["predicted_s"] == pytest.approx(0.025 + comm2)
+    assert v2["error"] == pytest.approx((0.025 + comm2) / 0.040 - 1)
+    assert v2["predicted_ck_s"] == pytest.approx(0.020 + comm2)  # c(2) = 1 on 2 cores
+    assert v4["predicted_s"] is None and v4["error"] is None
+    assert v4["predicted_ck_s"] == pytest.approx(2 * 0.020 + 6e-3 + 1.5e7 * 1e-9)  # c(4) = 2
+    proj = cost.projection()  # the K=4 row, on both fabrics, 10 world sizes, 3 algorithms
+    assert len(proj) == 2 * 10 * 3 and {p["fabric"] for p in proj} == {M.H100_NDR400.name,
+                                                                     "this machine (fitted backend links)"}
+    text = "\n".join(cost.markdown())
+    assert "| m | ddp | 2 | 40.0 | 25.0 | 12.0 | 37.0 | -7% | 32.0 | -20% |" in text
+    assert "1 of 1 predictions lie within 25 %" in text
