@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import math
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -154,13 +153,16 @@ def test_comm_stats_is_thread_safe() -> None:
     assert s["send"] == OpStats(calls=16000, bytes=48000, seconds=0.0)  # no lost update
 
 
-def test_global_stats_reset_and_work_without_handles() -> None:
+def test_global_stats_reset_and_work_without_handles(monkeypatch: pytest.MonkeyPatch) -> None:
     comms.reset_stats()
     assert comms.get_stats().snapshot() == {}
     assert comms.get_stats() is comms.get_stats()  # one process-wide instance
     calls = []
-    # issued 100 s ago (a start time in the past, not a measured duration): wait() adds at least those 100 s
-    work = comms.Work("unit_op", 7, [], lambda: calls.append(1) or "result", time.perf_counter() - 100.0)
+    # a fixed clock, so no wall time is read: issued at 900 s, completed at 1000 s
+    from lightning_sync.comms import collectives
+
+    monkeypatch.setattr(collectives.time, "perf_counter", lambda: 1000.0)
+    work = comms.Work("unit_op", 7, [], lambda: calls.append(1) or "result", 900.0)
     assert work.is_completed()  # no backend request outstanding
     assert "unit_op #7" in repr(work) and "done=False" in repr(work)
     assert work.wait() == "result"
@@ -168,7 +170,7 @@ def test_global_stats_reset_and_work_without_handles() -> None:
     assert calls == [1]  # ... without running finish again
     assert "done=True" in repr(work)
     stats = comms.get_stats()["unit_op"]
-    assert stats.calls == 0 and stats.seconds >= 100.0  # wait() adds the seconds since issue, never a call
+    assert stats.calls == 0 and stats.seconds == 100.0  # wait() adds the seconds since issue, never a call
     assert "unit_op" in comms.get_stats().snapshot()
     comms.reset_stats()
     assert comms.get_stats().snapshot() == {}
