@@ -79,7 +79,7 @@ class CostModel:
             k = int(r["world"])
             t1 = self.compute[(r["model"], 1)]
             traffic = traffic_of(r)
-            comm = M.predict_here(traffic, k, 0.0, self.link, self.op_links)
+            comm = M.comm_here(traffic, k, self.link, self.op_links)
             measured = r["step_ms"] / 1e3
             compute = self.compute.get((r["model"], k))
             simple = comm + M.contention(k, self.cores, self.threads) * t1

@@ -59,19 +59,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_sync._checks import check_choice, check_int
+from lightning_sync.comms.stats import overlapped_step_time, ring_allreduce_time, tree_allreduce_time, tree_depth
 
 __all__ = [
     "ALGORITHMS", "H100_NDR400", "OP_COST", "SWEPT", "Fabric", "Fit", "Link", "Traffic", "all_reduce_coefficients",
-    "all_reduce_seconds", "comm_seconds", "contention", "fit_alpha_beta", "predict_here", "project",
+    "all_reduce_seconds", "comm_here", "comm_seconds", "contention", "fit_alpha_beta", "predict_here", "project",
     "projection_worlds", "step_seconds", "this_machine",
 ]
 
 #: All-reduce algorithms the model knows.
 ALGORITHMS = ("backend", "ring", "tree", "hierarchical")
-
-
-def _log2(k: int) -> int:
-    return math.ceil(math.log2(k)) if k > 1 else 0
 
 
 #: Per op: ``K -> (messages, wire bytes per payload byte)`` (module docstring). An op not listed
@@ -80,13 +77,13 @@ OP_COST: dict[str, Callable[[int], tuple[float, float]]] = {
     "all_reduce": lambda k: (2 * (k - 1), 2 * (k - 1) / k),
     "reduce_scatter": lambda k: (k - 1, (k - 1) / k),
     "all_gather": lambda k: (k - 1, k - 1),
-    "broadcast": lambda k: (_log2(k), _log2(k)),
+    "broadcast": lambda k: (tree_depth(k), tree_depth(k)),
     "gather": lambda k: (k - 1, k - 1),
     "scatter": lambda k: (k - 1, k - 1),
     "metadata": lambda k: (k - 1, k - 1),
     "send": lambda k: (1, 1),
     "recv": lambda k: (0, 0),
-    "barrier": lambda k: (_log2(k), 0),
+    "barrier": lambda k: (tree_depth(k), 0),
 }
 
 #: Ops whose payload per rank is a 1/K shard of a fixed whole.
@@ -174,7 +171,7 @@ def all_reduce_coefficients(algorithm: str, world: int) -> tuple[float, float]:
     check_choice("algorithm", algorithm, SWEPT)
     check_int("world", world, 1)
     if algorithm == "tree":
-        return 2 * _log2(world), 2 * _log2(world)
+        return 2 * tree_depth(world), 2 * tree_depth(world)
     if algorithm in ("all_gather", "reduce_scatter"):
         return world - 1, (world - 1) / world
     return 2 * (world - 1), 2 * (world - 1) / world
@@ -187,14 +184,14 @@ def all_reduce_seconds(nbytes: float, world: int, fabric: Fabric, algorithm: str
     if nbytes < 0:
         raise ValueError(f"nbytes must be >= 0, got {nbytes!r}")
     g = fabric.ranks_per_node
+    # calls all-reduces of nbytes in all: each pays the latency, the bytes are paid once
     if algorithm == "hierarchical" and world > g:
-        nodes = math.ceil(world / g)
-        inside = 2 * _log2(g) * (calls * fabric.intra.alpha + nbytes * fabric.intra.beta)
-        msgs, factor = all_reduce_coefficients("ring", nodes)
-        return inside + calls * msgs * fabric.inter.alpha + factor * nbytes * fabric.inter.beta
+        inside = tree_allreduce_time(nbytes, g, fabric.intra.bandwidth, calls * fabric.intra.alpha)
+        return inside + ring_allreduce_time(nbytes, math.ceil(world / g), fabric.inter.bandwidth,
+                                            calls * fabric.inter.alpha)
     link = fabric.intra if world <= g else fabric.inter
-    msgs, factor = all_reduce_coefficients("ring" if algorithm == "hierarchical" else algorithm, world)
-    return calls * msgs * link.alpha + factor * nbytes * link.beta
+    time = tree_allreduce_time if algorithm == "tree" else ring_allreduce_time
+    return time(nbytes, world, link.bandwidth, calls * link.alpha)
 
 
 @dataclass
@@ -241,7 +238,7 @@ def step_seconds(compute_s: float, comm_s: float, overlap: bool) -> float:
     """``c T_comp + T_comm`` (no overlap) or ``max(c T_comp, T_comm)`` (perfect), ``compute_s`` = c T_comp."""
     if compute_s < 0 or comm_s < 0:
         raise ValueError(f"times must be >= 0, got compute {compute_s!r}, comm {comm_s!r}")
-    return max(compute_s, comm_s) if overlap else compute_s + comm_s
+    return overlapped_step_time(compute_s, comm_s) if overlap else compute_s + comm_s
 
 
 @dataclass
@@ -308,16 +305,25 @@ def fit_alpha_beta(points: Iterable[Mapping[str, Any]], algorithm: str) -> Fit:
     return Fit(algorithm=algorithm, link=link, points=pts)
 
 
-def predict_here(traffic: Traffic, world: int, compute_s: float, link: Link,
-                 op_links: Mapping[str, Link] | None = None) -> float:
-    """Predicted step seconds of a ``world``-rank job on this machine: ``compute_s + T_comm(K)``, no overlap.
+def comm_here(traffic: Traffic, world: int, link: Link, op_links: Mapping[str, Link] | None = None) -> float:
+    """``T_comm(K)`` of a ``world``-rank job on this machine: every rank on the fitted ``link`` (and
+    ``op_links`` for the ops that have their own fit), all-reduces as the backend runs them (ring coefficients).
 
-    ``compute_s`` is the compute per step under the job's time-sharing of the cores: measured with K
-    independent processes at once, or ``contention(K, cores) * T1``. The link was fitted to sweeps that
-    ran with the same time-sharing, so ``T_comm`` takes no further factor.
+    The links were fitted to sweeps that ran with the same time-sharing of the cores, so ``T_comm``
+    takes no further factor.
     """
     fabric = Fabric(name="here", intra=link, inter=link, ranks_per_node=max(world, 1), op_links=dict(op_links or {}))
-    return step_seconds(compute_s, comm_seconds(traffic, world, fabric, "ring"), overlap=False)
+    return comm_seconds(traffic, world, fabric, "ring")
+
+
+def predict_here(traffic: Traffic, world: int, compute_s: float, link: Link,
+                 op_links: Mapping[str, Link] | None = None) -> float:
+    """Predicted step seconds of a ``world``-rank job on this machine: ``compute_s +`` :func:`comm_here`, no overlap.
+
+    ``compute_s`` is the compute per step under the job's time-sharing of the cores: measured with K
+    independent processes at once, or ``contention(K, cores) * T1``.
+    """
+    return step_seconds(compute_s, comm_here(traffic, world, link, op_links), overlap=False)
 
 
 def projection_worlds(smallest: int = 8, largest: int = 4096) -> list[int]:

@@ -25,6 +25,7 @@ Statistics (this machine is noisy, so only medians and same-run ratios are repor
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import statistics
@@ -239,13 +240,14 @@ class Report:
                   ""]
         lines += self.scaling_markdown()
         lines += self.sharding_markdown()
-        cost = self.cost_model()
+        cost = self.cost_model
         if cost is not None:
             lines += cost.markdown()
         return "\n".join(lines)
 
+    @functools.cached_property
     def cost_model(self) -> CostModel | None:
-        """The fitted cost model (None without a sweep)."""
+        """The fitted cost model (None without a sweep); built once, the report is final after ``__init__``."""
         if not self.sweep:
             return None
         node = self.cfg.get("cost_model") if hasattr(self.cfg, "get") else None
@@ -257,12 +259,11 @@ class Report:
     def as_json(self) -> dict[str, Any]:
         """Every row (each carrying the run's versions, CPU, date and command), and the cost model's fits,
         validation and projection."""
-        rows = [{**{k: v for k, v in r.items() if k != "strategy_node"}, "strategy_node": r["strategy_node"], **self.meta}
-                for r in self.rows()]
+        rows = [{**r, **self.meta} for r in self.rows()]
         out: dict[str, Any] = {"meta": self.meta, "rows": rows,
                                "compute_s": [{"model": m, "concurrent": k, "seconds": v}
                                              for (m, k), v in self.compute.items()]}
-        cost = self.cost_model()
+        cost = self.cost_model
         if cost is not None:
             out["sweep"] = self.sweep
             out["fits"] = {a: {"alpha_s": f.link.alpha, "beta_s_per_byte": f.link.beta, "points": f.points}
@@ -380,7 +381,7 @@ class Report:
             plt.close(fig)
         self._sharding_plot(out_dir, plt)
         self._scaling_plot(out_dir, plt)
-        cost = self.cost_model()
+        cost = self.cost_model
         if cost is not None:
             cost.plots(out_dir, plt)
 

@@ -27,7 +27,7 @@ import ctypes
 import gc
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import lightning.pytorch as pl
@@ -214,5 +214,5 @@ def run_solo_trials(rank: int, world: int, trials: list[Trial], threads: int = 1
     """
     for name in _RANK_ENV:  # this child's own environment only
         os.environ.pop(name, None)
-    solo = [Trial(**{**t.__dict__, "devices": 1}) for t in trials]
+    solo = [replace(t, devices=1) for t in trials]
     return [{**r, "world": 1, "concurrent": world} for r in run_trials(rank, 1, solo, threads, f"{world} solo")]

@@ -46,6 +46,7 @@ __all__ = [
     "ring_allreduce_time",
     "ring_shard_bytes",
     "tree_allreduce_time",
+    "tree_depth",
     "overlapped_step_time",
 ]
 
@@ -162,13 +163,17 @@ def ring_allreduce_time(nbytes: float, world_size: int, bandwidth: float, latenc
     return steps * latency + ring_allreduce_bytes(nbytes, world_size) / bandwidth
 
 
+def tree_depth(world_size: int) -> int:
+    """``ceil(log2 K)``: the rounds of a binary tree over K ranks (0 for one rank)."""
+    return math.ceil(math.log2(world_size)) if world_size > 1 else 0
+
+
 def tree_allreduce_time(nbytes: float, world_size: int, bandwidth: float, latency: float = 0.0) -> float:
     """``T_tree = 2*ceil(log2 K)*(alpha + S/BW)``: reduce up a binary tree, broadcast back down."""
     _check(world_size, nbytes)
     if bandwidth <= 0:
         raise ValueError(f"bandwidth must be > 0 bytes/s, got {bandwidth!r}")
-    depth = math.ceil(math.log2(world_size)) if world_size > 1 else 0
-    return 2 * depth * (latency + nbytes / bandwidth)
+    return 2 * tree_depth(world_size) * (latency + nbytes / bandwidth)
 
 
 def overlapped_step_time(compute_s: float, comm_s: float, exposed_s: float = 0.0) -> float:
