@@ -15,9 +15,11 @@ What is synchronized, and when
     * **Setup:** every worker pulls the server's model (``server_rank``'s weights, or the checkpoint's).
     * **Every optimizer step:** the worker pushes its gradients, waits until the server has applied
       them (at once unless some other worker would fall more than ``max_staleness`` versions behind),
-      and continues from the model the server returns. Nothing else is exchanged: there is no process
-      group, so no rank ever waits for another except through the bound. ``max_staleness=0`` is
-      synchronous training step for step; ``math.inf`` never waits.
+      and continues from the model the server returns (with ``compensation="lookahead"``, the default:
+      that model extrapolated along the server's recent update by the worker's expected staleness, so
+      its next gradient is computed about where it will be applied). Nothing else is exchanged: there
+      is no process group, so no rank ever waits for another except through the bound.
+      ``max_staleness=0`` is synchronous training step for step; ``math.inf`` never waits.
     * **Validation / test / predict:** each worker first pulls the newest global model, and evaluates
       it on the *whole* evaluation set (evaluation samplers are not sharded): its metrics are not
       reduced across ranks, because workers reach evaluation at different times. Rank 0's logger
@@ -65,7 +67,7 @@ from typing_extensions import override
 from lightning_sync.comms import rpc
 from lightning_sync.strategies._common import AtomicCheckpoints, as_timedelta, check_launch_args
 from lightning_sync.sync.parameter_server import ParameterServer, Reply, check_lr_scaling, check_staleness
-from lightning_sync.sync.ps_worker import LocalLink, PSWorker, RpcLink, host
+from lightning_sync.sync.ps_worker import LocalLink, PSWorker, RpcLink, check_compensation, host
 from lightning_sync.sync.safe_load import guarded_load
 
 __all__ = ["AsyncParameterServerStrategy"]
@@ -125,6 +127,11 @@ class AsyncParameterServerStrategy(AtomicCheckpoints, ParallelStrategy):
         lr_scaling: how a step carrying |S| of the K workers' gradients scales the learning rate:
             ``"linear"`` (|S| / K: exact for SGD) or ``"sqrt"`` (sqrt(|S| / K): the square-root rule for
             Adam-type optimizers; see :mod:`lightning_sync.sync.parameter_server`).
+        compensation: how a worker compensates the staleness of its next gradient: ``"lookahead"``
+            (compute it where the global model is expected to be when it is applied: the latest model
+            extrapolated along the server's recent update by the worker's expected staleness; see
+            :class:`~lightning_sync.sync.ps_worker.PSWorker`) or ``"none"`` (on the latest model as
+            received). Neither changes ``max_staleness=0``, which is never stale.
         timeout: seconds an RPC request may wait (a silent dead peer is noticed after this).
         start_method: ``"popen"`` (re-run the script per rank), ``"spawn"``, ``"fork"`` or ``"forkserver"``.
     """
@@ -132,9 +139,11 @@ class AsyncParameterServerStrategy(AtomicCheckpoints, ParallelStrategy):
     strategy_name = "async_ps"
 
     def __init__(self, max_staleness: int | float = 4, server_rank: int = 0, timeout: float | timedelta = 1800.0,
-                 start_method: str = "popen", lr_scaling: str = "linear", **kwargs: Any) -> None:
+                 start_method: str = "popen", lr_scaling: str = "linear", compensation: str = "lookahead",
+                 **kwargs: Any) -> None:
         self.max_staleness = check_staleness(max_staleness)
         self.lr_scaling = check_lr_scaling(lr_scaling)
+        self.compensation = check_compensation(compensation)
         if isinstance(server_rank, bool) or not isinstance(server_rank, int) or server_rank < 0:
             raise ValueError(f"server_rank must be an int >= 0, got {server_rank!r}")
         check_launch_args(type(self).__name__, None, start_method, kwargs)
@@ -261,10 +270,10 @@ class AsyncParameterServerStrategy(AtomicCheckpoints, ParallelStrategy):
         if fitting:
             self._wrap_schedulers()
             self._route_clipping()
-        self.worker = PSWorker(self.global_rank, params, buffers, link)
+        self.worker = PSWorker(self.global_rank, params, buffers, link, lookahead=self.compensation == "lookahead")
         self.worker.pull()
         rank_zero_info(f"{type(self).__name__}: server on rank {self.server_rank}, {self.world_size} workers, "
-                       f"max_staleness={self.max_staleness}, {len(params)} parameters"
+                       f"max_staleness={self.max_staleness}, compensation={self.compensation}, {len(params)} parameters"
                        + (f", budget {trainer.max_steps} global steps" if fitting and trainer.max_steps >= 0 else ""))
 
     def _wrap_schedulers(self) -> None:

@@ -21,7 +21,20 @@ import torch
 
 from lightning_sync.sync.parameter_server import FlatLayout, ParameterServer, Reply
 
-__all__ = ["LocalLink", "PSWorker", "RpcLink", "ServerLink", "host"]
+__all__ = ["COMPENSATIONS", "LocalLink", "PSWorker", "RpcLink", "ServerLink", "check_compensation", "host"]
+
+COMPENSATIONS = ("lookahead", "none")
+"""How a worker compensates the staleness of its next gradient (see :class:`PSWorker`)."""
+
+LOOKAHEAD_EMA = 0.5
+"""Weight of the newest staleness in the worker's running estimate of its next one."""
+
+
+def check_compensation(value: Any) -> str:
+    """``compensation`` checked and returned: one of :data:`COMPENSATIONS`."""
+    if value not in COMPENSATIONS:
+        raise ValueError(f"compensation must be one of {list(COMPENSATIONS)}, got {value!r}")
+    return str(value)
 
 
 class ServerLink(Protocol):
@@ -149,25 +162,55 @@ class RpcLink:
 class PSWorker:
     """One worker's side: push this replica's gradients, take the global model back.
 
+    Staleness compensation (``lookahead=True``)
+        A gradient computed on version r is applied at version r + tau, after tau other steps. The
+        worker therefore computes it where the global model is expected to be by then, not where it
+        was: after each push it sets its replica to
+
+            theta_r + tau_hat * (theta_r - theta_q) / (r - q)
+
+        where theta_q is the global model of its previous reply (version q), so the fraction is the
+        server's mean update per version since then, and tau_hat is a running estimate of this
+        worker's staleness (an exponential average of its pushes' staleness, weight
+        :data:`LOOKAHEAD_EMA`). This is the lookahead of DANA (Hakimi et al., "Taming Momentum in a
+        Distributed Asynchronous Environment", 2019), made optimizer-agnostic by extrapolating the
+        observed update rather than the momentum buffer, and computed on the worker from models it
+        receives anyway: no extra bytes, one extra copy of the parameters. A gradient that is never
+        stale (``max_staleness=0``) gives tau_hat = 0 and no extrapolation at all, so synchronous
+        training is unchanged bit for bit. :meth:`pull` and :meth:`finish` (evaluation, setup, end of
+        fit) always take the global model exactly.
+
     Args:
         worker: this worker's index (its global rank).
         params: the replica's trainable parameters, in the server's order.
         buffers: the replica's buffers, in the server's order.
         link: how to reach the server.
+        lookahead: compensate staleness as above.
     """
 
     def __init__(self, worker: int, params: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor],
-                 link: ServerLink) -> None:
+                 link: ServerLink, lookahead: bool = False) -> None:
         self.worker, self.params, self.buffers, self.link = worker, list(params), list(buffers), link
         self.layout, self.buffer_layout = FlatLayout(self.params), FlatLayout(self.buffers)
+        self.lookahead = lookahead
         self.version = 0
         self.steps = 0
+        self.expected_staleness = 0.0
+        """tau_hat: the running estimate of this worker's next staleness (0 unless ``lookahead``)."""
         self.last: Reply | None = None
+        self._anchor: tuple[int, list[torch.Tensor]] | None = None  # (version, flat params) of the last reply
 
-    def _take(self, reply: Reply) -> Reply:
-        self.layout.copy_into(reply.params, self.params)
+    def _take(self, reply: Reply, extrapolate: bool = False) -> Reply:
+        target = reply.params
+        anchor = self._anchor
+        if extrapolate and self.expected_staleness > 0 and anchor is not None and reply.version > anchor[0]:
+            scale = self.expected_staleness / (reply.version - anchor[0])
+            target = [new + (new - old) * scale if new.is_floating_point() else new
+                      for new, old in zip(reply.params, anchor[1])]
+        self.layout.copy_into(target, self.params)
         self.buffer_layout.copy_into(reply.buffers, self.buffers)
         self.version, self.last = reply.version, reply
+        self._anchor = (reply.version, reply.params) if self.lookahead else None
         return reply
 
     def pull(self) -> Reply:
@@ -176,13 +219,17 @@ class PSWorker:
 
     def push(self, clip: tuple[str, float] | None = None) -> Reply:
         """Send the replica's current gradients (``.grad``; missing ones are flagged), wait until the
-        server applied them, and take the new global model."""
+        server applied them, and take the new global model (extrapolated, with ``lookahead``)."""
         grads = [p.grad for p in self.params]
         present = [g is not None for g in grads]
-        reply = self.link.push(self.worker, self.version, self.layout.flatten(grads, fill_missing=True), present,
+        read = self.version
+        reply = self.link.push(self.worker, read, self.layout.flatten(grads, fill_missing=True), present,
                                self.buffer_layout.flatten(self.buffers), clip)
         self.steps += 1
-        return self._take(reply)
+        if self.lookahead and reply.applied:  # applied in the step that made reply.version
+            staleness = reply.version - 1 - read
+            self.expected_staleness += LOOKAHEAD_EMA * (staleness - self.expected_staleness)
+        return self._take(reply, extrapolate=reply.applied)
 
     def finish(self) -> Reply:
         """Leave the bound; wait for every worker to finish and take the final global model."""

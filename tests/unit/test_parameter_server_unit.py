@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import re
+import threading
 from typing import Any
 
 import pytest
@@ -15,7 +16,7 @@ from torch import nn
 
 from lightning_sync import AsyncParameterServerStrategy
 from lightning_sync.sync.parameter_server import FlatLayout, ParameterServer, check_lr_scaling, check_staleness
-from lightning_sync.sync.ps_worker import LocalLink, PSWorker
+from lightning_sync.sync.ps_worker import LOOKAHEAD_EMA, LocalLink, PSWorker, check_compensation
 
 LR = 0.1
 
@@ -227,3 +228,80 @@ def test_bad_lr_scaling_is_named_with_the_allowed_ones(bad: Any) -> None:
         check_lr_scaling(bad)
     with pytest.raises(ValueError, match=r"lr_scaling must be one of \['linear', 'sqrt'\]"):
         AsyncParameterServerStrategy(lr_scaling=bad)
+
+
+def _workers(server: ParameterServer, lookahead: bool) -> tuple[list[PSWorker], list[nn.Module]]:
+    replicas = [_model(), _model()]
+    workers = [PSWorker(w, [p for p in r.parameters() if p.requires_grad], list(r.buffers()), LocalLink(server),
+                        lookahead=lookahead) for w, r in enumerate(replicas)]
+    for worker in workers:
+        worker.pull()
+    return workers, replicas
+
+
+def _set_grads(replica: nn.Module, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for p in replica.parameters():
+        p.grad = torch.randn(p.shape, generator=g)
+
+
+@pytest.mark.parametrize("lookahead", [True, False])
+def test_lookahead_computes_the_next_gradient_where_the_model_is_expected_to_be(lookahead: bool) -> None:
+    """Two workers, s = 4. Worker 1 pushes first (version 0 -> 1); worker 0's gradient, read at version 0,
+    is applied at version 1 (staleness 1, so tau_hat = LOOKAHEAD_EMA x 1) and makes version 2. With
+    lookahead, worker 0 continues from theta_2 + tau_hat x (theta_2 - theta_0) / 2, the mean update per
+    version since its previous model, extrapolated; without, from theta_2. Both are computed here by hand
+    from the server's own models; the arithmetic is the same fp32 operations in the same order: exact."""
+    server, _ = _server(2, 4)
+    workers, replicas = _workers(server, lookahead)
+    theta0 = [p.detach().clone() for p in server.params]
+    _set_grads(replicas[1], seed=1)
+    workers[1].push()
+    assert workers[1].expected_staleness == 0.0  # fresh: nothing to extrapolate
+    for a, b in zip(replicas[1].parameters(), server.params):
+        assert torch.equal(a.detach(), b.detach())
+    _set_grads(replicas[0], seed=0)
+    workers[0].push()
+    assert server.staleness == {0: 1, 1: 1} and server.version == 2
+    tau_hat = LOOKAHEAD_EMA * 1 if lookahead else 0.0
+    assert workers[0].expected_staleness == tau_hat
+    theta2 = [p.detach().clone() for p in server.params]
+    flat2, flat0 = server.layout.flatten(theta2), server.layout.flatten(theta0)
+    want = [n + (n - o) * (tau_hat / 2) for n, o in zip(flat2, flat0)] if lookahead else flat2
+    for got, expected in zip([p for p in replicas[0].parameters() if p.requires_grad], server.layout.views(want)):
+        assert torch.equal(got.detach(), expected)
+    if lookahead:
+        assert not all(torch.equal(a.detach(), b) for a, b in zip(replicas[0].parameters(), theta2))
+    workers[0].pull()  # evaluation, setup and the end of fit take the global model exactly
+    for a, b in zip(replicas[0].parameters(), server.params):
+        assert torch.equal(a.detach(), b.detach())
+
+
+def test_lookahead_leaves_synchronous_training_untouched() -> None:
+    """s = 0: no gradient is ever stale, so tau_hat stays 0 and every replica is the server's model bit
+    for bit after every step."""
+    server, _ = _server(2, 0, momentum=0.9)
+    workers, replicas = _workers(server, lookahead=True)
+    for step in range(3):
+        for w in (0, 1):
+            _set_grads(replicas[w], seed=10 * step + w)
+        futures = [torch.futures.Future(), torch.futures.Future()]
+        threads = [threading.Thread(target=lambda w=w: futures[w].set_result(workers[w].push())) for w in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=30)
+        assert all(f.done() for f in futures), f"step {step}: a push did not return"
+        for worker, replica in zip(workers, replicas):
+            assert worker.expected_staleness == 0.0
+            for a, b in zip(replica.parameters(), server.params):
+                assert torch.equal(a.detach(), b.detach())
+    assert server.staleness == {0: 6}
+
+
+@pytest.mark.parametrize("bad", ["dc", "", None, True])
+def test_bad_compensation_is_named_with_the_allowed_ones(bad: Any) -> None:
+    with pytest.raises(ValueError, match=r"compensation must be one of \['lookahead', 'none'\], got " + re.escape(repr(bad))):
+        check_compensation(bad)
+    with pytest.raises(ValueError, match=r"compensation must be one of \['lookahead', 'none'\]"):
+        AsyncParameterServerStrategy(compensation=bad)
