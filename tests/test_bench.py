@@ -69,8 +69,13 @@ def test_bench_quick_suite_smoke_writes_report_with_exact_byte_ratios(tmp_path: 
     assert float(shard_rows["fsdp2"][8]) == pytest.approx(1.5 * float(shard_rows["bucketed_ddp"][8]), rel=1e-3)
     # the cost model: a fit per swept op, a finite prediction for every row, a projection to 4096 ranks
     data = json.loads((report.parent / "report.json").read_text())
-    assert set(data["fits"]) == {"backend", "ring", "tree", "all_gather", "reduce_scatter"}
+    assert set(data["fits"]) == {"backend", "ring", "tree", "all_gather", "reduce_scatter", "torch_all_gather",
+                                 "torch_reduce_scatter"}
     assert {v["strategy"] for v in data["validation"]} == set(ALL_ROWS)
+    # codec arithmetic is measured exactly where a compressor runs (PowerSGD past its 2 warm-up steps)
+    codec = {v["strategy"]: v["codec_s"] for v in data["validation"]}
+    assert all(codec[n] > 0 for n in ("bucketed_ddp_fp16", "bucketed_ddp_bf16", "bucketed_ddp_powersgd")), codec
+    assert all(codec[n] == 0 for n in ALL_ROWS if "_fp16" not in n and "_bf16" not in n and "powersgd" not in n), codec
     assert all(math.isfinite(v["predicted_s"]) and v["predicted_s"] > 0 for v in data["validation"])
     assert {p["world"] for p in data["projection"]} == {8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096}
     assert all(r["torch"] and r["lightning"] and r["cpu"] and r["date"] and r["command"] for r in data["rows"])

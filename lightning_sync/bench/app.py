@@ -148,7 +148,7 @@ def run_bench(cfg: DictConfig, out_dir: Path) -> Report | None:
         sweep: list[dict[str, Any]] = []
         if cost.get("enabled"):
             for world in worlds:  # compute alone under the time-sharing of a K-rank job
-                log.info("bench: %d x %d independent single-process trials (compute under time-sharing)", world,
+                log.info("bench: %d x %d single-process trials in step (compute under time-sharing)", world,
                          len(solo))
                 ranks = run_distributed(run_solo_trials, world, solo, threads, timeout=timeout, env=env,
                                         process_group=False)

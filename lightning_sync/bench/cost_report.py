@@ -5,8 +5,11 @@ the projection to thousands of ranks (formulas: :mod:`lightning_sync.bench.model
   world size of the sweep; ``fit.png`` draws the measured points against the fitted lines.
 * **Validation.** For every measured row with a compute time: its traffic (``CommStats``, or the
   analytic one for torch's DDP and FSDP2, which bypass ``comms``: :func:`traffic_of`), the backend's
-  fitted link and the compute time measured under the same time-sharing of the cores (K independent
-  processes at once, no communication) give a predicted step time, compared with the measured median.
+  fitted link and the compute time measured under the same time-sharing of the cores (K processes at
+  once, kept in step by a barrier per step, no communication) give a predicted step time, compared
+  with the measured median. Compressing strategies add their codec arithmetic, measured in the run
+  itself (``comms`` op ``codec``: casts, PowerSGD's products), a compute cost that the model's
+  T_comp of the plain model does not contain.
   A second prediction replaces that compute time with ``c(K) T1`` (:func:`~lightning_sync.bench.model.contention`).
 * **Projection.** Every strategy at the largest measured K, projected to K = 8 ... 4096 with this
   machine's link and with :data:`~lightning_sync.bench.model.H100_NDR400`, for ring, tree and
@@ -32,7 +35,7 @@ def traffic_of(row: dict[str, Any]) -> M.Traffic:
     """A report row's per-step traffic: measured through ``comms``, else the analytic traffic of the
     strategies that bypass it (torch DDP: one all-reduce of the gradients in 1 MiB then 25 MiB buckets;
     FSDP2: per ``nn.Linear`` unit two all-gathers of its shard, one without ``reshard_after_forward``,
-    and one reduce-scatter)."""
+    and one reduce-scatter, with the backend's own ops, ``torch_all_gather`` and ``torch_reduce_scatter``)."""
     world, s = int(row["world"]), float(row["param_bytes"])
     if row["measured"]:
         calls = row["op_calls_per_step"]
@@ -42,8 +45,8 @@ def traffic_of(row: dict[str, Any]) -> M.Traffic:
     if cls == "FullyShardStrategy":
         units = max(int(row.get("n_linear", 1)), 1)
         gathers = 2 if row["strategy_node"].get("reshard_after_forward", True) else 1
-        return M.Traffic({"all_gather": (gathers * units, gathers * s / world), "reduce_scatter": (units, s)},
-                         world, "analytic")
+        return M.Traffic({"torch_all_gather": (gathers * units, gathers * s / world),
+                          "torch_reduce_scatter": (units, s)}, world, "analytic")
     buckets = 1 + math.ceil(max(0.0, s - _DDP_FIRST_BUCKET) / _DDP_BUCKET) if s else 0
     return M.Traffic({"all_reduce": (buckets, s)} if s else {}, world, "analytic")
 
@@ -69,8 +72,8 @@ class CostModel:
 
     @property
     def op_links(self) -> dict[str, M.Link]:
-        """The fitted links of the swept all_gather and reduce_scatter."""
-        return {op: self.fits[op].link for op in ("all_gather", "reduce_scatter") if op in self.fits}
+        """The fitted links of the swept all-gathers and reduce-scatters (``comms``' and the backend's own)."""
+        return {op: self.fits[op].link for op in M.SWEPT if op in self.fits and op in M.OP_COST}
 
     def validation(self) -> list[dict[str, Any]]:
         """Predicted against measured step time for every row whose K has a compute measurement."""
@@ -82,10 +85,11 @@ class CostModel:
             comm = M.comm_here(traffic, k, self.link, self.op_links)
             measured = r["step_ms"] / 1e3
             compute = self.compute.get((r["model"], k))
-            simple = comm + M.contention(k, self.cores, self.threads) * t1
+            codec = float(r.get("codec_ms", 0.0)) / 1e3
+            simple = comm + codec + M.contention(k, self.cores, self.threads) * t1
             row = {"model": r["model"], "strategy": r["strategy"], "world": k, "measured_s": measured,
-                   "compute_s": compute, "comm_s": comm, "traffic": traffic.source,
-                   "predicted_s": None if compute is None else compute + comm,
+                   "compute_s": compute, "codec_s": codec, "comm_s": comm, "traffic": traffic.source,
+                   "predicted_s": None if compute is None else compute + codec + comm,
                    "predicted_ck_s": simple, "error_ck": simple / measured - 1}
             row["error"] = None if compute is None else row["predicted_s"] / measured - 1
             out.append(row)
@@ -120,21 +124,23 @@ class CostModel:
             lines.append(f"| {a} | {fit.link.alpha * 1e6:.0f} | {fit.link.bandwidth / 1e9:.2f} | {len(fit.points)} | "
                          f"{fit.median_abs_error():.0%} | {fit.median_abs_error(min_bytes=_MIB):.0%} | {per_k} |")
         lines += ["", "### Validation: predicted against measured step time", "",
-                  "Predicted = compute measured under the same time-sharing (K independent processes at once, no "
-                  "communication; the expected slowest of K draws from their step times, since a synchronous step "
-                  "waits for its slowest rank) + T_comm from the row's per-step traffic (`CommStats`; analytic for torch DDP "
-                  "and FSDP2) and the backend's fitted links (all-reduce; all-gather and reduce-scatter), no overlap. The last two columns use c(K) T1 "
-                  f"(c = max(1, K / {self.cores} cores)) instead of the measured compute.", "",
-                  "| model | strategy | K | measured ms | compute ms | T_comm ms | predicted ms | error "
-                  "| c(K) T1 + T_comm ms | error |",
-                  "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  "Predicted = compute measured under the same time-sharing (K processes at once, no communication, "
+                  "kept in step by a barrier before every step; per step the slowest process's time, since a "
+                  "synchronous step waits for its slowest rank; the median over steps) + codec (compression "
+                  "arithmetic, measured in the run: `comms` op `codec`) + T_comm from the row's per-step traffic "
+                  "(`CommStats`; analytic for torch DDP and FSDP2) and the fitted links (the backend's all-reduce; "
+                  "`comms`' all-gather and reduce-scatter; gloo's own ones for FSDP2), no overlap. The last two "
+                  f"columns use c(K) T1 (c = max(1, K / {self.cores} cores)) instead of the measured compute.", "",
+                  "| model | strategy | K | measured ms | compute ms | codec ms | T_comm ms | predicted ms | error "
+                  "| c(K) T1 + codec + T_comm ms | error |",
+                  "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         val = self.validation()
         for v in val:
             comp = "n/a" if v["compute_s"] is None else f"{v['compute_s'] * 1e3:.1f}"
             pred = "n/a" if v["predicted_s"] is None else f"{v['predicted_s'] * 1e3:.1f}"
             err = "n/a" if v["error"] is None else f"{v['error']:+.0%}"
             lines.append(f"| {v['model']} | {v['strategy']} | {v['world']} | {v['measured_s'] * 1e3:.1f} | {comp} | "
-                         f"{v['comm_s'] * 1e3:.1f} | {pred} | {err} | {v['predicted_ck_s'] * 1e3:.1f} | "
+                         f"{v['codec_s'] * 1e3:.1f} | {v['comm_s'] * 1e3:.1f} | {pred} | {err} | {v['predicted_ck_s'] * 1e3:.1f} | "
                          f"{v['error_ck']:+.0%} |")
         errs = [abs(v["error"]) for v in val if v["error"] is not None]
         if errs:

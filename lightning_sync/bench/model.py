@@ -39,9 +39,10 @@ is the time-sharing of one machine's cores: on this 2-core machine 4 ranks of on
 a core each. The projection assumes every node has a core per rank (c = 1).
 
 On this machine (:func:`predict_here`) every payload goes through the backend, so the prediction uses
-the ``backend`` fit (and for all_gather and reduce_scatter their own fits: gloo runs them as K
-broadcasts and K reduces, ``comms.all_gather_into`` and ``reduce_scatter_into``) (made from sweeps that ran with the same time-sharing, so T_comm takes no further
-factor) and no overlap: compute and communication compete for the same cores (the report's
+the ``backend`` fit (and for all_gather and reduce_scatter their own fits: ``comms.all_gather_into`` and
+``reduce_scatter_into`` run on gloo as K broadcasts and K reduces; ``torch_all_gather`` and
+``torch_reduce_scatter``, gloo's own ops, which FSDP2 calls, have theirs), all made from sweeps that ran
+with the same time-sharing, so T_comm takes no further factor, and no overlap: compute and communication compete for the same cores (the report's
 exposed-communication column measures how little of the all-reduce hides behind backward).
 
 **Projection** (:func:`project`) to K = 8 ... 4096 with a :class:`Fabric`: the fitted link of this machine
@@ -77,6 +78,8 @@ OP_COST: dict[str, Callable[[int], tuple[float, float]]] = {
     "all_reduce": lambda k: (2 * (k - 1), 2 * (k - 1) / k),
     "reduce_scatter": lambda k: (k - 1, (k - 1) / k),
     "all_gather": lambda k: (k - 1, k - 1),
+    "torch_reduce_scatter": lambda k: (k - 1, (k - 1) / k),
+    "torch_all_gather": lambda k: (k - 1, k - 1),
     "broadcast": lambda k: (tree_depth(k), tree_depth(k)),
     "gather": lambda k: (k - 1, k - 1),
     "scatter": lambda k: (k - 1, k - 1),
@@ -87,7 +90,7 @@ OP_COST: dict[str, Callable[[int], tuple[float, float]]] = {
 }
 
 #: Ops whose payload per rank is a 1/K shard of a fixed whole.
-SHARD_OPS = frozenset({"all_gather", "scatter"})
+SHARD_OPS = frozenset({"all_gather", "torch_all_gather", "scatter"})
 
 
 @dataclass(frozen=True)
@@ -156,9 +159,10 @@ def contention(world: int, cores: float, threads_per_rank: int = 1) -> float:
     return max(1.0, world * threads_per_rank / cores)
 
 
-#: What the sweep can measure (:mod:`lightning_sync.bench.sweep`): the all-reduce algorithms, and the
-#: backend's even all-gather and reduce-scatter (``comms.all_gather_into``, ``reduce_scatter_into``).
-SWEPT = ("backend", "ring", "tree", "all_gather", "reduce_scatter")
+#: What the sweep can measure (:mod:`lightning_sync.bench.sweep`): the all-reduce algorithms, the even
+#: all-gather and reduce-scatter of ``comms`` (``all_gather_into``, ``reduce_scatter_into``), and the
+#: backend's own ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` (``torch_*``: what FSDP2 calls).
+SWEPT = ("backend", "ring", "tree", "all_gather", "reduce_scatter", "torch_all_gather", "torch_reduce_scatter")
 
 
 def all_reduce_coefficients(algorithm: str, world: int) -> tuple[float, float]:
@@ -166,13 +170,14 @@ def all_reduce_coefficients(algorithm: str, world: int) -> tuple[float, float]:
 
     All-reduce: ``ring`` and ``backend`` use the ring's ``2(K-1)`` and ``2(K-1)/K``, ``tree``
     ``2 ceil(log2 K)`` for both (``hierarchical`` needs two links: :func:`all_reduce_seconds`).
-    ``all_gather`` and ``reduce_scatter`` of a whole of S bytes: ``K-1`` and ``(K-1)/K``.
+    ``all_gather`` and ``reduce_scatter`` (and their ``torch_*`` forms) of a whole of S bytes: ``K-1``
+    and ``(K-1)/K``.
     """
     check_choice("algorithm", algorithm, SWEPT)
     check_int("world", world, 1)
     if algorithm == "tree":
         return 2 * tree_depth(world), 2 * tree_depth(world)
-    if algorithm in ("all_gather", "reduce_scatter"):
+    if algorithm in ("all_gather", "reduce_scatter", "torch_all_gather", "torch_reduce_scatter"):
         return world - 1, (world - 1) / world
     return 2 * (world - 1), 2 * (world - 1) / world
 
@@ -321,7 +326,7 @@ def predict_here(traffic: Traffic, world: int, compute_s: float, link: Link,
     """Predicted step seconds of a ``world``-rank job on this machine: ``compute_s +`` :func:`comm_here`, no overlap.
 
     ``compute_s`` is the compute per step under the job's time-sharing of the cores: measured with K
-    independent processes at once, or ``contention(K, cores) * T1``.
+    single-process runs at once, kept in step, or ``contention(K, cores) * T1``.
     """
     return step_seconds(compute_s, comm_here(traffic, world, link, op_links), overlap=False)
 

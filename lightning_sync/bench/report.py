@@ -36,7 +36,7 @@ from typing import Any
 
 from lightning_sync.bench.cost_report import CostModel
 
-__all__ = ["WIRE_FACTORS", "Report", "analytic_wire_bytes", "analytic_wire_factor", "expected_max", "wire_bytes"]
+__all__ = ["WIRE_FACTORS", "Report", "analytic_wire_bytes", "analytic_wire_factor", "slowest_per_step", "wire_bytes"]
 
 #: Bytes a rank puts on the wire per payload byte recorded by ``comms`` (see ``comms/stats.py`` for what
 #: each op records), for K ranks, under the ring model. Ops whose payload is one rank's share of a
@@ -104,19 +104,10 @@ def _median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
-def expected_max(samples: list[float], k: int) -> float:
-    """E[max of ``k`` independent draws] from the empirical distribution of ``samples``.
-
-    A synchronous step ends when the slowest rank's compute ends, so K ranks whose step times scatter
-    (the scheduler time-slicing busy cores) wait for the largest of K draws, not the median. With the
-    samples sorted, ``E = sum_i x_i ((i/n)^k - ((i-1)/n)^k)``; ``k = 1`` gives the mean.
-    """
-    if not samples:
-        return float("nan")
-    if not isinstance(k, int) or k < 1:
-        raise ValueError(f"k must be an int >= 1, got {k!r}")
-    xs, n = sorted(samples), len(samples)
-    return sum(x * ((i / n) ** k - ((i - 1) / n) ** k) for i, x in enumerate(xs, 1))
+def slowest_per_step(ranks: list[list[float]]) -> list[float]:
+    """Per step, the slowest of the processes' times (``ranks``: each process's step times, in step
+    order): a synchronous step ends when its slowest rank does."""
+    return [max(step) for step in zip(*ranks)]
 
 
 def _median_ops(trials: list[dict[str, Any]], key: str) -> dict[str, float]:
@@ -136,7 +127,7 @@ class Report:
                  single: list[dict[str, Any]], cfg: Any, meta: dict[str, Any],
                  concurrent: list[dict[str, Any]] | None = None, sweep: list[dict[str, Any]] | None = None) -> None:
         """``results``: per world size (or one world size's list), per rank, the trials' measurements;
-        ``single``: one-process trials (T1); ``concurrent``: the same run as K independent processes at once
+        ``single``: one-process trials (T1); ``concurrent``: the same run as K single-process runs at once, in step
         (compute under K-way time-sharing, ``world`` 1 and ``concurrent`` K); ``sweep``: all-reduce sweep points."""
         self.meta, self.cfg = meta, cfg
         self.baseline = str(cfg.baseline)
@@ -149,12 +140,15 @@ class Report:
                 self._trials[(rank0["model"], rank0["name"], int(world))].append(
                     {**rank0, "peak_mib": peak, "wire_bytes": wire})
         self._single = {r["model"]: _median(r["step_s"]) for r in single}
-        pooled: dict[tuple[str, int], list[float]] = defaultdict(list)
+        per_trial: dict[tuple[str, int, int], list[list[float]]] = defaultdict(list)
         for r in concurrent or []:
-            pooled[(r["model"], int(r["concurrent"]))] += list(r["step_s"])
-        self.compute = {key: expected_max(v, key[1]) for key, v in pooled.items()}
-        """Compute step time per (model, K) under K-way time-sharing: the expected slowest of K ranks'
-        steps (:func:`expected_max` of the K independent processes' pooled step times; K = 1: T1)."""
+            per_trial[(r["model"], int(r["concurrent"]), int(r.get("trial", 0)))].append(list(r["step_s"]))
+        pooled: dict[tuple[str, int], list[float]] = defaultdict(list)
+        for (model, k, _), ranks in per_trial.items():
+            pooled[(model, k)] += slowest_per_step(ranks)
+        self.compute = {key: _median(v) for key, v in pooled.items()}
+        """Compute step time per (model, K) under K-way time-sharing: the median over steps of the slowest
+        of the K in-step processes (:func:`slowest_per_step`; K = 1: T1)."""
         for model, t1 in self._single.items():
             self.compute.setdefault((model, 1), t1)
         self.sweep = list(sweep or [])
@@ -192,6 +186,7 @@ class Report:
                 "wire_x_analytic": wire / analytic if analytic else float("nan"),
                 "exposed_ms": 1e3 * exposed, "exposed_share": exposed / comm if comm else float("nan"),
                 "comm_ms": 1e3 * comm,
+                "codec_ms": 1e3 * _median([_median(t.get("codec_s") or [0.0]) for t in trials]),
                 "peak_mib": _median([t["peak_mib"] for t in trials]),
                 "scaling": single / step if single else float("nan"), "pairs": len(trials), "extra": trials[0]["extra"],
                 "op_bytes_per_step": _median_ops(trials, "op_bytes_per_step"),

@@ -14,6 +14,8 @@ drifts of the machine hit all of them alike). Each trial reports, per rank:
   collectives issued during the timed steps (0: the strategy does not use comms, measured = n/a);
 * ``param_bytes``: bytes of the trainable parameters, counted on the module before the strategy
   touched it (S of the analytic wire bytes; tied parameters once, padding aside);
+* ``codec_s``: per step, seconds of compression arithmetic (``comms`` op ``codec``: casts, PowerSGD's
+  products; kept out of the per-op traffic above);
 * ``exposed_s``: per step, communication still running after backward ended (strategies with a
   ``bucketer``), and ``comm_s``: the same gradient buckets all-reduced alone, without compute;
 * ``peak_mib``: peak allocated memory (glibc ``mallinfo2``, sampled before and after each backward
@@ -34,8 +36,9 @@ import lightning.pytorch as pl
 import torch
 
 from lightning_sync import comms
+from lightning_sync.sync.compression import CODEC_OP
 
-__all__ = ["StepProbe", "Trial", "run_trials"]
+__all__ = ["Lockstep", "StepProbe", "Trial", "run_solo_trials", "run_trials"]
 
 
 @dataclass
@@ -90,6 +93,7 @@ class StepProbe(pl.Callback):
         self.warmup = warmup
         self.step_s: list[float] = []
         self.exposed_s: list[float] = []
+        self.codec_s: list[float] = []
         self.bytes: list[int] = []
         self.op_bytes: dict[str, int] = {}  # summed over the timed steps
         self.op_calls: dict[str, int] = {}
@@ -115,14 +119,18 @@ class StepProbe(pl.Callback):
         if trainer.global_step <= self.warmup:
             return
         self.step_s.append(elapsed)
-        step_bytes = 0
+        step_bytes, codec = 0, 0.0
         for op, now in comms.get_stats().snapshot().items():
             before = self._snap0.get(op, comms.OpStats())
+            if op == CODEC_OP:
+                codec += now.seconds - before.seconds
+                continue
             step_bytes += now.bytes - before.bytes
             self.op_bytes[op] = self.op_bytes.get(op, 0) + now.bytes - before.bytes
             self.op_calls[op] = self.op_calls.get(op, 0) + now.calls - before.calls
             self.calls += now.calls - before.calls
         self.bytes.append(step_bytes)
+        self.codec_s.append(codec)
         bucketer = getattr(trainer.strategy, "bucketer", None)
         if bucketer is not None:
             self.bucketer = bucketer
@@ -142,7 +150,7 @@ def _comm_alone(bucketer: Any, repeats: int = 3) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def _run_one(trial: Trial, world: int) -> dict[str, Any]:
+def _run_one(trial: Trial, world: int, callbacks: tuple[pl.Callback, ...] = ()) -> dict[str, Any]:
     from hydra.utils import instantiate
 
     import lightning_sync  # noqa: F401 - registers the strategy names
@@ -161,7 +169,7 @@ def _run_one(trial: Trial, world: int) -> dict[str, Any]:
     trainer = pl.Trainer(accelerator="gpu" if torch.cuda.is_available() else "cpu", devices=trial.devices or world,
                          strategy=strategy, max_steps=trial.warmup + trial.steps, max_epochs=-1,
                          limit_val_batches=0, num_sanity_val_steps=0, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, callbacks=[probe])
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[*callbacks, probe])
     comms.reset_stats()
     trainer.fit(model, datamodule=data)
     bucketer = probe.bucketer
@@ -175,15 +183,34 @@ def _run_one(trial: Trial, world: int) -> dict[str, Any]:
             "bytes_per_step": (sum(probe.bytes) / len(probe.bytes)) if probe.bytes else 0.0,
             "op_bytes_per_step": {op: b / n for op, b in probe.op_bytes.items()}, "comm_calls": probe.calls,
             "op_calls_per_step": {op: c / n for op, c in probe.op_calls.items()}, "n_linear": n_linear,
-            "exposed_s": probe.exposed_s, "comm_s": comm_s, "grad_bytes": param_bytes, "param_bytes": param_bytes,
+            "exposed_s": probe.exposed_s, "codec_s": probe.codec_s, "comm_s": comm_s, "grad_bytes": param_bytes,
+            "param_bytes": param_bytes,
             "strategy": dict(trial.strategy), "peak_mib": peak, "extra": trial.extra}
 
 
+class Lockstep(pl.Callback):
+    """Holds every training step until all ``world`` processes have reached it: a barrier on a
+    ``TCPStore`` (no process group, no collective), so K independent processes compute in step, as the
+    ranks of a synchronous job do. It runs before :class:`StepProbe`, whose step time starts after it."""
+
+    def __init__(self, store: Any, world: int, tag: str) -> None:
+        self.store, self.world, self.tag = store, world, tag
+        self._step = 0
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        key = f"lockstep/{self.tag}/{self._step}"
+        self._step += 1
+        if self.store.add(key, 1) == self.world:
+            self.store.set(key + "/go", "1")
+        self.store.wait([key + "/go"])
+
+
 def run_trials(rank: int, world: int, trials: list[Trial], threads: int = 1,
-               label: str = "") -> list[dict[str, Any]]:
+               label: str = "", in_step: tuple[Any, int] | None = None) -> list[dict[str, Any]]:
     """Run every trial in order on this rank (called by ``run_distributed``); returns the measurements.
 
-    Rank 0 shows a progress bar on stderr (``label``: what the group is, e.g. ``"K=4"``).
+    Rank 0 shows a progress bar on stderr (``label``: what the group is, e.g. ``"K=4"``). ``in_step``:
+    ``(store, K)`` to keep K independent processes' steps in step (:class:`Lockstep`).
     """
     import logging
     import warnings
@@ -195,9 +222,10 @@ def run_trials(rank: int, world: int, trials: list[Trial], threads: int = 1,
     warnings.filterwarnings("ignore")
     bar = tqdm(trials, desc=f"bench {label}".strip(), unit="trial", disable=rank != 0, dynamic_ncols=True)
     out = []
-    for t in bar:
+    for i, t in enumerate(bar):
         bar.set_postfix_str(f"{t.model} / {t.name}")
-        out.append(_run_one(t, world))
+        callbacks = (Lockstep(in_step[0], in_step[1], f"{i}"),) if in_step is not None else ()
+        out.append({**_run_one(t, world, callbacks), "rank": rank, "trial": i})
     return out
 
 
@@ -206,13 +234,20 @@ _RANK_ENV = ("RANK", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"
 
 
 def run_solo_trials(rank: int, world: int, trials: list[Trial], threads: int = 1) -> list[dict[str, Any]]:
-    """``world`` independent single-process fits at once (``run_distributed(..., process_group=False)``).
+    """``world`` single-process fits at once (``run_distributed(..., process_group=False)``), in step.
 
-    Each process forgets the launcher's rank variables, so Lightning sees one device and no cluster; the
-    step times are compute under the same time-sharing of the cores as a ``world``-rank job, with no
-    communication (the cost model's ``c(K) T_comp``).
+    Each process forgets the launcher's rank variables, so Lightning sees one device and no cluster, and
+    communicates nothing; a :class:`Lockstep` barrier on the launcher's store starts every step of all
+    ``world`` processes together. The step times are compute under the same time-sharing of the cores
+    as a synchronous ``world``-rank job (the cost model's ``c(K) T_comp``; :func:`~lightning_sync.bench.report.slowest_per_step`).
     """
+    from datetime import timedelta
+
+    store = torch.distributed.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), world + 1, is_master=False,
+                                       timeout=timedelta(seconds=600))
     for name in _RANK_ENV:  # this child's own environment only
         os.environ.pop(name, None)
     solo = [replace(t, devices=1) for t in trials]
-    return [{**r, "world": 1, "concurrent": world} for r in run_trials(rank, 1, solo, threads, f"{world} solo")]
+    return [{**r, "world": 1, "concurrent": world}
+            for r in run_trials(rank, 1, solo, threads, f"{world} solo", in_step=(store, world))]
+

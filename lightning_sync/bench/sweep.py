@@ -4,7 +4,8 @@
 float32) and each algorithm of :data:`lightning_sync.comms.algorithms.ALGORITHMS` that it is asked for
 (``backend``: gloo's or NCCL's own all-reduce; ``ring`` and ``tree``: ours, built from send/recv;
 ``all_gather`` and ``reduce_scatter``: ``comms.all_gather_into`` and ``reduce_scatter_into`` of a
-whole of that size, what the sharded strategies call), it
+whole of that size, what the sharded strategies call; ``torch_all_gather`` and ``torch_reduce_scatter``:
+the backend's own ``all_gather_into_tensor`` and ``reduce_scatter_tensor``, what torch's FSDP2 calls), it
 times ``repeats`` all-reduces, each started by a barrier so every rank begins together, and reports
 the median of the slowest rank's time (the collective ends when its last rank ends). Algorithms and
 repeats alternate within a size (A B C, C B A, ...) so a burst of load hits them alike.
@@ -24,8 +25,9 @@ from lightning_sync import comms
 from lightning_sync._checks import check_choice, check_int
 from lightning_sync.comms.algorithms import ALGORITHMS, all_reduce_with
 
-#: What can be swept: every all-reduce algorithm, and the backend's even all-gather and reduce-scatter.
-OPS = (*sorted(ALGORITHMS), "all_gather", "reduce_scatter")
+#: What can be swept: every all-reduce algorithm, the even all-gather and reduce-scatter of ``comms``, and
+#: the backend's own (``torch_*``).
+OPS = (*sorted(ALGORITHMS), "all_gather", "reduce_scatter", "torch_all_gather", "torch_reduce_scatter")
 
 
 def _run(op: str, whole: torch.Tensor) -> None:
@@ -35,6 +37,10 @@ def _run(op: str, whole: torch.Tensor) -> None:
         comms.all_gather_into(torch.empty_like(whole), whole[: whole.numel() // k])
     elif op == "reduce_scatter":
         comms.reduce_scatter_into(torch.empty(whole.numel() // k), whole, scratch=True)
+    elif op == "torch_all_gather":
+        torch.distributed.all_gather_into_tensor(torch.empty_like(whole), whole[: whole.numel() // k])
+    elif op == "torch_reduce_scatter":
+        torch.distributed.reduce_scatter_tensor(torch.empty(whole.numel() // k), whole)
     else:
         all_reduce_with(op, whole)
 

@@ -17,18 +17,31 @@ returns a handle whose ``wait()`` leaves the *average* gradient in ``bucket.buff
   first ``warmup_steps`` synchronized steps are uncompressed (Vogels et al. and torch's
   ``start_powerSGD_iter``). State (Q and the error) is kept per parameter, so re-planning the
   buckets keeps it. Q is identical on every rank; the error is each rank's own.
+
+Codec time. The arithmetic of compressing and decompressing (casts, the products and the
+orthonormalization, error feedback) is counted in ``comms.get_stats()`` as op :data:`CODEC_OP`, with
+its seconds and zero bytes, one call per bucket; the time spent waiting for communication is not in it.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from typing import Any
 
 import torch
 
+from lightning_sync import comms
 from lightning_sync.sync.communicator import Communicator, WorkLike
 
-__all__ = ["COMPRESSIONS", "CastCompression", "PowerSGD", "make_compressor"]
+__all__ = ["CODEC_OP", "COMPRESSIONS", "CastCompression", "PowerSGD", "make_compressor"]
+
+CODEC_OP = "codec"
+"""The ``comms.get_stats()`` entry of compression arithmetic: seconds, no bytes, a call per bucket."""
+
+
+def _codec(seconds: float, calls: int = 0) -> None:
+    comms.get_stats().record(CODEC_OP, 0, seconds, calls=calls)
 
 
 class _Deferred:
@@ -58,9 +71,17 @@ class CastCompression:
 
     def launch(self, bucket: Any, bucketer: Any, comm: Communicator) -> WorkLike:
         # divide first (in fp32), so the fp16 sum of K values cannot overflow where the average would not
+        t0 = time.perf_counter()
         low = (bucket.buffer / comm.world_size).to(self.dtype)
+        _codec(time.perf_counter() - t0, calls=1)
         work = comm.all_reduce(low, op="sum", async_op=True)
-        return _Deferred(work, lambda: bucket.buffer.copy_(low))
+
+        def decode() -> None:
+            t1 = time.perf_counter()
+            bucket.buffer.copy_(low)
+            _codec(time.perf_counter() - t1)
+
+        return _Deferred(work, decode)
 
     def state_dict(self) -> dict[str, Any]:
         return {}
@@ -105,6 +126,7 @@ class PowerSGD:
         if bucketer.step < self.warmup_steps:
             return comm.all_reduce(bucket.buffer, op="avg", async_op=True)
         world = comm.world_size
+        t0 = time.perf_counter()
         mats: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (param index, M view, Q)
         rest: list[torch.Tensor] = []
         for i, view in zip(bucket.members, bucket.views):
@@ -125,10 +147,12 @@ class PowerSGD:
                     self._error[i].copy_(m)
                 else:
                     self._error[i] = m.clone()
+        _codec(time.perf_counter() - t0, calls=1)
         work1 = comm.all_reduce(msg1, op="sum", async_op=True)
 
         def finish() -> None:
             work1.wait()
+            t1 = time.perf_counter()
             offset = 0
             for p in ps:
                 p.copy_(msg1[offset : offset + p.numel()].view_as(p))
@@ -141,7 +165,9 @@ class PowerSGD:
             qs = [(p.t() @ m).t().contiguous() for (_, m, _), p in zip(mats, ps_orth)]
             if qs:  # message 2: every Q = M^T P
                 msg2 = torch.cat([q.reshape(-1) for q in qs])
+                _codec(time.perf_counter() - t1)
                 comm.all_reduce(msg2, op="sum")
+                t1 = time.perf_counter()
                 offset = 0
                 for q in qs:
                     q.copy_(msg2[offset : offset + q.numel()].view_as(q))
@@ -151,6 +177,7 @@ class PowerSGD:
                 self._q[i] = q
                 if self.error_feedback:
                     self._error[i].sub_(m)  # error = input - approximation
+            _codec(time.perf_counter() - t1)
 
         return _Deferred(_Done(), finish)
 

@@ -333,3 +333,28 @@ def test_make_compressor_unknown_name_lists_the_allowed_ones(name: str) -> None:
 def test_make_compressor_validates_the_powersgd_rank() -> None:
     with pytest.raises(ValueError, match="rank"):
         make_compressor("powersgd", powersgd_rank=0)
+
+
+# --------------------------------------------------------------------------- codec accounting
+
+
+@pytest.mark.parametrize("compressor", ["fp16", "powersgd"])
+def test_codec_arithmetic_is_counted_in_comms_stats_as_time_without_bytes(compressor: str) -> None:
+    """The codec entry counts one call per compressed bucket, no bytes, and positive seconds; the
+    communicator's own traffic is not in it (the loopback communicator records nothing in comms)."""
+    from lightning_sync import comms
+    from lightning_sync.sync.compression import CODEC_OP
+
+    shapes = [(64, 32), (32,)]
+    model = Params(shapes)
+    b = GradBucketer(model.named_parameters(), LoopbackCommunicator(world_size=2),
+                     compressor=make_compressor(compressor, powersgd_warmup_steps=0),
+                     bucket_cap_mb=64 * 32 * 4 / _MB, first_bucket_mb=64 * 32 * 4 / _MB)
+    comms.reset_stats()
+    for step in range(2):
+        _step(model, b, [_rand(s, 10 * step + k) for k, s in enumerate(shapes)])
+    codec = comms.get_stats()[CODEC_OP]
+    assert codec.calls == 2 * len(b.buckets) and codec.bytes == 0 and codec.seconds > 0
+    assert set(comms.get_stats().snapshot()) == {CODEC_OP}
+    b.close()
+    comms.reset_stats()
