@@ -118,6 +118,8 @@ _ASYNC_PS: list[tuple[str, Any, str]] = [
       for v in (-1, 2.5, -math.inf, math.nan, "4", "inf", True, None)],
     *[("server_rank", v, got("server_rank", "an int >= 0", v)) for v in (-1, 0.0, "0", True, None)],
     *[("lr_scaling", v, got("lr_scaling", "one of \\['linear', 'sqrt'\\]", v)) for v in ("Linear", "adam", "", None)],
+    *[("compensation", v, got("compensation", "one of \\['lookahead', 'none'\\]", v))
+      for v in ("Lookahead", "dc", "", None)],
     *[(arg, v, pattern) for arg, v, pattern in _BUCKETED if arg in ("start_method", "timeout")],
     (KWARGS, {"process_group_backend": "gloo"}, r"unknown arguments \['process_group_backend'\]"),
 ]
