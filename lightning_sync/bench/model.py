@@ -78,8 +78,6 @@ OP_COST: dict[str, Callable[[int], tuple[float, float]]] = {
     "all_reduce": lambda k: (2 * (k - 1), 2 * (k - 1) / k),
     "reduce_scatter": lambda k: (k - 1, (k - 1) / k),
     "all_gather": lambda k: (k - 1, k - 1),
-    "torch_reduce_scatter": lambda k: (k - 1, (k - 1) / k),
-    "torch_all_gather": lambda k: (k - 1, k - 1),
     "broadcast": lambda k: (tree_depth(k), tree_depth(k)),
     "gather": lambda k: (k - 1, k - 1),
     "scatter": lambda k: (k - 1, k - 1),
@@ -88,6 +86,9 @@ OP_COST: dict[str, Callable[[int], tuple[float, float]]] = {
     "recv": lambda k: (0, 0),
     "barrier": lambda k: (tree_depth(k), 0),
 }
+
+# gloo's own all-gather and reduce-scatter (what FSDP2 calls) move what comms' do; only their links differ
+OP_COST["torch_all_gather"], OP_COST["torch_reduce_scatter"] = OP_COST["all_gather"], OP_COST["reduce_scatter"]
 
 #: Ops whose payload per rank is a 1/K shard of a fixed whole.
 SHARD_OPS = frozenset({"all_gather", "torch_all_gather", "scatter"})

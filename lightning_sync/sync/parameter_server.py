@@ -70,6 +70,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_sync._checks import check_choice
+
 __all__ = ["FlatLayout", "ParameterServer", "Reply", "check_staleness"]
 
 
@@ -78,9 +80,7 @@ LR_SCALINGS = ("linear", "sqrt")
 
 def check_lr_scaling(value: Any) -> str:
     """``lr_scaling`` checked and returned: one of :data:`LR_SCALINGS`."""
-    if value not in LR_SCALINGS:
-        raise ValueError(f"lr_scaling must be one of {list(LR_SCALINGS)}, got {value!r}")
-    return str(value)
+    return check_choice("lr_scaling", value, LR_SCALINGS)
 
 
 def check_staleness(value: Any) -> int | float:

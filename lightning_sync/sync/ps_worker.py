@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 import torch
 
+from lightning_sync._checks import check_choice
 from lightning_sync.sync.parameter_server import FlatLayout, ParameterServer, Reply
 
 __all__ = ["COMPENSATIONS", "LocalLink", "PSWorker", "RpcLink", "ServerLink", "check_compensation", "host"]
@@ -32,9 +33,7 @@ LOOKAHEAD_EMA = 0.5
 
 def check_compensation(value: Any) -> str:
     """``compensation`` checked and returned: one of :data:`COMPENSATIONS`."""
-    if value not in COMPENSATIONS:
-        raise ValueError(f"compensation must be one of {list(COMPENSATIONS)}, got {value!r}")
-    return str(value)
+    return check_choice("compensation", value, COMPENSATIONS)
 
 
 class ServerLink(Protocol):
@@ -174,8 +173,9 @@ class PSWorker:
         worker's staleness (an exponential average of its pushes' staleness, weight
         :data:`LOOKAHEAD_EMA`). This is the lookahead of DANA (Hakimi et al., "Taming Momentum in a
         Distributed Asynchronous Environment", 2019), made optimizer-agnostic by extrapolating the
-        observed update rather than the momentum buffer, and computed on the worker from models it
-        receives anyway: no extra bytes, one extra copy of the parameters. A gradient that is never
+        observed update rather than the momentum buffer, and computed on the worker from the models it
+        receives anyway (theta_q is the previous reply, which the worker keeps as :attr:`last`): no
+        extra bytes and no extra state. A gradient that is never
         stale (``max_staleness=0``) gives tau_hat = 0 and no extrapolation at all, so synchronous
         training is unchanged bit for bit. :meth:`pull` and :meth:`finish` (evaluation, setup, end of
         fit) always take the global model exactly.
@@ -198,19 +198,17 @@ class PSWorker:
         self.expected_staleness = 0.0
         """tau_hat: the running estimate of this worker's next staleness (0 unless ``lookahead``)."""
         self.last: Reply | None = None
-        self._anchor: tuple[int, list[torch.Tensor]] | None = None  # (version, flat params) of the last reply
+        """The latest reply (its ``params``: the global model this replica was last set from)."""
 
     def _take(self, reply: Reply, extrapolate: bool = False) -> Reply:
-        target = reply.params
-        anchor = self._anchor
-        if extrapolate and self.expected_staleness > 0 and anchor is not None and reply.version > anchor[0]:
-            scale = self.expected_staleness / (reply.version - anchor[0])
+        target, prev = reply.params, self.last
+        if extrapolate and self.expected_staleness > 0 and prev is not None and reply.version > prev.version:
+            scale = self.expected_staleness / (reply.version - prev.version)
             target = [new + (new - old) * scale if new.is_floating_point() else new
-                      for new, old in zip(reply.params, anchor[1])]
+                      for new, old in zip(reply.params, prev.params)]
         self.layout.copy_into(target, self.params)
         self.buffer_layout.copy_into(reply.buffers, self.buffers)
         self.version, self.last = reply.version, reply
-        self._anchor = (reply.version, reply.params) if self.lookahead else None
         return reply
 
     def pull(self) -> Reply:
