@@ -339,22 +339,38 @@ def test_make_compressor_validates_the_powersgd_rank() -> None:
 
 
 @pytest.mark.parametrize("compressor", ["fp16", "powersgd"])
-def test_codec_arithmetic_is_counted_in_comms_stats_as_time_without_bytes(compressor: str) -> None:
-    """The codec entry counts one call per compressed bucket, no bytes, and positive seconds; the
-    communicator's own traffic is not in it (the loopback communicator records nothing in comms)."""
+def test_codec_arithmetic_is_counted_in_comms_stats_as_time_without_bytes(compressor: str,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The codec entry counts one call per compressed bucket, no bytes, and the seconds of each timed
+    stretch of arithmetic; the communicator's own traffic is not in it (the loopback communicator records
+    nothing in comms). The compressor reads a fake clock that advances by exactly 1 s per reading, so
+    every timed stretch counts 1 s: no wall clock is read."""
+    from types import SimpleNamespace
+
     from lightning_sync import comms
+    from lightning_sync.sync import compression
     from lightning_sync.sync.compression import CODEC_OP
 
+    ticks = iter(range(10_000))
+    monkeypatch.setattr(compression, "time", SimpleNamespace(perf_counter=lambda: float(next(ticks))))
     shapes = [(64, 32), (32,)]
     model = Params(shapes)
-    b = GradBucketer(model.named_parameters(), LoopbackCommunicator(world_size=2),
-                     compressor=make_compressor(compressor, powersgd_warmup_steps=0),
+    codec_of = make_compressor(compressor, powersgd_warmup_steps=0)
+    b = GradBucketer(model.named_parameters(), LoopbackCommunicator(world_size=2), compressor=codec_of,
                      bucket_cap_mb=64 * 32 * 4 / _MB, first_bucket_mb=64 * 32 * 4 / _MB)
     comms.reset_stats()
-    for step in range(2):
+    steps = 2
+    for step in range(steps):
         _step(model, b, [_rand(s, 10 * step + k) for k, s in enumerate(shapes)])
+    # stretches per bucket and step: the cast, then the cast back (fp16); the products before message 1,
+    # then the decoding after it, split in two around message 2 where the bucket holds a compressed matrix
+    if compressor == "fp16":
+        stretches = 2 * len(b.buckets)
+    else:
+        stretches = sum(2 + any(codec_of._matrix_shape(v) is not None for v in bk.views) for bk in b.buckets)
     codec = comms.get_stats()[CODEC_OP]
-    assert codec.calls == 2 * len(b.buckets) and codec.bytes == 0 and codec.seconds > 0
+    assert codec.calls == steps * len(b.buckets) and codec.bytes == 0
+    assert codec.seconds == steps * stretches
     assert set(comms.get_stats().snapshot()) == {CODEC_OP}
     b.close()
     comms.reset_stats()
