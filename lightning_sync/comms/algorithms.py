@@ -44,8 +44,8 @@ from lightning_sync.comms import collectives as C
 from lightning_sync.comms.stats import ring_allreduce_bytes, ring_allreduce_time, tree_allreduce_time
 
 __all__ = [
-    "ALGORITHMS", "NodeGroups", "all_reduce_with", "hierarchical_all_reduce", "node_groups", "ring_all_gather",
-    "ring_all_reduce", "ring_allreduce_bytes", "ring_allreduce_time", "ring_reduce_scatter", "tree_all_reduce",
+    "ALGORITHMS", "NodeGroups", "all_reduce_with", "hierarchical_all_reduce", "node_groups", "release_node_groups",
+    "ring_all_gather", "ring_all_reduce", "ring_allreduce_bytes", "ring_allreduce_time", "ring_reduce_scatter", "tree_all_reduce",
     "tree_allreduce_time",
 ]
 
@@ -189,6 +189,14 @@ class NodeGroups:
         self.node = me // ranks_per_node
         self.node_group = groups[self.node]
         self.leader = self.leaders[self.node]
+        self.world = dist.group.WORLD  # held, so the cache key's id cannot be reused by a later default group
+
+    def destroy(self) -> None:
+        """Destroy this rank's sub-groups (its node's, and the leaders' on a leader); local, not collective."""
+        mine = [self.node_group, *([self.leader_group] if C.get_rank() == self.leader else [])]
+        for group in mine:
+            if dist.is_initialized() and group in dist.distributed_c10d._world.pg_map:
+                dist.destroy_process_group(group)
 
 
 _NODE_GROUPS: dict[tuple[int, int], NodeGroups] = {}
@@ -206,9 +214,23 @@ def node_groups(ranks_per_node: int | None = None) -> NodeGroups:
                              "in the environment)")
         ranks_per_node = int(value)
     key = (id(dist.group.WORLD), ranks_per_node)
-    if key not in _NODE_GROUPS:
+    if key not in _NODE_GROUPS or _NODE_GROUPS[key].world is not dist.group.WORLD:
         _NODE_GROUPS[key] = NodeGroups(ranks_per_node)
     return _NODE_GROUPS[key]
+
+
+def release_node_groups() -> int:
+    """Destroy every cached :class:`NodeGroups`' sub-groups and forget them; returns how many were cached.
+
+    A strategy that used the hierarchical all-reduce calls this at teardown, so no gloo sub-group (with
+    its worker threads) outlives the job into interpreter exit, and a later process group builds its
+    own. Every rank calls it alike; it is local (no collective).
+    """
+    n = len(_NODE_GROUPS)
+    for groups in _NODE_GROUPS.values():
+        groups.destroy()
+    _NODE_GROUPS.clear()
+    return n
 
 
 def hierarchical_all_reduce(tensor: torch.Tensor, op: str = "sum", group: dist.ProcessGroup | None = None,

@@ -9,6 +9,7 @@ import torch
 from _lightning_reference import ENV, EQ_TOL, _check_against, _quiet_rank, _reference, _state, _TiedModule, _trainer
 
 from lightning_sync import BucketedDDPStrategy, comms
+from lightning_sync.comms import algorithms
 from lightning_sync.comms.algorithms import hierarchical_all_reduce
 from lightning_sync.testing import Checks, assert_all_ranks_passed, run_distributed
 
@@ -43,6 +44,16 @@ def _worker(rank: int, world: int) -> tuple[list[str], int]:
     strategy = BucketedDDPStrategy(comm_algorithm="hierarchical", bucket_cap_mb=0.004, first_bucket_mb=0.004)
     _trainer(world, strategy, max_steps=4).fit(module)
     _check_against(ck, "[bucketed_ddp hierarchical]", module, ref, init, tol=EQ_TOL)
+    # its teardown destroyed the sub-groups it built: none is cached, none left in torch's registry
+    pgs = torch.distributed.distributed_c10d._world.pg_map
+    ck.true("[teardown] no cached node groups", not algorithms._NODE_GROUPS, list(algorithms._NODE_GROUPS))
+    ck.true("[teardown] only the default group is left", list(pgs) == [torch.distributed.group.WORLD], len(pgs))
+    # a later hierarchical all-reduce builds a fresh layout (2 nodes of 2 again) and is still exact
+    again, flat = torch.arange(5.0) * (rank + 1), torch.arange(5.0) * (rank + 1)
+    hierarchical_all_reduce(again, op="sum", ranks_per_node=2)
+    comms.all_reduce(flat, op="sum")
+    ck.close("[rebuilt] hierarchical equals flat", again, flat, rtol=0.0, atol=0.0)
+    ck.true("[release] counts the one cached layout", algorithms.release_node_groups() == 1)
     return ck.failures, ck.count
 
 
