@@ -4,8 +4,11 @@ the projection to thousands of ranks (formulas: :mod:`lightning_sync.bench.model
 * **Fit.** :func:`~lightning_sync.bench.model.fit_alpha_beta` per all-reduce algorithm over every
   world size of the sweep; ``fit.png`` draws the measured points against the fitted lines.
 * **Validation.** For every measured row with a compute time: its traffic (``CommStats``, or the
-  analytic one for torch's DDP and FSDP2, which bypass ``comms``: :func:`traffic_of`), the backend's
-  fitted link and the compute time measured under the same time-sharing of the cores (K processes at
+  analytic one for torch's DDP and FSDP2, which bypass ``comms``: :func:`traffic_of`), the links
+  fitted to the sweep points of the row's own K alone (:meth:`CostModel.links_at`: with more ranks
+  than cores, time-sharing changes a link's latency and bandwidth with K, so the validation prices a
+  K-rank step with the links measured under that same time-sharing; the pooled fit where the sweep
+  did not run at that K) and the compute time measured under the same time-sharing of the cores (K processes at
   once, kept in step by a barrier per step, no communication) give a predicted step time, compared
   with the measured median. Compressing strategies add their codec arithmetic, measured in the run
   itself (``comms`` op ``codec``: casts, PowerSGD's products), a compute cost that the model's
@@ -63,6 +66,13 @@ class CostModel:
         self.threads = threads_per_rank
         self.fits = {a: M.fit_alpha_beta(sweep, a) for a in M.SWEPT
                      if sum(p["algorithm"] == a and p["world"] > 1 for p in sweep) >= 2}
+        """Per op, one fit to the sweep points of every world size together (the projection's link)."""
+        self.fits_at: dict[int, dict[str, M.Fit]] = {}
+        """Per world size K, per op, a fit to the sweep points of that K alone (the validation's links)."""
+        for k in sorted({int(p["world"]) for p in sweep if int(p["world"]) > 1}):
+            mine = [p for p in sweep if int(p["world"]) == k]
+            self.fits_at[k] = {a: M.fit_alpha_beta(mine, a) for a in M.SWEPT
+                               if sum(p["algorithm"] == a for p in mine) >= 2}
         self.worlds = M.projection_worlds(*projection)
 
     @property
@@ -75,6 +85,14 @@ class CostModel:
         """The fitted links of the swept all-gathers and reduce-scatters (``comms``' and the backend's own)."""
         return {op: self.fits[op].link for op in M.SWEPT if op in self.fits and op in M.OP_COST}
 
+    def links_at(self, world: int) -> tuple[M.Link, dict[str, M.Link], str]:
+        """The backend's link, the other swept ops' links and their source (``"K=<world>"`` or ``"pooled"``)
+        for a ``world``-rank step: the fits to the sweep at that K alone, else the pooled fits."""
+        own = self.fits_at.get(world, {})
+        fits = {**self.fits, **own}
+        source = f"K={world}" if "backend" in own else "pooled"
+        return fits["backend"].link, {op: fits[op].link for op in M.SWEPT if op in fits and op in M.OP_COST}, source
+
     def validation(self) -> list[dict[str, Any]]:
         """Predicted against measured step time for every row whose K has a compute measurement."""
         out = []
@@ -82,13 +100,14 @@ class CostModel:
             k = int(r["world"])
             t1 = self.compute[(r["model"], 1)]
             traffic = traffic_of(r)
-            comm = M.comm_here(traffic, k, self.link, self.op_links)
+            link, op_links, source = self.links_at(k)
+            comm = M.comm_here(traffic, k, link, op_links)
             measured = r["step_ms"] / 1e3
             compute = self.compute.get((r["model"], k))
             codec = float(r.get("codec_ms", 0.0)) / 1e3
             simple = comm + codec + M.contention(k, self.cores, self.threads) * t1
             row = {"model": r["model"], "strategy": r["strategy"], "world": k, "measured_s": measured,
-                   "compute_s": compute, "codec_s": codec, "comm_s": comm, "traffic": traffic.source,
+                   "compute_s": compute, "codec_s": codec, "comm_s": comm, "traffic": traffic.source, "links": source,
                    "predicted_s": None if compute is None else compute + codec + comm,
                    "predicted_ck_s": simple, "error_ck": simple / measured - 1}
             row["error"] = None if compute is None else row["predicted_s"] / measured - 1
@@ -123,13 +142,22 @@ class CostModel:
             per_k = " | ".join(f"{fit.median_abs_error(k):.0%}" for k in self._sweep_worlds())
             lines.append(f"| {a} | {fit.link.alpha * 1e6:.0f} | {fit.link.bandwidth / 1e9:.2f} | {len(fit.points)} | "
                          f"{fit.median_abs_error():.0%} | {fit.median_abs_error(min_bytes=_MIB):.0%} | {per_k} |")
+        if self.fits_at:
+            worlds = list(self.fits_at)
+            lines += ["", "Fitted at each K alone (the validation's links: a K-rank step is priced with the links measured "
+                      "under the same time-sharing of the cores), a (us) / bandwidth (GB/s) and the median abs error:", "",
+                      "| algorithm | " + " | ".join(f"K={k}" for k in worlds) + " |", "|---|" + "---:|" * len(worlds)]
+            for a in self.fits:
+                cells = [f"{f.link.alpha * 1e6:.0f} / {f.link.bandwidth / 1e9:.2f} ({f.median_abs_error():.0%})"
+                         if (f := self.fits_at[k].get(a)) else "-" for k in worlds]
+                lines.append(f"| {a} | " + " | ".join(cells) + " |")
         lines += ["", "### Validation: predicted against measured step time", "",
                   "Predicted = compute measured under the same time-sharing (K processes at once, no communication, "
                   "kept in step by a barrier before every step; per step the slowest process's time, since a "
                   "synchronous step waits for its slowest rank; the median over steps) + codec (compression "
                   "arithmetic, measured in the run: `comms` op `codec`) + T_comm from the row's per-step traffic "
-                  "(`CommStats`; analytic for torch DDP and FSDP2) and the fitted links (the backend's all-reduce; "
-                  "`comms`' all-gather and reduce-scatter; gloo's own ones for FSDP2), no overlap. The last two "
+                  "(`CommStats`; analytic for torch DDP and FSDP2) and the links fitted at the row's K (the backend's "
+                  "all-reduce; `comms`' all-gather and reduce-scatter; gloo's own ones for FSDP2), no overlap. The last two "
                   f"columns use c(K) T1 (c = max(1, K / {self.cores} cores)) instead of the measured compute.", "",
                   "| model | strategy | K | measured ms | compute ms | codec ms | T_comm ms | predicted ms | error "
                   "| c(K) T1 + codec + T_comm ms | error |",

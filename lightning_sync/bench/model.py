@@ -41,9 +41,11 @@ a core each. The projection assumes every node has a core per rank (c = 1).
 On this machine (:func:`predict_here`) every payload goes through the backend, so the prediction uses
 the ``backend`` fit (and for all_gather and reduce_scatter their own fits: ``comms.all_gather_into`` and
 ``reduce_scatter_into`` run on gloo as K broadcasts and K reduces; ``torch_all_gather`` and
-``torch_reduce_scatter``, gloo's own ops, which FSDP2 calls, have theirs), all made from sweeps that ran
-with the same time-sharing, so T_comm takes no further factor, and no overlap: compute and communication compete for the same cores (the report's
-exposed-communication column measures how little of the all-reduce hides behind backward).
+``torch_reduce_scatter``, gloo's own ops, which FSDP2 calls, have theirs). The report's validation fits
+them to the sweep at the step's own K (:meth:`lightning_sync.bench.cost_report.CostModel.links_at`), so
+they ran under the same time-sharing and T_comm takes no further factor; no overlap: compute and
+communication compete for the same cores (the report's exposed-communication column measures how
+little of the all-reduce hides behind backward).
 
 **Projection** (:func:`project`) to K = 8 ... 4096 with a :class:`Fabric`: the fitted link of this machine
 (copies of it as nodes of ``G`` = cores ranks, every link the fitted one) or :data:`H100_NDR400`. A flat ring or tree

@@ -199,3 +199,26 @@ def test_cost_model_validation_error_by_hand() -> None:
     text = "\n".join(cost.markdown())
     assert "| m | ddp | 2 | 40.0 | 25.0 | 1.5 | 12.0 | 38.5 | -4% | 33.5 | -16% |" in text
     assert "1 of 1 predictions lie within 25 %" in text
+
+
+def test_validation_prices_each_k_with_the_links_fitted_at_that_k() -> None:
+    # the sweep's latency doubles from K=2 to K=4 (time-sharing): the pooled fit lies between, the
+    # validation uses each K's own exact fit; a K the sweep did not run at falls back to the pooled fit
+    sweep = [{"algorithm": "backend", "world": k, "bytes": s,
+              "seconds": 2 * (k - 1) * (1e-3 if k == 2 else 2e-3) + 2 * (k - 1) / k * s * 1e-9}
+             for k in (2, 4) for s in (1000, 10**6, 10**8)]
+    rows = [_row({}, True, name="ddp", world=k, ops={"all_reduce": 1e7}, calls={"all_reduce": 1.0}, step_ms=50.0)
+            for k in (2, 3, 4)]
+    compute = {("m", 1): 0.020, ("m", 2): 0.025, ("m", 3): 0.03, ("m", 4): 0.035}
+    cost = CostModel(rows, compute, sweep, cores=2)
+    assert cost.fits_at[2]["backend"].link.alpha == pytest.approx(1e-3)
+    assert cost.fits_at[4]["backend"].link.alpha == pytest.approx(2e-3)
+    assert 1e-3 < cost.link.alpha < 2e-3  # the pooled fit, which the projection uses
+    v2, v3, v4 = cost.validation()
+    assert (v2["links"], v3["links"], v4["links"]) == ("K=2", "pooled", "K=4")
+    assert v2["comm_s"] == pytest.approx(2 * 1e-3 + 1e7 * 1e-9)
+    assert v4["comm_s"] == pytest.approx(6 * 2e-3 + 1.5e7 * 1e-9)
+    pooled = cost.link
+    assert v3["comm_s"] == pytest.approx(4 * pooled.alpha + 4 / 3 * 1e7 * pooled.beta)
+    text = "\n".join(cost.markdown())
+    assert "| backend | 1000 / 1.00 (0%) | 2000 / 1.00 (0%) |" in text
