@@ -77,6 +77,8 @@ def test_bench_quick_suite_smoke_writes_report_with_exact_byte_ratios(tmp_path: 
     assert all(codec[n] > 0 for n in ("bucketed_ddp_fp16", "bucketed_ddp_bf16", "bucketed_ddp_powersgd")), codec
     assert all(codec[n] == 0 for n in ALL_ROWS if "_fp16" not in n and "_bf16" not in n and "powersgd" not in n), codec
     assert all(math.isfinite(v["predicted_s"]) and v["predicted_s"] > 0 for v in data["validation"])
+    # the compute rows ran among the strategies at K=2 (in step), and T1 alone
+    assert {(c["model"], c["concurrent"]) for c in data["compute_s"]} == {("deep_mlp", 1), ("deep_mlp", 2)}
     assert {p["world"] for p in data["projection"]} == {8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096}
     assert all(r["torch"] and r["lightning"] and r["cpu"] and r["date"] and r["command"] for r in data["rows"])
     assert "## Cost model" in report.read_text() and "### Projection to K ranks" in report.read_text()
@@ -172,6 +174,30 @@ def test_report_sharding_table_measured_against_analytic(tmp_path: Path) -> None
     # without a sharded row there is no sharding table
     plain = Report([rank0[:2], rank1[:2]], [], cfg, meta)
     assert plain.sharding_rows() == [] and "## Sharding" not in plain.markdown()
+
+
+def test_in_step_compute_rows_give_the_compute_and_are_not_strategy_rows() -> None:
+    from omegaconf import OmegaConf
+
+    from lightning_sync.bench.app import COMPUTE_ROW
+    from lightning_sync.bench.runner import IN_STEP
+
+    cfg = OmegaConf.create({"baseline": "lightning_ddp", "pairs": 2, "steps": 3, "warmup_steps": 1})
+    meta = {"date": "d", "cpu": "c", "python": "3", "torch": "t", "lightning": "l", "threads_per_rank": 1, "command": "x"}
+
+    def in_step(times: list[float]) -> dict[str, object]:
+        return {**_result(COMPUTE_ROW, {"_target_": None}, 0.0, {}, 0, peak=1.0), "step_s": times,
+                "extra": {IN_STEP: True}}
+
+    ddp = _result("lightning_ddp", DDP, 100.0, {}, 0, peak=1.0)
+    # two rounds, each: ddp, then the compute row; per step the slower rank counts (a step waits for it)
+    rank0 = [ddp, in_step([0.010, 0.050, 0.020]), ddp, in_step([0.030, 0.030, 0.030])]
+    rank1 = [ddp, in_step([0.020, 0.040, 0.010]), ddp, in_step([0.001, 0.060, 0.002])]
+    report = Report([rank0, rank1], [{"model": "m", "step_s": [0.005, 0.007, 0.006]}], cfg, meta)
+    # slowest per step: round 1 [0.020, 0.050, 0.020], round 2 [0.030, 0.060, 0.030] -> median 0.030
+    assert report.compute == {("m", 2): pytest.approx(0.030), ("m", 1): pytest.approx(0.006)}
+    assert [r["strategy"] for r in report.rows()] == ["lightning_ddp"]
+    assert COMPUTE_ROW not in report.markdown()
 
 
 # --------------------------------------------------------------------------- strategy selection

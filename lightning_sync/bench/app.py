@@ -23,12 +23,16 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from lightning_sync.bench.report import Report
-from lightning_sync.bench.runner import Trial, run_solo_trials, run_trials
+from lightning_sync.bench.runner import IN_STEP, Trial, run_trials
 from lightning_sync.bench.sweep import sweep_all_reduce, sweep_sizes
 
-__all__ = ["run_bench", "run_sweep", "schedule", "select_strategies", "world_sizes"]
+__all__ = ["COMPUTE_ROW", "run_bench", "run_sweep", "schedule", "select_strategies", "world_sizes"]
 
 log = logging.getLogger("lightning_sync.bench")
+
+#: The cost model's compute row at every K (:data:`~lightning_sync.bench.runner.IN_STEP`): the plain model
+#: fitted alone on each rank, in step, scheduled among the strategy rows.
+COMPUTE_ROW = "compute in step"
 
 
 def _node(cfg: Any) -> dict[str, Any]:
@@ -109,9 +113,9 @@ def run_bench(cfg: DictConfig, out_dir: Path) -> Report | None:
     ``report.json`` and plots, and ``tradeoff.md`` when the trade-off is enabled); returns the strategy
     rows' report, if any ran.
 
-    Order: the strategy rows at every world size (one spawned group per size; the bucket sweep at the
-    smallest), the single-process rows, the compute-under-time-sharing rows and the all-reduce sweep of
-    the cost model, then the trade-off.
+    Order: the strategy rows at every world size (one spawned group per size, with the cost model's
+    compute row :data:`COMPUTE_ROW` among them; the bucket sweep at the smallest), the single-process
+    rows, the all-reduce sweep of the cost model, then the trade-off.
     """
     from lightning_sync.testing import run_distributed
 
@@ -122,6 +126,9 @@ def run_bench(cfg: DictConfig, out_dir: Path) -> Report | None:
             "world_sizes": worlds, "threads_per_rank": threads,
             "command": " ".join(["lightning-sync", "bench", *sys.argv[1:]])}
     strategies = {name: (node, {}) for name, node in select_strategies(cfg).items()}
+    cost = cfg.get("cost_model") or {}
+    if cost.get("enabled"):  # compute alone under the same time-sharing, in the same rounds (runner.IN_STEP)
+        strategies[COMPUTE_ROW] = ({"_target_": None}, {IN_STEP: True})
     timeout = float(cfg.timeout_s)
     results: dict[int, list[list[dict[str, Any]]]] = {}
     for world in worlds:
@@ -136,8 +143,6 @@ def run_bench(cfg: DictConfig, out_dir: Path) -> Report | None:
     report = None
     if results:
         single: list[dict[str, Any]] = []
-        concurrent: list[dict[str, Any]] = []
-        cost = cfg.get("cost_model") or {}
         solo_models = list(dict.fromkeys([*(cfg.scaling.models if cfg.scaling.enabled else []),
                                           *(cfg.run_models if cost.get("enabled") else [])]))
         one = {"single": ({"_target_": None}, {})}
@@ -145,16 +150,8 @@ def run_bench(cfg: DictConfig, out_dir: Path) -> Report | None:
         if solo:
             log.info("bench: %d single-process trials (T1)", len(solo))
             single = run_distributed(run_trials, 1, solo, threads, "K=1", timeout=timeout, env=env)[0]
-        sweep: list[dict[str, Any]] = []
-        if cost.get("enabled"):
-            for world in worlds:  # compute alone under the time-sharing of a K-rank job
-                log.info("bench: %d x %d single-process trials in step (compute under time-sharing)", world,
-                         len(solo))
-                ranks = run_distributed(run_solo_trials, world, solo, threads, timeout=timeout, env=env,
-                                        process_group=False)
-                concurrent += [r for rank in ranks for r in rank]
-            sweep = run_sweep(cost, threads, timeout)
-        report = Report(results, single, cfg, meta, concurrent=concurrent, sweep=sweep)
+        sweep = run_sweep(cost, threads, timeout) if cost.get("enabled") else []
+        report = Report(results, single, cfg, meta, sweep=sweep)
         report.write(out_dir)
     if cfg.tradeoff.enabled:
         from lightning_sync.bench.tradeoff import run_tradeoff

@@ -8,8 +8,9 @@ the projection to thousands of ranks (formulas: :mod:`lightning_sync.bench.model
   fitted to the sweep points of the row's own K alone (:meth:`CostModel.links_at`: with more ranks
   than cores, time-sharing changes a link's latency and bandwidth with K, so the validation prices a
   K-rank step with the links measured under that same time-sharing; the pooled fit where the sweep
-  did not run at that K) and the compute time measured under the same time-sharing of the cores (K processes at
-  once, kept in step by a barrier per step, no communication) give a predicted step time, compared
+  did not run at that K) and the compute time measured under the same time-sharing of the cores (the
+  plain model fitted alone on each of the K ranks, kept in step by a barrier before every step, no
+  communication in the step, in the same rounds as the strategy rows) give a predicted step time, compared
   with the measured median. Compressing strategies add their codec arithmetic, measured in the run
   itself (``comms`` op ``codec``: casts, PowerSGD's products), a compute cost that the model's
   T_comp of the plain model does not contain.
@@ -152,9 +153,10 @@ class CostModel:
                          if (f := self.fits_at[k].get(a)) else "-" for k in worlds]
                 lines.append(f"| {a} | " + " | ".join(cells) + " |")
         lines += ["", "### Validation: predicted against measured step time", "",
-                  "Predicted = compute measured under the same time-sharing (K processes at once, no communication, "
-                  "kept in step by a barrier before every step; per step the slowest process's time, since a "
-                  "synchronous step waits for its slowest rank; the median over steps) + codec (compression "
+                  "Predicted = compute measured under the same time-sharing (the plain model fitted alone on each of the "
+                  "K ranks, no communication in the step, kept in step by a barrier before every step, in the same "
+                  "rounds as the strategy rows; per step the slowest rank's time, since a synchronous step waits for "
+                  "its slowest rank; the median over steps) + codec (compression "
                   "arithmetic, measured in the run: `comms` op `codec`) + T_comm from the row's per-step traffic "
                   "(`CommStats`; analytic for torch DDP and FSDP2) and the links fitted at the row's K (the backend's "
                   "all-reduce; `comms`' all-gather and reduce-scatter; gloo's own ones for FSDP2), no overlap. The last two "

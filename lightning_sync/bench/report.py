@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_sync.bench.cost_report import CostModel
+from lightning_sync.bench.runner import IN_STEP
 
 __all__ = ["WIRE_FACTORS", "Report", "analytic_wire_bytes", "analytic_wire_factor", "slowest_per_step", "wire_bytes"]
 
@@ -125,30 +126,28 @@ class Report:
 
     def __init__(self, results: list[list[dict[str, Any]]] | Mapping[int, list[list[dict[str, Any]]]],
                  single: list[dict[str, Any]], cfg: Any, meta: dict[str, Any],
-                 concurrent: list[dict[str, Any]] | None = None, sweep: list[dict[str, Any]] | None = None) -> None:
-        """``results``: per world size (or one world size's list), per rank, the trials' measurements;
-        ``single``: one-process trials (T1); ``concurrent``: the same run as K single-process runs at once, in step
-        (compute under K-way time-sharing, ``world`` 1 and ``concurrent`` K); ``sweep``: all-reduce sweep points."""
+                 sweep: list[dict[str, Any]] | None = None) -> None:
+        """``results``: per world size (or one world size's list), per rank, the trials' measurements (the
+        in-step compute rows, ``extra`` :data:`~lightning_sync.bench.runner.IN_STEP`, among them: compute
+        under K-way time-sharing); ``single``: one-process trials (T1); ``sweep``: all-reduce sweep points."""
         self.meta, self.cfg = meta, cfg
         self.baseline = str(cfg.baseline)
         by_world = results if isinstance(results, Mapping) else {results[0][0]["world"] if results[0] else 0: results}
         self._trials: dict[tuple[str, str, int], list[dict[str, Any]]] = defaultdict(list)
+        pooled: dict[tuple[str, int], list[float]] = defaultdict(list)
         for world, ranks in by_world.items():
             for i, rank0 in enumerate(ranks[0]):
+                if rank0["extra"].get(IN_STEP):
+                    pooled[(rank0["model"], int(world))] += slowest_per_step([list(r[i]["step_s"]) for r in ranks])
+                    continue
                 peak = max(r[i]["peak_mib"] for r in ranks)
                 wire = max(wire_bytes(r[i].get("op_bytes_per_step", {}), r[i]["world"]) for r in ranks)
                 self._trials[(rank0["model"], rank0["name"], int(world))].append(
                     {**rank0, "peak_mib": peak, "wire_bytes": wire})
         self._single = {r["model"]: _median(r["step_s"]) for r in single}
-        per_trial: dict[tuple[str, int, int], list[list[float]]] = defaultdict(list)
-        for r in concurrent or []:
-            per_trial[(r["model"], int(r["concurrent"]), int(r.get("trial", 0)))].append(list(r["step_s"]))
-        pooled: dict[tuple[str, int], list[float]] = defaultdict(list)
-        for (model, k, _), ranks in per_trial.items():
-            pooled[(model, k)] += slowest_per_step(ranks)
         self.compute = {key: _median(v) for key, v in pooled.items()}
-        """Compute step time per (model, K) under K-way time-sharing: the median over steps of the slowest
-        of the K in-step processes (:func:`slowest_per_step`; K = 1: T1)."""
+        """Compute step time per (model, K) under K-way time-sharing: the median over steps (of every round)
+        of the slowest of the K in-step ranks (:func:`slowest_per_step`; K = 1: T1)."""
         for model, t1 in self._single.items():
             self.compute.setdefault((model, 1), t1)
         self.sweep = list(sweep or [])

@@ -2,7 +2,10 @@
 
 A *trial* is one strategy on one model for ``warmup + steps`` optimizer steps. Every rank runs the
 same list of trials in the same order (the schedule alternates strategies A, B, A, B, ... so slow
-drifts of the machine hit all of them alike). Each trial reports, per rank:
+drifts of the machine hit all of them alike). A trial marked :data:`IN_STEP` is the cost model's
+compute row: each rank fits the plain model alone (one device, no collective in the step), every
+step started together by :class:`Lockstep`, in the same rounds as the strategies it is compared with.
+Each trial reports, per rank:
 
 * ``step_s``: wall time of each timed step (``on_train_batch_start`` to ``on_train_batch_end``:
   forward, backward, communication and the optimizer step);
@@ -29,16 +32,22 @@ import ctypes
 import gc
 import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from typing_extensions import override
 
 from lightning_sync import comms
 from lightning_sync.sync.compression import CODEC_OP
 
-__all__ = ["Lockstep", "StepProbe", "Trial", "run_solo_trials", "run_trials"]
+__all__ = ["IN_STEP", "Lockstep", "StepProbe", "Trial", "run_trials"]
+
+#: ``Trial.extra`` key of the rows that measure compute alone under a K-rank job's time-sharing.
+IN_STEP = "in_step"
 
 
 @dataclass
@@ -189,28 +198,43 @@ def _run_one(trial: Trial, world: int, callbacks: tuple[pl.Callback, ...] = ()) 
 
 
 class Lockstep(pl.Callback):
-    """Holds every training step until all ``world`` processes have reached it: a barrier on a
-    ``TCPStore`` (no process group, no collective), so K independent processes compute in step, as the
-    ranks of a synchronous job do. It runs before :class:`StepProbe`, whose step time starts after it."""
+    """Holds every training step until all ranks of the group have reached it (``comms.barrier``), so K
+    single-process fits, one on each rank, compute in step, as the ranks of a synchronous job do. It runs
+    before :class:`StepProbe`, whose step time starts after it, so the barrier is not in the step."""
 
-    def __init__(self, store: Any, world: int, tag: str) -> None:
-        self.store, self.world, self.tag = store, world, tag
-        self._step = 0
-
+    @override
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
-        key = f"lockstep/{self.tag}/{self._step}"
-        self._step += 1
-        if self.store.add(key, 1) == self.world:
-            self.store.set(key + "/go", "1")
-        self.store.wait([key + "/go"])
+        comms.barrier()
 
 
-def run_trials(rank: int, world: int, trials: list[Trial], threads: int = 1,
-               label: str = "", in_step: tuple[Any, int] | None = None) -> list[dict[str, Any]]:
+#: What a launcher sets for a rank; an in-step trial hides it, so Lightning sees one device and no cluster.
+_RANK_ENV = ("RANK", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+             "TORCHELASTIC_USE_AGENT_STORE")
+
+
+@contextmanager
+def _without_rank_env() -> Iterator[None]:
+    saved = {name: os.environ.pop(name) for name in _RANK_ENV if name in os.environ}
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
+
+
+def _run_in_step(trial: Trial, world: int) -> dict[str, Any]:
+    """The trial as a single-process fit on this rank, every step started together with the other ranks'
+    (:class:`Lockstep`): compute under the time-sharing of a ``world``-rank job, with no collective inside
+    the step (the cost model's ``c(K) T_comp``; :func:`~lightning_sync.bench.report.slowest_per_step`)."""
+    with _without_rank_env():
+        out = _run_one(replace(trial, devices=1), 1, (Lockstep(),))
+    return {**out, "world": world}
+
+
+def run_trials(rank: int, world: int, trials: list[Trial], threads: int = 1, label: str = "") -> list[dict[str, Any]]:
     """Run every trial in order on this rank (called by ``run_distributed``); returns the measurements.
 
-    Rank 0 shows a progress bar on stderr (``label``: what the group is, e.g. ``"K=4"``). ``in_step``:
-    ``(store, K)`` to keep K independent processes' steps in step (:class:`Lockstep`).
+    Rank 0 shows a progress bar on stderr (``label``: what the group is, e.g. ``"K=4"``). A trial whose
+    ``extra`` has :data:`IN_STEP` runs as a single-process fit on every rank, in step (:func:`_run_in_step`).
     """
     import logging
     import warnings
@@ -224,30 +248,6 @@ def run_trials(rank: int, world: int, trials: list[Trial], threads: int = 1,
     out = []
     for i, t in enumerate(bar):
         bar.set_postfix_str(f"{t.model} / {t.name}")
-        callbacks = (Lockstep(in_step[0], in_step[1], f"{i}"),) if in_step is not None else ()
-        out.append({**_run_one(t, world, callbacks), "rank": rank, "trial": i})
+        measured = _run_in_step(t, world) if t.extra.get(IN_STEP) else _run_one(t, world)
+        out.append({**measured, "rank": rank, "trial": i})
     return out
-
-
-_RANK_ENV = ("RANK", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-             "TORCHELASTIC_USE_AGENT_STORE")
-
-
-def run_solo_trials(rank: int, world: int, trials: list[Trial], threads: int = 1) -> list[dict[str, Any]]:
-    """``world`` single-process fits at once (``run_distributed(..., process_group=False)``), in step.
-
-    Each process forgets the launcher's rank variables, so Lightning sees one device and no cluster, and
-    communicates nothing; a :class:`Lockstep` barrier on the launcher's store starts every step of all
-    ``world`` processes together. The step times are compute under the same time-sharing of the cores
-    as a synchronous ``world``-rank job (the cost model's ``c(K) T_comp``; :func:`~lightning_sync.bench.report.slowest_per_step`).
-    """
-    from datetime import timedelta
-
-    store = torch.distributed.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), world + 1, is_master=False,
-                                       timeout=timedelta(seconds=600))
-    for name in _RANK_ENV:  # this child's own environment only
-        os.environ.pop(name, None)
-    solo = [replace(t, devices=1) for t in trials]
-    return [{**r, "world": 1, "concurrent": world}
-            for r in run_trials(rank, 1, solo, threads, f"{world} solo", in_step=(store, world))]
-
