@@ -28,9 +28,9 @@ optimizer, the LR schedulers and the loop counters, but for an ordinary ``DataLo
 epoch from its first batch (issue #2397). This callback records how many batches of the epoch were
 trained and, on resume, makes the epoch's sampler skip exactly those indices
 (:func:`skip_batches`; the ``DistributedSampler`` permutation comes from seed and epoch, so it is the
-same one). It also restores every rank's torch RNG state. Final weights then equal an uninterrupted
-run's. Python's and NumPy's RNGs are not restored (the bundled models and data do not draw from them
-after setup).
+same one). It also restores every rank's RNG states: torch's CPU generator, and Python's ``random`` and
+NumPy's global generator (:func:`host_rng_state`), which augmentations and samplers of user code draw
+from. Final weights then equal an uninterrupted run's.
 
 Lightning's own SLURM auto-requeue (``SLURMEnvironment(auto_requeue=True)``: it saves from inside the
 handler and restarts the epoch) must be off; the train app passes ``SLURMEnvironment(auto_requeue=False)``.
@@ -45,6 +45,7 @@ import itertools
 import json
 import logging
 import os
+import random
 import shutil
 import signal
 import subprocess
@@ -55,12 +56,13 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import numpy as np
 import torch
 
 from lightning_sync.launch.atomic import publish_path, remove_path, write_atomically
 
-__all__ = ["POINTER", "Preempted", "RequeueOnSignal", "latest_checkpoint", "publish_checkpoint", "requeue_job",
-           "resolve_signal", "skip_batches"]
+__all__ = ["POINTER", "Preempted", "RequeueOnSignal", "host_rng_state", "latest_checkpoint", "publish_checkpoint",
+           "requeue_job", "resolve_signal", "set_host_rng_state", "skip_batches"]
 
 log = logging.getLogger("lightning_sync.launch")
 POINTER = "latest.json"
@@ -82,6 +84,33 @@ def resolve_signal(value: Any) -> signal.Signals:
         if name in _ALLOWED_SIGNALS:
             return signal.Signals[f"SIG{name}"]
     raise ValueError(f"signal must be one of {list(_ALLOWED_SIGNALS)} (or its number), got {value!r}")
+
+
+def host_rng_state() -> torch.Tensor:
+    """Python's ``random`` and NumPy's global Mersenne Twister states as one float64 tensor (every
+    field is an integer below 2**53 or a float64, so the packing is exact), for an all-gather.
+
+    Layout: Python's version, its 625 words, whether a Gaussian is cached and its value; NumPy's 624
+    keys, position, whether a Gaussian is cached and its value (1255 numbers).
+    """
+    version, words, gauss = random.getstate()
+    _, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+    py = [float(version), *map(float, words), float(gauss is not None), 0.0 if gauss is None else float(gauss)]
+    return torch.tensor([*py, *map(float, keys), float(pos), float(has_gauss), float(cached)], dtype=torch.float64)
+
+
+def set_host_rng_state(state: torch.Tensor) -> None:
+    """Restore what :func:`host_rng_state` returned (raises ``ValueError`` for a tensor of another length)."""
+    values = [float(v) for v in state.reshape(-1).tolist()]
+    if len(values) != _HOST_RNG_NUMEL:
+        raise ValueError(f"a host RNG state holds {_HOST_RNG_NUMEL} numbers, got {len(values)}")
+    words = tuple(int(v) for v in values[1:626])
+    random.setstate((int(values[0]), words, values[627] if values[626] else None))
+    keys = np.array([int(v) for v in values[628:1252]], dtype=np.uint32)
+    np.random.set_state(("MT19937", keys, int(values[1252]), int(values[1253]), values[1254]))
+
+
+_HOST_RNG_NUMEL = 1 + 625 + 2 + 624 + 3
 
 
 class Preempted(Exception):
@@ -249,9 +278,11 @@ class RequeueOnSignal(pl.Callback):
         state, self._resume = self._resume, {}
         if not state:
             return
-        rng = state.get("rng")
+        rng, host = state.get("rng"), state.get("host_rng")
         if rng is not None and rng.shape[0] == trainer.world_size:
             torch.set_rng_state(rng[trainer.global_rank].clone())
+            if host is not None:  # absent from checkpoints written before it was saved
+                set_host_rng_state(host[trainer.global_rank])
         elif rng is not None:
             log.warning("requeue: checkpoint from %d ranks, now %d: RNG states not restored", rng.shape[0],
                         trainer.world_size)
@@ -280,9 +311,11 @@ class RequeueOnSignal(pl.Callback):
                     else "by another rank")
             log.warning("requeue: %s received %s; saving at global step %d (epoch %d, batch %d)",
                         self.signal.name, seen, trainer.global_step, trainer.current_epoch, batch_idx + 1)
-        rng = torch.get_rng_state()
-        gathered = trainer.strategy.all_gather(rng)
+        device = trainer.strategy.root_device  # NCCL gathers device tensors only
+        rng, host = torch.get_rng_state(), host_rng_state()
+        gathered = trainer.strategy.all_gather(rng.to(device))
         gathered = gathered.reshape(-1, rng.numel()).cpu()  # one row per rank (one process: just this one)
+        hosts = trainer.strategy.all_gather(host.to(device)).reshape(-1, host.numel()).cpu()
         name = f"{_PREFIX}{trainer.global_step:09d}.ckpt"
         tmp = self.directory / f".{name}.tmp"
         if trainer.is_global_zero:
@@ -290,7 +323,7 @@ class RequeueOnSignal(pl.Callback):
             remove_path(tmp)  # a half-written file from a save that was itself killed
         trainer.strategy.barrier("requeue_prepare")
         self._state = {"epoch": trainer.current_epoch, "batches": batch_idx + 1, "global_step": trainer.global_step,
-                       "rng": gathered, "signal": self.signal.name,
+                       "rng": gathered, "host_rng": hosts, "signal": self.signal.name,
                        "restart_count": int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)}
         try:
             trainer.save_checkpoint(tmp)

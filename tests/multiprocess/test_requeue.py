@@ -15,6 +15,7 @@ import contextlib
 import json
 import logging
 import os
+import random
 import signal
 import tempfile
 from collections.abc import Iterator
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import numpy as np
 import pytest
 import torch
 from _lightning_reference import ENV, _check_against, _quiet_rank, _reference, _state, _TiedModule, _trainer
@@ -72,12 +74,24 @@ def _no_scontrol_job() -> Iterator[list[str]]:
                     os.environ[key] = value
 
 
+class _Draws(pl.Callback):
+    """Draws from Python's and NumPy's global RNGs before every training batch, as user augmentations do."""
+
+    def __init__(self) -> None:
+        self.draws: list[tuple[float, float]] = []
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        self.draws.append((random.random(), float(np.random.random())))
+
+
 def _strategies() -> dict[str, Any]:
     return {"bucketed_ddp": lambda: BucketedDDPStrategy(bucket_cap_mb=0.001),
             "zero3": lambda: ShardedStrategy(stage=3, bucket_cap_mb=0.001)}
 
 
 def _fit(world: int, strategy: Any, callbacks: list[Any], ckpt: Path | None = None) -> tuple[pl.Trainer, Any]:
+    random.seed(100 + torch.distributed.get_rank() if torch.distributed.is_initialized() else 100)
+    np.random.seed(200)  # every fit starts from the same host RNG states; a resume must replace them
     module = _TiedModule("adamw", scheduler=True)
     trainer = _trainer(world, strategy, max_steps=STEPS, accumulate_grad_batches=ACCUMULATE, callbacks=callbacks)
     trainer.fit(module, ckpt_path=ckpt)
@@ -91,14 +105,15 @@ def _worker(rank: int, world: int, tmpdir: str) -> tuple[list[str], int]:
     ref = _reference(_TiedModule("adamw", scheduler=True), _TiedModule().ds, world, STEPS, accumulate=ACCUMULATE)
     for name, make in _strategies().items():
         directory = Path(tmpdir) / name
-        _, whole = _fit(world, make(), [])
+        whole_draws = _Draws()
+        _, whole = _fit(world, make(), [whole_draws])
         _check_against(ck, f"[{name} uninterrupted]", whole, ref["state"], init)
 
         # bucketed_ddp: asked to requeue "job 4242" with no scontrol on PATH: it must say so and still save
         requeue = name == "bucketed_ddp"
         stopper = RequeueOnSignal(directory, "USR1", requeue=requeue)
         with _no_scontrol_job() as records:
-            trainer, _ = _fit(world, make(), [stopper, _SignalAt(1, SIGNAL_AT_BATCH)])
+            trainer, _ = _fit(world, make(), [stopper, _SignalAt(1, SIGNAL_AT_BATCH), _Draws()])
         ck.true(f"[{name}] every rank stopped", stopper.preempted)
         ck.true(f"[{name}] not requeued", not stopper.requeued)
         if requeue and rank == 0:
@@ -117,8 +132,14 @@ def _worker(rank: int, world: int, tmpdir: str) -> tuple[list[str], int]:
             left = sorted(p.name for p in directory.iterdir())
             ck.true(f"[{name}] no temporary left", left == sorted([POINTER, ckpt.name]), left)
 
-        resumed_stopper = RequeueOnSignal(directory, "USR1", requeue=False)
-        trainer, resumed = _fit(world, make(), [resumed_stopper], ckpt=ckpt)
+        resumed_stopper, resumed_draws = RequeueOnSignal(directory, "USR1", requeue=False), _Draws()
+        trainer, resumed = _fit(world, make(), [resumed_stopper, resumed_draws], ckpt=ckpt)
+        # Python's and NumPy's RNGs go on from where the stopped run left them: the resumed run draws
+        # exactly what the uninterrupted run drew for the same batches (the fit's own seeding is replaced)
+        tail = whole_draws.draws[len(whole_draws.draws) - len(resumed_draws.draws):]
+        ck.true(f"[{name}] host RNG draws continue the uninterrupted run's",
+                len(resumed_draws.draws) == (STEPS - STOP_STEP) * ACCUMULATE and resumed_draws.draws == tail,
+                (len(resumed_draws.draws), resumed_draws.draws[:2], tail[:2]))
         ck.true(f"[{name}] the resumed run was not stopped", not resumed_stopper.preempted)
         ck.true(f"[{name}] resumed run ends at max_steps", trainer.global_step == STEPS, trainer.global_step)
         for key, value in _state(resumed).items():

@@ -126,3 +126,25 @@ def test_requeue_outside_slurm_or_without_scontrol_logs_and_returns_false(caplog
     caplog.clear()
     assert requeue_job({"SLURM_JOB_ID": "42", "PATH": str(tmp_path)}) is False  # no scontrol on this PATH
     assert "scontrol is not on PATH, so job 42 is NOT requeued; the checkpoint is saved" in caplog.text
+
+
+def test_host_rng_state_round_trips_python_and_numpy_with_cached_gaussians() -> None:
+    import random
+
+    import numpy as np
+
+    from lightning_sync.launch.requeue import host_rng_state, set_host_rng_state
+
+    random.seed(3)
+    np.random.seed(4)
+    random.gauss(0, 1)  # both generators now hold a cached second Gaussian, part of the state
+    np.random.standard_normal()
+    state = host_rng_state()
+    assert state.dtype == torch.float64 and state.numel() == 1255
+    first = (random.random(), random.gauss(0, 1), np.random.rand(3).tolist(), np.random.standard_normal())
+    random.seed(99)
+    np.random.seed(99)
+    set_host_rng_state(state)
+    assert (random.random(), random.gauss(0, 1), np.random.rand(3).tolist(), np.random.standard_normal()) == first
+    with pytest.raises(ValueError, match="holds 1255 numbers, got 3"):
+        set_host_rng_state(torch.zeros(3))
