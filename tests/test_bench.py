@@ -183,7 +183,8 @@ def test_in_step_compute_rows_give_the_compute_and_are_not_strategy_rows() -> No
     from lightning_sync.bench.runner import IN_STEP
 
     cfg = OmegaConf.create({"baseline": "lightning_ddp", "pairs": 2, "steps": 3, "warmup_steps": 1})
-    meta = {"date": "d", "cpu": "c", "python": "3", "torch": "t", "lightning": "l", "threads_per_rank": 1, "command": "x"}
+    meta = {"date": "d", "cpu": "c", "python": "3", "torch": "t", "lightning": "l", "threads_per_rank": 1,
+            "command": "x"}
 
     def in_step(times: list[float]) -> dict[str, object]:
         return {**_result(COMPUTE_ROW, {"_target_": None}, 0.0, {}, 0, peak=1.0), "step_s": times,

@@ -84,7 +84,7 @@ class CostModel:
     @property
     def op_links(self) -> dict[str, M.Link]:
         """The fitted links of the swept all-gathers and reduce-scatters (``comms``' and the backend's own)."""
-        return {op: self.fits[op].link for op in M.SWEPT if op in self.fits and op in M.OP_COST}
+        return _op_links(self.fits)
 
     def links_at(self, world: int) -> tuple[M.Link, dict[str, M.Link], str]:
         """The backend's link, the other swept ops' links and their source (``"K=<world>"`` or ``"pooled"``)
@@ -92,7 +92,7 @@ class CostModel:
         own = self.fits_at.get(world, {})
         fits = {**self.fits, **own}
         source = f"K={world}" if "backend" in own else "pooled"
-        return fits["backend"].link, {op: fits[op].link for op in M.SWEPT if op in fits and op in M.OP_COST}, source
+        return fits["backend"].link, _op_links(fits), source
 
     def validation(self) -> list[dict[str, Any]]:
         """Predicted against measured step time for every row whose K has a compute measurement."""
@@ -145,21 +145,23 @@ class CostModel:
                          f"{fit.median_abs_error():.0%} | {fit.median_abs_error(min_bytes=_MIB):.0%} | {per_k} |")
         if self.fits_at:
             worlds = list(self.fits_at)
-            lines += ["", "Fitted at each K alone (the validation's links: a K-rank step is priced with the links measured "
-                      "under the same time-sharing of the cores), a (us) / bandwidth (GB/s) and the median abs error:", "",
+            lines += ["", "Fitted at each K alone (the validation's links: a K-rank step is priced with the links "
+                      "measured under the same time-sharing of the cores), a (us) / bandwidth (GB/s) and the median "
+                      "abs error:", "",
                       "| algorithm | " + " | ".join(f"K={k}" for k in worlds) + " |", "|---|" + "---:|" * len(worlds)]
             for a in self.fits:
                 cells = [f"{f.link.alpha * 1e6:.0f} / {f.link.bandwidth / 1e9:.2f} ({f.median_abs_error():.0%})"
                          if (f := self.fits_at[k].get(a)) else "-" for k in worlds]
                 lines.append(f"| {a} | " + " | ".join(cells) + " |")
         lines += ["", "### Validation: predicted against measured step time", "",
-                  "Predicted = compute measured under the same time-sharing (the plain model fitted alone on each of the "
-                  "K ranks, no communication in the step, kept in step by a barrier before every step, in the same "
-                  "rounds as the strategy rows; per step the slowest rank's time, since a synchronous step waits for "
-                  "its slowest rank; the median over steps) + codec (compression "
+                  "Predicted = compute measured under the same time-sharing (the plain model fitted alone on each "
+                  "of the K ranks, no communication in the step, kept in step by a barrier before every step, in "
+                  "the same rounds as the strategy rows; per step the slowest rank's time, since a synchronous "
+                  "step waits for its slowest rank; the median over steps) + codec (compression "
                   "arithmetic, measured in the run: `comms` op `codec`) + T_comm from the row's per-step traffic "
-                  "(`CommStats`; analytic for torch DDP and FSDP2) and the links fitted at the row's K (the backend's "
-                  "all-reduce; `comms`' all-gather and reduce-scatter; gloo's own ones for FSDP2), no overlap. The last two "
+                  "(`CommStats`; analytic for torch DDP and FSDP2) and the links fitted at the row's K (the "
+                  "backend's all-reduce; `comms`' all-gather and reduce-scatter; gloo's own ones for FSDP2), no "
+                  "overlap. The last two "
                   f"columns use c(K) T1 (c = max(1, K / {self.cores} cores)) instead of the measured compute.", "",
                   "| model | strategy | K | measured ms | compute ms | codec ms | T_comm ms | predicted ms | error "
                   "| c(K) T1 + codec + T_comm ms | error |",
@@ -253,6 +255,11 @@ class CostModel:
                 ax.set_ylim(0, 1.05)
                 _label(ax, "ranks K", "efficiency (best algorithm, no overlap)", f"{model}\n{fabric}")
         _save(fig, out_dir / "projection.png", plt)
+
+
+def _op_links(fits: dict[str, M.Fit]) -> dict[str, M.Link]:
+    """The links of the fitted ops that have their own cost entry (all-gathers and reduce-scatters)."""
+    return {op: fits[op].link for op in M.SWEPT if op in fits and op in M.OP_COST}
 
 
 def _label(ax: Any, xlabel: str, ylabel: str, title: str) -> None:

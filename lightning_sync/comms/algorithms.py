@@ -45,8 +45,8 @@ from lightning_sync.comms.stats import ring_allreduce_bytes, ring_allreduce_time
 
 __all__ = [
     "ALGORITHMS", "NodeGroups", "all_reduce_with", "hierarchical_all_reduce", "node_groups", "release_node_groups",
-    "ring_all_gather", "ring_all_reduce", "ring_allreduce_bytes", "ring_allreduce_time", "ring_reduce_scatter", "tree_all_reduce",
-    "tree_allreduce_time",
+    "ring_all_gather", "ring_all_reduce", "ring_allreduce_bytes", "ring_allreduce_time", "ring_reduce_scatter",
+    "tree_all_reduce", "tree_allreduce_time",
 ]
 
 _COMBINE: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
@@ -214,7 +214,7 @@ def node_groups(ranks_per_node: int | None = None) -> NodeGroups:
                              "in the environment)")
         ranks_per_node = int(value)
     key = (id(dist.group.WORLD), ranks_per_node)
-    if key not in _NODE_GROUPS or _NODE_GROUPS[key].world is not dist.group.WORLD:
+    if key not in _NODE_GROUPS:  # each entry holds its default group, so a later group cannot reuse the id
         _NODE_GROUPS[key] = NodeGroups(ranks_per_node)
     return _NODE_GROUPS[key]
 
