@@ -18,7 +18,17 @@ turns that signal into a clean stop:
    at it. A job killed at any moment leaves the previous complete checkpoint named by ``latest.json``.
 4. **Requeue.** Rank 0 runs ``scontrol requeue <job id>``. Without ``scontrol`` (or outside Slurm) it
    says so in one log line and the checkpoint is still there; a failing ``scontrol`` is logged with its
-   message.
+   message. Slurm ends the running step as soon as it accepts the requeue, so SIGTERM can land while
+   ``scontrol`` still waits for its answer. Two things would then go wrong, and both are guarded
+   against:
+
+   - ``scontrol`` itself is in the step and would die of the SIGTERM, which reads as a failed requeue.
+     It runs with SIGTERM ignored (:func:`requeue_job`).
+   - Lightning's SIGTERM handler (2.6) runs a ``broadcast`` from inside the handler. On rank 0 that
+     broadcast would meet the other ranks' ``requeue_published`` barrier, a different collective, and
+     both would hang until Slurm's SIGKILL, before the outcome is logged. So every rank defers SIGTERM
+     (:func:`deferred_signal`) from the requeue to the end of that barrier. Then it is re-raised on every
+     rank at the same point, and the handlers' broadcasts meet each other.
 5. **Exit cleanly.** ``trainer.should_stop`` ends fit; :attr:`RequeueOnSignal.preempted` tells the app
    not to report final metrics for a run that did not finish.
 
@@ -52,6 +62,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -61,8 +72,8 @@ import torch
 
 from lightning_sync.launch.atomic import publish_path, remove_path, write_atomically
 
-__all__ = ["POINTER", "Preempted", "RequeueOnSignal", "host_rng_state", "latest_checkpoint", "publish_checkpoint",
-           "requeue_job", "resolve_signal", "set_host_rng_state", "skip_batches"]
+__all__ = ["POINTER", "Preempted", "RequeueOnSignal", "deferred_signal", "host_rng_state", "latest_checkpoint",
+           "publish_checkpoint", "requeue_job", "resolve_signal", "set_host_rng_state", "skip_batches"]
 
 log = logging.getLogger("lightning_sync.launch")
 POINTER = "latest.json"
@@ -101,7 +112,7 @@ def host_rng_state() -> torch.Tensor:
 
 def set_host_rng_state(state: torch.Tensor) -> None:
     """Restore what :func:`host_rng_state` returned (raises ``ValueError`` for a tensor of another length)."""
-    values = [float(v) for v in state.reshape(-1).tolist()]
+    values = state.reshape(-1).double().tolist()
     if len(values) != _HOST_RNG_NUMEL:
         raise ValueError(f"a host RNG state holds {_HOST_RNG_NUMEL} numbers, got {len(values)}")
     words = tuple(int(v) for v in values[1:626])
@@ -194,8 +205,41 @@ def _job_id(env: Mapping[str, str]) -> str | None:
     return env.get("SLURM_JOB_ID")
 
 
+@contextmanager
+def deferred_signal(signum: int = signal.SIGTERM) -> Iterator[list[int]]:
+    """Hold ``signum`` back for the body, then hand it to the handler that was there before, once.
+
+    Python runs a handler in the main thread between bytecodes, so a handler that itself runs a collective
+    (Lightning's SIGTERM handler) can start in the middle of another one. Inside this block ``signum`` is
+    only counted; on leaving it, the previous handler is back and, if the signal came, it is raised again.
+    Yields the list of signals held back. Off the main thread (no Python handlers there) it holds nothing.
+    """
+    held: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield held
+        return
+    previous = signal.signal(signum, lambda number, frame: held.append(number))
+    try:
+        yield held
+    finally:
+        # None: a handler set outside Python, which Python cannot put back; the default action stands in
+        signal.signal(signum, signal.SIG_DFL if previous is None else previous)
+        if held:
+            signal.raise_signal(signum)
+
+
+# ``trap '' TERM`` sets SIGTERM to ignored, which survives exec: Slurm's SIGTERM to the step then cannot cut
+# scontrol off between its request and the answer (Python cannot set that in the child: a handler is reset
+# by exec, and preexec_fn is unsafe with the process group's threads)
+_IGNORING_SIGTERM = ("/bin/sh", "-c", 'trap "" TERM; exec "$0" "$@"')
+
+
 def requeue_job(env: Mapping[str, str] | None = None, timeout: float = 60.0) -> bool:
-    """``scontrol requeue`` this SLURM job; True on success. Every outcome is one log line, none raises."""
+    """``scontrol requeue`` this SLURM job; True on success. Every outcome is one log line, none raises.
+
+    ``scontrol`` runs with SIGTERM ignored: Slurm ends the step, and with it this child, as soon as it
+    accepts the requeue, possibly before ``scontrol`` has read the answer.
+    """
     env = os.environ if env is None else env
     job = _job_id(env)
     if job is None:
@@ -207,7 +251,7 @@ def requeue_job(env: Mapping[str, str] | None = None, timeout: float = 60.0) -> 
                   "resubmit the same job and it resumes from it", job)
         return False
     try:
-        proc = subprocess.run([scontrol, "requeue", job], capture_output=True, text=True, timeout=timeout,
+        proc = subprocess.run([*_IGNORING_SIGTERM, scontrol, "requeue", job], capture_output=True, text=True, timeout=timeout,
                               env=dict(env), check=False)
     except subprocess.TimeoutExpired:
         log.error("requeue: `scontrol requeue %s` did not answer in %.0f s; the checkpoint is saved", job, timeout)
@@ -330,12 +374,13 @@ class RequeueOnSignal(pl.Callback):
         finally:
             self._state = {}
         trainer.strategy.barrier("requeue_saved")
-        if trainer.is_global_zero:
-            final = publish_checkpoint(self.directory, tmp, name, {"global_step": trainer.global_step})
-            log.warning("requeue: checkpoint %s written in %.2f s", final, time.monotonic() - started)
-            if self.requeue:
-                self.requeued = requeue_job()
-        trainer.strategy.barrier("requeue_published")
+        with deferred_signal(signal.SIGTERM):  # Slurm's SIGTERM for the requeue: after the barrier (docstring)
+            if trainer.is_global_zero:
+                final = publish_checkpoint(self.directory, tmp, name, {"global_step": trainer.global_step})
+                log.warning("requeue: checkpoint %s written in %.2f s", final, time.monotonic() - started)
+                if self.requeue:
+                    self.requeued = requeue_job()
+            trainer.strategy.barrier("requeue_published")
         self.checkpoint = self.directory / name
         self.preempted = True
         trainer.should_stop = True

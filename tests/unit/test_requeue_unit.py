@@ -1,6 +1,6 @@
 """``lightning_sync.launch.requeue`` in one process: arguments, the atomic checkpoint pointer (a save killed at
 any point leaves the previous checkpoint as "latest"), exact mid-epoch skipping, and requeue outside Slurm
-or without ``scontrol``. The 2-rank stop-and-resume is ``tests/multiprocess/test_requeue.py``; the real
+or without ``scontrol``, and Slurm's SIGTERM arriving while ``scontrol`` runs. The 2-rank stop-and-resume is ``tests/multiprocess/test_requeue.py``; the real
 requeue is ``tests/slurm/test_requeue_on_slurm.py``."""
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, Te
 from lightning_sync.launch.requeue import (
     POINTER,
     RequeueOnSignal,
+    deferred_signal,
     latest_checkpoint,
     publish_checkpoint,
     requeue_job,
@@ -126,6 +127,49 @@ def test_requeue_outside_slurm_or_without_scontrol_logs_and_returns_false(caplog
     caplog.clear()
     assert requeue_job({"SLURM_JOB_ID": "42", "PATH": str(tmp_path)}) is False  # no scontrol on this PATH
     assert "scontrol is not on PATH, so job 42 is NOT requeued; the checkpoint is saved" in caplog.text
+
+
+def _scontrol_that_slurm_kills(directory: Path) -> Path:
+    """A stand-in for ``scontrol`` doing what Slurm does on a requeue: it ends the running step, so SIGTERM
+    reaches the job's process (its parent) and ``scontrol`` itself before ``scontrol`` has exited."""
+    script = directory / "scontrol"
+    script.write_text('#!/bin/sh\necho "$@" > "$0.args"\nkill -TERM $PPID\nkill -TERM $$\necho requeued\n')
+    script.chmod(0o755)
+    return script
+
+
+def test_slurms_sigterm_during_the_requeue_neither_fails_it_nor_runs_the_handler_before_the_outcome(
+        caplog: pytest.LogCaptureFixture, tmp_path: Path) -> None:
+    # the order of events: the outcome's log line, the end of the deferred block, then the SIGTERM handler
+    # that was there before (in a Lightning job: its handler, which runs a broadcast)
+    events: list[str] = []
+
+    class Outcome(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            events.append(record.getMessage())
+
+    scontrol = _scontrol_that_slurm_kills(tmp_path)
+    outcome = Outcome(level=logging.INFO)
+    logging.getLogger("lightning_sync.launch").addHandler(outcome)
+    caplog.set_level(logging.INFO, logger="lightning_sync.launch")
+    recorder = lambda signum, frame: events.append(f"handler {signal.Signals(signum).name}")  # noqa: E731
+    previous = signal.signal(signal.SIGTERM, recorder)
+    try:
+        with deferred_signal(signal.SIGTERM) as held:
+            requeued = requeue_job({"SLURM_JOB_ID": "42", "PATH": str(tmp_path)})
+            events.append("deferred block ends")
+        assert signal.getsignal(signal.SIGTERM) is recorder  # the previous handler is back
+        with deferred_signal(signal.SIGTERM) as nothing:  # no signal: nothing is raised on leaving
+            events.append("quiet block")
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        logging.getLogger("lightning_sync.launch").removeHandler(outcome)
+    # True: scontrol ignored the SIGTERM sent to it (without that it dies of it, exit -15, a "failed" requeue)
+    assert requeued is True, caplog.text
+    assert (scontrol.parent / "scontrol.args").read_text().split() == ["requeue", "42"]
+    assert held == [signal.SIGTERM] and nothing == []
+    assert events == ["requeue: job 42 requeued (scontrol requeue); it resumes from the checkpoint",
+                      "deferred block ends", "handler SIGTERM", "quiet block"]
 
 
 def test_host_rng_state_round_trips_python_and_numpy_with_cached_gaussians() -> None:
