@@ -38,9 +38,9 @@ optimizer, the LR schedulers and the loop counters, but for an ordinary ``DataLo
 epoch from its first batch (issue #2397). This callback records how many batches of the epoch were
 trained and, on resume, makes the epoch's sampler skip exactly those indices
 (:func:`skip_batches`; the ``DistributedSampler`` permutation comes from seed and epoch, so it is the
-same one). It also restores every rank's RNG states: torch's CPU generator, and Python's ``random`` and
-NumPy's global generator (:func:`host_rng_state`), which augmentations and samplers of user code draw
-from. Final weights then equal an uninterrupted run's.
+same one). It also restores every rank's RNG states: torch's CPU generator, the rank's CUDA generator on
+a CUDA strategy (GPU dropout draws from it), and Python's ``random`` and NumPy's global generator
+(:func:`host_rng_state`), which augmentations and samplers of user code draw from. Final weights then equal an uninterrupted run's.
 
 Lightning's own SLURM auto-requeue (``SLURMEnvironment(auto_requeue=True)``: it saves from inside the
 handler and restarts the epoch) must be off; the train app passes ``SLURMEnvironment(auto_requeue=False)``.
@@ -327,6 +327,7 @@ class RequeueOnSignal(pl.Callback):
             torch.set_rng_state(rng[trainer.global_rank].clone())
             if host is not None:  # absent from checkpoints written before it was saved
                 set_host_rng_state(host[trainer.global_rank])
+            self._restore_cuda_rng(trainer, state.get("cuda_rng"))
         elif rng is not None:
             log.warning("requeue: checkpoint from %d ranks, now %d: RNG states not restored", rng.shape[0],
                         trainer.world_size)
@@ -337,6 +338,16 @@ class RequeueOnSignal(pl.Callback):
                 log.info("requeue: resuming epoch %d at batch %d (global step %d); the %d batches already trained "
                          "are skipped", trainer.current_epoch, state["batches"], trainer.global_step,
                          state["batches"])
+
+    @staticmethod
+    def _restore_cuda_rng(trainer: pl.Trainer, cuda: torch.Tensor | None) -> None:
+        if cuda is None:  # saved on CPU, or before the CUDA state was saved
+            return
+        device = trainer.strategy.root_device
+        if device.type != "cuda":
+            log.warning("requeue: the checkpoint holds CUDA RNG states but this run is on %s: not restored", device)
+            return
+        torch.cuda.set_rng_state(cuda[trainer.global_rank].clone(), device)
 
     # ------------------------------------------------------------------ the stop
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
@@ -360,6 +371,10 @@ class RequeueOnSignal(pl.Callback):
         gathered = trainer.strategy.all_gather(rng.to(device))
         gathered = gathered.reshape(-1, rng.numel()).cpu()  # one row per rank (one process: just this one)
         hosts = trainer.strategy.all_gather(host.to(device)).reshape(-1, host.numel()).cpu()
+        cuda = None  # the CUDA generator (dropout on the GPU draws from it), on a CUDA strategy only
+        if device.type == "cuda":
+            state = torch.cuda.get_rng_state(device)
+            cuda = trainer.strategy.all_gather(state.to(device)).reshape(-1, state.numel()).cpu()
         name = f"{_PREFIX}{trainer.global_step:09d}.ckpt"
         tmp = self.directory / f".{name}.tmp"
         if trainer.is_global_zero:
@@ -367,7 +382,7 @@ class RequeueOnSignal(pl.Callback):
             remove_path(tmp)  # a half-written file from a save that was itself killed
         trainer.strategy.barrier("requeue_prepare")
         self._state = {"epoch": trainer.current_epoch, "batches": batch_idx + 1, "global_step": trainer.global_step,
-                       "rng": gathered, "host_rng": hosts, "signal": self.signal.name,
+                       "rng": gathered, "host_rng": hosts, "cuda_rng": cuda, "signal": self.signal.name,
                        "restart_count": int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)}
         try:
             trainer.save_checkpoint(tmp)

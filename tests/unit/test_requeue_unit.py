@@ -172,6 +172,19 @@ def test_slurms_sigterm_during_the_requeue_neither_fails_it_nor_runs_the_handler
                       "deferred block ends", "handler SIGTERM", "quiet block"]
 
 
+def test_cuda_rng_states_restore_on_cuda_only(caplog: pytest.LogCaptureFixture) -> None:
+    # the GPU round trip is tests/gpu/test_requeue_cuda.py; here: nothing saved means nothing done, and a
+    # CUDA state met by a CPU run is reported, never applied to a device that does not exist
+    from types import SimpleNamespace
+
+    caplog.set_level(logging.INFO, logger="lightning_sync.launch")
+    trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cpu")), global_rank=0)
+    RequeueOnSignal._restore_cuda_rng(trainer, None)
+    assert caplog.text == ""
+    RequeueOnSignal._restore_cuda_rng(trainer, torch.zeros(2, 16, dtype=torch.uint8))
+    assert "the checkpoint holds CUDA RNG states but this run is on cpu: not restored" in caplog.text
+
+
 def test_host_rng_state_round_trips_python_and_numpy_with_cached_gaussians() -> None:
     import random
 
