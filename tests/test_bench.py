@@ -13,7 +13,7 @@ import torch
 
 from lightning_sync.bench import Report, schedule
 from lightning_sync.bench.app import select_strategies
-from lightning_sync.bench.report import analytic_wire_bytes, analytic_wire_factor, wire_bytes
+from lightning_sync.bench.report import analytic_wire_bytes, analytic_wire_factor, load_raw, wire_bytes
 from lightning_sync.testing import run_distributed
 from test_cli import run_cli  # noqa: E402 - tests/ is on sys.path under pytest's rootdir import mode
 
@@ -77,11 +77,21 @@ def test_bench_quick_suite_smoke_writes_report_with_exact_byte_ratios(tmp_path: 
     assert all(codec[n] > 0 for n in ("bucketed_ddp_fp16", "bucketed_ddp_bf16", "bucketed_ddp_powersgd")), codec
     assert all(codec[n] == 0 for n in ALL_ROWS if "_fp16" not in n and "_bf16" not in n and "powersgd" not in n), codec
     assert all(math.isfinite(v["predicted_s"]) and v["predicted_s"] > 0 for v in data["validation"])
+    # the synchronization period comes from the steps that issued collectives: LocalSGD and DiLoCo's config
+    every = {v["strategy"]: v["sync_every"] for v in data["validation"]}
+    assert every == {n: {"local_sgd": 5, "diloco": 10}.get(n, 1) for n in ALL_ROWS}, every
     # the compute rows ran among the strategies at K=2 (in step), and T1 alone
     assert {(c["model"], c["concurrent"]) for c in data["compute_s"]} == {("deep_mlp", 1), ("deep_mlp", 2)}
     assert {p["world"] for p in data["projection"]} == {8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096}
     assert all(r["torch"] and r["lightning"] and r["cpu"] and r["date"] and r["command"] for r in data["rows"])
     assert "## Cost model" in report.read_text() and "### Projection to K ranks" in report.read_text()
+    # the raw measurements rebuild the same report with the run's own config
+    from omegaconf import OmegaConf
+
+    results, single, sweep, meta = load_raw(report.parent / "raw.json")
+    cfg = OmegaConf.load(report.parent / ".hydra" / "config.yaml")
+    again = Report(results, single, cfg, meta, sweep=sweep)
+    assert again.markdown() == report.read_text()
 
 
 # --------------------------------------------------------------------------- wire bytes arithmetic
@@ -199,6 +209,69 @@ def test_in_step_compute_rows_give_the_compute_and_are_not_strategy_rows() -> No
     assert report.compute == {("m", 2): pytest.approx(0.030), ("m", 1): pytest.approx(0.006)}
     assert [r["strategy"] for r in report.rows()] == ["lightning_ddp"]
     assert COMPUTE_ROW not in report.markdown()
+
+
+def test_a_periodic_row_is_timed_and_predicted_over_windows_of_its_period() -> None:
+    from omegaconf import OmegaConf
+
+    from lightning_sync.bench.app import COMPUTE_ROW
+    from lightning_sync.bench.runner import IN_STEP
+
+    cfg = OmegaConf.create({"baseline": "lightning_ddp", "pairs": 1, "steps": 6, "warmup_steps": 1})
+    meta = {"date": "d", "cpu": "c", "python": "3", "torch": "t", "lightning": "l", "threads_per_rank": 1,
+            "command": "x"}
+    ddp = {**_result("lightning_ddp", DDP, 100.0, {}, 0, peak=1.0), "step_s": [0.010, 0.011, 0.012]}
+    # communicates on steps 3 and 6 (H = 3), and those steps hold the wait for the other rank: the median
+    # of single steps (0.010) would leave the synchronization out; the median window mean is 0.020
+    local = {**_result("local_sgd", {"_target_": "x.LocalSGDStrategy"}, 10.0, {"all_reduce": 10.0}, 2, peak=1.0),
+             "step_s": [0.010, 0.010, 0.040, 0.010, 0.010, 0.040], "step_calls": [0, 0, 1, 0, 0, 1]}
+
+    def in_step(times: list[float]) -> dict[str, object]:
+        return {**_result(COMPUTE_ROW, {"_target_": None}, 0.0, {}, 0, peak=1.0), "step_s": times,
+                "extra": {IN_STEP: True}}
+
+    rank0 = [ddp, local, in_step([0.010, 0.010, 0.040, 0.010, 0.010, 0.040])]
+    rank1 = [ddp, local, in_step([0.040, 0.010, 0.010, 0.040, 0.010, 0.010])]
+    report = Report([rank0, rank1], [{"model": "m", "step_s": [0.005]}], cfg, meta)
+    rows = {r["strategy"]: r for r in report.rows()}
+    assert rows["local_sgd"]["sync_every"] == 3 and rows["lightning_ddp"]["sync_every"] == 1
+    assert rows["local_sgd"]["step_ms"] == pytest.approx(20.0) and rows["lightning_ddp"]["step_ms"] == pytest.approx(11.0)
+    # compute: per step the slower rank, [40, 10, 40, 40, 10, 40] ms -> 40; per window of 3 steps both
+    # ranks average 20 ms -> 20 (a rank's slow step is made up by its fast ones before the ranks meet)
+    assert report.compute[("m", 2)] == pytest.approx(0.040)
+    assert report.compute_every("m", 2, 3) == pytest.approx(0.020)
+    assert math.isnan(report.compute_every("m", 2, 8))  # no whole window of 8 steps was measured
+
+
+def _sweep_order(rank: int, world: int, sizes: list[int], algorithms: list[str], repeats: int) -> object:
+    from lightning_sync.bench import sweep
+
+    order: list[tuple[int, str]] = []
+    real = sweep._run
+
+    def recording(op: str, whole: torch.Tensor) -> None:
+        order.append((whole.numel() * 4, op))
+        real(op, whole)
+
+    sweep._run = recording
+    try:
+        points = sweep.sweep_all_reduce(rank, world, sizes, algorithms, repeats)
+    finally:
+        sweep._run = real
+    return points, order
+
+
+def test_sweep_passes_over_every_size_per_repeat_and_reports_one_median_per_point() -> None:
+    sizes, algorithms = [1024, 4096], ["backend", "ring"]
+    (points, order), (points1, _) = run_distributed(_sweep_order, 2, sizes, algorithms, 3, timeout=120)
+    assert points == points1  # every rank reports the slowest rank's times
+    assert [(p["bytes"], p["algorithm"]) for p in points] == [(n, a) for n in sizes for a in algorithms]
+    assert all(p["world"] == 2 and p["seconds"] > 0 for p in points)
+    # one warm-up per point, then each repeat passes over every size, the algorithms alternating: a burst
+    # of load hits one repeat of several sizes (the median drops it), not every repeat of one size
+    warm = [(n, a) for n in sizes for a in algorithms]
+    passes = [[(n, a) for n in sizes for a in (algorithms if r % 2 == 0 else algorithms[::-1])] for r in range(3)]
+    assert order == warm + [x for p in passes for x in p]
 
 
 # --------------------------------------------------------------------------- strategy selection

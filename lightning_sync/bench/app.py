@@ -22,7 +22,7 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from lightning_sync.bench.report import Report
+from lightning_sync.bench.report import Report, save_raw
 from lightning_sync.bench.runner import IN_STEP, Trial, run_trials
 from lightning_sync.bench.sweep import sweep_all_reduce, sweep_sizes
 
@@ -110,8 +110,9 @@ def world_sizes(cfg: DictConfig) -> list[int]:
 
 def run_bench(cfg: DictConfig, out_dir: Path) -> Report | None:
     """Run the configured suite and write the reports into ``out_dir`` (the strategy rows' ``report.md``,
-    ``report.json`` and plots, and ``tradeoff.md`` when the trade-off is enabled); returns the strategy
-    rows' report, if any ran.
+    ``report.json`` and plots, every rank's raw measurements in ``raw.json``, from which
+    :func:`~lightning_sync.bench.report.load_raw` rebuilds the same report, and ``tradeoff.md`` when the
+    trade-off is enabled); returns the strategy rows' report, if any ran.
 
     Order: the strategy rows at every world size (one spawned group per size, with the cost model's
     compute row :data:`COMPUTE_ROW` among them; the bucket sweep at the smallest), the single-process
@@ -153,6 +154,7 @@ def run_bench(cfg: DictConfig, out_dir: Path) -> Report | None:
         sweep = run_sweep(cost, threads, timeout) if cost.get("enabled") else []
         report = Report(results, single, cfg, meta, sweep=sweep)
         report.write(out_dir)
+        save_raw(out_dir / "raw.json", results, single, sweep, meta)
     if cfg.tradeoff.enabled:
         from lightning_sync.bench.tradeoff import run_tradeoff
 

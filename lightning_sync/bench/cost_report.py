@@ -10,8 +10,9 @@ the projection to thousands of ranks (formulas: :mod:`lightning_sync.bench.model
   K-rank step with the links measured under that same time-sharing; the pooled fit where the sweep
   did not run at that K) and the compute time measured under the same time-sharing of the cores (the
   plain model fitted alone on each of the K ranks, kept in step by a barrier before every step, no
-  communication in the step, in the same rounds as the strategy rows) give a predicted step time, compared
-  with the measured median. Compressing strategies add their codec arithmetic, measured in the run
+  communication in the step, in the same rounds as the strategy rows; per step its slowest rank, or, for
+  a row that synchronizes once in H steps, per window of H steps its slowest rank's mean) give a predicted
+  step time, compared with the measured median (over the same windows). Compressing strategies add their codec arithmetic, measured in the run
   itself (``comms`` op ``codec``: casts, PowerSGD's products), a compute cost that the model's
   T_comp of the plain model does not contain.
   A second prediction replaces that compute time with ``c(K) T1`` (:func:`~lightning_sync.bench.model.contention`).
@@ -60,9 +61,14 @@ class CostModel:
 
     def __init__(self, rows: list[dict[str, Any]], compute: dict[tuple[str, int], float],
                  sweep: list[dict[str, Any]], cores: int | None = None, threads_per_rank: int = 1,
-                 projection: tuple[int, int] = (8, 4096)) -> None:
+                 projection: tuple[int, int] = (8, 4096),
+                 compute_every: dict[tuple[str, int, int], float] | None = None) -> None:
+        """``compute``: per (model, K) the compute step time under K-way time-sharing (K = 1: T1);
+        ``compute_every``: per (model, K, H) the same for ranks that synchronize once in H steps (the rows
+        whose ``sync_every`` is H > 1; :meth:`~lightning_sync.bench.report.Report.compute_every`)."""
         self.rows = [r for r in rows if (r["model"], 1) in compute]  # bucket-sweep rows have no compute of their own
         self.compute = compute
+        self.compute_every = dict(compute_every or {})
         self.cores = cores or os.cpu_count() or 1
         self.threads = threads_per_rank
         self.fits = {a: M.fit_alpha_beta(sweep, a) for a in M.SWEPT
@@ -104,11 +110,13 @@ class CostModel:
             link, op_links, source = self.links_at(k)
             comm = M.comm_here(traffic, k, link, op_links)
             measured = r["step_ms"] / 1e3
-            compute = self.compute.get((r["model"], k))
+            every = int(r.get("sync_every", 1))
+            compute = (self.compute_every.get((r["model"], k, every)) if every > 1
+                       else self.compute.get((r["model"], k)))
             codec = float(r.get("codec_ms", 0.0)) / 1e3
             simple = comm + codec + M.contention(k, self.cores, self.threads) * t1
             row = {"model": r["model"], "strategy": r["strategy"], "world": k, "measured_s": measured,
-                   "compute_s": compute, "codec_s": codec, "comm_s": comm, "traffic": traffic.source, "links": source,
+                   "sync_every": every, "compute_s": compute, "codec_s": codec, "comm_s": comm, "traffic": traffic.source, "links": source,
                    "predicted_s": None if compute is None else compute + codec + comm,
                    "predicted_ck_s": simple, "error_ck": simple / measured - 1}
             row["error"] = None if compute is None else row["predicted_s"] / measured - 1
@@ -157,21 +165,24 @@ class CostModel:
                   "Predicted = compute measured under the same time-sharing (the plain model fitted alone on each "
                   "of the K ranks, no communication in the step, kept in step by a barrier before every step, in "
                   "the same rounds as the strategy rows; per step the slowest rank's time, since a synchronous "
-                  "step waits for its slowest rank; the median over steps) + codec (compression "
+                  "step waits for its slowest rank; the median over steps; for a row that synchronizes once in H "
+                  "steps, H in the table, per window of H steps the slowest rank's mean, since the ranks wait for each "
+                  "other once per window, and the row's measured time is the median window mean too) + codec (compression "
                   "arithmetic, measured in the run: `comms` op `codec`) + T_comm from the row's per-step traffic "
                   "(`CommStats`; analytic for torch DDP and FSDP2) and the links fitted at the row's K (the "
                   "backend's all-reduce; `comms`' all-gather and reduce-scatter; gloo's own ones for FSDP2), no "
                   "overlap. The last two "
                   f"columns use c(K) T1 (c = max(1, K / {self.cores} cores)) instead of the measured compute.", "",
-                  "| model | strategy | K | measured ms | compute ms | codec ms | T_comm ms | predicted ms | error "
+                  "| model | strategy | K | H | measured ms | compute ms | codec ms | T_comm ms | predicted ms | error "
                   "| c(K) T1 + codec + T_comm ms | error |",
-                  "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         val = self.validation()
         for v in val:
             comp = "n/a" if v["compute_s"] is None else f"{v['compute_s'] * 1e3:.1f}"
             pred = "n/a" if v["predicted_s"] is None else f"{v['predicted_s'] * 1e3:.1f}"
             err = "n/a" if v["error"] is None else f"{v['error']:+.0%}"
-            lines.append(f"| {v['model']} | {v['strategy']} | {v['world']} | {v['measured_s'] * 1e3:.1f} | {comp} | "
+            lines.append(f"| {v['model']} | {v['strategy']} | {v['world']} | {v['sync_every']} | "
+                         f"{v['measured_s'] * 1e3:.1f} | {comp} | "
                          f"{v['codec_s'] * 1e3:.1f} | {v['comm_s'] * 1e3:.1f} | {pred} | {err} | {v['predicted_ck_s'] * 1e3:.1f} | "
                          f"{v['error_ck']:+.0%} |")
         errs = [abs(v["error"]) for v in val if v["error"] is not None]

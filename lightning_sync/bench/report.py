@@ -2,7 +2,10 @@
 
 Statistics (this machine is noisy, so only medians and same-run ratios are reported):
 
-* a trial's step time is the median of its timed steps on rank 0 (ranks step in lockstep);
+* a trial's step time is the median of its timed steps on rank 0 (ranks step in lockstep); for a
+  strategy that communicates on one step in H (:func:`sync_every`: LocalSGD, DiLoCo), the median over
+  windows of H consecutive steps of their mean (:func:`window_means`), so every window holds one
+  synchronization and its wait, which the median of single steps would leave out;
 * a strategy's step time is the median over its trials (one per pair);
 * the ratio to the baseline is the median over pairs of (trial / the baseline's trial of the same
   pair), so both sides of each ratio ran back to back;
@@ -37,7 +40,8 @@ from typing import Any
 from lightning_sync.bench.cost_report import CostModel
 from lightning_sync.bench.runner import IN_STEP
 
-__all__ = ["WIRE_FACTORS", "Report", "analytic_wire_bytes", "analytic_wire_factor", "slowest_per_step", "wire_bytes"]
+__all__ = ["WIRE_FACTORS", "Report", "analytic_wire_bytes", "analytic_wire_factor", "load_raw", "save_raw",
+           "slowest_per_step", "sync_every", "window_means", "wire_bytes"]
 
 #: Bytes a rank puts on the wire per payload byte recorded by ``comms`` (see ``comms/stats.py`` for what
 #: each op records), for K ranks, under the ring model. Ops whose payload is one rank's share of a
@@ -105,10 +109,30 @@ def _median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
-def slowest_per_step(ranks: list[list[float]]) -> list[float]:
+def window_means(steps: list[float], every: int = 1) -> list[float]:
+    """The mean step time of each window of ``every`` consecutive steps (a trailing partial window is
+    dropped; ``every`` = 1: the steps themselves)."""
+    if not isinstance(every, int) or every < 1:
+        raise ValueError(f"every must be an int >= 1, got {every!r}")
+    return [sum(steps[i:i + every]) / every for i in range(0, len(steps) - every + 1, every)]
+
+
+def slowest_per_step(ranks: list[list[float]], every: int = 1) -> list[float]:
     """Per step, the slowest of the processes' times (``ranks``: each process's step times, in step
-    order): a synchronous step ends when its slowest rank does."""
-    return [max(step) for step in zip(*ranks)]
+    order): a synchronous step ends when its slowest rank does. With ``every`` = H, per window of H
+    steps the slowest process's mean step time: ranks that synchronize once in H steps wait for the
+    slowest one's H steps together, not for its slowest single step."""
+    return [max(window) for window in zip(*(window_means(r, every) for r in ranks))]
+
+
+def sync_every(step_calls: list[int] | None) -> int:
+    """H, the synchronization period of a trial in steps, from the collectives it issued in each timed step
+    (``step_calls``): the timed steps over those that communicated, rounded; 1 when every step (or none,
+    or nothing through ``comms``: torch's DDP and FSDP2) communicated."""
+    if not step_calls:
+        return 1
+    busy = sum(1 for c in step_calls if c > 0)
+    return max(1, round(len(step_calls) / busy)) if busy else 1
 
 
 def _median_ops(trials: list[dict[str, Any]], key: str) -> dict[str, float]:
@@ -119,6 +143,22 @@ def _median_ops(trials: list[dict[str, Any]], key: str) -> dict[str, float]:
 
 def _is_sharded(strategy: Mapping[str, Any]) -> bool:
     return str(strategy.get("_target_") or "").rpartition(".")[2] in ("ShardedStrategy", "FullyShardStrategy")
+
+
+def save_raw(path: Path, results: Mapping[int, list[list[dict[str, Any]]]], single: list[dict[str, Any]],
+             sweep: list[dict[str, Any]], meta: dict[str, Any]) -> None:
+    """Write a run's raw measurements (per world size, per rank, every trial; the single-process trials; the
+    sweep points; the run's metadata) as JSON, for :func:`load_raw`."""
+    path.write_text(json.dumps({"meta": meta, "results": {str(k): v for k, v in results.items()}, "single": single,
+                                "sweep": sweep}, default=str))
+
+
+def load_raw(path: Path) -> tuple[dict[int, list[list[dict[str, Any]]]], list[dict[str, Any]], list[dict[str, Any]],
+                                  dict[str, Any]]:
+    """``(results, single, sweep, meta)`` as :func:`save_raw` wrote them: ``Report(results, single, cfg, meta,
+    sweep=sweep)`` with the run's config rebuilds its report."""
+    raw = json.loads(path.read_text())
+    return {int(k): v for k, v in raw["results"].items()}, raw["single"], raw["sweep"], raw["meta"]
 
 
 class Report:
@@ -134,26 +174,37 @@ class Report:
         self.baseline = str(cfg.baseline)
         by_world = results if isinstance(results, Mapping) else {results[0][0]["world"] if results[0] else 0: results}
         self._trials: dict[tuple[str, str, int], list[dict[str, Any]]] = defaultdict(list)
-        pooled: dict[tuple[str, int], list[float]] = defaultdict(list)
+        self._in_step: dict[tuple[str, int], list[list[list[float]]]] = defaultdict(list)
+        """Per (model, K), per round, every in-step rank's compute step times."""
         for world, ranks in by_world.items():
             for i, rank0 in enumerate(ranks[0]):
                 if rank0["extra"].get(IN_STEP):
-                    pooled[(rank0["model"], int(world))] += slowest_per_step([list(r[i]["step_s"]) for r in ranks])
+                    self._in_step[(rank0["model"], int(world))].append([list(r[i]["step_s"]) for r in ranks])
                     continue
                 peak = max(r[i]["peak_mib"] for r in ranks)
                 wire = max(wire_bytes(r[i].get("op_bytes_per_step", {}), r[i]["world"]) for r in ranks)
                 self._trials[(rank0["model"], rank0["name"], int(world))].append(
                     {**rank0, "peak_mib": peak, "wire_bytes": wire})
         self._single = {r["model"]: _median(r["step_s"]) for r in single}
-        self.compute = {key: _median(v) for key, v in pooled.items()}
+        self.compute = {key: self.compute_every(*key, 1) for key in self._in_step}
         """Compute step time per (model, K) under K-way time-sharing: the median over steps (of every round)
         of the slowest of the K in-step ranks (:func:`slowest_per_step`; K = 1: T1)."""
         for model, t1 in self._single.items():
             self.compute.setdefault((model, 1), t1)
         self.sweep = list(sweep or [])
 
+    def compute_every(self, model: str, world: int, every: int) -> float:
+        """Compute step time under K-way time-sharing for ranks that synchronize once in ``every`` steps: the
+        median over windows of ``every`` steps (of every round) of the slowest in-step rank's mean
+        (:func:`slowest_per_step`); NaN where no compute row ran."""
+        return _median([w for ranks in self._in_step.get((model, world), []) for w in slowest_per_step(ranks, every)])
+
+    @staticmethod
+    def _every(t: dict[str, Any]) -> int:
+        return sync_every(t.get("step_calls"))
+
     def _step(self, t: dict[str, Any]) -> float:
-        return _median(t["step_s"])
+        return _median(window_means(list(t["step_s"]), self._every(t)))
 
     def _ratio(self, model: str, name: str, reference: str, world: int) -> float:
         """Median over pairs of this strategy's step time over ``reference``'s in the same pair."""
@@ -191,6 +242,7 @@ class Report:
                 "op_bytes_per_step": _median_ops(trials, "op_bytes_per_step"),
                 "op_calls_per_step": _median_ops(trials, "op_calls_per_step"),
                 "param_bytes": trials[0].get("param_bytes", grad), "n_linear": trials[0].get("n_linear", 0),
+                "sync_every": round(_median([self._every(t) for t in trials])),
                 "strategy_node": trials[0].get("strategy", {})}
 
     def rows(self) -> list[dict[str, Any]]:
@@ -246,7 +298,10 @@ class Report:
             return None
         node = self.cfg.get("cost_model") if hasattr(self.cfg, "get") else None
         proj = (node or {}).get("projection") or {}
-        return CostModel(self.rows(), self.compute, self.sweep, cores=self.meta.get("cores"),
+        rows = self.rows()
+        every = {(r["model"], int(r["world"]), int(r["sync_every"])) for r in rows if int(r["sync_every"]) > 1}
+        periodic = {key: self.compute_every(*key) for key in every if key[:2] in self._in_step}
+        return CostModel(rows, self.compute, self.sweep, compute_every=periodic, cores=self.meta.get("cores"),
                          threads_per_rank=int(self.meta.get("threads_per_rank", 1)),
                          projection=(int(proj.get("smallest", 8)), int(proj.get("largest", 4096))))
 

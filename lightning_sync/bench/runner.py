@@ -17,6 +17,9 @@ Each trial reports, per rank:
   collectives issued during the timed steps (0: the strategy does not use comms, measured = n/a);
 * ``param_bytes``: bytes of the trainable parameters, counted on the module before the strategy
   touched it (S of the analytic wire bytes; tied parameters once, padding aside);
+* ``step_calls``: per timed step, the collectives this rank issued through ``comms`` in it (a strategy that
+  synchronizes every H steps communicates on one step in H: the report then measures its step time over
+  windows of H steps);
 * ``codec_s``: per step, seconds of compression arithmetic (``comms`` op ``codec``: casts, PowerSGD's
   products; kept out of the per-op traffic above);
 * ``exposed_s``: per step, communication still running after backward ended (strategies with a
@@ -104,6 +107,7 @@ class StepProbe(pl.Callback):
         self.exposed_s: list[float] = []
         self.codec_s: list[float] = []
         self.bytes: list[int] = []
+        self.step_calls: list[int] = []
         self.op_bytes: dict[str, int] = {}  # summed over the timed steps
         self.op_calls: dict[str, int] = {}
         self.calls = 0
@@ -128,7 +132,7 @@ class StepProbe(pl.Callback):
         if trainer.global_step <= self.warmup:
             return
         self.step_s.append(elapsed)
-        step_bytes, codec = 0, 0.0
+        step_bytes, codec, calls = 0, 0.0, 0
         for op, now in comms.get_stats().snapshot().items():
             before = self._snap0.get(op, comms.OpStats())
             if op == CODEC_OP:
@@ -137,7 +141,9 @@ class StepProbe(pl.Callback):
             step_bytes += now.bytes - before.bytes
             self.op_bytes[op] = self.op_bytes.get(op, 0) + now.bytes - before.bytes
             self.op_calls[op] = self.op_calls.get(op, 0) + now.calls - before.calls
-            self.calls += now.calls - before.calls
+            calls += now.calls - before.calls
+        self.calls += calls
+        self.step_calls.append(calls)
         self.bytes.append(step_bytes)
         self.codec_s.append(codec)
         bucketer = getattr(trainer.strategy, "bucketer", None)
@@ -192,7 +198,7 @@ def _run_one(trial: Trial, world: int, callbacks: tuple[pl.Callback, ...] = ()) 
             "bytes_per_step": (sum(probe.bytes) / len(probe.bytes)) if probe.bytes else 0.0,
             "op_bytes_per_step": {op: b / n for op, b in probe.op_bytes.items()}, "comm_calls": probe.calls,
             "op_calls_per_step": {op: c / n for op, c in probe.op_calls.items()}, "n_linear": n_linear,
-            "exposed_s": probe.exposed_s, "codec_s": probe.codec_s, "comm_s": comm_s, "grad_bytes": param_bytes,
+            "exposed_s": probe.exposed_s, "codec_s": probe.codec_s, "step_calls": probe.step_calls, "comm_s": comm_s, "grad_bytes": param_bytes,
             "param_bytes": param_bytes,
             "strategy": dict(trial.strategy), "peak_mib": peak, "extra": trial.extra}
 

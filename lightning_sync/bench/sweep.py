@@ -7,8 +7,10 @@ float32) and each algorithm of :data:`lightning_sync.comms.algorithms.ALGORITHMS
 whole of that size, what the sharded strategies call; ``torch_all_gather`` and ``torch_reduce_scatter``:
 the backend's own ``all_gather_into_tensor`` and ``reduce_scatter_tensor``, what torch's FSDP2 calls), it
 times ``repeats`` all-reduces, each started by a barrier so every rank begins together, and reports
-the median of the slowest rank's time (the collective ends when its last rank ends). Algorithms and
-repeats alternate within a size (A B C, C B A, ...) so a burst of load hits them alike.
+the median of the slowest rank's time (the collective ends when its last rank ends). Each repeat is one
+pass over every size, the algorithms alternating within it (A B C, C B A, ...): a burst of load on this
+shared machine then hits one repeat of several sizes, which the median drops, rather than every repeat
+of one size, which would bend the fit.
 
 :func:`lightning_sync.bench.model.fit_alpha_beta` turns the points into latency and bandwidth.
 """
@@ -80,22 +82,24 @@ def sweep_all_reduce(rank: int, world: int, sizes: list[int], algorithms: list[s
         check_choice("algorithm", a, OPS)
     check_int("repeats", repeats, 1)
     torch.set_num_threads(threads)
-    points = []
     for nbytes in sizes:
         check_int("size", nbytes, 4)
-        buf = torch.ones(nbytes // 4 // world * world, dtype=torch.float32)  # divisible into K shards
-        times: dict[str, list[float]] = {a: [] for a in algorithms}
+    bufs = {n: torch.ones(n // 4 // world * world, dtype=torch.float32) for n in sizes}  # divisible into K shards
+    times: dict[tuple[int, str], list[float]] = {(n, a): [] for n in sizes for a in algorithms}
+    for n in sizes:
         for a in algorithms:  # warm-up
-            _run(a, buf.clone())
-        for rep in range(_repeats_for(nbytes, repeats)):
+            _run(a, bufs[n].clone())
+    for rep in range(max((_repeats_for(n, repeats) for n in sizes), default=0)):
+        for n in sizes:
+            if rep >= _repeats_for(n, repeats):
+                continue
             for a in (algorithms if rep % 2 == 0 else list(reversed(algorithms))):
-                t = buf.clone()
+                t = bufs[n].clone()
                 comms.barrier()
                 t0 = time.perf_counter()
                 _run(a, t)
                 mine = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
                 comms.all_reduce(mine, op="max")
-                times[a].append(float(mine))
-        points += [{"algorithm": a, "world": world, "bytes": buf.numel() * 4, "seconds": statistics.median(times[a])}
-                   for a in algorithms]
-    return points
+                times[(n, a)].append(float(mine))
+    return [{"algorithm": a, "world": world, "bytes": bufs[n].numel() * 4, "seconds": statistics.median(times[(n, a)])}
+            for n in sizes for a in algorithms]

@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 from lightning_sync.bench import model as M
 from lightning_sync.bench.app import world_sizes
 from lightning_sync.bench.cost_report import CostModel, traffic_of
-from lightning_sync.bench.report import slowest_per_step
+from lightning_sync.bench.report import slowest_per_step, sync_every, window_means
 from lightning_sync.bench.sweep import sweep_sizes
 
 MIB = 2**20
@@ -151,6 +151,19 @@ def test_contention_and_predict_here() -> None:
     assert m.ranks_per_node == 2 and m.intra == m.inter == ONE
 
 
+def test_window_means_slowest_per_window_and_the_sync_period() -> None:
+    assert window_means([1.0, 3.0, 5.0, 7.0, 9.0], 2) == [2.0, 6.0]  # the partial window [9] is dropped
+    assert window_means([1.0, 3.0], 1) == [1.0, 3.0] and window_means([1.0], 2) == []
+    for bad in (0, 1.5, "2"):
+        with pytest.raises(ValueError, match=rf"every must be an int >= 1, got {bad!r}"):
+            window_means([1.0], bad)  # type: ignore[arg-type]
+    # per window of 2 steps the slowest process's mean: [max(2, 1.5), max(3, 4)]
+    assert slowest_per_step([[1.0, 3.0, 2.0, 4.0], [2.0, 1.0, 5.0, 3.0]], every=2) == [2.0, 4.0]
+    assert sync_every([0, 0, 0, 0, 1] * 2) == 5 and sync_every([1, 0, 1, 0, 2, 0]) == 2
+    assert sync_every([2] * 10) == 1 and sync_every([0] * 10) == 1 and sync_every(None) == 1 and sync_every([]) == 1
+    assert sync_every([0] * 9 + [1]) == 10
+
+
 def test_slowest_per_step_takes_each_steps_slowest_process() -> None:
     # step 0: 1.0 vs 3.0 -> 3.0; step 1: 2.0 vs 1.5 -> 2.0; the third step of rank 0 has no partner
     assert slowest_per_step([[1.0, 2.0, 9.0], [3.0, 1.5]]) == [3.0, 2.0]
@@ -197,8 +210,25 @@ def test_cost_model_validation_error_by_hand() -> None:
     assert len(proj) == 2 * 10 * 3 and {p["fabric"] for p in proj} == {M.H100_NDR400.name,
                                                                      "this machine (fitted backend links)"}
     text = "\n".join(cost.markdown())
-    assert "| m | ddp | 2 | 40.0 | 25.0 | 1.5 | 12.0 | 38.5 | -4% | 33.5 | -16% |" in text
+    assert "| m | ddp | 2 | 1 | 40.0 | 25.0 | 1.5 | 12.0 | 38.5 | -4% | 33.5 | -16% |" in text
     assert "1 of 1 predictions lie within 25 %" in text
+
+
+def test_a_row_that_syncs_once_in_h_steps_is_predicted_with_the_compute_of_h_step_windows() -> None:
+    sweep = [{"algorithm": "backend", "world": 2, "bytes": s, "seconds": 2e-3 + s * 1e-9} for s in (1000, 10**6, 10**8)]
+    rows = [_row({}, True, name="local", ops={"all_reduce": 2e6}, calls={"all_reduce": 0.2}, step_ms=30.0,
+                 sync_every=5),
+            _row({}, True, name="ddp", ops={"all_reduce": 1e7}, calls={"all_reduce": 1.0}, step_ms=40.0)]
+    compute = {("m", 1): 0.020, ("m", 2): 0.025}
+    cost = CostModel(rows, compute, sweep, cores=2, compute_every={("m", 2, 5): 0.022})
+    local, ddp = cost.validation()
+    # the amortized traffic (one all-reduce of 10 MB in 5 steps) is priced as measured per step
+    assert local["sync_every"] == 5 and local["compute_s"] == pytest.approx(0.022)
+    assert local["comm_s"] == pytest.approx(0.2 * 2e-3 + 2e6 * 1e-9)
+    assert ddp["sync_every"] == 1 and ddp["compute_s"] == pytest.approx(0.025)
+    # a period without its own compute measurement has no prediction (rather than a wrong one)
+    orphan = CostModel(rows[:1], compute, sweep, cores=2).validation()[0]
+    assert orphan["compute_s"] is None and orphan["error"] is None
 
 
 def test_validation_prices_each_k_with_the_links_fitted_at_that_k() -> None:
