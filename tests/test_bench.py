@@ -18,6 +18,17 @@ from lightning_sync.testing import run_distributed
 from test_cli import run_cli  # noqa: E402 - tests/ is on sys.path under pytest's rootdir import mode
 
 
+def test_the_compute_row_sits_mid_round_so_its_samples_lie_a_round_apart() -> None:
+    from lightning_sync.bench.app import COMPUTE_ROW, with_compute_row
+
+    rows = with_compute_row({n: ({}, {}) for n in "abcd"})
+    assert list(rows) == ["a", "b", COMPUTE_ROW, "c", "d"]
+    order = schedule(list(rows), 3)
+    at = [i for i, n in enumerate(order) if n == COMPUTE_ROW]
+    assert at == [2, 7, 12]  # evenly spread; at the end of the list it would be [4, 5, 14]
+    assert list(with_compute_row({})) == [COMPUTE_ROW]
+
+
 def test_schedule_alternates_and_reverses() -> None:
     assert schedule(["a", "b", "c"], 3) == ["a", "b", "c", "c", "b", "a", "a", "b", "c"]
     with pytest.raises(ValueError, match="pairs must be >= 1, got 0"):

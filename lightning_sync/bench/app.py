@@ -26,7 +26,7 @@ from lightning_sync.bench.report import Report, save_raw
 from lightning_sync.bench.runner import IN_STEP, Trial, run_trials
 from lightning_sync.bench.sweep import sweep_all_reduce, sweep_sizes
 
-__all__ = ["COMPUTE_ROW", "run_bench", "run_sweep", "schedule", "select_strategies", "world_sizes"]
+__all__ = ["COMPUTE_ROW", "run_bench", "run_sweep", "schedule", "select_strategies", "with_compute_row", "world_sizes"]
 
 log = logging.getLogger("lightning_sync.bench")
 
@@ -58,6 +58,16 @@ def _trials(cfg: DictConfig, model: str, rows: dict[str, tuple[dict[str, Any], d
         out.append(Trial(name=name, model=label or model, strategy=strategy, model_cfg=_node(m.model),
                          data_cfg=_node(m.data), steps=int(cfg.steps), warmup=int(cfg.warmup_steps), extra=extra))
     return out
+
+
+def with_compute_row(rows: dict[str, Any]) -> dict[str, Any]:
+    """``rows`` with the cost model's compute row :data:`COMPUTE_ROW` in the middle: :func:`schedule` reverses
+    every other round, so a row at either end would run twice back to back (the end of one round, the start
+    of the next) and two of its samples would see the same minute of this shared machine's load; in the
+    middle its samples lie a round apart, like every strategy's."""
+    items = list(rows.items())
+    mid = len(items) // 2
+    return dict([*items[:mid], (COMPUTE_ROW, ({"_target_": None}, {IN_STEP: True})), *items[mid:]])
 
 
 def _bucket_rows(cfg: DictConfig) -> dict[str, tuple[dict[str, Any], dict[str, Any]]]:
@@ -129,7 +139,7 @@ def run_bench(cfg: DictConfig, out_dir: Path) -> Report | None:
     strategies = {name: (node, {}) for name, node in select_strategies(cfg).items()}
     cost = cfg.get("cost_model") or {}
     if cost.get("enabled"):  # compute alone under the same time-sharing, in the same rounds (runner.IN_STEP)
-        strategies[COMPUTE_ROW] = ({"_target_": None}, {IN_STEP: True})
+        strategies = with_compute_row(strategies)
     timeout = float(cfg.timeout_s)
     results: dict[int, list[list[dict[str, Any]]]] = {}
     for world in worlds:
