@@ -67,7 +67,7 @@ class SyntheticDataModule(TensorDataModule):
 
 
 class WideMLP(ClassifierModule):
-    """Wide expand-contract MLP: ``in -> hidden -> in -> num_classes`` with ReLUs, trained with SGD.
+    """Wide expand-contract MLP: ``in -> hidden -> in -> num_classes`` with ReLUs, trained with SGD by default.
 
     With the defaults (1024 -> 4096 -> 1024 -> 10) it has exactly 8,403,978
     parameters in three Linear layers: lots of gradient to synchronise for
@@ -80,13 +80,16 @@ class WideMLP(ClassifierModule):
         hidden: int = 4096,
         num_classes: int = 10,
         lr: float = 0.01,
+        optimizer: str = "sgd",
     ) -> None:
         """
         Args:
             in_features: input width, also the width of the contracting layer (>= 1).
             hidden: width of the expanded hidden layer (>= 1).
             num_classes: number of classes (>= 2).
-            lr: SGD learning rate (> 0); momentum is 0.9.
+            lr: learning rate (> 0).
+            optimizer: ``"sgd"`` (momentum 0.9, the default), ``"adam"``, ``"lamb"`` or ``"lars"``
+                (see :func:`~lightning_sync.models._common.build_optimizer`).
         """
         check_positive_int("in_features", in_features)
         check_positive_int("hidden", hidden)
@@ -97,12 +100,12 @@ class WideMLP(ClassifierModule):
             nn.ReLU(),
             nn.Linear(in_features, check_num_classes(num_classes)),
         )
-        super().__init__(net=net, num_classes=num_classes, lr=lr, optimizer="sgd")
+        super().__init__(net=net, num_classes=num_classes, lr=lr, optimizer=optimizer)
         self.save_hyperparameters()
 
 
 class DeepMLP(ClassifierModule):
-    """Deep narrow ReLU MLP with ``depth`` Linear layers of width ``hidden``, trained with SGD.
+    """Deep narrow ReLU MLP with ``depth`` Linear layers of width ``hidden``, trained with SGD by default.
 
     With the defaults (1024 -> 512 x 7 -> 10, i.e. 8 Linear layers) it has
     exactly 2,105,866 parameters: many small layers run one after another.
@@ -115,6 +118,7 @@ class DeepMLP(ClassifierModule):
         depth: int = 8,
         num_classes: int = 10,
         lr: float = 0.01,
+        optimizer: str = "sgd",
     ) -> None:
         """
         Args:
@@ -122,8 +126,10 @@ class DeepMLP(ClassifierModule):
             hidden: width of every hidden layer (>= 1).
             depth: number of Linear layers (>= 1); ``depth - 1`` hidden layers.
             num_classes: number of classes (>= 2).
-            lr: SGD learning rate (> 0); momentum is 0.9.
+            lr: learning rate (> 0).
+            optimizer: ``"sgd"`` (momentum 0.9, the default), ``"adam"``, ``"lamb"`` or ``"lars"``
+                (see :func:`~lightning_sync.models._common.build_optimizer`).
         """
         net = make_mlp(in_features, hidden, depth, check_num_classes(num_classes))
-        super().__init__(net=net, num_classes=num_classes, lr=lr, optimizer="sgd")
+        super().__init__(net=net, num_classes=num_classes, lr=lr, optimizer=optimizer)
         self.save_hyperparameters()

@@ -29,7 +29,9 @@ from torch import Tensor, nn
 from torch.utils.data import Dataset, TensorDataset
 
 from lightning_sync.models._common import (
+    OPTIMIZERS,
     ClassifierModule,
+    build_optimizer,
     SplitDataModule,
     check_fraction,
     check_int,
@@ -333,6 +335,7 @@ class BagOfWordsClassifier(ClassifierModule):
         embed_dim: int = 64,
         sparse: bool = True,
         lr: float = 4.0,
+        optimizer: str = "sgd",
     ) -> None:
         """
         Args:
@@ -340,19 +343,27 @@ class BagOfWordsClassifier(ClassifierModule):
             num_classes: number of topics (>= 2).
             embed_dim: embedding width (>= 1).
             sparse: give the embedding sparse gradients (True) or dense ones (False).
-            lr: plain SGD learning rate (> 0).
+            lr: learning rate (> 0).
+            optimizer: ``"sgd"`` (the default): plain SGD, no momentum, no weight decay. With
+                ``sparse=False`` also ``"adam"``, ``"lamb"`` or ``"lars"``
+                (:func:`~lightning_sync.models._common.build_optimizer`); those keep state for every
+                row, so they need dense gradients.
         """
         check_int("vocab_size", vocab_size, 2)
         check_num_classes(num_classes)
         check_positive_int("embed_dim", embed_dim)
         if not isinstance(sparse, bool):
             raise ValueError(f"sparse must be True or False, got {sparse!r}")
+        allowed = ["sgd"] if sparse else list(OPTIMIZERS)
+        if optimizer not in allowed:
+            hint = " (with sparse=True only plain SGD; set sparse=False for the others)" if sparse else ""
+            raise ValueError(f"optimizer must be one of {allowed}{hint}, got {optimizer!r}")
         embedding = nn.EmbeddingBag(vocab_size, embed_dim, mode="mean", sparse=sparse)
         nn.init.normal_(embedding.weight, std=_EMBED_INIT_STD)
         net = nn.Sequential(
             OrderedDict(embedding=embedding, head=nn.Linear(embed_dim, num_classes))
         )
-        super().__init__(net=net, num_classes=num_classes, lr=check_positive_float("lr", lr))
+        super().__init__(net=net, num_classes=num_classes, lr=check_positive_float("lr", lr), optimizer=optimizer)
         self.save_hyperparameters()
 
     def forward(self, x: Tensor) -> Tensor:
@@ -370,5 +381,8 @@ class BagOfWordsClassifier(ClassifierModule):
         return self.net.head
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        """Plain SGD: with no momentum or weight decay a sparse gradient updates only its rows."""
-        return torch.optim.SGD(self.parameters(), lr=self._lr)
+        """Plain SGD (with no momentum or weight decay a sparse gradient updates only its rows), or the
+        ``optimizer`` chosen for dense gradients."""
+        if self._optimizer_name == "sgd":
+            return torch.optim.SGD(self.parameters(), lr=self._lr)
+        return build_optimizer(self.parameters(), self._optimizer_name, self._lr)

@@ -11,6 +11,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
+from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
@@ -18,6 +19,8 @@ from torch import nn
 from lightning_sync.cli import config_dir
 from lightning_sync.lr_rules import ScaledWarmup
 from lightning_sync.models import CharGPT, DigitsMLP
+from lightning_sync.models.synthetic import DeepMLP, WideMLP
+from lightning_sync.models.topics import BagOfWordsClassifier
 from lightning_sync.models._common import OPTIMIZERS, build_optimizer
 
 pytorch_optimizer = pytest.importorskip("pytorch_optimizer", reason="the optim extra: pip install -e .[optim]")
@@ -90,19 +93,76 @@ def _selected() -> set[str]:
     return {next(iter(d)) for d in OmegaConf.load(CONF / "train.yaml").defaults if isinstance(d, DictConfig)}
 
 
-@pytest.mark.parametrize("model", ["digits_mlp", "char_gpt"])
-@pytest.mark.parametrize("option", OPTIM_OPTIONS)
-def test_optim_options_build_the_optimizer_and_the_callback(option: str, model: str) -> None:
-    assert {"default", "lamb", "lars"} <= set(OPTIM_OPTIONS)
-    prefix = "" if "optim" in _selected() else "+"  # appended until train.yaml's defaults list selects the group
+MODELS = sorted(p.stem for p in (CONF / "model").glob("*.yaml"))
+_DEFAULT = {"digits_mlp": torch.optim.Adam, "char_gpt": torch.optim.AdamW, "wide_mlp": torch.optim.SGD,
+            "deep_mlp": torch.optim.SGD, "bow_topics": torch.optim.SGD}
+
+
+def _compose(overrides: list[str]) -> DictConfig:
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-            cfg = compose("train", overrides=[f"model={model}", f"{prefix}optim={option}"])
+            return compose("train", overrides=overrides)
     finally:
         GlobalHydra.instance().clear()
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("option", OPTIM_OPTIONS)
+def test_optim_options_build_the_optimizer_and_the_callback(option: str, model: str) -> None:
+    """Every model takes every optim option; bow_topics' sparse embedding only plain SGD (below)."""
+    assert {"default", "lamb", "lars"} <= set(OPTIM_OPTIONS) and set(_DEFAULT) == set(MODELS)
+    prefix = "" if "optim" in _selected() else "+"  # appended until train.yaml's defaults list selects the group
+    sparse = ["model.sparse=false"] if model == "bow_topics" and option in _EXPECTED else []
+    cfg = _compose([f"model={model}", f"{prefix}optim={option}", *sparse])
     built = instantiate(cfg.model, _convert_="all").configure_optimizers()
-    expected = _EXPECTED.get(option) or {"digits_mlp": torch.optim.Adam, "char_gpt": torch.optim.AdamW}[model]
-    assert type(built) is expected
+    assert type(built) is (_EXPECTED.get(option) or _DEFAULT[model])
+    if option in _EXPECTED:
+        assert built.param_groups[0]["lr"] == cfg.model.lr
     callback = ScaledWarmup(**OmegaConf.to_container(cfg.optim), global_batch_size=64)
     assert callback.lr_scaling == "none" and callback.warmup_steps == 0
+
+
+@pytest.mark.parametrize("option", sorted(_EXPECTED))
+def test_bow_topics_sparse_embedding_refuses_stateful_optimizers(option: str) -> None:
+    """LAMB and LARS keep per-row state, which a sparse gradient cannot feed: a clear error, not a crash in step."""
+    prefix = "" if "optim" in _selected() else "+"
+    cfg = _compose(["model=bow_topics", f"{prefix}optim={option}"])
+    message = (rf"optimizer must be one of \['sgd'\] \(with sparse=True only plain SGD; "
+               rf"set sparse=False for the others\), got '{option}'")
+    with pytest.raises(InstantiationException, match=message):
+        instantiate(cfg.model, _convert_="all")
+
+
+def test_bow_topics_default_stays_plain_sgd_and_dense_adam_steps() -> None:
+    plain = BagOfWordsClassifier(vocab_size=16, num_classes=2, embed_dim=4).configure_optimizers()
+    assert type(plain) is torch.optim.SGD
+    assert plain.param_groups[0]["momentum"] == 0 and plain.param_groups[0]["weight_decay"] == 0
+    with pytest.raises(ValueError, match=r"optimizer must be one of \['adam', 'sgd', 'lamb', 'lars'\], got 'lion'"):
+        BagOfWordsClassifier(vocab_size=16, num_classes=2, sparse=False, optimizer="lion")
+    model = BagOfWordsClassifier(vocab_size=16, num_classes=2, embed_dim=4, sparse=False, optimizer="adam", lr=0.1)
+    opt = model.configure_optimizers()
+    assert type(opt) is torch.optim.Adam
+    before = [p.detach().clone() for p in model.parameters()]
+    nn.functional.cross_entropy(model(torch.randint(0, 16, (4, 3))), torch.tensor([0, 1, 0, 1])).backward()
+    opt.step()
+    assert all(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
+
+
+@pytest.mark.parametrize("cls", [WideMLP, DeepMLP])
+def test_synthetic_mlps_take_the_optimizer_argument(cls: type) -> None:
+    small = {"in_features": 8, "hidden": 16, "num_classes": 3}
+    default = cls(**small).configure_optimizers()  # unchanged default: SGD with momentum 0.9
+    assert type(default) is torch.optim.SGD and default.param_groups[0]["momentum"] == 0.9
+    with pytest.raises(ValueError, match=r"optimizer must be one of \['adam', 'sgd', 'lamb', 'lars'\], got 'lion'"):
+        cls(**small, optimizer="lion")
+    for name, expected in _EXPECTED.items():
+        torch.manual_seed(0)
+        model = cls(**small, optimizer=name, lr=0.02)
+        assert model.hparams["optimizer"] == name  # saved, so a checkpoint rebuilds the same optimizer
+        opt = model.configure_optimizers()
+        assert type(opt) is expected
+        before = [p.detach().clone() for p in model.parameters()]
+        nn.functional.cross_entropy(model(torch.randn(6, 8)), torch.arange(6) % 3).backward()
+        opt.step()
+        assert all(not torch.equal(b, p) for b, p in zip(before, model.parameters())), name
