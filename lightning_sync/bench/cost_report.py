@@ -12,9 +12,9 @@ the projection to thousands of ranks (formulas: :mod:`lightning_sync.bench.model
   plain model fitted alone on each of the K ranks, kept in step by a barrier before every step, no
   communication in the step, in the same rounds as the strategy rows; per step its slowest rank, or, for
   a row that synchronizes once in H steps, per window of H steps its slowest rank's mean) give a predicted
-  step time, compared with the measured median (over the same windows). Compressing strategies add their codec arithmetic, measured in the run
-  itself (``comms`` op ``codec``: casts, PowerSGD's products), a compute cost that the model's
-  T_comp of the plain model does not contain.
+  step time, compared with the measured median (over the same windows). Compressing strategies add their
+  codec arithmetic, measured in the run itself (``comms`` op ``codec``: casts, PowerSGD's products), a
+  compute cost that the model's T_comp of the plain model does not contain.
   A second prediction replaces that compute time with ``c(K) T1`` (:func:`~lightning_sync.bench.model.contention`).
 * **Projection.** Every strategy at the largest measured K, projected to K = 8 ... 4096 with this
   machine's link and with :data:`~lightning_sync.bench.model.H100_NDR400`, for ring, tree and
@@ -116,7 +116,8 @@ class CostModel:
             codec = float(r.get("codec_ms", 0.0)) / 1e3
             simple = comm + codec + M.contention(k, self.cores, self.threads) * t1
             row = {"model": r["model"], "strategy": r["strategy"], "world": k, "measured_s": measured,
-                   "sync_every": every, "compute_s": compute, "codec_s": codec, "comm_s": comm, "traffic": traffic.source, "links": source,
+                   "sync_every": every, "compute_s": compute, "codec_s": codec, "comm_s": comm,
+                   "traffic": traffic.source, "links": source,
                    "predicted_s": None if compute is None else compute + codec + comm,
                    "predicted_ck_s": simple, "error_ck": simple / measured - 1}
             row["error"] = None if compute is None else row["predicted_s"] / measured - 1
@@ -166,9 +167,9 @@ class CostModel:
                   "of the K ranks, no communication in the step, kept in step by a barrier before every step, in "
                   "the same rounds as the strategy rows; per step the slowest rank's time, since a synchronous "
                   "step waits for its slowest rank; the median over steps; for a row that synchronizes once in H "
-                  "steps, H in the table, per window of H steps the slowest rank's mean, since the ranks wait for each "
-                  "other once per window, and the row's measured time is the median window mean too) + codec (compression "
-                  "arithmetic, measured in the run: `comms` op `codec`) + T_comm from the row's per-step traffic "
+                  "steps, H in the table, per window of H steps the slowest rank's mean, since the ranks wait for "
+                  "each other once per window, and the row's measured time is the median window mean too) + codec "
+                  "(compression arithmetic, measured in the run: `comms` op `codec`) + T_comm from the row's per-step traffic "
                   "(`CommStats`; analytic for torch DDP and FSDP2) and the links fitted at the row's K (the "
                   "backend's all-reduce; `comms`' all-gather and reduce-scatter; gloo's own ones for FSDP2), no "
                   "overlap. The last two "

@@ -37,6 +37,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from lightning_sync._checks import check_int
 from lightning_sync.bench.cost_report import CostModel
 from lightning_sync.bench.runner import IN_STEP
 
@@ -112,8 +113,7 @@ def _median(xs: list[float]) -> float:
 def window_means(steps: list[float], every: int = 1) -> list[float]:
     """The mean step time of each window of ``every`` consecutive steps (a trailing partial window is
     dropped; ``every`` = 1: the steps themselves)."""
-    if not isinstance(every, int) or every < 1:
-        raise ValueError(f"every must be an int >= 1, got {every!r}")
+    check_int("every", every, 1)
     return [sum(steps[i:i + every]) / every for i in range(0, len(steps) - every + 1, every)]
 
 

@@ -198,7 +198,8 @@ def _run_one(trial: Trial, world: int, callbacks: tuple[pl.Callback, ...] = ()) 
             "bytes_per_step": (sum(probe.bytes) / len(probe.bytes)) if probe.bytes else 0.0,
             "op_bytes_per_step": {op: b / n for op, b in probe.op_bytes.items()}, "comm_calls": probe.calls,
             "op_calls_per_step": {op: c / n for op, c in probe.op_calls.items()}, "n_linear": n_linear,
-            "exposed_s": probe.exposed_s, "codec_s": probe.codec_s, "step_calls": probe.step_calls, "comm_s": comm_s, "grad_bytes": param_bytes,
+            "exposed_s": probe.exposed_s, "codec_s": probe.codec_s, "step_calls": probe.step_calls, "comm_s": comm_s,
+            "grad_bytes": param_bytes,
             "param_bytes": param_bytes,
             "strategy": dict(trial.strategy), "peak_mib": peak, "extra": trial.extra}
 

@@ -29,10 +29,9 @@ from torch import Tensor, nn
 from torch.utils.data import Dataset, TensorDataset
 
 from lightning_sync.models._common import (
-    OPTIMIZERS,
     ClassifierModule,
-    build_optimizer,
     SplitDataModule,
+    build_optimizer,
     check_fraction,
     check_int,
     check_num_classes,
@@ -354,10 +353,9 @@ class BagOfWordsClassifier(ClassifierModule):
         check_positive_int("embed_dim", embed_dim)
         if not isinstance(sparse, bool):
             raise ValueError(f"sparse must be True or False, got {sparse!r}")
-        allowed = ["sgd"] if sparse else list(OPTIMIZERS)
-        if optimizer not in allowed:
-            hint = " (with sparse=True only plain SGD; set sparse=False for the others)" if sparse else ""
-            raise ValueError(f"optimizer must be one of {allowed}{hint}, got {optimizer!r}")
+        if sparse and optimizer != "sgd":  # ClassifierModule checks the name against OPTIMIZERS otherwise
+            raise ValueError(f"optimizer must be one of ['sgd'] (with sparse=True only plain SGD; set sparse=False "
+                             f"for the others), got {optimizer!r}")
         embedding = nn.EmbeddingBag(vocab_size, embed_dim, mode="mean", sparse=sparse)
         nn.init.normal_(embedding.weight, std=_EMBED_INIT_STD)
         net = nn.Sequential(
