@@ -279,6 +279,8 @@ def test_sweep_passes_over_every_size_per_repeat_and_reports_one_median_per_poin
     assert [(p["bytes"], p["algorithm"]) for p in points] == [(n, a) for n in sizes for a in algorithms]
     # the times themselves are the benchmark's to judge (the fit table of the report), not a test's
     assert all(p["world"] == 2 and isinstance(p["seconds"], float) for p in points)
+    # the span (last start to last end) lies inside the slowest rank's own time, repeat by repeat
+    assert all(p["seconds"] <= p["rank_seconds"] for p in points)
     # one warm-up per point, then each repeat passes over every size, the algorithms alternating: a burst
     # of load hits one repeat of several sizes (the median drops it), not every repeat of one size
     warm = [(n, a) for n in sizes for a in algorithms]

@@ -144,7 +144,9 @@ class CostModel:
                  "Latency a and bandwidth 1/b fitted by least squares (relative error) to the measured all-reduce "
                  "sweep, every world size together, with T = 2(K-1) a + 2(K-1)/K S b (ring and backend all-reduce), "
                  "T = 2 ceil(log2 K)(a + S b) (tree), T = (K-1) a + (K-1)/K S b (the backend's all-gather and "
-                 "reduce-scatter of a whole of S bytes). Formulas: `lightning_sync/bench/model.py`.", "",
+                 "reduce-scatter of a whole of S bytes). Formulas: `lightning_sync/bench/model.py`. A point is the median "
+                 "over repeats of the collective's span, from its last rank's start to its last rank's end (the "
+                 "wait for a late starter is the compute term's, which takes each step's slowest rank).", "",
                  "| algorithm | a (us) | bandwidth (GB/s) | points | median abs error | error >= 1 MiB | "
                  + " | ".join(f"K={k}" for k in self._sweep_worlds()) + " |",
                  "|---|---:|---:|---:|---:|---:|" + "---:|" * len(self._sweep_worlds())]

@@ -15,6 +15,9 @@ Each trial reports, per rank:
   ``reduce_scatter``, ...: per-op deltas of ``comms.get_stats().snapshot()`` around each step, averaged
   over the timed steps), from which the report derives ring wire bytes; ``comm_calls`` counts the
   collectives issued during the timed steps (0: the strategy does not use comms, measured = n/a);
+* ``op_seconds_per_step``: per op, the seconds its calls took inside the step (issue to completion, as
+  ``CommStats`` records them), averaged over the timed steps: the in-step price of each op, against the
+  sweep's;
 * ``param_bytes``: bytes of the trainable parameters, counted on the module before the strategy
   touched it (S of the analytic wire bytes; tied parameters once, padding aside);
 * ``step_calls``: per timed step, the collectives this rank issued through ``comms`` in it (a strategy that
@@ -110,6 +113,7 @@ class StepProbe(pl.Callback):
         self.step_calls: list[int] = []
         self.op_bytes: dict[str, int] = {}  # summed over the timed steps
         self.op_calls: dict[str, int] = {}
+        self.op_seconds: dict[str, float] = {}
         self.calls = 0
         self.peak_rss = 0.0
         self.bucketer: Any = None  # kept past teardown, for the communication-alone measurement
@@ -141,6 +145,7 @@ class StepProbe(pl.Callback):
             step_bytes += now.bytes - before.bytes
             self.op_bytes[op] = self.op_bytes.get(op, 0) + now.bytes - before.bytes
             self.op_calls[op] = self.op_calls.get(op, 0) + now.calls - before.calls
+            self.op_seconds[op] = self.op_seconds.get(op, 0.0) + now.seconds - before.seconds
             calls += now.calls - before.calls
         self.calls += calls
         self.step_calls.append(calls)
@@ -197,7 +202,8 @@ def _run_one(trial: Trial, world: int, callbacks: tuple[pl.Callback, ...] = ()) 
     return {"name": trial.name, "model": trial.model, "world": world, "step_s": probe.step_s,
             "bytes_per_step": (sum(probe.bytes) / len(probe.bytes)) if probe.bytes else 0.0,
             "op_bytes_per_step": {op: b / n for op, b in probe.op_bytes.items()}, "comm_calls": probe.calls,
-            "op_calls_per_step": {op: c / n for op, c in probe.op_calls.items()}, "n_linear": n_linear,
+            "op_calls_per_step": {op: c / n for op, c in probe.op_calls.items()},
+            "op_seconds_per_step": {op: t / n for op, t in probe.op_seconds.items()}, "n_linear": n_linear,
             "exposed_s": probe.exposed_s, "codec_s": probe.codec_s, "step_calls": probe.step_calls, "comm_s": comm_s,
             "grad_bytes": param_bytes,
             "param_bytes": param_bytes,

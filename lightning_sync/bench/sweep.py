@@ -7,7 +7,13 @@ float32) and each algorithm of :data:`lightning_sync.comms.algorithms.ALGORITHMS
 whole of that size, what the sharded strategies call; ``torch_all_gather`` and ``torch_reduce_scatter``:
 the backend's own ``all_gather_into_tensor`` and ``reduce_scatter_tensor``, what torch's FSDP2 calls), it
 times ``repeats`` all-reduces, each started by a barrier so every rank begins together, and reports
-the median of the slowest rank's time (the collective ends when its last rank ends). Each repeat is one
+the median of the collective's *span*: from the moment its last rank entered it to the moment its last
+rank left it (``max(end) - max(start)`` on the host's monotonic clock, which every rank of the one-host
+group reads). That is what a synchronous step pays for it: the step's compute term already ends with
+its slowest rank (the cost model's compute row takes the slowest rank per step), and the ranks that
+arrived earlier wait, asleep, until it comes. The slowest rank's own time, ``max(end - start)``, kept
+as ``rank_seconds``, also holds the wait for a late starter; with more ranks than cores a rank woken
+from the barrier can wait a whole time slice for a core, which would be priced twice. Each repeat is one
 pass over every size, the algorithms alternating within it (A B C, C B A, ...): a burst of load on this
 shared machine then hits one repeat of several sizes, which the median drops, rather than every repeat
 of one size, which would bend the fit.
@@ -74,9 +80,11 @@ def sweep_all_reduce(rank: int, world: int, sizes: list[int], algorithms: list[s
                      repeats: int = 7, threads: int = 1) -> list[dict[str, Any]]:
     """Time all-reduces of every size with every algorithm; returns one point per (algorithm, size).
 
-    Each point: ``{"algorithm", "world", "bytes", "seconds"}`` where ``seconds`` is the median over the
-    repeats of the slowest rank's wall time (every repeat is started by a barrier). One untimed
-    all-reduce per (algorithm, size) warms the buffers and the connections first.
+    Each point: ``{"algorithm", "world", "bytes", "seconds", "rank_seconds"}``: ``seconds`` is the median
+    over the repeats of the collective's span (its last rank's start to its last rank's end, see the
+    module docstring), ``rank_seconds`` the median of the slowest rank's own wall time (every repeat is
+    started by a barrier). The ranks must share one host (``run_distributed``): the span compares their
+    clocks. One untimed all-reduce per (algorithm, size) warms the buffers and the connections first.
     """
     for a in algorithms:
         check_choice("algorithm", a, OPS)
@@ -86,6 +94,7 @@ def sweep_all_reduce(rank: int, world: int, sizes: list[int], algorithms: list[s
         check_int("size", nbytes, 4)
     bufs = {n: torch.ones(n // 4 // world * world, dtype=torch.float32) for n in sizes}  # divisible into K shards
     times: dict[tuple[int, str], list[float]] = {(n, a): [] for n in sizes for a in algorithms}
+    own: dict[tuple[int, str], list[float]] = {(n, a): [] for n in sizes for a in algorithms}
     for n in sizes:
         for a in algorithms:  # warm-up
             _run(a, bufs[n].clone())
@@ -98,8 +107,10 @@ def sweep_all_reduce(rank: int, world: int, sizes: list[int], algorithms: list[s
                 comms.barrier()
                 t0 = time.perf_counter()
                 _run(a, t)
-                mine = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-                comms.all_reduce(mine, op="max")
-                times[(n, a)].append(float(mine))
-    return [{"algorithm": a, "world": world, "bytes": bufs[n].numel() * 4, "seconds": statistics.median(times[(n, a)])}
-            for n in sizes for a in algorithms]
+                t1 = time.perf_counter()
+                last = torch.tensor([t0, t1, t1 - t0], dtype=torch.float64)  # CLOCK_MONOTONIC: one clock per host
+                comms.all_reduce(last, op="max")
+                times[(n, a)].append(float(last[1] - last[0]))
+                own[(n, a)].append(float(last[2]))
+    return [{"algorithm": a, "world": world, "bytes": bufs[n].numel() * 4, "seconds": statistics.median(times[(n, a)]),
+             "rank_seconds": statistics.median(own[(n, a)])} for n in sizes for a in algorithms]
