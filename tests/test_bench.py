@@ -275,12 +275,12 @@ def _sweep_order(rank: int, world: int, sizes: list[int], algorithms: list[str],
 def test_sweep_passes_over_every_size_per_repeat_and_reports_one_median_per_point() -> None:
     sizes, algorithms = [1024, 4096], ["backend", "ring"]
     (points, order), (points1, _) = run_distributed(_sweep_order, 2, sizes, algorithms, 3, timeout=120)
-    assert points == points1  # every rank reports the slowest rank's times
+    assert points == points1  # every rank reports the same all-reduced times
     assert [(p["bytes"], p["algorithm"]) for p in points] == [(n, a) for n in sizes for a in algorithms]
     # the times themselves are the benchmark's to judge (the fit table of the report), not a test's
-    assert all(p["world"] == 2 and isinstance(p["seconds"], float) for p in points)
-    # the span (last start to last end) lies inside the slowest rank's own time, repeat by repeat
-    assert all(p["seconds"] <= p["rank_seconds"] for p in points)
+    # (the report prints span / rank time per K: CostModel.span_ratio)
+    assert all(p["world"] == 2 and isinstance(p["seconds"], float) and isinstance(p["rank_seconds"], float)
+               for p in points)
     # one warm-up per point, then each repeat passes over every size, the algorithms alternating: a burst
     # of load hits one repeat of several sizes (the median drops it), not every repeat of one size
     warm = [(n, a) for n in sizes for a in algorithms]

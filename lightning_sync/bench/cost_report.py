@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import os
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -76,8 +77,14 @@ class CostModel:
         """Per op, one fit to the sweep points of every world size together (the projection's link)."""
         self.fits_at: dict[int, dict[str, M.Fit]] = {}
         """Per world size K, per op, a fit to the sweep points of that K alone (the validation's links)."""
+        self.span_ratio: dict[int, float] = {}
+        """Per world size K, the median over sweep points of the span / the slowest rank's own time (points
+        from before the sweep recorded ``rank_seconds`` have none)."""
         for k in sorted({int(p["world"]) for p in sweep if int(p["world"]) > 1}):
             mine = [p for p in sweep if int(p["world"]) == k]
+            ratios = [p["seconds"] / p["rank_seconds"] for p in mine if p.get("rank_seconds")]
+            if ratios:
+                self.span_ratio[k] = statistics.median(ratios)
             self.fits_at[k] = {a: M.fit_alpha_beta(mine, a) for a in M.SWEPT
                                if sum(p["algorithm"] == a for p in mine) >= 2}
         self.worlds = M.projection_worlds(*projection)
@@ -164,6 +171,9 @@ class CostModel:
                 cells = [f"{f.link.alpha * 1e6:.0f} / {f.link.bandwidth / 1e9:.2f} ({f.median_abs_error():.0%})"
                          if (f := self.fits_at[k].get(a)) else "-" for k in worlds]
                 lines.append(f"| {a} | " + " | ".join(cells) + " |")
+        if self.span_ratio:
+            lines += ["", "Span against the slowest rank's own time (median over the points, at most 1 by "
+                      "construction): " + ", ".join(f"K={k} {r:.2f}" for k, r in self.span_ratio.items()) + "."]
         lines += ["", "### Validation: predicted against measured step time", "",
                   "Predicted = compute measured under the same time-sharing (the plain model fitted alone on each "
                   "of the K ranks, no communication in the step, kept in step by a barrier before every step, in "
