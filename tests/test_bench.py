@@ -93,6 +93,9 @@ def test_bench_quick_suite_smoke_writes_report_with_exact_byte_ratios(tmp_path: 
     assert every == {n: {"local_sgd": 5, "diloco": 10}.get(n, 1) for n in ALL_ROWS}, every
     # the compute rows ran among the strategies at K=2 (in step), and T1 alone
     assert {(c["model"], c["concurrent"]) for c in data["compute_s"]} == {("deep_mlp", 1), ("deep_mlp", 2)}
+    # FSDP2 ran at one rank too, among the T1 rounds, and the validation adds its host work to its rows only
+    assert [(h["model"], h["strategy"]) for h in data["host_s"]] == [("deep_mlp", "fsdp2")]
+    assert {v["strategy"] for v in data["validation"] if v["host_s"] != 0} <= {"fsdp2"}
     assert {p["world"] for p in data["projection"]} == {8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096}
     assert all(r["torch"] and r["lightning"] and r["cpu"] and r["date"] and r["command"] for r in data["rows"])
     assert "## Cost model" in report.read_text() and "### Projection to K ranks" in report.read_text()
@@ -215,11 +218,45 @@ def test_in_step_compute_rows_give_the_compute_and_are_not_strategy_rows() -> No
     # two rounds, each: ddp, then the compute row; per step the slower rank counts (a step waits for it)
     rank0 = [ddp, in_step([0.010, 0.050, 0.020]), ddp, in_step([0.030, 0.030, 0.030])]
     rank1 = [ddp, in_step([0.020, 0.040, 0.010]), ddp, in_step([0.001, 0.060, 0.002])]
-    report = Report([rank0, rank1], [{"model": "m", "step_s": [0.005, 0.007, 0.006]}], cfg, meta)
+    report = Report([rank0, rank1], [{"model": "m", "name": "single", "step_s": [0.005, 0.007, 0.006]}], cfg, meta)
     # slowest per step: round 1 [0.020, 0.050, 0.020], round 2 [0.030, 0.060, 0.030] -> median 0.030
     assert report.compute == {("m", 2): pytest.approx(0.030), ("m", 1): pytest.approx(0.006)}
     assert [r["strategy"] for r in report.rows()] == ["lightning_ddp"]
     assert COMPUTE_ROW not in report.markdown()
+
+
+def test_one_rank_rounds_give_t1_over_every_round_and_the_host_rows_work() -> None:
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.create({"baseline": "lightning_ddp", "pairs": 3, "steps": 3, "warmup_steps": 1})
+    meta = {"date": "d", "cpu": "c", "python": "3", "torch": "t", "lightning": "l", "threads_per_rank": 1,
+            "command": "x"}
+    ddp = _result("lightning_ddp", DDP, 100.0, {}, 0, peak=1.0)
+    # three rounds of the one-rank schedule: single, fsdp2 / fsdp2, single / single, fsdp2
+    single = [{"model": "m", "name": "single", "step_s": s} for s in ([0.010, 0.011], [0.030, 0.031], [0.012, 0.013])]
+    host = [{"model": "m", "name": "fsdp2", "step_s": s} for s in ([0.020], [0.019], [0.050])]
+    report = Report([[ddp], [ddp]], [single[0], host[0], host[1], single[1], single[2], host[2]], cfg, meta)
+    # T1: the median over rounds of each round's median (not the last round's): 0.0125
+    assert report.compute[("m", 1)] == pytest.approx(0.0125)
+    assert report.host == {("m", "fsdp2"): pytest.approx(0.020 - 0.0125)}
+    assert ("Host work at one rank, the row's single-process step less T1 (ms; the cost model adds it): "
+            "fsdp2 on m +7.5") in report.markdown()
+    assert report.as_json()["host_s"] == [{"model": "m", "strategy": "fsdp2", "seconds": pytest.approx(0.0075)}]
+
+
+def test_host_rows_must_name_strategy_rows() -> None:
+    from omegaconf import OmegaConf
+
+    from lightning_sync.bench.app import host_rows
+
+    cfg = OmegaConf.create({"strategies": {"lightning_ddp": DDP, "fsdp2": FSDP2},
+                            "cost_model": {"host_rows": ["fsdp2"]}})
+    assert host_rows(cfg, {"lightning_ddp": DDP, "fsdp2": FSDP2}) == {"fsdp2": (FSDP2, {})}
+    assert host_rows(cfg, {"lightning_ddp": DDP}) == {}  # a row not selected by run_strategies is not run
+    cfg.cost_model.host_rows = ["fsdp3"]
+    with pytest.raises(ValueError, match=r"cost_model.host_rows must name rows of strategies \['lightning_ddp', "
+                                         r"'fsdp2'\], got \['fsdp3'\]"):
+        host_rows(cfg, {"lightning_ddp": DDP})
 
 
 def test_a_periodic_row_is_timed_and_predicted_over_windows_of_its_period() -> None:
@@ -243,7 +280,7 @@ def test_a_periodic_row_is_timed_and_predicted_over_windows_of_its_period() -> N
 
     rank0 = [ddp, local, in_step([0.010, 0.010, 0.040, 0.010, 0.010, 0.040])]
     rank1 = [ddp, local, in_step([0.040, 0.010, 0.010, 0.040, 0.010, 0.010])]
-    report = Report([rank0, rank1], [{"model": "m", "step_s": [0.005]}], cfg, meta)
+    report = Report([rank0, rank1], [{"model": "m", "name": "single", "step_s": [0.005]}], cfg, meta)
     rows = {r["strategy"]: r for r in report.rows()}
     assert rows["local_sgd"]["sync_every"] == 3 and rows["lightning_ddp"]["sync_every"] == 1
     assert rows["local_sgd"]["step_ms"] == pytest.approx(20.0) and rows["lightning_ddp"]["step_ms"] == pytest.approx(11.0)

@@ -23,10 +23,11 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from lightning_sync.bench.report import Report, save_raw
-from lightning_sync.bench.runner import IN_STEP, Trial, run_trials
+from lightning_sync.bench.runner import IN_STEP, SINGLE_ROW, Trial, run_trials
 from lightning_sync.bench.sweep import sweep_all_reduce, sweep_sizes
 
-__all__ = ["COMPUTE_ROW", "run_bench", "run_sweep", "schedule", "select_strategies", "with_compute_row", "world_sizes"]
+__all__ = ["COMPUTE_ROW", "host_rows", "run_bench", "run_sweep", "schedule", "select_strategies", "with_compute_row",
+           "world_sizes"]
 
 log = logging.getLogger("lightning_sync.bench")
 
@@ -107,6 +108,20 @@ def select_strategies(cfg: DictConfig) -> dict[str, dict[str, Any]]:
     return rows
 
 
+def host_rows(cfg: DictConfig, selected: dict[str, Any]) -> dict[str, tuple[dict[str, Any], dict[str, Any]]]:
+    """The strategy rows that the cost model also measures at one rank (``cost_model.host_rows``), among
+    the ``selected`` ones, for the single-process rounds: their step there less T1 is their host work
+    (:class:`~lightning_sync.bench.cost_report.CostModel`).
+
+    Raises ``ValueError`` for a name that is not a row of ``strategies``.
+    """
+    names = [str(n) for n in ((cfg.get("cost_model") or {}).get("host_rows") or [])]
+    unknown = [n for n in names if n not in cfg.strategies]
+    if unknown:
+        raise ValueError(f"cost_model.host_rows must name rows of strategies {list(cfg.strategies)}, got {unknown!r}")
+    return {n: (selected[n], {}) for n in names if n in selected}
+
+
 def world_sizes(cfg: DictConfig) -> list[int]:
     """The measured world sizes: ``world_sizes`` (a list of ints >= 2), in ascending order without repeats."""
     raw = cfg.get("world_sizes")
@@ -126,7 +141,8 @@ def run_bench(cfg: DictConfig, out_dir: Path) -> Report | None:
 
     Order: the strategy rows at every world size (one spawned group per size, with the cost model's
     compute row :data:`COMPUTE_ROW` among them; the bucket sweep at the smallest), the single-process
-    rows, the all-reduce sweep of the cost model, then the trade-off.
+    rows (T1, and the cost model's :func:`host_rows` at one rank, alternated with it), the all-reduce sweep
+    of the cost model, then the trade-off.
     """
     from lightning_sync.testing import run_distributed
 
@@ -136,8 +152,10 @@ def run_bench(cfg: DictConfig, out_dir: Path) -> Report | None:
             "python": platform.python_version(), "torch": _version("torch"), "lightning": _version("lightning"),
             "world_sizes": worlds, "threads_per_rank": threads,
             "command": " ".join(["lightning-sync", "bench", *sys.argv[1:]])}
-    strategies = {name: (node, {}) for name, node in select_strategies(cfg).items()}
+    selected = select_strategies(cfg)
+    strategies = {name: (node, {}) for name, node in selected.items()}
     cost = cfg.get("cost_model") or {}
+    hosts = host_rows(cfg, selected) if cost.get("enabled") else {}
     if cost.get("enabled"):  # compute alone under the same time-sharing, in the same rounds (runner.IN_STEP)
         strategies = with_compute_row(strategies)
     timeout = float(cfg.timeout_s)
@@ -156,10 +174,10 @@ def run_bench(cfg: DictConfig, out_dir: Path) -> Report | None:
         single: list[dict[str, Any]] = []
         solo_models = list(dict.fromkeys([*(cfg.scaling.models if cfg.scaling.enabled else []),
                                           *(cfg.run_models if cost.get("enabled") else [])]))
-        one = {"single": ({"_target_": None}, {})}
+        one = {SINGLE_ROW: ({"_target_": None}, {}), **hosts}  # and the cost model's host rows at one rank
         solo = [t for model in solo_models for t in _trials(cfg, model, one)]
         if solo:
-            log.info("bench: %d single-process trials (T1)", len(solo))
+            log.info("bench: %d single-process trials (T1%s)", len(solo), "".join(f", {n}" for n in hosts))
             single = run_distributed(run_trials, 1, solo, threads, "K=1", timeout=timeout, env=env)[0]
         sweep = run_sweep(cost, threads, timeout) if cost.get("enabled") else []
         report = Report(results, single, cfg, meta, sweep=sweep)

@@ -14,7 +14,10 @@ the projection to thousands of ranks (formulas: :mod:`lightning_sync.bench.model
   a row that synchronizes once in H steps, per window of H steps its slowest rank's mean) give a predicted
   step time, compared with the measured median (over the same windows). Compressing strategies add their
   codec arithmetic, measured in the run itself (``comms`` op ``codec``: casts, PowerSGD's products), a
-  compute cost that the model's T_comp of the plain model does not contain.
+  compute cost that the model's T_comp of the plain model does not contain. So do the rows measured at one
+  rank too (``cost_model.host_rows``: FSDP2), whose step there has no collective in it: their host work
+  (DTensor parameters, per-unit hooks and the optimizer on shards), the one-rank step less T1, scaled by the
+  compute's measured time-sharing factor (:meth:`CostModel.host_at`).
   A second prediction replaces that compute time with ``c(K) T1`` (:func:`~lightning_sync.bench.model.contention`).
 * **Projection.** Every strategy at the largest measured K, projected to K = 8 ... 4096 with this
   machine's link and with :data:`~lightning_sync.bench.model.H100_NDR400`, for ring, tree and
@@ -63,13 +66,16 @@ class CostModel:
     def __init__(self, rows: list[dict[str, Any]], compute: dict[tuple[str, int], float],
                  sweep: list[dict[str, Any]], cores: int | None = None, threads_per_rank: int = 1,
                  projection: tuple[int, int] = (8, 4096),
-                 compute_every: dict[tuple[str, int, int], float] | None = None) -> None:
+                 compute_every: dict[tuple[str, int, int], float] | None = None,
+                 host: dict[tuple[str, str], float] | None = None) -> None:
         """``compute``: per (model, K) the compute step time under K-way time-sharing (K = 1: T1);
         ``compute_every``: per (model, K, H) the same for ranks that synchronize once in H steps (the rows
-        whose ``sync_every`` is H > 1; :meth:`~lightning_sync.bench.report.Report.compute_every`)."""
+        whose ``sync_every`` is H > 1; :meth:`~lightning_sync.bench.report.Report.compute_every`);
+        ``host``: per (model, strategy row) the row's step at one rank less T1 (:meth:`host_at`)."""
         self.rows = [r for r in rows if (r["model"], 1) in compute]  # bucket-sweep rows have no compute of their own
         self.compute = compute
         self.compute_every = dict(compute_every or {})
+        self.host = dict(host or {})
         self.cores = cores or os.cpu_count() or 1
         self.threads = threads_per_rank
         self.fits = {a: M.fit_alpha_beta(sweep, a) for a in M.SWEPT
@@ -107,6 +113,20 @@ class CostModel:
         source = f"K={world}" if "backend" in own else "pooled"
         return fits["backend"].link, _op_links(fits), source
 
+    def host_at(self, model: str, strategy: str, world: int, every: int = 1) -> float:
+        """Seconds per step of a row's own host work at K = ``world``: its one-rank step less T1, scaled like
+        the compute, by the measured time-sharing factor compute(K) / T1 (0 for a row not measured at one rank).
+
+        A row earns the term only where its one-rank step has no collective in it (FSDP2 skips its all-gathers
+        and reduce-scatters on one rank): our strategies still run their one-rank collectives through the
+        backend there, and T_comm prices those again at K."""
+        h = self.host.get((model, strategy))
+        if h is None:
+            return 0.0
+        t1 = self.compute[(model, 1)]
+        compute = self.compute_every.get((model, world, every)) if every > 1 else self.compute.get((model, world))
+        return h * (compute / t1 if compute is not None else M.contention(world, self.cores, self.threads))
+
     def validation(self) -> list[dict[str, Any]]:
         """Predicted against measured step time for every row whose K has a compute measurement."""
         out = []
@@ -121,11 +141,13 @@ class CostModel:
             compute = (self.compute_every.get((r["model"], k, every)) if every > 1
                        else self.compute.get((r["model"], k)))
             codec = float(r.get("codec_ms", 0.0)) / 1e3
-            simple = comm + codec + M.contention(k, self.cores, self.threads) * t1
+            host = self.host_at(r["model"], r["strategy"], k, every)
+            c_k = M.contention(k, self.cores, self.threads)
+            simple = comm + codec + c_k * (t1 + self.host.get((r["model"], r["strategy"]), 0.0))
             row = {"model": r["model"], "strategy": r["strategy"], "world": k, "measured_s": measured,
-                   "sync_every": every, "compute_s": compute, "codec_s": codec, "comm_s": comm,
+                   "sync_every": every, "compute_s": compute, "host_s": host, "codec_s": codec, "comm_s": comm,
                    "traffic": traffic.source, "links": source,
-                   "predicted_s": None if compute is None else compute + codec + comm,
+                   "predicted_s": None if compute is None else compute + host + codec + comm,
                    "predicted_ck_s": simple, "error_ck": simple / measured - 1}
             row["error"] = None if compute is None else row["predicted_s"] / measured - 1
             out.append(row)
@@ -139,7 +161,7 @@ class CostModel:
         for r in self.rows:
             if int(r["world"]) != top:
                 continue
-            t1 = self.compute[(r["model"], 1)]
+            t1 = self.compute[(r["model"], 1)] + self.host.get((r["model"], r["strategy"]), 0.0)
             for fabric in fabrics:
                 for p in M.project(traffic_of(r), t1, fabric, self.worlds):
                     out.append({"model": r["model"], "strategy": r["strategy"], "fabric": fabric.name, **p})
@@ -180,22 +202,25 @@ class CostModel:
                   "the same rounds as the strategy rows; per step the slowest rank's time, since a synchronous "
                   "step waits for its slowest rank; the median over steps; for a row that synchronizes once in H "
                   "steps, H in the table, per window of H steps the slowest rank's mean, since the ranks wait for "
-                  "each other once per window, and the row's measured time is the median window mean too) + codec "
+                  "each other once per window, and the row's measured time is the median window mean too) + host "
+                  "(a row's own host work, for the rows measured at one rank too, whose step there has no collective: "
+                  "that step less T1, times the time-sharing factor compute / T1) + codec "
                   "(compression arithmetic, measured in the run: `comms` op `codec`) + T_comm from the row's per-step traffic "
                   "(`CommStats`; analytic for torch DDP and FSDP2) and the links fitted at the row's K (the "
                   "backend's all-reduce; `comms`' all-gather and reduce-scatter; gloo's own ones for FSDP2), no "
                   "overlap. The last two "
-                  f"columns use c(K) T1 (c = max(1, K / {self.cores} cores)) instead of the measured compute.", "",
-                  "| model | strategy | K | H | measured ms | compute ms | codec ms | T_comm ms | predicted ms | error "
-                  "| c(K) T1 + codec + T_comm ms | error |",
-                  "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  f"columns use c(K) (T1 + host at one rank) (c = max(1, K / {self.cores} cores)) instead of the "
+                  "measured compute and host.", "",
+                  "| model | strategy | K | H | measured ms | compute ms | host ms | codec ms | T_comm ms "
+                  "| predicted ms | error | c(K) (T1 + host) + codec + T_comm ms | error |",
+                  "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         val = self.validation()
         for v in val:
             comp = "n/a" if v["compute_s"] is None else f"{v['compute_s'] * 1e3:.1f}"
             pred = "n/a" if v["predicted_s"] is None else f"{v['predicted_s'] * 1e3:.1f}"
             err = "n/a" if v["error"] is None else f"{v['error']:+.0%}"
             lines.append(f"| {v['model']} | {v['strategy']} | {v['world']} | {v['sync_every']} | "
-                         f"{v['measured_s'] * 1e3:.1f} | {comp} | "
+                         f"{v['measured_s'] * 1e3:.1f} | {comp} | {v['host_s'] * 1e3:.1f} | "
                          f"{v['codec_s'] * 1e3:.1f} | {v['comm_s'] * 1e3:.1f} | {pred} | {err} | {v['predicted_ck_s'] * 1e3:.1f} | "
                          f"{v['error_ck']:+.0%} |")
         errs = [abs(v["error"]) for v in val if v["error"] is not None]

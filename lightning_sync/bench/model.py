@@ -34,7 +34,9 @@ shards, ``P(K) = P(K0) K0 / K``, every other payload is the same at every K)::
     T_step(K) = max(c(K) T_comp, T_comm(K))                    perfect overlap
     efficiency(K) = T_comp / T_step(K)                         weak scaling, fixed per-rank batch
 
-T_comp is the measured single-process step time at the per-rank batch. ``c(K) = max(1, K * threads / cores)``
+T_comp is the measured single-process step time at the per-rank batch (for a strategy that does host work
+of its own, such as FSDP2's DTensor parameters and per-unit hooks, its one-rank step: the report adds that
+difference to the plain model's). ``c(K) = max(1, K * threads / cores)``
 is the time-sharing of one machine's cores: on this 2-core machine 4 ranks of one thread each get half
 a core each. The projection assumes every node has a core per rank (c = 1).
 

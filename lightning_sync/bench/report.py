@@ -39,7 +39,7 @@ from typing import Any
 
 from lightning_sync._checks import check_int
 from lightning_sync.bench.cost_report import CostModel
-from lightning_sync.bench.runner import IN_STEP
+from lightning_sync.bench.runner import IN_STEP, SINGLE_ROW
 
 __all__ = ["WIRE_FACTORS", "Report", "analytic_wire_bytes", "analytic_wire_factor", "load_raw", "save_raw",
            "slowest_per_step", "sync_every", "window_means", "wire_bytes"]
@@ -185,7 +185,14 @@ class Report:
                 wire = max(wire_bytes(r[i].get("op_bytes_per_step", {}), r[i]["world"]) for r in ranks)
                 self._trials[(rank0["model"], rank0["name"], int(world))].append(
                     {**rank0, "peak_mib": peak, "wire_bytes": wire})
-        self._single = {r["model"]: _median(r["step_s"]) for r in single}
+        solo: dict[tuple[str, str], list[float]] = defaultdict(list)
+        for r in single:
+            solo[(r["model"], r["name"])].append(_median(r["step_s"]))
+        self._single = {m: _median(v) for (m, n), v in solo.items() if n == SINGLE_ROW}
+        """T1 per model: the median over rounds of the single-process trials' median step."""
+        self.host = {(m, n): _median(v) - self._single[m] for (m, n), v in solo.items()
+                     if n != SINGLE_ROW and m in self._single}
+        """Per (model, strategy row): the row's step at one rank less T1 (the cost model's host rows)."""
         self.compute = {key: self.compute_every(*key, 1) for key in self._in_step}
         """Compute step time per (model, K) under K-way time-sharing: the median over steps (of every round)
         of the slowest of the K in-step ranks (:func:`slowest_per_step`; K = 1: T1)."""
@@ -276,6 +283,9 @@ class Report:
         if self._single:
             lines += ["", "Single-process step time T1(b) (ms): "
                       + ", ".join(f"{k} {1e3 * v:.1f}" for k, v in self._single.items())]
+        if self.host:
+            lines += ["", "Host work at one rank, the row's single-process step less T1 (ms; the cost model adds it): "
+                      + ", ".join(f"{n} on {m} {1e3 * v:+.1f}" for (m, n), v in self.host.items())]
         lines += ["", "Overlap check: with perfect overlap a step would take max(T1, comm alone); on a machine "
                   "where communication competes with compute for the same cores it takes about T1 + comm alone.",
                   "", "torch's own DDP sends its gradients outside `lightning_sync.comms`, so its bytes read 0 here; "
@@ -301,7 +311,8 @@ class Report:
         rows = self.rows()
         every = {(r["model"], int(r["world"]), int(r["sync_every"])) for r in rows if int(r["sync_every"]) > 1}
         periodic = {key: self.compute_every(*key) for key in every if key[:2] in self._in_step}
-        return CostModel(rows, self.compute, self.sweep, compute_every=periodic, cores=self.meta.get("cores"),
+        return CostModel(rows, self.compute, self.sweep, compute_every=periodic, host=self.host,
+                         cores=self.meta.get("cores"),
                          threads_per_rank=int(self.meta.get("threads_per_rank", 1)),
                          projection=(int(proj.get("smallest", 8)), int(proj.get("largest", 4096))))
 
@@ -311,7 +322,8 @@ class Report:
         rows = [{**r, **self.meta} for r in self.rows()]
         out: dict[str, Any] = {"meta": self.meta, "rows": rows,
                                "compute_s": [{"model": m, "concurrent": k, "seconds": v}
-                                             for (m, k), v in self.compute.items()]}
+                                             for (m, k), v in self.compute.items()],
+                               "host_s": [{"model": m, "strategy": n, "seconds": v} for (m, n), v in self.host.items()]}
         cost = self.cost_model
         if cost is not None:
             out["sweep"] = self.sweep

@@ -50,10 +50,13 @@ from typing_extensions import override
 from lightning_sync import comms
 from lightning_sync.sync.compression import CODEC_OP
 
-__all__ = ["IN_STEP", "Lockstep", "StepProbe", "Trial", "run_trials"]
+__all__ = ["IN_STEP", "SINGLE_ROW", "Lockstep", "StepProbe", "Trial", "run_trials"]
 
 #: ``Trial.extra`` key of the rows that measure compute alone under a K-rank job's time-sharing.
 IN_STEP = "in_step"
+
+#: Name of the single-process row of the plain model (T1) in the one-rank rounds.
+SINGLE_ROW = "single"
 
 
 @dataclass

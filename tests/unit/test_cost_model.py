@@ -210,8 +210,35 @@ def test_cost_model_validation_error_by_hand() -> None:
     assert len(proj) == 2 * 10 * 3 and {p["fabric"] for p in proj} == {M.H100_NDR400.name,
                                                                      "this machine (fitted backend links)"}
     text = "\n".join(cost.markdown())
-    assert "| m | ddp | 2 | 1 | 40.0 | 25.0 | 1.5 | 12.0 | 38.5 | -4% | 33.5 | -16% |" in text
+    assert "| m | ddp | 2 | 1 | 40.0 | 25.0 | 0.0 | 1.5 | 12.0 | 38.5 | -4% | 33.5 | -16% |" in text
     assert "1 of 1 predictions lie within 25 %" in text
+
+
+def test_a_row_measured_at_one_rank_adds_its_host_work_scaled_like_the_compute() -> None:
+    sweep = [{"algorithm": "backend", "world": k, "bytes": s,
+              "seconds": 2 * (k - 1) * 1e-3 + 2 * (k - 1) / k * s * 1e-9} for k in (2, 4) for s in (1000, 10**6, 10**8)]
+    rows = [_row({}, True, name=n, world=k, ops={"all_reduce": 1e7}, calls={"all_reduce": 1.0}, step_ms=60.0)
+            for n in ("fsdp", "ddp") for k in (2, 4)]
+    compute = {("m", 1): 0.020, ("m", 2): 0.025, ("m", 4): 0.050}
+    # fsdp's one-rank step took 8 ms more than T1; ddp was not measured at one rank
+    cost = CostModel(rows, compute, sweep, cores=2, host={("m", "fsdp"): 0.008})
+    f2, f4, d2, d4 = cost.validation()
+    comm2, comm4 = 2e-3 + 1e7 * 1e-9, 6e-3 + 1.5e7 * 1e-9
+    # scaled by the measured time-sharing factor compute(K) / T1: 1.25 at K=2, 2.5 at K=4
+    assert f2["host_s"] == pytest.approx(0.010) and f4["host_s"] == pytest.approx(0.020)
+    assert f2["predicted_s"] == pytest.approx(0.025 + 0.010 + comm2)
+    assert f4["predicted_s"] == pytest.approx(0.050 + 0.020 + comm4)
+    assert f4["predicted_ck_s"] == pytest.approx(2 * (0.020 + 0.008) + comm4)  # c(4) = 2 on 2 cores
+    assert d2["host_s"] == 0.0 and d2["predicted_s"] == pytest.approx(0.025 + comm2)
+    assert d4["predicted_ck_s"] == pytest.approx(2 * 0.020 + comm4)
+    # without a compute measurement at K the host work falls back to c(K), like the compute
+    assert cost.host_at("m", "fsdp", 3) == pytest.approx(1.5 * 0.008)
+    # the projection's T_comp of the row is its one-rank step
+    proj = {(p["strategy"], p["fabric"], p["world"], p["algorithm"]): p for p in cost.projection()}
+    key = (M.H100_NDR400.name, 8, "ring")
+    assert proj[("fsdp", *key)]["efficiency"] == pytest.approx(0.028 / proj[("fsdp", *key)]["step_s"])
+    assert proj[("ddp", *key)]["step_s"] == pytest.approx(proj[("fsdp", *key)]["step_s"] - 0.008)
+    assert "| m | fsdp | 4 | 1 | 60.0 | 50.0 | 20.0 |" in "\n".join(cost.markdown())
 
 
 def test_a_row_that_syncs_once_in_h_steps_is_predicted_with_the_compute_of_h_step_windows() -> None:
