@@ -67,14 +67,17 @@ def test_bench_quick_suite_smoke_writes_report_with_exact_byte_ratios(tmp_path: 
     assert rows["bucketed_ddp_bf16"][7] == "0.500" and float(rows["bucketed_ddp_powersgd"][7]) < 0.1
     assert rows["local_sgd"][7] == "0.200" and rows["diloco"][7] == "0.100"
     assert rows["lightning_ddp"][4] == "1.000" and rows["fsdp2"][5] == "1.000"  # each reference's ratio to itself
-    assert rows["lightning_ddp"][8] == "n/a" and rows["fsdp2"][8] == "n/a"  # traffic outside comms
+    assert rows["lightning_ddp"][8] == "n/a"  # torch DDP's traffic is outside comms
+    # FSDP2's is counted while its trials run: two all-gathers of the half shard and one reduce-scatter of
+    # the whole, 2 x the gradient bytes, as zero3's
+    assert rows["fsdp2"][7] == rows["zero3"][7] == "2.000"
     assert re.search(r"Single-process step time T1\(b\) \(ms\): deep_mlp \d", report.read_text())
     # sharding table: K, step ms, x lightning_ddp, x fsdp2, peak, wire, analytic, wire / analytic
     assert list(shard_rows) == ["lightning_ddp", "bucketed_ddp", "fsdp2", "zero1", "zero2", "zero3"]
     # measured wire bytes hit the analytic figure exactly (deep_mlp's units split evenly over 2 ranks, no
     # padding): DDP one all-reduce, ZeRO-1/2 reduce-scatter + all-gather, ZeRO-3 two all-gathers + one
     # reduce-scatter of every parameter byte
-    for name in ("bucketed_ddp", "zero1", "zero2", "zero3"):
+    for name in ("bucketed_ddp", "zero1", "zero2", "zero3", "fsdp2"):
         assert shard_rows[name][9] == "1.000", shard_rows[name]
     assert shard_rows["zero3"][8] == shard_rows["fsdp2"][8]  # like for like: 3(K-1)/K * S
     assert float(shard_rows["fsdp2"][8]) == pytest.approx(1.5 * float(shard_rows["bucketed_ddp"][8]), rel=1e-3)
@@ -289,6 +292,38 @@ def test_a_periodic_row_is_timed_and_predicted_over_windows_of_its_period() -> N
     assert report.compute[("m", 2)] == pytest.approx(0.040)
     assert report.compute_every("m", 2, 3) == pytest.approx(0.020)
     assert math.isnan(report.compute_every("m", 2, 8))  # no whole window of 8 steps was measured
+
+
+def _count_torch_collectives(rank: int, world: int) -> object:
+    import torch
+    import torch.distributed as dist
+
+    from lightning_sync import comms
+    from lightning_sync.bench.runner import torch_collectives_counted
+
+    original = dist.all_gather_single
+    comms.reset_stats()
+    shard = torch.full((3,), float(rank))
+    whole = torch.arange(8.0)
+    with torch_collectives_counted():
+        gathered = torch.empty(3 * world)
+        dist.all_gather_single(gathered, shard)
+        reduced = torch.empty(8 // world)
+        work = dist.reduce_scatter_single(output=reduced, input=whole, async_op=True)
+        work.wait()
+    dist.all_gather_single(gathered, shard)  # after the block: not counted
+    snap = comms.get_stats().snapshot()
+    return (dist.all_gather_single is original, gathered.tolist(), reduced.tolist(),
+            {op: (s.calls, s.bytes) for op, s in snap.items()})
+
+
+def test_torch_collectives_are_counted_as_comms_ops_while_the_block_runs() -> None:
+    (restored, gathered, reduced, ops), _ = run_distributed(_count_torch_collectives, 2, timeout=120)
+    assert restored
+    # the collectives still run: rank 0's shard then rank 1's; the sum over 2 ranks of arange(8), rank 0's half
+    assert gathered == [0.0, 0.0, 0.0, 1.0, 1.0, 1.0] and reduced == [0.0, 2.0, 4.0, 6.0]
+    # payloads as comms counts them: the all-gather's own shard (3 floats), the reduce-scatter's whole input
+    assert ops == {"torch_all_gather": (1, 12), "torch_reduce_scatter": (1, 32)}
 
 
 def _sweep_order(rank: int, world: int, sizes: list[int], algorithms: list[str], repeats: int) -> object:

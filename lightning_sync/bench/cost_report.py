@@ -4,7 +4,7 @@ the projection to thousands of ranks (formulas: :mod:`lightning_sync.bench.model
 * **Fit.** :func:`~lightning_sync.bench.model.fit_alpha_beta` per all-reduce algorithm over every
   world size of the sweep; ``fit.png`` draws the measured points against the fitted lines.
 * **Validation.** For every measured row with a compute time: its traffic (``CommStats``, or the
-  analytic one for torch's DDP and FSDP2, which bypass ``comms``: :func:`traffic_of`), the links
+  analytic one for a row that sent nothing through it, torch's DDP: :func:`traffic_of`), the links
   fitted to the sweep points of the row's own K alone (:meth:`CostModel.links_at`: with more ranks
   than cores, time-sharing changes a link's latency and bandwidth with K, so the validation prices a
   K-rank step with the links measured under that same time-sharing; the pooled fit where the sweep
@@ -41,10 +41,12 @@ _DDP_FIRST_BUCKET, _DDP_BUCKET = 1 * _MIB, 25 * _MIB  # torch DDP's first bucket
 
 
 def traffic_of(row: dict[str, Any]) -> M.Traffic:
-    """A report row's per-step traffic: measured through ``comms``, else the analytic traffic of the
+    """A report row's per-step traffic: measured through ``comms`` (FSDP2's counted by
+    :func:`~lightning_sync.bench.runner.torch_collectives_counted`), else the analytic traffic of the
     strategies that bypass it (torch DDP: one all-reduce of the gradients in 1 MiB then 25 MiB buckets;
-    FSDP2: per ``nn.Linear`` unit two all-gathers of its shard, one without ``reshard_after_forward``,
-    and one reduce-scatter, with the backend's own ops, ``torch_all_gather`` and ``torch_reduce_scatter``)."""
+    FSDP2, in runs from before its collectives were counted: per ``nn.Linear`` unit two all-gathers of its
+    shard, one without ``reshard_after_forward``, and one reduce-scatter, with the backend's own ops,
+    ``torch_all_gather`` and ``torch_reduce_scatter``)."""
     world, s = int(row["world"]), float(row["param_bytes"])
     if row["measured"]:
         calls = row["op_calls_per_step"]
@@ -206,7 +208,8 @@ class CostModel:
                   "(a row's own host work, for the rows measured at one rank too, whose step there has no collective: "
                   "that step less T1, times the time-sharing factor compute / T1) + codec "
                   "(compression arithmetic, measured in the run: `comms` op `codec`) + T_comm from the row's per-step traffic "
-                  "(`CommStats`; analytic for torch DDP and FSDP2) and the links fitted at the row's K (the "
+                  "(`CommStats`; analytic where a row sent nothing through `comms`: torch DDP) and the links fitted "
+                  "at the row's K (the "
                   "backend's all-reduce; `comms`' all-gather and reduce-scatter; gloo's own ones for FSDP2), no "
                   "overlap. The last two "
                   f"columns use c(K) (T1 + host at one rank) (c = max(1, K / {self.cores} cores)) instead of the "

@@ -16,8 +16,9 @@ Statistics (this machine is noisy, so only medians and same-run ratios are repor
   ``(K-1)/K`` (its payload is the full padded input), all_gather ``K-1`` (its payload is this rank's
   shard); they are compared with :func:`analytic_wire_bytes`, the textbook figure from the
   parameter bytes S: ``2(K-1)/K * S`` for DDP and ZeRO-1/2, ``3(K-1)/K * S`` for ZeRO-3 and FSDP2
-  (parameters gathered again for backward); torch DDP and FSDP2 bypass ``comms``, so their
-  measured figure is n/a;
+  (parameters gathered again for backward); torch DDP bypasses ``comms``, so its measured figure is
+  n/a; FSDP2's all-gathers and reduce-scatters are counted while its trials run
+  (:func:`~lightning_sync.bench.runner.torch_collectives_counted`);
 * exposed communication is the median time still communicating after backward ended, as a share
   of the time the same buckets take to all-reduce alone ("comm alone", measured after the trial);
 * scaling efficiency is ``T1(b) / TK(b)``, 1.0 being perfect;
@@ -62,6 +63,9 @@ WIRE_FACTORS: dict[str, Callable[[int], float]] = {
     "recv": lambda k: 0.0,
     "barrier": lambda k: 0.0,
 }
+# gloo's own all-gather and reduce-scatter (FSDP2's, counted by bench.runner) move what comms' do
+WIRE_FACTORS["torch_all_gather"], WIRE_FACTORS["torch_reduce_scatter"] = WIRE_FACTORS["all_gather"], \
+    WIRE_FACTORS["reduce_scatter"]
 
 
 def _check_world(world: int) -> None:
@@ -378,7 +382,8 @@ class Report:
                  "largest over ranks (mallinfo2 above the level before the model was built); wire bytes per step "
                  "and rank, measured through `comms` with the ring model, against the analytic figure "
                  "(DDP and ZeRO-1/2: 2(K-1)/K x S, ZeRO-3 and FSDP2: 3(K-1)/K x S, S = trainable parameter bytes, "
-                 "padding aside). torch DDP and FSDP2 bypass `comms`: measured n/a.", "",
+                 "padding aside). torch DDP bypasses `comms`: measured n/a. FSDP2's all-gathers and reduce-scatters "
+                 "are counted while its trials run (bench.runner.torch_collectives_counted).", "",
                  f"| model | K | strategy | step ms | x {self.baseline} | x {reference} | peak MiB/rank "
                  "| wire MiB/step/rank | analytic MiB | wire / analytic |",
                  "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]

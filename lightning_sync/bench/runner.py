@@ -10,7 +10,8 @@ Each trial reports, per rank:
 * ``step_s``: wall time of each timed step (``on_train_batch_start`` to ``on_train_batch_end``:
   forward, backward, communication and the optimizer step);
 * ``bytes_per_step``: payload bytes this rank sent through ``lightning_sync.comms`` per timed step
-  (0 for torch's own DDP and FSDP2, whose traffic bypasses comms; the report shows the analytic figure);
+  (0 for torch's own DDP, whose traffic bypasses comms: the report shows the analytic figure; FSDP2's
+  all-gathers and reduce-scatters are counted while its trials run, :func:`torch_collectives_counted`);
 * ``op_bytes_per_step``: the same payload split by op name (``all_reduce``, ``all_gather``,
   ``reduce_scatter``, ...: per-op deltas of ``comms.get_stats().snapshot()`` around each step, averaged
   over the timed steps), from which the report derives ring wire bytes; ``comm_calls`` counts the
@@ -39,7 +40,7 @@ import gc
 import os
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -50,13 +51,53 @@ from typing_extensions import override
 from lightning_sync import comms
 from lightning_sync.sync.compression import CODEC_OP
 
-__all__ = ["IN_STEP", "SINGLE_ROW", "Lockstep", "StepProbe", "Trial", "run_trials"]
+__all__ = ["IN_STEP", "SINGLE_ROW", "TORCH_OPS", "Lockstep", "StepProbe", "Trial", "run_trials",
+           "torch_collectives_counted"]
 
 #: ``Trial.extra`` key of the rows that measure compute alone under a K-rank job's time-sharing.
 IN_STEP = "in_step"
 
 #: Name of the single-process row of the plain model (T1) in the one-rank rounds.
 SINGLE_ROW = "single"
+
+#: The ``torch.distributed`` functions FSDP2 sends through, per ``comms`` op name they are counted as: the
+#: first name torch has (``_single``: torch 2.13's ``_fsdp_collectives``; older releases call the others).
+TORCH_OPS = {"torch_all_gather": ("all_gather_single", "all_gather_into_tensor"),
+             "torch_reduce_scatter": ("reduce_scatter_single", "reduce_scatter_tensor")}
+
+
+@contextmanager
+def torch_collectives_counted() -> Iterator[None]:
+    """Count what FSDP2 sends, which bypasses ``comms``: while the block runs, the functions of
+    :data:`TORCH_OPS` record each call into ``comms``' statistics, as ``torch_all_gather`` (payload: this
+    rank's input shard, as ``comms.all_gather`` counts it) and ``torch_reduce_scatter`` (payload: the whole
+    input), with the seconds the call took (a synchronous call: the collective; FSDP2 issues them so on
+    CPU; an async one: its issue only). The originals are put back on exit."""
+    import torch.distributed as dist
+
+    saved: dict[str, Any] = {}
+    stats = comms.get_stats()
+
+    def counted(op: str, fn: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            source = kwargs.get("input_tensor", kwargs.get("input"))
+            source = args[1] if source is None else source
+            t0 = time.perf_counter()
+            out = fn(*args, **kwargs)
+            stats.record(op, int(source.numel() * source.element_size()), time.perf_counter() - t0)
+            return out
+        return call
+
+    for op, names in TORCH_OPS.items():
+        name = next((n for n in names if hasattr(dist, n)), None)
+        if name is not None:
+            saved[name] = getattr(dist, name)
+            setattr(dist, name, counted(op, saved[name]))
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
 
 
 @dataclass
@@ -194,7 +235,9 @@ def _run_one(trial: Trial, world: int, callbacks: tuple[pl.Callback, ...] = ()) 
                          limit_val_batches=0, num_sanity_val_steps=0, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, callbacks=[*callbacks, probe])
     comms.reset_stats()
-    trainer.fit(model, datamodule=data)
+    fsdp2 = str(trial.strategy.get("_target_") or "").endswith(".FullyShardStrategy")
+    with torch_collectives_counted() if fsdp2 else nullcontext():
+        trainer.fit(model, datamodule=data)
     bucketer = probe.bucketer
     comm_s = _comm_alone(bucketer) if bucketer is not None and world > 1 else None
     peak = (torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available()
