@@ -115,6 +115,11 @@ class CostModel:
         source = f"K={world}" if "backend" in own else "pooled"
         return fits["backend"].link, _op_links(fits), source
 
+    def compute_at(self, model: str, world: int, every: int = 1) -> float | None:
+        """The compute a ``world``-rank row that synchronizes once in ``every`` steps is priced with (None
+        where it was not measured)."""
+        return self.compute_every.get((model, world, every)) if every > 1 else self.compute.get((model, world))
+
     def host_at(self, model: str, strategy: str, world: int, every: int = 1) -> float:
         """Seconds per step of a row's own host work at K = ``world``: its one-rank step less T1, scaled like
         the compute, by the measured time-sharing factor compute(K) / T1 (0 for a row not measured at one rank).
@@ -125,9 +130,9 @@ class CostModel:
         h = self.host.get((model, strategy))
         if h is None:
             return 0.0
-        t1 = self.compute[(model, 1)]
-        compute = self.compute_every.get((model, world, every)) if every > 1 else self.compute.get((model, world))
-        return h * (compute / t1 if compute is not None else M.contention(world, self.cores, self.threads))
+        compute = self.compute_at(model, world, every)
+        return h * (compute / self.compute[(model, 1)] if compute is not None
+                    else M.contention(world, self.cores, self.threads))
 
     def validation(self) -> list[dict[str, Any]]:
         """Predicted against measured step time for every row whose K has a compute measurement."""
@@ -140,8 +145,7 @@ class CostModel:
             comm = M.comm_here(traffic, k, link, op_links)
             measured = r["step_ms"] / 1e3
             every = int(r.get("sync_every", 1))
-            compute = (self.compute_every.get((r["model"], k, every)) if every > 1
-                       else self.compute.get((r["model"], k)))
+            compute = self.compute_at(r["model"], k, every)
             codec = float(r.get("codec_ms", 0.0)) / 1e3
             host = self.host_at(r["model"], r["strategy"], k, every)
             c_k = M.contention(k, self.cores, self.threads)

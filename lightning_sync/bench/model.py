@@ -67,8 +67,8 @@ from lightning_sync._checks import check_choice, check_int
 from lightning_sync.comms.stats import overlapped_step_time, ring_allreduce_time, tree_allreduce_time, tree_depth
 
 __all__ = [
-    "ALGORITHMS", "H100_NDR400", "OP_COST", "SWEPT", "Fabric", "Fit", "Link", "Traffic", "all_reduce_coefficients",
-    "all_reduce_seconds", "comm_here", "comm_seconds", "contention", "fit_alpha_beta", "predict_here", "project",
+    "ALGORITHMS", "H100_NDR400", "OP_COST", "SWEPT", "TORCH_TWINS", "Fabric", "Fit", "Link", "Traffic",
+    "all_reduce_coefficients", "all_reduce_seconds", "comm_here", "comm_seconds", "contention", "fit_alpha_beta", "predict_here", "project",
     "projection_worlds", "step_seconds", "this_machine",
 ]
 
@@ -91,8 +91,10 @@ OP_COST: dict[str, Callable[[int], tuple[float, float]]] = {
     "barrier": lambda k: (tree_depth(k), 0),
 }
 
-# gloo's own all-gather and reduce-scatter (what FSDP2 calls) move what comms' do; only their links differ
-OP_COST["torch_all_gather"], OP_COST["torch_reduce_scatter"] = OP_COST["all_gather"], OP_COST["reduce_scatter"]
+#: The backend's own all-gather and reduce-scatter (what FSDP2 calls), per the ``comms`` op whose payload and
+#: traffic they share; only their links differ.
+TORCH_TWINS = {"torch_all_gather": "all_gather", "torch_reduce_scatter": "reduce_scatter"}
+OP_COST.update({op: OP_COST[twin] for op, twin in TORCH_TWINS.items()})
 
 #: Ops whose payload per rank is a 1/K shard of a fixed whole.
 SHARD_OPS = frozenset({"all_gather", "torch_all_gather", "scatter"})

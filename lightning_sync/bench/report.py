@@ -40,6 +40,7 @@ from typing import Any
 
 from lightning_sync._checks import check_int
 from lightning_sync.bench.cost_report import CostModel
+from lightning_sync.bench.model import TORCH_TWINS
 from lightning_sync.bench.runner import IN_STEP, SINGLE_ROW
 
 __all__ = ["WIRE_FACTORS", "Report", "analytic_wire_bytes", "analytic_wire_factor", "load_raw", "save_raw",
@@ -63,9 +64,7 @@ WIRE_FACTORS: dict[str, Callable[[int], float]] = {
     "recv": lambda k: 0.0,
     "barrier": lambda k: 0.0,
 }
-# gloo's own all-gather and reduce-scatter (FSDP2's, counted by bench.runner) move what comms' do
-WIRE_FACTORS["torch_all_gather"], WIRE_FACTORS["torch_reduce_scatter"] = WIRE_FACTORS["all_gather"], \
-    WIRE_FACTORS["reduce_scatter"]
+WIRE_FACTORS.update({op: WIRE_FACTORS[twin] for op, twin in TORCH_TWINS.items()})  # FSDP2's, counted by bench.runner
 
 
 def _check_world(world: int) -> None:

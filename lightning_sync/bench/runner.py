@@ -49,6 +49,7 @@ import torch
 from typing_extensions import override
 
 from lightning_sync import comms
+from lightning_sync.bench.fsdp2 import FullyShardStrategy
 from lightning_sync.sync.compression import CODEC_OP
 
 __all__ = ["IN_STEP", "SINGLE_ROW", "TORCH_OPS", "Lockstep", "StepProbe", "Trial", "run_trials",
@@ -235,8 +236,7 @@ def _run_one(trial: Trial, world: int, callbacks: tuple[pl.Callback, ...] = ()) 
                          limit_val_batches=0, num_sanity_val_steps=0, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, callbacks=[*callbacks, probe])
     comms.reset_stats()
-    fsdp2 = str(trial.strategy.get("_target_") or "").endswith(".FullyShardStrategy")
-    with torch_collectives_counted() if fsdp2 else nullcontext():
+    with torch_collectives_counted() if isinstance(strategy, FullyShardStrategy) else nullcontext():
         trainer.fit(model, datamodule=data)
     bucketer = probe.bucketer
     comm_s = _comm_alone(bucketer) if bucketer is not None and world > 1 else None
