@@ -86,11 +86,12 @@ class CostModel:
         self.fits_at: dict[int, dict[str, M.Fit]] = {}
         """Per world size K, per op, a fit to the sweep points of that K alone (the validation's links)."""
         self.span_ratio: dict[int, float] = {}
-        """Per world size K, the median over sweep points of the span / the slowest rank's own time (points
-        from before the sweep recorded ``rank_seconds`` have none)."""
+        """Per world size K, the median over sweep points of the span / the slowest rank's own time, both
+        medians over the repeats (points from before the sweep recorded ``rank_seconds`` have none; before it
+        recorded ``median_seconds`` their ``seconds`` was the median)."""
         for k in sorted({int(p["world"]) for p in sweep if int(p["world"]) > 1}):
             mine = [p for p in sweep if int(p["world"]) == k]
-            ratios = [p["seconds"] / p["rank_seconds"] for p in mine if p.get("rank_seconds")]
+            ratios = [p.get("median_seconds", p["seconds"]) / p["rank_seconds"] for p in mine if p.get("rank_seconds")]
             if ratios:
                 self.span_ratio[k] = statistics.median(ratios)
             self.fits_at[k] = {a: M.fit_alpha_beta(mine, a) for a in M.SWEPT
@@ -179,9 +180,11 @@ class CostModel:
                  "Latency a and bandwidth 1/b fitted by least squares (relative error) to the measured all-reduce "
                  "sweep, every world size together, with T = 2(K-1) a + 2(K-1)/K S b (ring and backend all-reduce), "
                  "T = 2 ceil(log2 K)(a + S b) (tree), T = (K-1) a + (K-1)/K S b (the backend's all-gather and "
-                 "reduce-scatter of a whole of S bytes). Formulas: `lightning_sync/bench/model.py`. A point is the median "
+                 "reduce-scatter of a whole of S bytes). Formulas: `lightning_sync/bench/model.py`. A point is the mean "
                  "over repeats of the collective's span, from its last rank's start to its last rank's end (the "
-                 "wait for a late starter is the compute term's, which takes each step's slowest rank).", "",
+                 "wait for a late starter is the compute term's, which takes each step's slowest rank); the mean, "
+                 "not the median, since a step pays the sum of its calls and the span is heavy tailed here "
+                 "(`lightning_sync/bench/sweep.py`).", "",
                  "| algorithm | a (us) | bandwidth (GB/s) | points | median abs error | error >= 1 MiB | "
                  + " | ".join(f"K={k}" for k in self._sweep_worlds()) + " |",
                  "|---|---:|---:|---:|---:|---:|" + "---:|" * len(self._sweep_worlds())]

@@ -7,15 +7,24 @@ float32) and each algorithm of :data:`lightning_sync.comms.algorithms.ALGORITHMS
 whole of that size, what the sharded strategies call; ``torch_all_gather`` and ``torch_reduce_scatter``:
 the backend's own ``all_gather_into_tensor`` and ``reduce_scatter_tensor``, what torch's FSDP2 calls), it
 times ``repeats`` all-reduces, each started by a barrier so every rank begins together, and reports
-the median of the collective's *span*: from the moment its last rank entered it to the moment its last
+the mean of the collective's *span*: from the moment its last rank entered it to the moment its last
 rank left it (``max(end) - max(start)`` on the host's monotonic clock, which every rank of the one-host
 group reads). That is what a synchronous step pays for it: the step's compute term already ends with
 its slowest rank (the cost model's compute row takes the slowest rank per step), and the ranks that
-arrived earlier wait, asleep, until it comes. The slowest rank's own time, ``max(end - start)``, kept
+arrived earlier wait, asleep, until it comes.
+
+The price of a call is the *mean* span, not the median: a step pays the sum of its calls, and on a
+time-shared CPU the span is heavy tailed: on the 2-core machine (2026-11-24, 17 calls after a barrier,
+twice) gloo's all-gather of 1 MiB at K=2 had a median span of 0.64-0.83 ms and a mean of 1.58-1.82 ms,
+as a call now and then waits a scheduler slice for a peer's thread. A strategy that issues tens of small
+calls per step (FSDP2, ZeRO-3: one all-gather per unit) pays about the mean of each: FSDP2's 24 calls on
+deep_mlp at K=2 spanned 43-50 ms per step from their last rank's arrival, where the medians of the sweep
+priced 33 ms. The median is kept as ``median_seconds`` (raw data from before 2026-11-24 has only the
+median, as ``seconds``). The slowest rank's own time, ``max(end - start)``, kept
 as ``rank_seconds``, also holds the wait for a late starter; with more ranks than cores a rank woken
 from the barrier can wait a whole time slice for a core, which would be priced twice. Each repeat is one
 pass over every size, the algorithms alternating within it (A B C, C B A, ...): a burst of load on this
-shared machine then hits one repeat of several sizes, which the median drops, rather than every repeat
+shared machine then hits one repeat of several sizes, a little on each mean, rather than every repeat
 of one size, which would bend the fit.
 
 :func:`lightning_sync.bench.model.fit_alpha_beta` turns the points into latency and bandwidth.
@@ -72,7 +81,7 @@ DEFAULT_SIZES = sweep_sizes()
 
 
 def _repeats_for(nbytes: int, repeats: int) -> int:
-    """Fewer repeats for the largest payloads (each takes ~1 s here), at least 3 for a median."""
+    """Fewer repeats for the largest payloads (each takes ~1 s here), at least 3."""
     return repeats if nbytes <= 16 * 2**20 else max(3, repeats // 3)
 
 
@@ -80,9 +89,9 @@ def sweep_all_reduce(rank: int, world: int, sizes: list[int], algorithms: list[s
                      repeats: int = 7, threads: int = 1) -> list[dict[str, Any]]:
     """Time all-reduces of every size with every algorithm; returns one point per (algorithm, size).
 
-    Each point: ``{"algorithm", "world", "bytes", "seconds", "rank_seconds"}``: ``seconds`` is the median
-    over the repeats of the collective's span (its last rank's start to its last rank's end, see the
-    module docstring), ``rank_seconds`` the median of the slowest rank's own wall time (every repeat is
+    Each point: ``{"algorithm", "world", "bytes", "seconds", "median_seconds", "rank_seconds"}``: ``seconds``
+    is the mean over the repeats of the collective's span (its last rank's start to its last rank's end, see
+    the module docstring), ``median_seconds`` their median, ``rank_seconds`` the median of the slowest rank's own wall time (every repeat is
     started by a barrier). The ranks must share one host (``run_distributed``): the span compares their
     clocks. One untimed all-reduce per (algorithm, size) warms the buffers and the connections first.
     """
@@ -112,5 +121,6 @@ def sweep_all_reduce(rank: int, world: int, sizes: list[int], algorithms: list[s
                 comms.all_reduce(last, op="max")
                 times[(n, a)].append(float(last[1] - last[0]))
                 own[(n, a)].append(float(last[2]))
-    return [{"algorithm": a, "world": world, "bytes": bufs[n].numel() * 4, "seconds": statistics.median(times[(n, a)]),
-             "rank_seconds": statistics.median(own[(n, a)])} for n in sizes for a in algorithms]
+    return [{"algorithm": a, "world": world, "bytes": bufs[n].numel() * 4, "seconds": statistics.fmean(times[(n, a)]),
+             "median_seconds": statistics.median(times[(n, a)]), "rank_seconds": statistics.median(own[(n, a)])}
+            for n in sizes for a in algorithms]
