@@ -121,6 +121,10 @@ class CostModel:
         where it was not measured)."""
         return self.compute_every.get((model, world, every)) if every > 1 else self.compute.get((model, world))
 
+    def one_rank(self, model: str, strategy: str) -> float:
+        """A row's T_comp at one rank: T1, plus its own host work where it was measured at one rank."""
+        return self.compute[(model, 1)] + self.host.get((model, strategy), 0.0)
+
     def host_at(self, model: str, strategy: str, world: int, every: int = 1) -> float:
         """Seconds per step of a row's own host work at K = ``world``: its one-rank step less T1, scaled like
         the compute, by the measured time-sharing factor compute(K) / T1 (0 for a row not measured at one rank).
@@ -140,7 +144,6 @@ class CostModel:
         out = []
         for r in self.rows:
             k = int(r["world"])
-            t1 = self.compute[(r["model"], 1)]
             traffic = traffic_of(r)
             link, op_links, source = self.links_at(k)
             comm = M.comm_here(traffic, k, link, op_links)
@@ -149,8 +152,7 @@ class CostModel:
             compute = self.compute_at(r["model"], k, every)
             codec = float(r.get("codec_ms", 0.0)) / 1e3
             host = self.host_at(r["model"], r["strategy"], k, every)
-            c_k = M.contention(k, self.cores, self.threads)
-            simple = comm + codec + c_k * (t1 + self.host.get((r["model"], r["strategy"]), 0.0))
+            simple = comm + codec + M.contention(k, self.cores, self.threads) * self.one_rank(r["model"], r["strategy"])
             row = {"model": r["model"], "strategy": r["strategy"], "world": k, "measured_s": measured,
                    "sync_every": every, "compute_s": compute, "host_s": host, "codec_s": codec, "comm_s": comm,
                    "traffic": traffic.source, "links": source,
@@ -168,7 +170,7 @@ class CostModel:
         for r in self.rows:
             if int(r["world"]) != top:
                 continue
-            t1 = self.compute[(r["model"], 1)] + self.host.get((r["model"], r["strategy"]), 0.0)
+            t1 = self.one_rank(r["model"], r["strategy"])
             for fabric in fabrics:
                 for p in M.project(traffic_of(r), t1, fabric, self.worlds):
                     out.append({"model": r["model"], "strategy": r["strategy"], "fabric": fabric.name, **p})

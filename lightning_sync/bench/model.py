@@ -68,8 +68,8 @@ from lightning_sync.comms.stats import overlapped_step_time, ring_allreduce_time
 
 __all__ = [
     "ALGORITHMS", "H100_NDR400", "OP_COST", "SWEPT", "TORCH_TWINS", "Fabric", "Fit", "Link", "Traffic",
-    "all_reduce_coefficients", "all_reduce_seconds", "comm_here", "comm_seconds", "contention", "fit_alpha_beta", "predict_here", "project",
-    "projection_worlds", "step_seconds", "this_machine",
+    "all_reduce_coefficients", "all_reduce_seconds", "comm_here", "comm_seconds", "contention", "fit_alpha_beta",
+    "predict_here", "project", "projection_worlds", "step_seconds", "this_machine",
 ]
 
 #: All-reduce algorithms the model knows.

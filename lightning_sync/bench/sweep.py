@@ -61,7 +61,7 @@ def _run(op: str, whole: torch.Tensor) -> None:
     else:
         all_reduce_with(op, whole)
 
-__all__ = ["DEFAULT_SIZES", "OPS", "sweep_all_reduce", "sweep_sizes"]
+__all__ = ["DEFAULT_SIZES", "OPS", "price", "sweep_all_reduce", "sweep_sizes"]
 
 
 def sweep_sizes(smallest: int = 1024, largest: int = 256 * 2**20, factor: int = 4) -> list[int]:
@@ -91,9 +91,10 @@ def sweep_all_reduce(rank: int, world: int, sizes: list[int], algorithms: list[s
 
     Each point: ``{"algorithm", "world", "bytes", "seconds", "median_seconds", "rank_seconds"}``: ``seconds``
     is the mean over the repeats of the collective's span (its last rank's start to its last rank's end, see
-    the module docstring), ``median_seconds`` their median, ``rank_seconds`` the median of the slowest rank's own wall time (every repeat is
-    started by a barrier). The ranks must share one host (``run_distributed``): the span compares their
-    clocks. One untimed all-reduce per (algorithm, size) warms the buffers and the connections first.
+    the module docstring), ``median_seconds`` their median, ``rank_seconds`` the median of the slowest rank's
+    own wall time (every repeat is started by a barrier; :func:`price`). The ranks must share one host
+    (``run_distributed``): the span compares their clocks. One untimed all-reduce per (algorithm, size) warms
+    the buffers and the connections first.
     """
     for a in algorithms:
         check_choice("algorithm", a, OPS)
@@ -121,6 +122,13 @@ def sweep_all_reduce(rank: int, world: int, sizes: list[int], algorithms: list[s
                 comms.all_reduce(last, op="max")
                 times[(n, a)].append(float(last[1] - last[0]))
                 own[(n, a)].append(float(last[2]))
-    return [{"algorithm": a, "world": world, "bytes": bufs[n].numel() * 4, "seconds": statistics.fmean(times[(n, a)]),
-             "median_seconds": statistics.median(times[(n, a)]), "rank_seconds": statistics.median(own[(n, a)])}
+    return [{"algorithm": a, "world": world, "bytes": bufs[n].numel() * 4, **price(times[(n, a)], own[(n, a)])}
             for n in sizes for a in algorithms]
+
+
+def price(spans: list[float], own: list[float]) -> dict[str, float]:
+    """One point's times from its repeats' spans and slowest-rank times: ``seconds``, the mean span (a step
+    pays the sum of its calls, see the module docstring); ``median_seconds``; ``rank_seconds``, the median
+    slowest-rank time."""
+    return {"seconds": statistics.fmean(spans), "median_seconds": statistics.median(spans),
+            "rank_seconds": statistics.median(own)}

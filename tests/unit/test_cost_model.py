@@ -15,7 +15,7 @@ from lightning_sync.bench import model as M
 from lightning_sync.bench.app import world_sizes
 from lightning_sync.bench.cost_report import CostModel, traffic_of
 from lightning_sync.bench.report import slowest_per_step, sync_every, window_means
-from lightning_sync.bench.sweep import sweep_sizes
+from lightning_sync.bench.sweep import price, sweep_sizes
 
 MIB = 2**20
 ONE = M.Link(alpha=1e-3, beta=1e-9)  # 1 ms per message, 1 GB/s
@@ -279,3 +279,10 @@ def test_validation_prices_each_k_with_the_links_fitted_at_that_k() -> None:
     assert v3["comm_s"] == pytest.approx(4 * pooled.alpha + 4 / 3 * 1e7 * pooled.beta)
     text = "\n".join(cost.markdown())
     assert "| backend | 1000 / 1.00 (0%) | 2000 / 1.00 (0%) |" in text
+
+
+def test_a_sweep_point_is_priced_at_its_mean_span_and_keeps_the_median() -> None:
+    # a step pays the sum of its calls, so one slow repeat of three (a call that waited a scheduler slice)
+    # moves the price by a third of its delay; the median, kept beside it, does not see it
+    point = price([0.001, 0.002, 0.300], [0.002, 0.003, 0.301])
+    assert point == {"seconds": pytest.approx(0.101), "median_seconds": 0.002, "rank_seconds": 0.003}
