@@ -55,7 +55,7 @@ def test_bench_quick_suite_smoke_writes_report_with_exact_byte_ratios(tmp_path: 
     rows, shard_rows = {}, {}
     for line in report.read_text().splitlines():
         cells = [c.strip() for c in line.strip("|").split("|")]
-        if len(cells) == 15 and cells[0] == "deep_mlp":
+        if len(cells) == 16 and cells[0] == "deep_mlp":
             rows[cells[2]] = cells
         if len(cells) == 10 and cells[0] == "deep_mlp" and cells[1].isdigit():  # not the validation table's
             shard_rows[cells[2]] = cells
@@ -68,6 +68,10 @@ def test_bench_quick_suite_smoke_writes_report_with_exact_byte_ratios(tmp_path: 
     assert rows["local_sgd"][7] == "0.200" and rows["diloco"][7] == "0.100"
     assert rows["lightning_ddp"][4] == "1.000" and rows["fsdp2"][5] == "1.000"  # each reference's ratio to itself
     assert rows["lightning_ddp"][8] == "n/a"  # torch DDP's traffic is outside comms
+    # column 13, covered: zero3 computes a unit's forward with the next unit's all-gather in flight (prefetch);
+    # torch's DDP and FSDP2 issue their calls outside comms, which cannot see them in flight
+    assert float(rows["zero3"][13]) > 0, rows["zero3"]
+    assert rows["lightning_ddp"][13] == rows["fsdp2"][13] == "n/a", (rows["lightning_ddp"], rows["fsdp2"])
     # FSDP2's is counted while its trials run: two all-gathers of the half shard and one reduce-scatter of
     # the whole, 2 x the gradient bytes, as zero3's
     assert rows["fsdp2"][7] == rows["zero3"][7] == "2.000"
@@ -181,7 +185,12 @@ def test_report_sharding_table_measured_against_analytic(tmp_path: Path) -> None
     rank1 = [_result(n, s, t, o, c, peak=70.0) for n, s, t, o, c in one_pair * 2]
     meta = {"date": "2026-01-01", "cpu": "cpu", "python": "3", "torch": "t", "lightning": "l", "world_size": 2,
             "threads_per_rank": 1, "command": "x"}
+    for i, t in enumerate(rank0):  # zero3 computed with a call in flight: 10 ms a step in one pair, 30 in the other
+        if t["name"] == "zero3":
+            t["covered_s"] = [0.01 if i < len(one_pair) else 0.03] * 3
     report = Report([rank0, rank1], [], cfg, meta)
+    covered = {r["strategy"]: r["covered_ms"] for r in report.rows()}
+    assert covered["zero3"] == pytest.approx(20.0) and math.isnan(covered["bucketed_ddp"])  # median of the pairs
     rows = {r["strategy"]: r for r in report.sharding_rows()}
     assert list(rows) == ["lightning_ddp", "bucketed_ddp", "fsdp2", "zero3"]
     assert rows["zero3"]["ratio"] == pytest.approx(3.0) and rows["zero3"]["ratio_ref"] == pytest.approx(1.5)

@@ -47,7 +47,15 @@ the ``backend`` fit (and for all_gather and reduce_scatter their own fits: ``com
 them to the sweep at the step's own K (:meth:`lightning_sync.bench.cost_report.CostModel.links_at`), so
 they ran under the same time-sharing and T_comm takes no further factor; no overlap: compute and
 communication compete for the same cores (the report's exposed-communication column measures how
-little of the all-reduce hides behind backward).
+little of the all-reduce hides behind backward). The report's covered column
+(``CommStats.covered_seconds``) measures, per step, how long a rank computed with one of its async calls
+in flight: ZeRO-3, whose prefetched all-gathers and backward reduce-scatters are in flight during 80-95 %
+of its compute here, could hide most. Crediting it does not make a better prediction on this machine: in a
+run of K = 2 and 4 (2026-11-24; wide_mlp, deep_mlp and char_gpt; Lightning's DDP, bucketed DDP plain and
+fp16, ZeRO-2, ZeRO-3 and LocalSGD: 36 rows), the no-overlap sum put 35 rows within 25 % of the measured
+step, subtracting min(covered, T_comm) 28 and min(covered, the calls' latency terms) 31: bucketed DDP and
+ZeRO-3 on char_gpt fell below their measured steps (presumably a call in flight takes the time-shared
+cores from the compute it would hide behind).
 
 **Projection** (:func:`project`) to K = 8 ... 4096 with a :class:`Fabric`: the fitted link of this machine
 (copies of it as nodes of ``G`` = cores ranks, every link the fitted one) or :data:`H100_NDR400`. A flat ring or tree

@@ -21,6 +21,8 @@ Statistics (this machine is noisy, so only medians and same-run ratios are repor
   (:func:`~lightning_sync.bench.runner.torch_collectives_counted`);
 * exposed communication is the median time still communicating after backward ended, as a share
   of the time the same buckets take to all-reduce alone ("comm alone", measured after the trial);
+* covered is the median per step of the time a rank computed while at least one of its async ``comms``
+  calls was in flight (``CommStats.covered_seconds``): the most communication it could hide behind compute;
 * scaling efficiency is ``T1(b) / TK(b)``, 1.0 being perfect;
 * the sharding table (``sharding_table`` in the config) puts the sharded strategies next to the DDP
   rows: step time and its same-pair ratios to the baseline and to ``sharding_table.reference``
@@ -229,6 +231,7 @@ class Report:
         grad = trials[0]["grad_bytes"]
         sent = _median([t["bytes_per_step"] for t in trials])
         exposed = _median([_median(t["exposed_s"]) for t in trials if t["exposed_s"]])
+        covered = _median([_median(t["covered_s"]) for t in trials if t.get("covered_s")])
         comm = _median([t["comm_s"] for t in trials if t["comm_s"]])
         step = _median([self._step(t) for t in trials])
         single = self._single.get(model)
@@ -245,7 +248,8 @@ class Report:
                 "wire_measured_mib": wire / 2**20, "wire_analytic_mib": analytic / 2**20,
                 "wire_x_analytic": wire / analytic if analytic else float("nan"),
                 "exposed_ms": 1e3 * exposed, "exposed_share": exposed / comm if comm else float("nan"),
-                "comm_ms": 1e3 * comm,
+                "comm_ms": 1e3 * comm, "covered_ms": 1e3 * covered,
+                "covered_na": not any(op not in TORCH_TWINS and b for op, b in trials[0]["op_bytes_per_step"].items()),
                 "codec_ms": 1e3 * _median([_median(t.get("codec_s") or [0.0]) for t in trials]),
                 "peak_mib": _median([t["peak_mib"] for t in trials]),
                 "scaling": single / step if single else float("nan"), "pairs": len(trials), "extra": trials[0]["extra"],
@@ -274,15 +278,17 @@ class Report:
                  f"{self.cfg.warmup_steps} warm-up steps); medians; ratios are to `{self.baseline}` and to `{ref}` "
                  "in the same pair and world size", "",
                  f"| model | K | strategy | step ms | x {self.baseline} | x {ref} | MiB/step/rank | x grad bytes "
-                 "| ring wire MiB | analytic MiB | comm alone ms | exposed ms | exposed / comm | peak MiB | T1/TK |",
-                 "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                 "| ring wire MiB | analytic MiB | comm alone ms | exposed ms | exposed / comm | covered ms | peak MiB "
+                 "| T1/TK |",
+                 "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for r in self.rows():
             wire = f"{r['wire_mib']:.2f}" if r["measured"] else "n/a"
             x_ref = "n/a" if math.isnan(r["ratio_ref"]) else f"{r['ratio_ref']:.3f}"
+            covered = "n/a" if r["covered_na"] else f"{r['covered_ms']:.1f}"
             lines.append(f"| {r['model']} | {r['world']} | {r['strategy']} | {r['step_ms']:.1f} | {r['ratio']:.3f} | "
                          f"{x_ref} | {r['bytes_mib']:.2f} | {r['x_grad']:.3f} | {wire} | {r['wire_analytic_mib']:.2f} | "
                          f"{r['comm_ms']:.1f} | {r['exposed_ms']:.1f} | "
-                         f"{r['exposed_share']:.2f} | {r['peak_mib']:.0f} | {r['scaling']:.2f} |")
+                         f"{r['exposed_share']:.2f} | {covered} | {r['peak_mib']:.0f} | {r['scaling']:.2f} |")
         if self._single:
             lines += ["", "Single-process step time T1(b) (ms): "
                       + ", ".join(f"{k} {1e3 * v:.1f}" for k, v in self._single.items())]
@@ -290,7 +296,10 @@ class Report:
             lines += ["", "Host work at one rank, the row's single-process step less T1 (ms; the cost model adds it): "
                       + ", ".join(f"{n} on {m} {1e3 * v:+.1f}" for (m, n), v in self.host.items())]
         lines += ["", "Overlap check: with perfect overlap a step would take max(T1, comm alone); on a machine "
-                  "where communication competes with compute for the same cores it takes about T1 + comm alone.",
+                  "where communication competes with compute for the same cores it takes about T1 + comm alone. "
+                  "Covered ms: per step, the time a rank computed with at least one of its async `comms` calls in "
+                  "flight (n/a: torch's DDP and FSDP2, whose calls bypass `comms`; nan: raw data from before it "
+                  "was recorded), the most communication it could hide behind compute.",
                   "", "torch's own DDP sends its gradients outside `lightning_sync.comms`, so its bytes read 0 here; "
                   "its payload is the gradient size (x grad bytes 1.00) by construction. Ring wire MiB converts "
                   "each op's payload with the ring model (all_reduce 2(K-1)/K, reduce_scatter (K-1)/K, "

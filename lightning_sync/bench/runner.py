@@ -26,6 +26,9 @@ Each trial reports, per rank:
   windows of H steps);
 * ``codec_s``: per step, seconds of compression arithmetic (``comms`` op ``codec``: casts, PowerSGD's
   products; kept out of the per-op traffic above);
+* ``covered_s``: per step, the seconds this rank worked (computed) while at least one of its async
+  ``comms`` calls was in flight (``CommStats.covered_seconds``: the time it could hide communication
+  behind), and ``blocked_s``: the seconds it was blocked launching or waiting for ``comms`` calls;
 * ``exposed_s``: per step, communication still running after backward ended (strategies with a
   ``bucketer``), and ``comm_s``: the same gradient buckets all-reduced alone, without compute;
 * ``peak_mib``: peak allocated memory (glibc ``mallinfo2``, sampled before and after each backward
@@ -162,11 +165,16 @@ class StepProbe(pl.Callback):
         self.calls = 0
         self.peak_rss = 0.0
         self.bucketer: Any = None  # kept past teardown, for the communication-alone measurement
+        self.covered_s: list[float] = []
+        self.blocked_s: list[float] = []
         self._t0 = 0.0
         self._snap0: dict[str, comms.OpStats] = {}
+        self._covered0 = self._blocked0 = 0.0
 
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
-        self._snap0 = comms.get_stats().snapshot()
+        stats = comms.get_stats()
+        self._snap0 = stats.snapshot()
+        self._covered0, self._blocked0 = stats.covered_seconds(), stats.blocked_seconds()
         self._t0 = time.perf_counter()
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Any) -> None:
@@ -181,6 +189,9 @@ class StepProbe(pl.Callback):
         if trainer.global_step <= self.warmup:
             return
         self.step_s.append(elapsed)
+        stats = comms.get_stats()
+        self.covered_s.append(stats.covered_seconds() - self._covered0)
+        self.blocked_s.append(stats.blocked_seconds() - self._blocked0)
         step_bytes, codec, calls = 0, 0.0, 0
         for op, now in comms.get_stats().snapshot().items():
             before = self._snap0.get(op, comms.OpStats())
@@ -251,6 +262,7 @@ def _run_one(trial: Trial, world: int, callbacks: tuple[pl.Callback, ...] = ()) 
             "op_calls_per_step": {op: c / n for op, c in probe.op_calls.items()},
             "op_seconds_per_step": {op: t / n for op, t in probe.op_seconds.items()}, "n_linear": n_linear,
             "exposed_s": probe.exposed_s, "codec_s": probe.codec_s, "step_calls": probe.step_calls, "comm_s": comm_s,
+            "covered_s": probe.covered_s, "blocked_s": probe.blocked_s,
             "grad_bytes": param_bytes,
             "param_bytes": param_bytes,
             "strategy": dict(trial.strategy), "peak_mib": peak, "extra": trial.extra}

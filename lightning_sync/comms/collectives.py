@@ -69,7 +69,8 @@ class Work(Generic[T]):
     """
 
     def __init__(self, op: str, seq: int, handles: Sequence[Any], finish: Callable[[], T], start: float,
-                 account: bool = True, tracked: _watchdog.Pending | None = None) -> None:
+                 account: bool = True, tracked: _watchdog.Pending | None = None, in_flight: bool = False,
+                 blocks: bool = True) -> None:
         self.op = op
         self.seq = seq
         self._handles = list(handles)
@@ -79,6 +80,8 @@ class Work(Generic[T]):
         self._result: T | None = None
         self._account = account
         self._tracked = tracked
+        self._in_flight = in_flight  # counted by CommStats as an async call in flight until waited for
+        self._blocks = blocks  # False: a wrapper whose inner Work accounts the blocked time
 
     def is_completed(self) -> bool:
         """True once every underlying backend request has completed (does not run ``finish``)."""
@@ -87,19 +90,25 @@ class Work(Generic[T]):
     def wait(self) -> T:
         """Block until the collective completes; returns its result (tensor, list or object)."""
         if not self._done:
+            if self._blocks:
+                _STATS.block_begin()
             blocked = time.perf_counter()
-            wd = _watchdog.active() if self._tracked is not None else None
-            for h in self._handles:
-                if wd is None:
-                    h.wait()
-                else:  # in slices: a hang or a lost peer becomes an error naming the culprit
-                    wd.wait(self._tracked, h)
-            if wd is not None:
-                wd.finished(self._tracked)
-            self._result = self._finish()
-            self._done = True
-            now = time.perf_counter()
-            _STATS.add_blocked(now - blocked)
+            try:
+                wd = _watchdog.active() if self._tracked is not None else None
+                for h in self._handles:
+                    if wd is None:
+                        h.wait()
+                    else:  # in slices: a hang or a lost peer becomes an error naming the culprit
+                        wd.wait(self._tracked, h)
+                if wd is not None:
+                    wd.finished(self._tracked)
+                self._result = self._finish()
+                self._done = True
+            finally:
+                now = time.perf_counter()
+                if self._blocks:
+                    _STATS.block_end(now - blocked, completed_async=self._in_flight and self._done)
+                    self._in_flight = self._in_flight and not self._done
             if self._account:
                 _STATS.add_seconds(self.op, now - self._start)
         return self._result  # type: ignore[return-value]
@@ -157,12 +166,15 @@ def _issue(op: str, nbytes: int, launch: Callable[[], Sequence[Any]], finish: Ca
     wd = _watchdog.active()
     tracked = None if wd is None else wd.issued(op, seq, name, group_ranks(group), nbytes, peer)
     _STATS.record(op, nbytes)
+    _STATS.block_begin()
     start = time.perf_counter()
-    handles = launch()
+    try:
+        handles = launch()
+    finally:  # a synchronous backend call blocks in launch
+        _STATS.block_end(time.perf_counter() - start, issued_async=async_op)
     if tracked is not None:
         wd.launched(tracked, handles)
-    work = Work(op, seq, handles, finish, start, tracked=tracked)
-    _STATS.add_blocked(time.perf_counter() - start)  # a synchronous backend call blocks in launch
+    work = Work(op, seq, handles, finish, start, tracked=tracked, in_flight=async_op)
     return work if async_op else work.wait()
 
 
@@ -555,7 +567,7 @@ def _group_or_init(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
 def _then(work: Work[Any], fn: Callable[[Any], T], async_op: bool) -> T | Work[T]:
     # the inner Work already accounts the seconds; is_completed() follows its backend requests
     chained: Work[T] = Work(work.op, work.seq, work._handles, lambda: fn(work.wait()), time.perf_counter(),
-                            account=False, tracked=work._tracked)
+                            account=False, tracked=work._tracked, blocks=False)
     return chained if async_op else chained.wait()
 
 

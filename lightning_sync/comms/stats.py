@@ -37,6 +37,8 @@ from __future__ import annotations
 
 import math
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 __all__ = [
@@ -66,10 +68,15 @@ class OpStats:
 class CommStats:
     """Per-op calls, payload bytes and seconds. Thread-safe; read with :meth:`snapshot`."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        self._clock = clock  # for :meth:`covered_seconds`
         self._ops: dict[str, OpStats] = {}
         self._lock = threading.Lock()
         self._blocked = 0.0
+        self._outstanding = 0  # async calls issued and not yet waited for
+        self._blocking = 0  # callers inside a launch or a wait now
+        self._covered = 0.0
+        self._mark = clock()
 
     def record(self, op: str, nbytes: int, seconds: float = 0.0, calls: int = 1) -> None:
         """Add one (or ``calls``) call(s) of ``op`` moving ``nbytes`` in ``seconds``."""
@@ -95,11 +102,45 @@ class CommStats:
         with self._lock:
             return self._blocked
 
+    def _tick(self) -> None:  # under the lock
+        now = self._clock()
+        if self._outstanding > 0 and self._blocking == 0:
+            self._covered += now - self._mark
+        self._mark = now
+
+    def block_begin(self) -> None:
+        """A caller enters a launch or a ``Work.wait`` (:meth:`covered_seconds` stops counting)."""
+        with self._lock:
+            self._tick()
+            self._blocking += 1
+
+    def block_end(self, seconds: float, issued_async: bool = False, completed_async: bool = False) -> None:
+        """The caller leaves the launch or wait it entered with :meth:`block_begin`, after ``seconds``
+        (added to :meth:`blocked_seconds`); ``issued_async``: the launch left an async call in flight,
+        ``completed_async``: the wait ended one."""
+        with self._lock:
+            self._tick()
+            self._blocking = max(0, self._blocking - 1)
+            self._blocked += seconds
+            self._outstanding += int(issued_async) - int(completed_async)
+            self._outstanding = max(0, self._outstanding)
+
+    def covered_seconds(self) -> float:
+        """Seconds during which at least one async collective was in flight (issued, not yet waited for)
+        while no caller was blocked in a launch or a wait: the caller's own work (compute) that had
+        communication running under it, the time an overlapping strategy can hide communication behind.
+        Counted for the whole process (a handle never waited for keeps counting)."""
+        with self._lock:
+            self._tick()
+            return self._covered
+
     def reset(self) -> None:
-        """Forget everything recorded so far."""
+        """Forget everything recorded so far (calls still in flight stay in flight)."""
         with self._lock:
             self._ops.clear()
             self._blocked = 0.0
+            self._tick()
+            self._covered = 0.0
 
     def snapshot(self) -> dict[str, OpStats]:
         """A copy of the per-op totals, safe to keep while recording continues."""

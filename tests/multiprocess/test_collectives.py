@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import pickle
 import re
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -360,6 +361,47 @@ def _check_stats(ck: Checks, rank: int, k: int) -> None:
     comms.reset_stats()
 
 
+def _busy(seconds: float) -> None:
+    """Compute for at least ``seconds`` (the caller's own work while a call is in flight)."""
+    a, t0 = torch.randn(64, 64), time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        a @ a
+
+
+def _check_covered(ck: Checks, rank: int, k: int) -> None:
+    """CommStats.covered_seconds: the caller's own time with an async call in flight. The bounds come from
+    the order of clock reads around the calls, so they hold however slow the machine is."""
+    stats = comms.get_stats()
+    comms.reset_stats()
+    comms.all_reduce(torch.ones(1000))  # synchronous: nothing stays in flight
+    _busy(0.02)
+    comms.barrier()
+    ck.true("covered: synchronous calls cover nothing", stats.covered_seconds() == 0.0, stats.covered_seconds())
+    before = time.perf_counter()
+    work = comms.all_reduce(torch.ones(1000), async_op=True)
+    issued = time.perf_counter()
+    _busy(0.05)
+    waiting = time.perf_counter()
+    work.wait()
+    after = time.perf_counter()
+    covered = stats.covered_seconds()
+    # the count runs from the end of the launch (before `issued`) to the start of the wait (after `waiting`)
+    ck.true("covered: at least the work done with the call in flight", covered >= waiting - issued,
+            (covered, waiting - issued))
+    ck.true("covered: at most the call's whole life", covered <= after - before, (covered, after - before))
+    _busy(0.02)  # nothing in flight any more
+    ck.true("covered: stops once the call is waited for", stats.covered_seconds() == covered,
+            (stats.covered_seconds(), covered))
+    # a chained object call (a Work around a Work) completes its inner call once
+    work = comms.all_gather_object(rank, async_op=True)
+    ck.true("covered: chained object call", work.wait() == list(range(k)), work)
+    covered = stats.covered_seconds()
+    _busy(0.02)
+    ck.true("covered: nothing left in flight after a chained call", stats.covered_seconds() == covered,
+            (stats.covered_seconds(), covered))
+    comms.reset_stats()
+
+
 # --------------------------------------------------------------------------- errors (on every rank)
 
 
@@ -437,6 +479,7 @@ def _worker(rank: int, k: int) -> tuple[list[str], int]:
     _check_all_gather(ck, rank, k, seeds)
     _check_barrier_and_work(ck, rank, k)
     _check_stats(ck, rank, k)
+    _check_covered(ck, rank, k)
     _check_errors(ck, rank, k)
     return ck.failures, ck.count
 

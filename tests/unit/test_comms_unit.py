@@ -253,3 +253,31 @@ def test_blocked_seconds_add_up_apart_from_the_ops_and_reset() -> None:
     assert s.blocked_seconds() == 0.75 and s.total_seconds == 1.0  # blocked time is not an op's time
     s.reset()
     assert s.blocked_seconds() == 0.0 and s.snapshot() == {}
+
+
+def test_covered_seconds_count_the_callers_own_time_with_an_async_call_in_flight() -> None:
+    now = [0.0]
+    s = CommStats(clock=lambda: now[0])
+
+    def blocked(seconds: float, **kw: bool) -> None:  # a launch or a wait of `seconds`
+        s.block_begin()
+        now[0] += seconds
+        s.block_end(seconds, **kw)
+
+    blocked(0.5)  # a synchronous call: nothing in flight afterwards
+    now[0] += 2.0  # compute with nothing in flight: not covered
+    blocked(0.1, issued_async=True)  # an async launch
+    now[0] += 3.0  # compute with it in flight: covered
+    blocked(0.1, issued_async=True)  # a second one
+    now[0] += 1.0  # covered once, not twice
+    blocked(0.4, completed_async=True)  # the wait for the first: blocked, not covered
+    now[0] += 0.5  # the second still in flight: covered
+    blocked(0.2, completed_async=True)
+    now[0] += 7.0  # nothing in flight
+    assert s.covered_seconds() == pytest.approx(4.5)
+    assert s.blocked_seconds() == pytest.approx(1.3)
+    blocked(0.1, issued_async=True)
+    now[0] += 2.0
+    s.reset()  # the call stays in flight; the count starts again
+    now[0] += 0.25
+    assert s.covered_seconds() == pytest.approx(0.25) and s.blocked_seconds() == 0.0
