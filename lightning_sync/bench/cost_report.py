@@ -139,6 +139,14 @@ class CostModel:
         return h * (compute / self.compute[(model, 1)] if compute is not None
                     else M.contention(world, self.cores, self.threads))
 
+    def sharing(self) -> dict[tuple[str, int], float]:
+        """Per (model, K > 1): the compute row's time over ``c(K) T1``, what K ranks time-sharing the cores
+        alone would give; about 1 on an otherwise idle machine, more where another load shared the cores while
+        the rows ran (the strategy rows of that K then ran under it too, and the sweep, run once before them,
+        did not)."""
+        return {(m, k): t / (M.contention(k, self.cores, self.threads) * self.compute[(m, 1)])
+                for (m, k), t in self.compute.items() if k > 1 and (m, 1) in self.compute}
+
     def validation(self) -> list[dict[str, Any]]:
         """Predicted against measured step time for every row whose K has a compute measurement."""
         out = []
@@ -243,6 +251,11 @@ class CostModel:
                       "Largest |error| per strategy over models and K: " + ", ".join(
                           f"{name} {max(abs(v['error']) for v in val if v['strategy'] == name and v['error'] is not None):.0%}"
                           for name in dict.fromkeys(v["strategy"] for v in val if v["error"] is not None)) + "."]
+        if sharing := self.sharing():
+            lines += ["", "Time-sharing check, the compute row over c(K) T1 (about 1.00 where the K ranks had the "
+                      "cores to themselves; more where another load shared them during the run): "
+                      + ", ".join(f"{m} K={k} {r:.2f}" for (m, k), r in sorted(sharing.items(), key=lambda x: x[0][::-1]))
+                      + "."]
         lines += self._projection_markdown()
         return [*lines, ""]
 

@@ -42,7 +42,8 @@ a core each. The projection assumes every node has a core per rank (c = 1).
 
 On this machine (:func:`predict_here`) every payload goes through the backend, so the prediction uses
 the ``backend`` fit (and for all_gather and reduce_scatter their own fits: ``comms.all_gather_into`` and
-``reduce_scatter_into`` run on gloo as K broadcasts and K reduces; ``torch_all_gather`` and
+``reduce_scatter_into`` run on gloo as K broadcasts and, for chunks of 2 MiB or more, K reduces (gloo's
+reduce-scatter below), so one fit spans both of the reduce-scatter's paths; ``torch_all_gather`` and
 ``torch_reduce_scatter``, gloo's own ops, which FSDP2 calls, have theirs). The report's validation fits
 them to the sweep at the step's own K (:meth:`lightning_sync.bench.cost_report.CostModel.links_at`), so
 they ran under the same time-sharing and T_comm takes no further factor; no overlap: compute and

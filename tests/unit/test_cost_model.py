@@ -212,6 +212,9 @@ def test_cost_model_validation_error_by_hand() -> None:
     text = "\n".join(cost.markdown())
     assert "| m | ddp | 2 | 1 | 40.0 | 25.0 | 0.0 | 1.5 | 12.0 | 38.5 | -4% | 33.5 | -16% |" in text
     assert "1 of 1 predictions lie within 25 %" in text
+    # the compute row at K=2 took 25 ms where 2 ranks on 2 cores alone give c(2) T1 = 20 ms
+    assert cost.sharing() == {("m", 2): pytest.approx(1.25)}
+    assert "compute row over c(K) T1 (about 1.00 where" in text and "m K=2 1.25." in text
 
 
 def test_a_row_measured_at_one_rank_adds_its_host_work_scaled_like_the_compute() -> None:
