@@ -104,11 +104,11 @@ class Work(Generic[T]):
                     wd.finished(self._tracked)
                 self._result = self._finish()
                 self._done = True
-            finally:
+            finally:  # done or failed, the call is no longer in flight for the caller
                 now = time.perf_counter()
                 if self._blocks:
-                    _STATS.block_end(now - blocked, completed_async=self._in_flight and self._done)
-                    self._in_flight = self._in_flight and not self._done
+                    _STATS.block_end(now - blocked, completed_async=self._in_flight)
+                    self._in_flight = False
             if self._account:
                 _STATS.add_seconds(self.op, now - self._start)
         return self._result  # type: ignore[return-value]
@@ -167,11 +167,12 @@ def _issue(op: str, nbytes: int, launch: Callable[[], Sequence[Any]], finish: Ca
     tracked = None if wd is None else wd.issued(op, seq, name, group_ranks(group), nbytes, peer)
     _STATS.record(op, nbytes)
     _STATS.block_begin()
-    start = time.perf_counter()
+    start, launched = time.perf_counter(), False
     try:
         handles = launch()
-    finally:  # a synchronous backend call blocks in launch
-        _STATS.block_end(time.perf_counter() - start, issued_async=async_op)
+        launched = True
+    finally:  # a synchronous backend call blocks in launch; a failed launch leaves nothing in flight
+        _STATS.block_end(time.perf_counter() - start, issued_async=async_op and launched)
     if tracked is not None:
         wd.launched(tracked, handles)
     work = Work(op, seq, handles, finish, start, tracked=tracked, in_flight=async_op)

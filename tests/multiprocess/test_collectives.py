@@ -399,6 +399,25 @@ def _check_covered(ck: Checks, rank: int, k: int) -> None:
     _busy(0.02)
     ck.true("covered: nothing left in flight after a chained call", stats.covered_seconds() == covered,
             (stats.covered_seconds(), covered))
+    # a launch that fails leaves nothing in flight, and neither does a wait that fails (no peer is involved:
+    # both fail in this process before anything is sent)
+    class Broken:
+        def wait(self) -> None:
+            raise RuntimeError("broken handle")
+
+    def boom() -> list[Any]:
+        raise RuntimeError("launch failed")
+
+    for label, launch in (("launch", boom), ("wait", lambda: [Broken()])):
+        try:
+            comms.collectives._issue("test_op", 0, launch, lambda: None, async_op=True).wait()
+            ck.true(f"covered: failing {label} raises", False)
+        except RuntimeError:
+            pass
+        covered = stats.covered_seconds()
+        _busy(0.02)
+        ck.true(f"covered: nothing in flight after a failing {label}", stats.covered_seconds() == covered,
+                (stats.covered_seconds(), covered))
     comms.reset_stats()
 
 
