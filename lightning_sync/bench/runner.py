@@ -193,7 +193,7 @@ class StepProbe(pl.Callback):
         self.covered_s.append(stats.covered_seconds() - self._covered0)
         self.blocked_s.append(stats.blocked_seconds() - self._blocked0)
         step_bytes, codec, calls = 0, 0.0, 0
-        for op, now in comms.get_stats().snapshot().items():
+        for op, now in stats.snapshot().items():
             before = self._snap0.get(op, comms.OpStats())
             if op == CODEC_OP:
                 codec += now.seconds - before.seconds

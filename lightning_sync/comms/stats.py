@@ -91,11 +91,6 @@ class CommStats:
         with self._lock:
             self._ops.setdefault(op, OpStats()).seconds += seconds
 
-    def add_blocked(self, seconds: float) -> None:
-        """Add time a caller spent blocked in a collective (launching it, or in ``Work.wait``)."""
-        with self._lock:
-            self._blocked += seconds
-
     def blocked_seconds(self) -> float:
         """Seconds callers spent blocked in collectives; unlike an op's ``seconds`` (issue to completion),
         time an async op ran while the caller computed does not count."""

@@ -247,8 +247,9 @@ def test_cost_model_value_errors(fn: Callable[..., float], args: tuple[float, ..
 
 def test_blocked_seconds_add_up_apart_from_the_ops_and_reset() -> None:
     s = CommStats()
-    s.add_blocked(0.25)
-    s.add_blocked(0.5)
+    for seconds in (0.25, 0.5):  # two launches or waits that blocked the caller
+        s.block_begin()
+        s.block_end(seconds)
     s.record("all_reduce", 8, 1.0)
     assert s.blocked_seconds() == 0.75 and s.total_seconds == 1.0  # blocked time is not an op's time
     s.reset()
