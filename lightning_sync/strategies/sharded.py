@@ -70,7 +70,7 @@ from lightning_sync.strategies._common import (
 )
 from lightning_sync.sync.bucketing import check_mib
 from lightning_sync.sync.communicator import ProcessGroupCommunicator
-from lightning_sync.sync.safe_load import load_file
+from lightning_sync.sync.safe_load import contained_path, load_file
 from lightning_sync.sync.sharding import (
     ZERO_STAGES,
     ZeroEngine,
@@ -278,6 +278,7 @@ class ShardedStrategy(CommsCollectivesMixin, DDPStrategy):
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint does not take storage_options (it writes "
                             f"a sharded directory through torch.distributed.checkpoint)")
+        self._save_rank_states(checkpoint)
         if self.engine is None:  # after fit (teardown unsharded the module): a plain full checkpoint file
             super().save_checkpoint(checkpoint, filepath)
             return
@@ -308,10 +309,14 @@ class ShardedStrategy(CommsCollectivesMixin, DDPStrategy):
             if not (path / COMPLETE_MARKER).is_file():
                 raise ValueError(f"{path} is an incomplete sharded checkpoint (no {COMPLETE_MARKER}): its save "
                                  f"was interrupted; resume from an earlier one")
-            state = load_file(path / _LIGHTNING_STATE, weights_only)
+            # the shards first: their .metadata is checked (no reads outside, nothing unrestricted) before
+            # anything in the directory is unpickled
             self.engine.load_sharded(path, weights_only)
-            return state
+            checkpoint = load_file(contained_path(path, _LIGHTNING_STATE, "Lightning state file"), weights_only)
+            self._take_rank_state(checkpoint)
+            return checkpoint
         checkpoint = load_file(path, weights_only)
+        self._take_rank_state(checkpoint)
         self.engine.load_full_state_dict(checkpoint["state_dict"])
         if checkpoint.get("optimizer_states"):
             rank_zero_warn(f"{path} is a full (unsharded) checkpoint: its weights were loaded and sharded; its "

@@ -11,9 +11,15 @@ numbers, strings) unless the caller passes ``weights_only=False``:
   read ``None`` as ``True``.
 * **Sharded directories** (``torch.distributed.checkpoint``): DCP itself reads the ``.metadata``
   file with plain ``pickle.load`` and non-tensor entries with ``torch.load(weights_only=False)``.
-  :func:`dcp_load` first unpickles ``.metadata`` allowing only DCP's own metadata classes, torch
-  dtypes and sizes (:func:`check_dcp_metadata`), and reads non-tensor entries weights-only
-  (:class:`WeightsOnlyLoadPlanner`).
+  :func:`dcp_load` unpickles ``.metadata`` itself, allowing only DCP's own metadata classes, torch
+  dtypes and sizes (:func:`read_dcp_metadata`), hands DCP that checked object instead of the file, and
+  reads non-tensor entries weights-only (:class:`WeightsOnlyLoadPlanner`).
+
+Whatever the trust, a directory is read only from itself: DCP opens each storage entry at
+``directory / relative_path``, so an entry of ``../elsewhere`` or ``/abs/path`` (or a symlink leading
+out) would read any file the process can. Those, and a directory without ``.metadata`` (DCP would fall
+back to a per-rank ``__<rank>.metadata``, unpickled without restrictions; our saves never write one),
+raise ``ValueError`` before anything is unpickled or read (:func:`contained_path`).
 
 A refused checkpoint raises :class:`UntrustedCheckpointError` naming the file, the global that
 weights-only unpickling refused, and the opt-in: ``trainer.fit(..., ckpt_path=..., weights_only=False)``
@@ -28,14 +34,21 @@ import os
 import pickle
 import re
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import CheckpointException, DefaultLoadPlanner
+from torch.distributed.checkpoint import (
+    CheckpointException,
+    DefaultLoadPlanner,
+    FileSystemReader,
+    Metadata,
+)
+from torch.distributed.checkpoint.metadata import StorageMeta
 
-__all__ = ["UntrustedCheckpointError", "WeightsOnlyLoadPlanner", "check_dcp_metadata", "dcp_load", "guarded_load",
-           "load_file", "resolve_weights_only"]
+__all__ = ["UntrustedCheckpointError", "WeightsOnlyLoadPlanner", "contained_path", "dcp_load", "guarded_load",
+           "load_file", "read_dcp_metadata", "resolve_weights_only"]
 
 T = TypeVar("T")
 
@@ -129,18 +142,63 @@ class _DcpMetadataUnpickler(pickle.Unpickler):
                                      f"torch.distributed.checkpoint metadata")
 
 
-def check_dcp_metadata(path: str | os.PathLike[str], weights_only: bool | None = None) -> None:
-    """Before DCP ``pickle.load``s a sharded checkpoint's ``.metadata``: unpickle it allowing only DCP's
-    metadata classes (nothing else is constructed or called); raise :class:`UntrustedCheckpointError`
-    otherwise. Does nothing with ``weights_only=False`` or when the file is absent (DCP then says so)."""
-    file = os.path.join(os.fspath(path), _DCP_METADATA)
-    if not resolve_weights_only(weights_only) or not os.path.isfile(file):
-        return
+def contained_path(directory: str | os.PathLike[str], relative: str | os.PathLike[str], what: str) -> Path:
+    """``directory / relative`` with ``..`` and symlinks resolved, when that stays inside ``directory``; else a
+    ``ValueError`` naming the directory, ``what`` (e.g. ``"storage entry"``) and ``relative``."""
+    root = os.path.realpath(directory)
+    target = os.path.realpath(os.path.join(root, relative))
+    if os.path.commonpath([root, target]) != root:
+        raise ValueError(f"refusing to load checkpoint {os.fspath(directory)}: its {what} {os.fspath(relative)!r} "
+                         f"leads to {target}, outside the checkpoint directory (a checkpoint reads only its own files)")
+    return Path(target)
+
+
+def read_dcp_metadata(path: str | os.PathLike[str], weights_only: bool | None = None) -> Metadata:
+    """The ``.metadata`` of the DCP directory ``path``, checked: unpickled allowing only DCP's metadata classes
+    (:class:`UntrustedCheckpointError` otherwise) unless ``weights_only=False``, and, whatever the trust, every
+    storage entry inside ``path`` and the file itself present (``ValueError`` otherwise; module docstring)."""
+    trusted = not resolve_weights_only(weights_only)
+    file = contained_path(path, _DCP_METADATA, "metadata file")
+    if not file.is_file():
+        raise ValueError(f"refusing to load checkpoint {os.fspath(path)}: it has no {_DCP_METADATA}, so it is no "
+                         f"complete torch.distributed.checkpoint directory (DCP would unpickle a per-rank "
+                         f"__<rank>.metadata instead, unrestricted; our saves never write one)")
     with open(file, "rb") as f:
         try:
-            _DcpMetadataUnpickler(f).load()
+            metadata = pickle.load(f) if trusted else _DcpMetadataUnpickler(f).load()
         except pickle.UnpicklingError as error:
+            if trusted:
+                raise
             raise _refusal(file, error) from None
+    storage = getattr(metadata, "storage_data", None)
+    if not isinstance(metadata, Metadata) or not isinstance(storage, dict):
+        raise ValueError(f"refusing to load checkpoint {os.fspath(path)}: {file} holds a {type(metadata).__name__}, "
+                         f"not torch.distributed.checkpoint Metadata with storage entries")
+    checked: set[str] = set()
+    for index, info in storage.items():
+        relative = getattr(info, "relative_path", None)
+        if not isinstance(relative, (str, os.PathLike)):
+            raise ValueError(f"refusing to load checkpoint {os.fspath(path)}: storage entry {index!r} has "
+                             f"relative_path {relative!r}, not a path")
+        if os.fspath(relative) not in checked:
+            contained_path(path, relative, "storage entry")
+            checked.add(os.fspath(relative))
+    return metadata
+
+
+class _CheckedReader(FileSystemReader):
+    """DCP's file-system reader, handed the metadata :func:`read_dcp_metadata` read and checked: DCP neither
+    unpickles the file again (it could have been replaced since the check) nor falls back to a per-rank one."""
+
+    def __init__(self, path: str | os.PathLike[str], metadata: Metadata) -> None:
+        super().__init__(path)
+        self._metadata = metadata
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if getattr(self._metadata, "storage_meta", None) is None:  # as FileSystemReader.read_metadata does
+            self._metadata.storage_meta = StorageMeta()
+        self._metadata.storage_meta.load_id = self.load_id
+        return self._metadata
 
 
 class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
@@ -167,18 +225,20 @@ class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
         super().load_bytes(read_item, clean)
 
 
-def dcp_load(state_dict: dict[str, Any], path: str | os.PathLike[str], weights_only: bool | None = None,
-             **kwargs: Any) -> None:
-    """``torch.distributed.checkpoint.load(state_dict, checkpoint_id=path, **kwargs)``, weights-only unless
-    ``weights_only=False``: the ``.metadata`` is checked first (:func:`check_dcp_metadata`) and non-tensor
-    entries are read by :class:`WeightsOnlyLoadPlanner`. A refusal raises :class:`UntrustedCheckpointError`."""
-    if not resolve_weights_only(weights_only):
-        dcp.load(state_dict, checkpoint_id=str(path), **kwargs)
+def dcp_load(state_dict: dict[str, Any], path: str | os.PathLike[str], weights_only: bool | None = None, *,
+             metadata: Metadata | None = None, **kwargs: Any) -> None:
+    """``torch.distributed.checkpoint.load(state_dict, **kwargs)`` of the directory ``path``, weights-only unless
+    ``weights_only=False``: DCP gets the ``.metadata`` checked by :func:`read_dcp_metadata` (pass ``metadata``
+    when you already read it that way), and non-tensor entries are read by :class:`WeightsOnlyLoadPlanner`.
+    A refusal raises :class:`UntrustedCheckpointError`, an entry outside ``path`` ``ValueError``."""
+    trusted = not resolve_weights_only(weights_only)
+    reader = _CheckedReader(path, metadata if metadata is not None else read_dcp_metadata(path, weights_only))
+    if trusted:
+        dcp.load(state_dict, storage_reader=reader, **kwargs)
         return
-    check_dcp_metadata(path, weights_only)
     planner = WeightsOnlyLoadPlanner(checkpoint_id=str(path))
     try:
-        dcp.load(state_dict, checkpoint_id=str(path), planner=planner, **kwargs)
+        dcp.load(state_dict, storage_reader=reader, planner=planner, **kwargs)
     except CheckpointException:  # (a BaseException) wraps every rank's error
         if planner.refused is not None:
             raise planner.refused from None

@@ -36,13 +36,12 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from lightning_sync.sync.bucketing import SyncSwitch, check_mib, plan_buckets
 from lightning_sync.sync.communicator import Communicator
-from lightning_sync.sync.safe_load import check_dcp_metadata, dcp_load
+from lightning_sync.sync.safe_load import contained_path, dcp_load, read_dcp_metadata
 
 __all__ = ["FlatParam", "FlatShard", "OwnedSlice", "Unit", "ZERO_STAGES", "ZeroEngine", "check_stage",
            "consolidate_checkpoint", "import_class", "read_meta", "resolve_dtype", "resolve_wrap_policy",
@@ -917,12 +916,13 @@ class ZeroEngine(SyncSwitch):
 
     def load_sharded(self, path: str | os.PathLike[str], weights_only: bool | None = None) -> None:
         """Load a :meth:`save_sharded` checkpoint written at any world size and stage; a collective.
-        Weights-only (see :mod:`lightning_sync.sync.safe_load`) unless ``weights_only=False``."""
+        Weights-only (see :mod:`lightning_sync.sync.safe_load`) unless ``weights_only=False``; a directory that
+        would read files outside itself, or has no DCP ``.metadata``, raises ``ValueError`` whatever the trust."""
         path = Path(path)
         meta = read_meta(path)
         self.check_compatible(meta)
-        check_dcp_metadata(path, weights_only)  # before FileSystemReader pickle.loads it
-        saved = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        metadata = read_dcp_metadata(path, weights_only)
+        saved = metadata.state_dict_metadata
         chunks = _chunk_index(saved)
         want: dict[str, Any] = {}
         for f in self.flats:
@@ -937,7 +937,7 @@ class ZeroEngine(SyncSwitch):
         _, replicated = self._replicated()
         for key, tensor in replicated.items():
             want[f"full/{key}"] = tensor
-        dcp_load(want, path, weights_only, process_group=getattr(self.comm, "group", None))
+        dcp_load(want, path, weights_only, metadata=metadata, process_group=getattr(self.comm, "group", None))
         with torch.no_grad():
             for f in self.flats:
                 state: dict[str, Any] = {}
@@ -1001,7 +1001,7 @@ _META = "lightning_sync_meta.json"
 
 def read_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The ``lightning_sync_meta.json`` of a sharded checkpoint directory (clear error if absent)."""
-    file = Path(path) / _META
+    file = contained_path(path, _META, "layout file")
     if not file.is_file():
         raise ValueError(f"{path} is not a lightning_sync sharded checkpoint (no {_META} in it)")
     meta = json.loads(file.read_text())
@@ -1063,16 +1063,17 @@ def _fill(dest: torch.Tensor, prefix: str, chunks: Mapping[str, list[tuple[int, 
 def consolidate_checkpoint(path: str | os.PathLike[str], weights_only: bool = True) -> dict[str, torch.Tensor]:
     """A plain full ``state_dict`` (original keys, order and dtypes; tied parameters under every name)
     from a sharded checkpoint directory, in one process, without a process group. For inference.
-    Weights-only (see :mod:`lightning_sync.sync.safe_load`) unless ``weights_only=False``."""
+    Weights-only (see :mod:`lightning_sync.sync.safe_load`) unless ``weights_only=False``; a directory that
+    would read files outside itself, or has no DCP ``.metadata``, raises ``ValueError`` whatever the trust."""
     meta = read_meta(path)
-    check_dcp_metadata(path, weights_only)  # before FileSystemReader pickle.loads it
-    saved = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    metadata = read_dcp_metadata(path, weights_only)
+    saved = metadata.state_dict_metadata
     chunks = _chunk_index(saved)
     want: dict[str, Any] = {k: _placeholder(md) for k, md in saved.items()
                             if k.startswith("full/") or (k.startswith("model/") and "@" in k)}
     with warnings.catch_warnings():  # "torch.distributed is disabled..." is what no_dist asks for
         warnings.filterwarnings("ignore", message=".*torch.distributed.*disabled.*")
-        dcp_load(want, path, weights_only, no_dist=True)
+        dcp_load(want, path, weights_only, metadata=metadata, no_dist=True)
     params: dict[str, torch.Tensor] = {}
     for name, (shape, dtype) in meta["params"].items():
         numel = math.prod(shape)
