@@ -278,7 +278,6 @@ class ShardedStrategy(CommsCollectivesMixin, DDPStrategy):
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint does not take storage_options (it writes "
                             f"a sharded directory through torch.distributed.checkpoint)")
-        self._save_rank_states(checkpoint)
         if self.engine is None:  # after fit (teardown unsharded the module): a plain full checkpoint file
             super().save_checkpoint(checkpoint, filepath)
             return
@@ -312,11 +311,8 @@ class ShardedStrategy(CommsCollectivesMixin, DDPStrategy):
             # the shards first: their .metadata is checked (no reads outside, nothing unrestricted) before
             # anything in the directory is unpickled
             self.engine.load_sharded(path, weights_only)
-            checkpoint = load_file(contained_path(path, _LIGHTNING_STATE, "Lightning state file"), weights_only)
-            self._take_rank_state(checkpoint)
-            return checkpoint
+            return load_file(contained_path(path, _LIGHTNING_STATE, "Lightning state file"), weights_only)
         checkpoint = load_file(path, weights_only)
-        self._take_rank_state(checkpoint)
         self.engine.load_full_state_dict(checkpoint["state_dict"])
         if checkpoint.get("optimizer_states"):
             rank_zero_warn(f"{path} is a full (unsharded) checkpoint: its weights were loaded and sharded; its "
