@@ -479,6 +479,8 @@ class AsyncParameterServerStrategy(AtomicCheckpoints, ParallelStrategy):
             trainer.fit_loop.epoch_loop.max_steps = self._lifted_max_steps
             self._lifted_max_steps = None
         if self.server is not None:
+            if self.server.error is not None:  # keep answering until every worker has heard why training stopped
+                self.server.wait_stopped(self._timeout.total_seconds())
             host(None)
         self.server, self.worker = None, None
         rpc.shutdown(graceful=not self._failed)  # after a failure, peers may never arrive

@@ -45,10 +45,15 @@ Global clock and budget
 
 Failure
     A worker that raises reports it (:meth:`ParameterServer.abort`): every waiting and later request
-    of every worker then fails with an error naming it. A worker process that dies without a word
-    never pushes again, so a peer waiting on the bound blocks until the transport's timeout; if the
-    server's process dies, every request fails at once. A worker that finishes normally
-    (:meth:`ParameterServer.finish`) stops counting against the bound.
+    of every worker then fails with an error naming it. So does an exception in the server's own
+    update (the optimizer, clipping, a scheduler on the global clock): every push of that step, every
+    push held by the bound, every finish, and every later request fails with an error naming the
+    exception, and the model, possibly half-stepped, can no longer be checkpointed. After either,
+    :meth:`ParameterServer.wait_stopped` tells the server's host when every worker has reported back,
+    so it keeps answering until each one has heard why training stopped. A worker process that dies
+    without a word never pushes again, so a peer waiting on the bound blocks until the transport's
+    timeout; if the server's process dies, every request fails at once. A worker that finishes
+    normally (:meth:`ParameterServer.finish`) stops counting against the bound.
 
 Transport
     Workers reach the server through :mod:`lightning_sync.sync.ps_worker`: directly in the server's
@@ -206,6 +211,7 @@ class ParameterServer:
         if optimizer is not None:
             self._repoint(optimizer, params)
         self.lock = threading.Lock()
+        self._changed = threading.Condition(self.lock)  # a worker finished or reported a failure
         self.version = 0
         self.pushes = 0
         self.discarded = 0
@@ -219,6 +225,9 @@ class ParameterServer:
         self._pending: list[_Push] = []
         self._finishing: list[torch.futures.Future] = []
         self._error: str | None = None
+        self._broken = False  # the server's own update raised: the model may be half-stepped
+        self._reported: set[int] = set()  # workers that reported a failure (abort)
+        self._released = False  # every worker finished and has the final model
 
     def _repoint(self, optimizer: torch.optim.Optimizer, live: Sequence[torch.Tensor]) -> None:
         if hasattr(optimizer, "_params"):
@@ -231,6 +240,11 @@ class ParameterServer:
             group["params"] = [copies.get(id(p), p) for p in group["params"]]  # frozen ones stay as they are
 
     # ------------------------------------------------------------------ requests
+    @property
+    def error(self) -> str | None:
+        """Why training stopped (a worker's failure or the server's own), or ``None``."""
+        return self._error
+
     @property
     def stopped(self) -> bool:
         """Whether the budget is spent."""
@@ -271,22 +285,39 @@ class ParameterServer:
             self._done[worker] = True
             self._finishing.append(future)
             done = self._try_step()  # this worker no longer holds anyone back
-            if all(self._done):
+            if self._error is None and all(self._done):
                 reply = self._reply()
                 done += [(f, reply) for f in self._finishing]
-                self._finishing = []
+                self._finishing, self._released = [], True
+            self._changed.notify_all()
         self._complete(done)
         return future
 
     def abort(self, worker: int, message: str) -> None:
-        """``worker`` failed: fail every waiting request, and every later one, with an error naming it."""
+        """``worker`` failed (or heard that training stopped): fail every waiting request, and every
+        later one, with an error naming the first failure."""
         with self.lock:
-            if self._error is None:
-                self._error = f"parameter server: worker {worker} failed, so training stopped: {message}"
-            waiting = [p.future for p in self._pending] + self._finishing
-            self._pending, self._finishing = [], []
-        for future in waiting:
-            future.set_exception(RuntimeError(self._error))
+            done = self._fail(f"parameter server: worker {worker} failed, so training stopped: {message}")
+            self._reported.add(worker)
+            self._changed.notify_all()
+        self._complete(done)
+
+    def wait_stopped(self, timeout: float) -> bool:
+        """Whether every worker has stopped, waiting up to ``timeout`` seconds: each one has reported a
+        failure (:meth:`abort`: it heard why training stopped), or all finished normally. A worker whose
+        process died without a word never reports, hence the bound."""
+        with self._changed:
+            return self._changed.wait_for(
+                lambda: self._released or len(self._reported) == self.num_workers, timeout=timeout)
+
+    def _fail(self, error: str, also: Sequence[_Push] = ()) -> list[tuple[torch.futures.Future, Any]]:
+        """Keep the first ``error``; every waiting request (and the pushes ``also`` taken off the queue)
+        is answered with it."""
+        if self._error is None:
+            self._error = error
+        waiting = [p.future for p in [*also, *self._pending]] + self._finishing
+        self._pending, self._finishing = [], []
+        return [(f, RuntimeError(self._error)) for f in waiting]
 
     def _check_worker(self, worker: int) -> None:
         if self._error is not None:
@@ -297,9 +328,12 @@ class ParameterServer:
             raise RuntimeError(f"worker {worker} already finished")
 
     @staticmethod
-    def _complete(done: list[tuple[torch.futures.Future, Reply]]) -> None:
-        for future, reply in done:  # outside the lock: completing may send the reply right away
-            future.set_result(reply)
+    def _complete(done: list[tuple[torch.futures.Future, Any]]) -> None:
+        for future, outcome in done:  # outside the lock: completing may send the reply right away
+            if isinstance(outcome, Exception):
+                future.set_exception(outcome)
+            else:
+                future.set_result(outcome)
 
     # ------------------------------------------------------------------ the step
     def _blocked(self) -> bool:
@@ -308,7 +342,7 @@ class ParameterServer:
         return any(not self._done[u] and u not in waiting and self.version + 1 - self._read[u] > self.max_staleness
                    for u in range(self.num_workers))
 
-    def _try_step(self) -> list[tuple[torch.futures.Future, Reply]]:
+    def _try_step(self) -> list[tuple[torch.futures.Future, Any]]:
         if not self._pending:
             return []
         if self.stopped:
@@ -327,7 +361,13 @@ class ParameterServer:
         else:
             dropped = []
         self._pending = []
-        self._step(take)
+        target = self.version + 1
+        try:
+            self._step(take)
+        except Exception as err:  # noqa: BLE001 - every worker must hear of it, or those waiting wait forever
+            self._broken = True
+            return self._fail(f"parameter server: its update to version {target} failed, so training stopped: "
+                              f"{type(err).__name__}: {err}", also=take + dropped)
         self.discarded += len(dropped)
         reply = self._reply()
         out = [(p.future, reply) for p in take]
@@ -391,6 +431,8 @@ class ParameterServer:
     def snapshot(self) -> dict[str, Any]:
         """One consistent copy of the global model, optimizer state and counters (taken under the lock)."""
         with self.lock:
+            if self._broken:
+                raise RuntimeError(f"the parameter server's state cannot be checkpointed: {self._error}")
             return {"params": [p.detach().clone() for p in self.params],
                     "buffers": [b.clone() for b in self.buffers],
                     "optimizer": copy.deepcopy(self.optimizer.state_dict()) if self.optimizer is not None else None,

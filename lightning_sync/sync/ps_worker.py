@@ -96,13 +96,20 @@ def _remote_pull(worker: int) -> Reply:
     return _hosted().pull(worker)
 
 
+def _raising(future: torch.futures.Future) -> torch.futures.Future:
+    """``future`` as RPC should answer it: its exception raised as the caller's error. (RPC would send an
+    exception stored with ``set_exception`` as if it were the reply; one raised in a callback it sends as
+    an error.)"""
+    return future.then(lambda done: done.wait())
+
+
 def _remote_push(worker: int, read_version: int, grads: list[torch.Tensor], present: list[bool],
                  buffers: list[torch.Tensor], clip: tuple[str, float] | None) -> torch.futures.Future:
-    return _hosted().push(worker, read_version, grads, present, buffers, clip)
+    return _raising(_hosted().push(worker, read_version, grads, present, buffers, clip))
 
 
 def _remote_finish(worker: int) -> torch.futures.Future:
-    return _hosted().finish(worker)
+    return _raising(_hosted().finish(worker))
 
 
 def _remote_abort(worker: int, message: str) -> None:
