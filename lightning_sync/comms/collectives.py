@@ -164,7 +164,8 @@ def _issue(op: str, nbytes: int, launch: Callable[[], Sequence[Any]], finish: Ca
             _SEQ_WORLD[0] = dist.group.WORLD
         seq = next(_SEQ.setdefault(_watchdog.sequence_key(name, peer), itertools.count(1)))
     wd = _watchdog.active()
-    tracked = None if wd is None else wd.issued(op, seq, name, group_ranks(group), nbytes, peer)
+    tracked = None if wd is None else wd.issued(op, seq, name, group_ranks(group), nbytes, peer,
+                                                exact_future=dist.get_backend(group) == "gloo")
     _STATS.record(op, nbytes)
     _STATS.block_begin()
     start, launched = time.perf_counter(), False

@@ -24,9 +24,15 @@ not move is lost; a rank whose last sequence number is below the pending one nev
 op at that sequence number differs took another code path (several ranks' majority op is the reference).
 Nothing is parsed from logs, and no extra collective runs (a hung group could not carry one).
 
-**Cost.** Issuing a collective appends to an in-process list under a lock; waiting polls the backend
-request in slices of ``interval`` seconds (``Work.wait(timeout)``), so a completed collective returns at
-once. The store sees one small write per rank per ``interval``.
+**Cost.** Issuing a collective appends to an in-process list under a lock. Waiting never passes a timeout
+to the backend: on NCCL a timed ``Work.wait`` that runs out aborts the communicator, which would kill every
+healthy job whose ranks arrive more than a slice apart. A request that already completed returns at once
+(one ``is_completed`` call, then the untimed ``wait``, which returns or raises its failure). Otherwise, on
+gloo, the request's future wakes the waiter the moment it completes (checking for an abort every
+``interval``); where a future completes early or not at all (NCCL marks it complete once the collective is
+enqueued; gloo's send and recv have none), the request is polled with a backoff from 10 us to 0.5 ms, so the
+wait ends at most 0.5 ms (or about as long again as it has lasted, when shorter) after the request
+completes. The store sees one small write per rank per ``interval``.
 
 **Ranks blocked outside comms.** A rank stuck in a call that cannot be interrupted (a backend call that
 blocks inside its launch, or a collective issued without ``lightning_sync.comms``) cannot raise. When the
@@ -56,6 +62,7 @@ __all__ = ["CollectiveError", "CollectiveTimeout", "RankLost", "Watchdog", "acti
            "sequence_key", "start", "stop"]
 
 _HISTORY = 8  # ops remembered per group in a rank's record: enough to compare the op at a pending seq
+_POLL_MIN, _POLL_MAX = 10e-6, 0.5e-3  # seconds between polls of a request without an exact future (backoff)
 _ACTIVE: Watchdog | None = None
 _GENERATION = [0]  # starts in this process: every rank starts its watchdogs in the same order
 
@@ -129,6 +136,7 @@ class Pending:
     ranks: list[int]
     nbytes: int
     peer: int | None = None  # point-to-point: the other rank (sequence numbers do not pair up)
+    exact_future: bool = False  # the requests' futures complete with them (gloo collectives), so a wait can sleep
     start: float = field(default_factory=time.monotonic)
     handles: list[Any] | None = None  # None while the backend call is still being launched
 
@@ -171,6 +179,7 @@ class Watchdog:
         self._waiting: Pending | None = None
         self._error: CollectiveError | None = None
         self._error_at = 0.0
+        self._wake: threading.Event | None = None  # set on an abort, to end a wait at once
         self._beat = 0
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="lightning_sync-watchdog", daemon=True)
@@ -178,10 +187,10 @@ class Watchdog:
     # ------------------------------------------------------------------ called by comms (main thread)
 
     def issued(self, op: str, seq: int, group: str, ranks: Sequence[int], nbytes: int,
-               peer: int | None = None) -> Pending:
+               peer: int | None = None, exact_future: bool = False) -> Pending:
         """Record a collective about to be launched; raises the pending abort instead, if there is one."""
         self.check()
-        p = Pending(op, seq, group, list(ranks), nbytes, peer)
+        p = Pending(op, seq, group, list(ranks), nbytes, peer, exact_future)
         with self._lock:
             self._last[p.key] = seq
             hist = self._history.setdefault(p.key, [])
@@ -194,25 +203,47 @@ class Watchdog:
         p.handles = list(handles)
 
     def wait(self, p: Pending, handle: Any) -> None:
-        """Wait for one backend request of ``p`` in slices; raise the diagnosis if it hangs or fails."""
-        self._waiting = p
-        try:
-            while True:
+        """Wait for one backend request of ``p``; raise the diagnosis if it hangs or fails (module docstring:
+        never a timed ``Work.wait``)."""
+        self.check()
+        if not handle.is_completed():
+            self._waiting = p
+            try:
+                self._until_completed(p, handle)
+            finally:
+                self._waiting = None
+        try:  # completed: returns at once, or raises the request's failure
+            handle.wait()
+        except RuntimeError as err:
+            cause = str(err).strip().splitlines()[-1][:300] if str(err).strip() else type(err).__name__
+            raise self._fail(RankLost, p, f"failed ({cause})") from err
+
+    def _until_completed(self, p: Pending, handle: Any) -> None:
+        """Return once ``handle`` completed; raise the abort (this rank's hang, or another rank's) meanwhile."""
+        future = None
+        if p.exact_future:
+            try:
+                future = handle.get_future()
+            except RuntimeError:  # gloo's send and recv have none
+                future = None
+        if future is not None:
+            # The future completes just before the request marks itself completed: the untimed wait that
+            # follows covers that last step (polling is_completed here would spin against it).
+            done = threading.Event()
+            future.add_done_callback(lambda _: done.set())
+            self._wake = done  # an abort sets it too
+            try:
+                while not done.wait(self.interval):
+                    self.check()
                 self.check()
-                try:
-                    handle.wait(timedelta(seconds=self.interval))
-                    return
-                except RuntimeError:
-                    if self._error is not None or not handle.is_completed():
-                        continue  # our slice ran out (the thread declares the hang), or an abort came in
-                try:  # completed: at once, either the slice ran out just as it did, or it failed
-                    handle.wait()
-                    return
-                except RuntimeError as err:
-                    cause = str(err).strip().splitlines()[-1][:300] if str(err).strip() else type(err).__name__
-                    raise self._fail(RankLost, p, f"failed ({cause})") from err
-        finally:
-            self._waiting = None
+            finally:
+                self._wake = None
+            return
+        pause = _POLL_MIN
+        while not handle.is_completed():
+            self.check()
+            time.sleep(pause)
+            pause = min(2 * pause, _POLL_MAX)
 
     def finished(self, p: Pending) -> None:
         with self._lock:
@@ -347,7 +378,10 @@ class Watchdog:
                 mine = json.dumps({"rank": self.rank, "kind": type(err).__name__, "message": str(err)})
                 self._store.compare_set("abort", "", mine)
             self._error, self._error_at = err, time.monotonic()
-            return err
+            wake = self._wake
+        if wake is not None:
+            wake.set()
+        return err
 
     def _fail(self, kind: type[CollectiveError], p: Pending, what: str) -> CollectiveError:
         if self._error is not None:

@@ -28,6 +28,7 @@ INTERVAL = 0.5
 # TIMEOUT + 10 s. Tearing the group down waits for the hung request until it passes (gloo cannot abort one).
 PG_TIMEOUT = TIMEOUT + 4.0
 DECLARED = f"did not complete within {TIMEOUT:g} s"  # the watchdog's own timeout, not gloo's failure
+LATE = 3.0  # how late a healthy rank arrives: many watchdog intervals, below the watchdog's timeout
 
 
 def _skip_one_all_reduce(rank: int, k: int) -> tuple[list[str], int, str]:
@@ -114,3 +115,49 @@ def test_a_sync_dist_key_logged_on_one_rank_only_is_named() -> None:
         # header broadcast of an object collective): both ranks name the split, rank 0 as the odd one
         assert re.search(r"took different code paths at #\d+: all_reduce \(4 B\) on ranks \[0\]; "
                          r"\w+ \(\d+ B\) on ranks \[1\]", message), f"rank {rank}: {message!r}"
+
+
+class _RecordingWork:
+    """A backend request whose ``wait`` calls are recorded. The watchdog must never pass a timeout: on NCCL a
+    timed wait that runs out aborts the communicator, which kills a healthy job whose ranks arrive late."""
+
+    def __init__(self, work: Any, waits: list[tuple[Any, ...]]) -> None:
+        self._work, self._waits = work, waits
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        self._waits.append((*args, *kwargs.values()))
+        return self._work.wait(*args, **kwargs)
+
+    def is_completed(self) -> bool:
+        return self._work.is_completed()
+
+    def get_future(self) -> Any:
+        return self._work.get_future()
+
+
+def _late_rank(rank: int, k: int) -> tuple[list[str], int]:
+    ck = Checks()
+    waits: list[tuple[Any, ...]] = []
+    real = torch.distributed.all_reduce
+    torch.distributed.all_reduce = lambda *a, **kw: _RecordingWork(real(*a, **kw), waits)  # comms calls it
+    comms.watchdog.start(LATE + 5.0, interval=0.2)
+    try:
+        if rank == 1:
+            time.sleep(LATE)  # the scenario itself: a rank busy elsewhere (data loading, a checkpoint write)
+        late = comms.all_reduce(torch.full((4,), float(rank + 1)))
+        after = comms.all_reduce(torch.full((4,), float(rank + 1)))  # the group still works afterwards
+    finally:
+        torch.distributed.all_reduce = real
+    expected = torch.full((4,), float(sum(r + 1 for r in range(k))))  # small integers: exact
+    ck.close("the late all_reduce", late, expected)
+    ck.close("the next all_reduce", after, expected)
+    ck.true("no abort", comms.watchdog.active().error is None, comms.watchdog.active().error)
+    ck.true("waited on every request", len(waits) >= 2, waits)
+    ck.true("never a timed wait", all(w == () for w in waits), f"wait() arguments: {waits}")
+    comms.watchdog.stop()
+    return ck.result()
+
+
+@pytest.mark.timeout(90)
+def test_a_rank_arriving_late_passes_with_the_watchdog_on() -> None:
+    assert_all_ranks_passed(run_distributed(_late_rank, 2, timeout=60), min_checks=5)
