@@ -60,7 +60,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_sync.launch.atomic import publish_path, remove_path
+from lightning_sync.launch.atomic import publish_path, recover_path, remove_path
 from lightning_sync.strategies._common import (
     CommsCollectivesMixin,
     as_timedelta,
@@ -303,6 +303,7 @@ class ShardedStrategy(CommsCollectivesMixin, DDPStrategy):
         checkpoint that needs more raises :class:`~lightning_sync.sync.safe_load.UntrustedCheckpointError`."""
         path = Path(self.broadcast(str(checkpoint_path)))
         assert self.engine is not None, "load_checkpoint needs the strategy to be set up"
+        recover_path(path)  # a save killed while it replaced this directory left the old one aside
         if path.is_dir():
             read_meta(path)  # clear error if it is not ours
             if not (path / COMPLETE_MARKER).is_file():
