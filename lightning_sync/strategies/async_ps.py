@@ -259,8 +259,9 @@ class AsyncParameterServerStrategy(AtomicCheckpoints, ParallelStrategy):
             self.optimizers = [_PushingOptimizer(real, self)]  # what Lightning steps; built before the server repoints `real`
         if self.global_rank == self.server_rank:
             budget = trainer.max_steps if fitting and trainer.max_steps >= 0 else None
+            # pushes wait until Lightning has restored the optimizer and schedulers too (on_train_start)
             self.server = ParameterServer(params, buffers, real, self.world_size, self.max_staleness, budget,
-                                          self.lr_scaling)
+                                          self.lr_scaling, restoring=fitting)
             if self._pending_state is not None:
                 self.server.load_state_dict(self._pending_state)
             host(self.server)
@@ -310,7 +311,11 @@ class AsyncParameterServerStrategy(AtomicCheckpoints, ParallelStrategy):
     # ------------------------------------------------------------------ training
     @override
     def on_train_start(self) -> None:
-        """``max_steps`` is the global budget: the server stops every worker, so lift the per-worker limit."""
+        """The server applies the pushes that waited for the restore (Lightning has restored everything it
+        restores by now). ``max_steps`` is the global budget: the server stops every worker, so lift the
+        per-worker limit."""
+        if self.server is not None:
+            self.server.restored()
         trainer = self.lightning_module.trainer
         if trainer.fit_loop.max_steps >= 0:
             self._lifted_max_steps = trainer.fit_loop.max_steps
@@ -436,6 +441,8 @@ class AsyncParameterServerStrategy(AtomicCheckpoints, ParallelStrategy):
         """Leave the bound, wait for every worker to finish, take the final global model (once)."""
         if self.worker is None or self._finished:
             return
+        if self.server is not None:  # a fit loop that had nothing to do never called on_train_start
+            self.server.restored()
         self._last = self.worker.finish()
         self._finished = True
         if self.is_global_zero:  # so that trainer.save_checkpoint after fit still saves the server's state

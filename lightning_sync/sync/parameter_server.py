@@ -55,6 +55,14 @@ Failure
     timeout; if the server's process dies, every request fails at once. A worker that finishes
     normally (:meth:`ParameterServer.finish`) stops counting against the bound.
 
+Restoring
+    A server built with ``restoring=True`` serves pulls but holds every push until
+    :meth:`ParameterServer.restored`. Its host restores a checkpoint in stages (the model and counters
+    before the server is reachable, the optimizer and LR schedulers after, when Lightning restores
+    them), and a worker may push as soon as it has pulled: a push applied before the restore completes
+    would step a fresh optimizer and then be overwritten by the restore. Held, it is applied after, to
+    the checkpoint's model and optimizer state.
+
 Transport
     Workers reach the server through :mod:`lightning_sync.sync.ps_worker`: directly in the server's
     own process, over ``torch.distributed.rpc`` from other ranks (through
@@ -185,6 +193,7 @@ class ParameterServer:
         num_workers: K, the number of workers (>= 1).
         max_staleness: s, an int >= 0 or ``math.inf``.
         budget: stop after this many global steps (``pushes // K``); ``None`` for no limit.
+        restoring: hold every push (and the final replies) until :meth:`restored`.
 
     Attributes:
         staleness: ``Counter`` of staleness -> number of applied gradients.
@@ -196,7 +205,7 @@ class ParameterServer:
 
     def __init__(self, params: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor],
                  optimizer: torch.optim.Optimizer | None, num_workers: int, max_staleness: float,
-                 budget: int | None = None, lr_scaling: str = "linear") -> None:
+                 budget: int | None = None, lr_scaling: str = "linear", restoring: bool = False) -> None:
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
             raise ValueError(f"num_workers must be an int >= 1, got {num_workers!r}")
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 0):
@@ -228,6 +237,7 @@ class ParameterServer:
         self._broken = False  # the server's own update raised: the model may be half-stepped
         self._reported: set[int] = set()  # workers that reported a failure (abort)
         self._released = False  # every worker finished and has the final model
+        self._restoring = restoring  # pushes wait for restored()
 
     def _repoint(self, optimizer: torch.optim.Optimizer, live: Sequence[torch.Tensor]) -> None:
         if hasattr(optimizer, "_params"):
@@ -284,14 +294,26 @@ class ParameterServer:
             self._check_worker(worker)
             self._done[worker] = True
             self._finishing.append(future)
-            done = self._try_step()  # this worker no longer holds anyone back
-            if self._error is None and all(self._done):
-                reply = self._reply()
-                done += [(f, reply) for f in self._finishing]
-                self._finishing, self._released = [], True
+            done = self._try_step() + self._release()  # this worker no longer holds anyone back
             self._changed.notify_all()
         self._complete(done)
         return future
+
+    def restored(self) -> None:
+        """The host has restored everything: apply the pushes that waited (calling it again does nothing)."""
+        with self.lock:
+            self._restoring = False
+            done = self._try_step() + self._release()
+        self._complete(done)
+
+    def _release(self) -> list[tuple[torch.futures.Future, Any]]:
+        """Once every worker has finished: the final model for all of them."""
+        if self._error is not None or self._restoring or not all(self._done):
+            return []
+        reply = self._reply()
+        done = [(f, reply) for f in self._finishing]
+        self._finishing, self._released = [], True
+        return done
 
     def abort(self, worker: int, message: str) -> None:
         """``worker`` failed (or heard that training stopped): fail every waiting request, and every
@@ -343,7 +365,7 @@ class ParameterServer:
                    for u in range(self.num_workers))
 
     def _try_step(self) -> list[tuple[torch.futures.Future, Any]]:
-        if not self._pending:
+        if self._restoring or not self._pending:
             return []
         if self.stopped:
             dropped, self._pending = self._pending, []

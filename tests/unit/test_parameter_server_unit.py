@@ -1,10 +1,12 @@
-"""ParameterServer in one process: the staleness bound, the synchronous case, the budget, clipping and
-checkpoint counters, driven step by step (each push's future shows whether it was applied yet).
+"""ParameterServer in one process: the staleness bound, the synchronous case, the budget, clipping,
+checkpoint counters and a restore that holds early pushes, driven step by step (each push's future
+shows whether it was applied yet).
 
 The multi-process tests (``tests/multiprocess/test_async_ps.py``) run the same server over real RPC."""
 
 from __future__ import annotations
 
+import copy
 import math
 import re
 import threading
@@ -305,3 +307,51 @@ def test_bad_compensation_is_named_with_the_allowed_ones(bad: Any) -> None:
         check_compensation(bad)
     with pytest.raises(ValueError, match=r"compensation must be one of \['lookahead', 'none'\]"):
         AsyncParameterServerStrategy(compensation=bad)
+
+
+
+def _restoring_server(saved: dict[str, Any]) -> ParameterServer:
+    """A server built with restoring=True from ``saved``'s model and counters; its optimizer not yet restored."""
+    model = _model()
+    params = [p for p in model.parameters() if p.requires_grad]
+    server = ParameterServer(params, list(model.buffers()), torch.optim.SGD(params, lr=LR, momentum=0.9), 2,
+                             math.inf, restoring=True)
+    with torch.no_grad():
+        for p, v in zip(server.params, saved["params"]):
+            p.copy_(v)
+    server.load_state_dict(saved["state"])
+    return server
+
+
+def test_a_restoring_server_holds_pushes_until_restored_and_applies_them_to_the_restored_state() -> None:
+    """restoring=True, s = inf: worker 1 pushes before the optimizer's momentum is restored. The push waits
+    (pulls are still answered), then is applied with the restored momentum: one SGD step of half the
+    learning rate (its share of the batch) from the restored state, as a reference SGD takes it (exact)."""
+    trained, _ = _server(2, math.inf, momentum=0.9)
+    _push(trained, 0, seed=1).wait()  # momentum buffers to restore
+    saved = trained.snapshot()
+    server = _restoring_server(saved)
+    assert server.pull(0).version == 1
+    early = _push(server, 1, seed=2)
+    assert not early.done() and server.version == 1
+    server.optimizer.load_state_dict(copy.deepcopy(saved["optimizer"]))  # it would step the very tensors loaded
+    server.restored()
+    assert early.done() and early.wait().applied and server.version == 2
+    ref = [nn.Parameter(v.clone()) for v in saved["params"]]
+    ref_opt = torch.optim.SGD(ref, lr=LR * 0.5, momentum=0.9)
+    ref_opt.load_state_dict({**saved["optimizer"], "param_groups": [{**saved["optimizer"]["param_groups"][0],
+                                                                     "lr": LR * 0.5}]})
+    for p, g in zip(ref, server.layout.views(_grads(server, 2)[0])):
+        p.grad = g.clone()
+    ref_opt.step()
+    for got, want in zip(server.params, ref):
+        assert torch.equal(got.detach(), want.detach())
+
+
+def test_a_restoring_server_sends_the_final_model_only_once_restored() -> None:
+    trained, _ = _server(2, math.inf)
+    server = _restoring_server(trained.snapshot())
+    finals = [server.finish(0), server.finish(1)]
+    assert not any(f.done() for f in finals)
+    server.restored()
+    assert all(f.done() and f.wait().version == 0 for f in finals)
