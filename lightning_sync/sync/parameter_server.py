@@ -29,7 +29,9 @@ Step rule
     push moves the model by 1/K of a synchronous step instead of a whole one (decoupled weight decay
     scales with it). At s = 0 every step carries all K gradients: exactly synchronous SGD. Gradient
     clipping applies to the mean, with the user's threshold. A parameter that no pushed gradient
-    touched keeps ``grad = None`` for the step, so the optimizer skips it, as in one process.
+    touched keeps ``grad = None`` for the step, so the optimizer skips it, as in one process. A step
+    sums its gradients in a fixed order (by the version they were computed on, then by worker), not in
+    the order they arrived: at s = 0 a run is the same bit for bit however the pushes are timed.
 
     ``lr_scaling="sqrt"`` scales the learning rate by sqrt(|S| / K) instead: the square-root rule for
     adaptive optimizers (Malladi et al., "On the SDEs and Scaling Rules for Adaptive Gradient
@@ -186,7 +188,8 @@ class ParameterServer:
     Args:
         params: the trainable parameters as they are now (each tensor once, in a fixed order every
             worker uses too); the server keeps its own copies.
-        buffers: the model's buffers (the server keeps the values of the latest push).
+        buffers: the model's buffers (the server keeps those of each step's newest push: computed on the
+            newest model, from the highest worker among equals).
         optimizer: the optimizer over ``params``; its param groups are rewritten in place to step the
             server's copies (same object, same hyperparameters: LR schedulers on it keep working).
             ``None`` for a server that only serves pulls (evaluation).
@@ -402,6 +405,8 @@ class ParameterServer:
 
     def _step(self, take: list[_Push]) -> None:
         assert self.optimizer is not None
+        # oldest model first, then by worker: the sums and the buffers kept do not depend on arrival order
+        take = sorted(take, key=lambda p: (p.read_version, p.worker))
         n, k = len(take), self.num_workers
         total = [torch.zeros_like(f) for f in take[0].grads]
         for p in take:
@@ -423,7 +428,7 @@ class ParameterServer:
             for g, lr in zip(self.optimizer.param_groups, lrs):
                 g["lr"] = lr
         self.optimizer.zero_grad(set_to_none=True)
-        self.buffer_layout.copy_into(take[-1].buffers, self.buffers)  # the newest push's buffers
+        self.buffer_layout.copy_into(take[-1].buffers, self.buffers)  # the newest model's push (the last worker's)
         for p in take:
             self.staleness[self.version - p.read_version] += 1
             self.pushes_by_worker[p.worker] += 1

@@ -355,3 +355,22 @@ def test_a_restoring_server_sends_the_final_model_only_once_restored() -> None:
     assert not any(f.done() for f in finals)
     server.restored()
     assert all(f.done() and f.wait().version == 0 for f in finals)
+
+
+def test_a_step_does_not_depend_on_the_order_its_pushes_arrived_in() -> None:
+    """s = 0, K = 3: the same gradients and buffers arriving in another order make the same model bit for
+    bit (fp32 sums in arrival order would differ in the last bits; the buffers would be whichever push came
+    last), so a synchronous run, and its resume, is reproducible whatever the timing."""
+    results = []
+    for order in ((0, 1, 2), (2, 0, 1), (1, 2, 0)):
+        server, _ = _server(3, 0)
+        for step in range(3):
+            for w in order:
+                grads, present = _grads(server, 10 * step + w)
+                buffers = [b + w + 1 for b in server.buffer_layout.flatten(server.buffers)]  # each worker its own
+                server.push(w, server._read[w], grads, present, buffers, None)
+        assert server.version == 3
+        results.append([t.detach().clone() for t in [*server.params, *server.buffers]])
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            assert torch.equal(a, b)
