@@ -69,7 +69,7 @@ Transport
     Workers reach the server through :mod:`lightning_sync.sync.ps_worker`: directly in the server's
     own process, over ``torch.distributed.rpc`` from other ranks (through
     :mod:`lightning_sync.comms.rpc`, which counts the bytes). Payloads are one flat tensor per dtype,
-    staged through host memory.
+    staged through host memory (:mod:`lightning_sync.sync.ps_wire`).
 """
 
 from __future__ import annotations
@@ -86,8 +86,9 @@ import torch
 from torch import nn
 
 from lightning_sync._checks import check_choice
+from lightning_sync.sync.ps_wire import FlatLayout, Reply
 
-__all__ = ["FlatLayout", "ParameterServer", "Reply", "check_staleness"]
+__all__ = ["FlatLayout", "ParameterServer", "Reply", "check_staleness"]  # FlatLayout, Reply: from ps_wire
 
 
 LR_SCALINGS = ("linear", "sqrt")
@@ -105,70 +106,6 @@ def check_staleness(value: Any) -> int | float:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"max_staleness must be an int >= 0 or math.inf (no bound), got {value!r}")
     return value
-
-
-class FlatLayout:
-    """A fixed list of tensors packed as one flat tensor per dtype (in first-seen dtype order)."""
-
-    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
-        self.shapes = [t.shape for t in tensors]
-        self.groups: dict[torch.dtype, list[int]] = {}
-        for i, t in enumerate(tensors):
-            self.groups.setdefault(t.dtype, []).append(i)
-
-    def flatten(self, tensors: Sequence[torch.Tensor | None], fill_missing: bool = False) -> list[torch.Tensor]:
-        """One new CPU tensor per dtype; ``None`` entries become zeros when ``fill_missing``."""
-        out = []
-        for dtype, idx in self.groups.items():
-            parts = []
-            for i in idx:
-                t = tensors[i]
-                if t is None:
-                    if not fill_missing:
-                        raise ValueError(f"tensor {i} is None")
-                    t = torch.zeros(self.shapes[i], dtype=dtype)
-                parts.append(t.detach().reshape(-1).to("cpu", dtype))
-            out.append(torch.cat(parts) if parts else torch.zeros(0, dtype=dtype))
-        return out
-
-    def views(self, flats: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """The tensors as views into ``flats`` (in the original order)."""
-        out: list[torch.Tensor | None] = [None] * len(self.shapes)
-        for flat, idx in zip(flats, self.groups.values()):
-            offset = 0
-            for i in idx:
-                n = math.prod(self.shapes[i])
-                out[i] = flat[offset : offset + n].view(self.shapes[i])
-                offset += n
-        return out  # type: ignore[return-value]
-
-    def copy_into(self, flats: Sequence[torch.Tensor], tensors: Sequence[torch.Tensor]) -> None:
-        """Copy ``flats`` into ``tensors`` in place (any device)."""
-        with torch.no_grad():
-            for t, v in zip(tensors, self.views(flats)):
-                t.copy_(v)
-
-
-@dataclass
-class Reply:
-    """What a worker gets back: the global model now, and whether to stop."""
-
-    version: int
-    """Server version of ``params`` (optimizer steps applied)."""
-    params: list[torch.Tensor]
-    """The trainable parameters, one flat tensor per dtype (:class:`FlatLayout` order)."""
-    buffers: list[torch.Tensor]
-    """The model's buffers, one flat tensor per dtype."""
-    lrs: list[float]
-    """The optimizer's current learning rate per param group (so every worker reports the global LR)."""
-    global_step: int
-    """Pushes applied // K: synchronous steps' worth of samples."""
-    stop: bool
-    """The budget is spent; the worker should stop training."""
-    applied: bool = True
-    """False when this push was discarded (the budget was spent before it could be applied)."""
-    staleness: dict[int, int] = field(default_factory=dict)
-    """Histogram so far: staleness -> applied gradients (so any rank can log it)."""
 
 
 @dataclass

@@ -20,7 +20,8 @@ from typing import Any, Protocol
 import torch
 
 from lightning_sync._checks import check_choice
-from lightning_sync.sync.parameter_server import FlatLayout, ParameterServer, Reply
+from lightning_sync.sync.parameter_server import ParameterServer
+from lightning_sync.sync.ps_wire import FlatLayout, Reply
 
 __all__ = ["COMPENSATIONS", "LocalLink", "PSWorker", "RpcLink", "ServerLink", "check_compensation", "host"]
 
