@@ -37,16 +37,44 @@ Clocks
     Epoch-interval and plateau schedulers follow ``server_rank``'s epochs and metrics.
 
 Checkpoints
-    Rank 0 writes the server's model, optimizer state, LR schedulers and counters, all taken at
-    one server version (a consistent global model). Resuming restores them, with the global clock.
+    Rank 0 writes the server's state, all of it taken under the server's lock at one version V: the
+    global model (parameters and buffers), the optimizer state, the LR schedulers' states, and the
+    counters (V, pushes applied and discarded, the global clock, the staleness histogram, pushes per
+    worker). A push the server had not applied by then (on its way, or held by the bound) is in none
+    of it. Resuming restores, exactly:
+
+    * the server's version V and global clock, so the budget (``max_steps``) counts on from them;
+    * its parameters, buffers and optimizer state as they were at V;
+    * the LR schedule: the schedulers' states, step-interval ones still stepped on the global clock;
+    * the staleness bookkeeping: every worker computes its first gradient on V (it pulls V first), so
+      the bound holds from the first push on, and the histogram continues from the saved one.
+
+    No push can come between: the server holds pushes that arrive while Lightning is still restoring
+    the optimizer and schedulers (the workers can reach the server before that) and applies them to the
+    restored state. With one worker, or at ``max_staleness=0``, a run resumed at an epoch end equals the
+    uninterrupted run bit for bit (a step sums its gradients in a fixed order). What cannot be exact, or
+    is not restored:
+
+    * the interleaving: at s > 0 with several workers, which pushes share a step and in which order
+      they apply depends on timing, before and after the resume, so a resumed run is one of the runs
+      the bound allows, not the uninterrupted one;
+    * each worker's own step count (``trainer.global_step``) and place in the data: Lightning's loop
+      state, which rank 0 alone writes, so every worker resumes with rank 0's. At s = 0 they are every
+      worker's own; at s > 0 a worker that was ahead of or behind rank 0 resumes at rank 0's;
+    * the lookahead compensation restarts as at the start of training: its running staleness estimate
+      from 0, its reference model from V. It does nothing with one worker or at s = 0 (never stale);
+    * with another number of workers, the global clock is kept (pushes are rescaled to it), but the
+      pushes per worker start again.
 
 Logged on rank 0, every ``log_every_n_steps`` of its steps: ``ps/global_step``, ``ps/version``,
 ``ps/staleness_mean``, ``ps/staleness_max``; at the end of fit the staleness histogram
 (``ps/staleness_count/<s>``, and a TensorBoard histogram when that logger is used).
 
 Failure
-    A worker that raises makes every other worker's next request fail with an error naming it. A
-    worker process that dies silently blocks peers waiting on the bound until ``timeout``.
+    A worker that raises, or the server's own update (its optimizer step, clipping, a scheduler on the
+    global clock), makes every worker's waiting or next request fail with an error naming the
+    exception; the server's rank keeps answering until every worker has heard it (at most ``timeout``).
+    A worker process that dies silently blocks peers waiting on the bound until ``timeout``.
 """
 
 from __future__ import annotations
@@ -66,6 +94,7 @@ from typing_extensions import override
 
 from lightning_sync.comms import rpc
 from lightning_sync.strategies._common import AtomicCheckpoints, as_timedelta, check_launch_args
+from lightning_sync.strategies._ps_routing import PushingOptimizer, route_clipping, route_schedulers
 from lightning_sync.sync.parameter_server import ParameterServer, Reply, check_lr_scaling, check_staleness
 from lightning_sync.sync.ps_worker import LocalLink, PSWorker, RpcLink, check_compensation, host
 from lightning_sync.sync.safe_load import guarded_load
@@ -73,47 +102,6 @@ from lightning_sync.sync.safe_load import guarded_load
 __all__ = ["AsyncParameterServerStrategy"]
 
 _CKPT_KEY = "lightning_sync/async_ps"
-
-
-class _PushingOptimizer(torch.optim.Optimizer):
-    """What Lightning steps on every worker: the user's optimizer's param groups over this replica's
-    parameters. ``step`` runs the closure (forward, backward, hooks) and pushes the gradients; the
-    server steps the real optimizer. ``zero_grad`` clears this replica's gradients."""
-
-    def __init__(self, real: torch.optim.Optimizer, strategy: AsyncParameterServerStrategy) -> None:
-        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": list(g["params"])}
-                  for g in real.param_groups]
-        super().__init__(groups, dict(real.defaults))
-        self._strategy = strategy
-
-    @torch.no_grad()
-    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
-        with torch.enable_grad():
-            loss = closure() if closure is not None else None
-        self._strategy._push()
-        return loss
-
-
-class _GlobalClockScheduler:
-    """An LR scheduler Lightning holds but does not step: the server steps it (step-interval ones on
-    the global clock; the others, under the server's lock, when Lightning steps them on the server rank)."""
-
-    def __init__(self, scheduler: Any, server: ParameterServer | None, lightning_steps: bool) -> None:
-        self._scheduler, self._server, self._lightning_steps = scheduler, server, lightning_steps
-
-    def step(self, *args: Any, **kwargs: Any) -> None:
-        if self._server is not None and self._lightning_steps:
-            with self._server.lock:
-                self._scheduler.step(*args, **kwargs)
-
-    def state_dict(self) -> dict[str, Any]:
-        return self._scheduler.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._scheduler.load_state_dict(state)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._scheduler, name)
 
 
 class AsyncParameterServerStrategy(AtomicCheckpoints, ParallelStrategy):
@@ -256,7 +244,7 @@ class AsyncParameterServerStrategy(AtomicCheckpoints, ParallelStrategy):
         buffers = list(self.model.buffers())
         real = self.optimizers[0] if fitting else None
         if fitting:
-            self.optimizers = [_PushingOptimizer(real, self)]  # what Lightning steps; built before the server repoints `real`
+            self.optimizers = [PushingOptimizer(real, self._push)]  # built before the server repoints `real`
         if self.global_rank == self.server_rank:
             budget = trainer.max_steps if fitting and trainer.max_steps >= 0 else None
             # pushes wait until Lightning has restored the optimizer and schedulers too (on_train_start)
@@ -269,44 +257,16 @@ class AsyncParameterServerStrategy(AtomicCheckpoints, ParallelStrategy):
         else:
             link = RpcLink(self.server_rank)
         if fitting:
-            self._wrap_schedulers()
-            self._route_clipping()
+            route_schedulers(self.lr_scheduler_configs, self.server)
+            route_clipping(self.precision_plugin, self._set_clip)
         self.worker = PSWorker(self.global_rank, params, buffers, link, lookahead=self.compensation == "lookahead")
         self.worker.pull()
         rank_zero_info(f"{type(self).__name__}: server on rank {self.server_rank}, {self.world_size} workers, "
                        f"max_staleness={self.max_staleness}, compensation={self.compensation}, {len(params)} parameters"
                        + (f", budget {trainer.max_steps} global steps" if fitting and trainer.max_steps >= 0 else ""))
 
-    def _wrap_schedulers(self) -> None:
-        server = self.server
-        clocked = []
-        for config in self.lr_scheduler_configs:
-            on_clock = config.interval == "step" and not config.reduce_on_plateau
-            if on_clock:
-                clocked.append((config.scheduler, max(int(config.frequency), 1)))
-            config.scheduler = _GlobalClockScheduler(config.scheduler, server, lightning_steps=not on_clock)
-        if server is not None:
-            server.schedulers = [c.scheduler._scheduler for c in self.lr_scheduler_configs]
-
-            def step_schedulers(global_step: int) -> None:
-                for scheduler, every in clocked:
-                    if global_step % every == 0:
-                        scheduler.step()
-
-            server.on_global_step = step_schedulers
-
-    def _route_clipping(self) -> None:
-        """Clipping applies on the server, to the mean gradient of each step (see the parameter server)."""
-        plugin = self.precision_plugin
-
-        def clip_by_norm(optimizer: Any, clip_val: int | float) -> None:
-            self._clip = ("norm", float(clip_val))
-
-        def clip_by_value(optimizer: Any, clip_val: int | float) -> None:
-            self._clip = ("value", float(clip_val))
-
-        plugin.clip_grad_by_norm = clip_by_norm  # type: ignore[method-assign]
-        plugin.clip_grad_by_value = clip_by_value  # type: ignore[method-assign]
+    def _set_clip(self, clip: tuple[str, float]) -> None:
+        self._clip = clip
 
     # ------------------------------------------------------------------ training
     @override

@@ -26,7 +26,14 @@ from typing import Any
 
 import pytest
 import torch
-from _lightning_reference import ENV, _quiet_rank, _state, _TiedModule, _token_data, _trainer
+from _lightning_reference import (
+    ENV,
+    _quiet_rank,
+    _state,
+    _TiedModule,
+    _token_data,
+    _trainer,
+)
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from lightning_sync import AsyncParameterServerStrategy
