@@ -374,3 +374,27 @@ def test_a_step_does_not_depend_on_the_order_its_pushes_arrived_in() -> None:
     for other in results[1:]:
         for a, b in zip(results[0], other):
             assert torch.equal(a, b)
+
+
+def test_a_snapshot_holds_no_push_the_server_has_not_applied() -> None:
+    """s = 0: worker 0's push waits for worker 1's, so a checkpoint taken meanwhile is the version before it."""
+    server, model = _server(2, 0)
+    held = _push(server, 0, seed=1)
+    snap = server.snapshot()
+    assert not held.done() and snap["state"]["version"] == 0 and snap["state"]["pushes"] == 0
+    for saved, initial in zip(snap["params"], [p for p in model.parameters() if p.requires_grad]):
+        assert torch.equal(saved, initial.detach())
+
+
+def test_another_number_of_workers_keeps_the_global_clock_and_restarts_the_pushes_per_worker() -> None:
+    """A K = 2 checkpoint after 5 pushes (global step 2) resumed with K = 3: global step 2 = 6 pushes,
+    the staleness histogram kept, every worker reading the saved version, pushes per worker from 0."""
+    server, _ = _server(2, math.inf)
+    for i in range(5):
+        _push(server, i % 2, seed=i).wait()
+    saved = server.snapshot()["state"]
+    resumed, _ = _server(3, math.inf)
+    resumed.load_state_dict(saved)
+    assert (resumed.version, resumed.global_step, resumed.pushes) == (5, 2, 6)
+    assert resumed.staleness == server.staleness and resumed.pushes_by_worker == [0, 0, 0]
+    assert resumed._read == [5, 5, 5]
