@@ -148,6 +148,42 @@ def _apply_batch(cfg: Any) -> Any:
     return plan
 
 
+def _resume_from(ckpt_path: str | None, requeue: Any, trainer: Any) -> str | None:
+    """The checkpoint to resume from: the newest complete one by its recorded step among the preemption
+    checkpoints (``launch.signal``) and ``ckpt_path`` (``"last"``: the ModelCheckpoint's last checkpoints).
+
+    A run preempted early, resumed and trained on has a newer ``last.ckpt`` than its preemption checkpoint, and
+    a save killed before ``latest.json`` moved leaves a newer preemption checkpoint than the one named: neither
+    may win by its kind or by the pointer. When no candidate is readable, ``ckpt_path`` goes to Lightning as
+    given, which then says what is wrong with it."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_sync.launch.atomic import recover_dir, recover_path
+    from lightning_sync.launch.requeue import latest_checkpoint, newest_checkpoint
+
+    candidates: list[Path] = []
+    if requeue is not None and (preempted := latest_checkpoint(requeue.directory)) is not None:
+        candidates.append(preempted)
+    # a replacement of a sharded checkpoint killed midway left its old copy aside: put it back first
+    if ckpt_path == "last":
+        for cb in trainer.checkpoint_callbacks:
+            if isinstance(cb, ModelCheckpoint) and cb.dirpath is not None and Path(cb.dirpath).is_dir():
+                recover_dir(cb.dirpath)
+                candidates += sorted(Path(cb.dirpath).glob(f"{cb.CHECKPOINT_NAME_LAST}*{cb.FILE_EXTENSION}"))
+    elif ckpt_path is not None:
+        recover_path(ckpt_path)
+        candidates.append(Path(ckpt_path))
+    newest = newest_checkpoint(candidates)
+    if newest is None:
+        if ckpt_path == "last" and trainer.is_global_zero:
+            log.info("ckpt_path=last: no complete checkpoint found, training from scratch")
+        return None if ckpt_path == "last" else ckpt_path
+    if trainer.is_global_zero:
+        log.info("resuming from %s (global step %d, the newest complete of %s; SLURM restart count %s)", newest[0],
+                 newest[1], [str(c) for c in candidates], os.environ.get("SLURM_RESTART_COUNT", "0"))
+    return str(newest[0])
+
+
 def run_train(cfg: Any) -> dict[str, float]:
     """Build everything from ``cfg`` (a composed ``train.yaml``), fit, and return rank 0's final metrics."""
     import lightning.pytorch as pl
@@ -157,7 +193,7 @@ def run_train(cfg: Any) -> dict[str, float]:
     import lightning_sync  # noqa: F401 - registers the strategy names
     from lightning_sync.diagnostics import ConsistencyCheck
     from lightning_sync.launch import NodeBanner, prepare
-    from lightning_sync.launch.requeue import Preempted, RequeueOnSignal, latest_checkpoint
+    from lightning_sync.launch.requeue import Preempted, RequeueOnSignal
 
     _warn_oversubscription(cfg)
     plan = _apply_batch(cfg)  # batch.*: data.batch_size and trainer.accumulate_grad_batches, before either is built
@@ -189,16 +225,11 @@ def run_train(cfg: Any) -> dict[str, float]:
                                       **({"plugins": plugins} if plugins else {}))
     if rendezvous is not None:
         trainer.callbacks.append(NodeBanner(rendezvous))
-    requeue, resume = None, cfg.get("ckpt_path")
+    requeue = None
     if cfg.launch.get("signal"):
         requeue = RequeueOnSignal(cfg.launch.checkpoint_dir, cfg.launch.signal, requeue=bool(cfg.launch.requeue))
         trainer.callbacks.append(requeue)
-        preempted = latest_checkpoint(requeue.directory)
-        if preempted is not None:
-            resume = preempted
-            if trainer.is_global_zero:
-                log.info("resuming from the preemption checkpoint %s (SLURM restart count %s)", resume,
-                         os.environ.get("SLURM_RESTART_COUNT", "0"))
+    resume = _resume_from(cfg.get("ckpt_path"), requeue, trainer)
     trainer.fit(model, datamodule=datamodule, ckpt_path=resume)
     if requeue is not None and requeue.preempted:
         said = "job requeued" if requeue.requeued else "job NOT requeued (see above)"

@@ -209,3 +209,39 @@ def test_overlap_probe_example_reports_its_measurements(tmp_path: Path) -> None:
     assert got["buckets"] > 2  # 0.5 MiB caps split deep_mlp's 8 MiB of gradients
     assert all(got[k] > 0 for k in ("compute_ms", "comm_alone_ms", "step_ms", "backward_ms"))
     assert got["backward_ms"] <= got["step_ms"]  # backward ends inside the step it is part of
+
+
+_RESUMED = re.compile(r"resuming from (\S+) \(global step (\d+)")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_resume_takes_the_newest_complete_checkpoint_not_the_preemption_one(tmp_path: Path) -> None:
+    """A run preempted at step 3 was resumed and trained on to step 12, writing last.ckpt; extending it with
+    ckpt_path=last must continue from step 12, not from the older preemption checkpoint."""
+    import torch
+
+    from lightning_sync.launch.requeue import publish_checkpoint
+
+    run_dir = tmp_path / "run"
+    common = [f"hydra.run.dir={run_dir}", "trainer.enable_progress_bar=false", "final_validate=false",
+              "checkpoint.every_n_epochs=null", "checkpoint.every_n_train_steps=3", "+checkpoint.save_top_k=-1",
+              "launch.signal=USR1"]
+    first = run_cli(["train", "trainer.max_steps=12", *common], tmp_path)
+    assert first.returncode == 0, first.stderr[-4000:]
+    ckpts = run_dir / "checkpoints"
+    assert (ckpts / "last.ckpt").is_file(), sorted(p.name for p in ckpts.iterdir())
+    # the preemption checkpoint the run left at step 3 (what RequeueOnSignal publishes: an ordinary checkpoint)
+    step3 = next(ckpts.glob("*step=3.ckpt"))
+    assert torch.load(step3, map_location="cpu", weights_only=True)["global_step"] == 3
+    shutil.copy(step3, tmp_path / ".preempted.tmp")
+    (run_dir / "requeue").mkdir()
+    publish_checkpoint(run_dir / "requeue", tmp_path / ".preempted.tmp", "requeue-step000000003.ckpt",
+                       {"global_step": 3})
+
+    extended = run_cli(["train", "trainer.max_steps=14", "ckpt_path=last", *common], tmp_path)
+    assert extended.returncode == 0, extended.stderr[-4000:]
+    out = extended.stdout + extended.stderr
+    match = _RESUMED.search(out)
+    assert match and match.group(1) == str(ckpts / "last.ckpt") and match.group(2) == "12", out[-3000:]
+    assert final_metrics(out)[1] == 14

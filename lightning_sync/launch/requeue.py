@@ -33,14 +33,12 @@ turns that signal into a clean stop:
    not to report final metrics for a run that did not finish.
 
 **Exact resume.** The requeued job (same job id, so the same run directory) finds ``latest.json``
-(:func:`latest_checkpoint`) and fits with ``ckpt_path`` on it. Lightning restores the weights, the
-optimizer, the LR schedulers and the loop counters, but for an ordinary ``DataLoader`` it restarts the
-epoch from its first batch (issue #2397). This callback records how many batches of the epoch were
-trained and, on resume, makes the epoch's sampler skip exactly those indices
-(:func:`skip_batches`; the ``DistributedSampler`` permutation comes from seed and epoch, so it is the
-same one). It also restores every rank's RNG states: torch's CPU generator, the rank's CUDA generator on
-a CUDA strategy (GPU dropout draws from it), and Python's ``random`` and NumPy's global generator
-(:func:`host_rng_state`), which augmentations and samplers of user code draw from. Final weights then equal an uninterrupted run's.
+(:func:`latest_checkpoint`) and fits with ``ckpt_path`` on it. The preemption checkpoint is an ordinary
+checkpoint: Lightning restores the weights, the optimizer, the LR schedulers and the loop counters, and a
+lightning_sync strategy restores the rest, the training loader's position in the epoch and every rank's
+RNG streams (:mod:`lightning_sync.resume`), as for any other checkpoint. Final weights then equal an
+uninterrupted run's. Under another strategy the checkpoint holds Lightning's state only (the epoch restarts
+from its first batch, the RNG streams keep their seeding), which :class:`RequeueOnSignal` says at setup.
 
 Lightning's own SLURM auto-requeue (``SLURMEnvironment(auto_requeue=True)``: it saves from inside the
 handler and restarts the epoch) must be off; the train app passes ``SLURMEnvironment(auto_requeue=False)``.
@@ -51,29 +49,29 @@ be requeued as ``<array job id>_<task id>``, not its whole array) and #2397 (mid
 
 from __future__ import annotations
 
-import itertools
 import json
 import logging
 import os
-import random
 import shutil
 import signal
 import subprocess
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-import numpy as np
 import torch
 
-from lightning_sync.launch.atomic import publish_path, remove_path, write_atomically
+from lightning_sync.launch.atomic import publish_path, recover_dir, remove_path, write_atomically
+from lightning_sync.strategies._common import ExactResumeHooks
+from lightning_sync.strategies.sharded import COMPLETE_MARKER, LIGHTNING_STATE
+from lightning_sync.sync.safe_load import contained_path
 
-__all__ = ["POINTER", "Preempted", "RequeueOnSignal", "deferred_signal", "host_rng_state", "latest_checkpoint",
-           "publish_checkpoint", "requeue_job", "resolve_signal", "set_host_rng_state", "skip_batches"]
+__all__ = ["POINTER", "Preempted", "RequeueOnSignal", "deferred_signal", "latest_checkpoint", "newest_checkpoint",
+           "publish_checkpoint", "recorded_step", "requeue_job", "resolve_signal"]
 
 log = logging.getLogger("lightning_sync.launch")
 POINTER = "latest.json"
@@ -95,33 +93,6 @@ def resolve_signal(value: Any) -> signal.Signals:
         if name in _ALLOWED_SIGNALS:
             return signal.Signals[f"SIG{name}"]
     raise ValueError(f"signal must be one of {list(_ALLOWED_SIGNALS)} (or its number), got {value!r}")
-
-
-def host_rng_state() -> torch.Tensor:
-    """Python's ``random`` and NumPy's global Mersenne Twister states as one float64 tensor (every
-    field is an integer below 2**53 or a float64, so the packing is exact), for an all-gather.
-
-    Layout: Python's version, its 625 words, whether a Gaussian is cached and its value; NumPy's 624
-    keys, position, whether a Gaussian is cached and its value (1255 numbers).
-    """
-    version, words, gauss = random.getstate()
-    _, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
-    py = [float(version), *map(float, words), float(gauss is not None), 0.0 if gauss is None else float(gauss)]
-    return torch.tensor([*py, *map(float, keys), float(pos), float(has_gauss), float(cached)], dtype=torch.float64)
-
-
-def set_host_rng_state(state: torch.Tensor) -> None:
-    """Restore what :func:`host_rng_state` returned (raises ``ValueError`` for a tensor of another length)."""
-    values = state.reshape(-1).double().tolist()
-    if len(values) != _HOST_RNG_NUMEL:
-        raise ValueError(f"a host RNG state holds {_HOST_RNG_NUMEL} numbers, got {len(values)}")
-    words = tuple(int(v) for v in values[1:626])
-    random.setstate((int(values[0]), words, values[627] if values[626] else None))
-    keys = np.array([int(v) for v in values[628:1252]], dtype=np.uint32)
-    np.random.set_state(("MT19937", keys, int(values[1252]), int(values[1253]), values[1254]))
-
-
-_HOST_RNG_NUMEL = 1 + 625 + 2 + 624 + 3
 
 
 class Preempted(Exception):
@@ -146,55 +117,64 @@ def publish_checkpoint(directory: str | os.PathLike[str], tmp: str | os.PathLike
     return final
 
 
-def latest_checkpoint(directory: str | os.PathLike[str] | None) -> Path | None:
-    """The checkpoint ``latest.json`` in ``directory`` names, or None when there is none yet (a first run).
+def recorded_step(path: str | os.PathLike[str]) -> int:
+    """The global step the complete checkpoint ``path`` recorded, read weights-only without loading its tensors
+    (a file through ``mmap``; a sharded directory's Lightning state). ``ValueError`` naming the path when it
+    is not a complete checkpoint that loads weights-only (truncated, killed mid-save, not a checkpoint)."""
+    path = Path(path)
+    state_file = path
+    if path.is_dir():
+        if not (path / COMPLETE_MARKER).is_file():
+            raise ValueError(f"{path} is not a complete checkpoint: a sharded directory without its "
+                             f"{COMPLETE_MARKER} marker (its save was interrupted)")
+        state_file = contained_path(path, LIGHTNING_STATE, "Lightning state file")
+    try:
+        state = torch.load(state_file, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as err:  # noqa: BLE001 - truncated, foreign or unsafe: not a checkpoint to resume
+        raise ValueError(f"{path} is not a complete checkpoint that loads weights-only ({type(err).__name__}: "
+                         f"{str(err).strip().splitlines()[0][:200] if str(err).strip() else ''})") from err
+    step = state.get("global_step") if isinstance(state, dict) else None
+    if not isinstance(step, int) or isinstance(step, bool):
+        raise ValueError(f"{path} is not a complete checkpoint: it records no global_step")
+    return step
 
-    A pointer naming a checkpoint that is gone raises ``FileNotFoundError`` naming both: resuming from
-    scratch silently would throw the preempted work away."""
+
+def newest_checkpoint(candidates: Sequence[str | os.PathLike[str]]) -> tuple[Path, int] | None:
+    """The complete checkpoint among ``candidates`` with the highest recorded step, and that step (the first
+    of equals); None when none is complete. Incomplete ones are passed over, each said in a log line."""
+    best: tuple[Path, int] | None = None
+    for candidate in map(Path, candidates):
+        try:
+            step = recorded_step(candidate)
+        except ValueError as err:
+            log.warning("resume: passing over %s", err)
+            continue
+        if best is None or step > best[1]:
+            best = (candidate, step)
+    return best
+
+
+def latest_checkpoint(directory: str | os.PathLike[str] | None) -> Path | None:
+    """The newest complete preemption checkpoint in ``directory`` by its recorded step, or None (a first run).
+
+    ``latest.json`` is only a hint: a save killed between publishing its checkpoint and moving the pointer
+    leaves a newer complete checkpoint than the one named, and that one wins. A pointer naming a checkpoint
+    that is gone, with nothing as new left, raises ``FileNotFoundError`` naming both: resuming from scratch
+    silently would throw the preempted work away."""
     if directory is None:
         return None
-    pointer = Path(directory) / POINTER
-    if not pointer.is_file():
-        return None
-    name = json.loads(pointer.read_text())["checkpoint"]
-    path = Path(directory) / name
-    if not path.exists():
-        raise FileNotFoundError(f"{pointer} names the checkpoint {path}, which does not exist")
-    return path
-
-
-# --------------------------------------------------------------------------- exact mid-epoch resume
-class _SkipFirst(torch.utils.data.Sampler):  # type: ignore[type-arg]
-    """The wrapped sampler without its first ``skip`` indices, once (the resumed epoch); full length after."""
-
-    def __init__(self, sampler: Any, skip: int) -> None:
-        self.sampler = sampler
-        self.skip = skip
-
-    def __iter__(self) -> Iterator[Any]:
-        skip, self.skip = self.skip, 0
-        return itertools.islice(iter(self.sampler), skip, None)
-
-    def __len__(self) -> int:
-        return len(self.sampler)
-
-    def set_epoch(self, epoch: int) -> None:
-        if hasattr(self.sampler, "set_epoch"):
-            self.sampler.set_epoch(epoch)
-
-
-def skip_batches(loader: Any, batches: int) -> None:
-    """Make the next iteration of ``loader`` start after its first ``batches`` batches, without loading them.
-
-    Needs a map-style ``DataLoader`` batched by a ``BatchSampler`` (what ``batch_size=`` builds, and what
-    Lightning re-creates with its ``DistributedSampler``); anything else raises ``TypeError`` naming it."""
-    batch_sampler = getattr(loader, "batch_sampler", None)
-    batch_size = getattr(batch_sampler, "batch_size", None)
-    if batch_sampler is None or not hasattr(batch_sampler, "sampler") or not isinstance(batch_size, int):
-        raise TypeError(f"cannot resume mid-epoch on {type(loader).__name__}: exact resume needs a map-style "
-                        f"DataLoader with batch_size (a BatchSampler), got batch_sampler "
-                        f"{type(batch_sampler).__name__}")
-    batch_sampler.sampler = _SkipFirst(batch_sampler.sampler, batches * batch_size)
+    directory = Path(directory)
+    if directory.is_dir():
+        recover_dir(directory)  # a replacement killed midway: its old copy is the checkpoint
+    newest = newest_checkpoint(sorted(directory.glob(f"{_PREFIX}*.ckpt"))) if directory.is_dir() else None
+    pointer = directory / POINTER
+    if pointer.is_file():
+        named = json.loads(pointer.read_text())
+        path = directory / named["checkpoint"]
+        if not path.exists() and (newest is None or newest[1] < int(named.get("global_step", 0))):
+            raise FileNotFoundError(f"{pointer} names the checkpoint {path}, which does not exist"
+                                    + (f"; the newest left is {newest[0]} (step {newest[1]})" if newest else ""))
+    return None if newest is None else newest[0]
 
 
 # --------------------------------------------------------------------------- requeue
@@ -288,8 +268,6 @@ class RequeueOnSignal(pl.Callback):
         self._received: float | None = None
         self._previous: Any = None
         self._installed = False
-        self._state: dict[str, Any] = {}
-        self._resume: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ signal
     def _on_signal(self, signum: int, frame: Any) -> None:
@@ -299,6 +277,10 @@ class RequeueOnSignal(pl.Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit" or self._installed:
             return
+        if not isinstance(trainer.strategy, ExactResumeHooks) and trainer.is_global_zero:
+            log.warning("requeue: %s is not a lightning_sync strategy, so a preemption checkpoint holds Lightning's "
+                        "state only: a resume restarts the epoch from its first batch and the RNG streams keep "
+                        "their seeding", type(trainer.strategy).__name__)
         if threading.current_thread() is not threading.main_thread():
             log.warning("requeue: not on the main thread, so no %s handler (Python signals need it)",
                         self.signal.name)
@@ -310,44 +292,6 @@ class RequeueOnSignal(pl.Callback):
         if stage == "fit" and self._installed:
             signal.signal(self.signal, self._previous)
             self._installed = False
-
-    # ------------------------------------------------------------------ checkpoint state
-    def state_dict(self) -> dict[str, Any]:
-        return dict(self._state)  # empty except in the preemption checkpoint
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._resume = dict(state_dict)
-
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        state, self._resume = self._resume, {}
-        if not state:
-            return
-        rng, host = state.get("rng"), state.get("host_rng")
-        if rng is not None and rng.shape[0] == trainer.world_size:
-            torch.set_rng_state(rng[trainer.global_rank].clone())
-            if host is not None:  # absent from checkpoints written before it was saved
-                set_host_rng_state(host[trainer.global_rank])
-            self._restore_cuda_rng(trainer, state.get("cuda_rng"))
-        elif rng is not None:
-            log.warning("requeue: checkpoint from %d ranks, now %d: RNG states not restored", rng.shape[0],
-                        trainer.world_size)
-        if state.get("epoch") == trainer.current_epoch and state.get("batches", 0) > 0:
-            for loader in trainer.fit_loop._combined_loader.flattened:  # type: ignore[union-attr]
-                skip_batches(loader, int(state["batches"]))
-            if trainer.is_global_zero:
-                log.info("requeue: resuming epoch %d at batch %d (global step %d); the %d batches already trained "
-                         "are skipped", trainer.current_epoch, state["batches"], trainer.global_step,
-                         state["batches"])
-
-    @staticmethod
-    def _restore_cuda_rng(trainer: pl.Trainer, cuda: torch.Tensor | None) -> None:
-        if cuda is None:  # saved on CPU, or before the CUDA state was saved
-            return
-        device = trainer.strategy.root_device
-        if device.type != "cuda":
-            log.warning("requeue: the checkpoint holds CUDA RNG states but this run is on %s: not restored", device)
-            return
-        torch.cuda.set_rng_state(cuda[trainer.global_rank].clone(), device)
 
     # ------------------------------------------------------------------ the stop
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
@@ -366,28 +310,13 @@ class RequeueOnSignal(pl.Callback):
                     else "by another rank")
             log.warning("requeue: %s received %s; saving at global step %d (epoch %d, batch %d)",
                         self.signal.name, seen, trainer.global_step, trainer.current_epoch, batch_idx + 1)
-        device = trainer.strategy.root_device  # NCCL gathers device tensors only
-        rng, host = torch.get_rng_state(), host_rng_state()
-        gathered = trainer.strategy.all_gather(rng.to(device))
-        gathered = gathered.reshape(-1, rng.numel()).cpu()  # one row per rank (one process: just this one)
-        hosts = trainer.strategy.all_gather(host.to(device)).reshape(-1, host.numel()).cpu()
-        cuda = None  # the CUDA generator (dropout on the GPU draws from it), on a CUDA strategy only
-        if device.type == "cuda":
-            state = torch.cuda.get_rng_state(device)
-            cuda = trainer.strategy.all_gather(state.to(device)).reshape(-1, state.numel()).cpu()
         name = f"{_PREFIX}{trainer.global_step:09d}.ckpt"
         tmp = self.directory / f".{name}.tmp"
         if trainer.is_global_zero:
             self.directory.mkdir(parents=True, exist_ok=True)
             remove_path(tmp)  # a half-written file from a save that was itself killed
         trainer.strategy.barrier("requeue_prepare")
-        self._state = {"epoch": trainer.current_epoch, "batches": batch_idx + 1, "global_step": trainer.global_step,
-                       "rng": gathered, "host_rng": hosts, "cuda_rng": cuda, "signal": self.signal.name,
-                       "restart_count": int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)}
-        try:
-            trainer.save_checkpoint(tmp)
-        finally:
-            self._state = {}
+        trainer.save_checkpoint(tmp)
         trainer.strategy.barrier("requeue_saved")
         with deferred_signal(signal.SIGTERM):  # Slurm's SIGTERM for the requeue: after the barrier (docstring)
             if trainer.is_global_zero:

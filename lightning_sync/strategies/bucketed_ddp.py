@@ -15,10 +15,11 @@ What is synchronized, and when:
   policy by default: rank 0's buffers are broadcast at the start of every training step, in one
   flat message; ``broadcast_buffers=False`` keeps each rank's own.
 * **Metrics:** ``reduce``/``all_gather``/``broadcast``/``barrier`` go through ``lightning_sync.comms``.
-* **Checkpoints:** the model and optimizer are identical on every rank and saved by rank 0; the
+* **Checkpoints:** the model and optimizer are identical on every rank and saved by rank 0; each rank's
   bucketer state (step count, recorded bucket order, and the compressor state: PowerSGD's error
-  feedback differs per rank) is gathered from every rank into the checkpoint and handed back to each
-  rank on resume (the compressor state is reset if the world size changed).
+  feedback differs per rank) is gathered on rank 0 with the rank's RNG states (one ``gather_object``,
+  :mod:`lightning_sync.resume`) and handed back to each rank on resume (the compressor state is reset if
+  the world size changed). The training loader resumes at its position in the epoch.
 
 If a rank fails, its peers raise once the process group notices (connection closed, or ``timeout``).
 """
@@ -47,11 +48,10 @@ from lightning_sync.strategies._common import (
 from lightning_sync.sync.bucketing import GradBucketer, check_mib
 from lightning_sync.sync.communicator import ProcessGroupCommunicator
 from lightning_sync.sync.compression import COMPRESSIONS, make_compressor
+from lightning_sync.resume import RANK_STATES
 from lightning_sync.sync.safe_load import guarded_load
 
 __all__ = ["BucketedDDPStrategy"]
-
-_CKPT_KEY = "lightning_sync/bucketed_ddp"
 
 
 class BucketedDDPStrategy(CommsCollectivesMixin, DDPStrategy):
@@ -104,7 +104,7 @@ class BucketedDDPStrategy(CommsCollectivesMixin, DDPStrategy):
         self.gradient_as_bucket_view, self.find_unused_parameters = gradient_as_bucket_view, find_unused_parameters
         self.compression, self.broadcast_buffers, self.comm_algorithm = compression, broadcast_buffers, comm_algorithm
         self.bucketer: GradBucketer | None = None
-        self._pending_state: list[dict[str, Any]] | None = None
+        self._pending_state: dict[str, Any] | None = None  # loaded before configure_ddp built the bucketer
 
     @property
     def is_distributed(self) -> bool:
@@ -122,7 +122,8 @@ class BucketedDDPStrategy(CommsCollectivesMixin, DDPStrategy):
         self.bucketer = GradBucketer(model.named_parameters(), comm, self.bucket_cap_mb, self.first_bucket_mb,
                                      self.gradient_as_bucket_view, self.find_unused_parameters, self._compressor)
         if self._pending_state is not None:
-            self._restore_bucketer_state(self._pending_state)
+            self.bucketer.load_state_dict(self._pending_state)
+            self._pending_state = None
         rank_zero_info(f"{type(self).__name__}: {len(self.bucketer.params)} parameters in "
                        f"{len(self.bucketer.buckets)} buckets (cap {self.bucket_cap_mb} MiB, first "
                        f"{self.first_bucket_mb} MiB), compression={self.compression}, all-reduce: {self.comm_algorithm}")
@@ -183,8 +184,8 @@ class BucketedDDPStrategy(CommsCollectivesMixin, DDPStrategy):
     # ------------------------------------------------------------------ checkpoints
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        if self.bucketer is not None and torch.distributed.is_initialized():
-            checkpoint[_CKPT_KEY] = comms.all_gather_object(self.bucketer.state_dict())
+        extra = {"bucketer": self.bucketer.state_dict()} if self.bucketer is not None else None
+        self._save_rank_states(checkpoint, extra)
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override
@@ -193,24 +194,27 @@ class BucketedDDPStrategy(CommsCollectivesMixin, DDPStrategy):
         checkpoint that needs more raises :class:`~lightning_sync.sync.safe_load.UntrustedCheckpointError`."""
         checkpoint = guarded_load(lambda wo: super(BucketedDDPStrategy, self).load_checkpoint(checkpoint_path, wo),
                                   checkpoint_path, weights_only)
-        states = checkpoint.get(_CKPT_KEY)
-        if states is not None:
+        mine = self._take_rank_state(checkpoint)
+        if mine is not None:
+            state = mine.get("bucketer")
+        else:
+            state = self._shared_bucketer_state(checkpoint.get(RANK_STATES) or [])
+        if state is not None:
             if self.bucketer is not None:
-                self._restore_bucketer_state(states)
+                self.bucketer.load_state_dict(state)
             else:
-                self._pending_state = states
+                self._pending_state = state
         return checkpoint
 
-    def _restore_bucketer_state(self, states: list[dict[str, Any]]) -> None:
-        assert self.bucketer is not None
-        if len(states) == self.world_size:
-            self.bucketer.load_state_dict(states[self.global_rank])
-        else:
-            rank_zero_info(f"{type(self).__name__}: checkpoint has compressor state for {len(states)} ranks, "
-                           f"this run has {self.world_size}; starting compression state afresh")
-            self.bucketer.load_state_dict({"step": states[0].get("step", 0),
-                                           "ready_order": states[0].get("ready_order", [])})
-        self._pending_state = None
+    def _shared_bucketer_state(self, states: list[dict[str, Any]]) -> dict[str, Any] | None:
+        """From a checkpoint of another world size: the step and bucket order (the same on every rank), not
+        the compressor's state, which is per rank (PowerSGD's error feedback)."""
+        first = states[0].get("bucketer") if states else None
+        if first is None:
+            return None
+        rank_zero_info(f"{type(self).__name__}: checkpoint has compressor state for {len(states)} ranks, "
+                       f"this run has {self.world_size}; starting compression state afresh")
+        return {"step": first.get("step", 0), "ready_order": first.get("ready_order", [])}
 
     @classmethod
     @override

@@ -187,11 +187,18 @@ class HogwildStrategy(CommsCollectivesMixin, DDPStrategy):
         return state
 
     @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        self._save_rank_states(checkpoint)
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Weights-only unless ``weights_only=False`` (``trainer.fit(..., weights_only=False)``); a
         checkpoint that needs more raises :class:`~lightning_sync.sync.safe_load.UntrustedCheckpointError`."""
-        return guarded_load(lambda wo: super(HogwildStrategy, self).load_checkpoint(checkpoint_path, wo),
-                            checkpoint_path, weights_only)
+        checkpoint = guarded_load(lambda wo: super(HogwildStrategy, self).load_checkpoint(checkpoint_path, wo),
+                                  checkpoint_path, weights_only)
+        self._take_rank_state(checkpoint)
+        return checkpoint
 
     @override
     def teardown(self) -> None:

@@ -82,7 +82,7 @@ from lightning_sync.sync.sharding import (
 
 __all__ = ["ShardedStrategy"]
 
-_LIGHTNING_STATE = "lightning.pt"
+LIGHTNING_STATE = "lightning.pt"  # Lightning's own state in a sharded directory (rank 0 writes it)
 COMPLETE_MARKER = "COMPLETE"  # rank 0 writes it after every shard and Lightning's state
 
 
@@ -278,6 +278,7 @@ class ShardedStrategy(CommsCollectivesMixin, DDPStrategy):
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint does not take storage_options (it writes "
                             f"a sharded directory through torch.distributed.checkpoint)")
+        self._save_rank_states(checkpoint)
         if self.engine is None:  # after fit (teardown unsharded the module): a plain full checkpoint file
             super().save_checkpoint(checkpoint, filepath)
             return
@@ -292,7 +293,7 @@ class ShardedStrategy(CommsCollectivesMixin, DDPStrategy):
         self.engine.save_sharded(tmp)
         self.barrier()  # every shard is written
         if self.global_rank == 0:
-            torch.save(checkpoint, tmp / _LIGHTNING_STATE)
+            torch.save(checkpoint, tmp / LIGHTNING_STATE)
             (tmp / COMPLETE_MARKER).write_text(json.dumps({"world_size": self.world_size}))
             publish_path(tmp, path)
         self.barrier()
@@ -312,8 +313,11 @@ class ShardedStrategy(CommsCollectivesMixin, DDPStrategy):
             # the shards first: their .metadata is checked (no reads outside, nothing unrestricted) before
             # anything in the directory is unpickled
             self.engine.load_sharded(path, weights_only)
-            return load_file(contained_path(path, _LIGHTNING_STATE, "Lightning state file"), weights_only)
+            checkpoint = load_file(contained_path(path, LIGHTNING_STATE, "Lightning state file"), weights_only)
+            self._take_rank_state(checkpoint)
+            return checkpoint
         checkpoint = load_file(path, weights_only)
+        self._take_rank_state(checkpoint)
         self.engine.load_full_state_dict(checkpoint["state_dict"])
         if checkpoint.get("optimizer_states"):
             rank_zero_warn(f"{path} is a full (unsharded) checkpoint: its weights were loaded and sharded; its "
@@ -324,6 +328,7 @@ class ShardedStrategy(CommsCollectivesMixin, DDPStrategy):
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
         if self.is_global_zero:
+            recover_path(filepath)  # an old copy left aside would otherwise come back as this checkpoint
             remove_path(Path(filepath))
 
     @classmethod

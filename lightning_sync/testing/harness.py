@@ -199,7 +199,9 @@ def run_distributed(
             args=(job, r, world_size, store.port, backend, pg_timeout or timeout, stack_files[r],
                   dict(env or {}), results, process_group),
             name=f"lightning_sync-rank{r}",
-            daemon=process_group,  # a daemonic process cannot start processes of its own
+            # not daemonic: a rank may start processes of its own (DataLoader workers, Hogwild); every
+            # path below kills the rank's whole process group and joins it, so none outlives the run
+            daemon=False,
         )
         for r in range(world_size)
     ]

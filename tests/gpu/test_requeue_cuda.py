@@ -1,8 +1,9 @@
 """Preemption stop and exact resume on one GPU (skipped where CUDA is absent): the CUDA generator's state.
 
-Dropout on the GPU draws from the CUDA generator, not torch's CPU one. ``RequeueOnSignal`` saves it in the
-preemption checkpoint and the resume restores it, so a run stopped by SIGUSR1 and resumed ends with the
-uninterrupted run's weights. Every fit seeds the CUDA generator the same way first, so a resume that left
+Dropout on the GPU draws from the CUDA generator, not torch's CPU one. A lightning_sync strategy saves it in
+every checkpoint, the preemption checkpoint of ``RequeueOnSignal`` included, and the resume restores it
+(:mod:`lightning_sync.resume`), so a run stopped by SIGUSR1 and resumed ends with the uninterrupted run's
+weights. Every fit seeds the CUDA generator the same way first, so a resume that left
 that seed in place would draw the first steps' dropout masks again (the guard below shows that changes the
 weights). The 2-rank CPU version of this test is ``tests/multiprocess/test_requeue.py``.
 """
@@ -19,7 +20,10 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from lightning_sync import BucketedDDPStrategy
 from lightning_sync.launch.requeue import RequeueOnSignal, latest_checkpoint
+from lightning_sync.resume import RANK_STATES
+from lightning_sync.testing import run_distributed
 
 pytestmark = pytest.mark.gpu
 STEPS, STOP_STEP = 12, 5
@@ -59,8 +63,9 @@ class _SignalAtStep(pl.Callback):
 def _fit(callbacks: list[pl.Callback], ckpt: Path | None = None, cuda_seed: int = 7) -> tuple[pl.Trainer, dict]:
     torch.cuda.manual_seed(cuda_seed)
     module = _DropoutRegression()
-    trainer = pl.Trainer(accelerator="gpu", devices=1, max_steps=STEPS, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks)
+    trainer = pl.Trainer(accelerator="gpu", devices=1, strategy=BucketedDDPStrategy(), max_steps=STEPS, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=callbacks)
     trainer.fit(module, ckpt_path=ckpt)
     return trainer, {k: v.detach().cpu() for k, v in module.state_dict().items()}
 
@@ -69,23 +74,31 @@ def _max_diff(a: dict, b: dict) -> float:
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
-@pytest.mark.timeout(300)
-def test_resume_restores_the_cuda_generator_so_gpu_dropout_continues(tmp_path: Path) -> None:
+def _stop_and_resume(rank: int, world: int, tmpdir: str) -> dict[str, Any]:
+    """Runs in one NCCL rank of the harness (the strategy needs its process group, which must not outlive it)."""
     _, whole = _fit([])
     _, other_seed = _fit([], cuda_seed=8)
+    stopper = RequeueOnSignal(Path(tmpdir) / "requeue", "USR1", requeue=False)
+    trainer, _ = _fit([_SignalAtStep(STOP_STEP), stopper])
+    stopped = {"preempted": stopper.preempted, "step": trainer.global_step}
+    ckpt = latest_checkpoint(Path(tmpdir) / "requeue")
+    saved = torch.load(ckpt, map_location="cpu", weights_only=True)[RANK_STATES] if ckpt is not None else None
+    trainer, resumed = _fit([RequeueOnSignal(Path(tmpdir) / "requeue", "USR1", requeue=False)], ckpt=ckpt)
+    return {"whole": whole, "other_seed": other_seed, "stopped": stopped, "saved": saved,
+            "resumed_step": trainer.global_step, "resumed": resumed}
+
+
+@pytest.mark.timeout(300)
+def test_resume_restores_the_cuda_generator_so_gpu_dropout_continues(tmp_path: Path) -> None:
+    out = run_distributed(_stop_and_resume, 1, str(tmp_path), backend="nccl", timeout=240)[0]
+    whole, resumed = out["whole"], out["resumed"]
     # the guard: other dropout masks change the weights far beyond the tolerance below, so a resume that
     # did not restore the CUDA state (and redrew masks from the seed) would fail this test
-    assert _max_diff(other_seed, whole) > 1e-3
-
-    stopper = RequeueOnSignal(tmp_path / "requeue", "USR1", requeue=False)
-    trainer, _ = _fit([_SignalAtStep(STOP_STEP), stopper])
-    assert stopper.preempted and trainer.global_step == STOP_STEP
-    ckpt = latest_checkpoint(tmp_path / "requeue")
-    assert ckpt is not None
-    assert torch.load(ckpt, map_location="cpu", weights_only=False)["callbacks"]  # the callback state is saved
-
-    trainer, resumed = _fit([RequeueOnSignal(tmp_path / "requeue", "USR1", requeue=False)], ckpt=ckpt)
-    assert trainer.global_step == STEPS
+    assert _max_diff(out["other_seed"], whole) > 1e-3
+    assert out["stopped"] == {"preempted": True, "step": STOP_STEP}
+    saved = out["saved"]
+    assert saved is not None and len(saved) == 1 and saved[0]["rng"]["cuda"] is not None  # the CUDA generator
+    assert out["resumed_step"] == STEPS
     # same batches, masks and ops in the same order on one GPU: equal up to cuBLAS's choice of kernel
     # between processes' runs (a few ulps of fp32); a different mask moves the weights by more than 1e-3
     assert _max_diff(resumed, whole) <= 1e-6, _max_diff(resumed, whole)

@@ -1,6 +1,7 @@
 """``lightning_sync.launch.requeue`` in one process: arguments, the atomic checkpoint pointer (a save killed at
-any point leaves the previous checkpoint as "latest"), exact mid-epoch skipping, and requeue outside Slurm
-or without ``scontrol``, and Slurm's SIGTERM arriving while ``scontrol`` runs. The 2-rank stop-and-resume is ``tests/multiprocess/test_requeue.py``; the real
+any point leaves the previous checkpoint as "latest"), requeue outside Slurm or without ``scontrol``, and
+Slurm's SIGTERM arriving while ``scontrol`` runs. Exact resume (data position, RNG states) is
+``tests/unit/test_resume_unit.py``. The 2-rank stop-and-resume is ``tests/multiprocess/test_requeue.py``; the real
 requeue is ``tests/slurm/test_requeue_on_slurm.py``."""
 
 from __future__ import annotations
@@ -12,18 +13,19 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, TensorDataset
 
 from lightning_sync.launch.requeue import (
     POINTER,
     RequeueOnSignal,
     deferred_signal,
     latest_checkpoint,
+    newest_checkpoint,
     publish_checkpoint,
+    recorded_step,
     requeue_job,
     resolve_signal,
-    skip_batches,
 )
+from lightning_sync.strategies.sharded import COMPLETE_MARKER, LIGHTNING_STATE
 
 
 @pytest.mark.parametrize(("value", "expected"), [("USR1", signal.SIGUSR1), ("sigusr2", signal.SIGUSR2),
@@ -49,8 +51,8 @@ def test_bad_callback_arguments(tmp_path: Path) -> None:
         RequeueOnSignal(tmp_path, signal="KILL")
 
 
-def _ckpt(path: Path, value: float) -> Path:
-    torch.save({"w": torch.full((3,), value)}, path)
+def _ckpt(path: Path, value: float, step: int = 0) -> Path:
+    torch.save({"w": torch.full((3,), value), "global_step": step}, path)
     return path
 
 
@@ -61,7 +63,7 @@ def test_no_pointer_means_a_first_run(tmp_path: Path) -> None:
 
 
 def test_pointer_moves_only_after_the_new_checkpoint_is_complete(tmp_path: Path) -> None:
-    first = publish_checkpoint(tmp_path, _ckpt(tmp_path / ".a.tmp", 1.0), "requeue-step000000005.ckpt",
+    first = publish_checkpoint(tmp_path, _ckpt(tmp_path / ".a.tmp", 1.0, step=5), "requeue-step000000005.ckpt",
                                {"global_step": 5})
     assert latest_checkpoint(tmp_path) == first
     assert json.loads((tmp_path / POINTER).read_text()) == {"checkpoint": first.name, "global_step": 5}
@@ -69,54 +71,48 @@ def test_pointer_moves_only_after_the_new_checkpoint_is_complete(tmp_path: Path)
     (tmp_path / ".requeue-step000000009.ckpt.tmp").write_bytes(b"PK\x03\x04 truncated")
     assert latest_checkpoint(tmp_path) == first
     assert torch.load(latest_checkpoint(tmp_path))["w"][0] == 1.0  # type: ignore[arg-type]
-    # killed after the rename but before the pointer: the old checkpoint is still the one named, and whole
-    _ckpt(tmp_path / "requeue-step000000009.ckpt", 2.0)
-    assert latest_checkpoint(tmp_path) == first
     # a complete publish: the pointer moves, and older checkpoints (and the leftover) are removed
-    second = publish_checkpoint(tmp_path, _ckpt(tmp_path / ".b.tmp", 3.0), "requeue-step000000012.ckpt")
+    second = publish_checkpoint(tmp_path, _ckpt(tmp_path / ".b.tmp", 3.0, step=12), "requeue-step000000012.ckpt")
     assert latest_checkpoint(tmp_path) == second
-    assert not first.exists() and not (tmp_path / "requeue-step000000009.ckpt").exists()
+    assert not first.exists()
     assert torch.load(second)["w"][0] == 3.0
+
+
+def test_the_newest_complete_checkpoint_wins_and_the_pointer_is_only_a_hint(tmp_path: Path) -> None:
+    # killed after the rename of step 7 but before the pointer moved: two complete checkpoints, the pointer
+    # still names step 3; step 7 holds more progress and is whole, so resume takes it
+    older = publish_checkpoint(tmp_path, _ckpt(tmp_path / ".a.tmp", 1.0, step=3), "requeue-step000000003.ckpt",
+                               {"global_step": 3})
+    newer = _ckpt(tmp_path / "requeue-step000000007.ckpt", 2.0, step=7)
+    assert json.loads((tmp_path / POINTER).read_text())["checkpoint"] == older.name
+    assert latest_checkpoint(tmp_path) == newer
+    # a truncated file under a checkpoint's name (not one we published) is not complete: it is passed over
+    (tmp_path / "requeue-step000000009.ckpt").write_bytes(b"PK\x03\x04 truncated")
+    assert latest_checkpoint(tmp_path) == newer
+    assert newest_checkpoint([older, tmp_path / "requeue-step000000009.ckpt", newer]) == (newer, 7)
+    assert recorded_step(older) == 3
+    with pytest.raises(ValueError, match="requeue-step000000009.ckpt is not a complete checkpoint"):
+        recorded_step(tmp_path / "requeue-step000000009.ckpt")
 
 
 def test_sharded_checkpoint_directories_publish_too(tmp_path: Path) -> None:
     tmp = tmp_path / ".dir.tmp"
     (tmp / "shards").mkdir(parents=True)
     _ckpt(tmp / "shards" / "rank0.pt", 4.0)
+    _ckpt(tmp / LIGHTNING_STATE, 0.0, step=1)  # what ShardedStrategy writes last: Lightning's state, the marker
+    (tmp / COMPLETE_MARKER).write_text("{}")
     final = publish_checkpoint(tmp_path, tmp, "requeue-step000000001.ckpt")
     assert final.is_dir() and latest_checkpoint(tmp_path) == final and not tmp.exists()
+    # a directory under a checkpoint's name without its marker (a save killed before it) is passed over
+    (tmp_path / "requeue-step000000004.ckpt").mkdir()
+    _ckpt(tmp_path / "requeue-step000000004.ckpt" / LIGHTNING_STATE, 0.0, step=4)
+    assert latest_checkpoint(tmp_path) == final
 
 
 def test_a_pointer_to_a_missing_checkpoint_fails_loudly(tmp_path: Path) -> None:
     (tmp_path / POINTER).write_text(json.dumps({"checkpoint": "requeue-step000000003.ckpt"}))
     with pytest.raises(FileNotFoundError, match=r"latest.json names the checkpoint .*requeue-step000000003"):
         latest_checkpoint(tmp_path)
-
-
-def _indices(loader: DataLoader) -> list[list[int]]:
-    return [batch[0].tolist() for batch in loader]
-
-
-def test_skip_batches_resumes_the_same_permutation_once() -> None:
-    ds = TensorDataset(torch.arange(40))
-    sampler = DistributedSampler(ds, num_replicas=2, rank=1, shuffle=True, seed=3)
-    loader = DataLoader(ds, batch_size=4, sampler=sampler)
-    sampler.set_epoch(2)
-    full = _indices(loader)
-    skip_batches(loader, 3)
-    sampler.set_epoch(2)  # Lightning sets the epoch on the original sampler: the wrapper must follow it
-    assert _indices(loader) == full[3:]
-    assert len(loader) == len(full)  # Lightning's batch count for the epoch is unchanged
-    assert _indices(loader) == full  # the next epoch (same epoch number here) is whole again
-
-
-def test_skip_batches_refuses_what_it_cannot_skip_exactly() -> None:
-    class Stream(IterableDataset):  # type: ignore[type-arg]
-        def __iter__(self):  # type: ignore[no-untyped-def]
-            return iter(range(8))
-
-    with pytest.raises(TypeError, match="cannot resume mid-epoch on DataLoader: .*map-style"):
-        skip_batches(DataLoader(Stream(), batch_size=None), 1)
 
 
 def test_requeue_outside_slurm_or_without_scontrol_logs_and_returns_false(caplog: pytest.LogCaptureFixture,
@@ -170,38 +166,3 @@ def test_slurms_sigterm_during_the_requeue_neither_fails_it_nor_runs_the_handler
     assert held == [signal.SIGTERM] and nothing == []
     assert events == ["requeue: job 42 requeued (scontrol requeue); it resumes from the checkpoint",
                       "deferred block ends", "handler SIGTERM", "quiet block"]
-
-
-def test_cuda_rng_states_restore_on_cuda_only(caplog: pytest.LogCaptureFixture) -> None:
-    # the GPU round trip is tests/gpu/test_requeue_cuda.py; here: nothing saved means nothing done, and a
-    # CUDA state met by a CPU run is reported, never applied to a device that does not exist
-    from types import SimpleNamespace
-
-    caplog.set_level(logging.INFO, logger="lightning_sync.launch")
-    trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cpu")), global_rank=0)
-    RequeueOnSignal._restore_cuda_rng(trainer, None)
-    assert caplog.text == ""
-    RequeueOnSignal._restore_cuda_rng(trainer, torch.zeros(2, 16, dtype=torch.uint8))
-    assert "the checkpoint holds CUDA RNG states but this run is on cpu: not restored" in caplog.text
-
-
-def test_host_rng_state_round_trips_python_and_numpy_with_cached_gaussians() -> None:
-    import random
-
-    import numpy as np
-
-    from lightning_sync.launch.requeue import host_rng_state, set_host_rng_state
-
-    random.seed(3)
-    np.random.seed(4)
-    random.gauss(0, 1)  # both generators now hold a cached second Gaussian, part of the state
-    np.random.standard_normal()
-    state = host_rng_state()
-    assert state.dtype == torch.float64 and state.numel() == 1255
-    first = (random.random(), random.gauss(0, 1), np.random.rand(3).tolist(), np.random.standard_normal())
-    random.seed(99)
-    np.random.seed(99)
-    set_host_rng_state(state)
-    assert (random.random(), random.gauss(0, 1), np.random.rand(3).tolist(), np.random.standard_normal()) == first
-    with pytest.raises(ValueError, match="holds 1255 numbers, got 3"):
-        set_host_rng_state(torch.zeros(3))

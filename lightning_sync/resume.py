@@ -1,0 +1,165 @@
+"""Exact resume: what a checkpoint must carry beyond Lightning's own state, and putting it back.
+
+Lightning restores the weights, the optimizers, the LR schedulers and the loop counters. Two things it does
+not restore, and without them a resumed run trains on other samples, or draws other random numbers, than
+the run it continues:
+
+* **The position in the epoch.** For an ordinary ``DataLoader`` Lightning restarts the interrupted epoch
+  from its first batch. :meth:`ExactResume.install` swaps the training loader's ``DistributedSampler`` for a
+  :class:`~lightning_sync.sampler.GlobalOrderSampler` (same order) and gives the loader ``state_dict`` /
+  ``load_state_dict``, so Lightning itself saves its state with the fit loop's and hands it back before the
+  loader's iterator exists (``FitLoop.setup_data``): workers, persistent or not, then prefetch from the
+  right place. The state is the epoch and the position in its global order, the samples all ranks trained
+  on together, taken from the loop's count of trained batches when the checkpoint is written (the loader
+  itself has already prefetched further).
+* **Every rank's RNG streams.** torch's CPU generator, the rank's CUDA generator on a CUDA device (GPU
+  dropout), and Python's ``random`` and NumPy's global generator (augmentations and sampling in user code).
+  Each rank's differ, so :meth:`ExactResume.gather` collects them on rank 0 into the checkpoint with any
+  per-rank state of the strategy (one ``gather_object``), :meth:`ExactResume.take` picks this rank's entry
+  on load, and :meth:`ExactResume.restore_rng` sets the generators at the start of training, after the
+  loaders have drawn their base seeds, so training steps draw exactly what the interrupted run drew next.
+
+A lightning_sync strategy owns one :class:`ExactResume` and calls it from its hooks; ``RequeueOnSignal``
+stops a run by saving an ordinary checkpoint, so preemption and step-interval checkpoints resume alike.
+
+**Limits.** A loader whose sampler is not Lightning's ``DistributedSampler`` (a custom sampler or batch
+sampler, an iterable dataset) keeps Lightning's behaviour: it restarts the epoch, and Lightning warns. A
+custom sampler resumes exactly if it is a ``DistributedSampler`` subclass with the same order, or if the
+loader is itself stateful (e.g. torchdata's ``StatefulDataLoader``), which is left alone. Randomness drawn
+inside ``DataLoader`` worker processes is seeded per epoch by the loader, not continued: a worker's stream
+restarts at a resume. A mid-epoch position resumes only at the checkpoint's world size, dataset and seed.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from lightning.fabric.utilities.types import _Stateful
+from torch.utils.data import DataLoader, DistributedSampler
+
+from lightning_sync import comms
+from lightning_sync.sampler import GlobalOrderSampler
+
+__all__ = ["RANK_STATES", "ExactResume", "host_rng_state", "rng_state", "set_host_rng_state", "set_rng_state"]
+
+log = logging.getLogger("lightning_sync")
+
+RANK_STATES = "lightning_sync/rank_states"
+"""The checkpoint key of the per-rank states: a list, one entry per rank, each ``{"rng": ..., ...}``."""
+
+Progress = Callable[[], tuple[int, bool]]
+"""Batches of the current epoch trained so far on each rank, and whether the epoch is done."""
+
+
+def host_rng_state() -> torch.Tensor:
+    """Python's ``random`` and NumPy's global Mersenne Twister states as one float64 tensor (every field is
+    an integer below 2**53 or a float64, so the packing is exact), loadable weights-only.
+
+    Layout: Python's version, its 625 words, whether a Gaussian is cached and its value; NumPy's 624 keys,
+    position, whether a Gaussian is cached and its value (1255 numbers).
+    """
+    version, words, gauss = random.getstate()
+    _, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+    py = [float(version), *map(float, words), float(gauss is not None), 0.0 if gauss is None else float(gauss)]
+    return torch.tensor([*py, *map(float, keys), float(pos), float(has_gauss), float(cached)], dtype=torch.float64)
+
+
+_HOST_RNG_NUMEL = 1 + 625 + 2 + 624 + 3
+
+
+def set_host_rng_state(state: torch.Tensor) -> None:
+    """Restore what :func:`host_rng_state` returned (raises ``ValueError`` for a tensor of another length)."""
+    values = state.reshape(-1).double().tolist()
+    if len(values) != _HOST_RNG_NUMEL:
+        raise ValueError(f"a host RNG state holds {_HOST_RNG_NUMEL} numbers, got {len(values)}")
+    words = tuple(int(v) for v in values[1:626])
+    random.setstate((int(values[0]), words, values[627] if values[626] else None))
+    keys = np.array([int(v) for v in values[628:1252]], dtype=np.uint32)
+    np.random.set_state(("MT19937", keys, int(values[1252]), int(values[1253]), values[1254]))
+
+
+def rng_state(device: torch.device) -> dict[str, torch.Tensor | None]:
+    """This process's generators: torch's CPU one, Python's and NumPy's, and ``device``'s if it is CUDA."""
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return {"torch": torch.get_rng_state(), "host": host_rng_state(), "cuda": cuda}
+
+
+def set_rng_state(state: dict[str, torch.Tensor | None], device: torch.device) -> None:
+    """Put back what :func:`rng_state` returned. A CUDA state met by a run on another device is not applied
+    (there is no such generator); that is logged."""
+    torch.set_rng_state(state["torch"])  # type: ignore[arg-type]
+    set_host_rng_state(state["host"])  # type: ignore[arg-type]
+    cuda = state.get("cuda")
+    if cuda is None:
+        return
+    if device.type != "cuda":
+        log.warning("resume: the checkpoint holds a CUDA RNG state but this run is on %s: not restored", device)
+        return
+    torch.cuda.set_rng_state(cuda, device)
+
+
+class ExactResume:
+    """The data position and per-rank states of one strategy's checkpoints (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._rng: dict[str, torch.Tensor | None] | None = None  # taken from a checkpoint, set at train start
+
+    # ------------------------------------------------------------------ the data position
+    @staticmethod
+    def install(loader: Any, progress: Progress) -> Any:
+        """Make a training ``loader`` resumable in place (see the module docstring); returns it. Loaders it
+        cannot resume exactly, and loaders that carry state of their own, are returned untouched."""
+        batch_sampler = getattr(loader, "batch_sampler", None)
+        sampler = getattr(batch_sampler, "sampler", None)
+        batch_size = getattr(batch_sampler, "batch_size", None)
+        if (not isinstance(loader, DataLoader) or isinstance(loader, _Stateful) or not isinstance(batch_size, int)
+                or not isinstance(sampler, DistributedSampler)):
+            return loader
+        ordered = GlobalOrderSampler(sampler)
+        batch_sampler.sampler = ordered
+
+        def state_dict() -> dict[str, Any]:
+            batches, epoch_done = progress()
+            return ordered.state(batches, batch_size, epoch_done)
+
+        # instance attributes: the user's DataLoader class stays what it is, and Lightning's ``_Stateful``
+        # check (a protocol) sees the two methods
+        loader.state_dict = state_dict
+        loader.load_state_dict = ordered.resume
+        return loader
+
+    # ------------------------------------------------------------------ per-rank states
+    @staticmethod
+    def gather(extra: dict[str, Any] | None = None, device: torch.device | None = None) -> list[dict[str, Any]] | None:
+        """Every rank's RNG states and ``extra`` (its own state of the strategy), collected on rank 0 for the
+        checkpoint in one ``gather_object``; None on the other ranks. Every rank must call it."""
+        mine = {"rng": rng_state(device or torch.device("cpu")), **(extra or {})}
+        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+            return [mine]
+        return comms.gather_object(mine, dst=0)
+
+    def take(self, states: Sequence[dict[str, Any]] | None, rank: int, world_size: int) -> dict[str, Any] | None:
+        """This rank's entry of the checkpoint's ``states`` (its RNG states are kept for
+        :meth:`restore_rng`); None for a checkpoint without them, or from another world size (logged once)."""
+        self._rng = None
+        if states is None:
+            return None
+        if len(states) != world_size:
+            if rank == 0:
+                log.warning("resume: the checkpoint holds the RNG states of %d ranks, this run has %d: each rank's "
+                            "generators keep their seeding", len(states), world_size)
+            return None
+        mine = states[rank]
+        self._rng = mine.get("rng")
+        return mine
+
+    def restore_rng(self, device: torch.device) -> None:
+        """Set the generators to the taken RNG states, once (at the start of training)."""
+        state, self._rng = self._rng, None
+        if state is not None:
+            set_rng_state(state, device)

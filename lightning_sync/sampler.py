@@ -1,0 +1,116 @@
+"""One seeded global order of the training samples, and a position in it: the state exact resume reads.
+
+Lightning gives each training rank a ``DistributedSampler(shuffle=True, seed=PL_GLOBAL_SEED)``. Its epoch
+order is one permutation of the dataset, seeded by ``seed + epoch`` and extended cyclically to a multiple of
+the world size W; rank r takes entries r, r + W, r + 2W, ... So after every rank has trained b batches of B
+samples, exactly the first ``b * B * W`` entries of that order have been trained on, whatever the rank: the
+state of the whole data pipeline is one number, the position in the epoch's global order.
+
+:class:`GlobalOrderSampler` wraps the ``DistributedSampler`` (Lightning keeps calling ``set_epoch`` on it)
+and yields exactly what it yields, except in the one epoch it was told to resume, where it starts at the
+saved position. It is a sampler of the main process: a ``DataLoader``'s workers receive the indices it
+yields, so it resumes the same way for ``num_workers`` 0, > 0 and persistent workers, provided the position
+is set before the loader's iterator is created (workers prefetch at creation).
+
+Imports nothing from Lightning.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+from torch.utils.data import DistributedSampler, Sampler
+
+__all__ = ["GlobalOrderSampler", "global_order"]
+
+
+def global_order(size: int, epoch: int, seed: int, shuffle: bool, total: int) -> list[int]:
+    """The epoch's global order as ``DistributedSampler`` builds it: a permutation of ``range(size)`` seeded
+    by ``seed + epoch`` (or ``range(size)`` without ``shuffle``), extended cyclically or cut to ``total``."""
+    if shuffle:
+        g = torch.Generator()
+        g.manual_seed(seed + epoch)
+        order = torch.randperm(size, generator=g).tolist()
+    else:
+        order = list(range(size))
+    if total <= len(order):
+        return order[:total]
+    return (order * -(-total // len(order)))[:total]
+
+
+class GlobalOrderSampler(Sampler[int]):
+    """This rank's share of the epoch's global order, from a resume position (see the module docstring).
+
+    Args:
+        base: the ``DistributedSampler`` it replaces; its epoch, seed, shuffle, world size, rank and padding
+            are read from it, so ``base.set_epoch`` (what Lightning calls) moves this sampler too.
+    """
+
+    def __init__(self, base: DistributedSampler) -> None:
+        self.base = base
+        self._resume: tuple[int, int] | None = None  # (epoch, position): where that epoch starts, once
+
+    @property
+    def world_size(self) -> int:
+        return int(self.base.num_replicas)
+
+    @property
+    def epoch(self) -> int:
+        return int(self.base.epoch)
+
+    @property
+    def total(self) -> int:
+        """Entries of the epoch's global order that the ranks share out (the padded or cut dataset size)."""
+        return int(self.base.total_size)
+
+    def __iter__(self) -> Iterator[int]:
+        start = 0
+        if self._resume is not None:
+            epoch, position = self._resume
+            if epoch == self.epoch:
+                start = position
+            else:  # Lightning moved on to another epoch: the saved position no longer applies
+                self._resume = None
+        order = global_order(len(self.base.dataset), self.epoch, int(self.base.seed), bool(self.base.shuffle),
+                             self.total)
+        return iter(order[start + int(self.base.rank) : self.total : self.world_size])
+
+    def __len__(self) -> int:
+        return int(self.base.num_samples)  # the whole epoch: Lightning counts the resumed epoch's batches
+
+    def set_epoch(self, epoch: int) -> None:
+        self.base.set_epoch(epoch)
+
+    def position(self, batches: int, batch_size: int) -> int:
+        """The global position after every rank trained ``batches`` batches of ``batch_size`` samples."""
+        return min(batches * batch_size * self.world_size, self.total)
+
+    def state(self, batches: int, batch_size: int, epoch_done: bool) -> dict[str, Any]:
+        """What a checkpoint carries: the epoch to continue and the position in its global order (the next
+        epoch at 0 when this one is done), and what must match for the position to mean the same samples."""
+        epoch, position = (self.epoch + 1, 0) if epoch_done else (self.epoch, self.position(batches, batch_size))
+        return {"epoch": epoch, "position": position, "world_size": self.world_size,
+                "dataset_size": len(self.base.dataset), "seed": int(self.base.seed)}
+
+    def resume(self, state: Mapping[str, Any]) -> None:
+        """Start epoch ``state["epoch"]`` at ``state["position"]``, and make it the current epoch now, before
+        any iterator is created. An epoch's start fits any dataset and world size; a position inside an epoch
+        must be the checkpoint's dataset, seed and world size (else ``ValueError``, naming both): other
+        samples would follow it than in the interrupted run."""
+        epoch, position = int(state["epoch"]), int(state["position"])
+        if position:
+            saved = {k: state.get(k) for k in ("dataset_size", "seed", "world_size")}
+            here = {"dataset_size": len(self.base.dataset), "seed": int(self.base.seed),
+                    "world_size": self.world_size}
+            if saved != here:
+                raise ValueError(f"the checkpoint stopped inside epoch {epoch} at sample {position} of its global "
+                                 f"order with {saved}; this run has {here}, so the rest of that epoch would not be "
+                                 f"the samples the interrupted run had left. Resume with the checkpoint's "
+                                 f"settings, or from a checkpoint saved at an epoch's end")
+            if not 0 < position <= self.total or position % self.world_size:
+                raise ValueError(f"position {position} is not a multiple of the world size {self.world_size} "
+                                 f"within the epoch's {self.total} samples")
+        self.base.set_epoch(epoch)
+        self._resume = (epoch, position)
