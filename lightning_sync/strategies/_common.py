@@ -104,9 +104,9 @@ class ExactResumeHooks:
     loader resumes at its position and every rank's RNG streams continue. The strategy's ``save_checkpoint``
     calls :meth:`_save_rank_states` on every rank, and its ``load_checkpoint`` :meth:`_take_rank_state`."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, **kwargs: Any) -> None:
         self._exact_resume = ExactResume()
-        super().__init__(*args, **kwargs)
+        super().__init__(**kwargs)
 
     def process_dataloader(self, dataloader: object) -> object:
         dataloader = super().process_dataloader(dataloader)  # type: ignore[misc]
