@@ -59,6 +59,14 @@ def test_help_and_unknown_subcommand(tmp_path: Path) -> None:
     assert bad.returncode != 0 and "unknown subcommand 'trian'" in bad.stderr and "train" in bad.stderr
 
 
+@pytest.mark.parametrize("sub", ["train", "bench", "sbatch"])
+def test_every_subcommand_help_exits_0_with_usage(tmp_path: Path, sub: str) -> None:
+    proc = run_cli([sub, "--help"], tmp_path, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"usage: lightning-sync {sub} " in proc.stdout, proc.stdout[:2000]
+    assert not (tmp_path / "outputs").exists(), "--help must not start a run"
+
+
 def test_cfg_job_prints_composed_config(tmp_path: Path) -> None:
     proc = run_cli(["train", "--cfg", "job", "model=char_gpt", "trainer.max_steps=50"], tmp_path, timeout=60)
     assert proc.returncode == 0, proc.stderr

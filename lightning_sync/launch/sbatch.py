@@ -139,10 +139,23 @@ class SlurmLauncherValues(Callback):
                              f"newline ends the #SBATCH comment and bash runs the next line), got {text!r}")
 
 
+_USAGE = """usage: lightning-sync sbatch [group=option ...] [key=value ...]
+
+Prints the SLURM batch script of the train config composed with these overrides (launch=slurm is implied):
+  lightning-sync sbatch launch.nodes=2 trainer.devices=4 strategy=zero3 > job.sh && sbatch job.sh
+The overrides are those of `lightning-sync train` (see `lightning-sync train --help`). trainer.devices is the
+tasks per node; launch.nodes, launch.time_min, launch.partition, launch.cpus_per_task, launch.signal,
+launch.signal_delay_s and launch.requeue set the rest (conf/launch/slurm.yaml).
+"""
+
+
 def main(argv: Sequence[str]) -> None:
     """``lightning-sync sbatch [overrides...]``: print the script (a bad override exits with Hydra's message)."""
     from hydra.errors import HydraException
 
+    if any(arg in ("-h", "--help") for arg in argv):
+        sys.stdout.write(_USAGE)
+        return
     try:
         script = render_sbatch(list(argv))
     except (HydraException, ValueError) as err:
