@@ -150,10 +150,14 @@ def _group_name(group: dist.ProcessGroup | None) -> str:
 
 
 def _issue(op: str, nbytes: int, launch: Callable[[], Sequence[Any]], finish: Callable[[], T], async_op: bool,
-           group: dist.ProcessGroup | None = None, peer: int | None = None) -> Any:
+           group: dist.ProcessGroup | None = None, peer: int | None = None, like: torch.Tensor | None = None,
+           detail: str = "", label: str | None = None) -> Any:
     """The one place every collective goes through: sequence number, accounting, watchdog, async handle.
 
-    ``peer`` marks a point-to-point op with that global rank (its sequence numbers count apart)."""
+    ``peer`` marks a point-to-point op with that global rank (its sequence numbers count apart). ``like`` (the
+    tensor whose dtype and shape every rank passes alike), ``detail`` (reduce op, root rank) and ``label`` (what
+    the caller reduces, e.g. a logged key) complete the call's signature, which the hang watchdog compares across
+    ranks; they are read only while a watchdog runs."""
     names = getattr(_SCOPE, "names", None)
     if names:
         op = "/".join([*names, op])
@@ -165,7 +169,8 @@ def _issue(op: str, nbytes: int, launch: Callable[[], Sequence[Any]], finish: Ca
         seq = next(_SEQ.setdefault(_watchdog.sequence_key(name, peer), itertools.count(1)))
     wd = _watchdog.active()
     tracked = None if wd is None else wd.issued(op, seq, name, group_ranks(group), nbytes, peer,
-                                                exact_future=dist.get_backend(group) == "gloo")
+                                                cpu_backend=dist.get_backend(group) == "gloo",
+                                                detail=_signature(like, detail, label))
     _STATS.record(op, nbytes)
     _STATS.block_begin()
     start, launched = time.perf_counter(), False
@@ -178,6 +183,11 @@ def _issue(op: str, nbytes: int, launch: Callable[[], Sequence[Any]], finish: Ca
         wd.launched(tracked, handles)
     work = Work(op, seq, handles, finish, start, tracked=tracked, in_flight=async_op)
     return work if async_op else work.wait()
+
+
+def _signature(like: torch.Tensor | None, detail: str, label: str | None) -> str:
+    parts = [] if like is None else [f"{str(like.dtype).removeprefix('torch.')}{list(like.shape)}"]
+    return ", ".join([*parts, *([detail] if detail else []), *([repr(label)] if label is not None else [])])
 
 
 def get_rank(group: dist.ProcessGroup | None = None) -> int:
@@ -238,14 +248,14 @@ def _metadata_all_gather(row: list[int], group: dist.ProcessGroup | None) -> lis
     mine = torch.tensor(row, dtype=torch.int64, device=_device(group))
     out = [torch.empty_like(mine) for _ in range(get_world_size(group))]
     return _issue("metadata", _nbytes(mine), lambda: [dist.all_gather(out, mine, group=group, async_op=True)],
-                  lambda: [r.tolist() for r in out], async_op=False, group=group)
+                  lambda: [r.tolist() for r in out], async_op=False, group=group, like=mine)
 
 
 def _broadcast_size(n: int | None, src: int, group: dist.ProcessGroup | None) -> int:
     """Broadcast one int from ``src`` as an int64 tensor (counted as ``metadata``)."""
     box = torch.tensor([-1 if n is None else n], dtype=torch.int64, device=_device(group))
     return _issue("metadata", _nbytes(box), lambda: [dist.broadcast(box, src=src, group=group, async_op=True)],
-                  lambda: int(box.item()), async_op=False, group=group)
+                  lambda: int(box.item()), async_op=False, group=group, detail=f"from {src}")
 
 
 def _broadcast_pickled(value: Any, src: int, group: dist.ProcessGroup | None, op: str, async_op: bool) -> Any:
@@ -257,7 +267,8 @@ def _broadcast_pickled(value: Any, src: int, group: dist.ProcessGroup | None, op
     size = _broadcast_size(None if payload is None else payload.numel(), src, group)
     buf = payload if payload is not None else torch.empty(size, dtype=torch.uint8, device=device)
     return _issue(op, size, lambda: [dist.broadcast(buf, src=src, group=group, async_op=True)],
-                  lambda: value if payload is not None else _from_bytes(buf), async_op, group=group)
+                  lambda: value if payload is not None else _from_bytes(buf), async_op, group=group,
+                  detail=f"object from {src}")
 
 
 def _metadata_broadcast(obj: Any, src: int, group: dist.ProcessGroup | None) -> Any:
@@ -321,13 +332,17 @@ def barrier(group: dist.ProcessGroup | None = None, async_op: bool = False) -> W
 
 
 def all_reduce(tensor: torch.Tensor, op: str = "sum", group: dist.ProcessGroup | None = None,
-               async_op: bool = False) -> torch.Tensor | Work[torch.Tensor]:
-    """Reduce ``tensor`` over all ranks with ``op`` in place; returns it (or a Work)."""
+               async_op: bool = False, label: str | None = None) -> torch.Tensor | Work[torch.Tensor]:
+    """Reduce ``tensor`` over all ranks with ``op`` in place; returns it (or a Work).
+
+    ``label`` names what is reduced (Lightning's ``sync_dist`` passes the logged key): with the hang watchdog
+    running, ranks that reduce different labels at the same call fail naming both, even when the tensors alike
+    pair up without a hang."""
     _require_init()
     red = check_reduce(op, tensor)
     return _issue("all_reduce", _nbytes(tensor),
                   lambda: [dist.all_reduce(tensor, op=red, group=group, async_op=True)], lambda: tensor, async_op,
-                  group=group)
+                  group=group, like=tensor, detail=op, label=label)
 
 
 def reduce(tensor: torch.Tensor, dst: int, op: str = "sum", group: dist.ProcessGroup | None = None,
@@ -342,7 +357,7 @@ def reduce(tensor: torch.Tensor, dst: int, op: str = "sum", group: dist.ProcessG
     red = check_reduce(op, tensor)
     return _issue("reduce", _nbytes(tensor),
                   lambda: [dist.reduce(tensor, dst=dst, op=red, group=group, async_op=True)], lambda: tensor,
-                  async_op, group=group)
+                  async_op, group=group, like=tensor, detail=f"{op} to {dst}")
 
 
 def broadcast(value: Any, src: int = 0, group: dist.ProcessGroup | None = None, async_op: bool = False) -> Any:
@@ -356,7 +371,7 @@ def broadcast(value: Any, src: int = 0, group: dist.ProcessGroup | None = None, 
     if isinstance(value, torch.Tensor):
         return _issue("broadcast", _nbytes(value),
                       lambda: [dist.broadcast(value, src=src, group=group, async_op=True)], lambda: value,
-                      async_op, group=group)
+                      async_op, group=group, like=value, detail=f"from {src}")
     return broadcast_object(value, src=src, group=group, async_op=async_op)
 
 
@@ -387,7 +402,7 @@ def all_gather(tensor: torch.Tensor, group: dist.ProcessGroup | None = None,
 
     return _issue("all_gather", _nbytes(send),
                   lambda: [dist.all_gather(bufs, send, group=group, async_op=True)], finish, async_op,
-                  group=group)
+                  group=group, like=send)
 
 
 def _is_gloo(group: dist.ProcessGroup | None) -> bool:
@@ -411,10 +426,10 @@ def all_gather_into(output: torch.Tensor, input: torch.Tensor, group: dist.Proce
             chunks[rank].copy_(input.reshape(-1))
             return [dist.broadcast(c, src=ranks[i], group=group, async_op=True) for i, c in enumerate(chunks)]
 
-        return _issue("all_gather", _nbytes(input), launch, lambda: output, async_op, group=group)
+        return _issue("all_gather", _nbytes(input), launch, lambda: output, async_op, group=group, like=input)
     return _issue("all_gather", _nbytes(input),
                   lambda: [_ALL_GATHER_SINGLE(output.view(-1), input.reshape(-1), group=group, async_op=True)],
-                  lambda: output, async_op, group=group)
+                  lambda: output, async_op, group=group, like=input)
 
 
 def reduce_scatter(tensor: torch.Tensor, op: str = "sum", group: dist.ProcessGroup | None = None,
@@ -435,7 +450,7 @@ def reduce_scatter(tensor: torch.Tensor, op: str = "sum", group: dist.ProcessGro
     keep = max(0, min(n, (rank + 1) * chunk) - rank * chunk)
     return _issue("reduce_scatter", _nbytes(send),
                   lambda: [_REDUCE_SCATTER_SINGLE(out, send, op=red, group=group, async_op=True)],
-                  lambda: out[:keep], async_op, group=group)
+                  lambda: out[:keep], async_op, group=group, like=send, detail=op)
 
 
 #: On gloo, ``reduce_scatter_into(..., scratch=True)`` issues K reduces when each rank's chunk has at least
@@ -472,11 +487,11 @@ def reduce_scatter_into(output: torch.Tensor, input: torch.Tensor, op: str = "su
         def finish() -> torch.Tensor:
             return output.div_(world) if op == "avg" else output
 
-        return _issue("reduce_scatter", _nbytes(input), launch, finish, async_op, group=group)
+        return _issue("reduce_scatter", _nbytes(input), launch, finish, async_op, group=group, like=input, detail=op)
     return _issue("reduce_scatter", _nbytes(input),
                   lambda: [_REDUCE_SCATTER_SINGLE(output.view(-1), input.reshape(-1), op=red, group=group,
                                                   async_op=True)],
-                  lambda: output, async_op, group=group)
+                  lambda: output, async_op, group=group, like=input, detail=op)
 
 
 def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None, dst: int = 0,
@@ -511,7 +526,7 @@ def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None, 
 
     return _issue("gather", _nbytes(send),
                   lambda: [dist.gather(send, gather_list=bufs, dst=dst, group=group, async_op=True)], finish,
-                  async_op, group=group)
+                  async_op, group=group, like=send, detail=f"to {dst}")
 
 
 def scatter(chunks: Sequence[Any] | None, src: int = 0, group: dist.ProcessGroup | None = None,
@@ -555,7 +570,7 @@ def scatter(chunks: Sequence[Any] | None, src: int = 0, group: dist.ProcessGroup
 
     return _issue("scatter", _nbytes(recv),
                   lambda: [dist.scatter(recv, scatter_list=send, src=src, group=group, async_op=True)],
-                  finish, async_op, group=group)
+                  finish, async_op, group=group, like=recv, detail=f"from {src}")
 
 
 def all_gather_object(obj: Any, group: dist.ProcessGroup | None = None, async_op: bool = False) -> Any:
@@ -588,7 +603,7 @@ def send(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None,
     _require_init()
     _check_rank("dst", dst, group)
     return _issue("send", _nbytes(tensor), lambda: [dist.isend(tensor, dst=dst, group=group)], lambda: tensor,
-                  async_op, group=group, peer=dst)
+                  async_op, group=group, peer=dst, like=tensor)
 
 
 def recv(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None,
@@ -597,4 +612,4 @@ def recv(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None,
     _require_init()
     _check_rank("src", src, group)
     return _issue("recv", _nbytes(tensor), lambda: [dist.irecv(tensor, src=src, group=group)], lambda: tensor,
-                  async_op, group=group, peer=src)
+                  async_op, group=group, peer=src, like=tensor)

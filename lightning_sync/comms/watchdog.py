@@ -2,18 +2,29 @@
 
 With a :class:`Watchdog` started (:func:`start`, or the Lightning callback
 :class:`lightning_sync.diagnostics.HangWatchdog`), every collective issued through
-:mod:`lightning_sync.comms` is tracked by group, sequence number, op name and byte size, and:
+:mod:`lightning_sync.comms` is tracked by group, sequence number and signature (op name, byte size, dtype and
+shape, reduce op, root rank, the logged key of a Lightning ``sync_dist`` reduction:
+:mod:`lightning_sync.comms.diagnosis`), and:
 
 * **A collective that does not complete within ``timeout`` seconds** fails on the rank that waits for it
-  with a :class:`CollectiveTimeout` such as ``all_reduce #412 (4000 B) on world did not complete within
+  with a :class:`CollectiveTimeout` such as ``all_reduce #412 (4.0 kB) on world did not complete within
   300 s: ranks [1] never joined``, or ``... ranks took different code paths at #412: barrier (0 B) on
-  ranks [1]; all_reduce (4000 B) on ranks [0, 2]``. That rank posts the message to an abort key, and every
+  ranks [1]; all_reduce (4.0 kB, float32[1000], sum) on ranks [0, 2]``. That rank posts the message to an abort key, and every
   other rank's watchdog picks it up within ``interval`` seconds and fails its own pending or next
   collective with it. So every live rank raises, within ``timeout + 3 * interval`` seconds, and the
   message is the same everywhere.
 * **A collective that fails** (gloo's "Connection closed by peer" when a peer died) is re-raised as
   :class:`RankLost` naming the ranks whose heartbeat stopped: ``all_reduce #87 (1.2 MB) on world failed
   (Connection closed by peer ...): ranks [1] lost (no heartbeat for 2.1 s; last seen in all_reduce #87)``.
+* **Collectives that pair up across different calls** do not hang, so no timeout fires: rank 0 logs ``a``
+  then ``b`` with ``sync_dist`` and rank 1 logs ``b`` then ``a``, and each key is averaged with the other.
+  Every rank keeps a running hash of the signatures it issued on each group; :func:`verify` (a collective
+  the Lightning callback runs every few steps and at the end of each stage) compares them, and on a
+  difference every rank raises the same :class:`CollectiveMismatch` naming the first call that differed and
+  the ranks on each side: ``ranks issued different collectives on world at #57 that paired up:
+  all_reduce (4 B, float32[], avg, 'training_step.a') on ranks [0]; all_reduce (4 B, float32[], avg,
+  'training_step.b') on ranks [1]``. A mismatch is caught only between calls whose signatures differ: two
+  tensors of one shape and dtype, reduced under no logged key, look the same.
 
 **The side channel.** Every rank's watchdog thread publishes a small JSON record to the job's rendezvous
 store (a separate TCPStore client connected to the default process group's store, so it never queues
@@ -21,18 +32,14 @@ behind a blocking store call of the main thread) every ``interval`` seconds: a h
 last sequence number it issued on each group with the last few ops, and the collective it is waiting in.
 Diagnosis reads the records of the group's ranks twice, ``2 * interval`` apart: a rank whose counter did
 not move is lost; a rank whose last sequence number is below the pending one never joined; a rank whose
-op at that sequence number differs took another code path (several ranks' majority op is the reference).
+signature at that sequence number differs took another code path (the smallest group of ranks is named first).
 Nothing is parsed from logs, and no extra collective runs (a hung group could not carry one).
 
-**Cost.** Issuing a collective appends to an in-process list under a lock. Waiting never passes a timeout
-to the backend: on NCCL a timed ``Work.wait`` that runs out aborts the communicator, which would kill every
-healthy job whose ranks arrive more than a slice apart. A request that already completed returns at once
-(one ``is_completed`` call, then the untimed ``wait``, which returns or raises its failure). Otherwise, on
-gloo, the request's future wakes the waiter the moment it completes (checking for an abort every
-``interval``); where a future completes early or not at all (NCCL marks it complete once the collective is
-enqueued; gloo's send and recv have none), the request is polled with a backoff from 10 us to 0.5 ms, so the
-wait ends at most 0.5 ms (or about as long again as it has lasted, when shorter) after the request
-completes. The store sees one small write per rank per ``interval``.
+**Cost.** Issuing a collective appends its signature to an in-process ring (the last 4096 per group) and
+folds it into the group's CRC-32, under a lock. Waiting never passes the backend a timeout (on NCCL one that
+runs out aborts the communicator): a completed request returns at once, and an incomplete one is waited for by
+the cheapest means its backend offers (:mod:`lightning_sync.comms.waiting`). The store sees one small write per
+rank per ``interval``.
 
 **Ranks blocked outside comms.** A rank stuck in a call that cannot be interrupted (a backend call that
 blocks inside its launch, or a collective issued without ``lightning_sync.comms``) cannot raise. When the
@@ -51,18 +58,22 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+import zlib
+from collections import deque
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["CollectiveError", "CollectiveTimeout", "RankLost", "Watchdog", "active", "check_args", "explain",
-           "sequence_key", "start", "stop"]
+from lightning_sync.comms.diagnosis import Pending, explain, mismatch, sequence_key
+from lightning_sync.comms.waiting import Waiter
 
-_HISTORY = 8  # ops remembered per group in a rank's record: enough to compare the op at a pending seq
-_POLL_MIN, _POLL_MAX = 10e-6, 0.5e-3  # seconds between polls of a request without an exact future (backoff)
+__all__ = ["CollectiveError", "CollectiveMismatch", "CollectiveTimeout", "Pending", "RankLost", "Watchdog", "active",
+           "check_args", "sequence_key", "start", "stop", "verify"]
+
+_HISTORY = 8  # ops per group in a rank's published record: enough to compare the op at a pending seq
+_KEPT = 4096  # ops per group kept in memory, to name the first that differs when verify finds a mismatch
 _ACTIVE: Watchdog | None = None
 _GENERATION = [0]  # starts in this process: every rank starts its watchdogs in the same order
 
@@ -79,6 +90,10 @@ class RankLost(CollectiveError):
     """A collective failed because a peer rank is gone (its heartbeat stopped)."""
 
 
+class CollectiveMismatch(CollectiveError):
+    """Ranks issued different collectives that paired up without a hang (found by :func:`verify`)."""
+
+
 def active() -> Watchdog | None:
     """The running watchdog of this process, if any."""
     return _ACTIVE
@@ -91,6 +106,13 @@ def start(timeout: float, interval: float | None = None, exit_after: float | Non
     _ACTIVE = Watchdog(timeout, interval=interval, exit_after=exit_after)
     _ACTIVE.start()
     return _ACTIVE
+
+
+def verify() -> None:
+    """Check that every rank issued the same collectives so far (:meth:`Watchdog.verify`); nothing without a
+    running watchdog. Collective over the default group."""
+    if _ACTIVE is not None:
+        _ACTIVE.verify()
 
 
 def stop(clean: bool = True) -> None:
@@ -112,44 +134,6 @@ def check_args(timeout: Any, interval: Any = None, exit_after: Any = None) -> tu
     if isinstance(exit_after, bool) or not isinstance(exit_after, int | float) or exit_after < 0:
         raise ValueError(f"exit_after must be a number of seconds >= 0, got {exit_after!r}")
     return float(timeout), float(interval), float(exit_after)
-
-
-def sequence_key(group: str, peer: int | None) -> str:
-    """The name sequence numbers count under: the group's, or ``"<group>/p2p"`` for point-to-point ops."""
-    return group if peer is None else f"{group}/p2p"
-
-
-def _size(nbytes: int) -> str:
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.1f} {unit}"
-    return f"{nbytes} B"
-
-
-@dataclass
-class Pending:
-    """One issued collective as the watchdog tracks it (returned by :meth:`Watchdog.issued`)."""
-
-    op: str
-    seq: int
-    group: str
-    ranks: list[int]
-    nbytes: int
-    peer: int | None = None  # point-to-point: the other rank (sequence numbers do not pair up)
-    exact_future: bool = False  # the requests' futures complete with them (gloo collectives), so a wait can sleep
-    start: float = field(default_factory=time.monotonic)
-    handles: list[Any] | None = None  # None while the backend call is still being launched
-
-    @property
-    def key(self) -> str:
-        return sequence_key(self.group, self.peer)
-
-    def label(self) -> str:
-        where = f"with rank {self.peer}" if self.peer is not None else f"on {self.group}"
-        return f"{self.op} #{self.seq} ({_size(self.nbytes)}) {where}"
-
-    def completed(self) -> bool:
-        return self.handles is not None and all(h.is_completed() for h in self.handles)
 
 
 class Watchdog:
@@ -174,12 +158,14 @@ class Watchdog:
         self._store, self.store_address = _client_store(_GENERATION[0])
         self._lock = threading.Lock()
         self._last: dict[str, int] = {}
-        self._history: dict[str, list[list[Any]]] = {}
+        self._issued: dict[str, deque[tuple[int, str, int, str, int]]] = {}  # seq, op, nbytes, detail, hash
+        self._hash: dict[str, tuple[int, list[int]]] = {}  # group key: running CRC-32 of signatures, its ranks
+        self._verified: dict[str, int] = {}  # group key: the last seq that verify found the same on every rank
         self._pending: dict[int, Pending] = {}
         self._waiting: Pending | None = None
         self._error: CollectiveError | None = None
         self._error_at = 0.0
-        self._wake: threading.Event | None = None  # set on an abort, to end a wait at once
+        self._waiter = Waiter(self.check, self.interval)
         self._beat = 0
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="lightning_sync-watchdog", daemon=True)
@@ -187,15 +173,19 @@ class Watchdog:
     # ------------------------------------------------------------------ called by comms (main thread)
 
     def issued(self, op: str, seq: int, group: str, ranks: Sequence[int], nbytes: int,
-               peer: int | None = None, exact_future: bool = False) -> Pending:
-        """Record a collective about to be launched; raises the pending abort instead, if there is one."""
+               peer: int | None = None, cpu_backend: bool = False, detail: str = "") -> Pending:
+        """Record a collective about to be launched; raises the pending abort instead, if there is one.
+        ``detail``: the rest of its signature (:func:`~lightning_sync.comms.diagnosis.describe`)."""
         self.check()
-        p = Pending(op, seq, group, list(ranks), nbytes, peer, exact_future)
+        p = Pending(op, seq, group, list(ranks), nbytes, peer, cpu_backend, detail)
+        key = p.key
         with self._lock:
-            self._last[p.key] = seq
-            hist = self._history.setdefault(p.key, [])
-            hist.append([seq, op, nbytes])
-            del hist[:-_HISTORY]
+            self._last[key] = seq
+            running = 0
+            if peer is None:  # point-to-point sequence numbers do not pair up across ranks: nothing to compare
+                running = zlib.crc32(f"{op}|{nbytes}|{detail}".encode(), self._hash.get(key, (0,))[0])
+                self._hash[key] = (running, p.ranks)
+            self._issued.setdefault(key, deque(maxlen=_KEPT)).append((seq, op, nbytes, detail, running))
             self._pending[id(p)] = p
         return p
 
@@ -203,47 +193,18 @@ class Watchdog:
         p.handles = list(handles)
 
     def wait(self, p: Pending, handle: Any) -> None:
-        """Wait for one backend request of ``p``; raise the diagnosis if it hangs or fails (module docstring:
-        never a timed ``Work.wait``)."""
+        """Wait for one backend request of ``p`` (never with a timeout); raise the diagnosis if it hangs or fails."""
         self.check()
-        if not handle.is_completed():
-            self._waiting = p
-            try:
-                self._until_completed(p, handle)
-            finally:
-                self._waiting = None
-        try:  # completed: returns at once, or raises the request's failure
-            handle.wait()
-        except RuntimeError as err:
-            cause = str(err).strip().splitlines()[-1][:300] if str(err).strip() else type(err).__name__
-            raise self._fail(RankLost, p, f"failed ({cause})") from err
-
-    def _until_completed(self, p: Pending, handle: Any) -> None:
-        """Return once ``handle`` completed; raise the abort (this rank's hang, or another rank's) meanwhile."""
-        future = None
-        if p.exact_future:
-            try:
-                future = handle.get_future()
-            except RuntimeError:  # gloo's send and recv have none
-                future = None
-        if future is not None:
-            # The future completes just before the request marks itself completed: the untimed wait that
-            # follows covers that last step (polling is_completed here would spin against it).
-            done = threading.Event()
-            future.add_done_callback(lambda _: done.set())
-            self._wake = done  # an abort sets it too
-            try:
-                while not done.wait(self.interval):
-                    self.check()
-                self.check()
-            finally:
-                self._wake = None
-            return
-        pause = _POLL_MIN
-        while not handle.is_completed():
-            self.check()
-            time.sleep(pause)
-            pause = min(2 * pause, _POLL_MAX)
+        self._waiting = p
+        try:
+            failure = self._waiter.wait(handle, p.cpu_backend)
+        finally:
+            self._waiting = None
+        if isinstance(failure, RuntimeError):
+            cause = str(failure).strip().splitlines()[-1][:300] if str(failure).strip() else type(failure).__name__
+            raise self._fail(RankLost, p, f"failed ({cause})") from failure
+        if failure is not None:
+            raise failure
 
     def finished(self, p: Pending) -> None:
         with self._lock:
@@ -253,6 +214,32 @@ class Watchdog:
         """Raise the abort of this or another rank, if one happened."""
         if self._error is not None:
             raise type(self._error)(str(self._error))
+
+    def verify(self) -> None:
+        """Raise :class:`CollectiveMismatch` on every rank, naming the first call that differs, unless every rank
+        issued the same collectives on every group so far (same count, same signatures in the same order).
+
+        Collective over the default group: one small ``all_gather_object`` (a second on a mismatch), recorded under
+        the op prefix ``watchdog/``. Every rank compares the same gathered hashes, so all raise alike."""
+        from lightning_sync.comms import collectives  # it imports this module
+
+        self.check()
+        with self._lock:
+            mine = {key: (self._last[key], running, ranks) for key, (running, ranks) in self._hash.items()}
+        with collectives.scope("watchdog"):
+            states = collectives.all_gather_object(mine)
+        members = {key: ranks for state in states for key, (_, _, ranks) in state.items()}
+        differ = sorted(key for key, ranks in members.items()
+                        if len({tuple(states[r].get(key, (0, 0))[:2]) for r in ranks}) > 1)
+        if not differ:
+            self._verified.update({key: seq for key, (seq, _, _) in mine.items()})
+            return
+        key = differ[0]
+        with self._lock:
+            tail = [e for e in self._issued.get(key, ()) if e[0] > self._verified.get(key, 0)]
+        with collectives.scope("watchdog"):
+            tails = collectives.all_gather_object(tail)
+        raise self._set_error(CollectiveMismatch(mismatch(key, {r: tails[r] for r in members[key]})), post=False)
 
     # ------------------------------------------------------------------ life cycle
 
@@ -264,6 +251,7 @@ class Watchdog:
         if self._stopped.is_set():
             return
         self._stopped.set()
+        self._waiter.close()
         self._thread.join(timeout=5 * self.interval + 5)
         if clean:
             try:
@@ -330,7 +318,8 @@ class Watchdog:
             self._beat += 1
             waiting = self._waiting
             return {"beat": self._beat, "state": state, "host": socket.gethostname(), "pid": os.getpid(),
-                    "last": dict(self._last), "hist": {k: list(v) for k, v in self._history.items()},
+                    "last": dict(self._last),
+                    "hist": {k: [v[i][:4] for i in range(-min(len(v), _HISTORY), 0)] for k, v in self._issued.items()},
                     "waiting": None if waiting is None else
                     f"{waiting.label()} for {time.monotonic() - waiting.start:.1f} s"}
 
@@ -378,9 +367,7 @@ class Watchdog:
                 mine = json.dumps({"rank": self.rank, "kind": type(err).__name__, "message": str(err)})
                 self._store.compare_set("abort", "", mine)
             self._error, self._error_at = err, time.monotonic()
-            wake = self._wake
-        if wake is not None:
-            wake.set()
+        self._waiter.wake()
         return err
 
     def _fail(self, kind: type[CollectiveError], p: Pending, what: str) -> CollectiveError:
@@ -396,55 +383,6 @@ class Watchdog:
         others = [r for r in ([p.peer] if p.peer is not None else p.ranks) if r != self.rank]
         records, lost = self._survey(others)
         return explain(p, what, self.rank, records, lost, silent_for=2 * self.interval + 0.1)
-
-
-def explain(p: Pending, what: str, rank: int, records: Mapping[int, dict[str, Any] | None], lost: Sequence[int],
-            silent_for: float) -> str:
-    """The diagnosis of ``p`` (pending on ``rank``) from its peers' published records.
-
-    Per peer: lost (in ``lost``: no heartbeat for ``silent_for`` s), left (stopped its watchdog), never
-    joined (its last sequence number on the group is below ``p.seq``), or issued something at ``p.seq``
-    whose op or size differs (different code paths; the ranks are grouped by what they issued, the
-    smallest group first, since with three or more ranks the odd one out is the culprit).
-    """
-    key = p.key
-    left, never, sig_by_rank, details = [], [], {rank: (p.op, p.nbytes)}, []
-    for r in sorted(records):
-        rec = records.get(r)
-        where = "never published a heartbeat" if rec is None else (
-            f"waiting in {rec['waiting']}" if rec["waiting"] else "not in a collective")
-        if r in lost:
-            details.append(f"rank {r}: no heartbeat for {silent_for:.1f} s; last seen {where}")
-            continue
-        details.append(f"rank {r} ({rec['host']} pid {rec['pid']}): last issued #{rec['last'].get(key, 0)} "
-                       f"here, {where}")
-        if rec["state"] == "done":
-            left.append(r)
-        elif p.peer is not None:
-            continue  # point-to-point: where the peer is (above) is the diagnosis
-        elif rec["last"].get(key, 0) < p.seq:
-            never.append(r)
-        else:
-            at = {h[0]: (h[1], h[2]) for h in rec["hist"].get(key, [])}
-            if p.seq in at:
-                sig_by_rank[r] = at[p.seq]
-    parts = []
-    sigs: dict[tuple[str, int], list[int]] = {}
-    for r, sig in sorted(sig_by_rank.items()):
-        sigs.setdefault(sig, []).append(r)
-    if len(sigs) > 1:
-        ranked = sorted(sigs.items(), key=lambda kv: (len(kv[1]), kv[1]))  # the minority first
-        parts.append(f"ranks took different code paths at #{p.seq}: " +
-                     "; ".join(f"{op} ({_size(n)}) on ranks {rs}" for (op, n), rs in ranked))
-    if never:
-        parts.append(f"ranks {never} never joined")
-    if left:
-        parts.append(f"ranks {left} already left (stopped their watchdog)")
-    if lost:
-        parts.append(f"ranks {lost} lost")
-    if not parts:
-        parts.append("every peer issued it; the transport did not complete it")
-    return f"{p.label()} {what}: " + "; ".join(parts) + "\n  " + "\n  ".join(details)
 
 
 def _client_store(generation: int) -> tuple[dist.Store, str]:

@@ -8,7 +8,11 @@ Every collective our strategies issue (gradient buckets, shards, ``self.log(...,
   others do not), makes every rank raise a :class:`~lightning_sync.comms.watchdog.CollectiveTimeout`
   within ``collective_timeout + 3 * interval`` seconds, naming the op, its sequence number and the ranks;
 * a rank that dies makes the others raise :class:`~lightning_sync.comms.watchdog.RankLost` naming it (gloo
-  reports "Connection closed by peer" within about 2 s; the heartbeats say which peer).
+  reports "Connection closed by peer" within about 2 s; the heartbeats say which peer);
+* ranks whose collectives paired up across different calls (rank 0 syncs the logged key ``a`` while rank 1
+  syncs ``b``: nothing hangs, both get wrong values) all raise a
+  :class:`~lightning_sync.comms.watchdog.CollectiveMismatch` naming the first call that differed, at the next
+  check: every ``verify_every`` optimizer steps and at the end of training, validation and testing.
 
 An error raised outside ``comms`` (say, a collective of Lightning's own ``ddp`` strategy, which does not
 use our layer) gets a note naming the lost ranks, when there are any. Strategies built on another
@@ -19,9 +23,12 @@ from __future__ import annotations
 
 import logging
 
+from typing import Any
+
 import lightning.pytorch as pl
 import torch.distributed as dist
 
+from lightning_sync._checks import check_int
 from lightning_sync.comms import watchdog
 
 __all__ = ["HangWatchdog"]
@@ -39,16 +46,36 @@ class HangWatchdog(pl.Callback):
         interval: heartbeat and polling period in seconds (default ``min(1, collective_timeout / 5)``).
         exit_after: seconds after an abort before a rank blocked outside ``comms`` ends its process with
             exit code 1 (default ``collective_timeout``).
+        verify_every: optimizer steps between checks that every rank issued the same collectives (an int >= 0;
+            0: only at the end of training, validation and testing). Each check is one small
+            ``all_gather_object``.
     """
 
     def __init__(self, collective_timeout: float = 300.0, interval: float | None = None,
-                 exit_after: float | None = None) -> None:
+                 exit_after: float | None = None, verify_every: int = 100) -> None:
         watchdog.check_args(collective_timeout, interval, exit_after)
         self.collective_timeout, self.interval, self.exit_after = collective_timeout, interval, exit_after
+        self.verify_every = check_int("verify_every", verify_every, 0)
+        self._verified_step = -1
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             watchdog.start(self.collective_timeout, self.interval, self.exit_after)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        step = trainer.global_step  # with gradient accumulation, several batches end one step
+        if self.verify_every and step % self.verify_every == 0 and step != self._verified_step:
+            self._verified_step = step
+            watchdog.verify()
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        watchdog.verify()  # after the last epoch's logged values were synced
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        watchdog.verify()
+
+    def on_test_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        watchdog.verify()
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         watchdog.stop(clean=True)

@@ -18,7 +18,8 @@ import torch
 from _lightning_reference import ENV, EQ_TOL, _quiet_rank, _reference, _state, _TiedModule, _trainer
 
 from lightning_sync import BucketedDDPStrategy, comms
-from lightning_sync.comms.watchdog import CollectiveError, CollectiveTimeout
+from lightning_sync.comms import collectives
+from lightning_sync.comms.watchdog import CollectiveError, CollectiveMismatch, CollectiveTimeout
 from lightning_sync.diagnostics import HangWatchdog
 from lightning_sync.testing import Checks, assert_all_ranks_passed, run_distributed
 
@@ -65,8 +66,8 @@ def test_skipped_all_reduce_names_the_rank_on_every_rank() -> None:
         assert DECLARED in message, f"rank {rank}: not the watchdog's declaration: {message!r}"
         # ranks 0 and 2 hang in all_reduce #6, rank 1 in barrier #6 (its 5th all_reduce was never issued):
         # every rank names the same split, rank 1 as the minority first
-        assert "different code paths at #6: barrier (0 B) on ranks [1]; all_reduce (12 B) on ranks [0, 2]" in message, \
-            f"rank {rank}: {message}"
+        assert "different code paths at #6: barrier (0 B) on ranks [1]; all_reduce (12 B, float32[3], sum) on " \
+               "ranks [0, 2]" in message, f"rank {rank}: {message}"
 
 
 class _ExtraKeyOnRank0(_TiedModule):
@@ -111,10 +112,11 @@ def test_a_sync_dist_key_logged_on_one_rank_only_is_named() -> None:
     assert_all_ranks_passed([r[:2] for r in results], min_checks=3)
     for rank, (_, _, message) in enumerate(results):
         assert DECLARED in message, f"rank {rank}: not the watchdog's declaration: {message!r}"
-        # rank 0's extra sync_dist all_reduce (one fp32 scalar) meets rank 1's next collective (the
-        # header broadcast of an object collective): both ranks name the split, rank 0 as the odd one
-        assert re.search(r"took different code paths at #\d+: all_reduce \(4 B\) on ranks \[0\]; "
-                         r"\w+ \(\d+ B\) on ranks \[1\]", message), f"rank {rank}: {message!r}"
+        # rank 0's extra sync_dist all_reduce (one fp32 scalar, under its logged key) meets rank 1's next
+        # collective: both ranks name the split, rank 0 as the odd one
+        assert re.search(r"took different code paths at #\d+: all_reduce \(4 B, float32\[\], avg, "
+                         r"'training_step\.only_on_rank_0'\) on ranks \[0\]; [\w/]+ \(\d+ B[^)]*\) on ranks \[1\]",
+                         message), f"rank {rank}: {message!r}"
 
 
 class _RecordingWork:
@@ -138,21 +140,35 @@ class _RecordingWork:
 def _late_rank(rank: int, k: int) -> tuple[list[str], int]:
     ck = Checks()
     waits: list[tuple[Any, ...]] = []
-    real = torch.distributed.all_reduce
-    torch.distributed.all_reduce = lambda *a, **kw: _RecordingWork(real(*a, **kw), waits)  # comms calls it
+    # every backend call comms makes for the three ways a gloo request is waited for (module waiting): all_reduce
+    # (its future), reduce-scatter and send/recv (no future: a waiting thread)
+    patched = [(torch.distributed, "all_reduce"), (collectives, "_REDUCE_SCATTER_SINGLE"),
+               (torch.distributed, "isend"), (torch.distributed, "irecv")]
+    real = {name: getattr(owner, name) for owner, name in patched}
+    for owner, name in patched:
+        setattr(owner, name, lambda *a, _fn=real[name], **kw: _RecordingWork(_fn(*a, **kw), waits))
     comms.watchdog.start(LATE + 5.0, interval=0.2)
     try:
         if rank == 1:
             time.sleep(LATE)  # the scenario itself: a rank busy elsewhere (data loading, a checkpoint write)
         late = comms.all_reduce(torch.full((4,), float(rank + 1)))
         after = comms.all_reduce(torch.full((4,), float(rank + 1)))  # the group still works afterwards
+        if rank == 0:
+            time.sleep(1.0)  # 5 intervals: now rank 1 waits
+        shard = comms.reduce_scatter(torch.arange(4.0) + rank)
+        if rank == 1:
+            time.sleep(1.0)
+        ring = comms.algorithms.ring_all_reduce(torch.arange(4.0) + rank)  # send and recv
     finally:
-        torch.distributed.all_reduce = real
+        for owner, name in patched:
+            setattr(owner, name, real[name])
     expected = torch.full((4,), float(sum(r + 1 for r in range(k))))  # small integers: exact
     ck.close("the late all_reduce", late, expected)
     ck.close("the next all_reduce", after, expected)
+    ck.close("reduce_scatter", shard, (2 * torch.arange(4.0) + 1)[2 * rank:2 * rank + 2])
+    ck.close("ring all_reduce", ring, 2 * torch.arange(4.0) + 1)
     ck.true("no abort", comms.watchdog.active().error is None, comms.watchdog.active().error)
-    ck.true("waited on every request", len(waits) >= 2, waits)
+    ck.true("waited on every request", len(waits) >= 5, waits)
     ck.true("never a timed wait", all(w == () for w in waits), f"wait() arguments: {waits}")
     comms.watchdog.stop()
     return ck.result()
@@ -160,4 +176,90 @@ def _late_rank(rank: int, k: int) -> tuple[list[str], int]:
 
 @pytest.mark.timeout(90)
 def test_a_rank_arriving_late_passes_with_the_watchdog_on() -> None:
-    assert_all_ranks_passed(run_distributed(_late_rank, 2, timeout=60), min_checks=5)
+    assert_all_ranks_passed(run_distributed(_late_rank, 2, timeout=60), min_checks=7)
+
+
+class _SwappedKeys(_TiedModule):
+    """At step 1 rank 0 logs ``a`` then ``b`` with ``sync_dist``, rank 1 logs ``b`` then ``a``: scalars alike, so
+    the two reductions pair up (rank 0's ``a`` with rank 1's ``b``), nothing hangs, and both keys get wrong values."""
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        if self.global_step == 1:
+            for key in ("a", "b") if self.global_rank == 0 else ("b", "a"):
+                self.log(key, loss.detach(), on_step=True, on_epoch=False, sync_dist=True)
+        return loss
+
+
+def _swapped_log_keys(rank: int, k: int) -> str:
+    _quiet_rank()
+    trainer = _trainer(k, BucketedDDPStrategy(timeout=PG_TIMEOUT), max_steps=3,
+                       callbacks=[HangWatchdog(TIMEOUT, interval=INTERVAL)])
+    try:
+        trainer.fit(_SwappedKeys("sgd"))
+    except CollectiveError as err:
+        return str(err)
+    return ""
+
+
+@pytest.mark.timeout(120)
+def test_sync_dist_keys_that_pair_up_across_ranks_are_named() -> None:
+    messages = run_distributed(_swapped_log_keys, 2, timeout=90, env=ENV, pg_timeout=PG_TIMEOUT)
+    for rank, message in enumerate(messages):
+        assert message, f"rank {rank} finished its fit: the swapped keys went unnoticed"
+        # both ranks name the same first difference: the one all_reduce at which the keys met
+        assert re.search(r"ranks issued different collectives on world at #\d+ that paired up: "
+                         r"all_reduce \(4 B, float32\[\], avg, 'training_step\.a'\) on ranks \[0\]; "
+                         r"all_reduce \(4 B, float32\[\], avg, 'training_step\.b'\) on ranks \[1\]", message), \
+            f"rank {rank}: {message!r}"
+    assert messages[0] == messages[1], messages
+
+
+def _same_calls_then_a_transposed_tensor(rank: int, k: int) -> tuple[list[str], int, str]:
+    ck = Checks()
+    comms.watchdog.start(TIMEOUT, interval=INTERVAL)
+    # the same calls on every rank, though their local arguments differ: an uneven all-gather, objects of other
+    # sizes, a sub-group that rank 1 is not in (each result against its exact expected value)
+    parts = comms.all_gather(torch.full((rank + 1, 2), float(rank)))
+    ck.close("uneven all_gather", parts, [torch.full((r + 1, 2), float(r)) for r in range(k)])
+    ck.true("broadcast_object", comms.broadcast_object({"from": rank} if rank == 1 else None, src=1) == {"from": 1})
+    ck.true("all_gather_object", comms.all_gather_object("y" * rank) == ["y" * r for r in range(k)])
+    pair = torch.distributed.new_group([0, 2])
+    if rank != 1:
+        ck.close("sub-group all_reduce", comms.all_reduce(torch.ones(2), group=pair), torch.full((2,), 2.0))
+    total = sum(torch.arange(6.0) + r for r in range(k))  # small integers from here on: every result is exact
+    ck.close("reduce_scatter", comms.reduce_scatter(torch.arange(6.0) + rank), total[2 * rank:2 * rank + 2])
+    ck.close("scatter", comms.scatter([torch.full((r + 1,), 7.0) for r in range(k)] if rank == 0 else None),
+             torch.full((rank + 1,), 7.0))  # world #8 (its header: #9 the size, #10 the bytes)
+    gathered = comms.gather(torch.full((rank + 1,), float(rank)), dst=2)  # #11, #12
+    if rank == 2:
+        ck.close("gather", gathered, [torch.full((r + 1,), float(r)) for r in range(k)])
+    out = torch.empty(k, 2)
+    ck.close("all_gather_into", comms.all_gather_into(out, torch.full((2,), float(rank))),  # #13
+             torch.arange(float(k)).repeat_interleave(2).view(k, 2))
+    ck.close("broadcast", comms.broadcast(torch.full((3,), float(rank)), src=2), torch.full((3,), 2.0))  # #14
+    ck.close("tree all_reduce", comms.algorithms.tree_all_reduce(torch.arange(6.0) + rank), total)  # send/recv
+    comms.watchdog.verify()  # world #15, #16: the check's own all_gather_object
+    ck.true("the same calls verify", comms.watchdog.active().error is None, comms.watchdog.active().error)
+    # rank 2 reduces a [3, 2] tensor where the others reduce [2, 3]: 24 B each, so gloo pairs them up (world #17)
+    comms.all_reduce(torch.ones((3, 2) if rank == 2 else (2, 3)))
+    message = ""
+    try:
+        comms.watchdog.verify()
+    except CollectiveMismatch as err:
+        message = str(err)
+    ck.raises("the next collective raises it too", lambda: comms.barrier(), "different collectives on world at #17",
+              exc=CollectiveMismatch)
+    comms.watchdog.stop()
+    return (*ck.result(), message)
+
+
+@pytest.mark.timeout(90)
+def test_collectives_that_pair_up_with_other_shapes_are_named_on_every_rank() -> None:
+    results = run_distributed(_same_calls_then_a_transposed_tensor, 3, timeout=60)
+    assert_all_ranks_passed([r[:2] for r in results], min_checks=10, same_count=False)
+    for rank, (_, _, message) in enumerate(results):
+        assert message.startswith("ranks issued different collectives on world at #17 that paired up: "
+                                  "all_reduce (24 B, float32[3, 2], sum) on ranks [2]; "
+                                  "all_reduce (24 B, float32[2, 3], sum) on ranks [0, 1] (nothing hung"), \
+            f"rank {rank}: {message!r}"

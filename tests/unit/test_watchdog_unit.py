@@ -1,13 +1,16 @@
-"""The watchdog's diagnosis from published records (one process; the real multi-rank runs are in
-tests/multiprocess/test_watchdog.py and test_crash_restart.py) and its argument checks."""
+"""The watchdog's diagnoses from published records (a hang, collectives that paired up across different calls),
+in one process (the real multi-rank runs are in tests/multiprocess/test_watchdog.py and test_crash_restart.py),
+and its argument checks."""
 
 from __future__ import annotations
 
+import zlib
 from typing import Any
 
 import pytest
 
-from lightning_sync.comms.watchdog import Pending, check_args, explain
+from lightning_sync.comms.diagnosis import Pending, describe, explain, mismatch
+from lightning_sync.comms.watchdog import check_args
 from lightning_sync.diagnostics import HangWatchdog
 
 
@@ -38,6 +41,50 @@ def test_different_code_paths_name_the_minority_first() -> None:
     sized = {1: _record(4, [[4, "all_reduce", 8]]), 2: _record(4, [[4, "all_reduce", 4000]])}  # same op, size differs
     assert "all_reduce (8 B) on ranks [1]; all_reduce (4.0 kB) on ranks [0, 2]" in \
         explain(PENDING, "x", 0, sized, [], silent_for=2.1)
+
+
+def test_the_same_op_and_size_under_other_keys_are_different_code_paths() -> None:
+    pending = Pending("all_reduce", 4, "world", [0, 1], 4, detail="float32[], avg, 'training_step.a'")
+    records = {1: _record(4, [[4, "all_reduce", 4, "float32[], avg, 'training_step.b'"]])}
+    assert "different code paths at #4: all_reduce (4 B, float32[], avg, 'training_step.a') on ranks [0]; " \
+           "all_reduce (4 B, float32[], avg, 'training_step.b') on ranks [1]" in \
+           explain(pending, "x", 0, records, [], silent_for=2.1)
+
+
+def test_describe() -> None:
+    assert describe("barrier", 0) == "barrier (0 B)"
+    assert describe("all_reduce", 4000, "float32[1000], sum") == "all_reduce (4.0 kB, float32[1000], sum)"
+
+
+def _issued(*sigs: tuple[str, int, str]) -> list[list[Any]]:
+    """Entries ``[seq, op, nbytes, detail, running hash]`` from seq 1, hashed as the watchdog does."""
+    out, running = [], 0
+    for seq, (op, nbytes, detail) in enumerate(sigs, 1):
+        running = zlib.crc32(f"{op}|{nbytes}|{detail}".encode(), running)
+        out.append([seq, op, nbytes, detail, running])
+    return out
+
+
+A, B = ("all_reduce", 4, "float32[], avg, 'a'"), ("all_reduce", 4, "float32[], avg, 'b'")
+BUCKET = ("all_reduce", 4000, "float32[1000], avg")
+
+
+def test_mismatch_names_the_first_call_that_differs_minority_first() -> None:
+    issued = {0: _issued(BUCKET, A, B, BUCKET), 1: _issued(BUCKET, A, B, BUCKET), 2: _issued(BUCKET, B, A, BUCKET)}
+    assert mismatch("world", issued).startswith(
+        "ranks issued different collectives on world at #2 that paired up: all_reduce (4 B, float32[], avg, 'b') "
+        "on ranks [2]; all_reduce (4 B, float32[], avg, 'a') on ranks [0, 1] (nothing hung")
+
+
+def test_mismatch_of_a_rank_that_issued_fewer_and_of_calls_no_longer_kept() -> None:
+    fewer = {0: _issued(BUCKET, A), 1: _issued(BUCKET)}
+    assert "at #2 that paired up: all_reduce (4 B, float32[], avg, 'a') on ranks [0]; nothing (its last was #1) on " \
+           "ranks [1]" in mismatch("world", fewer)
+    # the calls that differed (#1) were dropped from the kept ring: only #2 and #3 are left
+    dropped = {0: _issued(A, BUCKET, BUCKET)[1:], 1: _issued(B, BUCKET, BUCKET)[1:]}
+    assert mismatch("world", dropped).startswith(
+        "ranks issued different collectives on world before #2 that paired up (the calls that differed are older "
+        "than the last 2 kept)")
 
 
 def test_lost_and_departed_ranks_are_named() -> None:
@@ -72,6 +119,12 @@ def test_bad_arguments_are_named(args: tuple[Any, ...], pattern: str) -> None:
         check_args(*args)
     with pytest.raises(ValueError, match=pattern):
         HangWatchdog(*args)
+
+
+@pytest.mark.parametrize("every", [-1, 1.5, True, "10"])
+def test_a_bad_verify_every_is_named(every: Any) -> None:
+    with pytest.raises(ValueError, match=f"verify_every must be an int >= 0, got {every!r}"):
+        HangWatchdog(60, verify_every=every)
 
 
 def test_defaults() -> None:
