@@ -225,20 +225,23 @@ _RESUMED = re.compile(r"resuming from (\S+) \(global step (\d+)")
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_resume_takes_the_newest_complete_checkpoint_not_the_preemption_one(tmp_path: Path) -> None:
-    """A run preempted at step 3 was resumed and trained on to step 12, writing last.ckpt; extending it with
-    ckpt_path=last must continue from step 12, not from the older preemption checkpoint."""
+    """A run preempted at step 3 was resumed and trained on to step 30, writing last.ckpt; extending it with
+    ckpt_path=last must continue from step 30, not from the older preemption checkpoint. The run checkpoints
+    every 3 steps as well as at epoch ends, as conf/train.yaml documents checkpoint.every_n_train_steps."""
     import torch
 
     from lightning_sync.launch.requeue import publish_checkpoint
 
     run_dir = tmp_path / "run"
+    # checkpoint.every_n_train_steps is documented to save "as well" as at epoch ends (digits: 23 steps an epoch)
     common = [f"hydra.run.dir={run_dir}", "trainer.enable_progress_bar=false", "final_validate=false",
-              "checkpoint.every_n_epochs=null", "checkpoint.every_n_train_steps=3", "+checkpoint.save_top_k=-1",
-              "launch.signal=USR1"]
-    first = run_cli(["train", "trainer.max_steps=12", *common], tmp_path)
+              "checkpoint.every_n_train_steps=3", "+checkpoint.save_top_k=-1", "launch.signal=USR1"]
+    first = run_cli(["train", "trainer.max_steps=30", *common], tmp_path)
     assert first.returncode == 0, first.stderr[-4000:]
     ckpts = run_dir / "checkpoints"
-    assert (ckpts / "last.ckpt").is_file(), sorted(p.name for p in ckpts.iterdir())
+    written = sorted(p.name for p in ckpts.iterdir())
+    steps = [f"epoch={s // 23}-step={s}.ckpt" for s in range(3, 31, 3)]
+    assert written == sorted(["epoch=0-step=23.ckpt", *steps, "last.ckpt"]), written
     # the preemption checkpoint the run left at step 3 (what RequeueOnSignal publishes: an ordinary checkpoint)
     step3 = next(ckpts.glob("*step=3.ckpt"))
     assert torch.load(step3, map_location="cpu", weights_only=True)["global_step"] == 3
@@ -247,9 +250,9 @@ def test_resume_takes_the_newest_complete_checkpoint_not_the_preemption_one(tmp_
     publish_checkpoint(run_dir / "requeue", tmp_path / ".preempted.tmp", "requeue-step000000003.ckpt",
                        {"global_step": 3})
 
-    extended = run_cli(["train", "trainer.max_steps=14", "ckpt_path=last", *common], tmp_path)
+    extended = run_cli(["train", "trainer.max_steps=32", "ckpt_path=last", *common], tmp_path)
     assert extended.returncode == 0, extended.stderr[-4000:]
     out = extended.stdout + extended.stderr
     match = _RESUMED.search(out)
-    assert match and match.group(1) == str(ckpts / "last.ckpt") and match.group(2) == "12", out[-3000:]
-    assert final_metrics(out)[1] == 14
+    assert match and match.group(1) == str(ckpts / "last.ckpt") and match.group(2) == "30", out[-3000:]
+    assert final_metrics(out)[1] == 32
