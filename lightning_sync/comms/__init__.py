@@ -17,6 +17,7 @@ from lightning_sync.comms.collectives import (
     all_gather_object,
     all_reduce,
     barrier,
+    begin_job,
     broadcast,
     broadcast_object,
     check_reduce,
@@ -39,7 +40,7 @@ from lightning_sync.comms.stats import CommStats, OpStats
 
 __all__ = [
     "REDUCE_OPS", "CommStats", "OpStats", "Work", "algorithms", "all_gather", "all_gather_into",
-    "all_gather_object", "all_reduce", "barrier", "broadcast", "broadcast_object", "check_reduce", "gather", "gather_object",
-    "get_rank", "get_stats", "get_world_size", "group_ranks", "recv", "reduce", "reduce_scatter", "rpc",
-    "reduce_scatter_into", "reset_stats", "scatter", "scope", "send", "watchdog",
+    "all_gather_object", "all_reduce", "barrier", "begin_job", "broadcast", "broadcast_object", "check_reduce",
+    "gather", "gather_object", "get_rank", "get_stats", "get_world_size", "group_ranks", "recv", "reduce",
+    "reduce_scatter", "rpc", "reduce_scatter_into", "reset_stats", "scatter", "scope", "send", "watchdog",
 ]

@@ -210,8 +210,8 @@ def node_groups(ranks_per_node: int | None = None) -> NodeGroups:
     if ranks_per_node is None:
         value = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("SLURM_NTASKS_PER_NODE", "").split("(")[0]
         if not value:
-            raise ValueError("hierarchical all-reduce needs ranks_per_node (or LOCAL_WORLD_SIZE / SLURM_NTASKS_PER_NODE "
-                             "in the environment)")
+            raise ValueError("hierarchical all-reduce needs ranks_per_node (or LOCAL_WORLD_SIZE / "
+                             "SLURM_NTASKS_PER_NODE in the environment)")
         ranks_per_node = int(value)
     key = (id(dist.group.WORLD), ranks_per_node)
     if key not in _NODE_GROUPS:  # each entry holds its default group, so a later group cannot reuse the id

@@ -32,9 +32,10 @@ from lightning_sync.comms import watchdog as _watchdog
 from lightning_sync.comms.stats import CommStats
 
 __all__ = [
-    "REDUCE_OPS", "Work", "all_gather", "all_gather_into", "all_gather_object", "all_reduce",
-    "barrier", "broadcast", "broadcast_object", "check_reduce", "gather", "gather_object", "get_rank", "get_stats", "get_world_size",
-    "group_ranks", "recv", "reduce", "reduce_scatter", "reduce_scatter_into", "reset_stats", "scatter", "scope", "send",
+    "REDUCE_OPS", "Work", "all_gather", "all_gather_into", "all_gather_object", "all_reduce", "barrier", "begin_job",
+    "broadcast", "broadcast_object", "check_reduce", "gather", "gather_object", "get_rank", "get_stats",
+    "get_world_size", "group_ranks", "recv", "reduce", "reduce_scatter", "reduce_scatter_into", "reset_stats",
+    "scatter", "scope", "send",
 ]
 
 T = TypeVar("T")
@@ -57,6 +58,25 @@ def get_stats() -> CommStats:
 def reset_stats() -> None:
     """Clear the process-wide :class:`CommStats`."""
     _STATS.reset()
+
+
+def begin_job() -> None:
+    """Start a job from the communication state of a fresh process: statistics (calls in flight included),
+    sequence numbers, the running watchdog's records, and cached node groups (destroyed).
+
+    This state belongs to the process, and a Hydra multirun runs its jobs one after another in one process (its
+    rank 0; Lightning relaunches the others), as does a second ``trainer.fit``: every lightning_sync strategy
+    calls this when a fit starts, on every rank alike. A collective of the previous job still in flight must be
+    waited for first."""
+    from lightning_sync.comms.algorithms import release_node_groups  # it imports this module
+
+    _STATS.reset(in_flight=True)
+    with _SEQ_LOCK:
+        _SEQ.clear()
+    wd = _watchdog.active()
+    if wd is not None:
+        wd.forget()
+    release_node_groups()
 
 
 class Work(Generic[T]):

@@ -129,13 +129,16 @@ class CommStats:
             self._tick()
             return self._covered
 
-    def reset(self) -> None:
-        """Forget everything recorded so far (calls still in flight stay in flight)."""
+    def reset(self, in_flight: bool = False) -> None:
+        """Forget everything recorded so far; calls still in flight stay in flight unless ``in_flight`` (a new
+        job: the previous one's calls never waited for must not count as covering this one's compute)."""
         with self._lock:
             self._ops.clear()
             self._blocked = 0.0
             self._tick()
             self._covered = 0.0
+            if in_flight:
+                self._outstanding = self._blocking = 0
 
     def snapshot(self) -> dict[str, OpStats]:
         """A copy of the per-op totals, safe to keep while recording continues."""

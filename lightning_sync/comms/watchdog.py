@@ -9,9 +9,9 @@ shape, reduce op, root rank, the logged key of a Lightning ``sync_dist`` reducti
 * **A collective that does not complete within ``timeout`` seconds** fails on the rank that waits for it
   with a :class:`CollectiveTimeout` such as ``all_reduce #412 (4.0 kB) on world did not complete within
   300 s: ranks [1] never joined``, or ``... ranks took different code paths at #412: barrier (0 B) on
-  ranks [1]; all_reduce (4.0 kB, float32[1000], sum) on ranks [0, 2]``. That rank posts the message to an abort key, and every
-  other rank's watchdog picks it up within ``interval`` seconds and fails its own pending or next
-  collective with it. So every live rank raises, within ``timeout + 3 * interval`` seconds, and the
+  ranks [1]; all_reduce (4.0 kB, float32[1000], sum) on ranks [0, 2]``. That rank posts the message to an
+  abort key, and every other rank's watchdog picks it up within ``interval`` seconds and fails its own pending
+  or next collective with it. So every live rank raises, within ``timeout + 3 * interval`` seconds, and the
   message is the same everywhere.
 * **A collective that fails** (gloo's "Connection closed by peer" when a peer died) is re-raised as
   :class:`RankLost` naming the ranks whose heartbeat stopped: ``all_reduce #87 (1.2 MB) on world failed
@@ -75,7 +75,6 @@ __all__ = ["CollectiveError", "CollectiveMismatch", "CollectiveTimeout", "Pendin
 _HISTORY = 8  # ops per group in a rank's published record: enough to compare the op at a pending seq
 _KEPT = 4096  # ops per group kept in memory, to name the first that differs when verify finds a mismatch
 _ACTIVE: Watchdog | None = None
-_GENERATION = [0]  # starts in this process: every rank starts its watchdogs in the same order
 
 
 class CollectiveError(RuntimeError):
@@ -100,7 +99,8 @@ def active() -> Watchdog | None:
 
 
 def start(timeout: float, interval: float | None = None, exit_after: float | None = None) -> Watchdog:
-    """Start this process's watchdog on the default process group (stopping a running one first)."""
+    """Start this process's watchdog on the default process group (stopping a running one first). Every rank of
+    the group starts its watchdogs alike, as it issues collectives: the n-th of each rank share a namespace."""
     global _ACTIVE
     stop(clean=True)
     _ACTIVE = Watchdog(timeout, interval=interval, exit_after=exit_after)
@@ -154,8 +154,7 @@ class Watchdog:
                                "init_process_group (the HangWatchdog callback does so in setup)")
         self.timeout, self.interval, self.exit_after = float(timeout), float(interval), float(exit_after)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        _GENERATION[0] += 1
-        self._store, self.store_address = _client_store(_GENERATION[0])
+        self._store, self.store_address, self.generation = _client_store(self.world_size)
         self._lock = threading.Lock()
         self._last: dict[str, int] = {}
         self._issued: dict[str, deque[tuple[int, str, int, str, int]]] = {}  # seq, op, nbytes, detail, hash
@@ -205,6 +204,12 @@ class Watchdog:
             raise self._fail(RankLost, p, f"failed ({cause})") from failure
         if failure is not None:
             raise failure
+
+    def forget(self) -> None:
+        """Forget the collectives issued so far: their sequence numbers start again (a new job on this group)."""
+        with self._lock:
+            for records in (self._last, self._issued, self._hash, self._verified):
+                records.clear()
 
     def finished(self, p: Pending) -> None:
         with self._lock:
@@ -385,8 +390,14 @@ class Watchdog:
         return explain(p, what, self.rank, records, lost, silent_for=2 * self.interval + 0.1)
 
 
-def _client_store(generation: int) -> tuple[dist.Store, str]:
-    """A store client of our own, in a namespace of this watchdog generation."""
+def _client_store(world_size: int) -> tuple[dist.Store, str, int]:
+    """A store client of our own, its address, and the generation whose namespace it writes in.
+
+    The generation counts the watchdogs started on this store, not in this process: each rank adds one to a
+    counter in the store, and every rank starts its n-th watchdog before any rank starts its (n+1)-th
+    (collectives run in between), so the n-th of every rank share a namespace whatever each process ran before
+    (a multirun's rank 0 keeps its process from job to job, the relaunched ranks do not), and a later job on the
+    same store never reads an earlier one's records."""
     base = dist.distributed_c10d._get_default_store()
     under = base
     while isinstance(under, dist.PrefixStore):
@@ -397,4 +408,5 @@ def _client_store(generation: int) -> tuple[dist.Store, str]:
         address = f"{under.host}:{under.port}"
     else:  # a FileStore or HashStore: share the default one
         store, address = base, type(under).__name__
-    return dist.PrefixStore(f"lightning_sync/watchdog/{generation}", store), address
+    generation = (store.add("lightning_sync/watchdog/started", 1) - 1) // world_size + 1
+    return dist.PrefixStore(f"lightning_sync/watchdog/{generation}", store), address, generation

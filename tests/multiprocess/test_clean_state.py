@@ -1,0 +1,105 @@
+"""Every fit starts from clean communication state, as in a fresh process: a Hydra multirun's next job, or a
+second ``trainer.fit`` in one process, must not inherit the previous one's statistics, sequence numbers, node
+groups or watchdog namespace.
+
+The reference is a fit in a fresh process: the first of two identical fits in the same ranks. Their
+communication (calls and bytes per op, the last sequence number on every group) must be equal, exactly.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.distributed as dist
+from _lightning_reference import ENV, _quiet_rank, _TiedModule, _trainer
+
+from lightning_sync import BucketedDDPStrategy, comms
+from lightning_sync.comms import algorithms
+from lightning_sync.diagnostics import HangWatchdog
+from lightning_sync.testing import Checks, assert_all_ranks_passed, run_distributed
+
+TIMEOUT, INTERVAL = 30.0, 0.5  # the watchdog's: no collective here comes near either
+
+
+class _LoggedLoss(_TiedModule):
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.log("loss", loss.detach(), on_step=True, sync_dist=True)
+        return loss
+
+
+def _calls_and_bytes() -> dict[str, tuple[int, int]]:
+    return {op: (s.calls, s.bytes) for op, s in comms.get_stats().snapshot().items()}
+
+
+class _Snapshot(pl.Callback):
+    """What comms and the hang watchdog hold when training starts (after the strategy set up) and ends."""
+
+    def __init__(self) -> None:
+        self.seen: dict[str, Any] = {}
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.seen["stats at start"] = _calls_and_bytes()
+        self.seen["node groups at start"] = len(algorithms._NODE_GROUPS)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        wd = comms.watchdog.active()
+        assert wd is not None
+        self.seen["stats at end"] = _calls_and_bytes()
+        self.seen["last sequence numbers"] = dict(wd._last)
+        peer = 1 - trainer.global_rank
+        record = wd._read([peer])[peer]  # published in this rank's watchdog namespace, by this fit's peer
+        self.seen["the peer's record in this namespace"] = None if record is None else record["last"]
+
+
+def _two_fits(rank: int, k: int) -> tuple[list[str], int, list[dict[str, Any]]]:
+    _quiet_rank()
+    ck = Checks()
+    fits = []
+    for _ in range(2):
+        snapshot = _Snapshot()
+        trainer = _trainer(k, BucketedDDPStrategy(comm_algorithm="hierarchical"), max_steps=3,
+                           callbacks=[HangWatchdog(TIMEOUT, interval=INTERVAL, verify_every=1), snapshot])
+        trainer.fit(_LoggedLoss("sgd"))
+        fits.append(snapshot.seen)
+    first, second = fits
+    ck.true("the first fit communicated", first["stats at end"].get("all_reduce", (0, 0))[0] > 0, first)
+    ck.true("the first fit built node groups", first["stats at end"].get("hierarchical_all_reduce", (0, 0))[0] > 0,
+            first)
+    for what in first:
+        ck.true(f"second fit = fresh process: {what}", second[what] == first[what],
+                f"first {first[what]}, second {second[what]}")
+    return (*ck.result(), fits)
+
+
+@pytest.mark.timeout(180)
+def test_a_second_fit_in_one_process_communicates_as_a_fresh_process() -> None:
+    results = run_distributed(_two_fits, 2, timeout=150, env=ENV)
+    assert_all_ranks_passed([r[:2] for r in results], min_checks=7)
+
+
+def _relaunched_peer(rank: int, k: int) -> tuple[list[str], int]:
+    ck = Checks()
+    if rank == 0:  # the multirun's previous job, in the process that stays (the peers relaunched for it are gone)
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        comms.watchdog.start(TIMEOUT, interval=INTERVAL)
+        comms.all_reduce(torch.ones(2))
+        comms.watchdog.stop()
+        dist.destroy_process_group()
+    dist.init_process_group("gloo", init_method="env://")  # this job; rank 1 is a fresh process
+    wd = comms.watchdog.start(TIMEOUT, interval=INTERVAL)
+    comms.barrier()  # both watchdogs have published (start publishes a first record before it returns)
+    peer = wd._read([1 - rank])[1 - rank]
+    ck.true("the peer's heartbeat is in this rank's watchdog namespace", peer is not None, "no record")
+    ck.true("and it is the peer's", peer is not None and peer["pid"] != os.getpid(), peer)
+    comms.watchdog.stop()
+    return ck.result()
+
+
+@pytest.mark.timeout(90)
+def test_a_relaunched_peer_shares_the_watchdog_namespace_of_a_process_that_ran_a_job_before() -> None:
+    assert_all_ranks_passed(run_distributed(_relaunched_peer, 2, timeout=60, process_group=False), min_checks=2)
