@@ -132,7 +132,14 @@ class ExactResumeHooks:
 
 class CommsCollectivesMixin(ExactResumeHooks, AtomicCheckpoints):
     """``reduce``/``all_gather``/``broadcast``/``barrier`` for Lightning (torchmetrics ``sync_dist``,
-    ``self.all_gather``, checkpoint-path broadcasts) through :mod:`lightning_sync.comms`."""
+    ``self.all_gather``, checkpoint-path broadcasts) through :mod:`lightning_sync.comms`; every fit starts from
+    clean communication state (:func:`lightning_sync.comms.begin_job`)."""
+
+    def setup_environment(self) -> None:
+        trainer = getattr(self.lightning_module, "_trainer", None)  # type: ignore[attr-defined]
+        if trainer is not None and trainer.state.fn == "fit":  # a multirun's next job, or a second fit
+            comms.begin_job()
+        super().setup_environment()  # type: ignore[misc]
 
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
         if not isinstance(tensor, torch.Tensor) or not torch.distributed.is_initialized():
