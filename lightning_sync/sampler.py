@@ -12,6 +12,9 @@ saved position. It is a sampler of the main process: a ``DataLoader``'s workers 
 yields, so it resumes the same way for ``num_workers`` 0, > 0 and persistent workers, provided the position
 is set before the loader's iterator is created (workers prefetch at creation).
 
+:class:`EvaluationShardSampler` is the evaluation counterpart: the same order cut to the dataset (no
+sample repeated), rank r taking entries r, r + W, ...; the shards differ by at most one sample.
+
 Imports nothing from Lightning.
 """
 
@@ -21,9 +24,9 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
-from torch.utils.data import DistributedSampler, Sampler
+from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
-__all__ = ["GlobalOrderSampler", "global_order"]
+__all__ = ["EvaluationShardSampler", "GlobalOrderSampler", "global_order", "shard_for_evaluation"]
 
 
 def global_order(size: int, epoch: int, seed: int, shuffle: bool, total: int) -> list[int]:
@@ -114,3 +117,56 @@ class GlobalOrderSampler(Sampler[int]):
                                  f"within the epoch's {self.total} samples")
         self.base.set_epoch(epoch)
         self._resume = (epoch, position)
+
+
+class EvaluationShardSampler(Sampler[int]):
+    """This rank's share of the dataset for evaluation, with no sample repeated.
+
+    ``DistributedSampler`` pads the dataset to a multiple of the world size by repeating samples, so a synced
+    metric counts them twice. Here the ``len(dataset)`` entries of the order (``base``'s, unshuffled unless it
+    shuffles) are dealt out strided: the shards differ by at most one sample. Strided shards are the most even
+    there are, so when they give the ranks different numbers of batches (:meth:`batches`), no split without
+    repeats can give them the same.
+
+    Args:
+        base: the ``DistributedSampler`` it replaces (its epoch, seed, shuffle, world size and rank are read).
+    """
+
+    def __init__(self, base: DistributedSampler) -> None:
+        self.base = base
+
+    def __iter__(self) -> Iterator[int]:
+        size = len(self.base.dataset)
+        order = global_order(size, int(self.base.epoch), int(self.base.seed), bool(self.base.shuffle), size)
+        return iter(order[int(self.base.rank) :: int(self.base.num_replicas)])
+
+    def __len__(self) -> int:
+        return len(range(int(self.base.rank), len(self.base.dataset), int(self.base.num_replicas)))
+
+    def set_epoch(self, epoch: int) -> None:
+        self.base.set_epoch(epoch)
+
+    def batches(self, batch_size: int, drop_last: bool) -> list[int]:
+        """Every rank's number of batches of ``batch_size`` (the same computation on every rank)."""
+        world, size = int(self.base.num_replicas), len(self.base.dataset)
+        shards = [len(range(r, size, world)) for r in range(world)]
+        return [n // batch_size if drop_last else -(-n // batch_size) for n in shards]
+
+
+def shard_for_evaluation(loader: Any) -> int:
+    """Give an evaluation ``loader`` whose batches come from a ``DistributedSampler`` an
+    :class:`EvaluationShardSampler` instead, in place, when every rank then runs the same number of batches.
+    Returns how many samples stay repeated: 0, or the sampler's padding when the shards' batch counts would
+    differ (a collective issued in every evaluation step, such as ZeRO-3's parameter gathers or a metric
+    logged with ``on_step`` and ``sync_dist``, would then find no partner on the rank that ran out first).
+    Other loaders are left as they are (0)."""
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    base = getattr(batch_sampler, "sampler", None)
+    batch_size = getattr(batch_sampler, "batch_size", None)
+    if not isinstance(loader, DataLoader) or not isinstance(base, DistributedSampler) or not isinstance(batch_size, int):
+        return 0
+    shards = EvaluationShardSampler(base)
+    if len(set(shards.batches(batch_size, bool(batch_sampler.drop_last)))) > 1:
+        return int(base.total_size) - len(base.dataset)
+    batch_sampler.sampler = shards
+    return 0

@@ -66,7 +66,7 @@ import lightning.pytorch as pl
 import torch
 
 from lightning_sync.launch.atomic import publish_path, recover_dir, remove_path, write_atomically
-from lightning_sync.strategies._common import ExactResumeHooks
+from lightning_sync.strategies._exact_data import ExactDataHooks
 from lightning_sync.strategies.sharded import COMPLETE_MARKER, LIGHTNING_STATE
 from lightning_sync.sync.safe_load import contained_path
 
@@ -277,7 +277,7 @@ class RequeueOnSignal(pl.Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit" or self._installed:
             return
-        if not isinstance(trainer.strategy, ExactResumeHooks) and trainer.is_global_zero:
+        if not isinstance(trainer.strategy, ExactDataHooks) and trainer.is_global_zero:
             log.warning("requeue: %s is not a lightning_sync strategy, so a preemption checkpoint holds Lightning's "
                         "state only: a resume restarts the epoch from its first batch and the RNG streams keep "
                         "their seeding", type(trainer.strategy).__name__)

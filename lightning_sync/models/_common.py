@@ -14,6 +14,7 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
+from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
 __all__ = [
@@ -192,8 +193,9 @@ def make_loader(dataset: Dataset, batch_size: int, shuffle: bool, num_workers: i
 class ClassifierModule(pl.LightningModule):
     """LightningModule base for feed-forward classifiers over ``(x, y)`` batches.
 
-    It logs ``train_loss`` (progress bar), ``val_loss`` (synced across ranks)
-    and ``val_acc`` (a torchmetrics ``MulticlassAccuracy``, which syncs itself).
+    It logs ``train_loss`` (progress bar), and ``val_loss`` and ``val_acc`` as torchmetrics (``MeanMetric``
+    weighted by batch size and ``MulticlassAccuracy``), which sync their sums and counts across ranks: the
+    values over the whole validation set, however the ranks' shares differ in size.
     Subclasses only build the network and call :meth:`save_hyperparameters`.
     """
 
@@ -220,6 +222,7 @@ class ClassifierModule(pl.LightningModule):
         self._weight_decay = check_non_negative_float("weight_decay", weight_decay)
         self.net = net
         self.val_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")
+        self.val_loss = MeanMetric()
 
     def forward(self, x: Tensor) -> Tensor:
         """Return class logits for a batch of flat feature vectors."""
@@ -236,7 +239,8 @@ class ClassifierModule(pl.LightningModule):
         logits = self(x)
         loss = nn.functional.cross_entropy(logits, y)
         self.val_acc.update(logits, y)
-        self.log("val_loss", loss, sync_dist=True)
+        self.val_loss.update(loss, weight=len(y))  # synced as (weighted sum, weight): the mean over every sample
+        self.log("val_loss", self.val_loss, on_epoch=True)
         self.log("val_acc", self.val_acc, prog_bar=True, on_epoch=True)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 from torch.utils.data import Dataset
+from torchmetrics import MeanMetric
 
 from lightning_sync.models._common import (
     OPTIMIZERS,
@@ -228,6 +229,9 @@ class CharGPT(pl.LightningModule):
         self._optimizer_name = check_choice("optimizer", optimizer, CHAR_GPT_OPTIMIZERS)
         self.save_hyperparameters()
         self._block_size = block_size
+        # synced as (weighted sum, weight): the mean over every validation token, however the ranks' shares differ
+        self.val_loss = MeanMetric()
+        self.val_bpc = MeanMetric()
 
         self.tok_emb = nn.Embedding(VOCAB_SIZE, n_embd)
         self.pos_emb = nn.Embedding(block_size, n_embd)
@@ -274,8 +278,11 @@ class CharGPT(pl.LightningModule):
 
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         loss = self._loss(batch)
-        self.log("val_loss", loss, sync_dist=True)
-        self.log("val_bpc", loss / math.log(2), sync_dist=True, prog_bar=True)
+        tokens = batch[1].numel()
+        self.val_loss.update(loss, weight=tokens)
+        self.val_bpc.update(loss / math.log(2), weight=tokens)
+        self.log("val_loss", self.val_loss, on_epoch=True)
+        self.log("val_bpc", self.val_bpc, prog_bar=True, on_epoch=True)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         params = list(self.parameters())  # deduplicated, so a tied weight appears once

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
 from typing import Any
@@ -14,10 +13,10 @@ import torch
 
 from lightning_sync import comms
 from lightning_sync._checks import check_bool
-from lightning_sync.resume import RANK_STATES, ExactResume
+from lightning_sync.strategies._exact_data import ExactDataHooks
 
-__all__ = ["AtomicCheckpoints", "CommsCollectivesMixin", "ExactResumeHooks", "as_timedelta", "check_bool",
-           "check_launch_args", "no_sync_of", "PASSTHROUGH"]
+__all__ = ["AtomicCheckpoints", "CommsCollectivesMixin", "as_timedelta", "check_bool", "check_launch_args",
+           "no_sync_of", "PASSTHROUGH"]
 
 _REDUCE_OPS = {"mean": "avg", "avg": "avg", "sum": "sum", "max": "max", "min": "min"}
 _TORCH_OPS = {torch.distributed.ReduceOp.SUM: "sum", torch.distributed.ReduceOp.MAX: "max",
@@ -85,52 +84,7 @@ class AtomicCheckpoints:
         self._checkpoint_io = io
 
 
-def _training_progress(trainer: Any) -> Callable[[], tuple[int, bool]]:
-    """The trained batches of the current epoch and whether it is done, read when a checkpoint is written.
-
-    ``processed`` counts a batch once its step ran, before ``on_train_batch_end`` (where step-interval and
-    preemption checkpoints are saved); the loader's own count runs ahead by what it prefetched."""
-    loop = trainer.fit_loop.epoch_loop
-
-    def progress() -> tuple[int, bool]:
-        done = loop.batch_progress.current.processed
-        return done, done >= trainer.num_training_batches
-
-    return progress
-
-
-class ExactResumeHooks:
-    """A strategy's :class:`~lightning_sync.resume.ExactResume` wired into Lightning's hooks: the training
-    loader resumes at its position and every rank's RNG streams continue. The strategy's ``save_checkpoint``
-    calls :meth:`_save_rank_states` on every rank, and its ``load_checkpoint`` :meth:`_take_rank_state`."""
-
-    def __init__(self, **kwargs: Any) -> None:
-        self._exact_resume = ExactResume()
-        super().__init__(**kwargs)
-
-    def process_dataloader(self, dataloader: object) -> object:
-        dataloader = super().process_dataloader(dataloader)  # type: ignore[misc]
-        module = self.lightning_module  # type: ignore[attr-defined]
-        trainer = getattr(module, "_trainer", None) if module is not None else None
-        if trainer is None or not trainer.training:  # evaluation loaders always run whole
-            return dataloader
-        return self._exact_resume.install(dataloader, _training_progress(trainer))
-
-    def on_train_start(self) -> None:
-        super().on_train_start()  # type: ignore[misc]
-        self._exact_resume.restore_rng(self.root_device)  # type: ignore[attr-defined]
-
-    def _save_rank_states(self, checkpoint: dict[str, Any], extra: dict[str, Any] | None = None) -> None:
-        """Every rank's RNG states and ``extra`` into ``checkpoint`` (on rank 0; a collective)."""
-        checkpoint[RANK_STATES] = self._exact_resume.gather(extra, self.root_device)  # type: ignore[attr-defined]
-
-    def _take_rank_state(self, checkpoint: dict[str, Any]) -> dict[str, Any] | None:
-        """This rank's entry of ``checkpoint``'s per-rank states (None when absent or from another world size)."""
-        return self._exact_resume.take(checkpoint.get(RANK_STATES), self.global_rank,  # type: ignore[attr-defined]
-                                       self.world_size)  # type: ignore[attr-defined]
-
-
-class CommsCollectivesMixin(ExactResumeHooks, AtomicCheckpoints):
+class CommsCollectivesMixin(ExactDataHooks, AtomicCheckpoints):
     """``reduce``/``all_gather``/``broadcast``/``barrier`` for Lightning (torchmetrics ``sync_dist``,
     ``self.all_gather``, checkpoint-path broadcasts) through :mod:`lightning_sync.comms`; every fit starts from
     clean communication state (:func:`lightning_sync.comms.begin_job`)."""

@@ -1,0 +1,97 @@
+"""Every strategy sees exactly the samples it should: a resumed run continues where the interrupted one stopped,
+and evaluation counts every sample once.
+
+:class:`ExactDataHooks` wires two pieces into a strategy's Lightning hooks:
+
+* **Training:** the strategy's :class:`~lightning_sync.resume.ExactResume` makes the training loader resumable
+  (its position in the epoch's global order rides in Lightning's checkpoint), gathers every rank's RNG states
+  into each checkpoint and sets them again when training starts.
+* **Evaluation:** Lightning's ``DistributedSampler`` pads an evaluation set to a multiple of the world size
+  by repeating samples, which synced metrics then count twice (and ``trainer.validate()`` warns about it).
+  :func:`~lightning_sync.sampler.shard_for_evaluation` deals the set out without repeats whenever every rank
+  still runs the same number of batches; where that is impossible the padding stays, and rank 0 says how
+  many samples are evaluated twice instead of Lightning's general warning, which would otherwise be wrong.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.warnings import PossibleUserWarning
+
+from lightning_sync.resume import RANK_STATES, ExactResume
+from lightning_sync.sampler import shard_for_evaluation
+
+__all__ = ["ExactDataHooks"]
+
+# Lightning's warning for trainer.validate()/test() with a DistributedSampler: it says samples are repeated,
+# which is no longer true once shard_for_evaluation dealt the set out (and said so itself where it could not)
+_REPEATS_WARNING = r"Using `DistributedSampler` with the dataloaders\. During `trainer\.(validate|test)\(\)`"
+
+
+def _training_progress(trainer: Any) -> Callable[[], tuple[int, bool]]:
+    """The trained batches of the current epoch and whether it is done, read when a checkpoint is written.
+
+    ``processed`` counts a batch once its step ran, before ``on_train_batch_end`` (where step-interval and
+    preemption checkpoints are saved); the loader's own count runs ahead by what it prefetched."""
+    loop = trainer.fit_loop.epoch_loop
+
+    def progress() -> tuple[int, bool]:
+        done = loop.batch_progress.current.processed
+        return done, done >= trainer.num_training_batches
+
+    return progress
+
+
+class ExactDataHooks:
+    """Exact resume and exact evaluation for a Lightning strategy (module docstring). The strategy's
+    ``save_checkpoint`` calls :meth:`_save_rank_states` on every rank, and its ``load_checkpoint``
+    :meth:`_take_rank_state`."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        self._exact_resume = ExactResume()
+        self._repeats_filter: tuple[Any, ...] | None = None
+        super().__init__(**kwargs)
+
+    def setup_environment(self) -> None:
+        warnings.filterwarnings("ignore", message=_REPEATS_WARNING, category=PossibleUserWarning)
+        self._repeats_filter = warnings.filters[0]
+        super().setup_environment()  # type: ignore[misc]
+
+    def teardown(self) -> None:
+        if self._repeats_filter in warnings.filters:  # other strategies in this process keep Lightning's warning
+            warnings.filters.remove(self._repeats_filter)
+        self._repeats_filter = None
+        super().teardown()  # type: ignore[misc]
+
+    def process_dataloader(self, dataloader: object) -> object:
+        dataloader = super().process_dataloader(dataloader)  # type: ignore[misc]
+        module = self.lightning_module  # type: ignore[attr-defined]
+        trainer = getattr(module, "_trainer", None) if module is not None else None
+        if trainer is not None and trainer.training:
+            return self._exact_resume.install(dataloader, _training_progress(trainer))
+        repeated = shard_for_evaluation(dataloader)
+        if repeated:
+            size = len(dataloader.dataset)  # type: ignore[attr-defined]
+            rank_zero_warn(f"{type(self).__name__}: {repeated} sample{'' if repeated == 1 else 's'} of {size} "
+                           f"{'is' if repeated == 1 else 'are'} evaluated twice, and counted twice by synced metrics: "
+                           f"the set cannot be dealt out to {self.world_size} ranks without repeats and with the "  # type: ignore[attr-defined]
+                           f"same number of batches on each, which a collective in every evaluation step needs",
+                           category=PossibleUserWarning)
+        return dataloader
+
+    def on_train_start(self) -> None:
+        super().on_train_start()  # type: ignore[misc]
+        self._exact_resume.restore_rng(self.root_device)  # type: ignore[attr-defined]
+
+    def _save_rank_states(self, checkpoint: dict[str, Any], extra: dict[str, Any] | None = None) -> None:
+        """Every rank's RNG states and ``extra`` into ``checkpoint`` (on rank 0; a collective)."""
+        checkpoint[RANK_STATES] = self._exact_resume.gather(extra, self.root_device)  # type: ignore[attr-defined]
+
+    def _take_rank_state(self, checkpoint: dict[str, Any]) -> dict[str, Any] | None:
+        """This rank's entry of ``checkpoint``'s per-rank states (None when absent or from another world size)."""
+        return self._exact_resume.take(checkpoint.get(RANK_STATES), self.global_rank,  # type: ignore[attr-defined]
+                                       self.world_size)  # type: ignore[attr-defined]
