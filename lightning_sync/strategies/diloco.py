@@ -12,8 +12,16 @@ The Lightning adapter of :class:`lightning_sync.sync.periodic.DiLoCoOuter`, buil
   buffers are averaged.
 * **Validation / test** run on the global parameters of the last outer step (identical on every
   rank) with averaged buffers; each rank's replica is restored afterwards.
-* **Checkpoints** hold that global model, the outer optimizer's state and the schedule; resuming
-  starts every replica from the global model (inner progress since the last outer step is not kept).
+* **Checkpoints** resume exactly, inside a period too. ``state_dict`` is the global model of the
+  last outer step (what a user exports); ``lightning_sync/diloco`` holds the global parameters, the
+  outer optimizer's momentum and the inner-step counter (the same on every rank); Lightning's
+  ``optimizer_states`` are rank 0's inner ones. Per rank, as for ``local_sgd``: the rank's replica
+  (its inner progress since the last outer step) and, on ranks other than 0, its inner optimizer
+  state, both put back on resume. Size, K ranks, Ψ values per model, an inner Adam: inside a period
+  (K + 3)Ψ + 2KΨ (the global model twice, the outer momentum, K replicas), right after an outer step
+  3Ψ + 2KΨ. At another world size every replica starts from the global model with rank 0's inner
+  optimizer state; the outer state and the counter continue, so the next outer step comes on schedule,
+  averaging the new ranks' pseudo-gradients.
 """
 
 from __future__ import annotations

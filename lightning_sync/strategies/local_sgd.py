@@ -16,9 +16,21 @@ What is synchronized, and when:
 * **Validation / test** run on the *averaged* model: if the replicas have drifted since the last
   sync, the parameters are averaged for the evaluation and each rank's own replica is restored after,
   so evaluating does not change training.
-* **Checkpoints** hold one consistent global model, the average of the replicas (a collective when
-  saving); the optimizer state is rank 0's, and the step counter of the schedule is saved, so a
-  resumed run syncs on the same steps. Resuming starts every replica from that average.
+* **Checkpoints** resume exactly, inside a period too: each rank continues its own replica with its
+  own optimizer state (:mod:`lightning_sync.resume`). What one holds:
+
+  - ``state_dict``: one consistent model, the average of the replicas (a collective when saving): what
+    a user exports. Lightning's ``optimizer_states`` are rank 0's; ``lightning_sync/local_sgd`` holds
+    the schedule's counters, so a resumed run syncs on the same steps.
+  - per rank (the per-rank states): the rank's replica where it differs from that average (every
+    parameter and buffer inside a period, nothing right after a sync; a tied parameter once) and, on
+    ranks other than 0, its own optimizer state. On resume each rank puts both back once Lightning
+    has loaded the average and rank 0's optimizer state (``load_optimizer_state_dict``).
+
+  Size, K ranks, Ψ values per model, Adam's 2Ψ of state: inside a period (K + 1)Ψ + 2KΨ, right after
+  a sync Ψ + 2KΨ, against Ψ + 2Ψ for the average and rank 0's state alone. At another world size,
+  or from a checkpoint without per-rank states, every replica starts from the average with rank 0's
+  optimizer state, and the counters continue. A weights-only checkpoint holds the average alone.
 * **Metrics:** ``reduce``/``all_gather``/``broadcast``/``barrier`` go through ``lightning_sync.comms``.
 
 Lightning's ``global_step`` counts optimizer steps as usual, and LR schedulers step on it.
@@ -26,11 +38,14 @@ Lightning's ``global_step`` counts optimizer steps as usual, and LR schedulers s
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
+from lightning_sync.resume import RANK_STATES
 from lightning_sync.strategies._common import check_bool, no_sync_of
 from lightning_sync.strategies.bucketed_ddp import BucketedDDPStrategy
 from lightning_sync.sync.communicator import ProcessGroupCommunicator
@@ -65,6 +80,7 @@ class LocalSGDStrategy(BucketedDDPStrategy):
         self.averager: Any = None  # PeriodicAverager (DiLoCoOuter in the DiLoCo subclass)
         self._pending_averager: dict[str, Any] | None = None
         self._stashed: list[torch.Tensor] | None = None
+        self._own_pending: dict[str, Any] | None = None  # this rank's replica and optimizer state, to put back
 
     def _averaged_tensors(self) -> list[torch.Tensor]:
         assert self.model is not None
@@ -167,6 +183,63 @@ class LocalSGDStrategy(BucketedDDPStrategy):
         if self.averager is not None:
             checkpoint[self._ckpt_key] = self.averager.state_dict()
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    @override
+    def _save_rank_states(self, checkpoint: dict[str, Any], extra: dict[str, Any] | None = None) -> None:
+        """Each rank's entry adds what only this rank holds (see the module docstring)."""
+        super()._save_rank_states(checkpoint, {**(extra or {}), **self._own_state(checkpoint)})
+
+    def _own_state(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
+        """This rank's replica where it differs from the saved synchronized model (all of it inside a period,
+        nothing right after a sync), and its optimizer states (rank 0's are Lightning's ``optimizer_states``).
+        A weights-only checkpoint cannot resume training, so it gets neither."""
+        if "optimizer_states" not in checkpoint or self.lightning_module is None:
+            return {}
+        saved = checkpoint.get("state_dict", {})
+        replica: dict[str, torch.Tensor] = {}
+        seen: set[int] = set()  # a tied parameter once: putting it back under one name restores every name
+        for key, value in self.lightning_module.state_dict(keep_vars=True).items():
+            if not isinstance(value, torch.Tensor) or id(value) in seen:
+                continue
+            seen.add(id(value))
+            if not (key in saved and torch.equal(value, saved[key])):
+                # no copy: the entry is pickled for the gather at once (one process has nothing to add)
+                replica[key] = value.detach()
+        own: dict[str, Any] = {"replica": replica}
+        if self.global_rank != 0:
+            own["optimizer_states"] = [self.optimizer_state(o) for o in self.optimizers]
+        return own
+
+    @override
+    def _take_rank_state(self, checkpoint: dict[str, Any]) -> dict[str, Any] | None:
+        mine = super()._take_rank_state(checkpoint)
+        self._own_pending = mine if mine is not None and "replica" in mine else None
+        states = checkpoint.get(RANK_STATES) or []
+        if mine is None and any("replica" in s for s in states):
+            rank_zero_info(f"{type(self).__name__}: the checkpoint holds the replicas of {len(states)} ranks, this "
+                           f"run has {self.world_size}: every replica starts from the saved synchronized model with "
+                           f"rank 0's optimizer state; the period's counters continue")
+        return mine
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        """After Lightning put the synchronized model into every replica (before setup) and now loads rank
+        0's optimizer state: this rank's own optimizer state instead, and its own replica (the last step of
+        a resume that touches them)."""
+        own, self._own_pending = self._own_pending, None
+        states = own.get("optimizer_states") if own is not None else None
+        super().load_optimizer_state_dict(checkpoint if states is None else {"optimizer_states": states})
+        if own is None:
+            return
+        assert self.lightning_module is not None
+        live = self.lightning_module.state_dict(keep_vars=True)
+        unknown = sorted(set(own["replica"]) - set(live))
+        if unknown:
+            raise ValueError(f"the checkpoint's replica of rank {self.global_rank} holds {unknown[:3]}, which this "
+                             f"model does not have")
+        with torch.no_grad():
+            for key, value in own["replica"].items():
+                live[key].copy_(value)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
