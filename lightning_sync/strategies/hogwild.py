@@ -17,9 +17,20 @@ What is synchronized, and when:
   by default; ``spawn`` and ``forkserver`` share it through torch.multiprocessing's pickling).
 * **Validation, test and checkpoints:** a barrier stops every process before evaluation or a
   checkpoint's snapshot, and another releases them after, so these see one consistent model (no
-  update in flight) and metrics are reduced across processes as usual. A checkpoint holds that
-  model and rank 0's optimizer state (each process has its own; on resume every process starts
-  from rank 0's).
+  update in flight) and metrics are reduced across processes as usual.
+* **What a checkpoint holds, and what resume restores:** that model; each process's own optimizer
+  state (every process has its own optimizer, e.g. its own momentum: Lightning's ``optimizer_states``
+  are rank 0's, the per-rank states carry the others'); each process's RNG streams and its place in
+  the training data (:mod:`lightning_sync.resume`); Lightning's loop counters and LR schedulers, rank
+  0's (every process is at the same step when a checkpoint is written, so a scheduler driven by the
+  step or by synced metrics is the same in all). On resume each process gets all of that back.
+  **Guarantee:** a resumed run starts from exactly the state the interrupted run was in; what is not
+  reproduced is the order in which the processes' updates reach the shared tensors, after a resume as
+  between any two Hogwild runs. So it equals the uninterrupted run bit for bit where that order cannot
+  matter (one process, or processes that never write the same element, e.g. disjoint rows of a sparse
+  embedding), and otherwise differs from it only as two uninterrupted runs differ from each other. At
+  another number of processes every process starts from rank 0's optimizer state (and, as for every
+  strategy, only a checkpoint from an epoch's end resumes).
 * **Clocks:** each process counts its own steps (``trainer.global_step``); the model receives N
   updates per step of the clock, each from a batch of the per-process size. LR schedulers step on
   each process's own clock and set that process's learning rate. Lightning 2.6 broadcasts a flag on
@@ -32,7 +43,7 @@ If a process fails, the others raise at the next barrier or collective (or at ``
 from __future__ import annotations
 
 import os
-from collections.abc import Generator
+from collections.abc import Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
@@ -114,6 +125,7 @@ class HogwildStrategy(CommsCollectivesMixin, DDPStrategy):
         super().__init__(process_group_backend="gloo", timeout=as_timedelta(timeout), start_method=start_method,
                          **kwargs)
         self.num_processes_requested, self.oversubscribe = num_processes, oversubscribe
+        self._own_optimizer_states: list[dict[str, Any]] | None = None  # from a checkpoint, loaded at resume
 
     @property
     def is_distributed(self) -> bool:
@@ -130,7 +142,8 @@ class HogwildStrategy(CommsCollectivesMixin, DDPStrategy):
             raise ValueError(f"{type(self).__name__} runs on CPU (shared host memory), got "
                              f"{type(self.accelerator).__name__} on {self.root_device}; use accelerator='cpu'")
         if self.num_nodes != 1:
-            raise ValueError(f"{type(self).__name__} shares memory, so it runs on one node, got num_nodes={self.num_nodes}")
+            raise ValueError(f"{type(self).__name__} shares memory, so it runs on one node, "
+                             f"got num_nodes={self.num_nodes}")
         cpus = os.cpu_count() or 1
         if self.num_processes > cpus and not self.oversubscribe:
             raise ValueError(f"{self.num_processes} processes (devices) is more than this machine's {cpus} CPUs; pass "
@@ -188,7 +201,11 @@ class HogwildStrategy(CommsCollectivesMixin, DDPStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        self._save_rank_states(checkpoint)
+        # rank 0's optimizer state is Lightning's; a weights-only checkpoint holds none
+        own = None
+        if self.global_rank != 0 and "optimizer_states" in checkpoint:
+            own = {"optimizer_states": [self.optimizer_state(o) for o in self.optimizers]}
+        self._save_rank_states(checkpoint, own)
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override
@@ -197,8 +214,15 @@ class HogwildStrategy(CommsCollectivesMixin, DDPStrategy):
         checkpoint that needs more raises :class:`~lightning_sync.sync.safe_load.UntrustedCheckpointError`."""
         checkpoint = guarded_load(lambda wo: super(HogwildStrategy, self).load_checkpoint(checkpoint_path, wo),
                                   checkpoint_path, weights_only)
-        self._take_rank_state(checkpoint)
+        mine = self._take_rank_state(checkpoint)
+        self._own_optimizer_states = mine.get("optimizer_states") if mine is not None else None
         return checkpoint
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        """This process's own optimizer state where the checkpoint has it, else rank 0's."""
+        states, self._own_optimizer_states = self._own_optimizer_states, None
+        super().load_optimizer_state_dict(checkpoint if states is None else {"optimizer_states": states})
 
     @override
     def teardown(self) -> None:
