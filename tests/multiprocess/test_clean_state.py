@@ -103,3 +103,25 @@ def _relaunched_peer(rank: int, k: int) -> tuple[list[str], int]:
 @pytest.mark.timeout(90)
 def test_a_relaunched_peer_shares_the_watchdog_namespace_of_a_process_that_ran_a_job_before() -> None:
     assert_all_ranks_passed(run_distributed(_relaunched_peer, 2, timeout=60, process_group=False), min_checks=2)
+
+
+def _job_under_a_running_watchdog(rank: int, k: int) -> tuple[list[str], int]:
+    ck = Checks()
+    wd = comms.watchdog.start(TIMEOUT, interval=INTERVAL)  # started by the user, before both jobs
+    comms.all_reduce(torch.ones(2))
+    comms.all_gather(torch.ones(rank + 1))
+    comms.begin_job()
+    ck.true("the watchdog forgot the previous job's calls", wd._last == {}, wd._last)
+    ck.true("the stats too", comms.get_stats().snapshot() == {}, comms.get_stats().snapshot())
+    work = comms.all_reduce(torch.full((2,), float(rank)), async_op=True)
+    ck.true("sequence numbers start again", work.seq == 1, work)
+    ck.close("the job's first all_reduce", work.wait(), torch.full((2,), 1.0))  # 0 + 1: exact
+    comms.watchdog.verify()  # the ranks' hashes restarted alike
+    ck.true("no mismatch", wd.error is None, wd.error)
+    comms.watchdog.stop()
+    return ck.result()
+
+
+@pytest.mark.timeout(90)
+def test_a_job_that_begins_under_a_running_watchdog_counts_from_one() -> None:
+    assert_all_ranks_passed(run_distributed(_job_under_a_running_watchdog, 2, timeout=60), min_checks=5)

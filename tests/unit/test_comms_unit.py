@@ -282,3 +282,9 @@ def test_covered_seconds_count_the_callers_own_time_with_an_async_call_in_flight
     s.reset()  # the call stays in flight; the count starts again
     now[0] += 0.25
     assert s.covered_seconds() == pytest.approx(0.25) and s.blocked_seconds() == 0.0
+    s.reset(in_flight=True)  # a new job: the previous one's call no longer counts as in flight
+    now[0] += 1.0
+    assert s.covered_seconds() == 0.0
+    blocked(0.1, completed_async=True)  # its late wait does not make the count negative
+    now[0] += 1.0
+    assert s.covered_seconds() == 0.0
