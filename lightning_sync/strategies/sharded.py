@@ -37,8 +37,9 @@ What is sharded, and what is synchronized when (K ranks):
   without the marker (a save that was killed) is refused at load.
   Everything is read back weights-only (``lightning.pt``, DCP's pickled ``.metadata`` and entries; see
   :mod:`lightning_sync.sync.safe_load`) unless ``trainer.fit(..., weights_only=False)`` opts in.
-* **After fit** (teardown) every rank's module holds the full trained parameters again, and
-  ``trainer.save_checkpoint`` then writes a plain full checkpoint file (which loads back, sharded).
+* **After fit** (teardown; also after ``validate`` and ``test``) every rank's module holds the full
+  trained parameters again: ``trainer.save_checkpoint`` then writes a plain full checkpoint file
+  (which loads back, sharded), and :meth:`ShardedStrategy.full_state_dict` copies rank 0's module.
 
 The model's own ``param.grad`` stay ``None``: gradients live in the engine's buffers and the masters'
 ``.grad``. Gradient clipping by norm uses the global norm over all shards. Buffers (e.g. BatchNorm
@@ -123,6 +124,7 @@ class ShardedStrategy(CommsCollectivesMixin, DDPStrategy):
         self.stage, self.wrap_policy, self.prefetch = stage, wrap_policy, prefetch
         self.reshard_after_forward, self.bucket_cap_mb = reshard_after_forward, bucket_cap_mb
         self.engine: ZeroEngine | None = None
+        self._unsharded = False  # a teardown has given the module its full parameters back
 
     @property
     def is_distributed(self) -> bool:
@@ -196,6 +198,7 @@ class ShardedStrategy(CommsCollectivesMixin, DDPStrategy):
         if self.engine is not None:
             self.engine.unshard()  # the module holds the full trained parameters again
             self.engine = None
+            self._unsharded = True
         super().teardown()
 
     # ------------------------------------------------------------------ step functions
@@ -240,10 +243,18 @@ class ShardedStrategy(CommsCollectivesMixin, DDPStrategy):
             yield None
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The consolidated full ``state_dict`` on rank 0 (``{}`` on the others). Every rank must call it."""
-        assert self.engine is not None, "full_state_dict() needs the strategy to be set up"
-        state = self.engine.full_state_dict()
-        return state if self.global_rank == 0 else {}
+        """The consolidated full ``state_dict`` on rank 0 (``{}`` on the others): the module's keys, shapes and
+        original dtypes. While the module is sharded (inside ``fit``, ``validate``, ``test``) it is gathered from
+        the master shards, a collective every rank must call; after them teardown has left every rank's module
+        whole, so it is a copy of rank 0's. Raises ``RuntimeError`` before the strategy was ever set up."""
+        if self.engine is not None:
+            state = self.engine.full_state_dict()
+            return state if self.global_rank == 0 else {}
+        module = self.lightning_module
+        if module is None or not self._unsharded:
+            raise RuntimeError(f"{type(self).__name__}.full_state_dict() was called before the strategy was set up: "
+                               f"call it during or after trainer.fit, validate or test")
+        return {k: v.detach().clone() for k, v in module.state_dict().items()} if self.global_rank == 0 else {}
 
     # ------------------------------------------------------------------ checkpoints
     @override
