@@ -11,7 +11,8 @@ The Lightning adapter of :class:`lightning_sync.sync.periodic.DiLoCoOuter`, buil
   Nesterov by default) steps the global parameters, which are copied into every replica; floating
   buffers are averaged.
 * **Validation / test** run on the global parameters of the last outer step (identical on every
-  rank) with averaged buffers; each rank's replica is restored afterwards.
+  rank) with averaged buffers; each rank's replica is restored afterwards (``trainer.validate``/``test``
+  after fit too). ``full_state_dict()`` returns that model on rank 0.
 * **Checkpoints** resume exactly, inside a period too. ``state_dict`` is the global model of the
   last outer step (what a user exports); ``lightning_sync/diloco`` holds the global parameters, the
   outer optimizer's momentum and the inner-step counter (the same on every rank); Lightning's

@@ -15,7 +15,10 @@ What is synchronized, and when:
   this is DDP exactly.
 * **Validation / test** run on the *averaged* model: if the replicas have drifted since the last
   sync, the parameters are averaged for the evaluation and each rank's own replica is restored after,
-  so evaluating does not change training.
+  so evaluating does not change training. The same holds for ``trainer.validate``/``test`` after a fit
+  that ended inside a period (Lightning's setup would otherwise give every rank rank 0's replica).
+* **Export:** :meth:`LocalSGDStrategy.full_state_dict` returns the averaged model on rank 0, during
+  and after ``fit``, ``validate`` and ``test`` (each rank's module holds its own replica).
 * **Checkpoints** resume exactly, inside a period too: each rank continues its own replica with its
   own optimizer state (:mod:`lightning_sync.resume`). What one holds:
 
@@ -42,6 +45,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
@@ -142,10 +146,25 @@ class LocalSGDStrategy(BucketedDDPStrategy):
 
     def _restore_after_evaluation(self) -> None:
         if self._stashed is not None:
-            with torch.no_grad():
-                for t, saved in zip(self._averaged_tensors(), self._stashed):
-                    t.copy_(saved)
+            self._put_back(self._stashed)
             self._stashed = None
+
+    def _put_back(self, saved: list[torch.Tensor]) -> None:
+        with torch.no_grad():
+            for t, value in zip(self._averaged_tensors(), saved):
+                t.copy_(value)
+
+    @override
+    def setup(self, trainer: Any) -> None:
+        """``validate``/``test`` after a fit that ended inside a period: Lightning's setup gives every rank
+        rank 0's weights (a broadcast), which would drop the other replicas; each rank keeps its own, and the
+        evaluation runs on their average as it does during fit."""
+        keep = None
+        if trainer.state.fn != TrainerFn.FITTING and self._drifted():
+            keep = [t.detach().clone() for t in self._averaged_tensors()]
+        super().setup(trainer)
+        if keep is not None:
+            self._put_back(keep)
 
     @override
     def on_validation_start(self) -> None:
@@ -175,6 +194,17 @@ class LocalSGDStrategy(BucketedDDPStrategy):
         averaged = {id(t): t.detach().clone() for t in self._averaged_tensors()}
         self._synchronize(list(averaged.values()))
         return {k: averaged.get(id(live.get(k)), v) for k, v in state.items()}
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The synchronized model as a ``state_dict`` on rank 0 (``{}`` on the others): the replicas' average
+        (DiLoCo: the global model of the last outer step), what a checkpoint's ``state_dict`` holds and the
+        model to export; after a fit that ended inside a period each rank's module is its own replica. A
+        collective while the replicas differ: every rank must call it. Raises ``RuntimeError`` before setup."""
+        if self.lightning_module is None:
+            raise RuntimeError(f"{type(self).__name__}.full_state_dict() was called before the strategy was set up: "
+                               f"call it during or after trainer.fit, validate or test")
+        state = self.lightning_module_state_dict()
+        return {k: v.detach().clone() for k, v in state.items()} if self.global_rank == 0 else {}
 
     _ckpt_key = _CKPT_KEY
 
