@@ -136,7 +136,7 @@ class PowerSGD:
                 continue
             m = view.view(shape)
             if self.error_feedback and i in self._error:
-                m.add_(self._error[i])
+                m.add_(self._state_like(self._error, i, m))
             mats.append((i, m, self._initial_q(i, shape, m)))
         # message 1: every P = M Q, plus the uncompressed tensors, in one flat all-reduce
         ps = [m @ q for _, m, q in mats]
@@ -184,9 +184,18 @@ class PowerSGD:
     def _initial_q(self, i: int, shape: tuple[int, int], like: torch.Tensor) -> torch.Tensor:
         r = min(self.rank, *shape)
         if self.warm_start and i in self._q and self._q[i].shape == (shape[1], r):
-            return self._q[i]
+            return self._state_like(self._q, i, like)
         g = torch.Generator(device="cpu").manual_seed(self.seed * 1_000_003 + i)
         return torch.randn(shape[1], r, generator=g, dtype=like.dtype).to(like.device)
+
+    @staticmethod
+    def _state_like(store: dict[int, torch.Tensor], i: int, like: torch.Tensor) -> torch.Tensor:
+        """``store[i]`` on ``like``'s device and in its dtype. A state loaded from a checkpoint is CPU tensors
+        (:meth:`state_dict` saves portable copies); it moves once, in its first step, to the gradients it meets."""
+        t = store[i]
+        if t.device != like.device or t.dtype != like.dtype:
+            t = store[i] = t.to(device=like.device, dtype=like.dtype)
+        return t
 
     def wire_values(self, numel_shapes: list[torch.Size]) -> int:
         """Values sent per step for parameters of these shapes (for the byte model)."""
@@ -201,6 +210,8 @@ class PowerSGD:
                 "error": {i: e.detach().cpu().clone() for i, e in self._error.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Take a :meth:`state_dict` as it is (CPU tensors); each tensor moves to its gradient's device and
+        dtype when a step first uses it (:meth:`_state_like`), so loading needs no device."""
         self._q = {int(i): q for i, q in state.get("q", {}).items()}
         self._error = {int(i): e for i, e in state.get("error", {}).items()}
 

@@ -9,6 +9,7 @@ compressor's own error: tolerances below are derived from the compression, not f
 from __future__ import annotations
 
 import copy
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -305,6 +306,48 @@ def test_powersgd_state_dict_round_trip_reproduces_the_next_step() -> None:
     assert not torch.equal(out_c[0], out_a[0])
     for bucketer in (a, b, c):
         bucketer.close()
+
+
+def _one_bucket(grad: torch.Tensor) -> tuple[Any, Any]:
+    """A bucket holding one gradient matrix as parameter 0, and a bucketer past the warm-up."""
+    return SimpleNamespace(members=[0], views=[grad], buffer=grad.view(-1)), SimpleNamespace(step=5)
+
+
+def _saved_state(n: int, m: int) -> dict[str, Any]:
+    """A PowerSGD state as a checkpoint holds it: CPU float32 clones (``PowerSGD.state_dict``)."""
+    return {"q": {0: _rand((m, 2), 1)}, "error": {0: _rand((n, m), 2)}}
+
+
+@pytest.mark.parametrize(("device", "dtype"), [("meta", torch.float32), ("cpu", torch.float64)])
+def test_powersgd_state_loaded_from_a_checkpoint_moves_to_the_gradients_device_and_dtype(device: str,
+                                                                                       dtype: torch.dtype) -> None:
+    # A checkpoint's Q and error are CPU float32; a run on another device (meta stands in for CUDA here) or
+    # in another dtype meets them in its first compressed step, where they must follow the gradient.
+    n, m = 32, 16
+    psgd = PowerSGD(rank=2, warmup_steps=0)
+    psgd.load_state_dict(_saved_state(n, m))
+    grad = _rand((n, m), 3).to(device=device, dtype=dtype)
+    bucket, bucketer = _one_bucket(grad)
+    psgd.launch(bucket, bucketer, LoopbackCommunicator(world_size=2)).wait()
+    for key, store in (("q", psgd._q), ("error", psgd._error)):
+        assert (store[0].device.type, store[0].dtype) == (device, dtype), key
+
+
+def test_powersgd_state_moved_on_first_use_computes_what_a_state_loaded_there_does() -> None:
+    # the move is a plain cast: the step equals one from a state converted by hand beforehand, bit for bit
+    n, m = 32, 16
+    lazy, eager = PowerSGD(rank=2, warmup_steps=0), PowerSGD(rank=2, warmup_steps=0)
+    lazy.load_state_dict(_saved_state(n, m))
+    eager.load_state_dict({key: {i: t.double() for i, t in part.items()} for key, part in _saved_state(n, m).items()})
+    out = []
+    for psgd in (lazy, eager):
+        grad = _rand((n, m), 3).double()
+        bucket, bucketer = _one_bucket(grad)
+        psgd.launch(bucket, bucketer, LoopbackCommunicator(world_size=2)).wait()
+        out.append(grad)
+    assert torch.equal(out[0], out[1])
+    for key in ("q", "error"):
+        assert torch.equal(lazy.state_dict()[key][0], eager.state_dict()[key][0]), key
 
 
 # --------------------------------------------------------------------------- make_compressor
