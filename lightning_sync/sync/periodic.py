@@ -1,4 +1,4 @@
-"""Periodic synchronization (issue 5 building blocks): LocalSGD parameter averaging and DiLoCo's outer step.
+"""Periodic synchronization: LocalSGD parameter averaging and DiLoCo's outer step.
 
 Neither synchronizes gradients. Every rank trains its own replica with its own optimizer and the
 replicas meet every ``sync_every`` (H) optimizer steps:
@@ -16,6 +16,10 @@ replicas meet every ``sync_every`` (H) optimizer steps:
 Bytes per H steps: one all-reduce of the parameters (plus the optimizer state if averaged), against
 H gradient all-reduces for DDP. A rank that fails blocks its peers in the next sync's all-reduce
 until the process group's timeout.
+
+Checkpoints: each ``state_dict`` holds what is the same on every rank (the step and sync counters;
+DiLoCo's global parameters and outer optimizer). Between syncs each rank's replica and its optimizer
+state are its own; a caller that resumes inside a period keeps those per rank (the Lightning strategies do).
 """
 
 from __future__ import annotations

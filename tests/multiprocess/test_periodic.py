@@ -1,4 +1,4 @@
-"""LocalSGD averaging and DiLoCo's outer step (issue 5 building blocks) on 2 real gloo ranks,
+"""LocalSGD averaging and DiLoCo's outer step (the algorithms, without Lightning) on 2 real gloo ranks,
 against single-process references computed by hand."""
 
 from __future__ import annotations
