@@ -22,7 +22,6 @@ collectives layer are not covered beyond that note.
 from __future__ import annotations
 
 import logging
-
 from typing import Any
 
 import lightning.pytorch as pl
