@@ -68,7 +68,7 @@ def begin_job() -> None:
     rank 0; Lightning relaunches the others), as does a second ``trainer.fit``: every lightning_sync strategy
     calls this when a fit starts, on every rank alike. A collective of the previous job still in flight must be
     waited for first."""
-    from lightning_sync.comms.algorithms import release_node_groups  # it imports this module
+    from lightning_sync.comms import algorithms  # it imports this module
 
     _STATS.reset(in_flight=True)
     with _SEQ_LOCK:
@@ -76,7 +76,7 @@ def begin_job() -> None:
     wd = _watchdog.active()
     if wd is not None:
         wd.forget()
-    release_node_groups()
+    algorithms.release_node_groups()
 
 
 class Work(Generic[T]):

@@ -43,4 +43,4 @@ def test_a_rank_arriving_late_passes_with_the_watchdog_on_nccl() -> None:
     expected = torch.full((4,), 3.0)  # 1 + 2: small integers, exact in fp32
     for rank, tensors in enumerate(results):
         for t in tensors:
-            torch.testing.assert_close(t, expected, rtol=0, atol=0, msg=lambda m: f"rank {rank}: {m}")
+            torch.testing.assert_close(t, expected, rtol=0, atol=0, msg=lambda m, r=rank: f"rank {r}: {m}")

@@ -15,11 +15,23 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from _lightning_reference import ENV, EQ_TOL, _quiet_rank, _reference, _state, _TiedModule, _trainer
+from _lightning_reference import (
+    ENV,
+    EQ_TOL,
+    _quiet_rank,
+    _reference,
+    _state,
+    _TiedModule,
+    _trainer,
+)
 
 from lightning_sync import BucketedDDPStrategy, comms
 from lightning_sync.comms import collectives
-from lightning_sync.comms.watchdog import CollectiveError, CollectiveMismatch, CollectiveTimeout
+from lightning_sync.comms.watchdog import (
+    CollectiveError,
+    CollectiveMismatch,
+    CollectiveTimeout,
+)
 from lightning_sync.diagnostics import HangWatchdog
 from lightning_sync.testing import Checks, assert_all_ranks_passed, run_distributed
 
