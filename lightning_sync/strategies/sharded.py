@@ -314,7 +314,9 @@ class ShardedStrategy(CommsCollectivesMixin, DDPStrategy):
         """Weights-only unless ``weights_only=False`` (``trainer.fit(..., weights_only=False)``); a
         checkpoint that needs more raises :class:`~lightning_sync.sync.safe_load.UntrustedCheckpointError`."""
         path = Path(self.broadcast(str(checkpoint_path)))
-        assert self.engine is not None, "load_checkpoint needs the strategy to be set up"
+        if self.engine is None:  # Lightning loads a sharded checkpoint after setup (restore_checkpoint_after_setup)
+            raise RuntimeError(f"{type(self).__name__}.load_checkpoint reads into the sharding engine, which "
+                               f"exists once the strategy is set up (Trainer.fit/validate/test); {path} was not read")
         recover_path(path)  # a save killed while it replaced this directory left the old one aside
         if path.is_dir():
             read_meta(path)  # clear error if it is not ours

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import re
 import warnings
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -140,3 +141,8 @@ def test_fp16_loss_scaling_is_refused_with_a_clear_error() -> None:
     strategy.precision_plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
     with pytest.raises(ValueError, match=r"16-mixed.*bf16-mixed"):
         strategy.setup(object())
+
+
+def test_load_checkpoint_before_setup_says_why_instead_of_asserting(tmp_path: Path) -> None:
+    with pytest.raises(RuntimeError, match=r"exists once the strategy is set up .*was not read"):
+        ShardedStrategy(stage=3).load_checkpoint(tmp_path / "step=3.ckpt")
