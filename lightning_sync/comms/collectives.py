@@ -188,9 +188,11 @@ def _issue(op: str, nbytes: int, launch: Callable[[], Sequence[Any]], finish: Ca
             _SEQ_WORLD[0] = dist.group.WORLD
         seq = next(_SEQ.setdefault(_watchdog.sequence_key(name, peer), itertools.count(1)))
     wd = _watchdog.active()
-    tracked = None if wd is None else wd.issued(op, seq, name, group_ranks(group), nbytes, peer,
-                                                cpu_backend=dist.get_backend(group) == "gloo",
-                                                detail=_signature(like, detail, label))
+    tracked = None
+    if wd is not None:
+        device = like.device if like is not None else _device(group)
+        tracked = wd.issued(op, seq, name, group_ranks(group), nbytes, peer, on_cpu=device.type == "cpu",
+                            detail=_signature(like, detail, label))
     _STATS.record(op, nbytes)
     _STATS.block_begin()
     start, launched = time.perf_counter(), False

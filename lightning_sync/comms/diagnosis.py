@@ -46,7 +46,7 @@ class Pending:
     ranks: list[int]
     nbytes: int
     peer: int | None = None  # point-to-point: the other rank (sequence numbers do not pair up)
-    cpu_backend: bool = False  # gloo's: its requests' futures complete with them (see lightning_sync.comms.waiting)
+    on_cpu: bool = False  # its tensors are in host memory (see lightning_sync.comms.waiting)
     detail: str = ""  # the rest of its signature (see describe)
     start: float = field(default_factory=time.monotonic)
     handles: list[Any] | None = None  # None while the backend call is still being launched

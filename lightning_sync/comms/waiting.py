@@ -7,14 +7,15 @@ means its backend offers, checking for the watchdog's abort at least every ``int
 calls the untimed ``wait``, which returns at once or raises the request's failure:
 
 * **Completed already** (the common case in a step that overlaps communication): one ``is_completed`` call.
-* **gloo collectives**: the request's future completes with it; its done-callback sets an event, so the wait ends
-  the moment the request does.
-* **gloo's send, recv and reduce-scatter** have no future, and ``is_completed`` stays False until someone waits:
-  a daemon thread of the waiter makes the untimed wait and sets the event. Were the request to hang, that thread
-  stays blocked until gloo's own timeout fails it, and the caller is released by the abort.
-* **Other backends (NCCL)** mark the future complete once the collective is enqueued, so it says nothing; the
-  request is polled with a backoff from 10 us to 0.5 ms, so the wait ends at most 0.5 ms (or about as long again
-  as it has lasted, when shorter) after the request completes.
+* **Tensors in host memory (gloo)**: the request's future completes with it; its done-callback sets an event, so
+  the wait ends the moment the request does. gloo's send, recv and reduce-scatter have no future, and their
+  ``is_completed`` stays False until someone waits: a daemon thread of the waiter makes the untimed wait and
+  sets the event. Were the request to hang, that thread stays blocked until gloo's own timeout fails it, and the
+  caller is released by the abort.
+* **Tensors on a GPU (NCCL)**: the future is marked complete once the collective is enqueued on its stream, so
+  it says nothing; the request is polled (``is_completed`` queries the stream's events) with a backoff from
+  10 us to 0.5 ms, so the wait ends at most 0.5 ms (or about as long again as it has lasted, when shorter) after
+  the collective completes. Like the timed wait before it, this holds the host until the GPU is done.
 """
 
 from __future__ import annotations
@@ -50,12 +51,12 @@ class Waiter:
         self._event: threading.Event | None = None  # the wait in progress, for wake
         self._requests: queue.SimpleQueue[tuple[Any, threading.Event, list[Exception | None]] | None] | None = None
 
-    def wait(self, handle: Any, cpu_backend: bool) -> Exception | None:
+    def wait(self, handle: Any, on_cpu: bool) -> Exception | None:
         """Return once ``handle`` completed: ``None``, or its failure; raise the abort meanwhile (``check``).
-        ``cpu_backend``: the request is gloo's, whose futures complete with their requests."""
+        ``on_cpu``: the request's tensors are in host memory, so its future (if any) completes with it."""
         if handle.is_completed():
             return _waited(handle)
-        if not cpu_backend:
+        if not on_cpu:
             pause = _POLL_MIN
             while not handle.is_completed():
                 self._check()

@@ -172,11 +172,11 @@ class Watchdog:
     # ------------------------------------------------------------------ called by comms (main thread)
 
     def issued(self, op: str, seq: int, group: str, ranks: Sequence[int], nbytes: int,
-               peer: int | None = None, cpu_backend: bool = False, detail: str = "") -> Pending:
+               peer: int | None = None, on_cpu: bool = False, detail: str = "") -> Pending:
         """Record a collective about to be launched; raises the pending abort instead, if there is one.
         ``detail``: the rest of its signature (:func:`~lightning_sync.comms.diagnosis.describe`)."""
         self.check()
-        p = Pending(op, seq, group, list(ranks), nbytes, peer, cpu_backend, detail)
+        p = Pending(op, seq, group, list(ranks), nbytes, peer, on_cpu, detail)
         key = p.key
         with self._lock:
             self._last[key] = seq
@@ -196,7 +196,7 @@ class Watchdog:
         self.check()
         self._waiting = p
         try:
-            failure = self._waiter.wait(handle, p.cpu_backend)
+            failure = self._waiter.wait(handle, p.on_cpu)
         finally:
             self._waiting = None
         if isinstance(failure, RuntimeError):
