@@ -92,6 +92,7 @@ from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from typing_extensions import override
 
+from lightning_sync import comms
 from lightning_sync.comms import rpc
 from lightning_sync.strategies._common import AtomicCheckpoints, as_timedelta, check_launch_args
 from lightning_sync.strategies._ps_routing import PushingOptimizer, route_clipping, route_schedulers
@@ -198,7 +199,11 @@ class AsyncParameterServerStrategy(AtomicCheckpoints, ParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
-        """Join the RPC group (no process group: there is nothing collective to do)."""
+        """Join the RPC group (no process group: there is nothing collective to do). A fit starts from the
+        communication state of a fresh process (a multirun's next job, a second fit in one process)."""
+        trainer = self._trainer()
+        if trainer is not None and trainer.state.fn == "fit":
+            comms.begin_job()
         super().setup_environment()
         reset_seed()  # spawned ranks re-seed from PL_GLOBAL_SEED, as Lightning's DDP does
         self.set_world_ranks()

@@ -125,3 +125,27 @@ def _job_under_a_running_watchdog(rank: int, k: int) -> tuple[list[str], int]:
 @pytest.mark.timeout(90)
 def test_a_job_that_begins_under_a_running_watchdog_counts_from_one() -> None:
     assert_all_ranks_passed(run_distributed(_job_under_a_running_watchdog, 2, timeout=60), min_checks=5)
+
+
+def _two_async_fits(rank: int, k: int) -> tuple[list[str], int]:
+    """The parameter server's RPC traffic is counted in the same statistics: a second fit starts from zero."""
+    from lightning_sync import AsyncParameterServerStrategy
+
+    _quiet_rank()
+    ck = Checks()
+    seen = []
+    for _ in range(2):
+        _trainer(k, AsyncParameterServerStrategy(max_staleness=0), max_steps=4).fit(_TiedModule("sgd"))
+        seen.append(_calls_and_bytes())
+    # rank 1 pushes and pulls over RPC (rank 0's own worker talks to the server in process): at s = 0 both
+    # fits make the same calls with the same bytes
+    ck.true("[async_ps] the fit counted RPC traffic", rank == 0 or seen[0].get("rpc_send", (0, 0))[0] > 0, seen[0])
+    ck.true("[async_ps] second fit = fresh process: calls and bytes per op", seen[1] == seen[0], seen)
+    return ck.result()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_a_second_async_ps_fit_counts_from_zero() -> None:
+    results = run_distributed(_two_async_fits, 2, timeout=150, env=ENV, process_group=False)
+    assert_all_ranks_passed(results, min_checks=2)
