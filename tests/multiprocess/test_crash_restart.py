@@ -10,16 +10,14 @@ rank variables in the environment):
 
 from __future__ import annotations
 
-import os
 import re
 import signal
-import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from _cli_ranks import finish, launch, weights
 
 WORLD = 2
 EPOCHS = 3
@@ -28,43 +26,8 @@ KILL_STEP = 2 * STEPS_PER_EPOCH + 5  # in epoch 3, after the epoch-2 checkpoint
 LOST_WITHIN_S = 30.0  # the bound for the survivors to exit
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(run_dir: Path, *overrides: str) -> list[subprocess.Popen[str]]:
-    port = _free_port()
-    procs = []
-    for rank in range(WORLD):
-        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "NODE_RANK": str(rank),
-               "LOCAL_RANK": "0", "WORLD_SIZE": str(WORLD), "OMP_NUM_THREADS": "1"}
-        cmd = [sys.executable, "-m", "lightning_sync", "train", "trainer.devices=1", f"trainer.num_nodes={WORLD}",
-               f"trainer.max_epochs={EPOCHS}", "trainer.enable_progress_bar=false", "trainer.logger=false",
-               "final_validate=false", "sample_chars=0", f"final_checkpoint={run_dir}/final.ckpt",
-               f"hydra.run.dir={run_dir}", *overrides]
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                      start_new_session=True))
-    return procs
-
-
-def _finish(procs: list[subprocess.Popen[str]], timeout: float) -> list[tuple[int, str]]:
-    out = []
-    try:
-        for p in procs:
-            text, _ = p.communicate(timeout=timeout)
-            out.append((p.returncode, text))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
-    return out
-
-
-def _weights(path: Path) -> dict[str, torch.Tensor]:
-    return torch.load(path, map_location="cpu", weights_only=True)["state_dict"]
+    return launch(WORLD, run_dir, [f"trainer.max_epochs={EPOCHS}", *overrides])
 
 
 @pytest.mark.slow
@@ -80,22 +43,22 @@ def test_a_killed_rank_is_named_and_the_restart_ends_where_an_uninterrupted_run_
         except subprocess.TimeoutExpired:
             pytest.fail(f"rank 0 was still running {LOST_WITHIN_S} s after rank 1 died")
     finally:
-        _finish(procs, timeout=5)
+        finish(procs, timeout=5)
     assert procs[1].returncode == -signal.SIGKILL, f"rank 1 was to die by SIGKILL: {procs[1].returncode}"
     assert procs[0].returncode != 0, f"rank 0 exited 0 after losing rank 1:\n{rank0_text[-3000:]}"
     assert re.search(r"RankLost: .*ranks \[1\] lost", rank0_text), f"rank 0 did not name rank 1:\n{rank0_text[-3000:]}"
     last = crashed / "checkpoints" / "last.ckpt"
     assert torch.load(last, map_location="cpu", weights_only=True)["global_step"] == 2 * STEPS_PER_EPOCH
 
-    results = _finish(_launch(crashed, "ckpt_path=last"), timeout=180)
+    results = finish(_launch(crashed, "ckpt_path=last"), timeout=180)
     for rank, (code, text) in enumerate(results):
         assert code == 0, f"restart rank {rank} failed:\n{text[-3000:]}"
     assert "Restoring states from the checkpoint path at" in results[0][1]
 
     straight = tmp_path / "uninterrupted"
-    for rank, (code, text) in enumerate(_finish(_launch(straight), timeout=180)):
+    for rank, (code, text) in enumerate(finish(_launch(straight), timeout=180)):
         assert code == 0, f"uninterrupted rank {rank} failed:\n{text[-3000:]}"
-    resumed, reference = _weights(crashed / "final.ckpt"), _weights(straight / "final.ckpt")
+    resumed, reference = weights(crashed / "final.ckpt"), weights(straight / "final.ckpt")
     assert resumed.keys() == reference.keys()
     for name in reference:  # bitwise: same data order, same arithmetic, restored optimizer state
         assert torch.equal(resumed[name], reference[name]), f"{name} differs after the restart"

@@ -25,15 +25,14 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from _cli_ranks import finish, launch, weights
 
 WORLD, STEPS, KILL_STEP = 2, 10, 7
 CHECKPOINT_EVERY = 2  # so the newest complete checkpoint before the kill is step 6's
@@ -48,48 +47,13 @@ PHASES = {"forward": KILL_STEP, "backward": KILL_STEP, "optimizer_step": KILL_ST
           "requeue": KILL_STEP}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(run_dir: Path, strategy: str, *overrides: str) -> list[subprocess.Popen[str]]:
-    port = _free_port()
-    procs = []
-    for rank in range(WORLD):
-        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "NODE_RANK": str(rank),
-               "LOCAL_RANK": "0", "WORLD_SIZE": str(WORLD), "OMP_NUM_THREADS": "1"}
-        cmd = [sys.executable, "-m", "lightning_sync", "train", "trainer.devices=1", f"trainer.num_nodes={WORLD}",
-               f"trainer.max_steps={STEPS}", "trainer.enable_progress_bar=false", "trainer.logger=false",
-               "final_validate=false", "sample_chars=0", f"final_checkpoint={run_dir}/final.ckpt",
-               f"checkpoint.every_n_train_steps={CHECKPOINT_EVERY}", "launch.signal=USR1",
-               f"hydra.run.dir={run_dir}", *STRATEGIES[strategy], *overrides]
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                      start_new_session=True))
-    return procs
-
-
-def _finish(procs: list[subprocess.Popen[str]], timeout: float) -> list[tuple[int, str]]:
-    out = []
-    try:
-        for p in procs:
-            text, _ = p.communicate(timeout=timeout)
-            out.append((p.returncode, text))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
-    return out
-
-
-def _weights(path: Path) -> dict[str, torch.Tensor]:
-    return torch.load(path, map_location="cpu", weights_only=True)["state_dict"]
+    return launch(WORLD, run_dir, [f"trainer.max_steps={STEPS}", f"checkpoint.every_n_train_steps={CHECKPOINT_EVERY}",
+                                   "launch.signal=USR1", *STRATEGIES[strategy], *overrides])
 
 
 def _run_ok(run_dir: Path, strategy: str, *overrides: str) -> str:
-    results = _finish(_launch(run_dir, strategy, *overrides), timeout=240)
+    results = finish(_launch(run_dir, strategy, *overrides), timeout=240)
     for rank, (code, text) in enumerate(results):
         assert code == 0, f"{run_dir.name} rank {rank} failed:\n{text[-3000:]}"
     return results[0][1]
@@ -104,12 +68,12 @@ def _record(cell: dict[str, Any]) -> None:
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, torch.Tensor]]:
-    weights = {}
+    finals = {}
     for strategy in STRATEGIES:
         run_dir = tmp_path_factory.mktemp(f"uninterrupted-{strategy}")
         _run_ok(run_dir, strategy)
-        weights[strategy] = _weights(run_dir / "final.ckpt")
-    return weights
+        finals[strategy] = weights(run_dir / "final.ckpt")
+    return finals
 
 
 @pytest.mark.slow
@@ -130,7 +94,7 @@ def test_a_rank_killed_at_any_phase_is_named_and_the_relaunch_ends_where_an_unin
             pytest.fail(f"[{strategy} {phase}] rank 0 was still running {LOST_WITHIN_S} s after rank 1 died")
         exit_s = time.monotonic() - died
     finally:
-        _finish(procs, timeout=5)
+        finish(procs, timeout=5)
     assert procs[1].returncode == -signal.SIGKILL, f"rank 1 was to die by SIGKILL: {procs[1].returncode}"
     assert procs[0].returncode != 0, f"rank 0 exited 0 after losing rank 1:\n{rank0_text[-3000:]}"
     assert re.search(r"RankLost: .*ranks \[1\] lost", rank0_text), f"rank 0 did not name rank 1:\n{rank0_text[-3000:]}"
@@ -138,7 +102,7 @@ def test_a_rank_killed_at_any_phase_is_named_and_the_relaunch_ends_where_an_unin
     out = _run_ok(tmp_path, strategy, "ckpt_path=last")
     resumed_from = re.search(r"resuming from (\S+) \(global step (\d+)", out)
     assert resumed_from and int(resumed_from.group(2)) == KILL_STEP - 1, out[-3000:]
-    resumed, reference = _weights(tmp_path / "final.ckpt"), uninterrupted[strategy]
+    resumed, reference = weights(tmp_path / "final.ckpt"), uninterrupted[strategy]
     assert resumed.keys() == reference.keys()
     diff = max((resumed[k].double() - reference[k].double()).abs().max().item() for k in reference)
     _record({"strategy": strategy, "phase": phase, "exit_s": round(exit_s, 2),
