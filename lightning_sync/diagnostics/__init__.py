@@ -1,4 +1,4 @@
-"""Diagnostics callbacks (issue 7 grows this package): straggler injection and detection, the startup
+"""Diagnostics callbacks: straggler injection and detection, the startup
 consistency check, skipping non-finite steps, the replica drift check, and the hang watchdog."""
 
 from lightning_sync.diagnostics.consistency import ConsistencyCheck

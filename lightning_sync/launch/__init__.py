@@ -1,4 +1,4 @@
-"""Launching on clusters (issue 6 grows this package): the SLURM rendezvous environment, the per-node banner,
+"""Launching on clusters: the SLURM rendezvous environment, the per-node banner,
 and atomic checkpoint files."""
 
 from lightning_sync.launch.atomic import AtomicCheckpointIO
