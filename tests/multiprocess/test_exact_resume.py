@@ -27,8 +27,9 @@ from _lightning_reference import ENV, _check_against, _quiet_rank, _reference, _
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_sync import BucketedDDPStrategy, ShardedStrategy
+from lightning_sync import BucketedDDPStrategy, ShardedStrategy, comms
 from lightning_sync.launch.requeue import RequeueOnSignal, latest_checkpoint
+from lightning_sync.resume import RANK_STATES
 from lightning_sync.testing import Checks, assert_all_ranks_passed, run_distributed
 
 N, BATCH, ACCUMULATE = 128, 4, 2  # 2 ranks: 16 micro-batches per rank and epoch, 8 optimizer steps
@@ -148,3 +149,43 @@ def _worker(rank: int, world: int, tmpdir: str, strategy: str, loaders: list[str
 def test_mid_epoch_resume_is_exact_with_workers(tmp_path: Path, strategy: str, loaders: list[str]) -> None:
     results = run_distributed(_worker, 2, str(tmp_path), strategy, loaders, timeout=360, env=ENV)
     assert_all_ranks_passed(results, min_checks=20 * len(loaders), same_count=False)
+
+
+class _SaveAtEnd(pl.Callback):
+    """Saves a checkpoint when training ends (the bucketer and its compressor still exist), and records the
+    collectives the save issued."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.used = path, {}
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        before = {op: (s.calls, s.bytes) for op, s in comms.get_stats().snapshot().items()}
+        trainer.save_checkpoint(self.path)
+        after = {op: (s.calls, s.bytes) for op, s in comms.get_stats().snapshot().items()}
+        self.used = {op: (n - before.get(op, (0, 0))[0], b - before.get(op, (0, 0))[1])
+                     for op, (n, b) in after.items() if (n, b) != before.get(op, (0, 0))}
+
+
+def _powersgd_save(rank: int, world: int, tmpdir: str) -> tuple[list[str], int]:
+    """Saving gathers every rank's state to rank 0 once: PowerSGD's error feedback differs per rank and only
+    rank 0 writes, so an all-gather would send each rank's state to every other rank for nothing."""
+    _quiet_rank()
+    ck = Checks()
+    saver = _SaveAtEnd(Path(tmpdir) / "saved.ckpt")
+    strategy = BucketedDDPStrategy(compression="powersgd", powersgd_warmup_steps=0)
+    _trainer(world, strategy, max_steps=2, callbacks=[saver]).fit(_TiedModule("sgd"))
+    ck.true("saving gathers the per-rank states once, to rank 0, and all-gathers nothing",
+            saver.used.get("gather", (0, 0))[0] == 1 and "all_gather" not in saver.used, saver.used)
+    if rank == 0:
+        states = torch.load(saver.path, map_location="cpu", weights_only=True)[RANK_STATES]
+        errors = [s["bucketer"]["compressor"]["error"] for s in states]
+        ck.true("every rank's error feedback is in the checkpoint, each its own",
+                len(errors) == world and all(errors) and not all(
+                    torch.equal(errors[0][i], errors[1][i]) for i in errors[0]), [list(e) for e in errors])
+    return ck.result()
+
+
+@pytest.mark.timeout(200)
+def test_a_checkpoint_gathers_the_per_rank_states_once(tmp_path: Path) -> None:
+    assert_all_ranks_passed(run_distributed(_powersgd_save, 2, str(tmp_path), timeout=150, env=ENV), min_checks=1,
+                            same_count=False)
