@@ -22,10 +22,11 @@ the run it continues:
 A lightning_sync strategy owns one :class:`ExactResume` and calls it from its hooks; ``RequeueOnSignal``
 stops a run by saving an ordinary checkpoint, so preemption and step-interval checkpoints resume alike.
 
-**Limits.** A loader whose sampler is not Lightning's ``DistributedSampler`` (a custom sampler or batch
-sampler, an iterable dataset) keeps Lightning's behaviour: it restarts the epoch, and Lightning warns. A
-custom sampler resumes exactly if it is a ``DistributedSampler`` subclass with the same order, or if the
-loader is itself stateful (e.g. torchdata's ``StatefulDataLoader``), which is left alone. Randomness drawn
+**Limits.** A loader whose sampler is not a plain ``DistributedSampler`` (Lightning's, or one of yours; a
+subclass may order samples its own way, so it is never replaced), a custom batch sampler or an iterable
+dataset keeps Lightning's behaviour: it restarts the epoch, and Lightning warns. A custom sampler resumes
+exactly if the loader is itself stateful (e.g. torchdata's ``StatefulDataLoader`` over a sampler with
+``state_dict``/``load_state_dict``), which is left alone. Randomness drawn
 inside ``DataLoader`` worker processes is seeded per epoch by the loader, not continued: a worker's stream
 restarts at a resume. A mid-epoch position resumes only at the checkpoint's world size, dataset and seed.
 """
@@ -118,7 +119,7 @@ class ExactResume:
         sampler = getattr(batch_sampler, "sampler", None)
         batch_size = getattr(batch_sampler, "batch_size", None)
         if (not isinstance(loader, DataLoader) or isinstance(loader, _Stateful) or not isinstance(batch_size, int)
-                or not isinstance(sampler, DistributedSampler)):
+                or type(sampler) is not DistributedSampler):  # a subclass may order samples its own way
             return loader
         ordered = GlobalOrderSampler(sampler)
         batch_sampler.sampler = ordered

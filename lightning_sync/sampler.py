@@ -154,7 +154,7 @@ class EvaluationShardSampler(Sampler[int]):
 
 
 def shard_for_evaluation(loader: Any) -> int:
-    """Give an evaluation ``loader`` whose batches come from a ``DistributedSampler`` an
+    """Give an evaluation ``loader`` whose batches come from a plain ``DistributedSampler`` an
     :class:`EvaluationShardSampler` instead, in place, when every rank then runs the same number of batches.
     Returns how many samples stay repeated: 0, or the sampler's padding when the shards' batch counts would
     differ (a collective issued in every evaluation step, such as ZeRO-3's parameter gathers or a metric
@@ -163,7 +163,8 @@ def shard_for_evaluation(loader: Any) -> int:
     batch_sampler = getattr(loader, "batch_sampler", None)
     base = getattr(batch_sampler, "sampler", None)
     batch_size = getattr(batch_sampler, "batch_size", None)
-    if not isinstance(loader, DataLoader) or not isinstance(base, DistributedSampler) or not isinstance(batch_size, int):
+    # a DistributedSampler subclass (Lightning's unrepeated one for prediction, or a user's) is left alone
+    if not isinstance(loader, DataLoader) or type(base) is not DistributedSampler or not isinstance(batch_size, int):
         return 0
     shards = EvaluationShardSampler(base)
     if len(set(shards.batches(batch_size, bool(batch_sampler.drop_last)))) > 1:

@@ -71,8 +71,12 @@ class ExactDataHooks:
         dataloader = super().process_dataloader(dataloader)  # type: ignore[misc]
         module = self.lightning_module  # type: ignore[attr-defined]
         trainer = getattr(module, "_trainer", None) if module is not None else None
-        if trainer is not None and trainer.training:
+        if trainer is None:
+            return dataloader
+        if trainer.training:
             return self._exact_resume.install(dataloader, _training_progress(trainer))
+        if not (trainer.validating or trainer.testing or trainer.sanity_checking):
+            return dataloader  # prediction: Lightning's own unrepeated sampler already
         repeated = shard_for_evaluation(dataloader)
         if repeated:
             size = len(dataloader.dataset)  # type: ignore[attr-defined]

@@ -171,3 +171,17 @@ def test_rank_states_are_taken_per_rank_and_dropped_for_another_world_size(caplo
     assert resume.take(states * 2, rank=0, world_size=3) is None
     assert "holds the RNG states of 2 ranks, this run has 3" in caplog.text
     assert resume.take(None, rank=0, world_size=1) is None
+
+
+def test_a_distributed_sampler_subclass_keeps_its_own_order_in_training_and_evaluation() -> None:
+    from lightning_sync.sampler import shard_for_evaluation
+
+    class Reversed(DistributedSampler):
+        def __iter__(self):  # type: ignore[no-untyped-def]
+            return reversed(list(super().__iter__()))
+
+    ds = TensorDataset(torch.arange(9))
+    loader = DataLoader(ds, batch_size=2, sampler=Reversed(ds, num_replicas=2, rank=0, shuffle=False))
+    sampler = loader.batch_sampler.sampler
+    assert ExactResume.install(loader, lambda: (0, False)) is loader and not isinstance(loader, _Stateful)
+    assert shard_for_evaluation(loader) == 0 and loader.batch_sampler.sampler is sampler
