@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 from lightning.fabric.utilities.types import _Stateful
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_sync import comms
@@ -128,10 +129,16 @@ class ExactResume:
             batches, epoch_done = progress()
             return ordered.state(batches, batch_size, epoch_done)
 
+        def load_state_dict(state: dict[str, Any]) -> None:
+            ordered.resume(state)
+            if state["position"] and rank_zero_only.rank == 0:
+                log.info("resume: epoch %d continues at sample %d of its global order of %d; the batches already "
+                         "trained are skipped", state["epoch"], state["position"], ordered.total)
+
         # instance attributes: the user's DataLoader class stays what it is, and Lightning's ``_Stateful``
         # check (a protocol) sees the two methods
         loader.state_dict = state_dict
-        loader.load_state_dict = ordered.resume
+        loader.load_state_dict = load_state_dict
         return loader
 
     # ------------------------------------------------------------------ per-rank states

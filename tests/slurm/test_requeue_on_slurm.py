@@ -94,9 +94,9 @@ def test_usr1_mid_run_requeues_and_the_resumed_job_ends_with_the_uninterrupted_w
     text = log.read_text()
     restarts = re.search(r"Restarts=(\d+)", slurm.run("scontrol", "show", "job", job).stdout)
     assert restarts and restarts.group(1) == "1", restarts
-    assert re.search(rf"resuming from the preemption checkpoint \S+requeue-step{stop_step:09d}\.ckpt "
-                     r"\(SLURM restart count 1\)", text), text[-4000:]
-    assert re.search(rf"resuming epoch \d+ at batch \d+ \(global step {stop_step}\); the \d+ batches already "
+    assert re.search(rf"resuming from \S+requeue-step{stop_step:09d}\.ckpt \(global step {stop_step}, .*SLURM restart "
+                     r"count 1\)", text), text[-4000:]
+    assert re.search(r"resume: epoch \d+ continues at sample \d+ of its global order of \d+; the batches already "
                      r"trained are skipped", text), text[-4000:]
     assert f"`Trainer.fit` stopped: `max_steps={STEPS}` reached." in text, text[-4000:]
 
@@ -136,7 +136,9 @@ def test_the_hydra_submitit_route_requeues_and_resumes_too(slurm: SlurmCluster, 
             slurm.run("scancel", job, check=False)
     assert submit.returncode == 0, out[-4000:]
     text = log.read_text()
-    assert re.search(rf"resuming epoch \d+ at batch \d+ \(global step {stop_step}\)", text), text[-4000:]
+    assert re.search(rf"resuming from \S+requeue-step{stop_step:09d}\.ckpt \(global step {stop_step}", text), \
+        text[-4000:]
+    assert re.search(r"resume: epoch \d+ continues at sample \d+ of its global order", text), text[-4000:]
     assert f"final metrics (2 ranks, {STEPS} steps)" in text, text[-4000:]
     _assert_bitwise_equal(_weights(tmp_path / "slurm-final.ckpt"), uninterrupted)
 
