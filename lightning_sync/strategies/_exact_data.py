@@ -16,7 +16,7 @@ and evaluation counts every sample once.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
@@ -51,9 +51,15 @@ class ExactDataHooks:
     ``save_checkpoint`` calls :meth:`_save_rank_states` on every rank, and its ``load_checkpoint``
     :meth:`_take_rank_state`."""
 
+    #: True where every rank steps an optimizer of its own whose state drifts from rank 0's (replicas trained
+    #: apart: local SGD, DiLoCo, Hogwild). Lightning saves rank 0's ``optimizer_states`` only, so the other
+    #: ranks' go into their per-rank states and each rank loads its own back.
+    _per_rank_optimizer_state = False
+
     def __init__(self, **kwargs: Any) -> None:
         self._exact_resume = ExactResume()
         self._repeats_filter: tuple[Any, ...] | None = None
+        self._own_optimizer_states: list[dict[str, Any]] | None = None  # taken from a checkpoint, loaded next
         super().__init__(**kwargs)
 
     def setup_environment(self) -> None:
@@ -79,10 +85,10 @@ class ExactDataHooks:
             return dataloader  # prediction: Lightning's own unrepeated sampler already
         repeated = shard_for_evaluation(dataloader)
         if repeated:
-            size = len(dataloader.dataset)  # type: ignore[attr-defined]
+            size, world = len(dataloader.dataset), self.world_size  # type: ignore[attr-defined]
             rank_zero_warn(f"{type(self).__name__}: {repeated} sample{'' if repeated == 1 else 's'} of {size} "
                            f"{'is' if repeated == 1 else 'are'} evaluated twice, and counted twice by synced metrics: "
-                           f"the set cannot be dealt out to {self.world_size} ranks without repeats and with the "  # type: ignore[attr-defined]
+                           f"the set cannot be dealt out to {world} ranks without repeats and with the "
                            f"same number of batches on each, which a collective in every evaluation step needs",
                            category=PossibleUserWarning)
         return dataloader
@@ -92,10 +98,26 @@ class ExactDataHooks:
         self._exact_resume.restore_rng(self.root_device)  # type: ignore[attr-defined]
 
     def _save_rank_states(self, checkpoint: dict[str, Any], extra: dict[str, Any] | None = None) -> None:
-        """Every rank's RNG states and ``extra`` into ``checkpoint`` (on rank 0; a collective)."""
+        """Every rank's RNG states and ``extra`` into ``checkpoint`` (on rank 0; a collective), and, with
+        :attr:`_per_rank_optimizer_state`, the optimizer states of the ranks other than 0 (a weights-only
+        checkpoint holds none: it cannot resume training)."""
+        extra = dict(extra or {})
+        rank = self.global_rank  # type: ignore[attr-defined]
+        if self._per_rank_optimizer_state and rank != 0 and "optimizer_states" in checkpoint:
+            optimizers = self.optimizers  # type: ignore[attr-defined]
+            extra["optimizer_states"] = [self.optimizer_state(o) for o in optimizers]  # type: ignore[attr-defined]
         checkpoint[RANK_STATES] = self._exact_resume.gather(extra, self.root_device)  # type: ignore[attr-defined]
 
     def _take_rank_state(self, checkpoint: dict[str, Any]) -> dict[str, Any] | None:
-        """This rank's entry of ``checkpoint``'s per-rank states (None when absent or from another world size)."""
-        return self._exact_resume.take(checkpoint.get(RANK_STATES), self.global_rank,  # type: ignore[attr-defined]
+        """This rank's entry of ``checkpoint``'s per-rank states (None when absent or from another world size);
+        its own optimizer states, if it has them, are kept for :meth:`load_optimizer_state_dict`."""
+        mine = self._exact_resume.take(checkpoint.get(RANK_STATES), self.global_rank,  # type: ignore[attr-defined]
                                        self.world_size)  # type: ignore[attr-defined]
+        self._own_optimizer_states = mine.get("optimizer_states") if mine is not None else None
+        return mine
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        """This rank's own optimizer state where the checkpoint has it, else Lightning's (rank 0's)."""
+        states, self._own_optimizer_states = self._own_optimizer_states, None
+        super().load_optimizer_state_dict(  # type: ignore[misc]
+            checkpoint if states is None else {"optimizer_states": states})

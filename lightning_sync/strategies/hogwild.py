@@ -43,7 +43,7 @@ If a process fails, the others raise at the next barrier or collective (or at ``
 from __future__ import annotations
 
 import os
-from collections.abc import Generator, Mapping
+from collections.abc import Generator
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
@@ -104,6 +104,7 @@ class HogwildStrategy(CommsCollectivesMixin, DDPStrategy):
     """
 
     strategy_name = "hogwild"
+    _per_rank_optimizer_state = True  # every rank steps an optimizer of its own
 
     def __init__(self, num_processes: int | None = None, oversubscribe: bool = False, start_method: str = "fork",
                  timeout: float | timedelta = 1800.0, **kwargs: Any) -> None:
@@ -125,7 +126,6 @@ class HogwildStrategy(CommsCollectivesMixin, DDPStrategy):
         super().__init__(process_group_backend="gloo", timeout=as_timedelta(timeout), start_method=start_method,
                          **kwargs)
         self.num_processes_requested, self.oversubscribe = num_processes, oversubscribe
-        self._own_optimizer_states: list[dict[str, Any]] | None = None  # from a checkpoint, loaded at resume
 
     @property
     def is_distributed(self) -> bool:
@@ -201,11 +201,7 @@ class HogwildStrategy(CommsCollectivesMixin, DDPStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        # rank 0's optimizer state is Lightning's; a weights-only checkpoint holds none
-        own = None
-        if self.global_rank != 0 and "optimizer_states" in checkpoint:
-            own = {"optimizer_states": [self.optimizer_state(o) for o in self.optimizers]}
-        self._save_rank_states(checkpoint, own)
+        self._save_rank_states(checkpoint)
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override
@@ -214,15 +210,8 @@ class HogwildStrategy(CommsCollectivesMixin, DDPStrategy):
         checkpoint that needs more raises :class:`~lightning_sync.sync.safe_load.UntrustedCheckpointError`."""
         checkpoint = guarded_load(lambda wo: super(HogwildStrategy, self).load_checkpoint(checkpoint_path, wo),
                                   checkpoint_path, weights_only)
-        mine = self._take_rank_state(checkpoint)
-        self._own_optimizer_states = mine.get("optimizer_states") if mine is not None else None
+        self._take_rank_state(checkpoint)
         return checkpoint
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        """This process's own optimizer state where the checkpoint has it, else rank 0's."""
-        states, self._own_optimizer_states = self._own_optimizer_states, None
-        super().load_optimizer_state_dict(checkpoint if states is None else {"optimizer_states": states})
 
     @override
     def teardown(self) -> None:

@@ -73,6 +73,7 @@ class LocalSGDStrategy(BucketedDDPStrategy):
     """
 
     strategy_name = "local_sgd"
+    _per_rank_optimizer_state = True  # every rank steps an optimizer of its own
 
     def __init__(self, sync_every: int = 8, warmup_steps: int = 0, average_optimizer_state: bool = False,
                  **kwargs: Any) -> None:
@@ -84,7 +85,7 @@ class LocalSGDStrategy(BucketedDDPStrategy):
         self.averager: Any = None  # PeriodicAverager (DiLoCoOuter in the DiLoCo subclass)
         self._pending_averager: dict[str, Any] | None = None
         self._stashed: list[torch.Tensor] | None = None
-        self._own_pending: dict[str, Any] | None = None  # this rank's replica and optimizer state, to put back
+        self._own_pending: dict[str, Any] | None = None  # this rank's replica, to put back
 
     def _averaged_tensors(self) -> list[torch.Tensor]:
         assert self.model is not None
@@ -221,8 +222,8 @@ class LocalSGDStrategy(BucketedDDPStrategy):
 
     def _own_state(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
         """This rank's replica where it differs from the saved synchronized model (all of it inside a period,
-        nothing right after a sync), and its optimizer states (rank 0's are Lightning's ``optimizer_states``).
-        A weights-only checkpoint cannot resume training, so it gets neither."""
+        nothing right after a sync; its optimizer states are added by :meth:`_save_rank_states` itself). A
+        weights-only checkpoint cannot resume training, so it gets none."""
         if "optimizer_states" not in checkpoint or self.lightning_module is None:
             return {}
         saved = checkpoint.get("state_dict", {})
@@ -235,10 +236,7 @@ class LocalSGDStrategy(BucketedDDPStrategy):
             if not (key in saved and torch.equal(value, saved[key])):
                 # no copy: the entry is pickled for the gather at once (one process has nothing to add)
                 replica[key] = value.detach()
-        own: dict[str, Any] = {"replica": replica}
-        if self.global_rank != 0:
-            own["optimizer_states"] = [self.optimizer_state(o) for o in self.optimizers]
-        return own
+        return {"replica": replica}
 
     @override
     def _take_rank_state(self, checkpoint: dict[str, Any]) -> dict[str, Any] | None:
@@ -257,8 +255,7 @@ class LocalSGDStrategy(BucketedDDPStrategy):
         0's optimizer state: this rank's own optimizer state instead, and its own replica (the last step of
         a resume that touches them)."""
         own, self._own_pending = self._own_pending, None
-        states = own.get("optimizer_states") if own is not None else None
-        super().load_optimizer_state_dict(checkpoint if states is None else {"optimizer_states": states})
+        super().load_optimizer_state_dict(checkpoint)  # this rank's own optimizer state (ExactDataHooks)
         if own is None:
             return
         assert self.lightning_module is not None
