@@ -98,9 +98,7 @@ COMMON = [
     "seed=0",
 ]
 
-FINAL_RE = re.compile(
-    r"final metrics \((\d+) ranks, (\d+) steps\): (.*)$", re.MULTILINE
-)
+FINAL_RE = re.compile(r"final metrics \((\d+) ranks, (\d+) steps\): (.*)$", re.MULTILINE)
 
 
 def setting_args(model: str, setting: str) -> list[str]:
@@ -129,9 +127,7 @@ def find_cli() -> str:
         return str(local)
     found = shutil.which("lightning-sync")
     if found is None:
-        sys.exit(
-            "lightning-sync not found: install the package (pip install -e .[dev])"
-        )
+        sys.exit("lightning-sync not found: install the package (pip install -e .[dev])")
     return found
 
 
@@ -207,8 +203,7 @@ def run_one(cli: str, model: str, batch: int, setting: str, root: Path) -> dict:
         "optimizer_steps": steps,
         "returncode": proc.returncode,
         "wall_s": round(wall, 1),
-        "command": "lightning-sync "
-        + " ".join(cmd[1:-1]),  # without the temp hydra.run.dir
+        "command": "lightning-sync " + " ".join(cmd[1:-1]),  # without the temp hydra.run.dir
     }
     if proc.returncode != 0 or value is None:
         record["error_tail"] = out[-3000:]
@@ -230,9 +225,7 @@ def environment(cli: str) -> dict:
     probe = "import importlib.metadata as m, json; print(json.dumps({p: m.version(p) for p in ('torch', 'lightning', 'pytorch-optimizer', 'lightning-sync')}))"
     try:
         versions = json.loads(
-            subprocess.run(
-                [str(python), "-c", probe], capture_output=True, text=True, check=True
-            ).stdout
+            subprocess.run([str(python), "-c", probe], capture_output=True, text=True, check=True).stdout
         )
     except Exception as exc:  # noqa: BLE001 - informational only
         versions = {"error": repr(exc)}
@@ -253,9 +246,7 @@ def environment(cli: str) -> dict:
     }
 
 
-def lookup(
-    runs: list[dict], model: str, batch: int, setting: str
-) -> tuple[float | None, bool]:
+def lookup(runs: list[dict], model: str, batch: int, setting: str) -> tuple[float | None, bool]:
     """(value, is_noop_copy): settings 2 and 3 at global 64 fall back to setting 1 when not run."""
     for r in runs:
         if (r["model"], r["global_batch"], r["setting"]) == (model, batch, setting):
@@ -301,17 +292,11 @@ def render_md(data: dict, path: Path) -> None:
             s = "" if small is None else f"{small:.4f}" + (" = (1)" if noop else "")
             l_ = "" if large is None else f"{large:.4f}"
             d = "" if small is None or large is None else f"{large - small:+.4f}"
-            lines.append(
-                f"| {model} ({spec['metric']}, {arrow}) | {SETTING_LABELS[setting]} | {s} | {l_} | {d} |"
-            )
+            lines.append(f"| {model} ({spec['metric']}, {arrow}) | {SETTING_LABELS[setting]} | {s} | {l_} | {d} |")
     lines += ["", "Knobs (identical across all runs of a model):", ""]
     for model in data["models"]:
         spec = data["model_knobs"][model]
-        lamb_lr = (
-            spec["lamb_lr"]
-            if spec["lamb_lr"] is not None
-            else "0.02 (optim=lamb's own)"
-        )
+        lamb_lr = spec["lamb_lr"] if spec["lamb_lr"] is not None else "0.02 (optim=lamb's own)"
         lines.append(
             f"- `{model}`: {spec['epochs']} epochs at both batch sizes; warmup (3) {spec['warmup_steps']} optimizer "
             f"steps; LAMB lr {lamb_lr}, unscaled at both batch sizes; overrides `{' '.join(spec['extra'])}`."
@@ -350,9 +335,7 @@ def render_png(data: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     models = data["models"]
-    fig, axes = plt.subplots(
-        1, len(models), figsize=(6.5 * len(models), 4.6), squeeze=False
-    )
+    fig, axes = plt.subplots(1, len(models), figsize=(6.5 * len(models), 4.6), squeeze=False)
     colors = {BASE_BATCH: "#4c72b0", LARGE_BATCH: "#dd8452"}
     width = 0.38
     for ax, model in zip(axes[0], models):
@@ -425,12 +408,8 @@ def render(data: dict, out: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument(
-        "--out", type=Path, default=REPO / "docs" / "bench" / "large_batch"
-    )
-    parser.add_argument(
-        "--models", nargs="+", default=list(MODELS), choices=list(MODELS)
-    )
+    parser.add_argument("--out", type=Path, default=REPO / "docs" / "bench" / "large_batch")
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument(
         "--run-noop",
         action="store_true",
@@ -480,11 +459,7 @@ def main(argv: list[str] | None = None) -> None:
         for model in args.models:
             for batch in (BASE_BATCH, LARGE_BATCH):
                 for setting in SETTINGS:
-                    if (
-                        batch == BASE_BATCH
-                        and setting in ("linear", "linear_warmup")
-                        and not args.run_noop
-                    ):
+                    if batch == BASE_BATCH and setting in ("linear", "linear_warmup") and not args.run_noop:
                         continue
                     data["runs"].append(run_one(cli, model, batch, setting, root))
                     data["total_wall_s"] = round(time.perf_counter() - start, 1)
@@ -499,9 +474,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"[large_batch] run directories kept in {root}")
         else:
             shutil.rmtree(root, ignore_errors=True)
-    print(
-        f"[large_batch] wrote {args.out}/large_batch.{{md,json,png}} in {data['total_wall_s'] / 60:.1f} min"
-    )
+    print(f"[large_batch] wrote {args.out}/large_batch.{{md,json,png}} in {data['total_wall_s'] / 60:.1f} min")
 
 
 if __name__ == "__main__":

@@ -46,8 +46,9 @@ def probe(rank: int, world: int, cap_mb: float) -> dict[str, float]:
         t0 = time.perf_counter()
         forward_backward()
         compute.append(time.perf_counter() - t0)
-    bucketer = GradBucketer(model.named_parameters(), ProcessGroupCommunicator(), bucket_cap_mb=cap_mb,
-                            first_bucket_mb=min(1.0, cap_mb))
+    bucketer = GradBucketer(
+        model.named_parameters(), ProcessGroupCommunicator(), bucket_cap_mb=cap_mb, first_bucket_mb=min(1.0, cap_mb)
+    )
     step, backward, exposed = [], [], []
     for _ in range(STEPS + WARMUP):
         model.zero_grad()
@@ -66,8 +67,14 @@ def probe(rank: int, world: int, cap_mb: float) -> dict[str, float]:
             work.wait()
         alone.append(time.perf_counter() - t0)
     bucketer.close()
-    return {"buckets": len(bucketer.buckets), "compute_ms": _median_ms(compute), "comm_alone_ms": _median_ms(alone),
-            "step_ms": _median_ms(step), "backward_ms": _median_ms(backward), "exposed_ms": _median_ms(exposed)}
+    return {
+        "buckets": len(bucketer.buckets),
+        "compute_ms": _median_ms(compute),
+        "comm_alone_ms": _median_ms(alone),
+        "step_ms": _median_ms(step),
+        "backward_ms": _median_ms(backward),
+        "exposed_ms": _median_ms(exposed),
+    }
 
 
 def main() -> None:
@@ -76,8 +83,10 @@ def main() -> None:
     parser.add_argument("--caps", type=float, nargs="+", default=[25.0, 1.0], help="bucket_cap_mb values")
     args = parser.parse_args()
     for cap in args.caps:
-        print(f"cap={cap} MiB:", run_distributed(probe, args.world_size, cap, timeout=600,
-                                                env={"OMP_NUM_THREADS": "1"})[0])
+        print(
+            f"cap={cap} MiB:",
+            run_distributed(probe, args.world_size, cap, timeout=600, env={"OMP_NUM_THREADS": "1"})[0],
+        )
 
 
 if __name__ == "__main__":

@@ -57,13 +57,21 @@ def main() -> None:
     args = parser.parse_args()
 
     pl.seed_everything(0)
-    trainer = pl.Trainer(accelerator="cpu", devices=args.devices, strategy=args.strategy,
-                         max_steps=args.max_steps, logger=False, enable_checkpointing=False)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=args.devices,
+        strategy=args.strategy,
+        max_steps=args.max_steps,
+        logger=False,
+        enable_checkpointing=False,
+    )
     model = MyRegressor()
     trainer.fit(model, diabetes_loader(args.batch_size))
     if trainer.is_global_zero and trainer.global_step:  # a *_spawn strategy trains in child processes
-        print(f"final train_mse={float(trainer.callback_metrics['train_mse']):.4f} "
-              f"after {trainer.global_step} steps on {trainer.world_size} ranks ({args.strategy})")
+        print(
+            f"final train_mse={float(trainer.callback_metrics['train_mse']):.4f} "
+            f"after {trainer.global_step} steps on {trainer.world_size} ranks ({args.strategy})"
+        )
 
 
 if __name__ == "__main__":

@@ -42,8 +42,9 @@ def _measure(rank: int, world: int, stage: int, param_dtype: str | None) -> dict
     torch.set_num_threads(1)
     model = WideMLP(in_features=1024)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    engine = ZeroEngine(model, opt, ProcessGroupCommunicator(), stage=stage, wrap_policy=["torch.nn.Linear"],
-                        param_dtype=param_dtype)
+    engine = ZeroEngine(
+        model, opt, ProcessGroupCommunicator(), stage=stage, wrap_policy=["torch.nn.Linear"], param_dtype=param_dtype
+    )
     x = torch.randn(16, 1024)
     held: dict[str, int] = {}
     for _ in range(2):
@@ -69,13 +70,18 @@ def main() -> None:
             for stage in (1, 2, 3):
                 out = run_distributed(_measure, world, stage, dtype, timeout=600)[0]
                 held, total = out["held"], sum(out["held"].values())
-                formula = zero_memory_bytes(out["numel"], world, stage, optimizer_bytes=k, param_bytes=p,
-                                            grad_bytes=g)
-                note = f" (DDP/K + largest unit: {(ddp / world + out['unit_bytes']) / _MIB:.1f})" if stage == 3 \
-                    and precision == "fp32" else ""
-                print(f"| {precision} | {world} | {stage} | {held['params'] / _MIB:.1f} | {held['grads'] / _MIB:.1f} | "
-                      f"{held['optimizer'] / _MIB:.1f} | {total / _MIB:.1f} | {formula / _MIB:.1f}{note} | "
-                      f"{total / formula:.3f} |", flush=True)
+                formula = zero_memory_bytes(out["numel"], world, stage, optimizer_bytes=k, param_bytes=p, grad_bytes=g)
+                note = (
+                    f" (DDP/K + largest unit: {(ddp / world + out['unit_bytes']) / _MIB:.1f})"
+                    if stage == 3 and precision == "fp32"
+                    else ""
+                )
+                print(
+                    f"| {precision} | {world} | {stage} | {held['params'] / _MIB:.1f} | {held['grads'] / _MIB:.1f} | "
+                    f"{held['optimizer'] / _MIB:.1f} | {total / _MIB:.1f} | {formula / _MIB:.1f}{note} | "
+                    f"{total / formula:.3f} |",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

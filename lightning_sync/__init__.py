@@ -5,7 +5,22 @@ Importing the package registers its strategy names with Lightning's ``StrategyRe
 """
 
 from lightning_sync import comms
-from lightning_sync.strategies import AsyncParameterServerStrategy, BucketedDDPStrategy, DiLoCoStrategy, HogwildStrategy, LocalSGDStrategy, ShardedStrategy
+from lightning_sync.strategies import (
+    AsyncParameterServerStrategy,
+    BucketedDDPStrategy,
+    DiLoCoStrategy,
+    HogwildStrategy,
+    LocalSGDStrategy,
+    ShardedStrategy,
+)
 
-__all__ = ["AsyncParameterServerStrategy", "BucketedDDPStrategy", "DiLoCoStrategy", "HogwildStrategy", "LocalSGDStrategy", "ShardedStrategy", "comms"]
+__all__ = [
+    "AsyncParameterServerStrategy",
+    "BucketedDDPStrategy",
+    "DiLoCoStrategy",
+    "HogwildStrategy",
+    "LocalSGDStrategy",
+    "ShardedStrategy",
+    "comms",
+]
 __version__ = "0.1.0"

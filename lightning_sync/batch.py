@@ -23,8 +23,7 @@ from dataclasses import dataclass
 
 from lightning_sync._checks import check_int
 
-__all__ = ["LARGE_BATCH", "LARGE_BATCH_OPTIMIZERS", "BatchPlan", "derive_batch", "large_batch_warning",
-           "world_size_of"]
+__all__ = ["LARGE_BATCH", "LARGE_BATCH_OPTIMIZERS", "BatchPlan", "derive_batch", "large_batch_warning", "world_size_of"]
 
 #: Global batch above which :func:`large_batch_warning` warns unless the optimizer is LARS or LAMB.
 LARGE_BATCH = 32768
@@ -53,17 +52,22 @@ class BatchPlan:
             check_int(name, getattr(self, name), 1)
         product = self.per_device * self.world_size * self.accumulate
         if product != self.global_size:
-            raise ValueError(f"inconsistent batch: global {self.global_size} != per_device {self.per_device} x "
-                             f"world {self.world_size} x accumulate {self.accumulate} (= {product})")
+            raise ValueError(
+                f"inconsistent batch: global {self.global_size} != per_device {self.per_device} x "
+                f"world {self.world_size} x accumulate {self.accumulate} (= {product})"
+            )
 
     def describe(self) -> str:
         """One line, e.g. ``global batch 256 = per_device 32 x world 2 x accumulate 4``."""
-        return (f"global batch {self.global_size} = per_device {self.per_device} x world {self.world_size} "
-                f"x accumulate {self.accumulate}")
+        return (
+            f"global batch {self.global_size} = per_device {self.per_device} x world {self.world_size} "
+            f"x accumulate {self.accumulate}"
+        )
 
 
-def derive_batch(world_size: int, global_size: int | None = None, per_device: int | None = None,
-                 accumulate: int | None = None) -> BatchPlan:
+def derive_batch(
+    world_size: int, global_size: int | None = None, per_device: int | None = None, accumulate: int | None = None
+) -> BatchPlan:
     """The :class:`BatchPlan` of ``world_size`` ranks and at least two of the three batch numbers.
 
     Given two, the third is derived; given all three, they must multiply out. Raises ``ValueError``
@@ -77,8 +81,9 @@ def derive_batch(world_size: int, global_size: int | None = None, per_device: in
         check_int(name, value, 1)
     if len(given) < 2:
         got = ", ".join(f"{k}={v}" for k, v in given.items()) or "none"
-        raise ValueError(f"batch: give at least two of {', '.join(_KEYS)} (the third is derived with world "
-                         f"{world_size}); got {got}")
+        raise ValueError(
+            f"batch: give at least two of {', '.join(_KEYS)} (the third is derived with world {world_size}); got {got}"
+        )
     if per_device is not None and accumulate is not None:  # global derived, or given and checked
         product = per_device * world_size * accumulate
         return BatchPlan(product if global_size is None else global_size, per_device, accumulate, world_size)
@@ -109,8 +114,10 @@ def world_size_of(devices: object, num_nodes: object = 1) -> int:
     elif isinstance(devices, Sequence) and not isinstance(devices, bytes):
         count = len(devices) or devices
     if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-        raise ValueError(f"devices={devices!r}: the batch arithmetic needs the number of processes per node, "
-                         f"an int >= 1 (or a list of device indices); 'auto' and -1 are not allowed here")
+        raise ValueError(
+            f"devices={devices!r}: the batch arithmetic needs the number of processes per node, "
+            f"an int >= 1 (or a list of device indices); 'auto' and -1 are not allowed here"
+        )
     return count * check_int("num_nodes", num_nodes, 1)
 
 
@@ -127,7 +134,9 @@ def large_batch_warning(global_size: int, optimizer: str | None) -> str | None:
         if any(name in last for name in LARGE_BATCH_OPTIMIZERS):
             return None
     which = f"optimizer {optimizer!r}" if optimizer is not None else "an optimizer the config does not name"
-    return (f"global batch {global_size} > {LARGE_BATCH} with {which}: very large batches tend to generalize "
-            f"worse (the generalization gap: Keskar et al. 2017, 'On Large-Batch Training for Deep Learning'), "
-            f"and plain SGD/Adam lose accuracy at this size even with linear LR scaling and warmup; a layer-wise "
-            f"adaptive optimizer such as LARS (You et al. 2017) or LAMB (You et al. 2020) is the usual answer.")
+    return (
+        f"global batch {global_size} > {LARGE_BATCH} with {which}: very large batches tend to generalize "
+        f"worse (the generalization gap: Keskar et al. 2017, 'On Large-Batch Training for Deep Learning'), "
+        f"and plain SGD/Adam lose accuracy at this size even with linear LR scaling and warmup; a layer-wise "
+        f"adaptive optimizer such as LARS (You et al. 2017) or LAMB (You et al. 2020) is the usual answer."
+    )

@@ -98,9 +98,11 @@ def _warn_oversubscription(cfg: Any) -> str | None:
         return None
     from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-    message = (f"trainer.devices={devices} on a CPU run, but this machine has {cpus} CPUs: oversubscription, "
-               f"{devices / cpus:.2g} processes per CPU. The processes will time-share the cores, so training is "
-               f"slower and its timings are meaningless; use trainer.devices<={cpus} for measurements.")
+    message = (
+        f"trainer.devices={devices} on a CPU run, but this machine has {cpus} CPUs: oversubscription, "
+        f"{devices / cpus:.2g} processes per CPU. The processes will time-share the cores, so training is "
+        f"slower and its timings are meaningless; use trainer.devices<={cpus} for measurements."
+    )
     rank_zero_warn(message, category=UserWarning)
     return message
 
@@ -131,11 +133,12 @@ def _apply_batch(cfg: Any) -> Any:
         raise ValueError(f"{given} with trainer.devices={devices!r} x trainer.num_nodes={nodes!r}: {err}") from None
     current = cfg.trainer.get("accumulate_grad_batches", 1)
     overrides = HydraConfig.get().overrides.task if HydraConfig.initialized() else []
-    explicit = current != 1 or any(o.lstrip("+~").split("=")[0] == "trainer.accumulate_grad_batches"
-                                   for o in overrides)
+    explicit = current != 1 or any(o.lstrip("+~").split("=")[0] == "trainer.accumulate_grad_batches" for o in overrides)
     if explicit and current != plan.accumulate:
-        raise ValueError(f"trainer.accumulate_grad_batches={current} contradicts the batch config, which derives "
-                         f"accumulate {plan.accumulate} ({plan.describe()}): drop one, or make them agree")
+        raise ValueError(
+            f"trainer.accumulate_grad_batches={current} contradicts the batch config, which derives "
+            f"accumulate {plan.accumulate} ({plan.describe()}): drop one, or make them agree"
+        )
     with open_dict(cfg):
         cfg.data.batch_size = plan.per_device
         cfg.trainer.accumulate_grad_batches = plan.accumulate
@@ -179,8 +182,13 @@ def _resume_from(ckpt_path: str | None, requeue: Any, trainer: Any) -> str | Non
             log.info("ckpt_path=last: no complete checkpoint found, training from scratch")
         return None if ckpt_path == "last" else ckpt_path
     if trainer.is_global_zero:
-        log.info("resuming from %s (global step %d, the newest complete of %s; SLURM restart count %s)", newest[0],
-                 newest[1], [str(c) for c in candidates], os.environ.get("SLURM_RESTART_COUNT", "0"))
+        log.info(
+            "resuming from %s (global step %d, the newest complete of %s; SLURM restart count %s)",
+            newest[0],
+            newest[1],
+            [str(c) for c in candidates],
+            os.environ.get("SLURM_RESTART_COUNT", "0"),
+        )
     return str(newest[0])
 
 
@@ -213,16 +221,21 @@ def run_train(cfg: Any) -> dict[str, float]:
         # optim.*: LR scaling to the global batch and gradual warmup (a callback, outside any strategy)
         from lightning_sync.lr_rules import ScaledWarmup
 
-        callbacks.append(ScaledWarmup(lr_scaling=optim.get("lr_scaling", "none"),
-                                      base_batch_size=optim.get("base_batch_size"),
-                                      global_batch_size=plan.global_size if plan is not None else None,
-                                      warmup_steps=optim.get("warmup_steps", 0),
-                                      warmup_start=optim.get("warmup_start", "base")))
+        callbacks.append(
+            ScaledWarmup(
+                lr_scaling=optim.get("lr_scaling", "none"),
+                base_batch_size=optim.get("base_batch_size"),
+                global_batch_size=plan.global_size if plan is not None else None,
+                warmup_steps=optim.get("warmup_steps", 0),
+                warmup_start=optim.get("warmup_start", "base"),
+            )
+        )
     callbacks += [instantiate(spec) for spec in (cfg.get("diagnostics") or {}).values() if spec is not None]
     if cfg.get("checkpoint") and cfg.trainer.get("enable_checkpointing", True):
         callbacks.append(instantiate(cfg.checkpoint))
-    trainer: pl.Trainer = instantiate(cfg.trainer, strategy=strategy, callbacks=callbacks,
-                                      **({"plugins": plugins} if plugins else {}))
+    trainer: pl.Trainer = instantiate(
+        cfg.trainer, strategy=strategy, callbacks=callbacks, **({"plugins": plugins} if plugins else {})
+    )
     if rendezvous is not None:
         trainer.callbacks.append(NodeBanner(rendezvous))
     requeue = None
@@ -234,8 +247,11 @@ def run_train(cfg: Any) -> dict[str, float]:
     if requeue is not None and requeue.preempted:
         said = "job requeued" if requeue.requeued else "job NOT requeued (see above)"
         # only rank 0 (which ran scontrol) has a message; the app logs a non-empty one
-        raise Preempted(f"preempted at global step {trainer.global_step}: checkpoint {requeue.checkpoint}, {said}"
-                        if trainer.is_global_zero else "")
+        raise Preempted(
+            f"preempted at global step {trainer.global_step}: checkpoint {requeue.checkpoint}, {said}"
+            if trainer.is_global_zero
+            else ""
+        )
     if cfg.get("final_checkpoint"):
         trainer.save_checkpoint(cfg.final_checkpoint)
     if cfg.final_validate:
@@ -300,8 +316,10 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help"):
-        print(f"usage: lightning-sync {{{','.join(SUBCOMMANDS)}}} [hydra overrides and flags...]\n"
-              f"       lightning-sync train --help   (Hydra's help: config groups and options)")
+        print(
+            f"usage: lightning-sync {{{','.join(SUBCOMMANDS)}}} [hydra overrides and flags...]\n"
+            f"       lightning-sync train --help   (Hydra's help: config groups and options)"
+        )
         return
     sub = args.pop(0)
     if sub not in SUBCOMMANDS:

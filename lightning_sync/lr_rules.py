@@ -24,8 +24,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_sync._checks import check_choice, check_int
 
-__all__ = ["LR_SCALINGS", "SCALE_KEY", "WARMUP_STARTS", "ScaledWarmup", "lr_scale_factor", "scale_lr",
-           "warmup_factor"]
+__all__ = ["LR_SCALINGS", "SCALE_KEY", "WARMUP_STARTS", "ScaledWarmup", "lr_scale_factor", "scale_lr", "warmup_factor"]
 
 #: Rules accepted by :func:`scale_lr`: f(r) = 1, r or sqrt(r) for r = global batch / base batch.
 LR_SCALINGS: tuple[str, ...] = ("none", "linear", "sqrt")
@@ -168,15 +167,23 @@ class ScaledWarmup(pl.Callback):
         warmup_start: ``"base"`` (ramp from the unscaled LR, i.e. LR / k) or ``"zero"`` (:data:`WARMUP_STARTS`).
     """
 
-    def __init__(self, lr_scaling: str = "none", base_batch_size: int | None = None,
-                 global_batch_size: int | None = None, warmup_steps: int = 0, warmup_start: str = "base") -> None:
+    def __init__(
+        self,
+        lr_scaling: str = "none",
+        base_batch_size: int | None = None,
+        global_batch_size: int | None = None,
+        warmup_steps: int = 0,
+        warmup_start: str = "base",
+    ) -> None:
         super().__init__()
         self.lr_scaling = check_choice("lr_scaling", lr_scaling, LR_SCALINGS)
         if base_batch_size is not None:
             check_int("base_batch_size", base_batch_size, 1)
         elif lr_scaling != "none":
-            raise ValueError(f"lr_scaling={lr_scaling!r} needs base_batch_size (an int >= 1, the global batch "
-                             f"the learning rate was tuned for), got None")
+            raise ValueError(
+                f"lr_scaling={lr_scaling!r} needs base_batch_size (an int >= 1, the global batch "
+                f"the learning rate was tuned for), got None"
+            )
         self.base_batch_size = base_batch_size
         if global_batch_size is not None:
             check_int("global_batch_size", global_batch_size, 1)
@@ -212,15 +219,18 @@ class ScaledWarmup(pl.Callback):
                 return None
             per_device = getattr(trainer.train_dataloader, "batch_size", None)
             if not isinstance(per_device, int):
-                raise ValueError(f"ScaledWarmup(lr_scaling={self.lr_scaling!r}) cannot infer the global batch: the "
-                                 f"training DataLoader's batch_size is {per_device!r}; pass global_batch_size")
+                raise ValueError(
+                    f"ScaledWarmup(lr_scaling={self.lr_scaling!r}) cannot infer the global batch: the "
+                    f"training DataLoader's batch_size is {per_device!r}; pass global_batch_size"
+                )
             self.global_batch_size = per_device * trainer.world_size * trainer.accumulate_grad_batches
         assert self.base_batch_size is not None
         return lr_scale_factor(self.global_batch_size, self.base_batch_size, self.lr_scaling)
 
     @staticmethod
-    def _targets(trainer: pl.Trainer) -> tuple[list[torch.optim.Optimizer], list[Any], Callable[[], int],
-                                               AbstractContextManager[Any]]:
+    def _targets(
+        trainer: pl.Trainer,
+    ) -> tuple[list[torch.optim.Optimizer], list[Any], Callable[[], int], AbstractContextManager[Any]]:
         """(optimizers that update the model, their schedulers, the step clock, a lock to scale under)."""
         from lightning_sync.strategies.async_ps import AsyncParameterServerStrategy
 
@@ -247,21 +257,31 @@ class ScaledWarmup(pl.Callback):
         if not self._hooks:
             self._attached = list(optimizers)
             for opt in optimizers:
-                self._hooks += [opt.register_step_pre_hook(self._pre_step),
-                                opt.register_step_post_hook(self._post_step)]
+                self._hooks += [
+                    opt.register_step_pre_hook(self._pre_step),
+                    opt.register_step_post_hook(self._post_step),
+                ]
             self._logged_optimizer = optimizers[0] if optimizers else None
         if first:
-            ratio = "" if self.lr_scaling == "none" else \
-                f" ({self.lr_scaling} rule: global batch {self.global_batch_size} / base batch {self.base_batch_size})"
+            ratio = (
+                ""
+                if self.lr_scaling == "none"
+                else f" ({self.lr_scaling} rule: global batch {self.global_batch_size} / base batch {self.base_batch_size})"
+            )
             start = "the unscaled lr (lr / k)" if self.warmup_start == "base" else "0"
             warm = f"; warmup over {self.warmup_steps} optimizer steps from {start}" if self.warmup_steps else ""
             rank_zero_info(f"ScaledWarmup: lr x k, k = {scale:.6g}{ratio}{warm}")
             if self.warmup_steps and self.warmup_start == "base" and scale == 1.0:
-                rank_zero_warn("ScaledWarmup: warmup_start='base' with k = 1 ramps from the LR to itself (no "
-                               "warmup); use warmup_start='zero' to warm up an unscaled LR", category=UserWarning)
+                rank_zero_warn(
+                    "ScaledWarmup: warmup_start='base' with k = 1 ramps from the LR to itself (no "
+                    "warmup); use warmup_start='zero' to warm up an unscaled LR",
+                    category=UserWarning,
+                )
         elif any(changed) and self._loaded is not None and self._loaded.get("scale") not in (None, scale):
-            rank_zero_info(f"ScaledWarmup: the checkpoint's LRs were scaled by {self._loaded['scale']:.6g}; "
-                           f"rescaled to k = {scale:.6g}")
+            rank_zero_info(
+                f"ScaledWarmup: the checkpoint's LRs were scaled by {self._loaded['scale']:.6g}; "
+                f"rescaled to k = {scale:.6g}"
+            )
 
     # ------------------------------------------------------------------ optimizer step hooks
     def _pre_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -302,12 +322,16 @@ class ScaledWarmup(pl.Callback):
             mine = {k: v for k, v in self.state_dict().items() if k not in ("scale", "global_batch_size")}
             theirs = {k: self._loaded.get(k) for k in mine}
             if mine != theirs:
-                rank_zero_warn(f"ScaledWarmup: resumed with other settings than the checkpoint's: now {mine}, "
-                               f"checkpoint {theirs}; the warmup follows the new ones from global step "
-                               f"{trainer.global_step}", category=UserWarning)
+                rank_zero_warn(
+                    f"ScaledWarmup: resumed with other settings than the checkpoint's: now {mine}, "
+                    f"checkpoint {theirs}; the warmup follows the new ones from global step "
+                    f"{trainer.global_step}",
+                    category=UserWarning,
+                )
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if self._stepped and self._effective is not None:
             self._stepped = False
             # float64 on the CPU: the logger receives exactly the LR the step used (Lightning casts a float to fp32)
@@ -321,9 +345,14 @@ class ScaledWarmup(pl.Callback):
             self._detach()
 
     def state_dict(self) -> dict[str, Any]:
-        return {"scale": self._scale, "lr_scaling": self.lr_scaling, "base_batch_size": self.base_batch_size,
-                "global_batch_size": self.global_batch_size, "warmup_steps": self.warmup_steps,
-                "warmup_start": self.warmup_start}
+        return {
+            "scale": self._scale,
+            "lr_scaling": self.lr_scaling,
+            "base_batch_size": self.base_batch_size,
+            "global_batch_size": self.global_batch_size,
+            "warmup_steps": self.warmup_steps,
+            "warmup_start": self.warmup_start,
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Only remembered, to report a change of settings: the LRs' scale travels with the optimizer's

@@ -119,8 +119,12 @@ class ExactResume:
         batch_sampler = getattr(loader, "batch_sampler", None)
         sampler = getattr(batch_sampler, "sampler", None)
         batch_size = getattr(batch_sampler, "batch_size", None)
-        if (not isinstance(loader, DataLoader) or isinstance(loader, _Stateful) or not isinstance(batch_size, int)
-                or type(sampler) is not DistributedSampler):  # a subclass may order samples its own way
+        if (
+            not isinstance(loader, DataLoader)
+            or isinstance(loader, _Stateful)
+            or not isinstance(batch_size, int)
+            or type(sampler) is not DistributedSampler
+        ):  # a subclass may order samples its own way
             return loader
         ordered = GlobalOrderSampler(sampler)
         batch_sampler.sampler = ordered
@@ -132,8 +136,13 @@ class ExactResume:
         def load_state_dict(state: dict[str, Any]) -> None:
             ordered.resume(state)
             if state["position"] and rank_zero_only.rank == 0:
-                log.info("resume: epoch %d continues at sample %d of its global order of %d; the batches already "
-                         "trained are skipped", state["epoch"], state["position"], ordered.total)
+                log.info(
+                    "resume: epoch %d continues at sample %d of its global order of %d; the batches already "
+                    "trained are skipped",
+                    state["epoch"],
+                    state["position"],
+                    ordered.total,
+                )
 
         # instance attributes: the user's DataLoader class stays what it is, and Lightning's ``_Stateful``
         # check (a protocol) sees the two methods
@@ -159,8 +168,12 @@ class ExactResume:
             return None
         if len(states) != world_size:
             if rank == 0:
-                log.warning("resume: the checkpoint holds the RNG states of %d ranks, this run has %d: each rank's "
-                            "generators keep their seeding", len(states), world_size)
+                log.warning(
+                    "resume: the checkpoint holds the RNG states of %d ranks, this run has %d: each rank's "
+                    "generators keep their seeding",
+                    len(states),
+                    world_size,
+                )
             return None
         mine = states[rank]
         self._rng = mine.get("rng")

@@ -76,8 +76,9 @@ class GlobalOrderSampler(Sampler[int]):
                 start = position
             else:  # Lightning moved on to another epoch: the saved position no longer applies
                 self._resume = None
-        order = global_order(len(self.base.dataset), self.epoch, int(self.base.seed), bool(self.base.shuffle),
-                             self.total)
+        order = global_order(
+            len(self.base.dataset), self.epoch, int(self.base.seed), bool(self.base.shuffle), self.total
+        )
         return iter(order[start + int(self.base.rank) : self.total : self.world_size])
 
     def __len__(self) -> int:
@@ -94,8 +95,13 @@ class GlobalOrderSampler(Sampler[int]):
         """What a checkpoint carries: the epoch to continue and the position in its global order (the next
         epoch at 0 when this one is done), and what must match for the position to mean the same samples."""
         epoch, position = (self.epoch + 1, 0) if epoch_done else (self.epoch, self.position(batches, batch_size))
-        return {"epoch": epoch, "position": position, "world_size": self.world_size,
-                "dataset_size": len(self.base.dataset), "seed": int(self.base.seed)}
+        return {
+            "epoch": epoch,
+            "position": position,
+            "world_size": self.world_size,
+            "dataset_size": len(self.base.dataset),
+            "seed": int(self.base.seed),
+        }
 
     def resume(self, state: Mapping[str, Any]) -> None:
         """Start epoch ``state["epoch"]`` at ``state["position"]``, and make it the current epoch now, before
@@ -105,16 +111,19 @@ class GlobalOrderSampler(Sampler[int]):
         epoch, position = int(state["epoch"]), int(state["position"])
         if position:
             saved = {k: state.get(k) for k in ("dataset_size", "seed", "world_size")}
-            here = {"dataset_size": len(self.base.dataset), "seed": int(self.base.seed),
-                    "world_size": self.world_size}
+            here = {"dataset_size": len(self.base.dataset), "seed": int(self.base.seed), "world_size": self.world_size}
             if saved != here:
-                raise ValueError(f"the checkpoint stopped inside epoch {epoch} at sample {position} of its global "
-                                 f"order with {saved}; this run has {here}, so the rest of that epoch would not be "
-                                 f"the samples the interrupted run had left. Resume with the checkpoint's "
-                                 f"settings, or from a checkpoint saved at an epoch's end")
+                raise ValueError(
+                    f"the checkpoint stopped inside epoch {epoch} at sample {position} of its global "
+                    f"order with {saved}; this run has {here}, so the rest of that epoch would not be "
+                    f"the samples the interrupted run had left. Resume with the checkpoint's "
+                    f"settings, or from a checkpoint saved at an epoch's end"
+                )
             if not 0 < position <= self.total or position % self.world_size:
-                raise ValueError(f"position {position} is not a multiple of the world size {self.world_size} "
-                                 f"within the epoch's {self.total} samples")
+                raise ValueError(
+                    f"position {position} is not a multiple of the world size {self.world_size} "
+                    f"within the epoch's {self.total} samples"
+                )
         self.base.set_epoch(epoch)
         self._resume = (epoch, position)
 

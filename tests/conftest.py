@@ -10,8 +10,19 @@ import torch
 import torch.distributed as dist
 
 # Variables a distributed run sets; a test must never leave them behind in the pytest process.
-_DIST_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK",
-             "LOCAL_WORLD_SIZE", "GROUP_RANK", "PL_GLOBAL_SEED", "PL_TRAINER_GPUS", "TORCHELASTIC_RUN_ID")
+_DIST_ENV = (
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "NODE_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "PL_GLOBAL_SEED",
+    "PL_TRAINER_GPUS",
+    "TORCHELASTIC_RUN_ID",
+)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -10,12 +10,12 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
+from test_cli import run_cli  # noqa: E402 - tests/ is on sys.path under pytest's rootdir import mode
 
 from lightning_sync.bench import Report, schedule
 from lightning_sync.bench.app import select_strategies
 from lightning_sync.bench.report import analytic_wire_bytes, analytic_wire_factor, load_raw, wire_bytes
 from lightning_sync.testing import run_distributed
-from test_cli import run_cli  # noqa: E402 - tests/ is on sys.path under pytest's rootdir import mode
 
 
 def test_the_compute_row_sits_mid_round_so_its_samples_lie_a_round_apart() -> None:
@@ -35,8 +35,19 @@ def test_schedule_alternates_and_reverses() -> None:
         schedule(["a"], 0)
 
 
-ALL_ROWS = ["lightning_ddp", "bucketed_ddp", "bucketed_ddp_fp16", "bucketed_ddp_bf16", "bucketed_ddp_powersgd", "fsdp2",
-            "zero1", "zero2", "zero3", "local_sgd", "diloco"]
+ALL_ROWS = [
+    "lightning_ddp",
+    "bucketed_ddp",
+    "bucketed_ddp_fp16",
+    "bucketed_ddp_bf16",
+    "bucketed_ddp_powersgd",
+    "fsdp2",
+    "zero1",
+    "zero2",
+    "zero3",
+    "local_sgd",
+    "diloco",
+]
 
 
 @pytest.mark.slow
@@ -45,9 +56,21 @@ def test_bench_quick_suite_smoke_writes_report_with_exact_byte_ratios(tmp_path: 
     """``suite=quick`` with a few steps per strategy (the issue's CI smoke test), the bucket sweep and a
     small all-reduce sweep: every strategy row, the cost model's validation row for each, the plots, and
     the byte figures that are exact by construction. No timing is asserted."""
-    proc = run_cli(["bench", "suite=quick", "steps=10", "warmup_steps=2", "bucket_sweep.enabled=true",
-                    "bucket_sweep.caps_mb=[1,10000]", "cost_model.sweep.largest=65536", "cost_model.sweep.repeats=1",
-                    "models.deep_mlp.data.num_samples=1024"], tmp_path, timeout=360)
+    proc = run_cli(
+        [
+            "bench",
+            "suite=quick",
+            "steps=10",
+            "warmup_steps=2",
+            "bucket_sweep.enabled=true",
+            "bucket_sweep.caps_mb=[1,10000]",
+            "cost_model.sweep.largest=65536",
+            "cost_model.sweep.repeats=1",
+            "models.deep_mlp.data.num_samples=1024",
+        ],
+        tmp_path,
+        timeout=360,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     (report,) = (tmp_path / "outputs" / "bench").glob("*/*/report.md")
     for png in ("step_time.png", "bucket_sweep.png", "sharding.png", "fit.png", "projection.png"):
@@ -87,8 +110,15 @@ def test_bench_quick_suite_smoke_writes_report_with_exact_byte_ratios(tmp_path: 
     assert float(shard_rows["fsdp2"][8]) == pytest.approx(1.5 * float(shard_rows["bucketed_ddp"][8]), rel=1e-3)
     # the cost model: a fit per swept op, a finite prediction for every row, a projection to 4096 ranks
     data = json.loads((report.parent / "report.json").read_text())
-    assert set(data["fits"]) == {"backend", "ring", "tree", "all_gather", "reduce_scatter", "torch_all_gather",
-                                 "torch_reduce_scatter"}
+    assert set(data["fits"]) == {
+        "backend",
+        "ring",
+        "tree",
+        "all_gather",
+        "reduce_scatter",
+        "torch_all_gather",
+        "torch_reduce_scatter",
+    }
     assert {v["strategy"] for v in data["validation"]} == set(ALL_ROWS)
     # codec arithmetic is measured exactly where a compressor runs (PowerSGD past its 2 warm-up steps)
     codec = {v["strategy"]: v["codec_s"] for v in data["validation"]}
@@ -128,8 +158,7 @@ def _zero(stage: int, **kw: object) -> dict[str, object]:
 def test_wire_bytes_apply_the_ring_factor_of_each_op() -> None:
     # K=4: all_reduce 2*3/4 = 1.5, reduce_scatter 3/4, all_gather 3 (payload = one shard), send 1,
     # recv 0 (the sender counts it), barrier 0, an op the table does not know counts once
-    ops = {"all_reduce": 100, "reduce_scatter": 40, "all_gather": 10, "send": 7, "recv": 999, "barrier": 0,
-           "custom": 5}
+    ops = {"all_reduce": 100, "reduce_scatter": 40, "all_gather": 10, "send": 7, "recv": 999, "barrier": 0, "custom": 5}
     assert wire_bytes(ops, 4) == pytest.approx(150 + 30 + 30 + 7 + 5)
     assert wire_bytes({"all_reduce": 8, "all_gather": 8, "reduce_scatter": 8}, 1) == 0.0  # one rank sends nothing
     # ZeRO-3 on K=2 with S=1000 bytes: two all-gathers of a 500-byte shard and one reduce-scatter of
@@ -157,34 +186,73 @@ def test_analytic_wire_bytes_per_strategy() -> None:
         analytic_wire_bytes(DDP, -1, 2)
 
 
-def _result(name: str, strategy: dict[str, object], step_ms: float, ops: dict[str, float], calls: int,
-            peak: float, world: int = 2, param_bytes: int = 2**20) -> dict[str, object]:
-    return {"name": name, "model": "m", "world": world, "step_s": [step_ms / 1e3] * 3,
-            "bytes_per_step": sum(ops.values()), "op_bytes_per_step": ops, "comm_calls": calls, "exposed_s": [],
-            "comm_s": None, "grad_bytes": param_bytes, "param_bytes": param_bytes, "strategy": strategy,
-            "peak_mib": peak, "extra": {}}
+def _result(
+    name: str,
+    strategy: dict[str, object],
+    step_ms: float,
+    ops: dict[str, float],
+    calls: int,
+    peak: float,
+    world: int = 2,
+    param_bytes: int = 2**20,
+) -> dict[str, object]:
+    return {
+        "name": name,
+        "model": "m",
+        "world": world,
+        "step_s": [step_ms / 1e3] * 3,
+        "bytes_per_step": sum(ops.values()),
+        "op_bytes_per_step": ops,
+        "comm_calls": calls,
+        "exposed_s": [],
+        "comm_s": None,
+        "grad_bytes": param_bytes,
+        "param_bytes": param_bytes,
+        "strategy": strategy,
+        "peak_mib": peak,
+        "extra": {},
+    }
 
 
 def test_report_sharding_table_measured_against_analytic(tmp_path: Path) -> None:
     from omegaconf import OmegaConf
 
     mib = 2**20
-    cfg = OmegaConf.create({"baseline": "lightning_ddp", "pairs": 2, "steps": 3, "warmup_steps": 1,
-                            "sharding_table": {"rows": ["lightning_ddp", "bucketed_ddp", "fsdp2", "zero3"],
-                                               "reference": "fsdp2"}})
+    cfg = OmegaConf.create(
+        {
+            "baseline": "lightning_ddp",
+            "pairs": 2,
+            "steps": 3,
+            "warmup_steps": 1,
+            "sharding_table": {"rows": ["lightning_ddp", "bucketed_ddp", "fsdp2", "zero3"], "reference": "fsdp2"},
+        }
+    )
     bucketed = {"_target_": "lightning_sync.strategies.bucketed_ddp.BucketedDDPStrategy"}
     one_pair = [
         ("lightning_ddp", DDP, 100.0, {}, 0),
         ("bucketed_ddp", bucketed, 110.0, {"all_reduce": mib}, 4),
         ("fsdp2", FSDP2, 200.0, {}, 0),
         # zero3 that gathers once more than it should (3 all-gathers of the half shard): 1.25 MiB over 1.5 analytic
-        ("zero3", _zero(3, wrap_policy=["torch.nn.Linear"]), 300.0,
-         {"all_gather": 3 * mib / 2, "reduce_scatter": mib, "broadcast": 0}, 9),
+        (
+            "zero3",
+            _zero(3, wrap_policy=["torch.nn.Linear"]),
+            300.0,
+            {"all_gather": 3 * mib / 2, "reduce_scatter": mib, "broadcast": 0},
+            9,
+        ),
     ]
     rank0 = [_result(n, s, t, o, c, peak=50.0) for n, s, t, o, c in one_pair * 2]
     rank1 = [_result(n, s, t, o, c, peak=70.0) for n, s, t, o, c in one_pair * 2]
-    meta = {"date": "2026-01-01", "cpu": "cpu", "python": "3", "torch": "t", "lightning": "l", "world_size": 2,
-            "threads_per_rank": 1, "command": "x"}
+    meta = {
+        "date": "2026-01-01",
+        "cpu": "cpu",
+        "python": "3",
+        "torch": "t",
+        "lightning": "l",
+        "world_size": 2,
+        "threads_per_rank": 1,
+        "command": "x",
+    }
     for i, t in enumerate(rank0):  # zero3 computed with a call in flight: 10 ms a step in one pair, 30 in the other
         if t["name"] == "zero3":
             t["covered_s"] = [0.01 if i < len(one_pair) else 0.03] * 3
@@ -219,12 +287,22 @@ def test_in_step_compute_rows_give_the_compute_and_are_not_strategy_rows() -> No
     from lightning_sync.bench.runner import IN_STEP
 
     cfg = OmegaConf.create({"baseline": "lightning_ddp", "pairs": 2, "steps": 3, "warmup_steps": 1})
-    meta = {"date": "d", "cpu": "c", "python": "3", "torch": "t", "lightning": "l", "threads_per_rank": 1,
-            "command": "x"}
+    meta = {
+        "date": "d",
+        "cpu": "c",
+        "python": "3",
+        "torch": "t",
+        "lightning": "l",
+        "threads_per_rank": 1,
+        "command": "x",
+    }
 
     def in_step(times: list[float]) -> dict[str, object]:
-        return {**_result(COMPUTE_ROW, {"_target_": None}, 0.0, {}, 0, peak=1.0), "step_s": times,
-                "extra": {IN_STEP: True}}
+        return {
+            **_result(COMPUTE_ROW, {"_target_": None}, 0.0, {}, 0, peak=1.0),
+            "step_s": times,
+            "extra": {IN_STEP: True},
+        }
 
     ddp = _result("lightning_ddp", DDP, 100.0, {}, 0, peak=1.0)
     # two rounds, each: ddp, then the compute row; per step the slower rank counts (a step waits for it)
@@ -241,8 +319,15 @@ def test_one_rank_rounds_give_t1_over_every_round_and_the_host_rows_work() -> No
     from omegaconf import OmegaConf
 
     cfg = OmegaConf.create({"baseline": "lightning_ddp", "pairs": 3, "steps": 3, "warmup_steps": 1})
-    meta = {"date": "d", "cpu": "c", "python": "3", "torch": "t", "lightning": "l", "threads_per_rank": 1,
-            "command": "x"}
+    meta = {
+        "date": "d",
+        "cpu": "c",
+        "python": "3",
+        "torch": "t",
+        "lightning": "l",
+        "threads_per_rank": 1,
+        "command": "x",
+    }
     ddp = _result("lightning_ddp", DDP, 100.0, {}, 0, peak=1.0)
     # three rounds of the one-rank schedule: single, fsdp2 / fsdp2, single / single, fsdp2
     single = [{"model": "m", "name": "single", "step_s": s} for s in ([0.010, 0.011], [0.030, 0.031], [0.012, 0.013])]
@@ -251,8 +336,9 @@ def test_one_rank_rounds_give_t1_over_every_round_and_the_host_rows_work() -> No
     # T1: the median over rounds of each round's median (not the last round's): 0.0125
     assert report.compute[("m", 1)] == pytest.approx(0.0125)
     assert report.host == {("m", "fsdp2"): pytest.approx(0.020 - 0.0125)}
-    assert ("Host work at one rank, the row's single-process step less T1 (ms; the cost model adds it): "
-            "fsdp2 on m +7.5") in report.markdown()
+    assert (
+        "Host work at one rank, the row's single-process step less T1 (ms; the cost model adds it): fsdp2 on m +7.5"
+    ) in report.markdown()
     assert report.as_json()["host_s"] == [{"model": "m", "strategy": "fsdp2", "seconds": pytest.approx(0.0075)}]
 
 
@@ -261,13 +347,17 @@ def test_host_rows_must_name_strategy_rows() -> None:
 
     from lightning_sync.bench.app import host_rows
 
-    cfg = OmegaConf.create({"strategies": {"lightning_ddp": DDP, "fsdp2": FSDP2},
-                            "cost_model": {"host_rows": ["fsdp2"]}})
+    cfg = OmegaConf.create(
+        {"strategies": {"lightning_ddp": DDP, "fsdp2": FSDP2}, "cost_model": {"host_rows": ["fsdp2"]}}
+    )
     assert host_rows(cfg, {"lightning_ddp": DDP, "fsdp2": FSDP2}) == {"fsdp2": (FSDP2, {})}
     assert host_rows(cfg, {"lightning_ddp": DDP}) == {}  # a row not selected by run_strategies is not run
     cfg.cost_model.host_rows = ["fsdp3"]
-    with pytest.raises(ValueError, match=r"cost_model.host_rows must name rows of strategies \['lightning_ddp', "
-                                         r"'fsdp2'\], got \['fsdp3'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"cost_model.host_rows must name rows of strategies \['lightning_ddp', "
+        r"'fsdp2'\], got \['fsdp3'\]",
+    ):
         host_rows(cfg, {"lightning_ddp": DDP})
 
 
@@ -278,24 +368,39 @@ def test_a_periodic_row_is_timed_and_predicted_over_windows_of_its_period() -> N
     from lightning_sync.bench.runner import IN_STEP
 
     cfg = OmegaConf.create({"baseline": "lightning_ddp", "pairs": 1, "steps": 6, "warmup_steps": 1})
-    meta = {"date": "d", "cpu": "c", "python": "3", "torch": "t", "lightning": "l", "threads_per_rank": 1,
-            "command": "x"}
+    meta = {
+        "date": "d",
+        "cpu": "c",
+        "python": "3",
+        "torch": "t",
+        "lightning": "l",
+        "threads_per_rank": 1,
+        "command": "x",
+    }
     ddp = {**_result("lightning_ddp", DDP, 100.0, {}, 0, peak=1.0), "step_s": [0.010, 0.011, 0.012]}
     # communicates on steps 3 and 6 (H = 3), and those steps hold the wait for the other rank: the median
     # of single steps (0.010) would leave the synchronization out; the median window mean is 0.020
-    local = {**_result("local_sgd", {"_target_": "x.LocalSGDStrategy"}, 10.0, {"all_reduce": 10.0}, 2, peak=1.0),
-             "step_s": [0.010, 0.010, 0.040, 0.010, 0.010, 0.040], "step_calls": [0, 0, 1, 0, 0, 1]}
+    local = {
+        **_result("local_sgd", {"_target_": "x.LocalSGDStrategy"}, 10.0, {"all_reduce": 10.0}, 2, peak=1.0),
+        "step_s": [0.010, 0.010, 0.040, 0.010, 0.010, 0.040],
+        "step_calls": [0, 0, 1, 0, 0, 1],
+    }
 
     def in_step(times: list[float]) -> dict[str, object]:
-        return {**_result(COMPUTE_ROW, {"_target_": None}, 0.0, {}, 0, peak=1.0), "step_s": times,
-                "extra": {IN_STEP: True}}
+        return {
+            **_result(COMPUTE_ROW, {"_target_": None}, 0.0, {}, 0, peak=1.0),
+            "step_s": times,
+            "extra": {IN_STEP: True},
+        }
 
     rank0 = [ddp, local, in_step([0.010, 0.010, 0.040, 0.010, 0.010, 0.040])]
     rank1 = [ddp, local, in_step([0.040, 0.010, 0.010, 0.040, 0.010, 0.010])]
     report = Report([rank0, rank1], [{"model": "m", "name": "single", "step_s": [0.005]}], cfg, meta)
     rows = {r["strategy"]: r for r in report.rows()}
     assert rows["local_sgd"]["sync_every"] == 3 and rows["lightning_ddp"]["sync_every"] == 1
-    assert rows["local_sgd"]["step_ms"] == pytest.approx(20.0) and rows["lightning_ddp"]["step_ms"] == pytest.approx(11.0)
+    assert rows["local_sgd"]["step_ms"] == pytest.approx(20.0) and rows["lightning_ddp"]["step_ms"] == pytest.approx(
+        11.0
+    )
     # compute: per step the slower rank, [40, 10, 40, 40, 10, 40] ms -> 40; per window of 3 steps both
     # ranks average 20 ms -> 20 (a rank's slow step is made up by its fast ones before the ranks meet)
     assert report.compute[("m", 2)] == pytest.approx(0.040)
@@ -322,8 +427,12 @@ def _count_torch_collectives(rank: int, world: int) -> object:
         work.wait()
     dist.all_gather_single(gathered, shard)  # after the block: not counted
     snap = comms.get_stats().snapshot()
-    return (dist.all_gather_single is original, gathered.tolist(), reduced.tolist(),
-            {op: (s.calls, s.bytes) for op, s in snap.items()})
+    return (
+        dist.all_gather_single is original,
+        gathered.tolist(),
+        reduced.tolist(),
+        {op: (s.calls, s.bytes) for op, s in snap.items()},
+    )
 
 
 def test_torch_collectives_are_counted_as_comms_ops_while_the_block_runs() -> None:
@@ -360,8 +469,10 @@ def test_sweep_passes_over_every_size_per_repeat_and_reports_every_time_per_poin
     assert [(p["bytes"], p["algorithm"]) for p in points] == [(n, a) for n in sizes for a in algorithms]
     # the times themselves are the benchmark's to judge (the fit table of the report), not a test's
     # (the report prints span / rank time per K: CostModel.span_ratio)
-    assert all(p["world"] == 2 and all(isinstance(p[t], float) for t in ("seconds", "median_seconds", "rank_seconds"))
-               for p in points)
+    assert all(
+        p["world"] == 2 and all(isinstance(p[t], float) for t in ("seconds", "median_seconds", "rank_seconds"))
+        for p in points
+    )
     # one warm-up per point, then each repeat passes over every size, the algorithms alternating: a burst
     # of load hits one repeat of several sizes (a little on each mean), not every repeat of one size
     warm = [(n, a) for n in sizes for a in algorithms]
@@ -370,6 +481,7 @@ def test_sweep_passes_over_every_size_per_repeat_and_reports_every_time_per_poin
 
 
 # --------------------------------------------------------------------------- strategy selection
+
 
 def test_select_strategies_subset_keeps_baseline_and_fails_fast() -> None:
     from omegaconf import OmegaConf
@@ -381,8 +493,11 @@ def test_select_strategies_subset_keeps_baseline_and_fails_fast() -> None:
     with pytest.raises(ValueError, match=r"run_strategies must name rows of strategies .*got \['zero9'\]"):
         select_strategies(cfg)
     cfg.run_strategies = None
-    with pytest.raises(ImportError, match=r"strategy row 'broken': cannot import 'lightning_sync.no_such_module.Nope'"
-                                          r".*run_strategies=\[lightning_ddp,fsdp2\]"):
+    with pytest.raises(
+        ImportError,
+        match=r"strategy row 'broken': cannot import 'lightning_sync.no_such_module.Nope'"
+        r".*run_strategies=\[lightning_ddp,fsdp2\]",
+    ):
         select_strategies(cfg)
     cfg.baseline = "nope"
     with pytest.raises(ValueError, match="baseline must be one of"):
@@ -390,6 +505,7 @@ def test_select_strategies_subset_keeps_baseline_and_fails_fast() -> None:
 
 
 # --------------------------------------------------------------------------- the FSDP2 baseline
+
 
 def test_fully_shard_strategy_rejects_bad_arguments() -> None:
     from lightning_sync.bench.fsdp2 import FullyShardStrategy, resolve_classes
@@ -411,8 +527,9 @@ class _LossLog(pl.Callback):
     def __init__(self) -> None:
         self.losses: list[float] = []
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: object,
-                           *args: object) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: object, *args: object
+    ) -> None:
         self.losses.append(float(outputs["loss"]))  # type: ignore[index]
 
 
@@ -438,15 +555,29 @@ def _fit_fsdp2_and_ddp(rank: int, world: int) -> dict[str, object]:
         before = {k: v.detach().clone() for k, v in model.state_dict().items()}
         log = _LossLog()
         strategy = FullyShardStrategy(shard_classes=["torch.nn.Linear"]) if name == "fsdp2" else DDPStrategy()
-        trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=4, max_epochs=-1,
-                             limit_val_batches=0, num_sanity_val_steps=0, logger=False, enable_checkpointing=False,
-                             enable_progress_bar=False, enable_model_summary=False, callbacks=[log])
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            devices=world,
+            strategy=strategy,
+            max_steps=4,
+            max_epochs=-1,
+            limit_val_batches=0,
+            num_sanity_val_steps=0,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=[log],
+        )
         trainer.fit(model, datamodule=SyntheticDataModule(num_samples=256, in_features=16, batch_size=8))
         params = dict(model.named_parameters())
         out[name] = {
-            "losses": log.losses, "before": before,
-            "after": {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
-                      for k, v in model.state_dict().items()},
+            "losses": log.losses,
+            "before": before,
+            "after": {
+                k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+                for k, v in model.state_dict().items()
+            },
             "units": sum(isinstance(m, FSDPModule) for m in model.modules()),
             "local_numel": {k: (p.to_local() if isinstance(p, DTensor) else p).numel() for k, p in params.items()},
             "hook_left": "configure_model" in model.__dict__,
@@ -480,8 +611,19 @@ def test_fsdp2_baseline_trains_like_ddp_on_two_ranks() -> None:
 
 
 def _trade(name: str, slow: float | None, rnd: int, loss: float, mib: float, wall: float) -> dict[str, object]:
-    return {"name": name, "model": "m", "slow": slow, "round": rnd, "val_loss": loss, "metrics": {}, "bytes": mib * 2**20,
-            "wall_s": wall, "samples": 1000, "samples_per_s": 1000 / wall, "steps_by_rank": [4, 4]}
+    return {
+        "name": name,
+        "model": "m",
+        "slow": slow,
+        "round": rnd,
+        "val_loss": loss,
+        "metrics": {},
+        "bytes": mib * 2**20,
+        "wall_s": wall,
+        "samples": 1000,
+        "samples_per_s": 1000 / wall,
+        "steps_by_rank": [4, 4],
+    }
 
 
 def test_tradeoff_rows_take_same_round_ratios_and_check_the_targets() -> None:
@@ -491,10 +633,14 @@ def test_tradeoff_rows_take_same_round_ratios_and_check_the_targets() -> None:
 
     results = [
         # round 0: the machine is slow for both rows; round 1: fast. Same-round ratios cancel that out.
-        _trade("bucketed_ddp", None, 0, 2.0, 80.0, 20.0), _trade("local_sgd", None, 0, 2.02, 10.0, 18.0),
-        _trade("bucketed_ddp", None, 1, 2.0, 80.0, 10.0), _trade("local_sgd", None, 1, 2.08, 10.0, 9.0),
-        _trade("bucketed_ddp", 2.0, 0, 2.0, 80.0, 40.0), _trade("async_ps", 2.0, 0, 2.04, 40.0, 25.0),
-        _trade("bucketed_ddp", 2.0, 1, 2.0, 80.0, 20.0), _trade("async_ps", 2.0, 1, 2.06, 40.0, 16.0),
+        _trade("bucketed_ddp", None, 0, 2.0, 80.0, 20.0),
+        _trade("local_sgd", None, 0, 2.02, 10.0, 18.0),
+        _trade("bucketed_ddp", None, 1, 2.0, 80.0, 10.0),
+        _trade("local_sgd", None, 1, 2.08, 10.0, 9.0),
+        _trade("bucketed_ddp", 2.0, 0, 2.0, 80.0, 40.0),
+        _trade("async_ps", 2.0, 0, 2.04, 40.0, 25.0),
+        _trade("bucketed_ddp", 2.0, 1, 2.0, 80.0, 20.0),
+        _trade("async_ps", 2.0, 1, 2.06, 40.0, 16.0),
     ]
     rows = {(r["name"], r["slow"]): r for r in tradeoff_rows(results)}
     local = rows[("local_sgd", None)]
@@ -516,8 +662,11 @@ def test_tradeoff_smoke_runs_every_strategy_and_writes_the_plot(tmp_path: Path) 
     """Every trade-off row for 8 steps (no straggler rows): the report and plot exist, LocalSGD with
     sync_every=8 sends exactly 1/8 of DDP's bytes, DiLoCo (sync_every=50) sends nothing in 8 steps and
     Hogwild sends nothing at all."""
-    proc = run_cli(["bench", "suite=tradeoff", "tradeoff.pairs=1", "tradeoff.steps=8", "tradeoff.slow_factor=null"],
-                   tmp_path, timeout=360)
+    proc = run_cli(
+        ["bench", "suite=tradeoff", "tradeoff.pairs=1", "tradeoff.steps=8", "tradeoff.slow_factor=null"],
+        tmp_path,
+        timeout=360,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     (report,) = (tmp_path / "outputs" / "bench").glob("*/*/tradeoff.md")
     assert (report.parent / "tradeoff.png").stat().st_size > 0
@@ -527,7 +676,9 @@ def test_tradeoff_smoke_runs_every_strategy_and_writes_the_plot(tmp_path: Path) 
         if len(cells) == 11 and cells[0] in ("char_gpt", "bow_topics"):
             rows[(cells[0], cells[1])] = cells
     assert set(rows) == {("char_gpt", n) for n in ("bucketed_ddp", "local_sgd", "diloco", "async_ps")} | {
-        ("bow_topics", "bucketed_ddp"), ("bow_topics", "hogwild")}
+        ("bow_topics", "bucketed_ddp"),
+        ("bow_topics", "hogwild"),
+    }
     assert rows[("char_gpt", "local_sgd")][6] == "0.1250"  # column 6: bytes / bucketed_ddp's bytes
     assert rows[("char_gpt", "diloco")][6] == "0.0000" and rows[("bow_topics", "hogwild")][6] == "0.0000"
     assert rows[("char_gpt", "bucketed_ddp")][10] == "[8, 8]"

@@ -40,8 +40,9 @@ def run_example(name: str, args: list[str], cwd: Path) -> subprocess.CompletedPr
     """Run ``examples/<name>`` with this interpreter; fails the test on a non-zero exit."""
     example = Path(__file__).resolve().parents[1] / "examples" / name
     env = {k: v for k, v in os.environ.items() if k not in _SCRUB}
-    proc = subprocess.run([sys.executable, str(example), *args], cwd=cwd, env=env, text=True,
-                          capture_output=True, timeout=240)
+    proc = subprocess.run(
+        [sys.executable, str(example), *args], cwd=cwd, env=env, text=True, capture_output=True, timeout=240
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc
 
@@ -110,8 +111,9 @@ def _trainer_cfg(accelerator: object, devices: object) -> object:
 
 
 @pytest.mark.parametrize(("accelerator", "devices", "per_cpu"), [("cpu", 3, "1.5"), ("cpu", "8", "4"), ("CPU", 4, "2")])
-def test_more_cpu_processes_than_cpus_warns_about_oversubscription(monkeypatch: pytest.MonkeyPatch, accelerator: str,
-                                                                   devices: object, per_cpu: str) -> None:
+def test_more_cpu_processes_than_cpus_warns_about_oversubscription(
+    monkeypatch: pytest.MonkeyPatch, accelerator: str, devices: object, per_cpu: str
+) -> None:
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
     with pytest.warns(UserWarning, match=rf"trainer.devices={int(devices)} .* 2 CPUs: oversubscription") as record:
         message = cli._warn_oversubscription(_trainer_cfg(accelerator, devices))
@@ -131,9 +133,20 @@ def test_accelerator_auto_without_cuda_counts_as_cpu(monkeypatch: pytest.MonkeyP
     assert cli._warn_oversubscription(_trainer_cfg("auto", 3)) is None
 
 
-@pytest.mark.parametrize(("accelerator", "devices"), [("cpu", 2), ("cpu", 1), ("cpu", "2"), ("cpu", "auto"),
-                                                      ("cpu", -1), ("cpu", [0, 1, 2]), ("cpu", True),
-                                                      ("gpu", 8), ("cuda", 8)])
+@pytest.mark.parametrize(
+    ("accelerator", "devices"),
+    [
+        ("cpu", 2),
+        ("cpu", 1),
+        ("cpu", "2"),
+        ("cpu", "auto"),
+        ("cpu", -1),
+        ("cpu", [0, 1, 2]),
+        ("cpu", True),
+        ("gpu", 8),
+        ("cuda", 8),
+    ],
+)
 def test_no_oversubscription_no_warning(monkeypatch: pytest.MonkeyPatch, accelerator: str, devices: object) -> None:
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
     with warnings.catch_warnings():
@@ -148,8 +161,9 @@ def test_train_digits_two_ranks_reaches_90_percent(tmp_path: Path) -> None:
 
     from lightning_sync.models.digits import DigitsDataModule, DigitsMLP
 
-    proc = run_cli(["train", "trainer.enable_progress_bar=false", f"final_checkpoint={tmp_path / 'final.ckpt'}"],
-                   tmp_path)
+    proc = run_cli(
+        ["train", "trainer.enable_progress_bar=false", f"final_checkpoint={tmp_path / 'final.ckpt'}"], tmp_path
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     ranks, steps, metrics = final_metrics(proc.stdout + proc.stderr)
     assert ranks == 2 and steps > 0
@@ -191,8 +205,17 @@ def test_train_zero3_twenty_steps(tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_multirun_two_values_one_directory_per_job(tmp_path: Path) -> None:
-    proc = run_cli(["train", "-m", "trainer.max_steps=4,6", "trainer.max_epochs=-1",
-                    "trainer.enable_progress_bar=false", "final_validate=false"], tmp_path)
+    proc = run_cli(
+        [
+            "train",
+            "-m",
+            "trainer.max_steps=4,6",
+            "trainer.max_epochs=-1",
+            "trainer.enable_progress_bar=false",
+            "final_validate=false",
+        ],
+        tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     steps = sorted(int(m.group(2)) for m in _FINAL.finditer(proc.stdout + proc.stderr))
     assert steps == [4, 6], proc.stdout[-3000:]
@@ -204,8 +227,17 @@ def test_multirun_two_values_one_directory_per_job(tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_train_char_gpt_50_steps_reports_bpc_and_sample(tmp_path: Path) -> None:
-    proc = run_cli(["train", "trainer.devices=2", "trainer.max_steps=50", "model=char_gpt",
-                    "trainer.enable_progress_bar=false", "sample_chars=40"], tmp_path)
+    proc = run_cli(
+        [
+            "train",
+            "trainer.devices=2",
+            "trainer.max_steps=50",
+            "model=char_gpt",
+            "trainer.enable_progress_bar=false",
+            "sample_chars=40",
+        ],
+        tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     ranks, steps, metrics = final_metrics(proc.stdout + proc.stderr)
     assert (ranks, steps) == (2, 50)
@@ -251,8 +283,14 @@ def test_resume_takes_the_newest_complete_checkpoint_not_the_preemption_one(tmp_
 
     run_dir = tmp_path / "run"
     # checkpoint.every_n_train_steps is documented to save "as well" as at epoch ends (digits: 23 steps an epoch)
-    common = [f"hydra.run.dir={run_dir}", "trainer.enable_progress_bar=false", "final_validate=false",
-              "checkpoint.every_n_train_steps=3", "+checkpoint.save_top_k=-1", "launch.signal=USR1"]
+    common = [
+        f"hydra.run.dir={run_dir}",
+        "trainer.enable_progress_bar=false",
+        "final_validate=false",
+        "checkpoint.every_n_train_steps=3",
+        "+checkpoint.save_top_k=-1",
+        "launch.signal=USR1",
+    ]
     first = run_cli(["train", "trainer.max_steps=30", *common], tmp_path)
     assert first.returncode == 0, first.stderr[-4000:]
     ckpts = run_dir / "checkpoints"
@@ -264,8 +302,9 @@ def test_resume_takes_the_newest_complete_checkpoint_not_the_preemption_one(tmp_
     assert torch.load(step3, map_location="cpu", weights_only=True)["global_step"] == 3
     shutil.copy(step3, tmp_path / ".preempted.tmp")
     (run_dir / "requeue").mkdir()
-    publish_checkpoint(run_dir / "requeue", tmp_path / ".preempted.tmp", "requeue-step000000003.ckpt",
-                       {"global_step": 3})
+    publish_checkpoint(
+        run_dir / "requeue", tmp_path / ".preempted.tmp", "requeue-step000000003.ckpt", {"global_step": 3}
+    )
 
     extended = run_cli(["train", "trainer.max_steps=32", "ckpt_path=last", *common], tmp_path)
     assert extended.returncode == 0, extended.stderr[-4000:]

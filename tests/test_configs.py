@@ -50,9 +50,13 @@ def test_option_composes_and_builds(composer, group: str, option: str) -> None:
 @pytest.mark.parametrize("model", ["digits_mlp", "char_gpt", "wide_mlp", "deep_mlp", "bow_topics"])
 def test_model_selects_matching_data(composer, model: str) -> None:
     cfg = composer([f"model={model}"])
-    expected = {"digits_mlp": "DigitsDataModule", "char_gpt": "CharDataModule",
-                "wide_mlp": "SyntheticDataModule", "deep_mlp": "SyntheticDataModule",
-                "bow_topics": "TopicDataModule"}[model]
+    expected = {
+        "digits_mlp": "DigitsDataModule",
+        "char_gpt": "CharDataModule",
+        "wide_mlp": "SyntheticDataModule",
+        "deep_mlp": "SyntheticDataModule",
+        "bow_topics": "TopicDataModule",
+    }[model]
     assert cfg.data._target_.endswith(expected)
 
 
@@ -110,6 +114,9 @@ def test_diagnostics_options_build_callbacks(composer, option: str) -> None:
     cfg = composer([f"diagnostics={option}"])
     built = {key: instantiate(spec) for key, spec in cfg.diagnostics.items()}
     assert all(isinstance(cb, pl.Callback) for cb in built.values()), built
-    expected = {"none": set(), "default": {"watchdog"},
-                "full": {"watchdog", "straggler", "replica_drift", "nonfinite"}}[option]
+    expected = {
+        "none": set(),
+        "default": {"watchdog"},
+        "full": {"watchdog", "straggler", "replica_drift", "nonfinite"},
+    }[option]
     assert set(built) == expected

@@ -16,8 +16,12 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("wheel")
-    subprocess.run([sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "-q", "-w", str(out)],
-                   check=True, timeout=240, capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "-q", "-w", str(out)],
+        check=True,
+        timeout=240,
+        capture_output=True,
+    )
     (whl,) = out.glob("lightning_sync-*.whl")
     return whl
 
@@ -29,7 +33,9 @@ def test_wheel_contains_every_package_and_config(wheel: Path) -> None:
     packages = {p.parent.relative_to(ROOT).as_posix() for p in (ROOT / "lightning_sync").rglob("__init__.py")}
     missing = sorted(p for p in packages if f"{p}/__init__.py" not in names)
     assert not missing, f"packages missing from the wheel (add them to pyproject's packages): {missing}"
-    configs = {"lightning_sync/conf/" + p.relative_to(ROOT / "conf").as_posix() for p in (ROOT / "conf").rglob("*.yaml")}
+    configs = {
+        "lightning_sync/conf/" + p.relative_to(ROOT / "conf").as_posix() for p in (ROOT / "conf").rglob("*.yaml")
+    }
     assert configs and not configs - names, f"configs missing from the wheel: {sorted(configs - names)}"
 
 
@@ -37,15 +43,32 @@ def test_wheel_contains_every_package_and_config(wheel: Path) -> None:
 @pytest.mark.timeout(300)
 def test_installed_wheel_finds_its_config_from_any_directory(wheel: Path, tmp_path: Path) -> None:
     target = tmp_path / "site"
-    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target), str(wheel)],
-                   check=True, timeout=240, capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target), str(wheel)],
+        check=True,
+        timeout=240,
+        capture_output=True,
+    )
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     env = {**os.environ, "PYTHONPATH": str(target)}
-    proc = subprocess.run([sys.executable, "-c", "import lightning_sync.cli as c; print(c.config_dir())"],
-                          cwd=elsewhere, env=env, text=True, capture_output=True, timeout=120, check=True)
+    proc = subprocess.run(
+        [sys.executable, "-c", "import lightning_sync.cli as c; print(c.config_dir())"],
+        cwd=elsewhere,
+        env=env,
+        text=True,
+        capture_output=True,
+        timeout=120,
+        check=True,
+    )
     assert Path(proc.stdout.strip()) == target / "lightning_sync" / "conf"
-    proc = subprocess.run([sys.executable, "-m", "lightning_sync", "train", "--cfg", "job", "model=wide_mlp"],
-                          cwd=elsewhere, env=env, text=True, capture_output=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "lightning_sync", "train", "--cfg", "job", "model=wide_mlp"],
+        cwd=elsewhere,
+        env=env,
+        text=True,
+        capture_output=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "WideMLP" in proc.stdout

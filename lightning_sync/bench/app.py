@@ -26,8 +26,16 @@ from lightning_sync.bench.report import Report, save_raw
 from lightning_sync.bench.runner import IN_STEP, SINGLE_ROW, Trial, run_trials
 from lightning_sync.bench.sweep import sweep_all_reduce, sweep_sizes
 
-__all__ = ["COMPUTE_ROW", "host_rows", "run_bench", "run_sweep", "schedule", "select_strategies", "with_compute_row",
-           "world_sizes"]
+__all__ = [
+    "COMPUTE_ROW",
+    "host_rows",
+    "run_bench",
+    "run_sweep",
+    "schedule",
+    "select_strategies",
+    "with_compute_row",
+    "world_sizes",
+]
 
 log = logging.getLogger("lightning_sync.bench")
 
@@ -50,14 +58,25 @@ def schedule(names: list[str], pairs: int) -> list[str]:
     return order
 
 
-def _trials(cfg: DictConfig, model: str, rows: dict[str, tuple[dict[str, Any], dict[str, Any]]],
-            label: str | None = None) -> list[Trial]:
+def _trials(
+    cfg: DictConfig, model: str, rows: dict[str, tuple[dict[str, Any], dict[str, Any]]], label: str | None = None
+) -> list[Trial]:
     m = cfg.models[model]
     out = []
     for name in schedule(list(rows), int(cfg.pairs)):
         strategy, extra = rows[name]
-        out.append(Trial(name=name, model=label or model, strategy=strategy, model_cfg=_node(m.model),
-                         data_cfg=_node(m.data), steps=int(cfg.steps), warmup=int(cfg.warmup_steps), extra=extra))
+        out.append(
+            Trial(
+                name=name,
+                model=label or model,
+                strategy=strategy,
+                model_cfg=_node(m.model),
+                data_cfg=_node(m.data),
+                steps=int(cfg.steps),
+                warmup=int(cfg.warmup_steps),
+                extra=extra,
+            )
+        )
     return out
 
 
@@ -103,8 +122,10 @@ def select_strategies(cfg: DictConfig) -> dict[str, dict[str, Any]]:
             try:
                 getattr(importlib.import_module(module), attr)
             except (ImportError, AttributeError) as err:
-                raise ImportError(f"strategy row {name!r}: cannot import {target!r} ({err}); run the others with "
-                                  f"run_strategies=[{','.join(n for n in rows if n != name)}]") from err
+                raise ImportError(
+                    f"strategy row {name!r}: cannot import {target!r} ({err}); run the others with "
+                    f"run_strategies=[{','.join(n for n in rows if n != name)}]"
+                ) from err
     return rows
 
 
@@ -148,10 +169,17 @@ def run_bench(cfg: DictConfig, out_dir: Path) -> Report | None:
 
     worlds, threads = world_sizes(cfg), int(cfg.threads_per_rank)
     env = {"OMP_NUM_THREADS": str(threads), "PL_GLOBAL_SEED": "0"}
-    meta = {"date": date.today().isoformat(), "cpu": _cpu_model(), "cores": os.cpu_count() or 1,
-            "python": platform.python_version(), "torch": _version("torch"), "lightning": _version("lightning"),
-            "world_sizes": worlds, "threads_per_rank": threads,
-            "command": " ".join(["lightning-sync", "bench", *sys.argv[1:]])}
+    meta = {
+        "date": date.today().isoformat(),
+        "cpu": _cpu_model(),
+        "cores": os.cpu_count() or 1,
+        "python": platform.python_version(),
+        "torch": _version("torch"),
+        "lightning": _version("lightning"),
+        "world_sizes": worlds,
+        "threads_per_rank": threads,
+        "command": " ".join(["lightning-sync", "bench", *sys.argv[1:]]),
+    }
     selected = select_strategies(cfg)
     strategies = {name: (node, {}) for name, node in selected.items()}
     cost = cfg.get("cost_model") or {}
@@ -163,17 +191,22 @@ def run_bench(cfg: DictConfig, out_dir: Path) -> Report | None:
     for world in worlds:
         trials = [t for model in cfg.run_models for t in _trials(cfg, model, strategies)]
         if cfg.bucket_sweep.enabled and world == worlds[0]:
-            trials += _trials(cfg, cfg.bucket_sweep.model, _bucket_rows(cfg), f"{cfg.bucket_sweep.model} (bucket sweep)")
+            trials += _trials(
+                cfg, cfg.bucket_sweep.model, _bucket_rows(cfg), f"{cfg.bucket_sweep.model} (bucket sweep)"
+            )
         if trials:
-            log.info("bench: %d trials on %d ranks (%d pairs, %d timed steps each)", len(trials), world, cfg.pairs,
-                     cfg.steps)
-            results[world] = run_distributed(run_trials, world, trials, threads, f"K={world}", timeout=timeout,
-                                             env=env)
+            log.info(
+                "bench: %d trials on %d ranks (%d pairs, %d timed steps each)", len(trials), world, cfg.pairs, cfg.steps
+            )
+            results[world] = run_distributed(run_trials, world, trials, threads, f"K={world}", timeout=timeout, env=env)
     report = None
     if results:
         single: list[dict[str, Any]] = []
-        solo_models = list(dict.fromkeys([*(cfg.scaling.models if cfg.scaling.enabled else []),
-                                          *(cfg.run_models if cost.get("enabled") else [])]))
+        solo_models = list(
+            dict.fromkeys(
+                [*(cfg.scaling.models if cfg.scaling.enabled else []), *(cfg.run_models if cost.get("enabled") else [])]
+            )
+        )
         one = {SINGLE_ROW: ({"_target_": None}, {}), **hosts}  # and the cost model's host rows at one rank
         solo = [t for model in solo_models for t in _trials(cfg, model, one)]
         if solo:
@@ -202,9 +235,16 @@ def run_sweep(cost: Any, threads: int, timeout: float) -> list[dict[str, Any]]:
     points: list[dict[str, Any]] = []
     for world in node.worlds:
         log.info("bench: all-reduce sweep on %d ranks (%d sizes x %s)", world, len(sizes), list(node.algorithms))
-        points += run_distributed(sweep_all_reduce, int(world), sizes, [str(a) for a in node.algorithms],
-                                  int(node.repeats), threads, timeout=timeout,
-                                  env={"OMP_NUM_THREADS": str(threads)})[0]
+        points += run_distributed(
+            sweep_all_reduce,
+            int(world),
+            sizes,
+            [str(a) for a in node.algorithms],
+            int(node.repeats),
+            threads,
+            timeout=timeout,
+            env={"OMP_NUM_THREADS": str(threads)},
+        )[0]
     return points
 
 

@@ -63,8 +63,9 @@ def resolve_classes(names: Sequence[str | type]) -> tuple[type[nn.Module], ...]:
             except ValueError:
                 cls = None
         if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
-            raise ValueError(f"shard_classes entries must name nn.Module subclasses (e.g. 'torch.nn.Linear'), "
-                             f"got {name!r}")
+            raise ValueError(
+                f"shard_classes entries must name nn.Module subclasses (e.g. 'torch.nn.Linear'), got {name!r}"
+            )
         out.append(cls)
     return tuple(out)
 
@@ -81,11 +82,18 @@ class FullyShardStrategy(ModelParallelStrategy):
         **kwargs: passed on to :class:`~lightning.pytorch.strategies.ModelParallelStrategy`.
     """
 
-    def __init__(self, shard_classes: Sequence[str | type] = ("torch.nn.Linear",), reshard_after_forward: bool = True,
-                 data_parallel_size: int | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        shard_classes: Sequence[str | type] = ("torch.nn.Linear",),
+        reshard_after_forward: bool = True,
+        data_parallel_size: int | None = None,
+        **kwargs: Any,
+    ) -> None:
         if "tensor_parallel_size" in kwargs and kwargs["tensor_parallel_size"] not in (1, "auto"):
-            raise ValueError(f"tensor_parallel_size must be 1 (this strategy only shards data-parallel), "
-                             f"got {kwargs['tensor_parallel_size']!r}")
+            raise ValueError(
+                f"tensor_parallel_size must be 1 (this strategy only shards data-parallel), "
+                f"got {kwargs['tensor_parallel_size']!r}"
+            )
         kwargs.pop("tensor_parallel_size", None)
         if not isinstance(reshard_after_forward, bool):
             raise ValueError(f"reshard_after_forward must be True or False, got {reshard_after_forward!r}")
@@ -104,9 +112,11 @@ class FullyShardStrategy(ModelParallelStrategy):
     def connect(self, model: pl.LightningModule) -> None:
         super().connect(model)
         if is_overridden("configure_model", model):
-            raise ValueError(f"{type(model).__name__} defines configure_model() itself; apply fully_shard there and "
-                             f"use lightning's ModelParallelStrategy, or drop the hook to let {type(self).__name__} "
-                             f"shard {[c.__name__ for c in self._shard_classes]} modules")
+            raise ValueError(
+                f"{type(model).__name__} defines configure_model() itself; apply fully_shard there and "
+                f"use lightning's ModelParallelStrategy, or drop the hook to let {type(self).__name__} "
+                f"shard {[c.__name__ for c in self._shard_classes]} modules"
+            )
         model.configure_model = self._configure_model  # type: ignore[method-assign]
         self._installed_on = model
 
@@ -134,8 +144,9 @@ class FullyShardStrategy(ModelParallelStrategy):
             inside = {id(m) for m in unit.modules()}
             return any(id(o) not in inside for p in unit.parameters() for o in owners[id(p)])
 
-        units = [m for m in root.modules()
-                 if m is not root and isinstance(m, self._shard_classes) and not tied_outside(m)]
+        units = [
+            m for m in root.modules() if m is not root and isinstance(m, self._shard_classes) and not tied_outside(m)
+        ]
         for module in reversed(units):  # post-order: children before their parents
             fully_shard(module, mesh=mesh, reshard_after_forward=self._reshard_after_forward)
         fully_shard(root, mesh=mesh, reshard_after_forward=self._reshard_after_forward)

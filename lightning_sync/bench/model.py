@@ -76,9 +76,26 @@ from lightning_sync._checks import check_choice, check_int
 from lightning_sync.comms.stats import overlapped_step_time, ring_allreduce_time, tree_allreduce_time, tree_depth
 
 __all__ = [
-    "ALGORITHMS", "H100_NDR400", "OP_COST", "SWEPT", "TORCH_TWINS", "Fabric", "Fit", "Link", "Traffic",
-    "all_reduce_coefficients", "all_reduce_seconds", "comm_here", "comm_seconds", "contention", "fit_alpha_beta",
-    "predict_here", "project", "projection_worlds", "step_seconds", "this_machine",
+    "ALGORITHMS",
+    "H100_NDR400",
+    "OP_COST",
+    "SWEPT",
+    "TORCH_TWINS",
+    "Fabric",
+    "Fit",
+    "Link",
+    "Traffic",
+    "all_reduce_coefficients",
+    "all_reduce_seconds",
+    "comm_here",
+    "comm_seconds",
+    "contention",
+    "fit_alpha_beta",
+    "predict_here",
+    "project",
+    "projection_worlds",
+    "step_seconds",
+    "this_machine",
 ]
 
 #: All-reduce algorithms the model knows.
@@ -153,20 +170,27 @@ class Fabric:
 #: and 5 us per InfiniBand hop across a spine. NCCL reaches roughly 70-90 % of the peak bandwidths.
 H100_NDR400 = Fabric(
     name="8x H100 NVLink 4 per node, NDR 400 Gb/s InfiniBand per GPU",
-    intra=Link(alpha=1e-6, beta=1 / 450e9, source="NVLink 4, H100 SXM5 data sheet (900 GB/s bidirectional); "
-                                                 "latency assumed"),
+    intra=Link(
+        alpha=1e-6, beta=1 / 450e9, source="NVLink 4, H100 SXM5 data sheet (900 GB/s bidirectional); latency assumed"
+    ),
     inter=Link(alpha=5e-6, beta=1 / 50e9, source="ConnectX-7 NDR 400 Gb/s per GPU; latency assumed"),
     ranks_per_node=8,
 )
 
 
-def this_machine(link: Link, cores: int, threads_per_rank: int = 1,
-                 op_links: Mapping[str, Link] | None = None) -> Fabric:
+def this_machine(
+    link: Link, cores: int, threads_per_rank: int = 1, op_links: Mapping[str, Link] | None = None
+) -> Fabric:
     """This machine as a fabric: ``cores // threads_per_rank`` ranks per "node", every link the fitted one."""
     check_int("cores", cores, 1)
     check_int("threads_per_rank", threads_per_rank, 1)
-    return Fabric(name="this machine (fitted backend links)", intra=link, inter=link,
-                  ranks_per_node=max(1, cores // threads_per_rank), op_links=dict(op_links or {}))
+    return Fabric(
+        name="this machine (fitted backend links)",
+        intra=link,
+        inter=link,
+        ranks_per_node=max(1, cores // threads_per_rank),
+        op_links=dict(op_links or {}),
+    )
 
 
 def contention(world: int, cores: float, threads_per_rank: int = 1) -> float:
@@ -198,8 +222,7 @@ def all_reduce_coefficients(algorithm: str, world: int) -> tuple[float, float]:
     return 2 * (world - 1), 2 * (world - 1) / world
 
 
-def all_reduce_seconds(nbytes: float, world: int, fabric: Fabric, algorithm: str = "ring",
-                       calls: float = 1.0) -> float:
+def all_reduce_seconds(nbytes: float, world: int, fabric: Fabric, algorithm: str = "ring", calls: float = 1.0) -> float:
     """Seconds for ``calls`` all-reduces totalling ``nbytes`` over ``world`` ranks of ``fabric``."""
     check_choice("algorithm", algorithm, ALGORITHMS)
     if nbytes < 0:
@@ -208,8 +231,9 @@ def all_reduce_seconds(nbytes: float, world: int, fabric: Fabric, algorithm: str
     # calls all-reduces of nbytes in all: each pays the latency, the bytes are paid once
     if algorithm == "hierarchical" and world > g:
         inside = tree_allreduce_time(nbytes, g, fabric.intra.bandwidth, calls * fabric.intra.alpha)
-        return inside + ring_allreduce_time(nbytes, math.ceil(world / g), fabric.inter.bandwidth,
-                                            calls * fabric.inter.alpha)
+        return inside + ring_allreduce_time(
+            nbytes, math.ceil(world / g), fabric.inter.bandwidth, calls * fabric.inter.alpha
+        )
     link = fabric.intra if world <= g else fabric.inter
     time = tree_allreduce_time if algorithm == "tree" else ring_allreduce_time
     return time(nbytes, world, link.bandwidth, calls * link.alpha)
@@ -230,8 +254,10 @@ class Traffic:
     def at(self, world: int) -> dict[str, tuple[float, float]]:
         """The same step at ``world`` ranks: shard payloads (all_gather, scatter) scale by ``self.world / world``."""
         check_int("world", world, 1)
-        return {op: (calls, payload * self.world / world if op in SHARD_OPS else payload)
-                for op, (calls, payload) in self.ops.items()}
+        return {
+            op: (calls, payload * self.world / world if op in SHARD_OPS else payload)
+            for op, (calls, payload) in self.ops.items()
+        }
 
     @property
     def bytes(self) -> float:
@@ -273,8 +299,9 @@ class Fit:
 
     def median_abs_error(self, world: int | None = None, min_bytes: int = 0) -> float:
         """Median of |error| over the points (of one world size, of at least ``min_bytes``)."""
-        errs = sorted(abs(p["error"]) for p in self.points
-                      if (world is None or p["world"] == world) and p["bytes"] >= min_bytes)
+        errs = sorted(
+            abs(p["error"]) for p in self.points if (world is None or p["world"] == world) and p["bytes"] >= min_bytes
+        )
         if not errs:
             return math.nan
         mid = len(errs) // 2
@@ -305,8 +332,7 @@ def fit_alpha_beta(points: Iterable[Mapping[str, Any]], algorithm: str) -> Fit:
     check_choice("algorithm", algorithm, SWEPT)
     pts = [dict(p) for p in points if p["algorithm"] == algorithm and int(p["world"]) > 1 and p["seconds"] > 0]
     if len(pts) < 2:
-        raise ValueError(f"fit_alpha_beta needs >= 2 {algorithm} points with world > 1 and seconds > 0, "
-                         f"got {len(pts)}")
+        raise ValueError(f"fit_alpha_beta needs >= 2 {algorithm} points with world > 1 and seconds > 0, got {len(pts)}")
     rows, ys = [], []
     for p in pts:
         msgs, factor = all_reduce_coefficients(algorithm, int(p["world"]))
@@ -337,8 +363,9 @@ def comm_here(traffic: Traffic, world: int, link: Link, op_links: Mapping[str, L
     return comm_seconds(traffic, world, fabric, "ring")
 
 
-def predict_here(traffic: Traffic, world: int, compute_s: float, link: Link,
-                 op_links: Mapping[str, Link] | None = None) -> float:
+def predict_here(
+    traffic: Traffic, world: int, compute_s: float, link: Link, op_links: Mapping[str, Link] | None = None
+) -> float:
     """Predicted step seconds of a ``world``-rank job on this machine: ``compute_s +`` :func:`comm_here`, no overlap.
 
     ``compute_s`` is the compute per step under the job's time-sharing of the cores: measured with K
@@ -358,8 +385,13 @@ def projection_worlds(smallest: int = 8, largest: int = 4096) -> list[int]:
     return out
 
 
-def project(traffic: Traffic, compute_s: float, fabric: Fabric, worlds: Iterable[int],
-            algorithms: Iterable[str] = ("ring", "tree", "hierarchical")) -> list[dict[str, Any]]:
+def project(
+    traffic: Traffic,
+    compute_s: float,
+    fabric: Fabric,
+    worlds: Iterable[int],
+    algorithms: Iterable[str] = ("ring", "tree", "hierarchical"),
+) -> list[dict[str, Any]]:
     """Predicted step time and efficiency at every world size, per algorithm, without and with overlap.
 
     Each row: ``world``, ``algorithm``, ``comm_s``, ``step_s`` / ``efficiency`` (no overlap) and
@@ -373,7 +405,16 @@ def project(traffic: Traffic, compute_s: float, fabric: Fabric, worlds: Iterable
         for algorithm in algorithms:
             comm = comm_seconds(traffic, k, fabric, algorithm)
             plain, over = step_seconds(compute_s, comm, False), step_seconds(compute_s, comm, True)
-            out.append({"world": k, "algorithm": algorithm, "comm_s": comm, "step_s": plain,
-                        "efficiency": compute_s / plain, "step_overlap_s": over,
-                        "efficiency_overlap": compute_s / over, "compute_for_90": 9 * comm})
+            out.append(
+                {
+                    "world": k,
+                    "algorithm": algorithm,
+                    "comm_s": comm,
+                    "step_s": plain,
+                    "efficiency": compute_s / plain,
+                    "step_overlap_s": over,
+                    "efficiency_overlap": compute_s / over,
+                    "compute_for_90": 9 * comm,
+                }
+            )
     return out

@@ -45,8 +45,18 @@ from lightning_sync.bench.cost_report import CostModel
 from lightning_sync.bench.model import TORCH_TWINS
 from lightning_sync.bench.runner import IN_STEP, SINGLE_ROW
 
-__all__ = ["WIRE_FACTORS", "Report", "analytic_wire_bytes", "analytic_wire_factor", "load_raw", "save_raw",
-           "slowest_per_step", "sync_every", "window_means", "wire_bytes"]
+__all__ = [
+    "WIRE_FACTORS",
+    "Report",
+    "analytic_wire_bytes",
+    "analytic_wire_factor",
+    "load_raw",
+    "save_raw",
+    "slowest_per_step",
+    "sync_every",
+    "window_means",
+    "wire_bytes",
+]
 
 #: Bytes a rank puts on the wire per payload byte recorded by ``comms`` (see ``comms/stats.py`` for what
 #: each op records), for K ranks, under the ring model. Ops whose payload is one rank's share of a
@@ -119,7 +129,7 @@ def window_means(steps: list[float], every: int = 1) -> list[float]:
     """The mean step time of each window of ``every`` consecutive steps (a trailing partial window is
     dropped; ``every`` = 1: the steps themselves)."""
     check_int("every", every, 1)
-    return [sum(steps[i:i + every]) / every for i in range(0, len(steps) - every + 1, every)]
+    return [sum(steps[i : i + every]) / every for i in range(0, len(steps) - every + 1, every)]
 
 
 def slowest_per_step(ranks: list[list[float]], every: int = 1) -> list[float]:
@@ -150,16 +160,26 @@ def _is_sharded(strategy: Mapping[str, Any]) -> bool:
     return str(strategy.get("_target_") or "").rpartition(".")[2] in ("ShardedStrategy", "FullyShardStrategy")
 
 
-def save_raw(path: Path, results: Mapping[int, list[list[dict[str, Any]]]], single: list[dict[str, Any]],
-             sweep: list[dict[str, Any]], meta: dict[str, Any]) -> None:
+def save_raw(
+    path: Path,
+    results: Mapping[int, list[list[dict[str, Any]]]],
+    single: list[dict[str, Any]],
+    sweep: list[dict[str, Any]],
+    meta: dict[str, Any],
+) -> None:
     """Write a run's raw measurements (per world size, per rank, every trial; the single-process trials; the
     sweep points; the run's metadata) as JSON, for :func:`load_raw`."""
-    path.write_text(json.dumps({"meta": meta, "results": {str(k): v for k, v in results.items()}, "single": single,
-                                "sweep": sweep}, default=str))
+    path.write_text(
+        json.dumps(
+            {"meta": meta, "results": {str(k): v for k, v in results.items()}, "single": single, "sweep": sweep},
+            default=str,
+        )
+    )
 
 
-def load_raw(path: Path) -> tuple[dict[int, list[list[dict[str, Any]]]], list[dict[str, Any]], list[dict[str, Any]],
-                                  dict[str, Any]]:
+def load_raw(
+    path: Path,
+) -> tuple[dict[int, list[list[dict[str, Any]]]], list[dict[str, Any]], list[dict[str, Any]], dict[str, Any]]:
     """``(results, single, sweep, meta)`` as :func:`save_raw` wrote them: ``Report(results, single, cfg, meta,
     sweep=sweep)`` with the run's config rebuilds its report."""
     raw = json.loads(path.read_text())
@@ -169,9 +189,14 @@ def load_raw(path: Path) -> tuple[dict[int, list[list[dict[str, Any]]]], list[di
 class Report:
     """Aggregates ``results[rank][trial]`` (see ``bench.runner``) into tables and plots."""
 
-    def __init__(self, results: list[list[dict[str, Any]]] | Mapping[int, list[list[dict[str, Any]]]],
-                 single: list[dict[str, Any]], cfg: Any, meta: dict[str, Any],
-                 sweep: list[dict[str, Any]] | None = None) -> None:
+    def __init__(
+        self,
+        results: list[list[dict[str, Any]]] | Mapping[int, list[list[dict[str, Any]]]],
+        single: list[dict[str, Any]],
+        cfg: Any,
+        meta: dict[str, Any],
+        sweep: list[dict[str, Any]] | None = None,
+    ) -> None:
         """``results``: per world size (or one world size's list), per rank, the trials' measurements (the
         in-step compute rows, ``extra`` :data:`~lightning_sync.bench.runner.IN_STEP`, among them: compute
         under K-way time-sharing); ``single``: one-process trials (T1); ``sweep``: all-reduce sweep points."""
@@ -189,14 +214,16 @@ class Report:
                 peak = max(r[i]["peak_mib"] for r in ranks)
                 wire = max(wire_bytes(r[i].get("op_bytes_per_step", {}), r[i]["world"]) for r in ranks)
                 self._trials[(rank0["model"], rank0["name"], int(world))].append(
-                    {**rank0, "peak_mib": peak, "wire_bytes": wire})
+                    {**rank0, "peak_mib": peak, "wire_bytes": wire}
+                )
         solo: dict[tuple[str, str], list[float]] = defaultdict(list)
         for r in single:
             solo[(r["model"], r["name"])].append(_median(r["step_s"]))
         self._single = {m: _median(v) for (m, n), v in solo.items() if n == SINGLE_ROW}
         """T1 per model: the median over rounds of the single-process trials' median step."""
-        self.host = {(m, n): _median(v) - self._single[m] for (m, n), v in solo.items()
-                     if n != SINGLE_ROW and m in self._single}
+        self.host = {
+            (m, n): _median(v) - self._single[m] for (m, n), v in solo.items() if n != SINGLE_ROW and m in self._single
+        }
         """Per (model, strategy row): the row's step at one rank less T1 (the cost model's host rows)."""
         self.compute = {key: self.compute_every(*key, 1) for key in self._in_step}
         """Compute step time per (model, K) under K-way time-sharing: the median over steps (of every round)
@@ -239,25 +266,40 @@ class Report:
         wire = _median([t["wire_bytes"] for t in trials]) if measured else float("nan")
         analytic = analytic_wire_bytes(trials[0].get("strategy", {}), trials[0].get("param_bytes", grad), world)
         reference = self._reference()
-        ratio_ref = (self._ratio(model, name, reference, world) if (model, reference, world) in self._trials
-                     else float("nan"))
-        return {"model": model, "strategy": name, "world": world, "step_ms": 1e3 * step,
-                "ratio": self._ratio(model, name, self.baseline, world), "ratio_ref": ratio_ref,
-                "bytes_mib": sent / 2**20, "x_grad": sent / grad if grad else float("nan"),
-                "wire_mib": (wire if measured else 0.0) / 2**20, "measured": measured,
-                "wire_measured_mib": wire / 2**20, "wire_analytic_mib": analytic / 2**20,
-                "wire_x_analytic": wire / analytic if analytic else float("nan"),
-                "exposed_ms": 1e3 * exposed, "exposed_share": exposed / comm if comm else float("nan"),
-                "comm_ms": 1e3 * comm, "covered_ms": 1e3 * covered,
-                "covered_na": not any(op not in TORCH_TWINS and b for op, b in trials[0]["op_bytes_per_step"].items()),
-                "codec_ms": 1e3 * _median([_median(t.get("codec_s") or [0.0]) for t in trials]),
-                "peak_mib": _median([t["peak_mib"] for t in trials]),
-                "scaling": single / step if single else float("nan"), "pairs": len(trials), "extra": trials[0]["extra"],
-                "op_bytes_per_step": _median_ops(trials, "op_bytes_per_step"),
-                "op_calls_per_step": _median_ops(trials, "op_calls_per_step"),
-                "param_bytes": trials[0].get("param_bytes", grad), "n_linear": trials[0].get("n_linear", 0),
-                "sync_every": round(_median([self._every(t) for t in trials])),
-                "strategy_node": trials[0].get("strategy", {})}
+        ratio_ref = (
+            self._ratio(model, name, reference, world) if (model, reference, world) in self._trials else float("nan")
+        )
+        return {
+            "model": model,
+            "strategy": name,
+            "world": world,
+            "step_ms": 1e3 * step,
+            "ratio": self._ratio(model, name, self.baseline, world),
+            "ratio_ref": ratio_ref,
+            "bytes_mib": sent / 2**20,
+            "x_grad": sent / grad if grad else float("nan"),
+            "wire_mib": (wire if measured else 0.0) / 2**20,
+            "measured": measured,
+            "wire_measured_mib": wire / 2**20,
+            "wire_analytic_mib": analytic / 2**20,
+            "wire_x_analytic": wire / analytic if analytic else float("nan"),
+            "exposed_ms": 1e3 * exposed,
+            "exposed_share": exposed / comm if comm else float("nan"),
+            "comm_ms": 1e3 * comm,
+            "covered_ms": 1e3 * covered,
+            "covered_na": not any(op not in TORCH_TWINS and b for op, b in trials[0]["op_bytes_per_step"].items()),
+            "codec_ms": 1e3 * _median([_median(t.get("codec_s") or [0.0]) for t in trials]),
+            "peak_mib": _median([t["peak_mib"] for t in trials]),
+            "scaling": single / step if single else float("nan"),
+            "pairs": len(trials),
+            "extra": trials[0]["extra"],
+            "op_bytes_per_step": _median_ops(trials, "op_bytes_per_step"),
+            "op_calls_per_step": _median_ops(trials, "op_calls_per_step"),
+            "param_bytes": trials[0].get("param_bytes", grad),
+            "n_linear": trials[0].get("n_linear", 0),
+            "sync_every": round(_median([self._every(t) for t in trials])),
+            "strategy_node": trials[0].get("strategy", {}),
+        }
 
     def rows(self) -> list[dict[str, Any]]:
         return [self.row(m, n, k) for (m, n, k) in self._trials]
@@ -270,42 +312,58 @@ class Report:
         m = self.meta
         ref = self._reference()
         worlds = sorted({k for _, _, k in self._trials})
-        lines = [f"# lightning-sync bench ({m['date']})", "",
-                 f"- machine: {m['cpu']}; {', '.join(map(str, worlds))} ranks x {m['threads_per_rank']} thread(s)",
-                 f"- torch {m['torch']}, lightning {m['lightning']}, python {m['python']}",
-                 f"- command: `{m['command']}`",
-                 f"- {self.cfg.pairs} alternating pairs x {self.cfg.steps} timed steps (after "
-                 f"{self.cfg.warmup_steps} warm-up steps); medians; ratios are to `{self.baseline}` and to `{ref}` "
-                 "in the same pair and world size", "",
-                 f"| model | K | strategy | step ms | x {self.baseline} | x {ref} | MiB/step/rank | x grad bytes "
-                 "| ring wire MiB | analytic MiB | comm alone ms | exposed ms | exposed / comm | covered ms | peak MiB "
-                 "| T1/TK |",
-                 "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        lines = [
+            f"# lightning-sync bench ({m['date']})",
+            "",
+            f"- machine: {m['cpu']}; {', '.join(map(str, worlds))} ranks x {m['threads_per_rank']} thread(s)",
+            f"- torch {m['torch']}, lightning {m['lightning']}, python {m['python']}",
+            f"- command: `{m['command']}`",
+            f"- {self.cfg.pairs} alternating pairs x {self.cfg.steps} timed steps (after "
+            f"{self.cfg.warmup_steps} warm-up steps); medians; ratios are to `{self.baseline}` and to `{ref}` "
+            "in the same pair and world size",
+            "",
+            f"| model | K | strategy | step ms | x {self.baseline} | x {ref} | MiB/step/rank | x grad bytes "
+            "| ring wire MiB | analytic MiB | comm alone ms | exposed ms | exposed / comm | covered ms | peak MiB "
+            "| T1/TK |",
+            "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
         for r in self.rows():
             wire = f"{r['wire_mib']:.2f}" if r["measured"] else "n/a"
             x_ref = "n/a" if math.isnan(r["ratio_ref"]) else f"{r['ratio_ref']:.3f}"
             covered = "n/a" if r["covered_na"] else f"{r['covered_ms']:.1f}"
-            lines.append(f"| {r['model']} | {r['world']} | {r['strategy']} | {r['step_ms']:.1f} | {r['ratio']:.3f} | "
-                         f"{x_ref} | {r['bytes_mib']:.2f} | {r['x_grad']:.3f} | {wire} | {r['wire_analytic_mib']:.2f} | "
-                         f"{r['comm_ms']:.1f} | {r['exposed_ms']:.1f} | "
-                         f"{r['exposed_share']:.2f} | {covered} | {r['peak_mib']:.0f} | {r['scaling']:.2f} |")
+            lines.append(
+                f"| {r['model']} | {r['world']} | {r['strategy']} | {r['step_ms']:.1f} | {r['ratio']:.3f} | "
+                f"{x_ref} | {r['bytes_mib']:.2f} | {r['x_grad']:.3f} | {wire} | {r['wire_analytic_mib']:.2f} | "
+                f"{r['comm_ms']:.1f} | {r['exposed_ms']:.1f} | "
+                f"{r['exposed_share']:.2f} | {covered} | {r['peak_mib']:.0f} | {r['scaling']:.2f} |"
+            )
         if self._single:
-            lines += ["", "Single-process step time T1(b) (ms): "
-                      + ", ".join(f"{k} {1e3 * v:.1f}" for k, v in self._single.items())]
+            lines += [
+                "",
+                "Single-process step time T1(b) (ms): "
+                + ", ".join(f"{k} {1e3 * v:.1f}" for k, v in self._single.items()),
+            ]
         if self.host:
-            lines += ["", "Host work at one rank, the row's single-process step less T1 (ms; the cost model adds it): "
-                      + ", ".join(f"{n} on {m} {1e3 * v:+.1f}" for (m, n), v in self.host.items())]
-        lines += ["", "Overlap check: with perfect overlap a step would take max(T1, comm alone); on a machine "
-                  "where communication competes with compute for the same cores it takes about T1 + comm alone. "
-                  "Covered ms: per step, the time a rank computed with at least one of its async `comms` calls in "
-                  "flight (n/a: torch's DDP and FSDP2, whose calls bypass `comms`; nan: raw data from before it "
-                  "was recorded), the most communication it could hide behind compute.",
-                  "", "torch's own DDP sends its gradients outside `lightning_sync.comms`, so its bytes read 0 here; "
-                  "its payload is the gradient size (x grad bytes 1.00) by construction. Ring wire MiB converts "
-                  "each op's payload with the ring model (all_reduce 2(K-1)/K, reduce_scatter (K-1)/K, "
-                  "all_gather K-1); n/a where the strategy bypasses `comms`. Analytic MiB is the textbook figure "
-                  "(DDP 2(K-1)/K x S, ZeRO-3 and FSDP2 3(K-1)/K x S; compression and periodic syncs not modelled).",
-                  ""]
+            lines += [
+                "",
+                "Host work at one rank, the row's single-process step less T1 (ms; the cost model adds it): "
+                + ", ".join(f"{n} on {m} {1e3 * v:+.1f}" for (m, n), v in self.host.items()),
+            ]
+        lines += [
+            "",
+            "Overlap check: with perfect overlap a step would take max(T1, comm alone); on a machine "
+            "where communication competes with compute for the same cores it takes about T1 + comm alone. "
+            "Covered ms: per step, the time a rank computed with at least one of its async `comms` calls in "
+            "flight (n/a: torch's DDP and FSDP2, whose calls bypass `comms`; nan: raw data from before it "
+            "was recorded), the most communication it could hide behind compute.",
+            "",
+            "torch's own DDP sends its gradients outside `lightning_sync.comms`, so its bytes read 0 here; "
+            "its payload is the gradient size (x grad bytes 1.00) by construction. Ring wire MiB converts "
+            "each op's payload with the ring model (all_reduce 2(K-1)/K, reduce_scatter (K-1)/K, "
+            "all_gather K-1); n/a where the strategy bypasses `comms`. Analytic MiB is the textbook figure "
+            "(DDP 2(K-1)/K x S, ZeRO-3 and FSDP2 3(K-1)/K x S; compression and periodic syncs not modelled).",
+            "",
+        ]
         lines += self.scaling_markdown()
         lines += self.sharding_markdown()
         cost = self.cost_model
@@ -323,24 +381,34 @@ class Report:
         rows = self.rows()
         every = {(r["model"], int(r["world"]), int(r["sync_every"])) for r in rows if int(r["sync_every"]) > 1}
         periodic = {key: self.compute_every(*key) for key in every if key[:2] in self._in_step}
-        return CostModel(rows, self.compute, self.sweep, compute_every=periodic, host=self.host,
-                         cores=self.meta.get("cores"),
-                         threads_per_rank=int(self.meta.get("threads_per_rank", 1)),
-                         projection=(int(proj.get("smallest", 8)), int(proj.get("largest", 4096))))
+        return CostModel(
+            rows,
+            self.compute,
+            self.sweep,
+            compute_every=periodic,
+            host=self.host,
+            cores=self.meta.get("cores"),
+            threads_per_rank=int(self.meta.get("threads_per_rank", 1)),
+            projection=(int(proj.get("smallest", 8)), int(proj.get("largest", 4096))),
+        )
 
     def as_json(self) -> dict[str, Any]:
         """Every row (each carrying the run's versions, CPU, date and command), and the cost model's fits,
         validation and projection."""
         rows = [{**r, **self.meta} for r in self.rows()]
-        out: dict[str, Any] = {"meta": self.meta, "rows": rows,
-                               "compute_s": [{"model": m, "concurrent": k, "seconds": v}
-                                             for (m, k), v in self.compute.items()],
-                               "host_s": [{"model": m, "strategy": n, "seconds": v} for (m, n), v in self.host.items()]}
+        out: dict[str, Any] = {
+            "meta": self.meta,
+            "rows": rows,
+            "compute_s": [{"model": m, "concurrent": k, "seconds": v} for (m, k), v in self.compute.items()],
+            "host_s": [{"model": m, "strategy": n, "seconds": v} for (m, n), v in self.host.items()],
+        }
         cost = self.cost_model
         if cost is not None:
             out["sweep"] = self.sweep
-            out["fits"] = {a: {"alpha_s": f.link.alpha, "beta_s_per_byte": f.link.beta, "points": f.points}
-                           for a, f in cost.fits.items()}
+            out["fits"] = {
+                a: {"alpha_s": f.link.alpha, "beta_s_per_byte": f.link.beta, "points": f.points}
+                for a, f in cost.fits.items()
+            }
             out["validation"] = cost.validation()
             out["projection"] = cost.projection()
         return out
@@ -351,14 +419,20 @@ class Report:
         names = list(dict.fromkeys((m, n) for m, n, _ in self._trials if m in self._single))
         if not names or not worlds:
             return []
-        lines = ["## Scaling efficiency", "",
-                 "T1(b) / TK(b) at a fixed per-rank batch b: one process against K ranks (1.00 is perfect). "
-                 "On this machine K ranks beyond its cores time-share them.", "",
-                 "| model | strategy | " + " | ".join(f"K={k}" for k in worlds) + " |",
-                 "|---|---|" + "---:|" * len(worlds)]
+        lines = [
+            "## Scaling efficiency",
+            "",
+            "T1(b) / TK(b) at a fixed per-rank batch b: one process against K ranks (1.00 is perfect). "
+            "On this machine K ranks beyond its cores time-share them.",
+            "",
+            "| model | strategy | " + " | ".join(f"K={k}" for k in worlds) + " |",
+            "|---|---|" + "---:|" * len(worlds),
+        ]
         for model, name in names:
-            cells = [f"{self.row(model, name, k)['scaling']:.2f}" if (model, name, k) in self._trials else "-"
-                     for k in worlds]
+            cells = [
+                f"{self.row(model, name, k)['scaling']:.2f}" if (model, name, k) in self._trials else "-"
+                for k in worlds
+            ]
             lines.append(f"| {model} | {name} | " + " | ".join(cells) + " |")
         return [*lines, ""]
 
@@ -385,22 +459,28 @@ class Report:
         if not rows:
             return []
         _, reference = self._sharding_cfg()
-        lines = ["## Sharding", "",
-                 f"Step time and same-pair ratios to `{self.baseline}` and to `{reference}`; peak memory is the "
-                 "largest over ranks (mallinfo2 above the level before the model was built); wire bytes per step "
-                 "and rank, measured through `comms` with the ring model, against the analytic figure "
-                 "(DDP and ZeRO-1/2: 2(K-1)/K x S, ZeRO-3 and FSDP2: 3(K-1)/K x S, S = trainable parameter bytes, "
-                 "padding aside). torch DDP bypasses `comms`: measured n/a. FSDP2's all-gathers and reduce-scatters "
-                 "are counted while its trials run (bench.runner.torch_collectives_counted).", "",
-                 f"| model | K | strategy | step ms | x {self.baseline} | x {reference} | peak MiB/rank "
-                 "| wire MiB/step/rank | analytic MiB | wire / analytic |",
-                 "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+        lines = [
+            "## Sharding",
+            "",
+            f"Step time and same-pair ratios to `{self.baseline}` and to `{reference}`; peak memory is the "
+            "largest over ranks (mallinfo2 above the level before the model was built); wire bytes per step "
+            "and rank, measured through `comms` with the ring model, against the analytic figure "
+            "(DDP and ZeRO-1/2: 2(K-1)/K x S, ZeRO-3 and FSDP2: 3(K-1)/K x S, S = trainable parameter bytes, "
+            "padding aside). torch DDP bypasses `comms`: measured n/a. FSDP2's all-gathers and reduce-scatters "
+            "are counted while its trials run (bench.runner.torch_collectives_counted).",
+            "",
+            f"| model | K | strategy | step ms | x {self.baseline} | x {reference} | peak MiB/rank "
+            "| wire MiB/step/rank | analytic MiB | wire / analytic |",
+            "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+        ]
         for r in rows:
             ref = "n/a" if math.isnan(r["ratio_ref"]) else f"{r['ratio_ref']:.3f}"
             wire = f"{r['wire_measured_mib']:.2f}" if r["measured"] else "n/a"
             x_an = f"{r['wire_x_analytic']:.3f}" if r["measured"] else "n/a"
-            lines.append(f"| {r['model']} | {r['world']} | {r['strategy']} | {r['step_ms']:.1f} | {r['ratio']:.3f} | "
-                         f"{ref} | {r['peak_mib']:.0f} | {wire} | {r['wire_analytic_mib']:.2f} | {x_an} |")
+            lines.append(
+                f"| {r['model']} | {r['world']} | {r['strategy']} | {r['step_ms']:.1f} | {r['ratio']:.3f} | "
+                f"{ref} | {r['peak_mib']:.0f} | {wire} | {r['wire_analytic_mib']:.2f} | {x_an} |"
+            )
         return [*lines, ""]
 
     def write(self, out_dir: Path) -> None:
@@ -419,14 +499,16 @@ class Report:
             matplotlib.use("Agg")
             import matplotlib.pyplot as plt
         except ImportError as err:  # pragma: no cover - matplotlib ships with the dev/bench extras
-            raise ImportError("lightning-sync bench draws its plots with matplotlib: "
-                              "pip install 'lightning-sync[bench]'") from err
+            raise ImportError(
+                "lightning-sync bench draws its plots with matplotlib: pip install 'lightning-sync[bench]'"
+            ) from err
         rows = self.rows()
         panels = list(dict.fromkeys((r["model"], r["world"]) for r in rows))
         cols = min(len(panels), 3)
-        fig, axes = plt.subplots(math.ceil(len(panels) / cols), cols, figsize=(5.5 * cols, 4 * math.ceil(len(panels) / cols)),
-                                 squeeze=False)
-        for ax in axes.flat[len(panels):]:
+        fig, axes = plt.subplots(
+            math.ceil(len(panels) / cols), cols, figsize=(5.5 * cols, 4 * math.ceil(len(panels) / cols)), squeeze=False
+        )
+        for ax in axes.flat[len(panels) :]:
             ax.axis("off")
         for ax, (model, world) in zip(axes.flat, panels):
             mine = [r for r in rows if (r["model"], r["world"]) == (model, world)]
@@ -499,8 +581,13 @@ class Report:
             top.set_ylabel("ms / step")
             measured = [r["wire_measured_mib"] if r["measured"] else 0.0 for r in mine]
             bottom.bar([x - 0.2 for x in xs], measured, width=0.4, color="tab:orange", label="measured (comms)")
-            bottom.bar([x + 0.2 for x in xs], [r["wire_analytic_mib"] for r in mine], width=0.4, color="tab:gray",
-                       label="analytic")
+            bottom.bar(
+                [x + 0.2 for x in xs],
+                [r["wire_analytic_mib"] for r in mine],
+                width=0.4,
+                color="tab:gray",
+                label="analytic",
+            )
             for i, r in enumerate(mine):
                 if not r["measured"]:
                     bottom.text(i - 0.2, 0, "n/a", ha="center", va="bottom", fontsize=8)

@@ -55,8 +55,16 @@ from lightning_sync import comms
 from lightning_sync.bench.fsdp2 import FullyShardStrategy
 from lightning_sync.sync.compression import CODEC_OP
 
-__all__ = ["IN_STEP", "SINGLE_ROW", "TORCH_OPS", "Lockstep", "StepProbe", "Trial", "run_trials",
-           "torch_collectives_counted"]
+__all__ = [
+    "IN_STEP",
+    "SINGLE_ROW",
+    "TORCH_OPS",
+    "Lockstep",
+    "StepProbe",
+    "Trial",
+    "run_trials",
+    "torch_collectives_counted",
+]
 
 #: ``Trial.extra`` key of the rows that measure compute alone under a K-rank job's time-sharing.
 IN_STEP = "in_step"
@@ -66,8 +74,10 @@ SINGLE_ROW = "single"
 
 #: The ``torch.distributed`` functions FSDP2 sends through, per ``comms`` op name they are counted as: the
 #: first name torch has (``_single``: torch 2.13's ``_fsdp_collectives``; older releases call the others).
-TORCH_OPS = {"torch_all_gather": ("all_gather_single", "all_gather_into_tensor"),
-             "torch_reduce_scatter": ("reduce_scatter_single", "reduce_scatter_tensor")}
+TORCH_OPS = {
+    "torch_all_gather": ("all_gather_single", "all_gather_into_tensor"),
+    "torch_reduce_scatter": ("reduce_scatter_single", "reduce_scatter_tensor"),
+}
 
 
 @contextmanager
@@ -90,6 +100,7 @@ def torch_collectives_counted() -> Iterator[None]:
             out = fn(*args, **kwargs)
             stats.record(op, int(source.numel() * source.element_size()), time.perf_counter() - t0)
             return out
+
         return call
 
     for op, names in TORCH_OPS.items():
@@ -129,8 +140,21 @@ class Trial:
 
 
 class _MallInfo2(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                               "fsmblks", "uordblks", "fordblks", "keepcost")]
+    _fields_ = [
+        (n, ctypes.c_size_t)
+        for n in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
 
 
 def _allocated_mib() -> float:
@@ -242,30 +266,52 @@ def _run_one(trial: Trial, world: int, callbacks: tuple[pl.Callback, ...] = ()) 
     strategy = instantiate(trial.strategy) if trial.strategy.get("_target_") else "auto"
     probe = StepProbe(trial.warmup)
     n_linear = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
-    trainer = pl.Trainer(accelerator="gpu" if torch.cuda.is_available() else "cpu", devices=trial.devices or world,
-                         strategy=strategy, max_steps=trial.warmup + trial.steps, max_epochs=-1,
-                         limit_val_batches=0, num_sanity_val_steps=0, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, callbacks=[*callbacks, probe])
+    trainer = pl.Trainer(
+        accelerator="gpu" if torch.cuda.is_available() else "cpu",
+        devices=trial.devices or world,
+        strategy=strategy,
+        max_steps=trial.warmup + trial.steps,
+        max_epochs=-1,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[*callbacks, probe],
+    )
     comms.reset_stats()
     with torch_collectives_counted() if isinstance(strategy, FullyShardStrategy) else nullcontext():
         trainer.fit(model, datamodule=data)
     bucketer = probe.bucketer
     comm_s = _comm_alone(bucketer) if bucketer is not None and world > 1 else None
-    peak = (torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available()
-            else probe.peak_rss - base_rss)
+    peak = torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else probe.peak_rss - base_rss
     if bucketer is not None:
         bucketer.close()
     n = max(len(probe.step_s), 1)
-    return {"name": trial.name, "model": trial.model, "world": world, "step_s": probe.step_s,
-            "bytes_per_step": (sum(probe.bytes) / len(probe.bytes)) if probe.bytes else 0.0,
-            "op_bytes_per_step": {op: b / n for op, b in probe.op_bytes.items()}, "comm_calls": probe.calls,
-            "op_calls_per_step": {op: c / n for op, c in probe.op_calls.items()},
-            "op_seconds_per_step": {op: t / n for op, t in probe.op_seconds.items()}, "n_linear": n_linear,
-            "exposed_s": probe.exposed_s, "codec_s": probe.codec_s, "step_calls": probe.step_calls, "comm_s": comm_s,
-            "covered_s": probe.covered_s, "blocked_s": probe.blocked_s,
-            "grad_bytes": param_bytes,
-            "param_bytes": param_bytes,
-            "strategy": dict(trial.strategy), "peak_mib": peak, "extra": trial.extra}
+    return {
+        "name": trial.name,
+        "model": trial.model,
+        "world": world,
+        "step_s": probe.step_s,
+        "bytes_per_step": (sum(probe.bytes) / len(probe.bytes)) if probe.bytes else 0.0,
+        "op_bytes_per_step": {op: b / n for op, b in probe.op_bytes.items()},
+        "comm_calls": probe.calls,
+        "op_calls_per_step": {op: c / n for op, c in probe.op_calls.items()},
+        "op_seconds_per_step": {op: t / n for op, t in probe.op_seconds.items()},
+        "n_linear": n_linear,
+        "exposed_s": probe.exposed_s,
+        "codec_s": probe.codec_s,
+        "step_calls": probe.step_calls,
+        "comm_s": comm_s,
+        "covered_s": probe.covered_s,
+        "blocked_s": probe.blocked_s,
+        "grad_bytes": param_bytes,
+        "param_bytes": param_bytes,
+        "strategy": dict(trial.strategy),
+        "peak_mib": peak,
+        "extra": trial.extra,
+    }
 
 
 class Lockstep(pl.Callback):
@@ -279,8 +325,16 @@ class Lockstep(pl.Callback):
 
 
 #: What a launcher sets for a rank; an in-step trial hides it, so Lightning sees one device and no cluster.
-_RANK_ENV = ("RANK", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-             "TORCHELASTIC_USE_AGENT_STORE")
+_RANK_ENV = (
+    "RANK",
+    "LOCAL_RANK",
+    "NODE_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_USE_AGENT_STORE",
+)
 
 
 @contextmanager

@@ -61,6 +61,7 @@ def _run(op: str, whole: torch.Tensor) -> None:
     else:
         all_reduce_with(op, whole)
 
+
 __all__ = ["DEFAULT_SIZES", "OPS", "price", "sweep_all_reduce", "sweep_sizes"]
 
 
@@ -85,8 +86,9 @@ def _repeats_for(nbytes: int, repeats: int) -> int:
     return repeats if nbytes <= 16 * 2**20 else max(3, repeats // 3)
 
 
-def sweep_all_reduce(rank: int, world: int, sizes: list[int], algorithms: list[str],
-                     repeats: int = 7, threads: int = 1) -> list[dict[str, Any]]:
+def sweep_all_reduce(
+    rank: int, world: int, sizes: list[int], algorithms: list[str], repeats: int = 7, threads: int = 1
+) -> list[dict[str, Any]]:
     """Time all-reduces of every size with every algorithm; returns one point per (algorithm, size).
 
     Each point: ``{"algorithm", "world", "bytes", "seconds", "median_seconds", "rank_seconds"}``: ``seconds``
@@ -112,7 +114,7 @@ def sweep_all_reduce(rank: int, world: int, sizes: list[int], algorithms: list[s
         for n in sizes:
             if rep >= _repeats_for(n, repeats):
                 continue
-            for a in (algorithms if rep % 2 == 0 else list(reversed(algorithms))):
+            for a in algorithms if rep % 2 == 0 else list(reversed(algorithms)):
                 t = bufs[n].clone()
                 comms.barrier()
                 t0 = time.perf_counter()
@@ -122,13 +124,19 @@ def sweep_all_reduce(rank: int, world: int, sizes: list[int], algorithms: list[s
                 comms.all_reduce(last, op="max")
                 times[(n, a)].append(float(last[1] - last[0]))
                 own[(n, a)].append(float(last[2]))
-    return [{"algorithm": a, "world": world, "bytes": bufs[n].numel() * 4, **price(times[(n, a)], own[(n, a)])}
-            for n in sizes for a in algorithms]
+    return [
+        {"algorithm": a, "world": world, "bytes": bufs[n].numel() * 4, **price(times[(n, a)], own[(n, a)])}
+        for n in sizes
+        for a in algorithms
+    ]
 
 
 def price(spans: list[float], own: list[float]) -> dict[str, float]:
     """One point's times from its repeats' spans and slowest-rank times: ``seconds``, the mean span (a step
     pays the sum of its calls, see the module docstring); ``median_seconds``; ``rank_seconds``, the median
     slowest-rank time."""
-    return {"seconds": statistics.fmean(spans), "median_seconds": statistics.median(spans),
-            "rank_seconds": statistics.median(own)}
+    return {
+        "seconds": statistics.fmean(spans),
+        "median_seconds": statistics.median(spans),
+        "rank_seconds": statistics.median(own),
+    }

@@ -42,8 +42,13 @@ from lightning_sync import comms
 __all__ = ["TradeoffTrial", "run_tradeoff", "tradeoff_markdown", "tradeoff_rows", "tradeoff_trials"]
 
 log = logging.getLogger("lightning_sync.bench")
-_QUIET = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False,
-          "enable_model_summary": False, "num_sanity_val_steps": 0}
+_QUIET = {
+    "logger": False,
+    "enable_checkpointing": False,
+    "enable_progress_bar": False,
+    "enable_model_summary": False,
+    "num_sanity_val_steps": 0,
+}
 
 
 @dataclass
@@ -93,8 +98,13 @@ class _Probe(pl.Callback):
         self._bytes0, self._start = self._bytes(), time.time()
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        record = {"rank": trainer.global_rank, "start": self._start, "end": time.time(),
-                  "steps": trainer.global_step, "bytes": self._bytes() - self._bytes0}
+        record = {
+            "rank": trainer.global_rank,
+            "start": self._start,
+            "end": time.time(),
+            "steps": trainer.global_step,
+            "bytes": self._bytes() - self._bytes0,
+        }
         with open(os.path.join(self.out_dir, f"rank{trainer.global_rank}.json"), "w") as f:
             json.dump(record, f)
 
@@ -126,8 +136,16 @@ def _fit(rank: int, world: int, trial: TradeoffTrial, out_dir: str) -> dict[str,
     callbacks: list[pl.Callback] = [_Probe(out_dir)]
     if trial.slow_factor is not None:
         callbacks.append(SlowRank(rank=1, factor=float(trial.slow_factor)))
-    trainer = pl.Trainer(accelerator="cpu", devices=trial.world, strategy=instantiate(trial.strategy),
-                         max_steps=trial.steps, max_epochs=-1, limit_val_batches=0, callbacks=callbacks, **_QUIET)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=trial.world,
+        strategy=instantiate(trial.strategy),
+        max_steps=trial.steps,
+        max_epochs=-1,
+        limit_val_batches=0,
+        callbacks=callbacks,
+        **_QUIET,
+    )
     trainer.fit(model, datamodule=data)
     return _evaluate(model, data) if rank == 0 else None
 
@@ -145,10 +163,20 @@ def tradeoff_trials(cfg: Any) -> list[TradeoffTrial]:
         per_round = len(rows)
         for i, name in enumerate(names):
             for factor in slow:
-                out.append(TradeoffTrial(name=str(name), model=str(model), strategy=_node(rows[name]),
-                                         model_cfg=_node(m.model), data_cfg=_node(m.data), steps=int(t.steps),
-                                         world=int(t.world_size), slow_factor=factor, round=i // per_round,
-                                         extra={"seed": int(t.seed)}))
+                out.append(
+                    TradeoffTrial(
+                        name=str(name),
+                        model=str(model),
+                        strategy=_node(rows[name]),
+                        model_cfg=_node(m.model),
+                        data_cfg=_node(m.data),
+                        steps=int(t.steps),
+                        world=int(t.world_size),
+                        slow_factor=factor,
+                        round=i // per_round,
+                        extra={"seed": int(t.seed)},
+                    )
+                )
     return out
 
 
@@ -164,8 +192,9 @@ def run_tradeoff(cfg: Any, out_dir: Path, meta: dict[str, Any] | None = None) ->
         ranks = 1 if trial.self_launching else trial.world
         label = f"{trial.model}/{trial.name}" + (f" (rank 1 x{trial.slow_factor:g})" if trial.slow_factor else "")
         log.info("tradeoff %d/%d: %s", i, len(trials), label)
-        metrics = run_distributed(_fit, ranks, trial, probe_dir, timeout=float(cfg.tradeoff.timeout_s), env=env,
-                                  process_group=False)[0]
+        metrics = run_distributed(
+            _fit, ranks, trial, probe_dir, timeout=float(cfg.tradeoff.timeout_s), env=env, process_group=False
+        )[0]
         probes = [json.loads((Path(probe_dir) / f).read_text()) for f in sorted(os.listdir(probe_dir))]
         for f in os.listdir(probe_dir):
             os.remove(os.path.join(probe_dir, f))
@@ -174,10 +203,21 @@ def run_tradeoff(cfg: Any, out_dir: Path, meta: dict[str, Any] | None = None) ->
             raise RuntimeError(f"tradeoff trial {label}: {len(probes)} of {trial.world} ranks reported")
         wall = max(p["end"] for p in probes) - min(p["start"] for p in probes)
         samples = trial.steps * trial.world * int(trial.data_cfg.get("batch_size", 1))
-        results.append({"name": trial.name, "model": trial.model, "slow": trial.slow_factor, "round": trial.round,
-                        "val_loss": metrics["val_loss"], "metrics": metrics, "bytes": sum(p["bytes"] for p in probes),
-                        "wall_s": wall, "samples": samples, "samples_per_s": samples / wall,
-                        "steps_by_rank": [p["steps"] for p in sorted(probes, key=lambda p: p["rank"])]})
+        results.append(
+            {
+                "name": trial.name,
+                "model": trial.model,
+                "slow": trial.slow_factor,
+                "round": trial.round,
+                "val_loss": metrics["val_loss"],
+                "metrics": metrics,
+                "bytes": sum(p["bytes"] for p in probes),
+                "wall_s": wall,
+                "samples": samples,
+                "samples_per_s": samples / wall,
+                "steps_by_rank": [p["steps"] for p in sorted(probes, key=lambda p: p["rank"])],
+            }
+        )
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "tradeoff.md").write_text(tradeoff_markdown(results, cfg, meta) + "\n")
     (out_dir / "tradeoff.json").write_text(json.dumps(results, indent=1))
@@ -201,22 +241,39 @@ def tradeoff_rows(results: list[dict[str, Any]], reference: str = "bucketed_ddp"
         trials = [r for r in results if (r["model"], r["name"], r["slow"]) == (model, name, slow)]
 
         def ratio(key: str, trials: list[dict[str, Any]] = trials) -> float:
-            pairs = [(t[key], ref[(t["model"], t["slow"], t["round"])][key]) for t in trials
-                     if (t["model"], t["slow"], t["round"]) in ref]
+            pairs = [
+                (t[key], ref[(t["model"], t["slow"], t["round"])][key])
+                for t in trials
+                if (t["model"], t["slow"], t["round"]) in ref
+            ]
             return _median([a / b for a, b in pairs if b])
 
-        rows.append({"model": model, "name": name, "slow": slow, "val_loss": _median([t["val_loss"] for t in trials]),
-                     "bytes": _median([t["bytes"] for t in trials]), "wall_s": _median([t["wall_s"] for t in trials]),
-                     "samples_per_s": _median([t["samples_per_s"] for t in trials]),
-                     "x_loss": ratio("val_loss"), "x_bytes": ratio("bytes"), "x_throughput": ratio("samples_per_s"),
-                     "steps_by_rank": trials[0]["steps_by_rank"], "trials": len(trials)})
+        rows.append(
+            {
+                "model": model,
+                "name": name,
+                "slow": slow,
+                "val_loss": _median([t["val_loss"] for t in trials]),
+                "bytes": _median([t["bytes"] for t in trials]),
+                "wall_s": _median([t["wall_s"] for t in trials]),
+                "samples_per_s": _median([t["samples_per_s"] for t in trials]),
+                "x_loss": ratio("val_loss"),
+                "x_bytes": ratio("bytes"),
+                "x_throughput": ratio("samples_per_s"),
+                "steps_by_rank": trials[0]["steps_by_rank"],
+                "trials": len(trials),
+            }
+        )
     return rows
 
 
 #: The targets the report checks: (row name, with a straggler, bytes at most, loss ratio at most,
 #: throughput ratio at least), all relative to the reference row of the same model and setting.
-TARGETS = [("local_sgd", False, 1 / 8, 1.03, None), ("diloco", False, 1 / 50, 1.05, None),
-           ("async_ps", True, None, 1.05, 1.4)]
+TARGETS = [
+    ("local_sgd", False, 1 / 8, 1.03, None),
+    ("diloco", False, 1 / 50, 1.05, None),
+    ("async_ps", True, None, 1.05, 1.4),
+]
 
 
 def _fmt(x: float, spec: str) -> str:
@@ -229,17 +286,26 @@ def tradeoff_markdown(results: list[dict[str, Any]], cfg: Any, meta: dict[str, A
     rows = tradeoff_rows(results, str(t.reference))
     lines = [f"## Trade-off: {int(t.steps)} global steps of {int(t.world_size)} ranks, {int(t.pairs)} rounds", ""]
     if meta:
-        lines += [f"Measured {meta['date']} on {meta['cpu']}; Python {meta['python']}, torch {meta['torch']}, "
-                  f"lightning {meta['lightning']}. Command: `{meta['command']}`", ""]
-    lines += [f"Ratios are to `{t.reference}` on the same model and straggler setting (median of same-round "
-             "ratios); `steps/rank` are each rank's own optimizer steps in the first round.", "",
-             "| model | strategy | straggler | val loss | x loss | MiB sent | x bytes | wall s | samples/s | "
-             "x throughput | steps/rank |", "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+        lines += [
+            f"Measured {meta['date']} on {meta['cpu']}; Python {meta['python']}, torch {meta['torch']}, "
+            f"lightning {meta['lightning']}. Command: `{meta['command']}`",
+            "",
+        ]
+    lines += [
+        f"Ratios are to `{t.reference}` on the same model and straggler setting (median of same-round "
+        "ratios); `steps/rank` are each rank's own optimizer steps in the first round.",
+        "",
+        "| model | strategy | straggler | val loss | x loss | MiB sent | x bytes | wall s | samples/s | "
+        "x throughput | steps/rank |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
     for r in rows:
         slow = f"rank 1 x{r['slow']:g}" if r["slow"] else "none"
-        lines.append(f"| {r['model']} | {r['name']} | {slow} | {r['val_loss']:.4f} | {_fmt(r['x_loss'], '.3f')} | "
-                     f"{r['bytes'] / 2**20:.2f} | {_fmt(r['x_bytes'], '.4f')} | {r['wall_s']:.1f} | "
-                     f"{r['samples_per_s']:.0f} | {_fmt(r['x_throughput'], '.2f')} | {r['steps_by_rank']} |")
+        lines.append(
+            f"| {r['model']} | {r['name']} | {slow} | {r['val_loss']:.4f} | {_fmt(r['x_loss'], '.3f')} | "
+            f"{r['bytes'] / 2**20:.2f} | {_fmt(r['x_bytes'], '.4f')} | {r['wall_s']:.1f} | "
+            f"{r['samples_per_s']:.0f} | {_fmt(r['x_throughput'], '.2f')} | {r['steps_by_rank']} |"
+        )
     lines += ["", "Targets:", ""]
     for name, slowed, max_bytes, max_loss, min_tp in TARGETS:
         for r in rows:
@@ -247,12 +313,18 @@ def tradeoff_markdown(results: list[dict[str, Any]], cfg: Any, meta: dict[str, A
                 continue
             checks = []
             if max_bytes is not None:
-                checks.append(f"bytes x{r['x_bytes']:.4f} <= {max_bytes:.4f}: {'met' if r['x_bytes'] <= max_bytes else 'MISSED'}")
+                checks.append(
+                    f"bytes x{r['x_bytes']:.4f} <= {max_bytes:.4f}: {'met' if r['x_bytes'] <= max_bytes else 'MISSED'}"
+                )
             if min_tp is not None:
-                checks.append(f"throughput x{r['x_throughput']:.2f} >= {min_tp}: "
-                              f"{'met' if r['x_throughput'] >= min_tp else 'MISSED'}")
+                checks.append(
+                    f"throughput x{r['x_throughput']:.2f} >= {min_tp}: "
+                    f"{'met' if r['x_throughput'] >= min_tp else 'MISSED'}"
+                )
             checks.append(f"loss x{r['x_loss']:.3f} <= {max_loss}: {'met' if r['x_loss'] <= max_loss else 'MISSED'}")
-            lines.append(f"- {r['model']} {name}" + (" with the straggler" if slowed else "") + ": " + "; ".join(checks))
+            lines.append(
+                f"- {r['model']} {name}" + (" with the straggler" if slowed else "") + ": " + "; ".join(checks)
+            )
     return "\n".join(lines)
 
 
@@ -269,8 +341,12 @@ def _plot(results: list[dict[str, Any]], path: Path) -> None:
     colors = {n: plt.get_cmap("tab10")(i) for i, n in enumerate(names)}
     for row, model in enumerate(models):
         for r in (r for r in results if r["model"] == model):
-            style = {"color": colors[r["name"]], "s": 45, "marker": "o" if not r["slow"] else "s",
-                     "facecolors": colors[r["name"]] if not r["slow"] else "none"}
+            style = {
+                "color": colors[r["name"]],
+                "s": 45,
+                "marker": "o" if not r["slow"] else "s",
+                "facecolors": colors[r["name"]] if not r["slow"] else "none",
+            }
             axes[row][0].scatter(max(r["bytes"] / 2**20, 1e-3), r["val_loss"], **style)
             axes[row][1].scatter(r["wall_s"], r["val_loss"], **style)
         axes[row][0].set_xscale("log")
@@ -279,9 +355,10 @@ def _plot(results: list[dict[str, Any]], path: Path) -> None:
         for ax in axes[row]:
             ax.grid(alpha=0.3)
     handles = [plt.Line2D([], [], color=c, marker="o", linestyle="", label=n) for n, c in colors.items()]
-    handles += [plt.Line2D([], [], color="gray", marker="o", linestyle="", label="no straggler"),
-                plt.Line2D([], [], color="gray", marker="s", markerfacecolor="none", linestyle="",
-                           label="rank 1 slowed")]
+    handles += [
+        plt.Line2D([], [], color="gray", marker="o", linestyle="", label="no straggler"),
+        plt.Line2D([], [], color="gray", marker="s", markerfacecolor="none", linestyle="", label="rank 1 slowed"),
+    ]
     fig.legend(handles=handles, loc="upper center", ncol=min(len(handles), 7))
     fig.tight_layout(rect=(0, 0, 1, 0.93))
     fig.savefig(path, dpi=110)

@@ -44,14 +44,26 @@ from lightning_sync.comms import collectives as C
 from lightning_sync.comms.stats import ring_allreduce_bytes, ring_allreduce_time, tree_allreduce_time
 
 __all__ = [
-    "ALGORITHMS", "NodeGroups", "all_reduce_with", "hierarchical_all_reduce", "node_groups", "release_node_groups",
-    "ring_all_gather", "ring_all_reduce", "ring_allreduce_bytes", "ring_allreduce_time", "ring_reduce_scatter",
-    "tree_all_reduce", "tree_allreduce_time",
+    "ALGORITHMS",
+    "NodeGroups",
+    "all_reduce_with",
+    "hierarchical_all_reduce",
+    "node_groups",
+    "release_node_groups",
+    "ring_all_gather",
+    "ring_all_reduce",
+    "ring_allreduce_bytes",
+    "ring_allreduce_time",
+    "ring_reduce_scatter",
+    "tree_all_reduce",
+    "tree_allreduce_time",
 ]
 
 _COMBINE: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
-    "sum": torch.Tensor.add_, "avg": torch.Tensor.add_,
-    "max": lambda a, b: torch.maximum(a, b, out=a), "min": lambda a, b: torch.minimum(a, b, out=a),
+    "sum": torch.Tensor.add_,
+    "avg": torch.Tensor.add_,
+    "max": lambda a, b: torch.maximum(a, b, out=a),
+    "min": lambda a, b: torch.minimum(a, b, out=a),
 }
 
 
@@ -60,8 +72,9 @@ def _combine(op: str, tensor: torch.Tensor) -> Callable[[torch.Tensor, torch.Ten
     return _COMBINE[op]
 
 
-def _exchange(send_buf: torch.Tensor, dst: int, recv_buf: torch.Tensor, src: int,
-              group: dist.ProcessGroup | None) -> None:
+def _exchange(
+    send_buf: torch.Tensor, dst: int, recv_buf: torch.Tensor, src: int, group: dist.ProcessGroup | None
+) -> None:
     """Send to ``dst`` and receive from ``src`` at the same time (no ordering deadlock)."""
     works = [C.send(send_buf, dst, group=group, async_op=True), C.recv(recv_buf, src, group=group, async_op=True)]
     for w in works:
@@ -86,8 +99,9 @@ def _chunks(tensor: torch.Tensor, world: int, chunk: int) -> torch.Tensor:
     return flat.view(world, chunk)
 
 
-def _reduce_scatter_steps(buf: torch.Tensor, ranks: list[int], me: int, op: str,
-                          group: dist.ProcessGroup | None) -> None:
+def _reduce_scatter_steps(
+    buf: torch.Tensor, ranks: list[int], me: int, op: str, group: dist.ProcessGroup | None
+) -> None:
     world, combine = len(ranks), _COMBINE[op]
     nxt, prv = ranks[(me + 1) % world], ranks[(me - 1) % world]
     incoming = torch.empty_like(buf[0])
@@ -176,10 +190,15 @@ class NodeGroups:
 
     def __init__(self, ranks_per_node: int) -> None:
         world = C.get_world_size()
-        if isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) or ranks_per_node < 1 \
-                or world % ranks_per_node:
-            raise ValueError(f"ranks_per_node must be an int >= 1 that divides the world size {world}, "
-                             f"got {ranks_per_node!r}")
+        if (
+            isinstance(ranks_per_node, bool)
+            or not isinstance(ranks_per_node, int)
+            or ranks_per_node < 1
+            or world % ranks_per_node
+        ):
+            raise ValueError(
+                f"ranks_per_node must be an int >= 1 that divides the world size {world}, got {ranks_per_node!r}"
+            )
         self.ranks_per_node = ranks_per_node
         self.nodes = [list(range(n * ranks_per_node, (n + 1) * ranks_per_node)) for n in range(world // ranks_per_node)]
         self.leaders = [ranks[0] for ranks in self.nodes]
@@ -210,8 +229,10 @@ def node_groups(ranks_per_node: int | None = None) -> NodeGroups:
     if ranks_per_node is None:
         value = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("SLURM_NTASKS_PER_NODE", "").split("(")[0]
         if not value:
-            raise ValueError("hierarchical all-reduce needs ranks_per_node (or LOCAL_WORLD_SIZE / "
-                             "SLURM_NTASKS_PER_NODE in the environment)")
+            raise ValueError(
+                "hierarchical all-reduce needs ranks_per_node (or LOCAL_WORLD_SIZE / "
+                "SLURM_NTASKS_PER_NODE in the environment)"
+            )
         ranks_per_node = int(value)
     key = (id(dist.group.WORLD), ranks_per_node)
     if key not in _NODE_GROUPS:  # each entry holds its default group, so a later group cannot reuse the id
@@ -233,8 +254,9 @@ def release_node_groups() -> int:
     return n
 
 
-def hierarchical_all_reduce(tensor: torch.Tensor, op: str = "sum", group: dist.ProcessGroup | None = None,
-                            ranks_per_node: int | None = None) -> torch.Tensor:
+def hierarchical_all_reduce(
+    tensor: torch.Tensor, op: str = "sum", group: dist.ProcessGroup | None = None, ranks_per_node: int | None = None
+) -> torch.Tensor:
     """Hierarchical all-reduce of ``tensor`` in place over the default group (see the module docstring)."""
     if group is not None and group is not dist.group.WORLD:
         raise ValueError("hierarchical all-reduce runs over the default group (its node layout), got a sub-group")
@@ -263,8 +285,9 @@ ALGORITHMS: dict[str, Callable[..., torch.Tensor]] = {
 }
 
 
-def all_reduce_with(algorithm: str, tensor: torch.Tensor, op: str = "sum",
-                    group: dist.ProcessGroup | None = None) -> torch.Tensor:
+def all_reduce_with(
+    algorithm: str, tensor: torch.Tensor, op: str = "sum", group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
     """All-reduce with a named algorithm: one of :data:`ALGORITHMS` (``backend``, ``ring``, ``tree``,
     ``hierarchical``)."""
     if algorithm not in ALGORITHMS:

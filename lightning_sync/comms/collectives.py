@@ -32,15 +32,39 @@ from lightning_sync.comms import watchdog as _watchdog
 from lightning_sync.comms.stats import CommStats
 
 __all__ = [
-    "REDUCE_OPS", "Work", "all_gather", "all_gather_into", "all_gather_object", "all_reduce", "barrier", "begin_job",
-    "broadcast", "broadcast_object", "check_reduce", "gather", "gather_object", "get_rank", "get_stats",
-    "get_world_size", "group_ranks", "recv", "reduce", "reduce_scatter", "reduce_scatter_into", "reset_stats",
-    "scatter", "scope", "send",
+    "REDUCE_OPS",
+    "Work",
+    "all_gather",
+    "all_gather_into",
+    "all_gather_object",
+    "all_reduce",
+    "barrier",
+    "begin_job",
+    "broadcast",
+    "broadcast_object",
+    "check_reduce",
+    "gather",
+    "gather_object",
+    "get_rank",
+    "get_stats",
+    "get_world_size",
+    "group_ranks",
+    "recv",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_into",
+    "reset_stats",
+    "scatter",
+    "scope",
+    "send",
 ]
 
 T = TypeVar("T")
 REDUCE_OPS: dict[str, dist.ReduceOp.RedOpType] = {
-    "sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
+    "sum": dist.ReduceOp.SUM,
+    "avg": dist.ReduceOp.AVG,
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
 }
 _MAX_DIMS = 8
 _STATS = CommStats()
@@ -88,9 +112,18 @@ class Work(Generic[T]):
     names a hung call by it. Waiting twice is allowed and returns the same result.
     """
 
-    def __init__(self, op: str, seq: int, handles: Sequence[Any], finish: Callable[[], T], start: float,
-                 account: bool = True, tracked: _watchdog.Pending | None = None, in_flight: bool = False,
-                 blocks: bool = True) -> None:
+    def __init__(
+        self,
+        op: str,
+        seq: int,
+        handles: Sequence[Any],
+        finish: Callable[[], T],
+        start: float,
+        account: bool = True,
+        tracked: _watchdog.Pending | None = None,
+        in_flight: bool = False,
+        blocks: bool = True,
+    ) -> None:
         self.op = op
         self.seq = seq
         self._handles = list(handles)
@@ -169,9 +202,18 @@ def _group_name(group: dist.ProcessGroup | None) -> str:
     return f"group {group_ranks(group)}"
 
 
-def _issue(op: str, nbytes: int, launch: Callable[[], Sequence[Any]], finish: Callable[[], T], async_op: bool,
-           group: dist.ProcessGroup | None = None, peer: int | None = None, like: torch.Tensor | None = None,
-           detail: str = "", label: str | None = None) -> Any:
+def _issue(
+    op: str,
+    nbytes: int,
+    launch: Callable[[], Sequence[Any]],
+    finish: Callable[[], T],
+    async_op: bool,
+    group: dist.ProcessGroup | None = None,
+    peer: int | None = None,
+    like: torch.Tensor | None = None,
+    detail: str = "",
+    label: str | None = None,
+) -> Any:
     """The one place every collective goes through: sequence number, accounting, watchdog, async handle.
 
     ``peer`` marks a point-to-point op with that global rank (its sequence numbers count apart). ``like`` (the
@@ -191,8 +233,16 @@ def _issue(op: str, nbytes: int, launch: Callable[[], Sequence[Any]], finish: Ca
     tracked = None
     if wd is not None:
         device = like.device if like is not None else _device(group)
-        tracked = wd.issued(op, seq, name, group_ranks(group), nbytes, peer, on_cpu=device.type == "cpu",
-                            detail=_signature(like, detail, label))
+        tracked = wd.issued(
+            op,
+            seq,
+            name,
+            group_ranks(group),
+            nbytes,
+            peer,
+            on_cpu=device.type == "cpu",
+            detail=_signature(like, detail, label),
+        )
     _STATS.record(op, nbytes)
     _STATS.block_begin()
     start, launched = time.perf_counter(), False
@@ -235,8 +285,10 @@ def check_reduce(op: str, tensor: torch.Tensor) -> dist.ReduceOp.RedOpType:
     if op not in REDUCE_OPS:
         raise ValueError(f"unknown reduce op {op!r}; allowed: {sorted(REDUCE_OPS)}")
     if op == "avg" and not (tensor.is_floating_point() or tensor.is_complex()):
-        raise ValueError(f"op='avg' needs a floating-point tensor, got dtype {tensor.dtype}; "
-                         f"allowed for it: {sorted(set(REDUCE_OPS) - {'avg'})}")
+        raise ValueError(
+            f"op='avg' needs a floating-point tensor, got dtype {tensor.dtype}; "
+            f"allowed for it: {sorted(set(REDUCE_OPS) - {'avg'})}"
+        )
     return REDUCE_OPS[op]
 
 
@@ -269,15 +321,29 @@ def _metadata_all_gather(row: list[int], group: dist.ProcessGroup | None) -> lis
     """All-gather one small int64 row per rank (sizes, shapes); counted as ``metadata``."""
     mine = torch.tensor(row, dtype=torch.int64, device=_device(group))
     out = [torch.empty_like(mine) for _ in range(get_world_size(group))]
-    return _issue("metadata", _nbytes(mine), lambda: [dist.all_gather(out, mine, group=group, async_op=True)],
-                  lambda: [r.tolist() for r in out], async_op=False, group=group, like=mine)
+    return _issue(
+        "metadata",
+        _nbytes(mine),
+        lambda: [dist.all_gather(out, mine, group=group, async_op=True)],
+        lambda: [r.tolist() for r in out],
+        async_op=False,
+        group=group,
+        like=mine,
+    )
 
 
 def _broadcast_size(n: int | None, src: int, group: dist.ProcessGroup | None) -> int:
     """Broadcast one int from ``src`` as an int64 tensor (counted as ``metadata``)."""
     box = torch.tensor([-1 if n is None else n], dtype=torch.int64, device=_device(group))
-    return _issue("metadata", _nbytes(box), lambda: [dist.broadcast(box, src=src, group=group, async_op=True)],
-                  lambda: int(box.item()), async_op=False, group=group, detail=f"from {src}")
+    return _issue(
+        "metadata",
+        _nbytes(box),
+        lambda: [dist.broadcast(box, src=src, group=group, async_op=True)],
+        lambda: int(box.item()),
+        async_op=False,
+        group=group,
+        detail=f"from {src}",
+    )
 
 
 def _broadcast_pickled(value: Any, src: int, group: dist.ProcessGroup | None, op: str, async_op: bool) -> Any:
@@ -288,9 +354,15 @@ def _broadcast_pickled(value: Any, src: int, group: dist.ProcessGroup | None, op
     payload = _to_bytes(value, device) if get_rank() == src else None
     size = _broadcast_size(None if payload is None else payload.numel(), src, group)
     buf = payload if payload is not None else torch.empty(size, dtype=torch.uint8, device=device)
-    return _issue(op, size, lambda: [dist.broadcast(buf, src=src, group=group, async_op=True)],
-                  lambda: value if payload is not None else _from_bytes(buf), async_op, group=group,
-                  detail=f"object from {src}")
+    return _issue(
+        op,
+        size,
+        lambda: [dist.broadcast(buf, src=src, group=group, async_op=True)],
+        lambda: value if payload is not None else _from_bytes(buf),
+        async_op,
+        group=group,
+        detail=f"object from {src}",
+    )
 
 
 def _metadata_broadcast(obj: Any, src: int, group: dist.ProcessGroup | None) -> Any:
@@ -305,8 +377,18 @@ def _shape_row(t: torch.Tensor) -> list[int]:
     return [dtype_code, t.dim(), *t.shape, *([0] * (_MAX_DIMS - t.dim()))]
 
 
-_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
-           torch.int16, torch.int8, torch.uint8, torch.bool)
+_DTYPES = (
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+)
 
 
 def _exchange_shapes(t: torch.Tensor, op: str, group: dist.ProcessGroup | None) -> list[torch.Size]:
@@ -337,24 +419,31 @@ _ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather
 _REDUCE_SCATTER_SINGLE = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def _check_even(fn: str, big_name: str, big: torch.Tensor, small_name: str, small: torch.Tensor,
-                group: dist.ProcessGroup | None) -> None:
+def _check_even(
+    fn: str, big_name: str, big: torch.Tensor, small_name: str, small: torch.Tensor, group: dist.ProcessGroup | None
+) -> None:
     _require_init()
     world = get_world_size(group)
     if big.numel() != world * small.numel():
-        raise ValueError(f"{fn}: {big_name} has {big.numel()} elements, expected world_size {world} x "
-                         f"{small_name} {small.numel()} = {world * small.numel()}")
+        raise ValueError(
+            f"{fn}: {big_name} has {big.numel()} elements, expected world_size {world} x "
+            f"{small_name} {small.numel()} = {world * small.numel()}"
+        )
 
 
 def barrier(group: dist.ProcessGroup | None = None, async_op: bool = False) -> Work[None] | None:
     """Block until every rank of ``group`` has entered the barrier."""
     _require_init()
-    return _issue("barrier", 0, lambda: [dist.barrier(group=group, async_op=True)], lambda: None, async_op,
-                  group=group)
+    return _issue("barrier", 0, lambda: [dist.barrier(group=group, async_op=True)], lambda: None, async_op, group=group)
 
 
-def all_reduce(tensor: torch.Tensor, op: str = "sum", group: dist.ProcessGroup | None = None,
-               async_op: bool = False, label: str | None = None) -> torch.Tensor | Work[torch.Tensor]:
+def all_reduce(
+    tensor: torch.Tensor,
+    op: str = "sum",
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
+    label: str | None = None,
+) -> torch.Tensor | Work[torch.Tensor]:
     """Reduce ``tensor`` over all ranks with ``op`` in place; returns it (or a Work).
 
     ``label`` names what is reduced (Lightning's ``sync_dist`` passes the logged key): with the hang watchdog
@@ -362,13 +451,22 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", group: dist.ProcessGroup |
     pair up without a hang."""
     _require_init()
     red = check_reduce(op, tensor)
-    return _issue("all_reduce", _nbytes(tensor),
-                  lambda: [dist.all_reduce(tensor, op=red, group=group, async_op=True)], lambda: tensor, async_op,
-                  group=group, like=tensor, detail=op, label=label)
+    return _issue(
+        "all_reduce",
+        _nbytes(tensor),
+        lambda: [dist.all_reduce(tensor, op=red, group=group, async_op=True)],
+        lambda: tensor,
+        async_op,
+        group=group,
+        like=tensor,
+        detail=op,
+        label=label,
+    )
 
 
-def reduce(tensor: torch.Tensor, dst: int, op: str = "sum", group: dist.ProcessGroup | None = None,
-           async_op: bool = False) -> torch.Tensor | Work[torch.Tensor]:
+def reduce(
+    tensor: torch.Tensor, dst: int, op: str = "sum", group: dist.ProcessGroup | None = None, async_op: bool = False
+) -> torch.Tensor | Work[torch.Tensor]:
     """Reduce ``tensor`` over the ranks of ``group`` into global rank ``dst``, in place on ``dst`` (other
     ranks' tensors are left unspecified, as in torch); ``avg`` is not a backend reduce op here: sum and
     divide. Returns the tensor (or a Work)."""
@@ -377,9 +475,16 @@ def reduce(tensor: torch.Tensor, dst: int, op: str = "sum", group: dist.ProcessG
     if op == "avg":
         raise ValueError("reduce supports op in ['sum', 'max', 'min'] (for an average, sum then divide); got 'avg'")
     red = check_reduce(op, tensor)
-    return _issue("reduce", _nbytes(tensor),
-                  lambda: [dist.reduce(tensor, dst=dst, op=red, group=group, async_op=True)], lambda: tensor,
-                  async_op, group=group, like=tensor, detail=f"{op} to {dst}")
+    return _issue(
+        "reduce",
+        _nbytes(tensor),
+        lambda: [dist.reduce(tensor, dst=dst, op=red, group=group, async_op=True)],
+        lambda: tensor,
+        async_op,
+        group=group,
+        like=tensor,
+        detail=f"{op} to {dst}",
+    )
 
 
 def broadcast(value: Any, src: int = 0, group: dist.ProcessGroup | None = None, async_op: bool = False) -> Any:
@@ -391,9 +496,16 @@ def broadcast(value: Any, src: int = 0, group: dist.ProcessGroup | None = None, 
     _require_init()
     _check_rank("src", src, group)
     if isinstance(value, torch.Tensor):
-        return _issue("broadcast", _nbytes(value),
-                      lambda: [dist.broadcast(value, src=src, group=group, async_op=True)], lambda: value,
-                      async_op, group=group, like=value, detail=f"from {src}")
+        return _issue(
+            "broadcast",
+            _nbytes(value),
+            lambda: [dist.broadcast(value, src=src, group=group, async_op=True)],
+            lambda: value,
+            async_op,
+            group=group,
+            like=value,
+            detail=f"from {src}",
+        )
     return broadcast_object(value, src=src, group=group, async_op=async_op)
 
 
@@ -408,8 +520,9 @@ def broadcast_object(value: Any, src: int = 0, group: dist.ProcessGroup | None =
     return _broadcast_pickled(value, src, group, "broadcast", async_op)
 
 
-def all_gather(tensor: torch.Tensor, group: dist.ProcessGroup | None = None,
-               async_op: bool = False) -> list[torch.Tensor] | Work[list[torch.Tensor]]:
+def all_gather(
+    tensor: torch.Tensor, group: dist.ProcessGroup | None = None, async_op: bool = False
+) -> list[torch.Tensor] | Work[list[torch.Tensor]]:
     """One tensor per rank, in rank order. First dimensions may differ between ranks."""
     _require_init()
     flat = tensor.reshape(1) if tensor.dim() == 0 else tensor
@@ -422,17 +535,24 @@ def all_gather(tensor: torch.Tensor, group: dist.ProcessGroup | None = None,
         out = [b[: s[0]] for b, s in zip(bufs, shapes)]
         return [o.reshape(()) for o in out] if tensor.dim() == 0 else out
 
-    return _issue("all_gather", _nbytes(send),
-                  lambda: [dist.all_gather(bufs, send, group=group, async_op=True)], finish, async_op,
-                  group=group, like=send)
+    return _issue(
+        "all_gather",
+        _nbytes(send),
+        lambda: [dist.all_gather(bufs, send, group=group, async_op=True)],
+        finish,
+        async_op,
+        group=group,
+        like=send,
+    )
 
 
 def _is_gloo(group: dist.ProcessGroup | None) -> bool:
     return dist.get_backend(group) == "gloo"
 
 
-def all_gather_into(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None = None,
-                    async_op: bool = False) -> torch.Tensor | Work[torch.Tensor]:
+def all_gather_into(
+    output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None = None, async_op: bool = False
+) -> torch.Tensor | Work[torch.Tensor]:
     """Fast even all-gather: ``output`` (world_size x input.numel()) gets every rank's flat ``input``.
 
     No metadata exchange; every rank must pass the same ``input.numel()``. On gloo it is issued as K
@@ -449,13 +569,20 @@ def all_gather_into(output: torch.Tensor, input: torch.Tensor, group: dist.Proce
             return [dist.broadcast(c, src=ranks[i], group=group, async_op=True) for i, c in enumerate(chunks)]
 
         return _issue("all_gather", _nbytes(input), launch, lambda: output, async_op, group=group, like=input)
-    return _issue("all_gather", _nbytes(input),
-                  lambda: [_ALL_GATHER_SINGLE(output.view(-1), input.reshape(-1), group=group, async_op=True)],
-                  lambda: output, async_op, group=group, like=input)
+    return _issue(
+        "all_gather",
+        _nbytes(input),
+        lambda: [_ALL_GATHER_SINGLE(output.view(-1), input.reshape(-1), group=group, async_op=True)],
+        lambda: output,
+        async_op,
+        group=group,
+        like=input,
+    )
 
 
-def reduce_scatter(tensor: torch.Tensor, op: str = "sum", group: dist.ProcessGroup | None = None,
-                   async_op: bool = False) -> torch.Tensor | Work[torch.Tensor]:
+def reduce_scatter(
+    tensor: torch.Tensor, op: str = "sum", group: dist.ProcessGroup | None = None, async_op: bool = False
+) -> torch.Tensor | Work[torch.Tensor]:
     """Reduce ``tensor`` (same shape on every rank) and return this rank's shard of dim 0.
 
     Shards have ``ceil(n / K)`` rows; the input is zero-padded to ``K * ceil(n / K)`` rows and the
@@ -470,9 +597,16 @@ def reduce_scatter(tensor: torch.Tensor, op: str = "sum", group: dist.ProcessGro
     send = _padded(flat, chunk * world)
     out = send.new_empty((chunk, *flat.shape[1:]))
     keep = max(0, min(n, (rank + 1) * chunk) - rank * chunk)
-    return _issue("reduce_scatter", _nbytes(send),
-                  lambda: [_REDUCE_SCATTER_SINGLE(out, send, op=red, group=group, async_op=True)],
-                  lambda: out[:keep], async_op, group=group, like=send, detail=op)
+    return _issue(
+        "reduce_scatter",
+        _nbytes(send),
+        lambda: [_REDUCE_SCATTER_SINGLE(out, send, op=red, group=group, async_op=True)],
+        lambda: out[:keep],
+        async_op,
+        group=group,
+        like=send,
+        detail=op,
+    )
 
 
 #: On gloo, ``reduce_scatter_into(..., scratch=True)`` issues K reduces when each rank's chunk has at least
@@ -480,9 +614,14 @@ def reduce_scatter(tensor: torch.Tensor, op: str = "sum", group: dist.ProcessGro
 SCRATCH_REDUCES_MIN_CHUNK_BYTES = 2 * 2**20
 
 
-def reduce_scatter_into(output: torch.Tensor, input: torch.Tensor, op: str = "sum",
-                        group: dist.ProcessGroup | None = None, async_op: bool = False,
-                        scratch: bool = False) -> torch.Tensor | Work[torch.Tensor]:
+def reduce_scatter_into(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    op: str = "sum",
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
+    scratch: bool = False,
+) -> torch.Tensor | Work[torch.Tensor]:
     """Fast even reduce-scatter of a flat ``input`` (world_size x output.numel()) into ``output``.
 
     With ``scratch=True`` the caller gives ``input`` up as scratch space (its contents are undefined
@@ -503,21 +642,34 @@ def reduce_scatter_into(output: torch.Tensor, input: torch.Tensor, op: str = "su
 
         def launch() -> list[Any]:
             out.copy_(chunks[rank])
-            return [dist.reduce(out if i == rank else c, dst=ranks[i], op=by, group=group, async_op=True)
-                    for i, c in enumerate(chunks)]
+            return [
+                dist.reduce(out if i == rank else c, dst=ranks[i], op=by, group=group, async_op=True)
+                for i, c in enumerate(chunks)
+            ]
 
         def finish() -> torch.Tensor:
             return output.div_(world) if op == "avg" else output
 
         return _issue("reduce_scatter", _nbytes(input), launch, finish, async_op, group=group, like=input, detail=op)
-    return _issue("reduce_scatter", _nbytes(input),
-                  lambda: [_REDUCE_SCATTER_SINGLE(output.view(-1), input.reshape(-1), op=red, group=group,
-                                                  async_op=True)],
-                  lambda: output, async_op, group=group, like=input, detail=op)
+    return _issue(
+        "reduce_scatter",
+        _nbytes(input),
+        lambda: [_REDUCE_SCATTER_SINGLE(output.view(-1), input.reshape(-1), op=red, group=group, async_op=True)],
+        lambda: output,
+        async_op,
+        group=group,
+        like=input,
+        detail=op,
+    )
 
 
-def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None, dst: int = 0,
-           group: dist.ProcessGroup | None = None, async_op: bool = False) -> Any:
+def gather(
+    tensor: torch.Tensor,
+    gather_list: list[torch.Tensor] | None = None,
+    dst: int = 0,
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
+) -> Any:
     """Gather every rank's ``tensor`` on ``dst`` (first dims may differ).
 
     On ``dst`` the result is ``gather_list`` filled in place (if given, its tensors must have the
@@ -546,13 +698,21 @@ def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None, 
             g.copy_(o)
         return gather_list
 
-    return _issue("gather", _nbytes(send),
-                  lambda: [dist.gather(send, gather_list=bufs, dst=dst, group=group, async_op=True)], finish,
-                  async_op, group=group, like=send, detail=f"to {dst}")
+    return _issue(
+        "gather",
+        _nbytes(send),
+        lambda: [dist.gather(send, gather_list=bufs, dst=dst, group=group, async_op=True)],
+        finish,
+        async_op,
+        group=group,
+        like=send,
+        detail=f"to {dst}",
+    )
 
 
-def scatter(chunks: Sequence[Any] | None, src: int = 0, group: dist.ProcessGroup | None = None,
-            async_op: bool = False) -> Any:
+def scatter(
+    chunks: Sequence[Any] | None, src: int = 0, group: dist.ProcessGroup | None = None, async_op: bool = False
+) -> Any:
     """Send ``chunks[r]`` from ``src`` to rank r; returns this rank's chunk.
 
     Chunks are tensors (any shapes, one dtype) or any picklable objects. Only ``src``'s ``chunks``
@@ -565,8 +725,10 @@ def scatter(chunks: Sequence[Any] | None, src: int = 0, group: dist.ProcessGroup
     if get_rank() == src:
         if chunks is None or len(chunks) != world:
             got = "None" if chunks is None else f"{len(chunks)} chunks"
-            meta = ("error", f"scatter: src rank {src} passed {got}, but the world size is {world}; "
-                             f"pass exactly one chunk per rank")
+            meta = (
+                "error",
+                f"scatter: src rank {src} passed {got}, but the world size is {world}; pass exactly one chunk per rank",
+            )
         elif all(isinstance(c, torch.Tensor) for c in chunks):
             dtypes = {c.dtype for c in chunks}
             meta = ("tensor", [tuple(c.shape) for c in chunks], str(next(iter(dtypes))))
@@ -590,9 +752,16 @@ def scatter(chunks: Sequence[Any] | None, src: int = 0, group: dist.ProcessGroup
         part = recv[: torch.Size(mine).numel()]
         return part.reshape(mine) if kind == "tensor" else _from_bytes(part)
 
-    return _issue("scatter", _nbytes(recv),
-                  lambda: [dist.scatter(recv, scatter_list=send, src=src, group=group, async_op=True)],
-                  finish, async_op, group=group, like=recv, detail=f"from {src}")
+    return _issue(
+        "scatter",
+        _nbytes(recv),
+        lambda: [dist.scatter(recv, scatter_list=send, src=src, group=group, async_op=True)],
+        finish,
+        async_op,
+        group=group,
+        like=recv,
+        detail=f"from {src}",
+    )
 
 
 def all_gather_object(obj: Any, group: dist.ProcessGroup | None = None, async_op: bool = False) -> Any:
@@ -614,24 +783,50 @@ def _group_or_init(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
 
 def _then(work: Work[Any], fn: Callable[[Any], T], async_op: bool) -> T | Work[T]:
     # the inner Work already accounts the seconds; is_completed() follows its backend requests
-    chained: Work[T] = Work(work.op, work.seq, work._handles, lambda: fn(work.wait()), time.perf_counter(),
-                            account=False, tracked=work._tracked, blocks=False)
+    chained: Work[T] = Work(
+        work.op,
+        work.seq,
+        work._handles,
+        lambda: fn(work.wait()),
+        time.perf_counter(),
+        account=False,
+        tracked=work._tracked,
+        blocks=False,
+    )
     return chained if async_op else chained.wait()
 
 
-def send(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None,
-         async_op: bool = False) -> torch.Tensor | Work[torch.Tensor]:
+def send(
+    tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None, async_op: bool = False
+) -> torch.Tensor | Work[torch.Tensor]:
     """Point-to-point send of ``tensor`` to global rank ``dst`` (counted as ``send`` bytes)."""
     _require_init()
     _check_rank("dst", dst, group)
-    return _issue("send", _nbytes(tensor), lambda: [dist.isend(tensor, dst=dst, group=group)], lambda: tensor,
-                  async_op, group=group, peer=dst, like=tensor)
+    return _issue(
+        "send",
+        _nbytes(tensor),
+        lambda: [dist.isend(tensor, dst=dst, group=group)],
+        lambda: tensor,
+        async_op,
+        group=group,
+        peer=dst,
+        like=tensor,
+    )
 
 
-def recv(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None,
-         async_op: bool = False) -> torch.Tensor | Work[torch.Tensor]:
+def recv(
+    tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None, async_op: bool = False
+) -> torch.Tensor | Work[torch.Tensor]:
     """Point-to-point receive into ``tensor`` from global rank ``src`` (counted as ``recv`` bytes)."""
     _require_init()
     _check_rank("src", src, group)
-    return _issue("recv", _nbytes(tensor), lambda: [dist.irecv(tensor, src=src, group=group)], lambda: tensor,
-                  async_op, group=group, peer=src, like=tensor)
+    return _issue(
+        "recv",
+        _nbytes(tensor),
+        lambda: [dist.irecv(tensor, src=src, group=group)],
+        lambda: tensor,
+        async_op,
+        group=group,
+        peer=src,
+        like=tensor,
+    )

@@ -70,8 +70,14 @@ def _minority_first(by_signature: Mapping[str, list[int]]) -> str:
     return "; ".join(f"{signature} on ranks {ranks}" for signature, ranks in ranked)
 
 
-def explain(p: Pending, what: str, rank: int, records: Mapping[int, dict[str, Any] | None], lost: Sequence[int],
-            silent_for: float) -> str:
+def explain(
+    p: Pending,
+    what: str,
+    rank: int,
+    records: Mapping[int, dict[str, Any] | None],
+    lost: Sequence[int],
+    silent_for: float,
+) -> str:
     """The diagnosis of ``p`` (pending on ``rank``) from its peers' published records.
 
     Per peer: lost (in ``lost``: no heartbeat for ``silent_for`` s), left (stopped its watchdog), never
@@ -85,13 +91,17 @@ def explain(p: Pending, what: str, rank: int, records: Mapping[int, dict[str, An
     sig_by_rank = {rank: describe(p.op, p.nbytes, p.detail)}
     for r in sorted(records):
         rec = records.get(r)
-        where = "never published a heartbeat" if rec is None else (
-            f"waiting in {rec['waiting']}" if rec["waiting"] else "not in a collective")
+        where = (
+            "never published a heartbeat"
+            if rec is None
+            else (f"waiting in {rec['waiting']}" if rec["waiting"] else "not in a collective")
+        )
         if r in lost:
             details.append(f"rank {r}: no heartbeat for {silent_for:.1f} s; last seen {where}")
             continue
-        details.append(f"rank {r} ({rec['host']} pid {rec['pid']}): last issued #{rec['last'].get(key, 0)} "
-                       f"here, {where}")
+        details.append(
+            f"rank {r} ({rec['host']} pid {rec['pid']}): last issued #{rec['last'].get(key, 0)} here, {where}"
+        )
         if rec["state"] == "done":
             left.append(r)
         elif p.peer is not None:
@@ -136,9 +146,13 @@ def mismatch(key: str, issued: Mapping[int, Sequence[Sequence[Any]]]) -> str:
             sig = describe(*m[seq][1:4]) if seq in m else f"nothing (its last was #{max(m, default=seq - 1)})"
             sigs.setdefault(sig, []).append(r)
         if len(sigs) > 1:
-            return (f"ranks issued different collectives on {key} at #{seq} that paired up: {_minority_first(sigs)} "
-                    f"(nothing hung, so the backend combined different tensors: every result since is suspect)")
-        return (f"ranks issued different collectives on {key} before #{seq} that paired up (the calls that differed "
-                f"are older than the last {len(by_rank[min(by_rank)])} kept); nothing hung, so the backend combined "
-                f"different tensors: every result since is suspect")
+            return (
+                f"ranks issued different collectives on {key} at #{seq} that paired up: {_minority_first(sigs)} "
+                f"(nothing hung, so the backend combined different tensors: every result since is suspect)"
+            )
+        return (
+            f"ranks issued different collectives on {key} before #{seq} that paired up (the calls that differed "
+            f"are older than the last {len(by_rank[min(by_rank)])} kept); nothing hung, so the backend combined "
+            f"different tensors: every result since is suspect"
+        )
     return f"ranks disagree on what was issued on {key}, but their kept collectives are the same"

@@ -76,8 +76,9 @@ def init(rank: int, world_size: int, timeout: float | timedelta = 1800.0, num_wo
         raise ValueError(f"timeout must be a number of seconds > 0 or a timedelta, got {timeout!r}")
     if is_initialized():
         raise RuntimeError(f"this process already joined RPC as rank {_STATE['rank']}; call shutdown() first")
-    options = rpc.TensorPipeRpcBackendOptions(init_method="env://", rpc_timeout=float(seconds),
-                                              num_worker_threads=num_worker_threads)
+    options = rpc.TensorPipeRpcBackendOptions(
+        init_method="env://", rpc_timeout=float(seconds), num_worker_threads=num_worker_threads
+    )
     rpc.init_rpc(worker_name(rank), rank=rank, world_size=world_size, rpc_backend_options=options)
     _STATE.update(rank=rank, world=world_size)
 
@@ -111,8 +112,10 @@ def rpc_call(to: int, fn: Callable[..., Any], *args: Any, async_op: bool = False
     counted as ``rpc_send``, the reply's as ``rpc_recv`` (with the round-trip time).
     """
     if not is_initialized():
-        raise RuntimeError("lightning_sync.comms.rpc is not initialised: call comms.rpc.init(rank, world_size) "
-                           "first (the async_ps strategy does this in setup_environment)")
+        raise RuntimeError(
+            "lightning_sync.comms.rpc is not initialised: call comms.rpc.init(rank, world_size) "
+            "first (the async_ps strategy does this in setup_environment)"
+        )
     world, me = _STATE["world"], _STATE["rank"]
     if isinstance(to, bool) or not isinstance(to, int) or not 0 <= to < world:
         raise ValueError(f"to must be a rank in [0, {world - 1}], got {to!r}")

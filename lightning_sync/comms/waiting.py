@@ -94,8 +94,9 @@ class Waiter:
     def _waited_by_thread(self, handle: Any, done: threading.Event, outcome: list[Exception | None]) -> None:
         if self._requests is None:
             self._requests = queue.SimpleQueue()
-            threading.Thread(target=self._serve, args=(self._requests,), name="lightning_sync-waiter",
-                             daemon=True).start()
+            threading.Thread(
+                target=self._serve, args=(self._requests,), name="lightning_sync-waiter", daemon=True
+            ).start()
         self._requests.put((handle, done, outcome))
 
     @staticmethod

@@ -69,8 +69,20 @@ import torch.distributed as dist
 from lightning_sync.comms.diagnosis import Pending, explain, mismatch, sequence_key
 from lightning_sync.comms.waiting import Waiter
 
-__all__ = ["CollectiveError", "CollectiveMismatch", "CollectiveTimeout", "Pending", "RankLost", "Watchdog", "active",
-           "check_args", "sequence_key", "start", "stop", "verify"]
+__all__ = [
+    "CollectiveError",
+    "CollectiveMismatch",
+    "CollectiveTimeout",
+    "Pending",
+    "RankLost",
+    "Watchdog",
+    "active",
+    "check_args",
+    "sequence_key",
+    "start",
+    "stop",
+    "verify",
+]
 
 _HISTORY = 8  # ops per group in a rank's published record: enough to compare the op at a pending seq
 _KEPT = 4096  # ops per group kept in memory, to name the first that differs when verify finds a mismatch
@@ -150,8 +162,10 @@ class Watchdog:
     def __init__(self, timeout: float, interval: float | None = None, exit_after: float | None = None) -> None:
         timeout, interval, exit_after = check_args(timeout, interval, exit_after)
         if not (dist.is_available() and dist.is_initialized()):
-            raise RuntimeError("the hang watchdog needs the default process group: start it after "
-                               "init_process_group (the HangWatchdog callback does so in setup)")
+            raise RuntimeError(
+                "the hang watchdog needs the default process group: start it after "
+                "init_process_group (the HangWatchdog callback does so in setup)"
+            )
         self.timeout, self.interval, self.exit_after = float(timeout), float(interval), float(exit_after)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self._store, self.store_address, self.generation = _client_store(self.world_size)
@@ -171,8 +185,17 @@ class Watchdog:
 
     # ------------------------------------------------------------------ called by comms (main thread)
 
-    def issued(self, op: str, seq: int, group: str, ranks: Sequence[int], nbytes: int,
-               peer: int | None = None, on_cpu: bool = False, detail: str = "") -> Pending:
+    def issued(
+        self,
+        op: str,
+        seq: int,
+        group: str,
+        ranks: Sequence[int],
+        nbytes: int,
+        peer: int | None = None,
+        on_cpu: bool = False,
+        detail: str = "",
+    ) -> Pending:
         """Record a collective about to be launched; raises the pending abort instead, if there is one.
         ``detail``: the rest of its signature (:func:`~lightning_sync.comms.diagnosis.describe`)."""
         self.check()
@@ -234,8 +257,9 @@ class Watchdog:
         with collectives.scope("watchdog"):
             states = collectives.all_gather_object(mine)
         members = {key: ranks for state in states for key, (_, _, ranks) in state.items()}
-        differ = sorted(key for key, ranks in members.items()
-                        if len({tuple(states[r].get(key, (0, 0))[:2]) for r in ranks}) > 1)
+        differ = sorted(
+            key for key, ranks in members.items() if len({tuple(states[r].get(key, (0, 0))[:2]) for r in ranks}) > 1
+        )
         if not differ:
             self._verified.update({key: seq for key, (seq, _, _) in mine.items()})
             return
@@ -284,9 +308,12 @@ class Watchdog:
             except Exception as err:  # noqa: BLE001 - the store (or its host) is gone; diagnosis says so
                 stuck = self._stuck() if self._error is None else None
                 if stuck is not None:
-                    self._set_error(CollectiveTimeout(
-                        f"{stuck.label()} did not complete within {self.timeout:g} s; {self.store_lost(err)}"),
-                        post=False)
+                    self._set_error(
+                        CollectiveTimeout(
+                            f"{stuck.label()} did not complete within {self.timeout:g} s; {self.store_lost(err)}"
+                        ),
+                        post=False,
+                    )
             if self._error is not None and time.monotonic() - self._error_at > self.exit_after:
                 self._hard_exit()
 
@@ -304,15 +331,18 @@ class Watchdog:
         if self._store.check(["abort"]):
             posted = json.loads(self._store.get("abort"))
             kind = RankLost if posted["kind"] == "RankLost" else CollectiveTimeout
-            self._set_error(kind(f"aborted by the hang watchdog of rank {posted['rank']}: {posted['message']}"),
-                            post=False)
+            self._set_error(
+                kind(f"aborted by the hang watchdog of rank {posted['rank']}: {posted['message']}"), post=False
+            )
 
     def _hard_exit(self) -> None:
         if self._stopped.is_set():
             return
-        sys.stderr.write(f"lightning_sync watchdog: rank {self.rank} is still running {self.exit_after:g} s after "
-                         f"the abort, blocked outside lightning_sync.comms; ending the process (exit code 1). "
-                         f"The abort: {self._error}\n")
+        sys.stderr.write(
+            f"lightning_sync watchdog: rank {self.rank} is still running {self.exit_after:g} s after "
+            f"the abort, blocked outside lightning_sync.comms; ending the process (exit code 1). "
+            f"The abort: {self._error}\n"
+        )
         sys.stderr.flush()
         os._exit(1)
 
@@ -322,11 +352,17 @@ class Watchdog:
         with self._lock:
             self._beat += 1
             waiting = self._waiting
-            return {"beat": self._beat, "state": state, "host": socket.gethostname(), "pid": os.getpid(),
-                    "last": dict(self._last),
-                    "hist": {k: [v[i][:4] for i in range(-min(len(v), _HISTORY), 0)] for k, v in self._issued.items()},
-                    "waiting": None if waiting is None else
-                    f"{waiting.label()} for {time.monotonic() - waiting.start:.1f} s"}
+            return {
+                "beat": self._beat,
+                "state": state,
+                "host": socket.gethostname(),
+                "pid": os.getpid(),
+                "last": dict(self._last),
+                "hist": {k: [v[i][:4] for i in range(-min(len(v), _HISTORY), 0)] for k, v in self._issued.items()},
+                "waiting": None
+                if waiting is None
+                else f"{waiting.label()} for {time.monotonic() - waiting.start:.1f} s",
+            }
 
     def _publish(self, state: str = "running") -> None:
         self._store.set(f"hb/{self.rank}", json.dumps(self._record(state)))
@@ -347,8 +383,10 @@ class Watchdog:
 
     def store_lost(self, err: BaseException) -> str:
         """What to say when the rendezvous store cannot be reached: its host is gone."""
-        return (f"the rendezvous store at {self.store_address} is unreachable ({err}): its host (under Lightning: "
-                f"global rank 0) is lost")
+        return (
+            f"the rendezvous store at {self.store_address} is unreachable ({err}): its host (under Lightning: "
+            f"global rank 0) is lost"
+        )
 
     def lost_ranks(self) -> list[int]:
         """Ranks whose heartbeat does not move over ``2 * interval`` seconds (the store host's loss raises)."""
@@ -360,8 +398,12 @@ class Watchdog:
         first = self._read(ranks)
         self._pause(2 * self.interval + 0.1)
         now = self._read(ranks)
-        lost = [r for r in ranks if now[r] is None or (now[r]["state"] == "running" and first[r] is not None
-                                                         and now[r]["beat"] == first[r]["beat"])]
+        lost = [
+            r
+            for r in ranks
+            if now[r] is None
+            or (now[r]["state"] == "running" and first[r] is not None and now[r]["beat"] == first[r]["beat"])
+        ]
         return now, lost
 
     def _set_error(self, err: CollectiveError, post: bool) -> CollectiveError:
@@ -403,8 +445,9 @@ def _client_store(world_size: int) -> tuple[dist.Store, str, int]:
     while isinstance(under, dist.PrefixStore):
         under = under.underlying_store
     if isinstance(under, dist.TCPStore):
-        store: dist.Store = dist.TCPStore(under.host, under.port, is_master=False, timeout=timedelta(seconds=30),
-                                          wait_for_workers=False)
+        store: dist.Store = dist.TCPStore(
+            under.host, under.port, is_master=False, timeout=timedelta(seconds=30), wait_for_workers=False
+        )
         address = f"{under.host}:{under.port}"
     else:  # a FileStore or HashStore: share the default one
         store, address = base, type(under).__name__

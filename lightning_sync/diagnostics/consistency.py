@@ -48,8 +48,12 @@ def fingerprint(module: torch.nn.Module, strategy: Any = None, world_size: int |
     if strategy is not None:
         items.append(("strategy", _strategy_settings(strategy)))
     for name, p in module.named_parameters():
-        items.append((f"parameter {name}", f"shape {tuple(p.shape)}, dtype {p.dtype}, "
-                                           f"{'trainable' if p.requires_grad else 'frozen'}"))
+        items.append(
+            (
+                f"parameter {name}",
+                f"shape {tuple(p.shape)}, dtype {p.dtype}, {'trainable' if p.requires_grad else 'frozen'}",
+            )
+        )
     for name, b in module.named_buffers():
         items.append((f"buffer {name}", f"shape {tuple(b.shape)}, dtype {b.dtype}"))
     return items
@@ -63,10 +67,12 @@ def first_difference(prints: list[list[tuple[str, str]]]) -> str | None:
             continue
         names = {e[0] for e in entries if e is not None}
         if len(names) == 1:  # the same item, described differently
-            return f"{names.pop()}: " + "; ".join(f"rank {r} has {e[1] if e else 'nothing'}"
-                                                  for r, e in enumerate(entries))
-        return f"item {i} of the model: " + "; ".join(f"rank {r} has {e[0]} ({e[1]})" if e else f"rank {r} has nothing"
-                                                      for r, e in enumerate(entries))
+            return f"{names.pop()}: " + "; ".join(
+                f"rank {r} has {e[1] if e else 'nothing'}" for r, e in enumerate(entries)
+            )
+        return f"item {i} of the model: " + "; ".join(
+            f"rank {r} has {e[0]} ({e[1]})" if e else f"rank {r} has nothing" for r, e in enumerate(entries)
+        )
     return None
 
 
@@ -86,5 +92,8 @@ class ConsistencyCheck(pl.Callback):
         if difference is not None:
             raise RuntimeError(f"ranks disagree at setup on {difference}")
         if trainer.is_global_zero:
-            log.info("consistency check: %d ranks agree on %d items (world size, strategy, parameters, buffers)",
-                     trainer.world_size, len(mine))
+            log.info(
+                "consistency check: %d ranks agree on %d items (world size, strategy, parameters, buffers)",
+                trainer.world_size,
+                len(mine),
+            )

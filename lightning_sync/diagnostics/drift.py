@@ -79,12 +79,24 @@ _SHARDS = "it shards the parameters: no rank holds a full replica (lightning_syn
 # Refused at setup, checked in this order (DiLoCoStrategy is a LocalSGDStrategy).
 _REFUSED: tuple[tuple[type, str], ...] = (
     (DiLoCoStrategy, "its inner steps are local: the replicas agree only right after an outer step"),
-    (LocalSGDStrategy, ("every rank steps its own replica between averages (every sync_every steps), so "
-                        "replicas legitimately differ")),
-    (AsyncParameterServerStrategy, ("workers train on stale copies of the server's parameters by design "
-                                    "(bounded staleness), so replicas legitimately differ")),
-    (HogwildStrategy, ("the processes update one shared-memory model without locks: there are no replicas "
-                       "to compare (and no process group to compare them over)")),
+    (
+        LocalSGDStrategy,
+        ("every rank steps its own replica between averages (every sync_every steps), so replicas legitimately differ"),
+    ),
+    (
+        AsyncParameterServerStrategy,
+        (
+            "workers train on stale copies of the server's parameters by design "
+            "(bounded staleness), so replicas legitimately differ"
+        ),
+    ),
+    (
+        HogwildStrategy,
+        (
+            "the processes update one shared-memory model without locks: there are no replicas "
+            "to compare (and no process group to compare them over)"
+        ),
+    ),
     (FSDPStrategy, _SHARDS),
     (ModelParallelStrategy, _SHARDS),
     (DeepSpeedStrategy, _SHARDS),
@@ -100,29 +112,37 @@ def checksum(tensor: torch.Tensor) -> torch.Tensor:
     bits = flat.view(_BITS[flat.element_size()])
     out = torch.zeros(2, dtype=torch.int64, device=flat.device)
     for start in range(0, bits.numel(), _CHUNK):
-        chunk = bits[start:start + _CHUNK].to(torch.int64)
+        chunk = bits[start : start + _CHUNK].to(torch.int64)
         weights = torch.arange(start + 1, start + 1 + chunk.numel(), dtype=torch.int64, device=flat.device)
         out[0] += chunk.sum()
         out[1] += (chunk * weights).sum()
     return out
 
 
-def value_fingerprint(module: torch.nn.Module, buffers: bool = True,
-                      skip: set[int] | frozenset[int] = frozenset()) -> list[tuple[str, str]]:
+def value_fingerprint(
+    module: torch.nn.Module, buffers: bool = True, skip: set[int] | frozenset[int] = frozenset()
+) -> list[tuple[str, str]]:
     """``[(item, "shape ..., dtype, checksum ..."), ...]`` for every parameter and (with ``buffers``)
     buffer of ``module`` but normalization running statistics and tensors whose ``id`` is in ``skip``;
     the format of :func:`~lightning_sync.diagnostics.consistency.first_difference`."""
     tensors = [(f"parameter {n}", p) for n, p in module.named_parameters() if id(p) not in skip]
     if buffers:
-        local = {id(t) for m in module.modules() if isinstance(m, _NormBase)
-                 for t in (m.running_mean, m.running_var) if t is not None} | set(skip)
+        local = {
+            id(t)
+            for m in module.modules()
+            if isinstance(m, _NormBase)
+            for t in (m.running_mean, m.running_var)
+            if t is not None
+        } | set(skip)
         tensors += [(f"buffer {n}", b) for n, b in module.named_buffers() if id(b) not in local]
     if not tensors:
         return []
     parts = [checksum(t) for _, t in tensors]
     sums = torch.stack([c.to(parts[0].device) for c in parts]).tolist()  # one device-to-host copy
-    return [(item, f"shape {tuple(t.shape)}, {t.dtype}, checksum {a & _MASK:016x}:{b & _MASK:016x}")
-            for (item, t), (a, b) in zip(tensors, sums)]
+    return [
+        (item, f"shape {tuple(t.shape)}, {t.dtype}, checksum {a & _MASK:016x}:{b & _MASK:016x}")
+        for (item, t), (a, b) in zip(tensors, sums)
+    ]
 
 
 def _first_item(reference: list[tuple[str, str]], others: list[list[tuple[str, str]]]) -> str:
@@ -171,12 +191,16 @@ class ReplicaDriftCheck(pl.Callback):
         for cls, why in _REFUSED:
             if isinstance(strategy, cls):
                 name = getattr(strategy, "strategy_name", type(strategy).__name__)
-                raise ValueError(f"ReplicaDriftCheck does not support the {name!r} strategy "
-                                 f"({type(strategy).__name__}): {why}. It checks synchronous strategies: "
-                                 f"bucketed_ddp, ddp, zero1, zero2, zero3 (replicated tensors only)")
+                raise ValueError(
+                    f"ReplicaDriftCheck does not support the {name!r} strategy "
+                    f"({type(strategy).__name__}): {why}. It checks synchronous strategies: "
+                    f"bucketed_ddp, ddp, zero1, zero2, zero3 (replicated tensors only)"
+                )
         if isinstance(strategy, ShardedStrategy) and strategy.stage == 3:
-            rank_zero_info("ReplicaDriftCheck with ZeRO-3: each trainable parameter lives as one shard per rank "
-                           "(nothing to drift); comparing the replicated tensors only (frozen parameters, buffers)")
+            rank_zero_info(
+                "ReplicaDriftCheck with ZeRO-3: each trainable parameter lives as one shard per rank "
+                "(nothing to drift); comparing the replicated tensors only (frozen parameters, buffers)"
+            )
 
     def _sharded_ids(self, strategy: Any) -> set[int]:
         """ZeRO-3's trainable parameters (one shard per rank between steps): not replicas, not compared."""
@@ -187,8 +211,12 @@ class ReplicaDriftCheck(pl.Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         step = trainer.global_step
-        if (trainer.world_size == 1 or not optimizer_step_ended(trainer) or step % self.every_n_steps
-                or (self.checked_steps and self.checked_steps[-1] == step)):
+        if (
+            trainer.world_size == 1
+            or not optimizer_step_ended(trainer)
+            or step % self.every_n_steps
+            or (self.checked_steps and self.checked_steps[-1] == step)
+        ):
             return
         mine = value_fingerprint(pl_module, self.buffers, self._sharded_ids(trainer.strategy))
         prints: list[list[tuple[str, str]]] = comms.all_gather_object(mine)
@@ -207,9 +235,11 @@ class ReplicaDriftCheck(pl.Callback):
         first = _first_item(prints[majority[0]], [prints[r] for r in others])
         if self.first_divergent_step is None:
             self.first_divergent_step = step
-        message = (f"replicas diverged at global step {step}: {_ranks(others)} "
-                   f"{'differs' if len(others) == 1 else 'differ'} from {_ranks(majority)}; "
-                   f"first difference: {first_difference(prints)}")
+        message = (
+            f"replicas diverged at global step {step}: {_ranks(others)} "
+            f"{'differs' if len(others) == 1 else 'differ'} from {_ranks(majority)}; "
+            f"first difference: {first_difference(prints)}"
+        )
         if self.action == "raise":
             self.divergences.append((step, others, first))
             raise RuntimeError(message)

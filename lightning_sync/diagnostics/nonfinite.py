@@ -41,8 +41,9 @@ class NonFiniteGuard(pl.Callback):
         self.skipped_steps: list[int] = []
         self._run = 0
 
-    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
-                                 optimizer: torch.optim.Optimizer) -> None:
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         bad_here = any(not bool(torch.isfinite(g).all()) for g in grads)
         if not trainer.strategy.reduce_boolean_decision(bad_here, all=False):
@@ -57,9 +58,15 @@ class NonFiniteGuard(pl.Callback):
         self.skipped_steps.append(step)
         pl_module.log("nonfinite/skipped", float(self.skipped), rank_zero_only=True)
         if trainer.is_global_zero:
-            log.warning("non-finite gradient%s: optimizer step %d skipped on every rank (%d skipped so far)",
-                        " here" if bad_here else " on another rank", step, self.skipped)
+            log.warning(
+                "non-finite gradient%s: optimizer step %d skipped on every rank (%d skipped so far)",
+                " here" if bad_here else " on another rank",
+                step,
+                self.skipped,
+            )
         if self._run >= self.max_consecutive:
-            steps = self.skipped_steps[-self._run:]
-            raise RuntimeError(f"{self._run} consecutive optimizer steps had non-finite gradients (steps {steps}); "
-                               f"max_consecutive={self.max_consecutive}: stopping instead of training on")
+            steps = self.skipped_steps[-self._run :]
+            raise RuntimeError(
+                f"{self._run} consecutive optimizer steps had non-finite gradients (steps {steps}); "
+                f"max_consecutive={self.max_consecutive}: stopping instead of training on"
+            )

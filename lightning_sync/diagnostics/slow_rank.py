@@ -46,8 +46,10 @@ class SlowRank(pl.Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.rank >= trainer.world_size:
-            raise ValueError(f"SlowRank(rank={self.rank}) but the job has {trainer.world_size} ranks "
-                             f"(allowed: 0..{trainer.world_size - 1})")
+            raise ValueError(
+                f"SlowRank(rank={self.rank}) but the job has {trainer.world_size} ranks "
+                f"(allowed: 0..{trainer.world_size - 1})"
+            )
 
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
         self._start = time.perf_counter()

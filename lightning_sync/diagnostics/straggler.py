@@ -79,12 +79,19 @@ class StragglerDetector(pl.Callback):
         median = statistics.median(times)
         ratios = [t / median if median > 0 else 1.0 for t in times]
         slowest = max(range(len(ratios)), key=ratios.__getitem__)
-        pl_module.log_dict({"straggler/max_ratio": ratios[slowest], "straggler/slowest_rank": float(slowest)},
-                           rank_zero_only=True)
+        pl_module.log_dict(
+            {"straggler/max_ratio": ratios[slowest], "straggler/slowest_rank": float(slowest)}, rank_zero_only=True
+        )
         for rank, ratio in enumerate(ratios):
             if ratio > self.threshold:
                 self.flags.append((trainer.global_step, rank, ratio))
                 if trainer.is_global_zero:
-                    log.warning("straggler: rank %d took %.2fx the median step time (%.1f ms against %.1f ms) over "
-                                "steps %d-%d", rank, ratio, 1e3 * times[rank], 1e3 * median,
-                                trainer.global_step - self.every_n_steps + 1, trainer.global_step)
+                    log.warning(
+                        "straggler: rank %d took %.2fx the median step time (%.1f ms against %.1f ms) over steps %d-%d",
+                        rank,
+                        ratio,
+                        1e3 * times[rank],
+                        1e3 * median,
+                        trainer.global_step - self.every_n_steps + 1,
+                        trainer.global_step,
+                    )

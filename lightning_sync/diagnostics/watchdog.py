@@ -50,8 +50,13 @@ class HangWatchdog(pl.Callback):
             ``all_gather_object``.
     """
 
-    def __init__(self, collective_timeout: float = 300.0, interval: float | None = None,
-                 exit_after: float | None = None, verify_every: int = 100) -> None:
+    def __init__(
+        self,
+        collective_timeout: float = 300.0,
+        interval: float | None = None,
+        exit_after: float | None = None,
+        verify_every: int = 100,
+    ) -> None:
         watchdog.check_args(collective_timeout, interval, exit_after)
         self.collective_timeout, self.interval, self.exit_after = collective_timeout, interval, exit_after
         self.verify_every = check_int("verify_every", verify_every, 0)

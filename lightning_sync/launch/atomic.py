@@ -36,8 +36,16 @@ import torch
 from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
-__all__ = ["AtomicCheckpointIO", "fsync_dir", "fsync_path", "publish_path", "recover_dir", "recover_path",
-           "remove_path", "write_atomically"]
+__all__ = [
+    "AtomicCheckpointIO",
+    "fsync_dir",
+    "fsync_path",
+    "publish_path",
+    "recover_dir",
+    "recover_path",
+    "remove_path",
+    "write_atomically",
+]
 
 
 def fsync_dir(directory: Path) -> None:

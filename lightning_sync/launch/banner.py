@@ -26,9 +26,14 @@ class NodeBanner(pl.Callback):
         if trainer.local_rank != 0 or self.line is not None:
             return
         backend = torch.distributed.get_backend() if torch.distributed.is_initialized() else "none (no process group)"
-        where = (f", rendezvous {self.rendezvous.address}:{self.rendezvous.port} ({self.rendezvous.source})"
-                 if self.rendezvous is not None else "")
-        self.line = (f"node {trainer.node_rank} of {trainer.num_nodes} on host {socket.gethostname()}: local rank "
-                     f"{trainer.local_rank}, global rank {trainer.global_rank}, world size {trainer.world_size}, "
-                     f"backend {backend}{where}")
+        where = (
+            f", rendezvous {self.rendezvous.address}:{self.rendezvous.port} ({self.rendezvous.source})"
+            if self.rendezvous is not None
+            else ""
+        )
+        self.line = (
+            f"node {trainer.node_rank} of {trainer.num_nodes} on host {socket.gethostname()}: local rank "
+            f"{trainer.local_rank}, global rank {trainer.global_rank}, world size {trainer.world_size}, "
+            f"backend {backend}{where}"
+        )
         log.info(self.line)

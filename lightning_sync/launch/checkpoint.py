@@ -22,11 +22,13 @@ class IntervalCheckpoint(ModelCheckpoint):
     with one of them, or neither, it is Lightning's ``ModelCheckpoint`` exactly. Every other argument is
     ``ModelCheckpoint``'s."""
 
-    def __init__(self, *args: Any, every_n_epochs: int | None = None, every_n_train_steps: int | None = None,
-                 **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, every_n_epochs: int | None = None, every_n_train_steps: int | None = None, **kwargs: Any
+    ) -> None:
         both = bool(every_n_epochs) and bool(every_n_train_steps)
-        super().__init__(*args, every_n_epochs=None if both else every_n_epochs,
-                         every_n_train_steps=every_n_train_steps, **kwargs)
+        super().__init__(
+            *args, every_n_epochs=None if both else every_n_epochs, every_n_train_steps=every_n_train_steps, **kwargs
+        )
         if both:
             if not isinstance(every_n_epochs, int) or isinstance(every_n_epochs, bool) or every_n_epochs < 1:
                 raise ValueError(f"every_n_epochs must be an int >= 1 or None, got {every_n_epochs!r}")

@@ -70,8 +70,18 @@ from lightning_sync.strategies._exact_data import ExactDataHooks
 from lightning_sync.strategies.sharded import COMPLETE_MARKER, LIGHTNING_STATE
 from lightning_sync.sync.safe_load import contained_path
 
-__all__ = ["POINTER", "Preempted", "RequeueOnSignal", "deferred_signal", "latest_checkpoint", "newest_checkpoint",
-           "publish_checkpoint", "recorded_step", "requeue_job", "resolve_signal"]
+__all__ = [
+    "POINTER",
+    "Preempted",
+    "RequeueOnSignal",
+    "deferred_signal",
+    "latest_checkpoint",
+    "newest_checkpoint",
+    "publish_checkpoint",
+    "recorded_step",
+    "requeue_job",
+    "resolve_signal",
+]
 
 log = logging.getLogger("lightning_sync.launch")
 POINTER = "latest.json"
@@ -100,8 +110,9 @@ class Preempted(Exception):
 
 
 # --------------------------------------------------------------------------- atomic files
-def publish_checkpoint(directory: str | os.PathLike[str], tmp: str | os.PathLike[str], name: str,
-                       info: Mapping[str, Any] | None = None) -> Path:
+def publish_checkpoint(
+    directory: str | os.PathLike[str], tmp: str | os.PathLike[str], name: str, info: Mapping[str, Any] | None = None
+) -> Path:
     """Make the complete checkpoint ``tmp`` (file or directory) the one :func:`latest_checkpoint` returns.
 
     fsync ``tmp``, rename it to ``directory/name``, then atomically rewrite ``latest.json`` to name it, then
@@ -125,14 +136,18 @@ def recorded_step(path: str | os.PathLike[str]) -> int:
     state_file = path
     if path.is_dir():
         if not (path / COMPLETE_MARKER).is_file():
-            raise ValueError(f"{path} is not a complete checkpoint: a sharded directory without its "
-                             f"{COMPLETE_MARKER} marker (its save was interrupted)")
+            raise ValueError(
+                f"{path} is not a complete checkpoint: a sharded directory without its "
+                f"{COMPLETE_MARKER} marker (its save was interrupted)"
+            )
         state_file = contained_path(path, LIGHTNING_STATE, "Lightning state file")
     try:
         state = torch.load(state_file, map_location="cpu", weights_only=True, mmap=True)
     except Exception as err:  # noqa: BLE001 - truncated, foreign or unsafe: not a checkpoint to resume
-        raise ValueError(f"{path} is not a complete checkpoint that loads weights-only ({type(err).__name__}: "
-                         f"{str(err).strip().splitlines()[0][:200] if str(err).strip() else ''})") from err
+        raise ValueError(
+            f"{path} is not a complete checkpoint that loads weights-only ({type(err).__name__}: "
+            f"{str(err).strip().splitlines()[0][:200] if str(err).strip() else ''})"
+        ) from err
     step = state.get("global_step") if isinstance(state, dict) else None
     if not isinstance(step, int) or isinstance(step, bool):
         raise ValueError(f"{path} is not a complete checkpoint: it records no global_step")
@@ -172,8 +187,10 @@ def latest_checkpoint(directory: str | os.PathLike[str] | None) -> Path | None:
         named = json.loads(pointer.read_text())
         path = directory / named["checkpoint"]
         if not path.exists() and (newest is None or newest[1] < int(named.get("global_step", 0))):
-            raise FileNotFoundError(f"{pointer} names the checkpoint {path}, which does not exist"
-                                    + (f"; the newest left is {newest[0]} (step {newest[1]})" if newest else ""))
+            raise FileNotFoundError(
+                f"{pointer} names the checkpoint {path}, which does not exist"
+                + (f"; the newest left is {newest[0]} (step {newest[1]})" if newest else "")
+            )
     return None if newest is None else newest[0]
 
 
@@ -227,18 +244,31 @@ def requeue_job(env: Mapping[str, str] | None = None, timeout: float = 60.0) -> 
         return False
     scontrol = shutil.which("scontrol", path=env.get("PATH"))
     if scontrol is None:
-        log.error("requeue: scontrol is not on PATH, so job %s is NOT requeued; the checkpoint is saved: "
-                  "resubmit the same job and it resumes from it", job)
+        log.error(
+            "requeue: scontrol is not on PATH, so job %s is NOT requeued; the checkpoint is saved: "
+            "resubmit the same job and it resumes from it",
+            job,
+        )
         return False
     try:
-        proc = subprocess.run([*_IGNORING_SIGTERM, scontrol, "requeue", job], capture_output=True, text=True, timeout=timeout,
-                              env=dict(env), check=False)
+        proc = subprocess.run(
+            [*_IGNORING_SIGTERM, scontrol, "requeue", job],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=dict(env),
+            check=False,
+        )
     except subprocess.TimeoutExpired:
         log.error("requeue: `scontrol requeue %s` did not answer in %.0f s; the checkpoint is saved", job, timeout)
         return False
     if proc.returncode != 0:
-        log.error("requeue: `scontrol requeue %s` failed (exit %d): %s; the checkpoint is saved", job,
-                  proc.returncode, (proc.stderr or proc.stdout).strip())
+        log.error(
+            "requeue: `scontrol requeue %s` failed (exit %d): %s; the checkpoint is saved",
+            job,
+            proc.returncode,
+            (proc.stderr or proc.stdout).strip(),
+        )
         return False
     log.info("requeue: job %s requeued (scontrol requeue); it resumes from the checkpoint", job)
     return True
@@ -278,12 +308,14 @@ class RequeueOnSignal(pl.Callback):
         if stage != "fit" or self._installed:
             return
         if not isinstance(trainer.strategy, ExactDataHooks) and trainer.is_global_zero:
-            log.warning("requeue: %s is not a lightning_sync strategy, so a preemption checkpoint holds Lightning's "
-                        "state only: a resume restarts the epoch from its first batch and the RNG streams keep "
-                        "their seeding", type(trainer.strategy).__name__)
+            log.warning(
+                "requeue: %s is not a lightning_sync strategy, so a preemption checkpoint holds Lightning's "
+                "state only: a resume restarts the epoch from its first batch and the RNG streams keep "
+                "their seeding",
+                type(trainer.strategy).__name__,
+            )
         if threading.current_thread() is not threading.main_thread():
-            log.warning("requeue: not on the main thread, so no %s handler (Python signals need it)",
-                        self.signal.name)
+            log.warning("requeue: not on the main thread, so no %s handler (Python signals need it)", self.signal.name)
             return
         self._previous = signal.signal(self.signal, self._on_signal)
         self._installed = True
@@ -294,8 +326,9 @@ class RequeueOnSignal(pl.Callback):
             self._installed = False
 
     # ------------------------------------------------------------------ the stop
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         epoch_loop = trainer.fit_loop.epoch_loop
         if epoch_loop._should_accumulate() or epoch_loop.batch_progress.is_last_batch:
             return  # the same on every rank: mid-accumulation or epoch end, act at the next step instead
@@ -306,10 +339,15 @@ class RequeueOnSignal(pl.Callback):
     def _preempt(self, trainer: pl.Trainer, batch_idx: int) -> None:
         started = time.monotonic()
         if trainer.is_global_zero:
-            seen = (f"here {started - self._received:.2f} s ago" if self._received is not None
-                    else "by another rank")
-            log.warning("requeue: %s received %s; saving at global step %d (epoch %d, batch %d)",
-                        self.signal.name, seen, trainer.global_step, trainer.current_epoch, batch_idx + 1)
+            seen = f"here {started - self._received:.2f} s ago" if self._received is not None else "by another rank"
+            log.warning(
+                "requeue: %s received %s; saving at global step %d (epoch %d, batch %d)",
+                self.signal.name,
+                seen,
+                trainer.global_step,
+                trainer.current_epoch,
+                batch_idx + 1,
+            )
         name = f"{_PREFIX}{trainer.global_step:09d}.ckpt"
         tmp = self.directory / f".{name}.tmp"
         if trainer.is_global_zero:

@@ -75,31 +75,42 @@ def render_sbatch(overrides: Sequence[str], output: str = "slurm-%j.out") -> str
         raise ValueError(f"launch.{err}") from None
     delay = _positive_int("launch.signal_delay_s", launch.signal_delay_s)
     q = shlex.quote
-    directives = [f"--job-name={q(_one_line('launch.job_name', launch.job_name))}", f"--nodes={nodes}",
-                  f"--ntasks-per-node={tasks}", f"--cpus-per-task={cpus}", f"--time={minutes}",
-                  f"--signal={q(signal)}@{delay}", f"--output={q(_one_line('output', output))}",
-                  "--open-mode=append"]
+    directives = [
+        f"--job-name={q(_one_line('launch.job_name', launch.job_name))}",
+        f"--nodes={nodes}",
+        f"--ntasks-per-node={tasks}",
+        f"--cpus-per-task={cpus}",
+        f"--time={minutes}",
+        f"--signal={q(signal)}@{delay}",
+        f"--output={q(_one_line('output', output))}",
+        "--open-mode=append",
+    ]
     if launch.partition:
         directives.append(f"--partition={q(_one_line('launch.partition', launch.partition))}")
     if launch.requeue:
         directives.append("--requeue")
     python = str(launch.python) if launch.python else sys.executable
     args = [python, "-m", "lightning_sync", "train", "launch=slurm", *overrides]
-    lines = ["#!/bin/bash", "# Rendered by `lightning-sync sbatch`; submit with `sbatch <this file>`.",
-             *(f"#SBATCH {d}" for d in directives), "",
-             "# One intra-op thread per CPU of the task (Lightning's own launcher does the same; unset, every rank",
-             "# starts a thread per core of the node and they fight over them).",
-             f"export OMP_NUM_THREADS=\"${{OMP_NUM_THREADS:-{cpus}}}\"",
-             "# One task per rank: Lightning's SLURMEnvironment reads the ranks from srun; the train app sets",
-             "# a MASTER_ADDR that resolves and MASTER_PORT from the job id.",
-             "srun " + " ".join(q(a) for a in args) + " &",
-             "pid=$!",
-             f"# --signal sends SIG{signal} to every task; `scancel --signal={signal} --batch` reaches only this shell,",
-             "# which passes it on (srun forwards it to the tasks). The tasks save, requeue the job and exit.",
-             f"trap 'kill -s {q(signal)} \"$pid\" 2>/dev/null' {q(signal)}",
-             'wait "$pid"; status=$?',
-             'while kill -0 "$pid" 2>/dev/null; do wait "$pid"; status=$?; done  # a trapped signal ends `wait` early',
-             'exit "$status"', ""]
+    lines = [
+        "#!/bin/bash",
+        "# Rendered by `lightning-sync sbatch`; submit with `sbatch <this file>`.",
+        *(f"#SBATCH {d}" for d in directives),
+        "",
+        "# One intra-op thread per CPU of the task (Lightning's own launcher does the same; unset, every rank",
+        "# starts a thread per core of the node and they fight over them).",
+        f'export OMP_NUM_THREADS="${{OMP_NUM_THREADS:-{cpus}}}"',
+        "# One task per rank: Lightning's SLURMEnvironment reads the ranks from srun; the train app sets",
+        "# a MASTER_ADDR that resolves and MASTER_PORT from the job id.",
+        "srun " + " ".join(q(a) for a in args) + " &",
+        "pid=$!",
+        f"# --signal sends SIG{signal} to every task; `scancel --signal={signal} --batch` reaches only this shell,",
+        "# which passes it on (srun forwards it to the tasks). The tasks save, requeue the job and exit.",
+        f"trap 'kill -s {q(signal)} \"$pid\" 2>/dev/null' {q(signal)}",
+        'wait "$pid"; status=$?',
+        'while kill -0 "$pid" 2>/dev/null; do wait "$pid"; status=$?; done  # a trapped signal ends `wait` early',
+        'exit "$status"',
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -135,8 +146,10 @@ class SlurmLauncherValues(Callback):
             if key.startswith("hydra.launcher.setup[") or ("\n" not in text and "\r" not in text):
                 continue
             origin = f" (set from {source})" if isinstance(source, str) and "${" in source else ""
-            raise ValueError(f"{key}{origin} must be one line (it goes into submitit's sbatch script, where a "
-                             f"newline ends the #SBATCH comment and bash runs the next line), got {text!r}")
+            raise ValueError(
+                f"{key}{origin} must be one line (it goes into submitit's sbatch script, where a "
+                f"newline ends the #SBATCH comment and bash runs the next line), got {text!r}"
+            )
 
 
 _USAGE = """usage: lightning-sync sbatch [group=option ...] [key=value ...]

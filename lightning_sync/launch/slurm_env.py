@@ -74,7 +74,7 @@ def _expand_one(item: str, whole: str) -> list[str]:
         if "[" in item or "]" in item:
             raise ValueError(f"malformed host list {whole!r}: unbalanced brackets in {item!r}")
         return [item]
-    head, tail = item[: match.start()], item[match.end():]
+    head, tail = item[: match.start()], item[match.end() :]
     out = []
     for rng in match.group(1).split(","):
         bounds = rng.split("-")
@@ -95,8 +95,9 @@ def first_host(hostlist: str) -> str:
     scontrol = shutil.which("scontrol")
     if scontrol is not None:
         try:
-            out = subprocess.run([scontrol, "show", "hostnames", hostlist], capture_output=True, text=True,
-                                 timeout=10, check=True).stdout.split()
+            out = subprocess.run(
+                [scontrol, "show", "hostnames", hostlist], capture_output=True, text=True, timeout=10, check=True
+            ).stdout.split()
             if out:
                 return out[0]
         except (subprocess.SubprocessError, OSError):
@@ -177,8 +178,10 @@ def prepare(env: MutableMapping[str, str] | None = None) -> Rendezvous | None:
             elif int(env.get("SLURM_JOB_NUM_NODES", env.get("SLURM_NNODES", "1"))) == 1:
                 address, source = "127.0.0.1", f"fallback: {host!r} does not resolve, one-node job: 127.0.0.1"
             else:
-                raise RuntimeError(f"MASTER_ADDR: the job's first node {host!r} does not resolve and Slurm gives no "
-                                   f"resolvable NodeAddr for it; export MASTER_ADDR to an address of that node")
+                raise RuntimeError(
+                    f"MASTER_ADDR: the job's first node {host!r} does not resolve and Slurm gives no "
+                    f"resolvable NodeAddr for it; export MASTER_ADDR to an address of that node"
+                )
             if env.get("SLURM_PROCID", "0") == "0":
                 log.warning("MASTER_ADDR %s", source)
     env["MASTER_ADDR"], env["MASTER_PORT"] = address, str(port)

@@ -172,8 +172,10 @@ def build_optimizer(
     try:
         import pytorch_optimizer
     except ImportError as err:
-        raise ImportError(f"optimizer={name!r} needs the pytorch-optimizer package: "
-                          f"pip install lightning-sync[optim] (or pip install pytorch-optimizer)") from err
+        raise ImportError(
+            f"optimizer={name!r} needs the pytorch-optimizer package: "
+            f"pip install lightning-sync[optim] (or pip install pytorch-optimizer)"
+        ) from err
     if name == "lamb":
         return pytorch_optimizer.Lamb(params, lr=lr, weight_decay=weight_decay)
     return pytorch_optimizer.LARS(params, lr=lr, momentum=0.9, weight_decay=weight_decay)
@@ -244,9 +246,7 @@ class ClassifierModule(pl.LightningModule):
         self.log("val_acc", self.val_acc, prog_bar=True, on_epoch=True)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return build_optimizer(
-            self.parameters(), self._optimizer_name, self._lr, self._weight_decay
-        )
+        return build_optimizer(self.parameters(), self._optimizer_name, self._lr, self._weight_decay)
 
 
 class SplitDataModule(pl.LightningDataModule, metaclass=abc.ABCMeta):
@@ -311,9 +311,7 @@ class TensorDataModule(SplitDataModule):
     Subclasses implement :meth:`_build`, returning ``(x_train, y_train, x_val, y_val)``.
     """
 
-    def __init__(
-        self, num_features: int, num_classes: int, batch_size: int, num_workers: int
-    ) -> None:
+    def __init__(self, num_features: int, num_classes: int, batch_size: int, num_workers: int) -> None:
         """
         Args:
             num_features: length of each input feature vector (>= 1).

@@ -78,9 +78,7 @@ class _WindowDataset(Dataset):
 
     def __init__(self, tokens: Tensor, block_size: int) -> None:
         if len(tokens) < block_size + 1:
-            raise ValueError(
-                f"need at least block_size + 1 = {block_size + 1} tokens, got {len(tokens)}"
-            )
+            raise ValueError(f"need at least block_size + 1 = {block_size + 1} tokens, got {len(tokens)}")
         self._tokens = tokens
         self._block_size = block_size
 
@@ -166,9 +164,7 @@ class _Block(nn.Module):
         q, k, v = self.qkv(x).split(channels, dim=2)
         shape = (batch, time, self._n_head, channels // self._n_head)
         q, k, v = (t.view(shape).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self._dropout if self.training else 0.0, is_causal=True
-        )
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self._dropout if self.training else 0.0, is_causal=True)
         y = y.transpose(1, 2).contiguous().view(batch, time, channels)
         return self.resid_drop(self.proj(y))
 

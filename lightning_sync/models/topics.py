@@ -72,15 +72,10 @@ def _all_topics() -> tuple[tuple[str, tuple[str, ...]], ...]:
 
     def is_part_of_another(i: int) -> bool:
         return any(
-            j != i and joined[i] in joined[j] and (len(words[j]) > len(words[i]) or j < i)
-            for j in range(len(ranked))
+            j != i and joined[i] in joined[j] and (len(words[j]) > len(words[i]) or j < i) for j in range(len(ranked))
         )
 
-    return tuple(
-        (name, words[i])
-        for i, (name, _) in enumerate(ranked)
-        if not is_part_of_another(i)
-    )
+    return tuple((name, words[i]) for i, (name, _) in enumerate(ranked) if not is_part_of_another(i))
 
 
 def load_topics(num_topics: int | None = None) -> list[tuple[str, tuple[str, ...]]]:
@@ -98,16 +93,12 @@ def load_topics(num_topics: int | None = None) -> list[tuple[str, tuple[str, ...
     if num_topics is not None:
         check_int("num_topics", num_topics, 1)
         if num_topics > len(ranked):
-            raise ValueError(
-                f"num_topics must be in [1, {len(ranked)}] (topics available), got {num_topics!r}"
-            )
+            raise ValueError(f"num_topics must be in [1, {len(ranked)}] (topics available), got {num_topics!r}")
         ranked = ranked[:num_topics]
     return list(ranked)
 
 
-def block_splits(
-    num_words: int, block_words: int, val_fraction: float
-) -> tuple[list[range], list[range]]:
+def block_splits(num_words: int, block_words: int, val_fraction: float) -> tuple[list[range], list[range]]:
     """Return the word ranges of the ``(train, val)`` blocks of a ``num_words``-word sequence.
 
     The words are cut into consecutive blocks of ``block_words`` words (the
@@ -153,12 +144,8 @@ def window_starts(
 
 def _check_block_words(block_words: object, window: int) -> int:
     """Return ``block_words`` if it is an int >= ``window``, else raise ``ValueError``."""
-    if not (isinstance(block_words, int) and not isinstance(block_words, bool)) or (
-        block_words < window
-    ):
-        raise ValueError(
-            f"block_words must be an int >= window ({window!r}), got {block_words!r}"
-        )
+    if not (isinstance(block_words, int) and not isinstance(block_words, bool)) or (block_words < window):
+        raise ValueError(f"block_words must be an int >= window ({window!r}), got {block_words!r}")
     return block_words
 
 
@@ -208,9 +195,7 @@ class TopicDataModule(SplitDataModule):
         super().__init__(batch_size, num_workers)
         available = len(_all_topics())
         if check_int("num_topics", num_topics, 2) > available:
-            raise ValueError(
-                f"num_topics must be in [2, {available}] (topics available), got {num_topics!r}"
-            )
+            raise ValueError(f"num_topics must be in [2, {available}] (topics available), got {num_topics!r}")
         self._num_topics = num_topics
         self._window = check_positive_int("window", window)
         self._stride = check_positive_int("stride", stride)
@@ -262,9 +247,7 @@ class TopicDataModule(SplitDataModule):
         topics = load_topics(self._num_topics)
         starts = []
         for name, words in topics:
-            train, val = window_starts(
-                len(words), self._window, self._stride, self._val_fraction, self._block_words
-            )
+            train, val = window_starts(len(words), self._window, self._stride, self._val_fraction, self._block_words)
             if not train or not val:
                 raise ValueError(
                     f"topic {name!r} has {len(words)} words: too few for a training and a "
@@ -354,13 +337,13 @@ class BagOfWordsClassifier(ClassifierModule):
         if not isinstance(sparse, bool):
             raise ValueError(f"sparse must be True or False, got {sparse!r}")
         if sparse and optimizer != "sgd":  # ClassifierModule checks the name against OPTIMIZERS otherwise
-            raise ValueError(f"optimizer must be one of ['sgd'] (with sparse=True only plain SGD; set sparse=False "
-                             f"for the others), got {optimizer!r}")
+            raise ValueError(
+                f"optimizer must be one of ['sgd'] (with sparse=True only plain SGD; set sparse=False "
+                f"for the others), got {optimizer!r}"
+            )
         embedding = nn.EmbeddingBag(vocab_size, embed_dim, mode="mean", sparse=sparse)
         nn.init.normal_(embedding.weight, std=_EMBED_INIT_STD)
-        net = nn.Sequential(
-            OrderedDict(embedding=embedding, head=nn.Linear(embed_dim, num_classes))
-        )
+        net = nn.Sequential(OrderedDict(embedding=embedding, head=nn.Linear(embed_dim, num_classes)))
         super().__init__(net=net, num_classes=num_classes, lr=check_positive_float("lr", lr), optimizer=optimizer)
         self.save_hyperparameters()
 

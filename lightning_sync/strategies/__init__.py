@@ -9,7 +9,14 @@ from lightning_sync.strategies.hogwild import HogwildStrategy
 from lightning_sync.strategies.local_sgd import LocalSGDStrategy
 from lightning_sync.strategies.sharded import ShardedStrategy
 
-__all__ = ["AsyncParameterServerStrategy", "BucketedDDPStrategy", "DiLoCoStrategy", "HogwildStrategy", "LocalSGDStrategy", "ShardedStrategy"]
+__all__ = [
+    "AsyncParameterServerStrategy",
+    "BucketedDDPStrategy",
+    "DiLoCoStrategy",
+    "HogwildStrategy",
+    "LocalSGDStrategy",
+    "ShardedStrategy",
+]
 
 BucketedDDPStrategy.register_strategies(StrategyRegistry)
 ShardedStrategy.register_strategies(StrategyRegistry)

@@ -15,12 +15,23 @@ from lightning_sync import comms
 from lightning_sync._checks import check_bool
 from lightning_sync.strategies._exact_data import ExactDataHooks
 
-__all__ = ["AtomicCheckpoints", "CommsCollectivesMixin", "as_timedelta", "check_bool", "check_launch_args",
-           "no_sync_of", "PASSTHROUGH"]
+__all__ = [
+    "AtomicCheckpoints",
+    "CommsCollectivesMixin",
+    "as_timedelta",
+    "check_bool",
+    "check_launch_args",
+    "no_sync_of",
+    "PASSTHROUGH",
+]
 
 _REDUCE_OPS = {"mean": "avg", "avg": "avg", "sum": "sum", "max": "max", "min": "min"}
-_TORCH_OPS = {torch.distributed.ReduceOp.SUM: "sum", torch.distributed.ReduceOp.MAX: "max",
-              torch.distributed.ReduceOp.MIN: "min", torch.distributed.ReduceOp.AVG: "avg"}
+_TORCH_OPS = {
+    torch.distributed.ReduceOp.SUM: "sum",
+    torch.distributed.ReduceOp.MAX: "max",
+    torch.distributed.ReduceOp.MIN: "min",
+    torch.distributed.ReduceOp.AVG: "avg",
+}
 # Lightning components a user may pass explicitly; anything else is a typo and raises.
 PASSTHROUGH = ("accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin")
 
@@ -29,8 +40,12 @@ def as_timedelta(timeout: float | timedelta) -> timedelta:
     """A collective timeout given in seconds (or already a ``timedelta``), checked."""
     if isinstance(timeout, timedelta) and timeout > timedelta(0):
         return timeout
-    if isinstance(timeout, timedelta) or not isinstance(timeout, (int, float)) or isinstance(timeout, bool) \
-            or not 0 < timeout < math.inf:
+    if (
+        isinstance(timeout, timedelta)
+        or not isinstance(timeout, (int, float))
+        or isinstance(timeout, bool)
+        or not 0 < timeout < math.inf
+    ):
         raise ValueError(f"timeout must be a finite number of seconds > 0 or a timedelta > 0, got {timeout!r}")
     return timedelta(seconds=timeout)
 
@@ -57,11 +72,9 @@ def no_sync_of(switch: Any | None) -> AbstractContextManager[Any]:
 def check_launch_args(owner: str, process_group_backend: Any, start_method: Any, kwargs: dict[str, Any]) -> None:
     """Validate the launch arguments every strategy takes; unknown keyword arguments are typos."""
     if start_method not in ("popen", "spawn", "fork", "forkserver"):
-        raise ValueError(f"start_method must be one of ['popen', 'spawn', 'fork', 'forkserver'], "
-                         f"got {start_method!r}")
+        raise ValueError(f"start_method must be one of ['popen', 'spawn', 'fork', 'forkserver'], got {start_method!r}")
     if process_group_backend not in (None, "gloo", "nccl"):
-        raise ValueError(f"process_group_backend must be one of [None, 'gloo', 'nccl'], "
-                         f"got {process_group_backend!r}")
+        raise ValueError(f"process_group_backend must be one of [None, 'gloo', 'nccl'], got {process_group_backend!r}")
     unknown = sorted(set(kwargs) - set(PASSTHROUGH))
     if unknown:
         raise ValueError(f"{owner} got unknown arguments {unknown}; besides its own it accepts {list(PASSTHROUGH)}")
@@ -126,4 +139,3 @@ class CommsCollectivesMixin(ExactDataHooks, AtomicCheckpoints):
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         if torch.distributed.is_initialized():
             comms.barrier()
-

@@ -86,11 +86,13 @@ class ExactDataHooks:
         repeated = shard_for_evaluation(dataloader)
         if repeated:
             size, world = len(dataloader.dataset), self.world_size  # type: ignore[attr-defined]
-            rank_zero_warn(f"{type(self).__name__}: {repeated} sample{'' if repeated == 1 else 's'} of {size} "
-                           f"{'is' if repeated == 1 else 'are'} evaluated twice, and counted twice by synced metrics: "
-                           f"the set cannot be dealt out to {world} ranks without repeats and with the "
-                           f"same number of batches on each, which a collective in every evaluation step needs",
-                           category=PossibleUserWarning)
+            rank_zero_warn(
+                f"{type(self).__name__}: {repeated} sample{'' if repeated == 1 else 's'} of {size} "
+                f"{'is' if repeated == 1 else 'are'} evaluated twice, and counted twice by synced metrics: "
+                f"the set cannot be dealt out to {world} ranks without repeats and with the "
+                f"same number of batches on each, which a collective in every evaluation step needs",
+                category=PossibleUserWarning,
+            )
         return dataloader
 
     def on_train_start(self) -> None:
@@ -111,8 +113,11 @@ class ExactDataHooks:
     def _take_rank_state(self, checkpoint: dict[str, Any]) -> dict[str, Any] | None:
         """This rank's entry of ``checkpoint``'s per-rank states (None when absent or from another world size);
         its own optimizer states, if it has them, are kept for :meth:`load_optimizer_state_dict`."""
-        mine = self._exact_resume.take(checkpoint.get(RANK_STATES), self.global_rank,  # type: ignore[attr-defined]
-                                       self.world_size)  # type: ignore[attr-defined]
+        mine = self._exact_resume.take(
+            checkpoint.get(RANK_STATES),
+            self.global_rank,  # type: ignore[attr-defined]
+            self.world_size,
+        )  # type: ignore[attr-defined]
         self._own_optimizer_states = mine.get("optimizer_states") if mine is not None else None
         return mine
 
@@ -120,4 +125,5 @@ class ExactDataHooks:
         """This rank's own optimizer state where the checkpoint has it, else Lightning's (rank 0's)."""
         states, self._own_optimizer_states = self._own_optimizer_states, None
         super().load_optimizer_state_dict(  # type: ignore[misc]
-            checkpoint if states is None else {"optimizer_states": states})
+            checkpoint if states is None else {"optimizer_states": states}
+        )

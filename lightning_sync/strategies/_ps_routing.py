@@ -24,8 +24,9 @@ class PushingOptimizer(torch.optim.Optimizer):
     the real optimizer. ``zero_grad`` clears this replica's gradients."""
 
     def __init__(self, real: torch.optim.Optimizer, push: Callable[[], None]) -> None:
-        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": list(g["params"])}
-                  for g in real.param_groups]
+        groups = [
+            {**{k: v for k, v in g.items() if k != "params"}, "params": list(g["params"])} for g in real.param_groups
+        ]
         super().__init__(groups, dict(real.defaults))
         self._push = push
 
@@ -35,6 +36,7 @@ class PushingOptimizer(torch.optim.Optimizer):
             loss = closure() if closure is not None else None
         self._push()
         return loss
+
 
 class GlobalClockScheduler:
     """An LR scheduler Lightning holds but does not step: the server steps it (step-interval ones on

@@ -127,9 +127,16 @@ class AsyncParameterServerStrategy(AtomicCheckpoints, ParallelStrategy):
 
     strategy_name = "async_ps"
 
-    def __init__(self, max_staleness: int | float = 4, server_rank: int = 0, timeout: float | timedelta = 1800.0,
-                 start_method: str = "popen", lr_scaling: str = "linear", compensation: str = "lookahead",
-                 **kwargs: Any) -> None:
+    def __init__(
+        self,
+        max_staleness: int | float = 4,
+        server_rank: int = 0,
+        timeout: float | timedelta = 1800.0,
+        start_method: str = "popen",
+        lr_scaling: str = "linear",
+        compensation: str = "lookahead",
+        **kwargs: Any,
+    ) -> None:
         self.max_staleness = check_staleness(max_staleness)
         self.lr_scaling = check_lr_scaling(lr_scaling)
         self.compensation = check_compensation(compensation)
@@ -208,12 +215,15 @@ class AsyncParameterServerStrategy(AtomicCheckpoints, ParallelStrategy):
         reset_seed()  # spawned ranks re-seed from PL_GLOBAL_SEED, as Lightning's DDP does
         self.set_world_ranks()
         if not 0 <= self.server_rank < self.world_size:
-            raise ValueError(f"server_rank must be a rank of this job, in [0, {self.world_size - 1}], "
-                             f"got {self.server_rank}")
+            raise ValueError(
+                f"server_rank must be a rank of this job, in [0, {self.world_size - 1}], got {self.server_rank}"
+            )
         if torch.distributed.is_initialized():
-            rank_zero_warn(f"{type(self).__name__}: a default process group exists; Lightning 2.6 then broadcasts "
-                           "a flag on it before every training step, so workers wait for each other anyway. "
-                           "This strategy needs none: run it without one to keep workers independent.")
+            rank_zero_warn(
+                f"{type(self).__name__}: a default process group exists; Lightning 2.6 then broadcasts "
+                "a flag on it before every training step, so workers wait for each other anyway. "
+                "This strategy needs none: run it without one to keep workers independent."
+            )
         if self.world_size > 1:
             rpc.init(self.global_rank, self.world_size, self._timeout)
 
@@ -230,8 +240,10 @@ class AsyncParameterServerStrategy(AtomicCheckpoints, ParallelStrategy):
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
         if getattr(self.precision_plugin, "scaler", None) is not None:
-            raise ValueError(f"{type(self).__name__} does not support fp16 loss scaling (precision='16-mixed'): each "
-                             "worker's scaler would skip steps on its own; use precision='bf16-mixed'")
+            raise ValueError(
+                f"{type(self).__name__} does not support fp16 loss scaling (precision='16-mixed'): each "
+                "worker's scaler would skip steps on its own; use precision='bf16-mixed'"
+            )
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         fitting = trainer.state.fn == TrainerFn.FITTING
@@ -253,8 +265,9 @@ class AsyncParameterServerStrategy(AtomicCheckpoints, ParallelStrategy):
         if self.global_rank == self.server_rank:
             budget = trainer.max_steps if fitting and trainer.max_steps >= 0 else None
             # pushes wait until Lightning has restored the optimizer and schedulers too (on_train_start)
-            self.server = ParameterServer(params, buffers, real, self.world_size, self.max_staleness, budget,
-                                          self.lr_scaling, restoring=fitting)
+            self.server = ParameterServer(
+                params, buffers, real, self.world_size, self.max_staleness, budget, self.lr_scaling, restoring=fitting
+            )
             if self._pending_state is not None:
                 self.server.load_state_dict(self._pending_state)
             host(self.server)
@@ -266,9 +279,11 @@ class AsyncParameterServerStrategy(AtomicCheckpoints, ParallelStrategy):
             route_clipping(self.precision_plugin, self._set_clip)
         self.worker = PSWorker(self.global_rank, params, buffers, link, lookahead=self.compensation == "lookahead")
         self.worker.pull()
-        rank_zero_info(f"{type(self).__name__}: server on rank {self.server_rank}, {self.world_size} workers, "
-                       f"max_staleness={self.max_staleness}, compensation={self.compensation}, {len(params)} parameters"
-                       + (f", budget {trainer.max_steps} global steps" if fitting and trainer.max_steps >= 0 else ""))
+        rank_zero_info(
+            f"{type(self).__name__}: server on rank {self.server_rank}, {self.world_size} workers, "
+            f"max_staleness={self.max_staleness}, compensation={self.compensation}, {len(params)} parameters"
+            + (f", budget {trainer.max_steps} global steps" if fitting and trainer.max_steps >= 0 else "")
+        )
 
     def _set_clip(self, clip: tuple[str, float]) -> None:
         self._clip = clip
@@ -315,9 +330,12 @@ class AsyncParameterServerStrategy(AtomicCheckpoints, ParallelStrategy):
         self._logged_at = own
         counts = reply.staleness
         n = sum(counts.values())
-        metrics = {"ps/global_step": float(reply.global_step), "ps/version": float(reply.version),
-                   "ps/staleness_mean": sum(k * v for k, v in counts.items()) / n if n else 0.0,
-                   "ps/staleness_max": float(max(counts, default=0))}
+        metrics = {
+            "ps/global_step": float(reply.global_step),
+            "ps/version": float(reply.version),
+            "ps/staleness_mean": sum(k * v for k, v in counts.items()) / n if n else 0.0,
+            "ps/staleness_max": float(max(counts, default=0)),
+        }
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
 
@@ -376,8 +394,9 @@ class AsyncParameterServerStrategy(AtomicCheckpoints, ParallelStrategy):
             live = {id(t): v for t, v in zip([p for p in self.model.parameters() if p.requires_grad], snap["params"])}
             live.update({id(t): v for t, v in zip(self.model.buffers(), snap["buffers"])})
             current = self.model.state_dict(keep_vars=True)
-            checkpoint["state_dict"] = {k: live[id(v)].to(v.device) if id(v) in live else v.detach()
-                                        for k, v in current.items()}
+            checkpoint["state_dict"] = {
+                k: live[id(v)].to(v.device) if id(v) in live else v.detach() for k, v in current.items()
+            }
             if snap["optimizer"] is not None:
                 checkpoint["optimizer_states"] = [snap["optimizer"]]
                 checkpoint["lr_schedulers"] = snap["schedulers"]
@@ -390,7 +409,9 @@ class AsyncParameterServerStrategy(AtomicCheckpoints, ParallelStrategy):
         checkpoint that needs more raises :class:`~lightning_sync.sync.safe_load.UntrustedCheckpointError`."""
         checkpoint = guarded_load(
             lambda wo: super(AsyncParameterServerStrategy, self).load_checkpoint(checkpoint_path, wo),
-            checkpoint_path, weights_only)
+            checkpoint_path,
+            weights_only,
+        )
         self._pending_state = checkpoint.get(_CKPT_KEY)
         return checkpoint
 
@@ -420,11 +441,14 @@ class AsyncParameterServerStrategy(AtomicCheckpoints, ParallelStrategy):
         trainer = self.lightning_module.trainer
         counts = self.staleness_histogram
         if self.global_rank == 0 and counts:
-            rank_zero_info(f"{type(self).__name__}: staleness of the {sum(counts.values())} applied gradients: "
-                           + ", ".join(f"{k}: {v}" for k, v in sorted(counts.items())))
+            rank_zero_info(
+                f"{type(self).__name__}: staleness of the {sum(counts.values())} applied gradients: "
+                + ", ".join(f"{k}: {v}" for k, v in sorted(counts.items()))
+            )
             for logger in trainer.loggers:
-                logger.log_metrics({f"ps/staleness_count/{k}": float(v) for k, v in sorted(counts.items())},
-                                   step=trainer.global_step)
+                logger.log_metrics(
+                    {f"ps/staleness_count/{k}": float(v) for k, v in sorted(counts.items())}, step=trainer.global_step
+                )
                 experiment = getattr(logger, "experiment", None)
                 if hasattr(experiment, "add_histogram"):
                     values = torch.tensor([k for k, v in counts.items() for _ in range(v)], dtype=torch.float32)
@@ -462,6 +486,9 @@ class AsyncParameterServerStrategy(AtomicCheckpoints, ParallelStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register("async_ps", cls, description="asynchronous parameter server with bounded "
-                                   "staleness over RPC (lightning_sync)", override=True)
-
+        strategy_registry.register(
+            "async_ps",
+            cls,
+            description="asynchronous parameter server with bounded staleness over RPC (lightning_sync)",
+            override=True,
+        )

@@ -38,6 +38,7 @@ from typing_extensions import override
 
 from lightning_sync import comms
 from lightning_sync.comms.algorithms import ALGORITHMS, release_node_groups
+from lightning_sync.resume import RANK_STATES
 from lightning_sync.strategies._common import (
     CommsCollectivesMixin,
     as_timedelta,
@@ -48,7 +49,6 @@ from lightning_sync.strategies._common import (
 from lightning_sync.sync.bucketing import GradBucketer, check_mib
 from lightning_sync.sync.communicator import ProcessGroupCommunicator
 from lightning_sync.sync.compression import COMPRESSIONS, make_compressor
-from lightning_sync.resume import RANK_STATES
 from lightning_sync.sync.safe_load import guarded_load
 
 __all__ = ["BucketedDDPStrategy"]
@@ -77,29 +77,48 @@ class BucketedDDPStrategy(CommsCollectivesMixin, DDPStrategy):
 
     strategy_name = "bucketed_ddp"
 
-    def __init__(self, bucket_cap_mb: float = 25.0, first_bucket_mb: float = 1.0,
-                 gradient_as_bucket_view: bool = True, find_unused_parameters: bool = False,
-                 compression: str | None = None, powersgd_rank: int = 2, powersgd_warmup_steps: int = 10,
-                 broadcast_buffers: bool = True, comm_algorithm: str = "backend", process_group_backend: str | None = None,
-                 timeout: float | timedelta = 1800.0, start_method: str = "popen", **kwargs: Any) -> None:
+    def __init__(
+        self,
+        bucket_cap_mb: float = 25.0,
+        first_bucket_mb: float = 1.0,
+        gradient_as_bucket_view: bool = True,
+        find_unused_parameters: bool = False,
+        compression: str | None = None,
+        powersgd_rank: int = 2,
+        powersgd_warmup_steps: int = 10,
+        broadcast_buffers: bool = True,
+        comm_algorithm: str = "backend",
+        process_group_backend: str | None = None,
+        timeout: float | timedelta = 1800.0,
+        start_method: str = "popen",
+        **kwargs: Any,
+    ) -> None:
         check_mib("bucket_cap_mb", bucket_cap_mb)
         check_mib("first_bucket_mb", first_bucket_mb)
-        for name, value, low in (("powersgd_rank", powersgd_rank, 1),
-                                 ("powersgd_warmup_steps", powersgd_warmup_steps, 0)):
+        for name, value, low in (
+            ("powersgd_rank", powersgd_rank, 1),
+            ("powersgd_warmup_steps", powersgd_warmup_steps, 0),
+        ):
             if not isinstance(value, int) or isinstance(value, bool) or value < low:  # checked even if unused
                 raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
         if compression not in (None, "none", *COMPRESSIONS):
             raise ValueError(f"unknown compression {compression!r}; allowed: {[None, *COMPRESSIONS]}")
-        for name, flag in (("gradient_as_bucket_view", gradient_as_bucket_view),
-                           ("find_unused_parameters", find_unused_parameters),
-                           ("broadcast_buffers", broadcast_buffers)):
+        for name, flag in (
+            ("gradient_as_bucket_view", gradient_as_bucket_view),
+            ("find_unused_parameters", find_unused_parameters),
+            ("broadcast_buffers", broadcast_buffers),
+        ):
             check_bool(name, flag)
         if not isinstance(comm_algorithm, str) or comm_algorithm not in ALGORITHMS:
             raise ValueError(f"unknown comm_algorithm {comm_algorithm!r}; allowed: {sorted(ALGORITHMS)}")
         check_launch_args(type(self).__name__, process_group_backend, start_method, kwargs)
         self._compressor = make_compressor(compression, powersgd_rank, powersgd_warmup_steps)  # validates
-        super().__init__(process_group_backend=process_group_backend, timeout=as_timedelta(timeout),
-                         start_method=start_method, **kwargs)
+        super().__init__(
+            process_group_backend=process_group_backend,
+            timeout=as_timedelta(timeout),
+            start_method=start_method,
+            **kwargs,
+        )
         self.bucket_cap_mb, self.first_bucket_mb = bucket_cap_mb, first_bucket_mb
         self.gradient_as_bucket_view, self.find_unused_parameters = gradient_as_bucket_view, find_unused_parameters
         self.compression, self.broadcast_buffers, self.comm_algorithm = compression, broadcast_buffers, comm_algorithm
@@ -119,14 +138,23 @@ class BucketedDDPStrategy(CommsCollectivesMixin, DDPStrategy):
         assert model is not None
         self._broadcast_module_states(model)
         comm = ProcessGroupCommunicator(algorithm=self.comm_algorithm, ranks_per_node=self.num_processes)
-        self.bucketer = GradBucketer(model.named_parameters(), comm, self.bucket_cap_mb, self.first_bucket_mb,
-                                     self.gradient_as_bucket_view, self.find_unused_parameters, self._compressor)
+        self.bucketer = GradBucketer(
+            model.named_parameters(),
+            comm,
+            self.bucket_cap_mb,
+            self.first_bucket_mb,
+            self.gradient_as_bucket_view,
+            self.find_unused_parameters,
+            self._compressor,
+        )
         if self._pending_state is not None:
             self.bucketer.load_state_dict(self._pending_state)
             self._pending_state = None
-        rank_zero_info(f"{type(self).__name__}: {len(self.bucketer.params)} parameters in "
-                       f"{len(self.bucketer.buckets)} buckets (cap {self.bucket_cap_mb} MiB, first "
-                       f"{self.first_bucket_mb} MiB), compression={self.compression}, all-reduce: {self.comm_algorithm}")
+        rank_zero_info(
+            f"{type(self).__name__}: {len(self.bucketer.params)} parameters in "
+            f"{len(self.bucketer.buckets)} buckets (cap {self.bucket_cap_mb} MiB, first "
+            f"{self.first_bucket_mb} MiB), compression={self.compression}, all-reduce: {self.comm_algorithm}"
+        )
 
     @staticmethod
     def _broadcast_module_states(model: torch.nn.Module) -> None:
@@ -192,8 +220,11 @@ class BucketedDDPStrategy(CommsCollectivesMixin, DDPStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Weights-only unless ``weights_only=False`` (``trainer.fit(..., weights_only=False)``); a
         checkpoint that needs more raises :class:`~lightning_sync.sync.safe_load.UntrustedCheckpointError`."""
-        checkpoint = guarded_load(lambda wo: super(BucketedDDPStrategy, self).load_checkpoint(checkpoint_path, wo),
-                                  checkpoint_path, weights_only)
+        checkpoint = guarded_load(
+            lambda wo: super(BucketedDDPStrategy, self).load_checkpoint(checkpoint_path, wo),
+            checkpoint_path,
+            weights_only,
+        )
         mine = self._take_rank_state(checkpoint)
         if mine is not None:
             state = mine.get("bucketer")
@@ -212,14 +243,25 @@ class BucketedDDPStrategy(CommsCollectivesMixin, DDPStrategy):
         first = states[0].get("bucketer") if states else None
         if first is None:
             return None
-        rank_zero_info(f"{type(self).__name__}: checkpoint has compressor state for {len(states)} ranks, "
-                       f"this run has {self.world_size}; starting compression state afresh")
+        rank_zero_info(
+            f"{type(self).__name__}: checkpoint has compressor state for {len(states)} ranks, "
+            f"this run has {self.world_size}; starting compression state afresh"
+        )
         return {"step": first.get("step", 0), "ready_order": first.get("ready_order", [])}
 
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register("bucketed_ddp", cls, description="explicit bucketed, overlapped gradient "
-                                   "all-reduce (lightning_sync)", override=True)
-        strategy_registry.register("bucketed_ddp_spawn", cls, description="bucketed_ddp, processes started "
-                                   "with multiprocessing spawn", start_method="spawn", override=True)
+        strategy_registry.register(
+            "bucketed_ddp",
+            cls,
+            description="explicit bucketed, overlapped gradient all-reduce (lightning_sync)",
+            override=True,
+        )
+        strategy_registry.register(
+            "bucketed_ddp_spawn",
+            cls,
+            description="bucketed_ddp, processes started with multiprocessing spawn",
+            start_method="spawn",
+            override=True,
+        )

@@ -53,8 +53,14 @@ class DiLoCoStrategy(LocalSGDStrategy):
     strategy_name = "diloco"
     _ckpt_key = "lightning_sync/diloco"
 
-    def __init__(self, sync_every: int = 500, outer_lr: float = 0.7, outer_momentum: float = 0.9,
-                 nesterov: bool = True, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        sync_every: int = 500,
+        outer_lr: float = 0.7,
+        outer_momentum: float = 0.9,
+        nesterov: bool = True,
+        **kwargs: Any,
+    ) -> None:
         check_outer(outer_lr, outer_momentum, nesterov)
         unsupported = sorted({"warmup_steps", "average_optimizer_state"} & set(kwargs))
         if unsupported:
@@ -68,8 +74,14 @@ class DiLoCoStrategy(LocalSGDStrategy):
 
     @override
     def _make_syncer(self) -> DiLoCoOuter:
-        return DiLoCoOuter(self._trainable(), ProcessGroupCommunicator(), self.sync_every, self.outer_lr,
-                           self.outer_momentum, self.nesterov)
+        return DiLoCoOuter(
+            self._trainable(),
+            ProcessGroupCommunicator(),
+            self.sync_every,
+            self.outer_lr,
+            self.outer_momentum,
+            self.nesterov,
+        )
 
     @override
     def _local_step(self) -> bool:
@@ -104,6 +116,10 @@ class DiLoCoStrategy(LocalSGDStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register("diloco", cls, description="DiLoCo: local inner steps, outer Nesterov step on "
-                                   "the averaged pseudo-gradient every sync_every steps (lightning_sync)",
-                                   override=True)
+        strategy_registry.register(
+            "diloco",
+            cls,
+            description="DiLoCo: local inner steps, outer Nesterov step on "
+            "the averaged pseudo-gradient every sync_every steps (lightning_sync)",
+            override=True,
+        )

@@ -106,25 +106,37 @@ class HogwildStrategy(CommsCollectivesMixin, DDPStrategy):
     strategy_name = "hogwild"
     _per_rank_optimizer_state = True  # every rank steps an optimizer of its own
 
-    def __init__(self, num_processes: int | None = None, oversubscribe: bool = False, start_method: str = "fork",
-                 timeout: float | timedelta = 1800.0, **kwargs: Any) -> None:
-        if num_processes is not None and (isinstance(num_processes, bool) or not isinstance(num_processes, int)
-                                          or num_processes < 1):
+    def __init__(
+        self,
+        num_processes: int | None = None,
+        oversubscribe: bool = False,
+        start_method: str = "fork",
+        timeout: float | timedelta = 1800.0,
+        **kwargs: Any,
+    ) -> None:
+        if num_processes is not None and (
+            isinstance(num_processes, bool) or not isinstance(num_processes, int) or num_processes < 1
+        ):
             raise ValueError(f"num_processes must be None or an int >= 1, got {num_processes!r}")
         check_bool("oversubscribe", oversubscribe)
         cpus = os.cpu_count() or 1
         if num_processes is not None and num_processes > cpus and not oversubscribe:
-            raise ValueError(f"num_processes={num_processes!r} is more than this machine's {cpus} CPUs (allowed: 1 to "
-                             f"{cpus}); lock-free updates then compete for cores. Pass oversubscribe=True to run "
-                             f"it anyway")
+            raise ValueError(
+                f"num_processes={num_processes!r} is more than this machine's {cpus} CPUs (allowed: 1 to "
+                f"{cpus}); lock-free updates then compete for cores. Pass oversubscribe=True to run "
+                f"it anyway"
+            )
         if start_method not in _START_METHODS:
-            raise ValueError(f"start_method must be one of {list(_START_METHODS)} (processes must share this "
-                             f"process's memory), got {start_method!r}")
+            raise ValueError(
+                f"start_method must be one of {list(_START_METHODS)} (processes must share this "
+                f"process's memory), got {start_method!r}"
+            )
         check_launch_args(type(self).__name__, None, start_method, kwargs)
         if num_processes is not None:
             kwargs["parallel_devices"] = [torch.device("cpu")] * num_processes
-        super().__init__(process_group_backend="gloo", timeout=as_timedelta(timeout), start_method=start_method,
-                         **kwargs)
+        super().__init__(
+            process_group_backend="gloo", timeout=as_timedelta(timeout), start_method=start_method, **kwargs
+        )
         self.num_processes_requested, self.oversubscribe = num_processes, oversubscribe
 
     @property
@@ -139,28 +151,40 @@ class HogwildStrategy(CommsCollectivesMixin, DDPStrategy):
     @override
     def setup_environment(self) -> None:
         if not isinstance(self.accelerator, CPUAccelerator) or self.root_device.type != "cpu":
-            raise ValueError(f"{type(self).__name__} runs on CPU (shared host memory), got "
-                             f"{type(self.accelerator).__name__} on {self.root_device}; use accelerator='cpu'")
+            raise ValueError(
+                f"{type(self).__name__} runs on CPU (shared host memory), got "
+                f"{type(self.accelerator).__name__} on {self.root_device}; use accelerator='cpu'"
+            )
         if self.num_nodes != 1:
-            raise ValueError(f"{type(self).__name__} shares memory, so it runs on one node, "
-                             f"got num_nodes={self.num_nodes}")
+            raise ValueError(
+                f"{type(self).__name__} shares memory, so it runs on one node, got num_nodes={self.num_nodes}"
+            )
         cpus = os.cpu_count() or 1
         if self.num_processes > cpus and not self.oversubscribe:
-            raise ValueError(f"{self.num_processes} processes (devices) is more than this machine's {cpus} CPUs; pass "
-                             f"oversubscribe=True to run it anyway")
+            raise ValueError(
+                f"{self.num_processes} processes (devices) is more than this machine's {cpus} CPUs; pass "
+                f"oversubscribe=True to run it anyway"
+            )
         super().setup_environment()
 
     @override
     def configure_ddp(self) -> None:
         """No wrapper and no broadcast: every process already holds the same (shared) tensors."""
         assert self.model is not None
-        private = [n for n, t in [*self.model.named_parameters(), *self.model.named_buffers()]
-                   if t.numel() and not t.is_shared()]
+        private = [
+            n
+            for n, t in [*self.model.named_parameters(), *self.model.named_buffers()]
+            if t.numel() and not t.is_shared()
+        ]
         if private:
-            raise RuntimeError(f"{type(self).__name__}: {private[:3]} are not in shared memory; the module must come "
-                               f"through the strategy's launcher (trainer.fit), not be created inside a rank")
-        rank_zero_info(f"{type(self).__name__}: {self.num_processes} processes share "
-                       f"{sum(p.numel() for p in self.model.parameters())} parameters, lock-free")
+            raise RuntimeError(
+                f"{type(self).__name__}: {private[:3]} are not in shared memory; the module must come "
+                f"through the strategy's launcher (trainer.fit), not be created inside a rank"
+            )
+        rank_zero_info(
+            f"{type(self).__name__}: {self.num_processes} processes share "
+            f"{sum(p.numel() for p in self.model.parameters())} parameters, lock-free"
+        )
 
     @contextmanager
     @override
@@ -194,8 +218,10 @@ class HogwildStrategy(CommsCollectivesMixin, DDPStrategy):
         if not torch.distributed.is_initialized():
             return super().lightning_module_state_dict()
         self.barrier()
-        state = {k: v.detach().clone() if isinstance(v, torch.Tensor) else v
-                 for k, v in super().lightning_module_state_dict().items()}
+        state = {
+            k: v.detach().clone() if isinstance(v, torch.Tensor) else v
+            for k, v in super().lightning_module_state_dict().items()
+        }
         self.barrier()
         return state
 
@@ -208,8 +234,9 @@ class HogwildStrategy(CommsCollectivesMixin, DDPStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Weights-only unless ``weights_only=False`` (``trainer.fit(..., weights_only=False)``); a
         checkpoint that needs more raises :class:`~lightning_sync.sync.safe_load.UntrustedCheckpointError`."""
-        checkpoint = guarded_load(lambda wo: super(HogwildStrategy, self).load_checkpoint(checkpoint_path, wo),
-                                  checkpoint_path, weights_only)
+        checkpoint = guarded_load(
+            lambda wo: super(HogwildStrategy, self).load_checkpoint(checkpoint_path, wo), checkpoint_path, weights_only
+        )
         self._take_rank_state(checkpoint)
         return checkpoint
 
@@ -222,5 +249,9 @@ class HogwildStrategy(CommsCollectivesMixin, DDPStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register("hogwild", cls, description="Hogwild!: processes update one shared-memory model "
-                                   "without locks (lightning_sync)", override=True)
+        strategy_registry.register(
+            "hogwild",
+            cls,
+            description="Hogwild!: processes update one shared-memory model without locks (lightning_sync)",
+            override=True,
+        )

@@ -75,8 +75,9 @@ class LocalSGDStrategy(BucketedDDPStrategy):
     strategy_name = "local_sgd"
     _per_rank_optimizer_state = True  # every rank steps an optimizer of its own
 
-    def __init__(self, sync_every: int = 8, warmup_steps: int = 0, average_optimizer_state: bool = False,
-                 **kwargs: Any) -> None:
+    def __init__(
+        self, sync_every: int = 8, warmup_steps: int = 0, average_optimizer_state: bool = False, **kwargs: Any
+    ) -> None:
         self.sync_every = check_int("sync_every", sync_every, 1)
         self.warmup_steps = check_int("warmup_steps", warmup_steps, 0)
         self.average_optimizer_state = check_bool("average_optimizer_state", average_optimizer_state)
@@ -103,9 +104,14 @@ class LocalSGDStrategy(BucketedDDPStrategy):
             self._pending_averager = None
 
     def _make_syncer(self) -> Any:
-        return PeriodicAverager(self._averaged_tensors(), ProcessGroupCommunicator(), self.sync_every,
-                                self.warmup_steps, self.optimizers[0] if self.optimizers else None,
-                                self.average_optimizer_state)
+        return PeriodicAverager(
+            self._averaged_tensors(),
+            ProcessGroupCommunicator(),
+            self.sync_every,
+            self.warmup_steps,
+            self.optimizers[0] if self.optimizers else None,
+            self.average_optimizer_state,
+        )
 
     # ------------------------------------------------------------------ training
     @override
@@ -202,8 +208,10 @@ class LocalSGDStrategy(BucketedDDPStrategy):
         model to export; after a fit that ended inside a period each rank's module is its own replica. A
         collective while the replicas differ: every rank must call it. Raises ``RuntimeError`` before setup."""
         if self.lightning_module is None:
-            raise RuntimeError(f"{type(self).__name__}.full_state_dict() was called before the strategy was set up: "
-                               f"call it during or after trainer.fit, validate or test")
+            raise RuntimeError(
+                f"{type(self).__name__}.full_state_dict() was called before the strategy was set up: "
+                f"call it during or after trainer.fit, validate or test"
+            )
         state = self.lightning_module_state_dict()
         return {k: v.detach().clone() for k, v in state.items()} if self.global_rank == 0 else {}
 
@@ -244,9 +252,11 @@ class LocalSGDStrategy(BucketedDDPStrategy):
         self._own_pending = mine if mine is not None and "replica" in mine else None
         states = checkpoint.get(RANK_STATES) or []
         if mine is None and any("replica" in s for s in states):
-            rank_zero_info(f"{type(self).__name__}: the checkpoint holds the replicas of {len(states)} ranks, this "
-                           f"run has {self.world_size}: every replica starts from the saved synchronized model with "
-                           f"rank 0's optimizer state; the period's counters continue")
+            rank_zero_info(
+                f"{type(self).__name__}: the checkpoint holds the replicas of {len(states)} ranks, this "
+                f"run has {self.world_size}: every replica starts from the saved synchronized model with "
+                f"rank 0's optimizer state; the period's counters continue"
+            )
         return mine
 
     @override
@@ -262,8 +272,10 @@ class LocalSGDStrategy(BucketedDDPStrategy):
         live = self.lightning_module.state_dict(keep_vars=True)
         unknown = sorted(set(own["replica"]) - set(live))
         if unknown:
-            raise ValueError(f"the checkpoint's replica of rank {self.global_rank} holds {unknown[:3]}, which this "
-                             f"model does not have")
+            raise ValueError(
+                f"the checkpoint's replica of rank {self.global_rank} holds {unknown[:3]}, which this "
+                f"model does not have"
+            )
         with torch.no_grad():
             for key, value in own["replica"].items():
                 live[key].copy_(value)
@@ -282,5 +294,9 @@ class LocalSGDStrategy(BucketedDDPStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register("local_sgd", cls, description="LocalSGD: local steps, parameters averaged every "
-                                   "sync_every steps (lightning_sync)", override=True)
+        strategy_registry.register(
+            "local_sgd",
+            cls,
+            description="LocalSGD: local steps, parameters averaged every sync_every steps (lightning_sync)",
+            override=True,
+        )

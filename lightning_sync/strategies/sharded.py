@@ -107,10 +107,20 @@ class ShardedStrategy(CommsCollectivesMixin, DDPStrategy):
 
     strategy_name = "sharded"
 
-    def __init__(self, stage: int = 3, wrap_policy: Any = None, prefetch: bool = True,
-                 reshard_after_forward: bool = True, param_dtype: Any = None, reduce_dtype: Any = None,
-                 bucket_cap_mb: float = 25.0, process_group_backend: str | None = None,
-                 timeout: float | timedelta = 1800.0, start_method: str = "popen", **kwargs: Any) -> None:
+    def __init__(
+        self,
+        stage: int = 3,
+        wrap_policy: Any = None,
+        prefetch: bool = True,
+        reshard_after_forward: bool = True,
+        param_dtype: Any = None,
+        reduce_dtype: Any = None,
+        bucket_cap_mb: float = 25.0,
+        process_group_backend: str | None = None,
+        timeout: float | timedelta = 1800.0,
+        start_method: str = "popen",
+        **kwargs: Any,
+    ) -> None:
         check_stage(stage)
         check_mib("bucket_cap_mb", bucket_cap_mb)
         for name, value in (("prefetch", prefetch), ("reshard_after_forward", reshard_after_forward)):
@@ -119,8 +129,12 @@ class ShardedStrategy(CommsCollectivesMixin, DDPStrategy):
         self.param_dtype = resolve_dtype(param_dtype, "param_dtype")
         self.reduce_dtype = resolve_dtype(reduce_dtype, "reduce_dtype")
         check_launch_args(type(self).__name__, process_group_backend, start_method, kwargs)
-        super().__init__(process_group_backend=process_group_backend, timeout=as_timedelta(timeout),
-                         start_method=start_method, **kwargs)
+        super().__init__(
+            process_group_backend=process_group_backend,
+            timeout=as_timedelta(timeout),
+            start_method=start_method,
+            **kwargs,
+        )
         self.stage, self.wrap_policy, self.prefetch = stage, wrap_policy, prefetch
         self.reshard_after_forward, self.bucket_cap_mb = reshard_after_forward, bucket_cap_mb
         self.engine: ZeroEngine | None = None
@@ -154,8 +168,10 @@ class ShardedStrategy(CommsCollectivesMixin, DDPStrategy):
         if getattr(self.precision_plugin, "scaler", None) is not None:
             # a GradScaler decides per rank whether to skip a step, from this rank's shard only: ranks
             # would disagree, and the ones that step would wait in the all-gather for the ones that skipped
-            raise ValueError(f"{type(self).__name__} does not support fp16 loss scaling (precision='16-mixed'); "
-                             f"use precision='bf16-mixed', or param_dtype='bf16' with the default precision")
+            raise ValueError(
+                f"{type(self).__name__} does not support fp16 loss scaling (precision='16-mixed'); "
+                f"use precision='bf16-mixed', or param_dtype='bf16' with the default precision"
+            )
         super().setup(trainer)
         if trainer.state.fn != TrainerFn.FITTING:  # evaluation: shard the parameters, no optimizer
             self._build_engine(None)
@@ -165,22 +181,33 @@ class ShardedStrategy(CommsCollectivesMixin, DDPStrategy):
     def setup_optimizers(self, trainer: Any) -> None:
         super().setup_optimizers(trainer)
         if len(self.optimizers) > 1:
-            raise ValueError(f"{type(self).__name__} shards one optimizer; configure_optimizers returned "
-                             f"{len(self.optimizers)}")
+            raise ValueError(
+                f"{type(self).__name__} shards one optimizer; configure_optimizers returned {len(self.optimizers)}"
+            )
         self._build_engine(self.optimizers[0] if self.optimizers else None)
 
     def _build_engine(self, optimizer: torch.optim.Optimizer | None) -> None:
         assert self.model is not None
         if self.engine is not None:
             self.engine.unshard()
-        self.engine = ZeroEngine(self.model, optimizer, ProcessGroupCommunicator(), stage=self.stage,
-                                 wrap_policy=self.wrap_policy, prefetch=self.prefetch,
-                                 reshard_after_forward=self.reshard_after_forward, param_dtype=self.param_dtype,
-                                 reduce_dtype=self.reduce_dtype, bucket_cap_mb=self.bucket_cap_mb)
+        self.engine = ZeroEngine(
+            self.model,
+            optimizer,
+            ProcessGroupCommunicator(),
+            stage=self.stage,
+            wrap_policy=self.wrap_policy,
+            prefetch=self.prefetch,
+            reshard_after_forward=self.reshard_after_forward,
+            param_dtype=self.param_dtype,
+            reduce_dtype=self.reduce_dtype,
+            bucket_cap_mb=self.bucket_cap_mb,
+        )
         units = [u for u in self.engine.units if u.numel]
-        rank_zero_info(f"{type(self).__name__}: ZeRO stage {self.stage}, {sum(u.numel for u in units)} trainable "
-                       f"parameters in {len(units)} {'units' if self.stage == 3 else 'buckets'} "
-                       f"(largest {self.engine.largest_unit_numel}), {self.world_size} shards")
+        rank_zero_info(
+            f"{type(self).__name__}: ZeRO stage {self.stage}, {sum(u.numel for u in units)} trainable "
+            f"parameters in {len(units)} {'units' if self.stage == 3 else 'buckets'} "
+            f"(largest {self.engine.largest_unit_numel}), {self.world_size} shards"
+        )
 
     def _route_clipping(self) -> None:
         """Norm clipping must see the global norm of all shards, not this rank's."""
@@ -252,8 +279,10 @@ class ShardedStrategy(CommsCollectivesMixin, DDPStrategy):
             return state if self.global_rank == 0 else {}
         module = self.lightning_module
         if module is None or not self._unsharded:
-            raise RuntimeError(f"{type(self).__name__}.full_state_dict() was called before the strategy was set up: "
-                               f"call it during or after trainer.fit, validate or test")
+            raise RuntimeError(
+                f"{type(self).__name__}.full_state_dict() was called before the strategy was set up: "
+                f"call it during or after trainer.fit, validate or test"
+            )
         return {k: v.detach().clone() for k, v in module.state_dict().items()} if self.global_rank == 0 else {}
 
     # ------------------------------------------------------------------ checkpoints
@@ -279,16 +308,20 @@ class ShardedStrategy(CommsCollectivesMixin, DDPStrategy):
         for optimizer, state in zip(self.optimizers, states):
             groups = state.get("param_groups", [])
             if len(groups) != len(optimizer.param_groups):
-                raise ValueError(f"checkpoint has {len(groups)} optimizer param groups, this optimizer has "
-                                 f"{len(optimizer.param_groups)}")
+                raise ValueError(
+                    f"checkpoint has {len(groups)} optimizer param groups, this optimizer has "
+                    f"{len(optimizer.param_groups)}"
+                )
             for group, saved in zip(optimizer.param_groups, groups):
                 group.update(saved)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         if storage_options is not None:
-            raise TypeError(f"{type(self).__name__}.save_checkpoint does not take storage_options (it writes "
-                            f"a sharded directory through torch.distributed.checkpoint)")
+            raise TypeError(
+                f"{type(self).__name__}.save_checkpoint does not take storage_options (it writes "
+                f"a sharded directory through torch.distributed.checkpoint)"
+            )
         self._save_rank_states(checkpoint)
         if self.engine is None:  # after fit (teardown unsharded the module): a plain full checkpoint file
             super().save_checkpoint(checkpoint, filepath)
@@ -315,14 +348,18 @@ class ShardedStrategy(CommsCollectivesMixin, DDPStrategy):
         checkpoint that needs more raises :class:`~lightning_sync.sync.safe_load.UntrustedCheckpointError`."""
         path = Path(self.broadcast(str(checkpoint_path)))
         if self.engine is None:  # Lightning loads a sharded checkpoint after setup (restore_checkpoint_after_setup)
-            raise RuntimeError(f"{type(self).__name__}.load_checkpoint reads into the sharding engine, which "
-                               f"exists once the strategy is set up (Trainer.fit/validate/test); {path} was not read")
+            raise RuntimeError(
+                f"{type(self).__name__}.load_checkpoint reads into the sharding engine, which "
+                f"exists once the strategy is set up (Trainer.fit/validate/test); {path} was not read"
+            )
         recover_path(path)  # a save killed while it replaced this directory left the old one aside
         if path.is_dir():
             read_meta(path)  # clear error if it is not ours
             if not (path / COMPLETE_MARKER).is_file():
-                raise ValueError(f"{path} is an incomplete sharded checkpoint (no {COMPLETE_MARKER}): its save "
-                                 f"was interrupted; resume from an earlier one")
+                raise ValueError(
+                    f"{path} is an incomplete sharded checkpoint (no {COMPLETE_MARKER}): its save "
+                    f"was interrupted; resume from an earlier one"
+                )
             # the shards first: their .metadata is checked (no reads outside, nothing unrestricted) before
             # anything in the directory is unpickled
             self.engine.load_sharded(path, weights_only)
@@ -333,8 +370,10 @@ class ShardedStrategy(CommsCollectivesMixin, DDPStrategy):
         self._take_rank_state(checkpoint)
         self.engine.load_full_state_dict(checkpoint["state_dict"])
         if checkpoint.get("optimizer_states"):
-            rank_zero_warn(f"{path} is a full (unsharded) checkpoint: its weights were loaded and sharded; its "
-                           f"optimizer state is not, training resumes with a fresh optimizer state")
+            rank_zero_warn(
+                f"{path} is a full (unsharded) checkpoint: its weights were loaded and sharded; its "
+                f"optimizer state is not, training resumes with a fresh optimizer state"
+            )
             checkpoint["optimizer_states"] = [self.optimizer_state(o) for o in self.optimizers]
         return checkpoint
 
@@ -348,5 +387,10 @@ class ShardedStrategy(CommsCollectivesMixin, DDPStrategy):
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         for stage in ZERO_STAGES:
-            strategy_registry.register(f"zero{stage}", cls, description=f"ZeRO stage {stage} with explicit "
-                                       f"all-gather/reduce-scatter (lightning_sync)", stage=stage, override=True)
+            strategy_registry.register(
+                f"zero{stage}",
+                cls,
+                description=f"ZeRO stage {stage} with explicit all-gather/reduce-scatter (lightning_sync)",
+                stage=stage,
+                override=True,
+            )

@@ -58,8 +58,9 @@ def check_mib(name: str, value: Any) -> float:
     return value
 
 
-def plan_buckets(sizes: list[int], keys: list[Any], order: Iterable[int], cap_bytes: int,
-                 first_cap_bytes: int) -> list[list[int]]:
+def plan_buckets(
+    sizes: list[int], keys: list[Any], order: Iterable[int], cap_bytes: int, first_cap_bytes: int
+) -> list[list[int]]:
     """Greedy bucket plan (torch DDP's ``_compute_bucket_assignment_by_size``).
 
     Walk ``order``; each (dtype, device) ``key`` has one open bucket; a bucket closes once it holds
@@ -149,9 +150,16 @@ class GradBucketer(SyncSwitch):
         compressor: how a bucket is reduced (``None``: plain average); see ``sync.compression``.
     """
 
-    def __init__(self, named_params: Iterable[tuple[str, nn.Parameter]], comm: Communicator,
-                 bucket_cap_mb: float = 25.0, first_bucket_mb: float = 1.0, gradient_as_bucket_view: bool = True,
-                 find_unused_parameters: bool = False, compressor: Any | None = None) -> None:
+    def __init__(
+        self,
+        named_params: Iterable[tuple[str, nn.Parameter]],
+        comm: Communicator,
+        bucket_cap_mb: float = 25.0,
+        first_bucket_mb: float = 1.0,
+        gradient_as_bucket_view: bool = True,
+        find_unused_parameters: bool = False,
+        compressor: Any | None = None,
+    ) -> None:
         check_mib("bucket_cap_mb", bucket_cap_mb)
         check_mib("first_bucket_mb", first_bucket_mb)
         seen: set[int] = set()

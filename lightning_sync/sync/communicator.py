@@ -43,8 +43,9 @@ class Communicator(Protocol):
 
     def all_gather_into(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> Any: ...
 
-    def reduce_scatter_into(self, output: torch.Tensor, input: torch.Tensor, op: str = "sum",
-                            async_op: bool = False, scratch: bool = False) -> Any: ...
+    def reduce_scatter_into(
+        self, output: torch.Tensor, input: torch.Tensor, op: str = "sum", async_op: bool = False, scratch: bool = False
+    ) -> Any: ...
 
 
 class ProcessGroupCommunicator:
@@ -58,8 +59,9 @@ class ProcessGroupCommunicator:
         ranks_per_node: the node layout for ``"hierarchical"`` (its sub-groups are built here, once).
     """
 
-    def __init__(self, group: dist.ProcessGroup | None = None, algorithm: str = "backend",
-                 ranks_per_node: int | None = None) -> None:
+    def __init__(
+        self, group: dist.ProcessGroup | None = None, algorithm: str = "backend", ranks_per_node: int | None = None
+    ) -> None:
         from lightning_sync.comms import algorithms
 
         if algorithm not in algorithms.ALGORITHMS:
@@ -104,10 +106,10 @@ class ProcessGroupCommunicator:
     def all_gather_into(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> Any:
         return comms.all_gather_into(output, input, group=self._group, async_op=async_op)
 
-    def reduce_scatter_into(self, output: torch.Tensor, input: torch.Tensor, op: str = "sum",
-                            async_op: bool = False, scratch: bool = False) -> Any:
-        return comms.reduce_scatter_into(output, input, op=op, group=self._group, async_op=async_op,
-                                         scratch=scratch)
+    def reduce_scatter_into(
+        self, output: torch.Tensor, input: torch.Tensor, op: str = "sum", async_op: bool = False, scratch: bool = False
+    ) -> Any:
+        return comms.reduce_scatter_into(output, input, op=op, group=self._group, async_op=async_op, scratch=scratch)
 
 
 class CompletedWork:
@@ -173,8 +175,9 @@ class LoopbackCommunicator:
         output.view(self._world, -1).copy_(input.reshape(1, -1))
         return CompletedWork(output) if async_op else output
 
-    def reduce_scatter_into(self, output: torch.Tensor, input: torch.Tensor, op: str = "sum",
-                            async_op: bool = False, scratch: bool = False) -> Any:
+    def reduce_scatter_into(
+        self, output: torch.Tensor, input: torch.Tensor, op: str = "sum", async_op: bool = False, scratch: bool = False
+    ) -> Any:
         """Every rank holds ``input``: this rank's chunk, times K for ``sum``, unchanged otherwise."""
         if op not in comms.REDUCE_OPS:
             raise ValueError(f"unknown reduce op {op!r}; allowed: {sorted(comms.REDUCE_OPS)}")

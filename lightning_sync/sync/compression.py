@@ -102,8 +102,15 @@ class PowerSGD:
         seed: seed of the initial Q (the same on every rank).
     """
 
-    def __init__(self, rank: int = 2, warmup_steps: int = 10, min_compression_rate: float = 2.0,
-                 error_feedback: bool = True, warm_start: bool = True, seed: int = 0) -> None:
+    def __init__(
+        self,
+        rank: int = 2,
+        warmup_steps: int = 10,
+        min_compression_rate: float = 2.0,
+        error_feedback: bool = True,
+        warm_start: bool = True,
+        seed: int = 0,
+    ) -> None:
         if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
             raise ValueError(f"PowerSGD rank must be an int >= 1, got {rank!r}")
         if not isinstance(warmup_steps, int) or warmup_steps < 0:
@@ -206,8 +213,10 @@ class PowerSGD:
         return total
 
     def state_dict(self) -> dict[str, Any]:
-        return {"q": {i: q.detach().cpu().clone() for i, q in self._q.items()},
-                "error": {i: e.detach().cpu().clone() for i, e in self._error.items()}}
+        return {
+            "q": {i: q.detach().cpu().clone() for i, q in self._q.items()},
+            "error": {i: e.detach().cpu().clone() for i, e in self._error.items()},
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Take a :meth:`state_dict` as it is (CPU tensors); each tensor moves to its gradient's device and

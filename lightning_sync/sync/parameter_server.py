@@ -143,9 +143,17 @@ class ParameterServer:
         lock: guards every read and write of the server's state.
     """
 
-    def __init__(self, params: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor],
-                 optimizer: torch.optim.Optimizer | None, num_workers: int, max_staleness: float,
-                 budget: int | None = None, lr_scaling: str = "linear", restoring: bool = False) -> None:
+    def __init__(
+        self,
+        params: Sequence[torch.Tensor],
+        buffers: Sequence[torch.Tensor],
+        optimizer: torch.optim.Optimizer | None,
+        num_workers: int,
+        max_staleness: float,
+        budget: int | None = None,
+        lr_scaling: str = "linear",
+        restoring: bool = False,
+    ) -> None:
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
             raise ValueError(f"num_workers must be an int >= 1, got {num_workers!r}")
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 0):
@@ -181,8 +189,10 @@ class ParameterServer:
 
     def _repoint(self, optimizer: torch.optim.Optimizer, live: Sequence[torch.Tensor]) -> None:
         if hasattr(optimizer, "_params"):
-            raise ValueError(f"{type(optimizer).__name__} keeps its own parameter list; the parameter server "
-                             f"needs an optimizer that reads param_groups (SGD, Adam, AdamW, ...)")
+            raise ValueError(
+                f"{type(optimizer).__name__} keeps its own parameter list; the parameter server "
+                f"needs an optimizer that reads param_groups (SGD, Adam, AdamW, ...)"
+            )
         if any(len(s) for s in optimizer.state.values()):
             raise ValueError("the optimizer already has state; build the ParameterServer before the first step")
         copies = {id(p): c for p, c in zip(live, self.params)}
@@ -207,8 +217,15 @@ class ParameterServer:
             self._read[worker] = self.version
             return self._reply()
 
-    def push(self, worker: int, read_version: int, grads: list[torch.Tensor], present: list[bool],
-             buffers: list[torch.Tensor], clip: tuple[str, float] | None = None) -> torch.futures.Future:
+    def push(
+        self,
+        worker: int,
+        read_version: int,
+        grads: list[torch.Tensor],
+        present: list[bool],
+        buffers: list[torch.Tensor],
+        clip: tuple[str, float] | None = None,
+    ) -> torch.futures.Future:
         """Queue a gradient computed on ``read_version``; the future completes with the :class:`Reply`
         once it has been applied (or discarded because the budget is spent)."""
         item = _Push(worker, read_version, grads, present, buffers, clip)
@@ -217,10 +234,14 @@ class ParameterServer:
             if self.optimizer is None:
                 raise RuntimeError("this ParameterServer has no optimizer (it only serves pulls)")
             if read_version != self._read[worker]:
-                raise ValueError(f"worker {worker} pushed a gradient of version {read_version}, but it last "
-                                 f"received version {self._read[worker]}")
+                raise ValueError(
+                    f"worker {worker} pushed a gradient of version {read_version}, but it last "
+                    f"received version {self._read[worker]}"
+                )
             if len(present) != len(self.params):
-                raise ValueError(f"worker {worker} sent {len(present)} presence flags for {len(self.params)} parameters")
+                raise ValueError(
+                    f"worker {worker} sent {len(present)} presence flags for {len(self.params)} parameters"
+                )
             self._pending.append(item)
             done = self._try_step()
         self._complete(done)
@@ -270,7 +291,8 @@ class ParameterServer:
         process died without a word never reports, hence the bound."""
         with self._changed:
             return self._changed.wait_for(
-                lambda: self._released or len(self._reported) == self.num_workers, timeout=timeout)
+                lambda: self._released or len(self._reported) == self.num_workers, timeout=timeout
+            )
 
     def _fail(self, error: str, also: Sequence[_Push] = ()) -> list[tuple[torch.futures.Future, Any]]:
         """Keep the first ``error``; every waiting request (and the pushes ``also`` taken off the queue)
@@ -301,8 +323,10 @@ class ParameterServer:
     def _blocked(self) -> bool:
         """Whether applying a step now would push some running worker's next gradient past the bound."""
         waiting = {p.worker for p in self._pending}
-        return any(not self._done[u] and u not in waiting and self.version + 1 - self._read[u] > self.max_staleness
-                   for u in range(self.num_workers))
+        return any(
+            not self._done[u] and u not in waiting and self.version + 1 - self._read[u] > self.max_staleness
+            for u in range(self.num_workers)
+        )
 
     def _try_step(self) -> list[tuple[torch.futures.Future, Any]]:
         if self._restoring or not self._pending:
@@ -328,8 +352,11 @@ class ParameterServer:
             self._step(take)
         except Exception as err:  # noqa: BLE001 - every worker must hear of it, or those waiting wait forever
             self._broken = True
-            return self._fail(f"parameter server: its update to version {target} failed, so training stopped: "
-                              f"{type(err).__name__}: {err}", also=take + dropped)
+            return self._fail(
+                f"parameter server: its update to version {target} failed, so training stopped: "
+                f"{type(err).__name__}: {err}",
+                also=take + dropped,
+            )
         self.discarded += len(dropped)
         reply = self._reply()
         out = [(p.future, reply) for p in take]
@@ -388,8 +415,16 @@ class ParameterServer:
 
     def _reply(self, applied: bool = True) -> Reply:
         lrs = [float(g["lr"]) for g in self.optimizer.param_groups] if self.optimizer is not None else []
-        return Reply(self.version, self.layout.flatten(self.params), self.buffer_layout.flatten(self.buffers), lrs,
-                     self.global_step, self.stopped, applied, dict(self.staleness))
+        return Reply(
+            self.version,
+            self.layout.flatten(self.params),
+            self.buffer_layout.flatten(self.buffers),
+            lrs,
+            self.global_step,
+            self.stopped,
+            applied,
+            dict(self.staleness),
+        )
 
     # ------------------------------------------------------------------ checkpoints
     def snapshot(self) -> dict[str, Any]:
@@ -397,17 +432,25 @@ class ParameterServer:
         with self.lock:
             if self._broken:
                 raise RuntimeError(f"the parameter server's state cannot be checkpointed: {self._error}")
-            return {"params": [p.detach().clone() for p in self.params],
-                    "buffers": [b.clone() for b in self.buffers],
-                    "optimizer": copy.deepcopy(self.optimizer.state_dict()) if self.optimizer is not None else None,
-                    "schedulers": [copy.deepcopy(s.state_dict()) for s in self.schedulers],
-                    "state": self.state_dict()}
+            return {
+                "params": [p.detach().clone() for p in self.params],
+                "buffers": [b.clone() for b in self.buffers],
+                "optimizer": copy.deepcopy(self.optimizer.state_dict()) if self.optimizer is not None else None,
+                "schedulers": [copy.deepcopy(s.state_dict()) for s in self.schedulers],
+                "state": self.state_dict(),
+            }
 
     def state_dict(self) -> dict[str, Any]:
         """Counters (version, pushes, global step, staleness histogram); call under the lock or when idle."""
-        return {"version": self.version, "pushes": self.pushes, "discarded": self.discarded,
-                "global_step": self.global_step, "staleness": dict(self.staleness),
-                "pushes_by_worker": list(self.pushes_by_worker), "num_workers": self.num_workers}
+        return {
+            "version": self.version,
+            "pushes": self.pushes,
+            "discarded": self.discarded,
+            "global_step": self.global_step,
+            "staleness": dict(self.staleness),
+            "pushes_by_worker": list(self.pushes_by_worker),
+            "num_workers": self.num_workers,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the counters of :meth:`state_dict` (the model and optimizer are restored separately).

@@ -44,8 +44,10 @@ def check_outer(outer_lr: Any, outer_momentum: Any, nesterov: Any) -> None:
     if isinstance(outer_momentum, bool) or not isinstance(outer_momentum, (int, float)) or not 0 <= outer_momentum < 1:
         raise ValueError(f"outer_momentum must be a number in [0, 1), got {outer_momentum!r}")
     if not isinstance(nesterov, bool) or (nesterov and outer_momentum == 0):
-        raise ValueError(f"nesterov must be True or False (True needs outer_momentum > 0), got {nesterov!r} "
-                         f"with outer_momentum={outer_momentum!r}")
+        raise ValueError(
+            f"nesterov must be True or False (True needs outer_momentum > 0), got {nesterov!r} "
+            f"with outer_momentum={outer_momentum!r}"
+        )
 
 
 def _distinct(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
@@ -87,8 +89,15 @@ class PeriodicAverager:
             (momentum, Adam's moments) at every sync.
     """
 
-    def __init__(self, params: Iterable[torch.Tensor], comm: Communicator, sync_every: int, warmup_steps: int = 0,
-                 optimizer: torch.optim.Optimizer | None = None, average_optimizer_state: bool = False) -> None:
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor],
+        comm: Communicator,
+        sync_every: int,
+        warmup_steps: int = 0,
+        optimizer: torch.optim.Optimizer | None = None,
+        average_optimizer_state: bool = False,
+    ) -> None:
         self.sync_every = check_int("sync_every", sync_every, 1)
         self.warmup_steps = check_int("warmup_steps", warmup_steps, 0)
         if average_optimizer_state and optimizer is None:
@@ -142,15 +151,23 @@ class DiLoCoOuter:
         nesterov: Nesterov momentum (needs ``outer_momentum > 0``).
     """
 
-    def __init__(self, params: Iterable[torch.Tensor], comm: Communicator, sync_every: int, outer_lr: float = 0.7,
-                 outer_momentum: float = 0.9, nesterov: bool = True) -> None:
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor],
+        comm: Communicator,
+        sync_every: int,
+        outer_lr: float = 0.7,
+        outer_momentum: float = 0.9,
+        nesterov: bool = True,
+    ) -> None:
         self.sync_every = check_int("sync_every", sync_every, 1)
         check_outer(outer_lr, outer_momentum, nesterov)
         self.params = _distinct(params)
         self.comm = comm
         self.global_params = [nn.Parameter(p.detach().clone()) for p in self.params]
-        self.outer_optimizer = torch.optim.SGD(self.global_params, lr=float(outer_lr), momentum=float(outer_momentum),
-                                               nesterov=bool(nesterov))
+        self.outer_optimizer = torch.optim.SGD(
+            self.global_params, lr=float(outer_lr), momentum=float(outer_momentum), nesterov=bool(nesterov)
+        )
         self.steps = 0
         self.syncs = 0
 
@@ -177,15 +194,20 @@ class DiLoCoOuter:
 
     def state_dict(self) -> dict[str, Any]:
         """Global parameters, outer optimizer state and counters (identical on every rank)."""
-        return {"steps": self.steps, "syncs": self.syncs,
-                "global_params": [g.detach().clone() for g in self.global_params],
-                "outer_optimizer": self.outer_optimizer.state_dict()}
+        return {
+            "steps": self.steps,
+            "syncs": self.syncs,
+            "global_params": [g.detach().clone() for g in self.global_params],
+            "outer_optimizer": self.outer_optimizer.state_dict(),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         saved = state["global_params"]
         if len(saved) != len(self.global_params) or any(s.shape != g.shape for s, g in zip(saved, self.global_params)):
-            raise ValueError(f"DiLoCo state holds {len(saved)} global parameters that do not match this model's "
-                             f"{len(self.global_params)}")
+            raise ValueError(
+                f"DiLoCo state holds {len(saved)} global parameters that do not match this model's "
+                f"{len(self.global_params)}"
+            )
         with torch.no_grad():
             for g, s in zip(self.global_params, saved):
                 g.copy_(s)

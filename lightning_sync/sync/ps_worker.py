@@ -42,8 +42,15 @@ class ServerLink(Protocol):
 
     def pull(self, worker: int) -> Reply: ...
 
-    def push(self, worker: int, read_version: int, grads: list[torch.Tensor], present: list[bool],
-             buffers: list[torch.Tensor], clip: tuple[str, float] | None) -> Reply: ...
+    def push(
+        self,
+        worker: int,
+        read_version: int,
+        grads: list[torch.Tensor],
+        present: list[bool],
+        buffers: list[torch.Tensor],
+        clip: tuple[str, float] | None,
+    ) -> Reply: ...
 
     def finish(self, worker: int) -> Reply: ...
 
@@ -61,8 +68,15 @@ class LocalLink:
     def pull(self, worker: int) -> Reply:
         return self.server.pull(worker)
 
-    def push(self, worker: int, read_version: int, grads: list[torch.Tensor], present: list[bool],
-             buffers: list[torch.Tensor], clip: tuple[str, float] | None) -> Reply:
+    def push(
+        self,
+        worker: int,
+        read_version: int,
+        grads: list[torch.Tensor],
+        present: list[bool],
+        buffers: list[torch.Tensor],
+        clip: tuple[str, float] | None,
+    ) -> Reply:
         return self.server.push(worker, read_version, grads, present, buffers, clip).wait()
 
     def finish(self, worker: int) -> Reply:
@@ -104,8 +118,14 @@ def _raising(future: torch.futures.Future) -> torch.futures.Future:
     return future.then(lambda done: done.wait())
 
 
-def _remote_push(worker: int, read_version: int, grads: list[torch.Tensor], present: list[bool],
-                 buffers: list[torch.Tensor], clip: tuple[str, float] | None) -> torch.futures.Future:
+def _remote_push(
+    worker: int,
+    read_version: int,
+    grads: list[torch.Tensor],
+    present: list[bool],
+    buffers: list[torch.Tensor],
+    clip: tuple[str, float] | None,
+) -> torch.futures.Future:
     return _raising(_hosted().push(worker, read_version, grads, present, buffers, clip))
 
 
@@ -143,8 +163,15 @@ class RpcLink:
 
         return rpc.rpc_call(self.server_rank, _remote_pull, worker)
 
-    def push(self, worker: int, read_version: int, grads: list[torch.Tensor], present: list[bool],
-             buffers: list[torch.Tensor], clip: tuple[str, float] | None) -> Reply:
+    def push(
+        self,
+        worker: int,
+        read_version: int,
+        grads: list[torch.Tensor],
+        present: list[bool],
+        buffers: list[torch.Tensor],
+        clip: tuple[str, float] | None,
+    ) -> Reply:
         from lightning_sync.comms import rpc
 
         return rpc.rpc_call(self.server_rank, _remote_push, worker, read_version, grads, present, buffers, clip)
@@ -196,8 +223,14 @@ class PSWorker:
         lookahead: compensate staleness as above.
     """
 
-    def __init__(self, worker: int, params: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor],
-                 link: ServerLink, lookahead: bool = False) -> None:
+    def __init__(
+        self,
+        worker: int,
+        params: Sequence[torch.Tensor],
+        buffers: Sequence[torch.Tensor],
+        link: ServerLink,
+        lookahead: bool = False,
+    ) -> None:
         self.worker, self.params, self.buffers, self.link = worker, list(params), list(buffers), link
         self.layout, self.buffer_layout = FlatLayout(self.params), FlatLayout(self.buffers)
         self.lookahead = lookahead
@@ -212,8 +245,10 @@ class PSWorker:
         target, prev = reply.params, self.last
         if extrapolate and self.expected_staleness > 0 and prev is not None and reply.version > prev.version:
             scale = self.expected_staleness / (reply.version - prev.version)
-            target = [new + (new - old) * scale if new.is_floating_point() else new
-                      for new, old in zip(reply.params, prev.params)]
+            target = [
+                new + (new - old) * scale if new.is_floating_point() else new
+                for new, old in zip(reply.params, prev.params)
+            ]
         self.layout.copy_into(target, self.params)
         self.buffer_layout.copy_into(reply.buffers, self.buffers)
         self.version, self.last = reply.version, reply
@@ -229,8 +264,14 @@ class PSWorker:
         grads = [p.grad for p in self.params]
         present = [g is not None for g in grads]
         read = self.version
-        reply = self.link.push(self.worker, read, self.layout.flatten(grads, fill_missing=True), present,
-                               self.buffer_layout.flatten(self.buffers), clip)
+        reply = self.link.push(
+            self.worker,
+            read,
+            self.layout.flatten(grads, fill_missing=True),
+            present,
+            self.buffer_layout.flatten(self.buffers),
+            clip,
+        )
         self.steps += 1
         if self.lookahead and reply.applied:  # applied in the step that made reply.version
             staleness = reply.version - 1 - read

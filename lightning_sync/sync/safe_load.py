@@ -47,15 +47,25 @@ from torch.distributed.checkpoint import (
 )
 from torch.distributed.checkpoint.metadata import StorageMeta
 
-__all__ = ["UntrustedCheckpointError", "WeightsOnlyLoadPlanner", "contained_path", "dcp_load", "guarded_load",
-           "load_file", "read_dcp_metadata", "resolve_weights_only"]
+__all__ = [
+    "UntrustedCheckpointError",
+    "WeightsOnlyLoadPlanner",
+    "contained_path",
+    "dcp_load",
+    "guarded_load",
+    "load_file",
+    "read_dcp_metadata",
+    "resolve_weights_only",
+]
 
 T = TypeVar("T")
 
-_OPT_IN = ("If you trust this file, opt in to arbitrary unpickling: trainer.fit(..., ckpt_path=..., "
-           "weights_only=False) (likewise validate/test/predict), or weights_only=False to the function "
-           "that loads it (Strategy.load_checkpoint, consolidate_checkpoint). If the global is a safe class "
-           "of yours, torch.serialization.add_safe_globals([...]) allows just it.")
+_OPT_IN = (
+    "If you trust this file, opt in to arbitrary unpickling: trainer.fit(..., ckpt_path=..., "
+    "weights_only=False) (likewise validate/test/predict), or weights_only=False to the function "
+    "that loads it (Strategy.load_checkpoint, consolidate_checkpoint). If the global is a safe class "
+    "of yours, torch.serialization.add_safe_globals([...]) allows just it."
+)
 
 
 class UntrustedCheckpointError(pickle.UnpicklingError):
@@ -69,8 +79,10 @@ class UntrustedCheckpointError(pickle.UnpicklingError):
     def __init__(self, path: Any, offending: str | None, detail: str) -> None:
         self.path, self.offending, self.detail = str(path), offending, detail
         what = f"it references {offending}, which" if offending else "it holds something that"
-        super().__init__(f"refusing to load checkpoint {self.path}: {what} weights-only loading does not allow "
-                         f"(unpickling it could run arbitrary code). {_OPT_IN}\nUnpickler said: {detail}")
+        super().__init__(
+            f"refusing to load checkpoint {self.path}: {what} weights-only loading does not allow "
+            f"(unpickling it could run arbitrary code). {_OPT_IN}\nUnpickler said: {detail}"
+        )
 
     def __reduce__(self) -> tuple[Any, ...]:  # survives being sent between processes
         return type(self), (self.path, self.offending, self.detail)
@@ -120,9 +132,16 @@ def load_file(path: str | os.PathLike[str], weights_only: bool | None = None, ma
 # --------------------------------------------------------------------------- torch.distributed.checkpoint
 _DCP_METADATA = ".metadata"
 _DCP_CLASSES = {
-    "torch.distributed.checkpoint.metadata": {"Metadata", "MetadataIndex", "StorageMeta", "TensorProperties",
-                                              "TensorStorageMetadata", "ChunkStorageMetadata",
-                                              "BytesStorageMetadata", "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata",
+        "MetadataIndex",
+        "StorageMeta",
+        "TensorProperties",
+        "TensorStorageMetadata",
+        "ChunkStorageMetadata",
+        "BytesStorageMetadata",
+        "_MEM_FORMAT_ENCODING",
+    },
     "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
     "torch.serialization": {"_get_layout"},  # a lookup of a layout by name
     "torch": {"Size"},
@@ -136,10 +155,12 @@ class _DcpMetadataUnpickler(pickle.Unpickler):
 
     def find_class(self, module: str, name: str) -> Any:
         if name in _DCP_CLASSES.get(module, ()) or (
-                module == "torch" and name.isidentifier() and isinstance(getattr(torch, name, None), torch.dtype)):
+            module == "torch" and name.isidentifier() and isinstance(getattr(torch, name, None), torch.dtype)
+        ):
             return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"Unsupported global: GLOBAL {module}.{name} is not part of "
-                                     f"torch.distributed.checkpoint metadata")
+        raise pickle.UnpicklingError(
+            f"Unsupported global: GLOBAL {module}.{name} is not part of torch.distributed.checkpoint metadata"
+        )
 
 
 def contained_path(directory: str | os.PathLike[str], relative: str | os.PathLike[str], what: str) -> Path:
@@ -148,8 +169,10 @@ def contained_path(directory: str | os.PathLike[str], relative: str | os.PathLik
     root = os.path.realpath(directory)
     target = os.path.realpath(os.path.join(root, relative))
     if os.path.commonpath([root, target]) != root:
-        raise ValueError(f"refusing to load checkpoint {os.fspath(directory)}: its {what} {os.fspath(relative)!r} "
-                         f"leads to {target}, outside the checkpoint directory (a checkpoint reads only its own files)")
+        raise ValueError(
+            f"refusing to load checkpoint {os.fspath(directory)}: its {what} {os.fspath(relative)!r} "
+            f"leads to {target}, outside the checkpoint directory (a checkpoint reads only its own files)"
+        )
     return Path(target)
 
 
@@ -160,9 +183,11 @@ def read_dcp_metadata(path: str | os.PathLike[str], weights_only: bool | None = 
     trusted = not resolve_weights_only(weights_only)
     file = contained_path(path, _DCP_METADATA, "metadata file")
     if not file.is_file():
-        raise ValueError(f"refusing to load checkpoint {os.fspath(path)}: it has no {_DCP_METADATA}, so it is no "
-                         f"complete torch.distributed.checkpoint directory (DCP would unpickle a per-rank "
-                         f"__<rank>.metadata instead, unrestricted; our saves never write one)")
+        raise ValueError(
+            f"refusing to load checkpoint {os.fspath(path)}: it has no {_DCP_METADATA}, so it is no "
+            f"complete torch.distributed.checkpoint directory (DCP would unpickle a per-rank "
+            f"__<rank>.metadata instead, unrestricted; our saves never write one)"
+        )
     with open(file, "rb") as f:
         try:
             metadata = pickle.load(f) if trusted else _DcpMetadataUnpickler(f).load()
@@ -172,14 +197,18 @@ def read_dcp_metadata(path: str | os.PathLike[str], weights_only: bool | None = 
             raise _refusal(file, error) from None
     storage = getattr(metadata, "storage_data", None)
     if not isinstance(metadata, Metadata) or not isinstance(storage, dict):
-        raise ValueError(f"refusing to load checkpoint {os.fspath(path)}: {file} holds a {type(metadata).__name__}, "
-                         f"not torch.distributed.checkpoint Metadata with storage entries")
+        raise ValueError(
+            f"refusing to load checkpoint {os.fspath(path)}: {file} holds a {type(metadata).__name__}, "
+            f"not torch.distributed.checkpoint Metadata with storage entries"
+        )
     checked: set[str] = set()
     for index, info in storage.items():
         relative = getattr(info, "relative_path", None)
         if not isinstance(relative, (str, os.PathLike)):
-            raise ValueError(f"refusing to load checkpoint {os.fspath(path)}: storage entry {index!r} has "
-                             f"relative_path {relative!r}, not a path")
+            raise ValueError(
+                f"refusing to load checkpoint {os.fspath(path)}: storage entry {index!r} has "
+                f"relative_path {relative!r}, not a path"
+            )
         if os.fspath(relative) not in checked:
             contained_path(path, relative, "storage entry")
             checked.add(os.fspath(relative))
@@ -225,8 +254,14 @@ class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
         super().load_bytes(read_item, clean)
 
 
-def dcp_load(state_dict: dict[str, Any], path: str | os.PathLike[str], weights_only: bool | None = None, *,
-             metadata: Metadata | None = None, **kwargs: Any) -> None:
+def dcp_load(
+    state_dict: dict[str, Any],
+    path: str | os.PathLike[str],
+    weights_only: bool | None = None,
+    *,
+    metadata: Metadata | None = None,
+    **kwargs: Any,
+) -> None:
     """``torch.distributed.checkpoint.load(state_dict, **kwargs)`` of the directory ``path``, weights-only unless
     ``weights_only=False``: DCP gets the ``.metadata`` checked by :func:`read_dcp_metadata` (pass ``metadata``
     when you already read it that way), and non-tensor entries are read by :class:`WeightsOnlyLoadPlanner`.

@@ -43,9 +43,22 @@ from lightning_sync.sync.bucketing import SyncSwitch, check_mib, plan_buckets
 from lightning_sync.sync.communicator import Communicator
 from lightning_sync.sync.safe_load import contained_path, dcp_load, read_dcp_metadata
 
-__all__ = ["FlatParam", "FlatShard", "OwnedSlice", "Unit", "ZERO_STAGES", "ZeroEngine", "check_stage",
-           "consolidate_checkpoint", "import_class", "read_meta", "resolve_dtype", "resolve_wrap_policy",
-           "storage_bytes", "zero_memory_bytes"]
+__all__ = [
+    "FlatParam",
+    "FlatShard",
+    "OwnedSlice",
+    "Unit",
+    "ZERO_STAGES",
+    "ZeroEngine",
+    "check_stage",
+    "consolidate_checkpoint",
+    "import_class",
+    "read_meta",
+    "resolve_dtype",
+    "resolve_wrap_policy",
+    "storage_bytes",
+    "zero_memory_bytes",
+]
 
 ZERO_STAGES = (1, 2, 3)
 
@@ -128,8 +141,7 @@ class FlatShard:
         full = shard.new_empty(self.padded)
         return comm.all_gather_into(full, shard, async_op=async_op)
 
-    def reduce_scatter(self, flat: torch.Tensor, comm: Communicator, op: str = "avg",
-                       async_op: bool = False) -> object:
+    def reduce_scatter(self, flat: torch.Tensor, comm: Communicator, op: str = "avg", async_op: bool = False) -> object:
         """Reduce a full flat buffer over the ranks into a new shard (a Work if ``async_op``)."""
         self._check_full(flat)
         out = flat.new_empty(self.shard_numel)
@@ -140,8 +152,9 @@ class FlatShard:
             raise ValueError(f"expected a flat buffer of {self.padded} elements, got shape {tuple(flat.shape)}")
 
 
-def zero_memory_bytes(num_params: int, world_size: int, stage: int, optimizer_bytes: int = 12,
-                      param_bytes: int = 2, grad_bytes: int = 2) -> float:
+def zero_memory_bytes(
+    num_params: int, world_size: int, stage: int, optimizer_bytes: int = 12, param_bytes: int = 2, grad_bytes: int = 2
+) -> float:
     """Per-rank bytes of parameters, gradients and optimizer state (mixed-precision Adam by default).
 
     ``stage`` 0 is the unsharded baseline; ``optimizer_bytes`` is K of the ZeRO paper (12 for
@@ -155,15 +168,27 @@ def zero_memory_bytes(num_params: int, world_size: int, stage: int, optimizer_by
         raise ValueError(f"need world_size >= 1 and num_params >= 0, got {world_size=}, {num_params=}")
     psi, n, k = float(num_params), float(world_size), float(optimizer_bytes)
     p, g = float(param_bytes), float(grad_bytes)
-    return {0: (p + g + k) * psi, 1: (p + g) * psi + k * psi / n, 2: p * psi + (g + k) * psi / n,
-            3: (p + g + k) * psi / n}[stage]
+    return {
+        0: (p + g + k) * psi,
+        1: (p + g) * psi + k * psi / n,
+        2: p * psi + (g + k) * psi / n,
+        3: (p + g + k) * psi / n,
+    }[stage]
 
 
 # ====================================================================== the ZeRO engine
 _MB = 2**20
-_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "32": torch.float32, "bf16": torch.bfloat16,
-           "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16, "16": torch.float16,
-           "half": torch.float16}
+_DTYPES = {
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "32": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "16": torch.float16,
+    "half": torch.float16,
+}
 
 
 def check_stage(stage: Any) -> int:
@@ -202,15 +227,19 @@ def resolve_wrap_policy(policy: Any) -> Callable[[nn.Module, int], bool] | None:
     (``"torch.nn.Linear"``), a bare class name (``"Linear"``), or a list of those, or
     ``{"module_classes": [...]}``; or a callable ``fn(module) -> bool``.
     """
-    allowed = ("None, an int (min_num_params), {'min_num_params': N}, a module class / class path / class "
-               "name or a list of them, {'module_classes': [...]}, or a callable(module) -> bool")
+    allowed = (
+        "None, an int (min_num_params), {'min_num_params': N}, a module class / class path / class "
+        "name or a list of them, {'module_classes': [...]}, or a callable(module) -> bool"
+    )
     if policy is None:
         return None
     if isinstance(policy, Mapping):
         extra = set(policy) - {"min_num_params", "module_classes"}
         if len(policy) != 1 or extra:
-            raise ValueError(f"wrap_policy mapping must have exactly one of 'min_num_params' or 'module_classes', "
-                             f"got keys {sorted(policy)}; allowed forms: {allowed}")
+            raise ValueError(
+                f"wrap_policy mapping must have exactly one of 'min_num_params' or 'module_classes', "
+                f"got keys {sorted(policy)}; allowed forms: {allowed}"
+            )
         key, value = next(iter(policy.items()))
         if key == "min_num_params":
             if isinstance(value, bool) or not isinstance(value, int):
@@ -219,8 +248,10 @@ def resolve_wrap_policy(policy: Any) -> Callable[[nn.Module, int], bool] | None:
         if isinstance(value, (str, type)):
             return resolve_wrap_policy([value])
         if not isinstance(value, Sequence):
-            raise ValueError(f"wrap_policy module_classes must be a list of module classes / class paths / class "
-                             f"names, got {value!r}")
+            raise ValueError(
+                f"wrap_policy module_classes must be a list of module classes / class paths / class "
+                f"names, got {value!r}"
+            )
         return resolve_wrap_policy(list(value))
     if isinstance(policy, int) and not isinstance(policy, bool):
         if policy < 1:
@@ -230,7 +261,8 @@ def resolve_wrap_policy(policy: Any) -> Callable[[nn.Module, int], bool] | None:
         policy = [policy]
     if isinstance(policy, Sequence) and policy and all(isinstance(p, (str, type)) for p in policy):
         classes = tuple(p for p in policy if isinstance(p, type)) + tuple(
-            import_class(p) for p in policy if isinstance(p, str) and "." in p)
+            import_class(p) for p in policy if isinstance(p, str) and "." in p
+        )
         names = {p for p in policy if isinstance(p, str) and "." not in p}
         return lambda module, unclaimed: isinstance(module, classes) or type(module).__name__ in names
     if callable(policy) and not isinstance(policy, Sequence):
@@ -264,8 +296,16 @@ class FlatParam:
     the full gradient buffer.
     """
 
-    def __init__(self, names: list[str], params: list[nn.Parameter], group: int, comm: Communicator,
-                 compute_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None, stage: int) -> None:
+    def __init__(
+        self,
+        names: list[str],
+        params: list[nn.Parameter],
+        group: int,
+        comm: Communicator,
+        compute_dtype: torch.dtype | None,
+        reduce_dtype: torch.dtype | None,
+        stage: int,
+    ) -> None:
         self.names, self.params, self.group, self.comm, self.stage = names, params, group, comm, stage
         self.layout = FlatShard([p.shape for p in params], comm.world_size, comm.rank)
         self.orig_dtype = params[0].dtype
@@ -467,15 +507,27 @@ class ZeroEngine(SyncSwitch):
         broadcast: broadcast rank 0's parameters and buffers first.
     """
 
-    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None, comm: Communicator,
-                 stage: int = 3, wrap_policy: Any = None, prefetch: bool = True, reshard_after_forward: bool = True,
-                 param_dtype: Any = None, reduce_dtype: Any = None, bucket_cap_mb: float = 25.0,
-                 broadcast: bool = True) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        comm: Communicator,
+        stage: int = 3,
+        wrap_policy: Any = None,
+        prefetch: bool = True,
+        reshard_after_forward: bool = True,
+        param_dtype: Any = None,
+        reduce_dtype: Any = None,
+        bucket_cap_mb: float = 25.0,
+        broadcast: bool = True,
+    ) -> None:
         check_stage(stage)
         check_mib("bucket_cap_mb", bucket_cap_mb)
         if optimizer is not None and hasattr(optimizer, "_params"):
-            raise ValueError(f"{type(optimizer).__name__} keeps its own parameter list and cannot step shards; "
-                             f"use an optimizer that reads param_groups (SGD, Adam, AdamW, ...)")
+            raise ValueError(
+                f"{type(optimizer).__name__} keeps its own parameter list and cannot step shards; "
+                f"use an optimizer that reads param_groups (SGD, Adam, AdamW, ...)"
+            )
         if optimizer is not None and any(len(s) for s in optimizer.state.values()):
             raise ValueError("the optimizer already has state; build the ZeroEngine before the first step")
         self.module, self.optimizer, self.comm, self.stage = module, optimizer, comm, stage
@@ -520,8 +572,10 @@ class ZeroEngine(SyncSwitch):
         for gi, group in enumerate(self.optimizer.param_groups):
             for p in group["params"]:
                 if id(p) not in known:
-                    raise ValueError("the optimizer holds a parameter that is not in the module; ZeroEngine can "
-                                     "only shard the module's own parameters")
+                    raise ValueError(
+                        "the optimizer holds a parameter that is not in the module; ZeroEngine can "
+                        "only shard the module's own parameters"
+                    )
                 group_of[id(p)] = gi
         return {id(p): group_of.get(id(p), -1) for p in params}
 
@@ -543,8 +597,12 @@ class ZeroEngine(SyncSwitch):
             by_key: dict[tuple[int, torch.dtype], list[nn.Parameter]] = {}
             for p in uparams:
                 by_key.setdefault((group_of[id(p)], p.dtype), []).append(p)
-            flats = [FlatParam([name_of[id(p)] for p in ps], ps, key[0], self.comm, self.param_dtype,
-                               self.reduce_dtype, self.stage) for key, ps in by_key.items()]
+            flats = [
+                FlatParam(
+                    [name_of[id(p)] for p in ps], ps, key[0], self.comm, self.param_dtype, self.reduce_dtype, self.stage
+                )
+                for key, ps in by_key.items()
+            ]
             self.units.append(Unit(ui, uname, umodule, flats, is_root, expected=len(uparams)))
         self.flats = [f for u in self.units for f in u.flats]
         self._where: dict[int, tuple[Unit, FlatParam, int]] = {}
@@ -559,8 +617,11 @@ class ZeroEngine(SyncSwitch):
             for unit in self.units:
                 if unit.module is None:
                     continue
-                self._handles.append(unit.module.register_forward_pre_hook(
-                    functools.partial(self._pre_forward, unit), prepend=True, with_kwargs=True))
+                self._handles.append(
+                    unit.module.register_forward_pre_hook(
+                        functools.partial(self._pre_forward, unit), prepend=True, with_kwargs=True
+                    )
+                )
                 if not unit.is_root:
                     self._handles.append(unit.module.register_forward_hook(functools.partial(self._post_forward, unit)))
         if self.optimizer is not None and self.stage < 3:
@@ -590,15 +651,22 @@ class ZeroEngine(SyncSwitch):
             for mname, mod in reversed(modules):  # post-order-ish: deeper modules (registered later) first
                 if mod is self.module:
                     continue
-                mine = [p for p in mod.parameters() if id(p) in trainable and id(p) not in claimed
-                        and all(pl == mname or pl.startswith(mname + ".") for pl in places[id(p)])]
+                mine = [
+                    p
+                    for p in mod.parameters()
+                    if id(p) in trainable
+                    and id(p) not in claimed
+                    and all(pl == mname or pl.startswith(mname + ".") for pl in places[id(p)])
+                ]
                 if mine and self._policy(mod, sum(p.numel() for p in mine)):
                     claimed.update(id(p) for p in mine)
                     units.append((mname, mod, mine, False))
             if not units:
-                warnings.warn("wrap_policy matched no submodule with trainable parameters; the whole model is "
-                              "one unit (stage 3 then holds all full parameters during forward and backward)",
-                              stacklevel=3)
+                warnings.warn(
+                    "wrap_policy matched no submodule with trainable parameters; the whole model is "
+                    "one unit (stage 3 then holds all full parameters during forward and backward)",
+                    stacklevel=3,
+                )
         position = {name: i for i, (name, _) in enumerate(modules)}
         units.sort(key=lambda u: position[u[0]])
         rest = [p for p in params if id(p) not in claimed]
@@ -775,10 +843,13 @@ class ZeroEngine(SyncSwitch):
         self._order_checked = True
         orders = self.comm.all_gather_object(list(self._recording))
         if any(o != orders[0] for o in orders):
-            raise RuntimeError(f"ZeroEngine: ranks ran the wrap units in different orders {orders}; every rank "
-                               f"must run the same units in the same order")
-        self._forward_order = list(orders[0]) + [u.index for u in self.units
-                                                 if not u.is_root and u.index not in orders[0]]
+            raise RuntimeError(
+                f"ZeroEngine: ranks ran the wrap units in different orders {orders}; every rank "
+                f"must run the same units in the same order"
+            )
+        self._forward_order = list(orders[0]) + [
+            u.index for u in self.units if not u.is_root and u.index not in orders[0]
+        ]
         self._launch_order = self._default_launch_order()
 
     # ------------------------------------------------------------------ optimizer step
@@ -885,15 +956,23 @@ class ZeroEngine(SyncSwitch):
                     if _elementwise(value, f):
                         out[f"optim/{name}/{key}@{s.param_offset}"] = value.detach()[lo:hi].clone()
                     elif s.param_offset == 0:
-                        out[f"optim/{name}/{key}"] = value.detach().clone() if isinstance(value, torch.Tensor) \
-                            else value
+                        out[f"optim/{name}/{key}"] = (
+                            value.detach().clone() if isinstance(value, torch.Tensor) else value
+                        )
         keys, replicated = self._replicated()
         if self.comm.rank == 0:
             out.update({f"full/{k}": v.clone() for k, v in replicated.items()})
-            meta = {"format": _FORMAT, "world_size": self.comm.world_size, "stage": self.stage,
-                    "params": {n: [list(shape), str(f.orig_dtype)]
-                               for f in self.flats for n, shape in zip(f.names, f.layout.shapes)},
-                    "keys": keys}
+            meta = {
+                "format": _FORMAT,
+                "world_size": self.comm.world_size,
+                "stage": self.stage,
+                "params": {
+                    n: [list(shape), str(f.orig_dtype)]
+                    for f in self.flats
+                    for n, shape in zip(f.names, f.layout.shapes)
+                },
+                "keys": keys,
+            }
             (path / _META).write_text(json.dumps(meta, indent=1))
         dcp.save(out, checkpoint_id=str(path), process_group=getattr(self.comm, "group", None))
 
@@ -904,15 +983,20 @@ class ZeroEngine(SyncSwitch):
         shapes = {n: list(shape) for f in self.flats for n, shape in zip(f.names, f.layout.shapes)}
         for (mk, mc), (tk, tc) in zip(mine, theirs):
             if mk != tk or (mc is None) != (tc is None):
-                raise ValueError(f"checkpoint does not match this model: first mismatched key {mk!r} "
-                                 f"(checkpoint has {tk!r} there)")
+                raise ValueError(
+                    f"checkpoint does not match this model: first mismatched key {mk!r} (checkpoint has {tk!r} there)"
+                )
             if mc is not None and (mc != tc or shapes[mc] != meta["params"][tc][0]):
-                raise ValueError(f"checkpoint does not match this model: first mismatched key {mk!r} "
-                                 f"(shape {shapes.get(mc)} here, {meta['params'].get(tc, [None])[0]} in the checkpoint)")
+                raise ValueError(
+                    f"checkpoint does not match this model: first mismatched key {mk!r} "
+                    f"(shape {shapes.get(mc)} here, {meta['params'].get(tc, [None])[0]} in the checkpoint)"
+                )
         if len(mine) != len(theirs):
             first = mine[len(theirs)][0] if len(mine) > len(theirs) else theirs[len(mine)][0]
-            raise ValueError(f"checkpoint does not match this model: first mismatched key {first!r} "
-                             f"({'missing from the checkpoint' if len(mine) > len(theirs) else 'not in this model'})")
+            raise ValueError(
+                f"checkpoint does not match this model: first mismatched key {first!r} "
+                f"({'missing from the checkpoint' if len(mine) > len(theirs) else 'not in this model'})"
+            )
 
     def load_sharded(self, path: str | os.PathLike[str], weights_only: bool | None = None) -> None:
         """Load a :meth:`save_sharded` checkpoint written at any world size and stage; a collective.
@@ -931,7 +1015,9 @@ class ZeroEngine(SyncSwitch):
                 for prefix in [f"model/{name}"] + [f"optim/{name}/{k}" for k in _state_keys(saved, name)]:
                     for lo, size in chunks.get(prefix, []):
                         if lo < s.param_offset + s.length and s.param_offset < lo + size:
-                            want.setdefault(f"{prefix}@{lo}", torch.empty(size, dtype=saved[f"{prefix}@{lo}"].properties.dtype))
+                            want.setdefault(
+                                f"{prefix}@{lo}", torch.empty(size, dtype=saved[f"{prefix}@{lo}"].properties.dtype)
+                            )
                 for k in _state_keys(saved, name, scalar=True):
                     want[f"optim/{name}/{k}"] = _placeholder(saved[f"optim/{name}/{k}"])
         _, replicated = self._replicated()
@@ -945,8 +1031,14 @@ class ZeroEngine(SyncSwitch):
                     name = f.names[s.index]
                     _fill(f.master.data, f"model/{name}", chunks, want, s)
                     for k in _state_keys(saved, name):
-                        buf = state.setdefault(k, torch.zeros(f.layout.shard_numel, dtype=saved[
-                            f"optim/{name}/{k}@{chunks[f'optim/{name}/{k}'][0][0]}"].properties.dtype, device=f.device))
+                        buf = state.setdefault(
+                            k,
+                            torch.zeros(
+                                f.layout.shard_numel,
+                                dtype=saved[f"optim/{name}/{k}@{chunks[f'optim/{name}/{k}'][0][0]}"].properties.dtype,
+                                device=f.device,
+                            ),
+                        )
                         _fill(buf, f"optim/{name}/{k}", chunks, want, s)
                     for k in _state_keys(saved, name, scalar=True):
                         value = want[f"optim/{name}/{k}"]
@@ -967,8 +1059,9 @@ class ZeroEngine(SyncSwitch):
                 raise ValueError(f"state_dict does not match this model: first mismatched key {key!r} (missing)")
         with torch.no_grad():
             for f in self.flats:
-                flat = f.layout.flatten([state_dict[n].to(f.master_dtype).reshape(s)
-                                         for n, s in zip(f.names, f.layout.shapes)])
+                flat = f.layout.flatten(
+                    [state_dict[n].to(f.master_dtype).reshape(s) for n, s in zip(f.names, f.layout.shapes)]
+                )
                 f.master.data.copy_(f.layout.shard(flat))
             for key, tensor in replicated.items():
                 tensor.copy_(state_dict[key])
@@ -1032,7 +1125,7 @@ def _state_keys(saved: Mapping[str, Any], name: str, scalar: bool = False) -> li
     keys = set()
     for key in saved:
         if key.startswith(prefix):
-            rest = key[len(prefix):]
+            rest = key[len(prefix) :]
             is_chunk = "@" in rest and rest.rpartition("@")[2].isdigit()
             if is_chunk != scalar:
                 keys.add(rest.rpartition("@")[0] if is_chunk else rest)
@@ -1046,15 +1139,22 @@ def _placeholder(md: Any) -> Any:
     return None
 
 
-def _fill(dest: torch.Tensor, prefix: str, chunks: Mapping[str, list[tuple[int, int]]], loaded: Mapping[str, Any],
-          s: OwnedSlice) -> None:
+def _fill(
+    dest: torch.Tensor,
+    prefix: str,
+    chunks: Mapping[str, list[tuple[int, int]]],
+    loaded: Mapping[str, Any],
+    s: OwnedSlice,
+) -> None:
     """Copy elements ``[s.param_offset, +s.length)`` of a parameter from its saved chunks into ``dest``."""
     want_lo, want_hi = s.param_offset, s.param_offset + s.length
     covered = 0
     for lo, size in chunks.get(prefix, []):
         a, b = max(lo, want_lo), min(lo + size, want_hi)
         if a < b:
-            dest[s.shard_offset + a - want_lo : s.shard_offset + b - want_lo].copy_(loaded[f"{prefix}@{lo}"][a - lo : b - lo])
+            dest[s.shard_offset + a - want_lo : s.shard_offset + b - want_lo].copy_(
+                loaded[f"{prefix}@{lo}"][a - lo : b - lo]
+            )
             covered += b - a
     if covered != s.length:
         raise ValueError(f"checkpoint holds {covered} of the {s.length} elements of {prefix} this rank needs")
@@ -1069,8 +1169,9 @@ def consolidate_checkpoint(path: str | os.PathLike[str], weights_only: bool = Tr
     metadata = read_dcp_metadata(path, weights_only)
     saved = metadata.state_dict_metadata
     chunks = _chunk_index(saved)
-    want: dict[str, Any] = {k: _placeholder(md) for k, md in saved.items()
-                            if k.startswith("full/") or (k.startswith("model/") and "@" in k)}
+    want: dict[str, Any] = {
+        k: _placeholder(md) for k, md in saved.items() if k.startswith("full/") or (k.startswith("model/") and "@" in k)
+    }
     with warnings.catch_warnings():  # "torch.distributed is disabled..." is what no_dist asks for
         warnings.filterwarnings("ignore", message=".*torch.distributed.*disabled.*")
         dcp_load(want, path, weights_only, metadata=metadata, no_dist=True)

@@ -85,8 +85,9 @@ def reduce_reference(tensors: Sequence[torch.Tensor], op: str) -> torch.Tensor:
     return out.to(dtype)
 
 
-def mismatch(actual: Any, expected: torch.Tensor | Sequence[torch.Tensor], rtol: float = 0.0,
-             atol: float = 0.0) -> str | None:
+def mismatch(
+    actual: Any, expected: torch.Tensor | Sequence[torch.Tensor], rtol: float = 0.0, atol: float = 0.0
+) -> str | None:
     """Why ``actual`` is not ``expected`` (``None`` if it is); never raises on a mismatch.
 
     ``expected`` is a tensor, or a list/tuple of tensors that ``actual`` must match element-wise and
@@ -128,8 +129,15 @@ class Checks:
         self.failures: list[str] = []
         self.count = 0
 
-    def close(self, name: str, actual: Any, expected: torch.Tensor | Sequence[torch.Tensor], *,
-              rtol: float = 0.0, atol: float = 0.0) -> None:
+    def close(
+        self,
+        name: str,
+        actual: Any,
+        expected: torch.Tensor | Sequence[torch.Tensor],
+        *,
+        rtol: float = 0.0,
+        atol: float = 0.0,
+    ) -> None:
         """``actual`` matches ``expected`` within the tolerances (see :func:`mismatch`)."""
         self.count += 1
         why = mismatch(actual, expected, rtol, atol)
@@ -142,8 +150,13 @@ class Checks:
         if not cond:
             self.failures.append(f"{name}: {detail}")
 
-    def raises(self, name: str, fn: Callable[[], Any], *patterns: str,
-               exc: type[BaseException] | tuple[type[BaseException], ...] = ValueError) -> None:
+    def raises(
+        self,
+        name: str,
+        fn: Callable[[], Any],
+        *patterns: str,
+        exc: type[BaseException] | tuple[type[BaseException], ...] = ValueError,
+    ) -> None:
         """``fn()`` raises ``exc`` whose message matches every regex in ``patterns``.
 
         Returning normally, or raising another :class:`Exception`, is recorded as a failure; nothing
@@ -173,8 +186,7 @@ class Checks:
         return self.failures, self.count
 
 
-def assert_all_ranks_passed(results: Sequence[Sequence[Any]], min_checks: int, *,
-                            same_count: bool = True) -> None:
+def assert_all_ranks_passed(results: Sequence[Sequence[Any]], min_checks: int, *, same_count: bool = True) -> None:
     """Assert (in the parent) that no rank reported a failed check and that enough checks ran.
 
     ``results`` holds one entry per rank, in rank order, as returned by

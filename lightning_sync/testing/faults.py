@@ -48,8 +48,14 @@ class KillAtStep(pl.Callback):
         requeue_signal: with ``phase="requeue"``, the signal that asks ``RequeueOnSignal`` to stop.
     """
 
-    def __init__(self, rank: int, step: int, signal: str | int = "KILL", phase: str = "before_backward",
-                 requeue_signal: str | int = "USR1") -> None:
+    def __init__(
+        self,
+        rank: int,
+        step: int,
+        signal: str | int = "KILL",
+        phase: str = "before_backward",
+        requeue_signal: str | int = "USR1",
+    ) -> None:
         check_int("rank", rank, 0)
         check_int("step", step, 1)
         if phase not in PHASES:
@@ -72,7 +78,8 @@ class KillAtStep(pl.Callback):
         elif self.phase == "backward":
             first = next(p for p in pl_module.parameters() if p.requires_grad)
             first.register_post_accumulate_grad_hook(
-                lambda _: self._die() if trainer.training and self._due(trainer, "backward") else None)
+                lambda _: self._die() if trainer.training and self._due(trainer, "backward") else None
+            )
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
         if self._due(trainer, "before_backward"):
@@ -84,22 +91,30 @@ class KillAtStep(pl.Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         # global_step has moved on: the step that just ended is global_step
-        if self.phase == "requeue" and trainer.global_rank == self.rank and trainer.global_step == self.step \
-                and not self._armed:
+        if (
+            self.phase == "requeue"
+            and trainer.global_rank == self.rank
+            and trainer.global_step == self.step
+            and not self._armed
+        ):
             self._armed = True
             os.kill(os.getpid(), self.requeue_signal)
 
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: Any) -> None:
-        if self._armed or (self.phase == "checkpoint" and trainer.global_rank == self.rank
-                           and trainer.global_step == self.step):
+        if self._armed or (
+            self.phase == "checkpoint" and trainer.global_rank == self.rank and trainer.global_step == self.step
+        ):
             self._die()
 
 
 def _resolve(signal: str | int) -> _signal.Signals:
     names = sorted(s.name for s in _signal.Signals)
     try:
-        return _signal.Signals(signal) if isinstance(signal, int) else \
-            _signal.Signals[signal if str(signal).startswith("SIG") else f"SIG{signal}"]
+        return (
+            _signal.Signals(signal)
+            if isinstance(signal, int)
+            else _signal.Signals[signal if str(signal).startswith("SIG") else f"SIG{signal}"]
+        )
     except (KeyError, ValueError):
         raise ValueError(f"signal must name a signal, got {signal!r}; allowed: {names}") from None
 

@@ -114,11 +114,13 @@ def _child(
 
         if backend == "nccl":  # one GPU per rank, as NCCL requires
             torch.cuda.set_device(rank % torch.cuda.device_count())
-        store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False,
-                              timeout=timedelta(seconds=pg_timeout_s))
+        store = dist.TCPStore(
+            "127.0.0.1", port, world_size + 1, is_master=False, timeout=timedelta(seconds=pg_timeout_s)
+        )
         if process_group:
-            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                                    timeout=timedelta(seconds=pg_timeout_s))
+            dist.init_process_group(
+                backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout_s)
+            )
         out = fn(rank, world_size, *args, **kwargs)
         results.put((rank, "ok", time.time(), _encode(out)))
         # Stay connected until every rank has returned: a rank that skipped a collective then shows
@@ -189,15 +191,26 @@ def run_distributed(
     job = pickle.dumps((fn, args, kwargs))  # unpickled in the child after its stack-dump handler is set
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=timeout))
+    store = dist.TCPStore(
+        "127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout)
+    )
     tmpdir = tempfile.mkdtemp(prefix="ls_harness_")
     stack_files = [os.path.join(tmpdir, f"rank{r}.stacks") for r in range(world_size)]
     procs = [
         ctx.Process(
             target=_child,
-            args=(job, r, world_size, store.port, backend, pg_timeout or timeout, stack_files[r],
-                  dict(env or {}), results, process_group),
+            args=(
+                job,
+                r,
+                world_size,
+                store.port,
+                backend,
+                pg_timeout or timeout,
+                stack_files[r],
+                dict(env or {}),
+                results,
+                process_group,
+            ),
             name=f"lightning_sync-rank{r}",
             # not daemonic: a rank may start processes of its own (DataLoader workers, Hogwild); every
             # path below kills the rank's whole process group and joins it, so none outlives the run
@@ -222,8 +235,11 @@ def run_distributed(
             except queue.Empty:
                 pass
             now = time.monotonic()
-            dead = [r for r, p in enumerate(procs)
-                    if r not in outputs and r not in errors and not p.is_alive() and p.exitcode not in (None, 0)]
+            dead = [
+                r
+                for r, p in enumerate(procs)
+                if r not in outputs and r not in errors and not p.is_alive() and p.exitcode not in (None, 0)
+            ]
             if (errors or dead) and failed_at is None:
                 failed_at = now  # give the other ranks' reports a moment to arrive, then pick the cause
             if failed_at is not None and now - failed_at > _GRACE_S:
@@ -245,15 +261,22 @@ def run_distributed(
 def _raise_root_cause(procs: list[Any], dead: list[int], errors: dict[int, tuple[float, str]]) -> None:
     if dead:
         r = dead[0]
-        raise DistributedRankError(r, f"process exited with code {procs[r].exitcode} without reporting "
-                                      f"(other failing ranks: {sorted(errors)})")
+        raise DistributedRankError(
+            r, f"process exited with code {procs[r].exitcode} without reporting (other failing ranks: {sorted(errors)})"
+        )
     r = min(errors, key=lambda k: errors[k][0])
     others = "".join(f"\n--- later failure on rank {k} ---\n{errors[k][1]}" for k in sorted(errors) if k != r)
     raise DistributedRankError(r, errors[r][1] + others)
 
 
-def _raise_timeout(fn: Callable[..., Any], procs: list[Any], outputs: dict[int, Any],
-                   errors: dict[int, tuple[float, str]], stack_files: list[str], timeout: float) -> None:
+def _raise_timeout(
+    fn: Callable[..., Any],
+    procs: list[Any],
+    outputs: dict[int, Any],
+    errors: dict[int, tuple[float, str]],
+    stack_files: list[str],
+    timeout: float,
+) -> None:
     stuck = [r for r in range(len(procs)) if r not in outputs and r not in errors]
     ready = [r for r in stuck if procs[r].is_alive() and os.path.exists(stack_files[r])]
     for r in ready:  # ask every stuck rank for the stacks of all its threads
@@ -262,8 +285,11 @@ def _raise_timeout(fn: Callable[..., Any], procs: list[Any], outputs: dict[int, 
     while time.monotonic() < end and not all(_read(stack_files[r], None) for r in ready):
         time.sleep(0.05)
     time.sleep(0.2)  # let the last dump finish writing
-    stacks = "\n".join(f"--- rank {r} stacks ---\n" + (_read(stack_files[r]) if r in ready else
-                        "(still starting up: the process had not reached the harness yet)") for r in stuck)
+    stacks = "\n".join(
+        f"--- rank {r} stacks ---\n"
+        + (_read(stack_files[r]) if r in ready else "(still starting up: the process had not reached the harness yet)")
+        for r in stuck
+    )
     returned = sorted(outputs)
     raise DistributedTimeoutError(
         f"{fn.__name__} on {len(procs)} ranks did not finish within {timeout:.0f}s; ranks {stuck} never "
@@ -277,4 +303,3 @@ def _read(path: str, missing: str | None = "(no stack dump written)") -> str | N
             return f.read().strip() or missing
     except OSError:
         return missing
-

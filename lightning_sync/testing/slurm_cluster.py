@@ -28,14 +28,25 @@ from pathlib import Path
 
 __all__ = ["SlurmCluster", "missing_binaries"]
 
-_BINARIES = ("munged", "munge", "unmunge", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "sinfo", "squeue",
-             "scancel", "runuser")
+_BINARIES = (
+    "munged",
+    "munge",
+    "unmunge",
+    "slurmctld",
+    "slurmd",
+    "sbatch",
+    "srun",
+    "scontrol",
+    "sinfo",
+    "squeue",
+    "scancel",
+    "runuser",
+)
 
 
 def missing_binaries() -> list[str]:
     """The Slurm/munge programs this machine lacks (empty: a cluster can start)."""
-    found = {b: shutil.which(b) or (f"/usr/sbin/{b}" if os.path.exists(f"/usr/sbin/{b}") else None)
-             for b in _BINARIES}
+    found = {b: shutil.which(b) or (f"/usr/sbin/{b}" if os.path.exists(f"/usr/sbin/{b}") else None) for b in _BINARIES}
     return [b for b, path in found.items() if path is None]
 
 
@@ -76,8 +87,11 @@ class SlurmCluster:
             log = self.root / "log"
             self._spawn("slurmctld", [_which("slurmctld"), "-D", "-i", "-f", str(self.conf)], log / "slurmctld.out")
             for node in ("n1", "n2"):
-                self._spawn(f"slurmd-{node}", [_which("slurmd"), "-D", "-N", node, "-f", str(self.conf)],
-                            log / f"slurmd.{node}.out")
+                self._spawn(
+                    f"slurmd-{node}",
+                    [_which("slurmd"), "-D", "-N", node, "-f", str(self.conf)],
+                    log / f"slurmd.{node}.out",
+                )
             self._wait_idle(timeout)
         except BaseException:
             self.stop()
@@ -89,16 +103,29 @@ class SlurmCluster:
         munge_dir.mkdir(parents=True)
         shutil.chown(munge_dir, user="munge", group="munge")
         munge_dir.chmod(0o755)  # munged refuses a socket directory others cannot traverse
-        self._spawn("munged", [_which("runuser"), "-u", "munge", "--", _which("munged"), "--foreground",
-                               f"--socket={self.socket}", f"--log-file={munge_dir / 'log'}",
-                               f"--pid-file={munge_dir / 'pid'}", f"--seed-file={munge_dir / 'seed'}"],
-                    munge_dir / "out")
+        self._spawn(
+            "munged",
+            [
+                _which("runuser"),
+                "-u",
+                "munge",
+                "--",
+                _which("munged"),
+                "--foreground",
+                f"--socket={self.socket}",
+                f"--log-file={munge_dir / 'log'}",
+                f"--pid-file={munge_dir / 'pid'}",
+                f"--seed-file={munge_dir / 'seed'}",
+            ],
+            munge_dir / "out",
+        )
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
             cred = subprocess.run([_which("munge"), "-n", f"--socket={self.socket}"], capture_output=True)
             if cred.returncode == 0:
-                check = subprocess.run([_which("unmunge"), f"--socket={self.socket}"], input=cred.stdout,
-                                       capture_output=True)
+                check = subprocess.run(
+                    [_which("unmunge"), f"--socket={self.socket}"], input=cred.stdout, capture_output=True
+                )
                 if check.returncode == 0:
                     return
             time.sleep(0.2)
@@ -116,7 +143,7 @@ AuthInfo=socket={self.socket}
 CredType=cred/munge
 SlurmUser=root
 SlurmdUser=root
-SlurmctldPort={ports['ctld']}
+SlurmctldPort={ports["ctld"]}
 StateSaveLocation={r}/ctld
 SlurmdSpoolDir={r}/d/%n
 SlurmctldPidFile={r}/ctld/slurmctld.pid
@@ -134,16 +161,17 @@ MpiDefault=none
 ReturnToService=2
 SwitchType=switch/none
 KillWait=5
-NodeName=n1 NodeHostname=localhost NodeAddr=127.0.0.1 Port={ports['n1']} CPUs={self.cpus} RealMemory=8000 State=UNKNOWN
-NodeName=n2 NodeHostname=localhost NodeAddr=127.0.0.1 Port={ports['n2']} CPUs={self.cpus} RealMemory=8000 State=UNKNOWN
+NodeName=n1 NodeHostname=localhost NodeAddr=127.0.0.1 Port={ports["n1"]} CPUs={self.cpus} RealMemory=8000 State=UNKNOWN
+NodeName=n2 NodeHostname=localhost NodeAddr=127.0.0.1 Port={ports["n2"]} CPUs={self.cpus} RealMemory=8000 State=UNKNOWN
 PartitionName=debug Nodes=n[1-2] Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
 """)
 
     def _spawn(self, name: str, cmd: list[str], out: Path) -> None:
         out.parent.mkdir(parents=True, exist_ok=True)
         with open(out, "wb") as f:
-            self._procs[name] = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=self.env,
-                                                 start_new_session=True)
+            self._procs[name] = subprocess.Popen(
+                cmd, stdout=f, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
+            )
 
     def _wait_idle(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -152,8 +180,9 @@ PartitionName=debug Nodes=n[1-2] Default=YES MaxTime=INFINITE State=UP OverSubsc
             dead = [n for n, p in self._procs.items() if p.poll() is not None]
             if dead:
                 raise RuntimeError(f"Slurm daemons exited: {dead}\n{self.logs()}")
-            proc = subprocess.run([_which("sinfo"), "-h", "-N", "-o", "%N %t"], capture_output=True, text=True,
-                                  env=self.env)
+            proc = subprocess.run(
+                [_which("sinfo"), "-h", "-N", "-o", "%N %t"], capture_output=True, text=True, env=self.env
+            )
             state = proc.stdout.strip()
             nodes = dict(line.split() for line in state.splitlines() if len(line.split()) == 2)
             if nodes.get("n1") == "idle" and nodes.get("n2") == "idle":
@@ -163,8 +192,9 @@ PartitionName=debug Nodes=n[1-2] Default=YES MaxTime=INFINITE State=UP OverSubsc
 
     def stop(self) -> None:
         """Stop every daemon by the PID it was started with (slurmd, slurmctld, then munged)."""
-        order = [n for n in self._procs if n.startswith("slurmd")] + [n for n in ("slurmctld", "munged")
-                                                                      if n in self._procs]
+        order = [n for n in self._procs if n.startswith("slurmd")] + [
+            n for n in ("slurmctld", "munged") if n in self._procs
+        ]
         for name in order:
             proc = self._procs[name]
             if proc.poll() is None:
@@ -184,8 +214,9 @@ PartitionName=debug Nodes=n[1-2] Default=YES MaxTime=INFINITE State=UP OverSubsc
     # ------------------------------------------------------------------ use
     def run(self, *args: str, timeout: float = 60.0, check: bool = True) -> subprocess.CompletedProcess[str]:
         """Run a Slurm command (``sbatch``, ``scontrol``, ...) against this cluster."""
-        proc = subprocess.run([_which(args[0]), *args[1:]], capture_output=True, text=True, env=self.env,
-                              timeout=timeout)
+        proc = subprocess.run(
+            [_which(args[0]), *args[1:]], capture_output=True, text=True, env=self.env, timeout=timeout
+        )
         if check and proc.returncode != 0:
             raise RuntimeError(f"{' '.join(args)} failed ({proc.returncode}): {proc.stderr}\n{self.logs()}")
         return proc
@@ -200,8 +231,17 @@ PartitionName=debug Nodes=n[1-2] Default=YES MaxTime=INFINITE State=UP OverSubsc
 
     def wait_job(self, job_id: str, timeout: float, done: tuple[str, ...] = ("COMPLETED",)) -> str:
         """Wait until the job reaches an end state; raise with the daemons' logs if it fails or times out."""
-        ends = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE",
-                "PREEMPTED"}
+        ends = {
+            "COMPLETED",
+            "FAILED",
+            "CANCELLED",
+            "TIMEOUT",
+            "NODE_FAIL",
+            "OUT_OF_MEMORY",
+            "BOOT_FAIL",
+            "DEADLINE",
+            "PREEMPTED",
+        }
         deadline = time.monotonic() + timeout
         state = "UNKNOWN"
         while time.monotonic() < deadline:

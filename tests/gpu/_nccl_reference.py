@@ -37,8 +37,16 @@ class RegressionModule(pl.LightningModule):
 
 
 def fit(module: pl.LightningModule, strategy: object, world: int, accelerator: str = "gpu") -> None:
-    trainer = pl.Trainer(accelerator=accelerator, devices=world, strategy=strategy, max_steps=STEPS, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = pl.Trainer(
+        accelerator=accelerator,
+        devices=world,
+        strategy=strategy,
+        max_steps=STEPS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(module, DataLoader(data(), batch_size=BATCH, shuffle=True))
 
 
@@ -47,8 +55,16 @@ def reference(world: int, device: torch.device, hidden: int, momentum: float) ->
     model = net(hidden).to(device)
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=momentum)
     seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
-    loaders = [iter(DataLoader(data(), batch_size=BATCH, sampler=DistributedSampler(
-        data(), num_replicas=world, rank=r, shuffle=True, seed=seed))) for r in range(world)]
+    loaders = [
+        iter(
+            DataLoader(
+                data(),
+                batch_size=BATCH,
+                sampler=DistributedSampler(data(), num_replicas=world, rank=r, shuffle=True, seed=seed),
+            )
+        )
+        for r in range(world)
+    ]
     for _ in range(STEPS):
         opt.zero_grad()
         loss = sum(nn.functional.mse_loss(model(x.to(device)), y.to(device)) for x, y in (next(it) for it in loaders))

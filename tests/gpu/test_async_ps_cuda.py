@@ -44,5 +44,7 @@ def _hogwild_on_gpu(rank: int, world: int) -> None:
 
 @pytest.mark.timeout(200)
 def test_hogwild_refuses_a_gpu_accelerator_by_name() -> None:
-    with pytest.raises(DistributedRankError, match=r"HogwildStrategy runs on CPU \(shared host memory\), got CUDAAccelerator"):
+    with pytest.raises(
+        DistributedRankError, match=r"HogwildStrategy runs on CPU \(shared host memory\), got CUDAAccelerator"
+    ):
         run_distributed(_hogwild_on_gpu, 1, timeout=150, process_group=False)

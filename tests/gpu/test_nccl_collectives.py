@@ -28,7 +28,9 @@ def _nccl_checks(rank: int, world: int) -> None:
     assert all(p.is_cuda and bool((p == r).all()) for r, p in enumerate(parts))
     shard = comms.reduce_scatter(torch.arange(7, device=dev, dtype=torch.float32) + rank)
     chunk = -(-7 // world)
-    torch.testing.assert_close(shard, (sum(torch.arange(7.0) + r for r in range(world)))[rank * chunk:(rank + 1) * chunk].to(dev))
+    torch.testing.assert_close(
+        shard, (sum(torch.arange(7.0) + r for r in range(world)))[rank * chunk : (rank + 1) * chunk].to(dev)
+    )
     assert comms.broadcast({"from": 0} if rank == 0 else None) == {"from": 0}
     assert comms.all_gather_object(rank) == list(range(world))
     w = comms.all_reduce(torch.ones(4, device=dev), async_op=True)

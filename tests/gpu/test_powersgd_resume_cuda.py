@@ -42,12 +42,21 @@ class _CompressorDevices(pl.Callback):
 def _fit(tmpdir: str, max_steps: int, callbacks: list[Any], ckpt: Path | None = None) -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
     module = RegressionModule(HIDDEN, momentum=0.9)
-    strategy = BucketedDDPStrategy(compression="powersgd", powersgd_warmup_steps=1, bucket_cap_mb=0.001,
-                                   first_bucket_mb=0.001)
-    trainer = pl.Trainer(accelerator="gpu", devices=1, strategy=strategy, max_steps=max_steps, logger=False,
-                         enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
-                         enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
-                         default_root_dir=tmpdir)
+    strategy = BucketedDDPStrategy(
+        compression="powersgd", powersgd_warmup_steps=1, bucket_cap_mb=0.001, first_bucket_mb=0.001
+    )
+    trainer = pl.Trainer(
+        accelerator="gpu",
+        devices=1,
+        strategy=strategy,
+        max_steps=max_steps,
+        logger=False,
+        enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+        default_root_dir=tmpdir,
+    )
     trainer.fit(module, DataLoader(data(), batch_size=BATCH, shuffle=True), ckpt_path=ckpt)
     return {k: v.detach().cpu() for k, v in module.state_dict().items()}
 
@@ -66,8 +75,13 @@ def _stop_and_resume(rank: int, world: int, tmpdir: str) -> dict[str, Any]:
     stripped = Path(tmpdir) / "without-compressor.ckpt"
     torch.save(checkpoint, stripped)
     fresh = _fit(tmpdir, STEPS, [], ckpt=stripped)
-    return {"whole": whole, "resumed": resumed, "fresh": fresh, "devices": probe.devices,
-            "saved": {key: sorted(saved[key]) for key in ("q", "error")}}
+    return {
+        "whole": whole,
+        "resumed": resumed,
+        "fresh": fresh,
+        "devices": probe.devices,
+        "saved": {key: sorted(saved[key]) for key in ("q", "error")},
+    }
 
 
 def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

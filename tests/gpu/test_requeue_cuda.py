@@ -63,9 +63,17 @@ class _SignalAtStep(pl.Callback):
 def _fit(callbacks: list[pl.Callback], ckpt: Path | None = None, cuda_seed: int = 7) -> tuple[pl.Trainer, dict]:
     torch.cuda.manual_seed(cuda_seed)
     module = _DropoutRegression()
-    trainer = pl.Trainer(accelerator="gpu", devices=1, strategy=BucketedDDPStrategy(), max_steps=STEPS, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         callbacks=callbacks)
+    trainer = pl.Trainer(
+        accelerator="gpu",
+        devices=1,
+        strategy=BucketedDDPStrategy(),
+        max_steps=STEPS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+    )
     trainer.fit(module, ckpt_path=ckpt)
     return trainer, {k: v.detach().cpu() for k, v in module.state_dict().items()}
 
@@ -84,8 +92,14 @@ def _stop_and_resume(rank: int, world: int, tmpdir: str) -> dict[str, Any]:
     ckpt = latest_checkpoint(Path(tmpdir) / "requeue")
     saved = torch.load(ckpt, map_location="cpu", weights_only=True)[RANK_STATES] if ckpt is not None else None
     trainer, resumed = _fit([RequeueOnSignal(Path(tmpdir) / "requeue", "USR1", requeue=False)], ckpt=ckpt)
-    return {"whole": whole, "other_seed": other_seed, "stopped": stopped, "saved": saved,
-            "resumed_step": trainer.global_step, "resumed": resumed}
+    return {
+        "whole": whole,
+        "other_seed": other_seed,
+        "stopped": stopped,
+        "saved": saved,
+        "resumed_step": trainer.global_step,
+        "resumed": resumed,
+    }
 
 
 @pytest.mark.timeout(300)

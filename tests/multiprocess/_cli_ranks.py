@@ -31,13 +31,35 @@ def launch(world: int, run_dir: Path, overrides: Sequence[str]) -> list[subproce
     port = _free_port()
     procs = []
     for rank in range(world):
-        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "NODE_RANK": str(rank),
-               "LOCAL_RANK": "0", "WORLD_SIZE": str(world), "OMP_NUM_THREADS": "1"}
-        cmd = [sys.executable, "-m", "lightning_sync", "train", "trainer.devices=1", f"trainer.num_nodes={world}",
-               "trainer.enable_progress_bar=false", "trainer.logger=false", "final_validate=false", "sample_chars=0",
-               f"final_checkpoint={run_dir}/final.ckpt", f"hydra.run.dir={run_dir}", *overrides]
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                      start_new_session=True))
+        env = {
+            **os.environ,
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "NODE_RANK": str(rank),
+            "LOCAL_RANK": "0",
+            "WORLD_SIZE": str(world),
+            "OMP_NUM_THREADS": "1",
+        }
+        cmd = [
+            sys.executable,
+            "-m",
+            "lightning_sync",
+            "train",
+            "trainer.devices=1",
+            f"trainer.num_nodes={world}",
+            "trainer.enable_progress_bar=false",
+            "trainer.logger=false",
+            "final_validate=false",
+            "sample_chars=0",
+            f"final_checkpoint={run_dir}/final.ckpt",
+            f"hydra.run.dir={run_dir}",
+            *overrides,
+        ]
+        procs.append(
+            subprocess.Popen(
+                cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+            )
+        )
     return procs
 
 

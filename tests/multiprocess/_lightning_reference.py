@@ -26,9 +26,31 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from lightning_sync.testing import Checks
 
-__all__ = ["BATCH", "DIM", "ENV", "EQ_TOL", "HIDDEN", "LR_GAMMA", "LR_STEP_SIZE", "MIN_MOVE", "N_TRAIN", "SEED",
-           "SEQ", "STEPS", "VOCAB", "_QUIET", "_TiedModule", "_TiedNet", "_check_against", "_quiet_rank", "_rank_batches", "_reference",
-           "_state", "_token_data", "_trainer"]
+__all__ = [
+    "BATCH",
+    "DIM",
+    "ENV",
+    "EQ_TOL",
+    "HIDDEN",
+    "LR_GAMMA",
+    "LR_STEP_SIZE",
+    "MIN_MOVE",
+    "N_TRAIN",
+    "SEED",
+    "SEQ",
+    "STEPS",
+    "VOCAB",
+    "_QUIET",
+    "_TiedModule",
+    "_TiedNet",
+    "_check_against",
+    "_quiet_rank",
+    "_rank_batches",
+    "_reference",
+    "_state",
+    "_token_data",
+    "_trainer",
+]
 
 SEED = 11  # PL_GLOBAL_SEED in every rank; Lightning seeds its DistributedSampler with it (not the default 0)
 ENV = {"PL_GLOBAL_SEED": str(SEED)}
@@ -48,8 +70,13 @@ STEPS = 6
 EQ_TOL = {"rtol": 0.0, "atol": 1e-5}
 MIN_MOVE = 1e-2
 
-_QUIET = {"enable_checkpointing": False, "logger": False, "enable_progress_bar": False,
-          "enable_model_summary": False, "num_sanity_val_steps": 0}
+_QUIET = {
+    "enable_checkpointing": False,
+    "logger": False,
+    "enable_progress_bar": False,
+    "enable_model_summary": False,
+    "num_sanity_val_steps": 0,
+}
 
 # A per-step StepLR (``scheduler=True``): the learning rate halves every 2 optimizer steps.
 LR_STEP_SIZE, LR_GAMMA = 2, 0.5
@@ -104,8 +131,9 @@ class _TiedNet(nn.Module):
 class _TiedModule(pl.LightningModule):
     """``optimizer``: ``"sgd"`` (momentum 0.9) or ``"adamw"``; ``scheduler``: add a per-step StepLR."""
 
-    def __init__(self, optimizer: str = "sgd", ds: TensorDataset | None = None, *, scheduler: bool = False,
-                 **net_kw: bool) -> None:
+    def __init__(
+        self, optimizer: str = "sgd", ds: TensorDataset | None = None, *, scheduler: bool = False, **net_kw: bool
+    ) -> None:
         super().__init__()
         with torch.random.fork_rng():
             torch.manual_seed(1234)  # the same initial weights in every rank and in the reference
@@ -137,16 +165,29 @@ def _rank_batches(n: int, world: int, epoch: int, batch: int = BATCH) -> list[li
     seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
     out = []
     for r in range(world):
-        sampler = DistributedSampler(range(n), num_replicas=world, rank=r,  # type: ignore[arg-type]
-                                     shuffle=True, seed=seed)
+        sampler = DistributedSampler(
+            range(n),
+            num_replicas=world,
+            rank=r,  # type: ignore[arg-type]
+            shuffle=True,
+            seed=seed,
+        )
         sampler.set_epoch(epoch)
         idx = list(sampler)
-        out.append([idx[i:i + batch] for i in range(0, len(idx), batch)])
+        out.append([idx[i : i + batch] for i in range(0, len(idx), batch)])
     return out
 
 
-def _reference(module: pl.LightningModule, ds: TensorDataset, world: int, steps: int, accumulate: int = 1,
-               batch: int = BATCH, clip: float | None = None, clip_algorithm: str = "norm") -> dict[str, Any]:
+def _reference(
+    module: pl.LightningModule,
+    ds: TensorDataset,
+    world: int,
+    steps: int,
+    accumulate: int = 1,
+    batch: int = BATCH,
+    clip: float | None = None,
+    clip_algorithm: str = "norm",
+) -> dict[str, Any]:
     """Train ``module`` in this one process on the global batches of ``world`` ranks; return a summary.
 
     ``clip``: before each step, ``torch.nn.utils.clip_grad_norm_`` to this norm (``clip_algorithm="norm"``)
@@ -195,8 +236,14 @@ def _state(module: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in module.state_dict().items()}
 
 
-def _check_against(ck: Checks, tag: str, module: nn.Module, ref: dict[str, torch.Tensor],
-                   init: dict[str, torch.Tensor], tol: dict[str, float] = EQ_TOL) -> None:
+def _check_against(
+    ck: Checks,
+    tag: str,
+    module: nn.Module,
+    ref: dict[str, torch.Tensor],
+    init: dict[str, torch.Tensor],
+    tol: dict[str, float] = EQ_TOL,
+) -> None:
     """Every tensor of ``module`` equals the reference; and the reference did move (a check that can fail)."""
     for name, value in _state(module).items():
         ck.close(f"{tag} {name}", value, ref[name], **tol)

@@ -44,14 +44,18 @@ _ALGOS: dict[str, Callable[..., torch.Tensor]] = {
 }
 
 
-def _check_all_reduces(ck: Checks, me: int, members: list[int], group: Any, label: str,
-                       shapes: list[tuple[int, ...]], seed0: int) -> int:
+def _check_all_reduces(
+    ck: Checks, me: int, members: list[int], group: Any, label: str, shapes: list[tuple[int, ...]], seed0: int
+) -> int:
     """All-reduce algorithms over ``members`` (global ranks; ``me`` is this rank's global rank)."""
     seed = seed0
     for shape, dtype, op in itertools.product(shapes, (torch.float32, torch.int64), OPS):
         seed += 1
-        ref = None if (op == "avg" and dtype == torch.int64) else \
-            reduce_reference([exact_input(r, shape, dtype, seed) for r in members], op)
+        ref = (
+            None
+            if (op == "avg" and dtype == torch.int64)
+            else reduce_reference([exact_input(r, shape, dtype, seed) for r in members], op)
+        )
         backend = None
         if ref is not None:
             backend = comms.all_reduce(exact_input(me, shape, dtype, seed), op=op, group=group)
@@ -69,8 +73,9 @@ def _check_all_reduces(ck: Checks, me: int, members: list[int], group: Any, labe
     return seed
 
 
-def _check_ring_pieces(ck: Checks, me: int, members: list[int], group: Any, label: str,
-                       sizes: list[int], seed0: int) -> int:
+def _check_ring_pieces(
+    ck: Checks, me: int, members: list[int], group: Any, label: str, sizes: list[int], seed0: int
+) -> int:
     """ring_reduce_scatter vs comms.reduce_scatter (same chunking), ring_all_gather vs all_gather_into."""
     seed, k, pos = seed0, len(members), members.index(me)
     for n, dtype, op in itertools.product(sizes, (torch.float32, torch.int64), OPS):
@@ -80,7 +85,7 @@ def _check_ring_pieces(ck: Checks, me: int, members: list[int], group: Any, labe
         case = f"{label} ring_reduce_scatter(n={n})[{op}, {dtype}]"
         full = reduce_reference([exact_input(r, (n,), dtype, seed) for r in members], op)
         c = -(-n // k)  # chunk r is elements [r*c, min(n, (r+1)*c)) of the flattened tensor
-        expected = full[pos * c:max(pos * c, min(n, (pos + 1) * c))]
+        expected = full[pos * c : max(pos * c, min(n, (pos + 1) * c))]
         out = A.ring_reduce_scatter(exact_input(me, (n,), dtype, seed), op=op, group=group)
         ck.close(case + " vs reference", out, expected, **_tol(op))
         backend = comms.reduce_scatter(exact_input(me, (n,), dtype, seed), op=op, group=group)
@@ -90,7 +95,7 @@ def _check_ring_pieces(ck: Checks, me: int, members: list[int], group: Any, labe
     full = reduce_reference([exact_input(r, (3, 5), torch.float32, seed) for r in members], "sum").reshape(-1)
     c = -(-15 // k)
     out = A.ring_reduce_scatter(exact_input(me, (3, 5), torch.float32, seed), group=group)
-    ck.close(f"{label} ring_reduce_scatter 2-D", out, full[pos * c:min(15, (pos + 1) * c)], **_tol("sum"))
+    ck.close(f"{label} ring_reduce_scatter 2-D", out, full[pos * c : min(15, (pos + 1) * c)], **_tol("sum"))
     for m, dtype in itertools.product((1, 4), (torch.float32, torch.int64)):
         seed += 1
         case = f"{label} ring_all_gather(m={m})[{dtype}]"
@@ -108,8 +113,11 @@ def _check_tree_traffic(ck: Checks, me: int, members: list[int], group: Any, lab
     t = torch.zeros(10)  # S = 40 bytes
     A.tree_all_reduce(t, group=group)
     stats = comms.get_stats()
-    ck.true(f"{label} tree entry has 0 bytes", stats["tree_all_reduce"].bytes == 0
-            and stats["tree_all_reduce"].calls == 1, stats["tree_all_reduce"])
+    ck.true(
+        f"{label} tree entry has 0 bytes",
+        stats["tree_all_reduce"].bytes == 0 and stats["tree_all_reduce"].calls == 1,
+        stats["tree_all_reduce"],
+    )
     out = {"send": stats["send"].bytes, "recv": stats["recv"].bytes}
     comms.reset_stats()
     return out
@@ -124,10 +132,18 @@ def _worker(rank: int, k: int) -> tuple[list[str], int, dict[str, Any]]:
     seed = _check_ring_pieces(ck, rank, everyone, None, f"world{k}", sorted({1, k - 1, 4 * k, 4 * k + 1}), seed)
     traffic = {"world": _check_tree_traffic(ck, rank, everyone, None, f"world{k}")}
 
-    ck.raises("unknown algorithm", lambda: A.all_reduce_with("allgather", torch.ones(2)),
-              r"'allgather'", re.escape("['backend', 'hierarchical', 'ring', 'tree']"))
-    ck.raises("unknown op in ring", lambda: A.ring_all_reduce(torch.ones(2), op="prod"),
-              r"'prod'", re.escape("['avg', 'max', 'min', 'sum']"))
+    ck.raises(
+        "unknown algorithm",
+        lambda: A.all_reduce_with("allgather", torch.ones(2)),
+        r"'allgather'",
+        re.escape("['backend', 'hierarchical', 'ring', 'tree']"),
+    )
+    ck.raises(
+        "unknown op in ring",
+        lambda: A.ring_all_reduce(torch.ones(2), op="prod"),
+        r"'prod'",
+        re.escape("['avg', 'max', 'min', 'sum']"),
+    )
     ck.raises("unknown op in tree", lambda: A.tree_all_reduce(torch.ones(2), op="mean"), r"'mean'")
 
     # sub-groups: every rank must call new_group, only members use it
@@ -156,9 +172,10 @@ def test_algorithms_match_backend_and_reference(world_size: int) -> None:
     assert_all_ranks_passed(results, min_checks=150, same_count=False)
     # tree traffic: each of the K-1 tree edges carries the 40-byte tensor up once and down once, so
     # over all ranks send == recv == 2 * (K-1) * 40 bytes (exact integer accounting)
-    groups = {"world": list(range(world_size)), **{str(m): m for m in ([[0, 2]] if world_size == 3 else
-                                                                       [[0, 2], [1, 2, 3]] if world_size == 4
-                                                                       else [])}}
+    groups = {
+        "world": list(range(world_size)),
+        **{str(m): m for m in ([[0, 2]] if world_size == 3 else [[0, 2], [1, 2, 3]] if world_size == 4 else [])},
+    }
     for key, members in groups.items():
         per_rank = [results[r][2][key] for r in members]
         assert all(key not in results[r][2] for r in range(world_size) if r not in members)

@@ -15,11 +15,10 @@ from typing import Any
 
 import pytest
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
 from _lightning_reference import (
+    BATCH,
     ENV,
     EQ_TOL,
-    BATCH,
     _check_against,
     _quiet_rank,
     _reference,
@@ -28,6 +27,7 @@ from _lightning_reference import (
     _token_data,
     _trainer,
 )
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_sync import AsyncParameterServerStrategy, comms
 from lightning_sync.diagnostics import SlowRank
@@ -64,13 +64,24 @@ def _synchronous(ck: Checks, world: int, rank: int) -> None:
     trainer = _trainer(world, AsyncParameterServerStrategy(max_staleness=0), max_steps=6, gradient_clip_val=0.5)
     trainer.fit(module)
     _check_against(ck, "[s=0 sgd]", module, ref["state"], init, tol=EQ_TOL)
-    ck.true("[s=0 sgd] 6 global steps, 6 own steps", (trainer.strategy.global_step, trainer.global_step) == (6, 6),
-            (trainer.strategy.global_step, trainer.global_step))
-    ck.true("[s=0 sgd] no gradient was stale", trainer.strategy.staleness_histogram == {0: 12},
-            trainer.strategy.staleness_histogram)
+    ck.true(
+        "[s=0 sgd] 6 global steps, 6 own steps",
+        (trainer.strategy.global_step, trainer.global_step) == (6, 6),
+        (trainer.strategy.global_step, trainer.global_step),
+    )
+    ck.true(
+        "[s=0 sgd] no gradient was stale",
+        trainer.strategy.staleness_histogram == {0: 12},
+        trainer.strategy.staleness_histogram,
+    )
     ck.true("[s=0 sgd] max_steps restored after fit", trainer.max_steps == 6, trainer.max_steps)
-    ck.close("[s=0 sgd] the worker's optimizer reports the global LR", torch.tensor(trainer.optimizers[0].param_groups[0]["lr"]),
-             torch.tensor(ref["lrs"][-1] * 0.5), rtol=0.0, atol=0.0)  # the step after the last one halves it again
+    ck.close(
+        "[s=0 sgd] the worker's optimizer reports the global LR",
+        torch.tensor(trainer.optimizers[0].param_groups[0]["lr"]),
+        torch.tensor(ref["lrs"][-1] * 0.5),
+        rtol=0.0,
+        atol=0.0,
+    )  # the step after the last one halves it again
     stats = comms.get_stats().snapshot()
     sent, received = stats.get("rpc_send", comms.OpStats()), stats.get("rpc_recv", comms.OpStats())
     if rank == 0:  # the server's own worker calls it directly: nothing on the wire
@@ -96,15 +107,19 @@ def _validation_and_checkpoint(ck: Checks, world: int, tmpdir: str) -> None:
     ref3 = _reference(_TiedModule("sgd", ds, scheduler=True), ds, world, steps=3)["state"]
     ref6 = _reference(_TiedModule("sgd", ds, scheduler=True), ds, world, steps=6)["state"]
     every3 = ModelCheckpoint(dirpath=tmpdir, filename="{step}", every_n_train_steps=3, save_top_k=-1)
-    trainer = _trainer(world, AsyncParameterServerStrategy(max_staleness=0), max_steps=6, callbacks=[every3],
-                       enable_checkpointing=True)
+    trainer = _trainer(
+        world, AsyncParameterServerStrategy(max_staleness=0), max_steps=6, callbacks=[every3], enable_checkpointing=True
+    )
     trainer.fit(module)  # returns once every worker has finished: rank 0's checkpoints are written by then
     _check_against(ck, "[6 steps, 2 epochs]", module, ref6, init, tol=EQ_TOL)
     ck.true("[val] two validations", len(module.in_validation) == 2, len(module.in_validation))
     for k, v in module.in_validation[0].items():
         ck.close(f"[val] validation sees the global model: {k}", v, ref3[k], **EQ_TOL)
-    ck.true("[val] every worker evaluates the whole set", module.val_batches == 2 * EPOCH_SAMPLES // BATCH,
-            module.val_batches)
+    ck.true(
+        "[val] every worker evaluates the whole set",
+        module.val_batches == 2 * EPOCH_SAMPLES // BATCH,
+        module.val_batches,
+    )
     # 4. the checkpoint of step 3 (an epoch end: Lightning restarts a mid-epoch resume at the epoch's first
     #    batch, its DataLoader being stateless) holds the server's model, optimizer state, scheduler and
     #    clock; resuming it to step 6 equals 6 uninterrupted steps
@@ -114,8 +129,11 @@ def _validation_and_checkpoint(ck: Checks, world: int, tmpdir: str) -> None:
         ck.close(f"[ckpt] saved weights are the global model: {k}", saved["state_dict"][k], v, **EQ_TOL)
     momentum = saved["optimizer_states"][0]["state"]
     trainable = len([p for p in module.parameters() if p.requires_grad])
-    ck.true("[ckpt] the server's momentum buffers", len(momentum) == trainable
-            and all("momentum_buffer" in s for s in momentum.values()), (len(momentum), trainable))
+    ck.true(
+        "[ckpt] the server's momentum buffers",
+        len(momentum) == trainable and all("momentum_buffer" in s for s in momentum.values()),
+        (len(momentum), trainable),
+    )
     ck.true("[ckpt] scheduler at step 3", saved["lr_schedulers"][0]["last_epoch"] == 3, saved["lr_schedulers"])
     clock = saved["lightning_sync/async_ps"]
     ck.true("[ckpt] server clock", (clock["global_step"], clock["pushes"]) == (3, 6), clock)
@@ -191,10 +209,19 @@ def test_server_rank_outside_the_job_is_named() -> None:
         run_distributed(_bad_server_rank, 2, timeout=90, env=ENV, process_group=False)
 
 
-@pytest.mark.parametrize(("kw", "named"), [({"max_staleness": -1}, "max_staleness"), ({"max_staleness": "2"}, "max_staleness"),
-                                           ({"max_staleness": True}, "max_staleness"), ({"max_staleness": 1.5}, "max_staleness"),
-                                           ({"server_rank": -1}, "server_rank"), ({"timeout": 0}, "timeout"),
-                                           ({"start_method": "thread"}, "start_method"), ({"bogus": 1}, "bogus")])
+@pytest.mark.parametrize(
+    ("kw", "named"),
+    [
+        ({"max_staleness": -1}, "max_staleness"),
+        ({"max_staleness": "2"}, "max_staleness"),
+        ({"max_staleness": True}, "max_staleness"),
+        ({"max_staleness": 1.5}, "max_staleness"),
+        ({"server_rank": -1}, "server_rank"),
+        ({"timeout": 0}, "timeout"),
+        ({"start_method": "thread"}, "start_method"),
+        ({"bogus": 1}, "bogus"),
+    ],
+)
 def test_bad_arguments_are_named(kw: dict[str, Any], named: str) -> None:
     with pytest.raises(ValueError, match=named):
         AsyncParameterServerStrategy(**kw)

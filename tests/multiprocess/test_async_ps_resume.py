@@ -48,8 +48,9 @@ EXACT = {"rtol": 0.0, "atol": 0.0}  # the same fp32 operations on the same value
 
 def _store() -> torch.distributed.TCPStore:
     """The harness's rendezvous store, as a client: a flag rank 1 raises and the server's rank waits on."""
-    return torch.distributed.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                                      timeout=timedelta(seconds=60))
+    return torch.distributed.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timedelta(seconds=60)
+    )
 
 
 class _RaiseFlagBeforeFirstPush(Callback):
@@ -111,13 +112,17 @@ def _replay(ckpt: dict[str, Any], steps: list[tuple[int, list[Any]]], ds: Any, b
     return server
 
 
-def _check_restore(ck: Checks, strategy: _SlowRestore, ckpt: dict[str, Any], final: dict[str, torch.Tensor],
-                   ds: Any) -> None:
+def _check_restore(
+    ck: Checks, strategy: _SlowRestore, ckpt: dict[str, Any], final: dict[str, torch.Tensor], ds: Any
+) -> None:
     snap, saved = strategy.at_restore, ckpt["lightning_sync/async_ps"]
     assert snap is not None
     clock = snap["state"]
-    ck.true("[restore] the version, pushes and clock are the checkpoint's", {k: clock[k] for k in saved} == saved,
-            (clock, saved))
+    ck.true(
+        "[restore] the version, pushes and clock are the checkpoint's",
+        {k: clock[k] for k in saved} == saved,
+        (clock, saved),
+    )
     trainable = [k for k, v in _TiedModule("sgd", ds).named_parameters() if v.requires_grad]
     for name, value in zip(trainable, snap["params"]):
         ck.close(f"[restore] the server's {name} is the checkpoint's", value, ckpt["state_dict"][name], **EXACT)
@@ -125,28 +130,48 @@ def _check_restore(ck: Checks, strategy: _SlowRestore, ckpt: dict[str, Any], fin
     ck.true("[restore] a momentum buffer per trainable parameter", sorted(state) == sorted(want), sorted(state))
     for i in want:
         ck.close(f"[restore] momentum buffer {i}", state[i]["momentum_buffer"], want[i]["momentum_buffer"], **EXACT)
-    ck.true("[restore] the learning rate is the checkpoint's", snap["optimizer"]["param_groups"][0]["lr"]
-            == ckpt["optimizer_states"][0]["param_groups"][0]["lr"], snap["optimizer"]["param_groups"])
-    ck.true("[restore] the scheduler is the checkpoint's", snap["schedulers"] == ckpt["lr_schedulers"],
-            snap["schedulers"])
+    ck.true(
+        "[restore] the learning rate is the checkpoint's",
+        snap["optimizer"]["param_groups"][0]["lr"] == ckpt["optimizer_states"][0]["param_groups"][0]["lr"],
+        snap["optimizer"]["param_groups"],
+    )
+    ck.true(
+        "[restore] the scheduler is the checkpoint's", snap["schedulers"] == ckpt["lr_schedulers"], snap["schedulers"]
+    )
     # after the restore: the recorded steps, and nothing else, took the checkpoint to the final model
     stale = Counter(version - p.read_version for version, take in strategy.steps for p in take)
-    ck.true("[after] every push was applied (none was held for ever, none lost)",
-            sum(stale.values()) == 12 - saved["pushes"], stale)
+    ck.true(
+        "[after] every push was applied (none was held for ever, none lost)",
+        sum(stale.values()) == 12 - saved["pushes"],
+        stale,
+    )
     ck.true("[after] no applied gradient staler than 2", max(stale) <= 2, stale)
     end = strategy._final
     assert end is not None
-    ck.true("[after] the version continued by exactly the steps taken",
-            end["state"]["version"] == saved["version"] + len(strategy.steps), (end["state"], len(strategy.steps)))
-    ck.true("[after] the global clock reached the budget from the saved one",
-            (saved["global_step"], end["state"]["global_step"]) == (3, 6), end["state"])
-    ck.true("[after] the staleness histogram continued",
-            end["state"]["staleness"] == dict(Counter(saved["staleness"]) + stale), end["state"]["staleness"])
+    ck.true(
+        "[after] the version continued by exactly the steps taken",
+        end["state"]["version"] == saved["version"] + len(strategy.steps),
+        (end["state"], len(strategy.steps)),
+    )
+    ck.true(
+        "[after] the global clock reached the budget from the saved one",
+        (saved["global_step"], end["state"]["global_step"]) == (3, 6),
+        end["state"],
+    )
+    ck.true(
+        "[after] the staleness histogram continued",
+        end["state"]["staleness"] == dict(Counter(saved["staleness"]) + stale),
+        end["state"]["staleness"],
+    )
     replay = _replay(ckpt, strategy.steps, ds, budget=6)
     ck.true("[replay] the same version", replay.version == end["state"]["version"], replay.version)
     for name, value in zip(trainable, replay.params):
-        ck.close(f"[replay] resumed = checkpoint + the steps taken after the restore: {name}", final[name],
-                 value.detach(), **EXACT)
+        ck.close(
+            f"[replay] resumed = checkpoint + the steps taken after the restore: {name}",
+            final[name],
+            value.detach(),
+            **EXACT,
+        )
 
 
 def _two_ranks(rank: int, world: int, tmpdir: str) -> tuple[list[str], int, dict[str, torch.Tensor]]:
@@ -156,8 +181,9 @@ def _two_ranks(rank: int, world: int, tmpdir: str) -> tuple[list[str], int, dict
     # the uninterrupted run (s = 0: a deterministic schedule), with the checkpoint of step 3
     every3 = ModelCheckpoint(dirpath=tmpdir, filename="{step}", every_n_train_steps=3, save_top_k=-1)
     whole = _TiedModule("sgd", ds, scheduler=True)
-    _trainer(world, AsyncParameterServerStrategy(max_staleness=0), max_steps=6, callbacks=[every3],
-             enable_checkpointing=True).fit(whole)
+    _trainer(
+        world, AsyncParameterServerStrategy(max_staleness=0), max_steps=6, callbacks=[every3], enable_checkpointing=True
+    ).fit(whole)
     path = os.path.join(tmpdir, "step=3.ckpt")
     ckpt = torch.load(path, map_location="cpu", weights_only=False)
     # s = 2, rank 1 pushing while the server's rank restores
@@ -180,7 +206,9 @@ def _two_ranks(rank: int, world: int, tmpdir: str) -> tuple[list[str], int, dict
 @pytest.mark.timeout(300)
 def test_resume_restores_the_server_before_any_push_and_is_exact_at_s0(tmp_path: Any) -> None:
     results = run_distributed(_two_ranks, 2, str(tmp_path), timeout=240, env=ENV, process_group=False)
-    assert_all_ranks_passed([(f, n) for f, n, _ in results], min_checks=11, same_count=False)  # rank 0 checks the server
+    assert_all_ranks_passed(
+        [(f, n) for f, n, _ in results], min_checks=11, same_count=False
+    )  # rank 0 checks the server
     assert results[0][1] >= 40, f"rank 0 ran {results[0][1]} checks"
     for k, v in results[0][2].items():  # after the raced fit both ranks hold the final global model
         torch.testing.assert_close(results[1][2][k], v, **EXACT)
@@ -191,19 +219,27 @@ def _one_worker(rank: int, world: int, tmpdir: str) -> tuple[list[str], int]:
     ck = Checks()
     ds = _token_data(12)  # 1 rank x batch 4: 3 steps an epoch
     for optimizer in ("sgd", "adamw"):
-        every3 = ModelCheckpoint(dirpath=os.path.join(tmpdir, optimizer), filename="{step}", every_n_train_steps=3,
-                                 save_top_k=-1)
+        every3 = ModelCheckpoint(
+            dirpath=os.path.join(tmpdir, optimizer), filename="{step}", every_n_train_steps=3, save_top_k=-1
+        )
         whole = _TiedModule(optimizer, ds, scheduler=True)
-        _trainer(world, AsyncParameterServerStrategy(max_staleness=2), max_steps=6, callbacks=[every3],
-                 enable_checkpointing=True).fit(whole)
+        _trainer(
+            world,
+            AsyncParameterServerStrategy(max_staleness=2),
+            max_steps=6,
+            callbacks=[every3],
+            enable_checkpointing=True,
+        ).fit(whole)
         resumed = _TiedModule(optimizer, ds, scheduler=True)
         strategy = AsyncParameterServerStrategy(max_staleness=2)
         _trainer(world, strategy, max_steps=6).fit(resumed, ckpt_path=os.path.join(tmpdir, optimizer, "step=3.ckpt"))
         for name, value in _state(resumed).items():
             ck.close(f"[{optimizer}] resumed 3 -> 6 = uninterrupted: {name}", value, _state(whole)[name], **EXACT)
-        ck.true(f"[{optimizer}] the version continued from 3 to 6, never stale",
-                (strategy._last.version, strategy.staleness_histogram) == (6, {0: 6}),
-                (strategy._last.version, strategy.staleness_histogram))
+        ck.true(
+            f"[{optimizer}] the version continued from 3 to 6, never stale",
+            (strategy._last.version, strategy.staleness_histogram) == (6, {0: 6}),
+            (strategy._last.version, strategy.staleness_histogram),
+        )
     return ck.failures, ck.count
 
 

@@ -60,8 +60,7 @@ def _server_fails(rank: int, world: int, max_staleness: float) -> str | None:
 @pytest.mark.timeout(2 * HARNESS_TIMEOUT_S)
 @pytest.mark.parametrize("max_staleness", [0, math.inf])
 def test_a_failing_server_update_stops_every_worker_naming_its_exception(max_staleness: float) -> None:
-    messages = run_distributed(_server_fails, 3, max_staleness, timeout=HARNESS_TIMEOUT_S, env=ENV,
-                               process_group=False)
+    messages = run_distributed(_server_fails, 3, max_staleness, timeout=HARNESS_TIMEOUT_S, env=ENV, process_group=False)
     for rank, message in enumerate(messages):
         assert message is not None, f"rank {rank} trained to the end although the server's update failed"
         assert EXPECTED in message, f"rank {rank} stopped with another error:\n{message}"

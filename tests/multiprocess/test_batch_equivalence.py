@@ -54,8 +54,9 @@ class _BatchSizes(pl.Callback):
     def __init__(self) -> None:
         self.sizes: list[int] = []
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
-                             batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         self.sizes.append(int(batch[0].shape[0]))
 
 
@@ -71,12 +72,16 @@ def _worker(rank: int, world: int) -> tuple[list[str], int, float, dict[str, dic
         init = _state(_TiedModule(opt))
         ref = _reference(_TiedModule(opt), ds, world=1, steps=STEPS, batch=plan.global_size)["state"]
         module, sizes = _TiedModule(opt, ds), _BatchSizes()
-        trainer = _trainer(world, BucketedDDPStrategy(), max_steps=STEPS, accumulate_grad_batches=plan.accumulate,
-                           callbacks=[sizes])
+        trainer = _trainer(
+            world, BucketedDDPStrategy(), max_steps=STEPS, accumulate_grad_batches=plan.accumulate, callbacks=[sizes]
+        )
         trainer.fit(module, train_dataloaders=DataLoader(ds, batch_size=plan.per_device, shuffle=True))
         ck.true(f"{tag} optimizer steps", trainer.global_step == STEPS, trainer.global_step)
-        ck.true(f"{tag} micro-batches of per_device samples, accumulate per step",
-                sizes.sizes == [plan.per_device] * (STEPS * plan.accumulate), sizes.sizes)
+        ck.true(
+            f"{tag} micro-batches of per_device samples, accumulate per step",
+            sizes.sizes == [plan.per_device] * (STEPS * plan.accumulate),
+            sizes.sizes,
+        )
         _check_against(ck, tag, module, ref, init, tol=TOL)
         finals[opt] = _state(module)
         worst = max(worst, max((v - ref[k]).abs().max().item() for k, v in finals[opt].items()))

@@ -62,8 +62,9 @@ class _CommCounter(pl.Callback):
         self.batches: list[torch.Tensor] = []  # per batch: its inputs
         self._calls = self._bytes = 0
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
-                             batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         self.batches.append(batch[0].clone())
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
@@ -115,8 +116,9 @@ def _equivalence_worker(rank: int, world: int) -> tuple[list[str], int, dict[str
         ck.true(f"{tag} bucket count", (min(counter.buckets) >= 5) if expect_many else True, counter.buckets)
         if cap == HUGE_MB:
             ck.true(f"{tag} one bucket", set(counter.buckets) == {1}, counter.buckets)
-        ck.true(f"{tag} one all-reduce per bucket", counter.deltas == counter.buckets,
-                (counter.deltas, counter.buckets))
+        ck.true(
+            f"{tag} one all-reduce per bucket", counter.deltas == counter.buckets, (counter.deltas, counter.buckets)
+        )
         frozen = [n for n in init if n.startswith("net.frozen")]
         for name in frozen:
             ck.close(f"{tag} frozen {name} unchanged", module.state_dict()[name], init[name])
@@ -127,15 +129,19 @@ def _equivalence_worker(rank: int, world: int) -> tuple[list[str], int, dict[str
         module = _TiedModule(opt, ds)
         strategy = BucketedDDPStrategy(bucket_cap_mb=cap, first_bucket_mb=TINY_MB, gradient_as_bucket_view=view)
         counter = _CommCounter()
-        _trainer(world, strategy, max_steps=STEPS // 2, accumulate_grad_batches=accumulate,
-                 callbacks=[counter]).fit(module)
+        _trainer(world, strategy, max_steps=STEPS // 2, accumulate_grad_batches=accumulate, callbacks=[counter]).fit(
+            module
+        )
         _check_against(ck, tag, module, ref, init)
         finals[tag] = _state(module)
         # micro-step k (0-based) is a boundary iff (k + 1) % accumulate == 0 (all within epoch 0)
         expected = [n if (k + 1) % accumulate == 0 else 0 for k, n in enumerate(counter.buckets)]
         ck.true(f"{tag} micro-steps", len(counter.deltas) == accumulate * (STEPS // 2), counter.deltas)
-        ck.true(f"{tag} zero all-reduces off the boundary, one per bucket on it", counter.deltas == expected,
-                (counter.deltas, expected))
+        ck.true(
+            f"{tag} zero all-reduces off the boundary, one per bucket on it",
+            counter.deltas == expected,
+            (counter.deltas, expected),
+        )
         ck.true(f"{tag} several buckets", min(counter.buckets) >= 3, counter.buckets)
     return (*ck.result(), finals)
 
@@ -183,8 +189,9 @@ class _SlowFirstModule(pl.LightningModule):
         with torch.random.fork_rng():
             torch.manual_seed(7)
             self.first = nn.Linear(32, 64)
-            self.rest = nn.Sequential(nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
-                                      nn.Linear(64, 10))
+            self.rest = nn.Sequential(
+                nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10)
+            )
             x = torch.randn(64, 32)
         self.ds = TensorDataset(x, (x[:, :10]).argmax(1))
 
@@ -211,14 +218,23 @@ def _check_overlap(ck: Checks, world: int) -> None:
     for step, (trace, slow_start) in enumerate(zip(counter.traces, _SLOW_STARTS)):
         launched = trace.launched_at
         ck.true(f"[overlap step {step}] every bucket launched", None not in launched, launched)
-        ck.true(f"[overlap step {step}] launched during backward", trace.launched_during_backward >= 1,
-                (launched, trace.backward_end))
+        ck.true(
+            f"[overlap step {step}] launched during backward",
+            trace.launched_during_backward >= 1,
+            (launched, trace.backward_end),
+        )
         # Buckets without the first layer's parameters are complete before the slow backward starts,
         # so each must have been issued by then (timestamps from the same clock, no thresholds).
-        early = [t for t, members in zip(launched, counter.members[step])
-                 if not first & {id(p) for p in members} and t is not None]
-        ck.true(f"[overlap step {step}] buckets issued before the slow first layer's backward",
-                len(early) >= 3 and all(t < slow_start for t in early), (early, slow_start))
+        early = [
+            t
+            for t, members in zip(launched, counter.members[step])
+            if not first & {id(p) for p in members} and t is not None
+        ]
+        ck.true(
+            f"[overlap step {step}] buckets issued before the slow first layer's backward",
+            len(early) >= 3 and all(t < slow_start for t in early),
+            (early, slow_start),
+        )
         ck.true(f"[overlap step {step}] launched in index order", launched == sorted(launched), launched)
 
 
@@ -227,9 +243,14 @@ def _check_unused(ck: Checks, world: int) -> None:
     # find_unused_parameters=False: every rank's fit raises, naming both parameters of the unused layer
     module = _TiedModule("sgd", ds, unused=True)
     strategy = BucketedDDPStrategy(bucket_cap_mb=TINY_MB, first_bucket_mb=TINY_MB)
-    ck.raises("[unused=False] fit raises naming the parameters",
-              lambda: _trainer(world, strategy, max_steps=2).fit(module),
-              r"net\.unused\.weight", r"net\.unused\.bias", r"find_unused_parameters=True", exc=RuntimeError)
+    ck.raises(
+        "[unused=False] fit raises naming the parameters",
+        lambda: _trainer(world, strategy, max_steps=2).fit(module),
+        r"net\.unused\.weight",
+        r"net\.unused\.bias",
+        r"find_unused_parameters=True",
+        exc=RuntimeError,
+    )
     # find_unused_parameters=True: the same as one process, where the unused layer's grad is None (SGD
     # skips it) and the "sometimes" layer gets the average of the ranks that used it (zeros elsewhere)
     for view in (True, False):
@@ -237,16 +258,20 @@ def _check_unused(ck: Checks, world: int) -> None:
         init = _state(_TiedModule("sgd", unused=True, sometimes=True))
         ref = _reference(_TiedModule("sgd", unused=True, sometimes=True), ds, world, STEPS)
         module = _TiedModule("sgd", ds, unused=True, sometimes=True)
-        strategy = BucketedDDPStrategy(bucket_cap_mb=TINY_MB, first_bucket_mb=TINY_MB,
-                                       gradient_as_bucket_view=view, find_unused_parameters=True)
+        strategy = BucketedDDPStrategy(
+            bucket_cap_mb=TINY_MB, first_bucket_mb=TINY_MB, gradient_as_bucket_view=view, find_unused_parameters=True
+        )
         _trainer(world, strategy, max_steps=STEPS).fit(module)
         _check_against(ck, tag, module, ref["state"], init)
         for name in ("net.unused.weight", "net.unused.bias"):
             ck.close(f"{tag} {name} untouched", module.state_dict()[name], init[name])
         # the data must exercise both cases: a step where only some ranks used the layer (its gradient
         # is their average, zeros elsewhere) and one where no rank did (its grad stays None: no update)
-        ck.true(f"{tag} 'sometimes' used by some ranks only in one step, by none in another",
-                any(0 < u < world for u in ref["usage"]) and 0 in ref["usage"], ref["usage"])
+        ck.true(
+            f"{tag} 'sometimes' used by some ranks only in one step, by none in another",
+            any(0 < u < world for u in ref["usage"]) and 0 in ref["usage"],
+            ref["usage"],
+        )
 
 
 # Lightning restarts a mid-epoch resume at the epoch's first batch (its DataLoader is not stateful), so
@@ -258,38 +283,61 @@ def _check_resume(ck: Checks, world: int, tmpdir: str) -> None:
     ds = _token_data(RESUME_SAMPLES)
     for compression in (None, "powersgd"):
         tag = f"[resume compression={compression}]"
-        kw: dict[str, Any] = {"bucket_cap_mb": TINY_MB, "first_bucket_mb": TINY_MB, "compression": compression,
-                              "powersgd_rank": 1, "powersgd_warmup_steps": 1}
+        kw: dict[str, Any] = {
+            "bucket_cap_mb": TINY_MB,
+            "first_bucket_mb": TINY_MB,
+            "compression": compression,
+            "powersgd_rank": 1,
+            "powersgd_warmup_steps": 1,
+        }
         dirpath = os.path.join(tmpdir, f"ckpt-{compression}")
         # uninterrupted n steps, checkpointing every k steps along the way
         full = _TiedModule("sgd", ds)
         saver = ModelCheckpoint(dirpath=dirpath, filename="{step}", every_n_train_steps=RESUME_K, save_top_k=-1)
         full_counter = _CommCounter()
-        _trainer(world, BucketedDDPStrategy(**kw), max_steps=RESUME_N, callbacks=[saver, full_counter],
-                 enable_checkpointing=True).fit(full)
+        _trainer(
+            world,
+            BucketedDDPStrategy(**kw),
+            max_steps=RESUME_N,
+            callbacks=[saver, full_counter],
+            enable_checkpointing=True,
+        ).fit(full)
         # k steps restored from the checkpoint, then trained on to n
         resumed = _TiedModule("sgd", ds)
         counter = _CommCounter()
         strategy = BucketedDDPStrategy(**kw)
         trainer = _trainer(world, strategy, max_steps=RESUME_N, callbacks=[counter])
         trainer.fit(resumed, ckpt_path=os.path.join(dirpath, f"step={RESUME_K}.ckpt"))
-        ck.true(f"{tag} resumed at step k",
-                len(counter.steps) == RESUME_N - RESUME_K and trainer.global_step == RESUME_N,
-                (counter.steps, trainer.global_step))
-        ck.true(f"{tag} resumed run saw the uninterrupted run's batches",
-                all(torch.equal(a, b) for a, b in zip(counter.batches, full_counter.batches[RESUME_K:])),
-                (counter.batches, full_counter.batches))
+        ck.true(
+            f"{tag} resumed at step k",
+            len(counter.steps) == RESUME_N - RESUME_K and trainer.global_step == RESUME_N,
+            (counter.steps, trainer.global_step),
+        )
+        ck.true(
+            f"{tag} resumed run saw the uninterrupted run's batches",
+            all(torch.equal(a, b) for a, b in zip(counter.batches, full_counter.batches[RESUME_K:])),
+            (counter.batches, full_counter.batches),
+        )
         # The resumed run performs the same float operations on the same values as the uninterrupted one
         # (same batches, optimizer and compressor state restored bit for bit), so the weights agree exactly.
         for name, value in _state(resumed).items():
             ck.close(f"{tag} {name}", value, _state(full)[name])
-        ck.true(f"{tag} bucketer step counter continued", counter.steps == full_counter.steps[RESUME_K:],
-                (counter.steps, full_counter.steps))
-        ck.true(f"{tag} same buckets as the uninterrupted run", _plans(counter) == _plans(full_counter)[RESUME_K:],
-                (_plans(counter), _plans(full_counter)))
+        ck.true(
+            f"{tag} bucketer step counter continued",
+            counter.steps == full_counter.steps[RESUME_K:],
+            (counter.steps, full_counter.steps),
+        )
+        ck.true(
+            f"{tag} same buckets as the uninterrupted run",
+            _plans(counter) == _plans(full_counter)[RESUME_K:],
+            (_plans(counter), _plans(full_counter)),
+        )
         if compression == "powersgd":  # compressed steps happened before k, so error feedback mattered
-            ck.true(f"{tag} compressed before the checkpoint", full_counter.bytes[RESUME_K - 1] < full_counter.bytes[0],
-                    full_counter.bytes)
+            ck.true(
+                f"{tag} compressed before the checkpoint",
+                full_counter.bytes[RESUME_K - 1] < full_counter.bytes[0],
+                full_counter.bytes,
+            )
 
 
 def _plans(counter: _CommCounter) -> list[list[list[tuple[int, ...]]]]:
@@ -345,8 +393,11 @@ def _check_metrics(ck: Checks, world: int) -> None:
     ck.close("[metrics] sync_dist sum", got["rank_sum"], batches_per_rank * ranks.sum())
     ck.close("[metrics] sync_dist max", got["rank_max"], ranks.max())
     ck.true("[metrics] sync_dist went through the strategy's reduce", len(ops) >= 3, ops)
-    ck.true("[metrics] ... and through lightning_sync.comms",
-            comms.get_stats()["all_reduce"].calls - before >= 3, comms.get_stats().table())
+    ck.true(
+        "[metrics] ... and through lightning_sync.comms",
+        comms.get_stats()["all_reduce"].calls - before >= 3,
+        comms.get_stats().table(),
+    )
 
 
 def _misc_worker(rank: int, world: int, tmpdir: str) -> tuple[list[str], int]:
@@ -403,22 +454,30 @@ def _compression_worker(rank: int, world: int) -> tuple[list[str], int, dict[str
     ck = Checks()
     acc = {str(c): _digits_accuracy(world, c) for c in (None, "fp16", "bf16", "powersgd")}
     for c in ("fp16", "bf16"):
-        ck.true(f"[digits] {c} val accuracy within {CAST_ACC_TOL} of uncompressed",
-                abs(acc[c] - acc["None"]) <= CAST_ACC_TOL, acc)
-    ck.true(f"[digits] powersgd rank 2 converges (val acc >= {POWERSGD_MIN_ACC})", acc["powersgd"] >= POWERSGD_MIN_ACC,
-            acc)
+        ck.true(
+            f"[digits] {c} val accuracy within {CAST_ACC_TOL} of uncompressed",
+            abs(acc[c] - acc["None"]) <= CAST_ACC_TOL,
+            acc,
+        )
+    ck.true(
+        f"[digits] powersgd rank 2 converges (val acc >= {POWERSGD_MIN_ACC})", acc["powersgd"] >= POWERSGD_MIN_ACC, acc
+    )
     # WideMLP (8,403,978 float32 parameters): all-reduced bytes per step, from CommStats
     grad_bytes = 4 * sum(p.numel() for p in WideMLP().parameters())
     plain = _wide_bytes_per_step(world, None, steps=2)
-    ck.true("[wide] uncompressed: exactly the gradient bytes every step", plain.bytes == [grad_bytes] * 2,
-            (plain.bytes, grad_bytes))
+    ck.true(
+        "[wide] uncompressed: exactly the gradient bytes every step",
+        plain.bytes == [grad_bytes] * 2,
+        (plain.bytes, grad_bytes),
+    )
     fp16 = _wide_bytes_per_step(world, "fp16", steps=2)
     ck.true("[wide] fp16: exactly half", [2 * b for b in fp16.bytes] == plain.bytes, (fp16.bytes, plain.bytes))
     psgd = _wide_bytes_per_step(world, "powersgd", steps=3)  # step 0: warm-up (uncompressed)
     ck.true("[wide] powersgd warm-up step uncompressed", psgd.bytes[0] == grad_bytes, psgd.bytes)
     ratios = [b / grad_bytes for b in psgd.bytes[1:]]
-    ck.true("[wide] powersgd rank 2 below 10% of uncompressed after warm-up", len(ratios) == 2 and max(ratios) < 0.1,
-            ratios)
+    ck.true(
+        "[wide] powersgd rank 2 below 10% of uncompressed after warm-up", len(ratios) == 2 and max(ratios) < 0.1, ratios
+    )
     return (*ck.result(), {**acc, "powersgd_bytes_ratio": max(ratios)})
 
 

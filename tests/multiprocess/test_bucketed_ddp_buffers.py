@@ -52,9 +52,16 @@ def _train(rank: int, world: int, broadcast_buffers: bool) -> dict[str, torch.Te
     with torch.no_grad():  # make every rank start different: setup must replace this with rank 0's state
         module.net[0].weight.add_(0.1 * rank)
         module.net[1].running_mean.fill_(0.5 + rank)
-    trainer = pl.Trainer(accelerator="cpu", devices=world, max_steps=STEPS, logger=False,
-                         strategy=BucketedDDPStrategy(broadcast_buffers=broadcast_buffers),
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=world,
+        max_steps=STEPS,
+        logger=False,
+        strategy=BucketedDDPStrategy(broadcast_buffers=broadcast_buffers),
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(module, DataLoader(_data(), batch_size=BATCH, shuffle=True))
     return {k: v.detach().clone() for k, v in module.state_dict().items()}
 
@@ -65,8 +72,16 @@ def _reference(world: int, broadcast_buffers: bool) -> list[dict[str, torch.Tens
     with torch.no_grad():
         net[1].running_mean.fill_(0.5)  # rank 0's initial statistics, broadcast at setup
     opt = torch.optim.SGD(net.parameters(), lr=LR)
-    loaders = [iter(DataLoader(_data(), batch_size=BATCH, sampler=DistributedSampler(
-        _data(), num_replicas=world, rank=r, shuffle=True, seed=SEED))) for r in range(world)]
+    loaders = [
+        iter(
+            DataLoader(
+                _data(),
+                batch_size=BATCH,
+                sampler=DistributedSampler(_data(), num_replicas=world, rank=r, shuffle=True, seed=SEED),
+            )
+        )
+        for r in range(world)
+    ]
     bn = net[1]
     names = ("running_mean", "running_var", "num_batches_tracked")
     per_rank = [{n: getattr(bn, n).clone() for n in names} for _ in range(world)]
@@ -101,7 +116,8 @@ def test_buffers_follow_the_documented_policy(broadcast_buffers: bool) -> None:
     for rank, (got, want) in enumerate(zip(results, reference)):
         for key, value in want.items():
             # fp32, a handful of steps: only summation order differs from the reference -> 1e-5
-            torch.testing.assert_close(got[f"net.{key}"], value, rtol=1e-5, atol=1e-5,
-                                       msg=lambda m, k=key, r=rank: f"rank {r}, {k}: {m}")
+            torch.testing.assert_close(
+                got[f"net.{key}"], value, rtol=1e-5, atol=1e-5, msg=lambda m, k=key, r=rank: f"rank {r}, {k}: {m}"
+            )
     if broadcast_buffers:  # the ranks' statistics differ only by their own last batch
         assert not torch.equal(results[0]["net.1.running_mean"], results[1]["net.1.running_mean"])

@@ -62,17 +62,25 @@ def _two_fits(rank: int, k: int) -> tuple[list[str], int, list[dict[str, Any]]]:
     fits = []
     for _ in range(2):
         snapshot = _Snapshot()
-        trainer = _trainer(k, BucketedDDPStrategy(comm_algorithm="hierarchical"), max_steps=3,
-                           callbacks=[HangWatchdog(TIMEOUT, interval=INTERVAL, verify_every=1), snapshot])
+        trainer = _trainer(
+            k,
+            BucketedDDPStrategy(comm_algorithm="hierarchical"),
+            max_steps=3,
+            callbacks=[HangWatchdog(TIMEOUT, interval=INTERVAL, verify_every=1), snapshot],
+        )
         trainer.fit(_LoggedLoss("sgd"))
         fits.append(snapshot.seen)
     first, second = fits
     ck.true("the first fit communicated", first["stats at end"].get("all_reduce", (0, 0))[0] > 0, first)
-    ck.true("the first fit built node groups", first["stats at end"].get("hierarchical_all_reduce", (0, 0))[0] > 0,
-            first)
+    ck.true(
+        "the first fit built node groups", first["stats at end"].get("hierarchical_all_reduce", (0, 0))[0] > 0, first
+    )
     for what in first:
-        ck.true(f"second fit = fresh process: {what}", second[what] == first[what],
-                f"first {first[what]}, second {second[what]}")
+        ck.true(
+            f"second fit = fresh process: {what}",
+            second[what] == first[what],
+            f"first {first[what]}, second {second[what]}",
+        )
     return (*ck.result(), fits)
 
 

@@ -66,8 +66,9 @@ def _check_all_reduce(ck: Checks, rank: int, k: int, seeds: Iterator[int]) -> No
         name = f"all_reduce[{op}, {dtype}, async={async_op}]"
         t = exact_input(rank, (5, 3), dtype, seed)
         if op == "avg" and not dtype.is_floating_point:
-            ck.raises(name, lambda: comms.all_reduce(t, op=op, async_op=async_op),
-                      r"int64", r"'max'", r"'min'", r"'sum'")
+            ck.raises(
+                name, lambda: comms.all_reduce(t, op=op, async_op=async_op), r"int64", r"'max'", r"'min'", r"'sum'"
+            )
             ck.true(name + " left input alone", torch.equal(t, exact_input(rank, (5, 3), dtype, seed)))
             continue
         ref = reduce_reference([exact_input(r, (5, 3), dtype, seed) for r in range(k)], op)
@@ -99,7 +100,7 @@ def _check_reduce_scatter(ck: Checks, rank: int, k: int, seeds: Iterator[int]) -
         lo, hi = rank * c, min(n, (rank + 1) * c)
         ck.true(name + " shard rows", max(0, hi - lo) == _SHARD_ROWS[(k, n)][rank], (lo, hi))
         out = comms.reduce_scatter(t, op=op)
-        ck.close(name, out, full[lo:max(lo, hi)], **_tol(op, dtype))
+        ck.close(name, out, full[lo : max(lo, hi)], **_tol(op, dtype))
         ck.true(name + " input untouched", torch.equal(t, exact_input(rank, (n, 3), dtype, seed)))
     # 1-D input and the async form
     seed = next(seeds)
@@ -108,8 +109,12 @@ def _check_reduce_scatter(ck: Checks, rank: int, k: int, seeds: Iterator[int]) -
     ck.true("reduce_scatter async returns Work", isinstance(work, comms.Work), type(work))
     c = -(-7 // k)
     full = reduce_reference([exact_input(r, (7,), torch.float32, seed) for r in range(k)], "avg")
-    ck.close("reduce_scatter async 1-D avg", work.wait(), full[rank * c:min(7, (rank + 1) * c)],
-             **_tol("avg", torch.float32))
+    ck.close(
+        "reduce_scatter async 1-D avg",
+        work.wait(),
+        full[rank * c : min(7, (rank + 1) * c)],
+        **_tol("avg", torch.float32),
+    )
 
 
 def _check_flat_fast_paths(ck: Checks, rank: int, k: int, seeds: Iterator[int]) -> None:
@@ -132,7 +137,7 @@ def _check_flat_fast_paths(ck: Checks, rank: int, k: int, seeds: Iterator[int]) 
         res = res.wait() if async_op else res
         ck.true(name + " fills output", res is out, type(res))
         full = reduce_reference([exact_input(r, (4 * k,), dtype, seed) for r in range(k)], op)
-        ck.close(name, out, full[4 * rank:4 * (rank + 1)], **_tol(op, dtype))
+        ck.close(name, out, full[4 * rank : 4 * (rank + 1)], **_tol(op, dtype))
 
 
 # --------------------------------------------------------------------------- data movement
@@ -278,8 +283,11 @@ def _check_barrier_and_work(ck: Checks, rank: int, k: int) -> None:
 def _check_stats(ck: Checks, rank: int, k: int) -> None:
     def expect(label: str, op: str, nbytes: int, calls: int) -> None:
         got = comms.get_stats()[op]
-        ck.true(f"stats {label}: {op}", (got.bytes, got.calls) == (nbytes, calls),
-                f"(bytes, calls) = {(got.bytes, got.calls)}, expected {(nbytes, calls)}")
+        ck.true(
+            f"stats {label}: {op}",
+            (got.bytes, got.calls) == (nbytes, calls),
+            f"(bytes, calls) = {(got.bytes, got.calls)}, expected {(nbytes, calls)}",
+        )
 
     c7 = -(-7 // k)  # rows per reduce_scatter shard of 7 rows
     comms.reset_stats()
@@ -304,9 +312,12 @@ def _check_stats(ck: Checks, rank: int, k: int) -> None:
     expect("sequence", "metadata", 160, 2)
     total = 4020 + 80 + 16 * k + 20 + 32 * k + k * c7 * 12 + 16 * k + 160
     ck.true("stats total_bytes", comms.get_stats().total_bytes == total, comms.get_stats().total_bytes)
-    ck.true("stats ops", set(comms.get_stats().snapshot()) ==
-            {"all_reduce", "broadcast", "all_gather", "gather", "reduce_scatter", "barrier", "metadata"},
-            sorted(comms.get_stats().snapshot()))
+    ck.true(
+        "stats ops",
+        set(comms.get_stats().snapshot())
+        == {"all_reduce", "broadcast", "all_gather", "gather", "reduce_scatter", "barrier", "metadata"},
+        sorted(comms.get_stats().snapshot()),
+    )
 
     # 0-dim all_gather sends 1 element; scatter records the padded chunk it receives (max numel = K)
     comms.reset_stats()
@@ -315,8 +326,7 @@ def _check_stats(ck: Checks, rank: int, k: int) -> None:
     expect("0-dim", "all_gather", 4, 1)
     expect("scatter", "scatter", 4 * k, 1)
     # metadata: the all_gather's shape row, and scatter's header broadcast as its length, then its bytes
-    ck.true("stats scatter metadata separate", comms.get_stats()["metadata"].calls == 3,
-            comms.get_stats()["metadata"])
+    ck.true("stats scatter metadata separate", comms.get_stats()["metadata"].calls == 3, comms.get_stats()["metadata"])
 
     # objects: the pickled payload (padded to the longest for all_gather), on every rank
     comms.reset_stats()
@@ -342,8 +352,11 @@ def _check_stats(ck: Checks, rank: int, k: int) -> None:
         expect(f"ring_all_reduce {dtype}", "send", wire, 2 * (k - 1))
         expect(f"ring_all_reduce {dtype}", "recv", wire, 2 * (k - 1))
         expect(f"ring_all_reduce {dtype}", "ring_all_reduce", 0, 1)
-        ck.true("ring_all_reduce uses only send/recv", set(comms.get_stats().snapshot()) ==
-                {"send", "recv", "ring_all_reduce"}, sorted(comms.get_stats().snapshot()))
+        ck.true(
+            "ring_all_reduce uses only send/recv",
+            set(comms.get_stats().snapshot()) == {"send", "recv", "ring_all_reduce"},
+            sorted(comms.get_stats().snapshot()),
+        )
 
         comms.reset_stats()
         A.ring_reduce_scatter(exact_input(rank, (n,), dtype, seed))
@@ -386,19 +399,29 @@ def _check_covered(ck: Checks, rank: int, k: int) -> None:
     after = time.perf_counter()
     covered = stats.covered_seconds()
     # the count runs from the end of the launch (before `issued`) to the start of the wait (after `waiting`)
-    ck.true("covered: at least the work done with the call in flight", covered >= waiting - issued,
-            (covered, waiting - issued))
+    ck.true(
+        "covered: at least the work done with the call in flight",
+        covered >= waiting - issued,
+        (covered, waiting - issued),
+    )
     ck.true("covered: at most the call's whole life", covered <= after - before, (covered, after - before))
     _busy(0.02)  # nothing in flight any more
-    ck.true("covered: stops once the call is waited for", stats.covered_seconds() == covered,
-            (stats.covered_seconds(), covered))
+    ck.true(
+        "covered: stops once the call is waited for",
+        stats.covered_seconds() == covered,
+        (stats.covered_seconds(), covered),
+    )
     # a chained object call (a Work around a Work) completes its inner call once
     work = comms.all_gather_object(rank, async_op=True)
     ck.true("covered: chained object call", work.wait() == list(range(k)), work)
     covered = stats.covered_seconds()
     _busy(0.02)
-    ck.true("covered: nothing left in flight after a chained call", stats.covered_seconds() == covered,
-            (stats.covered_seconds(), covered))
+    ck.true(
+        "covered: nothing left in flight after a chained call",
+        stats.covered_seconds() == covered,
+        (stats.covered_seconds(), covered),
+    )
+
     # a launch that fails leaves nothing in flight, and neither does a wait that fails (no peer is involved:
     # both fail in this process before anything is sent)
     class Broken:
@@ -416,8 +439,11 @@ def _check_covered(ck: Checks, rank: int, k: int) -> None:
             pass
         covered = stats.covered_seconds()
         _busy(0.02)
-        ck.true(f"covered: nothing in flight after a failing {label}", stats.covered_seconds() == covered,
-                (stats.covered_seconds(), covered))
+        ck.true(
+            f"covered: nothing in flight after a failing {label}",
+            stats.covered_seconds() == covered,
+            (stats.covered_seconds(), covered),
+        )
     comms.reset_stats()
 
 
@@ -430,8 +456,12 @@ def _check_errors(ck: Checks, rank: int, k: int) -> None:
     for count in (k + 1, k - 1):
         chunks = [torch.ones(1)] * count if rank == 0 else None
         # every rank raises, non-src ranks included, with both the count and the world size
-        ck.raises(f"scatter with {count} chunks", lambda: comms.scatter(chunks, src=0),
-                  rf"\b{count} chunks\b", rf"world size is {k}\b")
+        ck.raises(
+            f"scatter with {count} chunks",
+            lambda: comms.scatter(chunks, src=0),
+            rf"\b{count} chunks\b",
+            rf"world size is {k}\b",
+        )
     objs = ["x"] * (k + 2) if rank == k - 1 else None
     ck.raises("scatter objects, wrong count", lambda: comms.scatter(objs, src=k - 1), rf"\b{k + 2}\b", rf"\b{k}\b")
     ck.raises("scatter None on src", lambda: comms.scatter(None, src=0), r"None", rf"\b{k}\b")
@@ -449,30 +479,54 @@ def _check_errors(ck: Checks, rank: int, k: int) -> None:
     ck.raises("all_reduce op=prod", lambda: comms.all_reduce(t, op="prod"), r"'prod'", ops)
     ck.raises("all_reduce op=SUM", lambda: comms.all_reduce(t, op="SUM", async_op=True), r"'SUM'", ops)
     ck.raises("reduce_scatter op=mean", lambda: comms.reduce_scatter(t, op="mean"), r"'mean'", ops)
-    ck.raises("reduce_scatter_into op=product",
-              lambda: comms.reduce_scatter_into(torch.zeros(1), torch.zeros(k), op="product"), r"'product'", ops)
-    ck.raises("all_gather_into wrong output", lambda: comms.all_gather_into(torch.zeros(k * 3 + 1), torch.ones(3)),
-              rf"\b{k * 3 + 1}\b", rf"\b{k * 3}\b")
-    ck.raises("reduce_scatter_into wrong input", lambda: comms.reduce_scatter_into(torch.zeros(2), torch.ones(5)),
-              r"\b5\b", rf"\b{2 * k}\b")
+    ck.raises(
+        "reduce_scatter_into op=product",
+        lambda: comms.reduce_scatter_into(torch.zeros(1), torch.zeros(k), op="product"),
+        r"'product'",
+        ops,
+    )
+    ck.raises(
+        "all_gather_into wrong output",
+        lambda: comms.all_gather_into(torch.zeros(k * 3 + 1), torch.ones(3)),
+        rf"\b{k * 3 + 1}\b",
+        rf"\b{k * 3}\b",
+    )
+    ck.raises(
+        "reduce_scatter_into wrong input",
+        lambda: comms.reduce_scatter_into(torch.zeros(2), torch.ones(5)),
+        r"\b5\b",
+        rf"\b{2 * k}\b",
+    )
 
     # ranks disagreeing on trailing dims / ndim / dtype: ValueError on every rank, nobody hangs
     last = rank == k - 1
-    ck.raises("all_gather trailing dims", lambda: comms.all_gather(torch.zeros(2, 4 if last else 3)),
-              r"trailing", re.escape("(2, 3)"), re.escape("(2, 4)"))
+    ck.raises(
+        "all_gather trailing dims",
+        lambda: comms.all_gather(torch.zeros(2, 4 if last else 3)),
+        r"trailing",
+        re.escape("(2, 3)"),
+        re.escape("(2, 4)"),
+    )
     ck.raises("all_gather ndim", lambda: comms.all_gather(torch.zeros((2, 3, 1) if last else (2, 3))), r"trailing")
     mixed_dtype = torch.int64 if last else torch.float32
-    ck.raises("all_gather dtype", lambda: comms.all_gather(torch.zeros(2, dtype=mixed_dtype)),
-              r"dtype")
+    ck.raises("all_gather dtype", lambda: comms.all_gather(torch.zeros(2, dtype=mixed_dtype)), r"dtype")
     ck.raises("gather trailing dims", lambda: comms.gather(torch.zeros(1, 2 if last else 5), dst=0), r"trailing")
 
     # a bad gather_list exists only on dst: dst raises after the collective, the others are not stranded
     bad_list = [torch.empty(2)] * (k + 1)
     if rank == 0:
-        ck.raises("gather_list wrong length", lambda: comms.gather(t, gather_list=bad_list, dst=0),
-                  rf"\b{k + 1} tensors\b", rf"\b{k} ranks\b")
-        ck.raises("gather_list wrong shape",
-                  lambda: comms.gather(t, gather_list=[torch.empty(3)] * k, dst=0), r"\(3,\)", r"\(2,\)")
+        ck.raises(
+            "gather_list wrong length",
+            lambda: comms.gather(t, gather_list=bad_list, dst=0),
+            rf"\b{k + 1} tensors\b",
+            rf"\b{k} ranks\b",
+        )
+        ck.raises(
+            "gather_list wrong shape",
+            lambda: comms.gather(t, gather_list=[torch.empty(3)] * k, dst=0),
+            r"\(3,\)",
+            r"\(2,\)",
+        )
     else:
         ck.true("gather from non-dst", comms.gather(t, dst=0) is None)
         ck.true("gather from non-dst", comms.gather(t, dst=0) is None)

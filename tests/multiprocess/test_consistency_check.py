@@ -16,8 +16,13 @@ from lightning_sync.testing import Checks, assert_all_ranks_passed, run_distribu
 
 
 def _fails(ck: Checks, name: str, rank: int, module: Any, strategy: Any, *patterns: str) -> None:
-    ck.raises(name, lambda: _trainer(2, strategy, max_steps=2, callbacks=[ConsistencyCheck()]).fit(module),
-              r"^ranks disagree at setup on ", *patterns, exc=RuntimeError)
+    ck.raises(
+        name,
+        lambda: _trainer(2, strategy, max_steps=2, callbacks=[ConsistencyCheck()]).fit(module),
+        r"^ranks disagree at setup on ",
+        *patterns,
+        exc=RuntimeError,
+    )
 
 
 def _worker(rank: int, world: int) -> tuple[list[str], int]:
@@ -32,19 +37,37 @@ def _worker(rank: int, world: int) -> tuple[list[str], int]:
     ck.true("all items compared", check.items == expected and expected > 10, (check.items, expected))
     _check_against(ck, "[agreeing ranks]", module, ref, init)
     # 2. an extra layer on rank 1: the first differing item is named, with what each rank has there
-    _fails(ck, "extra layer", rank, _TiedModule("sgd", sometimes=rank == 1), BucketedDDPStrategy(),
-           r"item \d+ of the model: rank 0 has parameter net\.head\.bias \(shape \(40,\), .*; "
-           r"rank 1 has parameter net\.sometimes\.weight \(shape \(16, 16\), ")
+    _fails(
+        ck,
+        "extra layer",
+        rank,
+        _TiedModule("sgd", sometimes=rank == 1),
+        BucketedDDPStrategy(),
+        r"item \d+ of the model: rank 0 has parameter net\.head\.bias \(shape \(40,\), .*; "
+        r"rank 1 has parameter net\.sometimes\.weight \(shape \(16, 16\), ",
+    )
     # 3. a layer frozen on rank 1 only
     frozen = _TiedModule("sgd")
     frozen.net.fc1.requires_grad_(rank != 1)
-    _fails(ck, "frozen on one rank", rank, frozen, BucketedDDPStrategy(),
-           r"parameter net\.fc1\.weight: rank 0 has shape \(48, 16\), dtype torch\.float32, trainable; "
-           r"rank 1 has shape \(48, 16\), dtype torch\.float32, frozen")
+    _fails(
+        ck,
+        "frozen on one rank",
+        rank,
+        frozen,
+        BucketedDDPStrategy(),
+        r"parameter net\.fc1\.weight: rank 0 has shape \(48, 16\), dtype torch\.float32, trainable; "
+        r"rank 1 has shape \(48, 16\), dtype torch\.float32, frozen",
+    )
     # 4. the same model, another strategy setting on rank 1
-    _fails(ck, "strategy setting", rank, _TiedModule("sgd"), BucketedDDPStrategy(bucket_cap_mb=1.0 + rank),
-           r"strategy: rank 0 has BucketedDDPStrategy\(.*bucket_cap_mb=1\.0.*rank 1 has BucketedDDPStrategy\(.*"
-           r"bucket_cap_mb=2\.0")
+    _fails(
+        ck,
+        "strategy setting",
+        rank,
+        _TiedModule("sgd"),
+        BucketedDDPStrategy(bucket_cap_mb=1.0 + rank),
+        r"strategy: rank 0 has BucketedDDPStrategy\(.*bucket_cap_mb=1\.0.*rank 1 has BucketedDDPStrategy\(.*"
+        r"bucket_cap_mb=2\.0",
+    )
     return ck.result()
 
 

@@ -34,8 +34,10 @@ def _launch(run_dir: Path, *overrides: str) -> list[subprocess.Popen[str]]:
 @pytest.mark.timeout(400)
 def test_a_killed_rank_is_named_and_the_restart_ends_where_an_uninterrupted_run_does(tmp_path: Path) -> None:
     crashed = tmp_path / "crashed"
-    procs = _launch(crashed, "+diagnostics.fault={_target_: lightning_sync.testing.faults.KillAtStep, "
-                             f"rank: 1, step: {KILL_STEP}}}")
+    procs = _launch(
+        crashed,
+        f"+diagnostics.fault={{_target_: lightning_sync.testing.faults.KillAtStep, rank: 1, step: {KILL_STEP}}}",
+    )
     try:
         procs[1].wait(timeout=120)
         try:  # the bound as the wait's timeout (a hang guard): rank 0 measured 3.9 s here

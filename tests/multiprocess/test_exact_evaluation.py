@@ -47,8 +47,10 @@ def _reference(module: _Digits) -> dict[str, float]:
     x, y = module.data.tensors
     with torch.no_grad():
         logits = module(x)
-    return {"val_loss": float(torch.nn.functional.cross_entropy(logits, y)),
-            "val_acc": float((logits.argmax(1) == y).float().mean())}
+    return {
+        "val_loss": float(torch.nn.functional.cross_entropy(logits, y)),
+        "val_acc": float((logits.argmax(1) == y).float().mean()),
+    }
 
 
 def _validate(strategy: Any, n: int) -> tuple[dict[str, float], dict[str, float], list[str]]:
@@ -63,23 +65,36 @@ def _validate(strategy: Any, n: int) -> tuple[dict[str, float], dict[str, float]
 def _worker(rank: int, world: int) -> tuple[list[str], int]:
     _quiet_rank()
     ck = Checks()
-    cases = {"bucketed_ddp": (lambda: BucketedDDPStrategy(), EVEN_BATCHES),
-             "zero3": (lambda: ShardedStrategy(stage=3), EVEN_BATCHES)}
+    cases = {
+        "bucketed_ddp": (lambda: BucketedDDPStrategy(), EVEN_BATCHES),
+        "zero3": (lambda: ShardedStrategy(stage=3), EVEN_BATCHES),
+    }
     for name, (make, n) in cases.items():
         metrics, ref, said = _validate(make(), n)
-        ck.close(f"[{name}] val_loss over every sample once", torch.tensor(metrics["val_loss"]),
-                 torch.tensor(ref["val_loss"]), **LOSS_TOL)
-        ck.true(f"[{name}] val_acc over every sample once", metrics["val_acc"] == pytest.approx(ref["val_acc"], abs=1e-7),
-                (metrics["val_acc"], ref["val_acc"]))
-        ck.true(f"[{name}] no warning about repeated samples", not any("replicates some samples" in m for m in said),
-                said)
+        ck.close(
+            f"[{name}] val_loss over every sample once",
+            torch.tensor(metrics["val_loss"]),
+            torch.tensor(ref["val_loss"]),
+            **LOSS_TOL,
+        )
+        ck.true(
+            f"[{name}] val_acc over every sample once",
+            metrics["val_acc"] == pytest.approx(ref["val_acc"], abs=1e-7),
+            (metrics["val_acc"], ref["val_acc"]),
+        )
+        ck.true(
+            f"[{name}] no warning about repeated samples", not any("replicates some samples" in m for m in said), said
+        )
     # shards of 4 and 3 batches would leave a collective of every step (ZeRO-3's gathers, a metric synced on
     # every step) without a partner on rank 1: the padding stays, and the strategy says what it costs
     metrics, ref, said = _validate(BucketedDDPStrategy(), UNEVEN_BATCHES)
     said_here = any("1 sample of 25 is evaluated twice" in m for m in said)
     ck.true("[uneven batch counts] rank 0 says one sample is counted twice", said_here == (rank == 0), said)
-    ck.true("[uneven batch counts] and not Lightning's general warning",
-            not any("replicates some samples" in m for m in said), said)
+    ck.true(
+        "[uneven batch counts] and not Lightning's general warning",
+        not any("replicates some samples" in m for m in said),
+        said,
+    )
     return ck.result()
 
 

@@ -23,7 +23,16 @@ import lightning.pytorch as pl
 import numpy as np
 import pytest
 import torch
-from _lightning_reference import ENV, _check_against, _quiet_rank, _reference, _state, _TiedModule, _token_data, _trainer
+from _lightning_reference import (
+    ENV,
+    _check_against,
+    _quiet_rank,
+    _reference,
+    _state,
+    _TiedModule,
+    _token_data,
+    _trainer,
+)
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -37,8 +46,11 @@ STEPS = 12  # reaches epoch 1
 SIGNAL_AT = 5  # rank 1 signals itself after micro-batch 5 (1-based, epoch 0): the stop waits for step 3
 PREEMPT_STEP = 3
 CKPT_STEP = 10  # epoch 1, its micro-batch 4
-LOADERS = {"workers0": {"num_workers": 0}, "workers2": {"num_workers": 2},
-           "persistent2": {"num_workers": 2, "persistent_workers": True}}
+LOADERS = {
+    "workers0": {"num_workers": 0},
+    "workers2": {"num_workers": 2},
+    "persistent2": {"num_workers": 2, "persistent_workers": True},
+}
 
 
 class _Recorded(_TiedModule):
@@ -71,15 +83,20 @@ class _SignalAt(pl.Callback):
             os.kill(os.getpid(), signal.SIGUSR1)
 
 
-def _fit(strategy: Any, loader: dict[str, Any], callbacks: list[Any], max_steps: int = STEPS,
-         ckpt: Path | None = None, **kw: Any) -> tuple[pl.Trainer, _Recorded]:
+def _fit(
+    strategy: Any,
+    loader: dict[str, Any],
+    callbacks: list[Any],
+    max_steps: int = STEPS,
+    ckpt: Path | None = None,
+    **kw: Any,
+) -> tuple[pl.Trainer, _Recorded]:
     # every fit starts from the same RNG states; a resume must replace them with the saved ones
     random.seed(100 + torch.distributed.get_rank())
     np.random.seed(200)
     torch.manual_seed(300)
     module = _Recorded(loader)
-    trainer = _trainer(2, strategy, max_steps=max_steps, accumulate_grad_batches=ACCUMULATE, callbacks=callbacks,
-                       **kw)
+    trainer = _trainer(2, strategy, max_steps=max_steps, accumulate_grad_batches=ACCUMULATE, callbacks=callbacks, **kw)
     trainer.fit(module, ckpt_path=ckpt)
     return trainer, module
 
@@ -90,22 +107,37 @@ def _same_run(ck: Checks, tag: str, whole: _Recorded, first: _Recorded, resumed:
     ck.true(f"{tag} stopped run trained {done} micro-batches", len(first.seen) == done, len(first.seen))
     joined = first.seen + resumed.seen
     diverged = next((i for i, (a, b) in enumerate(zip(joined, whole.seen)) if a != b), None)
-    ck.true(f"{tag} sample indices of every batch equal the uninterrupted run's",
-            len(joined) == len(whole.seen) and diverged is None,
-            (len(joined), len(whole.seen), diverged, joined[diverged] if diverged is not None else None,
-             whole.seen[diverged] if diverged is not None else None))
-    ck.true(f"{tag} RNG draws in user code continue the uninterrupted run's", resumed.draws == whole.draws[done:],
-            (resumed.draws[:1], whole.draws[done:done + 1]))
+    ck.true(
+        f"{tag} sample indices of every batch equal the uninterrupted run's",
+        len(joined) == len(whole.seen) and diverged is None,
+        (
+            len(joined),
+            len(whole.seen),
+            diverged,
+            joined[diverged] if diverged is not None else None,
+            whole.seen[diverged] if diverged is not None else None,
+        ),
+    )
+    ck.true(
+        f"{tag} RNG draws in user code continue the uninterrupted run's",
+        resumed.draws == whole.draws[done:],
+        (resumed.draws[:1], whole.draws[done : done + 1]),
+    )
     for key, value in _state(resumed).items():
         # same batches, same ops, same order as the uninterrupted run: bitwise equal
-        ck.true(f"{tag} resumed == uninterrupted: {key}", torch.equal(value, _state(whole)[key]),
-                (value - _state(whole)[key]).abs().max().item())
+        ck.true(
+            f"{tag} resumed == uninterrupted: {key}",
+            torch.equal(value, _state(whole)[key]),
+            (value - _state(whole)[key]).abs().max().item(),
+        )
 
 
 def _worker(rank: int, world: int, tmpdir: str, strategy: str, loaders: list[str]) -> tuple[list[str], int]:
     _quiet_rank()
-    make = {"bucketed_ddp": lambda: BucketedDDPStrategy(bucket_cap_mb=0.001),
-            "zero3": lambda: ShardedStrategy(stage=3, bucket_cap_mb=0.001)}[strategy]
+    make = {
+        "bucketed_ddp": lambda: BucketedDDPStrategy(bucket_cap_mb=0.001),
+        "zero3": lambda: ShardedStrategy(stage=3, bucket_cap_mb=0.001),
+    }[strategy]
     ck = Checks()
     ds = _token_data(N)
     init = _state(_TiedModule("adamw", ds, scheduler=True))
@@ -120,10 +152,12 @@ def _worker(rank: int, world: int, tmpdir: str, strategy: str, loaders: list[str
         # the preemption path: a signal on one rank, a stop at the next step boundary, a fresh Trainer
         directory = Path(tmpdir) / strategy / name / "requeue"
         trainer, first = _fit(make(), loader, [RequeueOnSignal(directory, "USR1", requeue=False), _SignalAt()])
-        ck.true(f"[{name} signal] stopped at step {PREEMPT_STEP}", trainer.global_step == PREEMPT_STEP,
-                trainer.global_step)
-        _, resumed = _fit(make(), loader, [RequeueOnSignal(directory, "USR1", requeue=False)],
-                          ckpt=latest_checkpoint(directory))
+        ck.true(
+            f"[{name} signal] stopped at step {PREEMPT_STEP}", trainer.global_step == PREEMPT_STEP, trainer.global_step
+        )
+        _, resumed = _fit(
+            make(), loader, [RequeueOnSignal(directory, "USR1", requeue=False)], ckpt=latest_checkpoint(directory)
+        )
         _same_run(ck, f"[{name} signal]", whole, first, resumed, PREEMPT_STEP)
 
         # the checkpoint path: a step-interval ModelCheckpoint, the run ends there, ckpt_path resumes it
@@ -131,8 +165,11 @@ def _worker(rank: int, world: int, tmpdir: str, strategy: str, loaders: list[str
         saver = ModelCheckpoint(dirpath=dirpath, every_n_train_steps=CKPT_STEP, save_top_k=-1)
         _, first = _fit(make(), loader, [saver], max_steps=CKPT_STEP, enable_checkpointing=True)
         written = sorted(dirpath.iterdir())
-        ck.true(f"[{name} checkpoint] one written, at step {CKPT_STEP} of epoch 1",
-                [p.name for p in written] == [f"epoch=1-step={CKPT_STEP}.ckpt"], written)
+        ck.true(
+            f"[{name} checkpoint] one written, at step {CKPT_STEP} of epoch 1",
+            [p.name for p in written] == [f"epoch=1-step={CKPT_STEP}.ckpt"],
+            written,
+        )
         ckpt = written[-1]
         _, resumed = _fit(make(), loader, [], ckpt=ckpt)
         _same_run(ck, f"[{name} checkpoint]", whole, first, resumed, CKPT_STEP)
@@ -141,11 +178,14 @@ def _worker(rank: int, world: int, tmpdir: str, strategy: str, loaders: list[str
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize(("strategy", "loaders"), [
-    ("bucketed_ddp", list(LOADERS)),
-    # the data position is the strategy's to carry, not the loader's: one loader with workers suffices here
-    ("zero3", ["workers2"]),
-])
+@pytest.mark.parametrize(
+    ("strategy", "loaders"),
+    [
+        ("bucketed_ddp", list(LOADERS)),
+        # the data position is the strategy's to carry, not the loader's: one loader with workers suffices here
+        ("zero3", ["workers2"]),
+    ],
+)
 def test_mid_epoch_resume_is_exact_with_workers(tmp_path: Path, strategy: str, loaders: list[str]) -> None:
     results = run_distributed(_worker, 2, str(tmp_path), strategy, loaders, timeout=360, env=ENV)
     assert_all_ranks_passed(results, min_checks=20 * len(loaders), same_count=False)
@@ -162,8 +202,11 @@ class _SaveAtEnd(pl.Callback):
         before = {op: (s.calls, s.bytes) for op, s in comms.get_stats().snapshot().items()}
         trainer.save_checkpoint(self.path)
         after = {op: (s.calls, s.bytes) for op, s in comms.get_stats().snapshot().items()}
-        self.used = {op: (n - before.get(op, (0, 0))[0], b - before.get(op, (0, 0))[1])
-                     for op, (n, b) in after.items() if (n, b) != before.get(op, (0, 0))}
+        self.used = {
+            op: (n - before.get(op, (0, 0))[0], b - before.get(op, (0, 0))[1])
+            for op, (n, b) in after.items()
+            if (n, b) != before.get(op, (0, 0))
+        }
 
 
 def _powersgd_save(rank: int, world: int, tmpdir: str) -> tuple[list[str], int]:
@@ -174,18 +217,26 @@ def _powersgd_save(rank: int, world: int, tmpdir: str) -> tuple[list[str], int]:
     saver = _SaveAtEnd(Path(tmpdir) / "saved.ckpt")
     strategy = BucketedDDPStrategy(compression="powersgd", powersgd_warmup_steps=0)
     _trainer(world, strategy, max_steps=2, callbacks=[saver]).fit(_TiedModule("sgd"))
-    ck.true("saving gathers the per-rank states once, to rank 0, and all-gathers nothing",
-            saver.used.get("gather", (0, 0))[0] == 1 and "all_gather" not in saver.used, saver.used)
+    ck.true(
+        "saving gathers the per-rank states once, to rank 0, and all-gathers nothing",
+        saver.used.get("gather", (0, 0))[0] == 1 and "all_gather" not in saver.used,
+        saver.used,
+    )
     if rank == 0:
         states = torch.load(saver.path, map_location="cpu", weights_only=True)[RANK_STATES]
         errors = [s["bucketer"]["compressor"]["error"] for s in states]
-        ck.true("every rank's error feedback is in the checkpoint, each its own",
-                len(errors) == world and all(errors) and not all(
-                    torch.equal(errors[0][i], errors[1][i]) for i in errors[0]), [list(e) for e in errors])
+        ck.true(
+            "every rank's error feedback is in the checkpoint, each its own",
+            len(errors) == world
+            and all(errors)
+            and not all(torch.equal(errors[0][i], errors[1][i]) for i in errors[0]),
+            [list(e) for e in errors],
+        )
     return ck.result()
 
 
 @pytest.mark.timeout(200)
 def test_a_checkpoint_gathers_the_per_rank_states_once(tmp_path: Path) -> None:
-    assert_all_ranks_passed(run_distributed(_powersgd_save, 2, str(tmp_path), timeout=150, env=ENV), min_checks=1,
-                            same_count=False)
+    assert_all_ranks_passed(
+        run_distributed(_powersgd_save, 2, str(tmp_path), timeout=150, env=ENV), min_checks=1, same_count=False
+    )

@@ -43,13 +43,27 @@ STRATEGIES = {  # every periodic strategy syncs every 4 steps: a sync falls on b
     "local_sgd": ["strategy=local_sgd", "strategy.sync_every=4"],
     "diloco": ["strategy=diloco", "strategy.sync_every=4"],
 }
-PHASES = {"forward": KILL_STEP, "backward": KILL_STEP, "optimizer_step": KILL_STEP, "checkpoint": KILL_STEP + 1,
-          "requeue": KILL_STEP}
+PHASES = {
+    "forward": KILL_STEP,
+    "backward": KILL_STEP,
+    "optimizer_step": KILL_STEP,
+    "checkpoint": KILL_STEP + 1,
+    "requeue": KILL_STEP,
+}
 
 
 def _launch(run_dir: Path, strategy: str, *overrides: str) -> list[subprocess.Popen[str]]:
-    return launch(WORLD, run_dir, [f"trainer.max_steps={STEPS}", f"checkpoint.every_n_train_steps={CHECKPOINT_EVERY}",
-                                   "launch.signal=USR1", *STRATEGIES[strategy], *overrides])
+    return launch(
+        WORLD,
+        run_dir,
+        [
+            f"trainer.max_steps={STEPS}",
+            f"checkpoint.every_n_train_steps={CHECKPOINT_EVERY}",
+            "launch.signal=USR1",
+            *STRATEGIES[strategy],
+            *overrides,
+        ],
+    )
 
 
 def _run_ok(run_dir: Path, strategy: str, *overrides: str) -> str:
@@ -81,9 +95,12 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[st
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
 @pytest.mark.parametrize("phase", list(PHASES))
 def test_a_rank_killed_at_any_phase_is_named_and_the_relaunch_ends_where_an_uninterrupted_run_does(
-        tmp_path: Path, uninterrupted: dict[str, dict[str, torch.Tensor]], strategy: str, phase: str) -> None:
-    fault = (f"+diagnostics.fault={{_target_: lightning_sync.testing.faults.KillAtStep, rank: 1, "
-             f"step: {PHASES[phase]}, phase: {phase}}}")
+    tmp_path: Path, uninterrupted: dict[str, dict[str, torch.Tensor]], strategy: str, phase: str
+) -> None:
+    fault = (
+        f"+diagnostics.fault={{_target_: lightning_sync.testing.faults.KillAtStep, rank: 1, "
+        f"step: {PHASES[phase]}, phase: {phase}}}"
+    )
     procs = _launch(tmp_path, strategy, fault)
     try:
         procs[1].wait(timeout=240)
@@ -105,7 +122,14 @@ def test_a_rank_killed_at_any_phase_is_named_and_the_relaunch_ends_where_an_unin
     resumed, reference = weights(tmp_path / "final.ckpt"), uninterrupted[strategy]
     assert resumed.keys() == reference.keys()
     diff = max((resumed[k].double() - reference[k].double()).abs().max().item() for k in reference)
-    _record({"strategy": strategy, "phase": phase, "exit_s": round(exit_s, 2),
-             "resumed_step": int(resumed_from.group(2)), "max_abs_diff": diff})
+    _record(
+        {
+            "strategy": strategy,
+            "phase": phase,
+            "exit_s": round(exit_s, 2),
+            "resumed_step": int(resumed_from.group(2)),
+            "max_abs_diff": diff,
+        }
+    )
     for name in reference:  # bitwise: same data order, same arithmetic, restored optimizer and strategy state
         assert torch.equal(resumed[name], reference[name]), f"[{strategy} {phase}] {name} differs by {diff}"

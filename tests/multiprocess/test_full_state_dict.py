@@ -16,8 +16,7 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from _lightning_reference import ENV, EQ_TOL, STEPS, _quiet_rank, _reference, _state, _TiedModule, _token_data
-from _lightning_reference import _trainer
+from _lightning_reference import ENV, EQ_TOL, STEPS, _quiet_rank, _reference, _state, _TiedModule, _token_data, _trainer
 from torch.nn import functional as F
 from torch.utils.data import DataLoader
 
@@ -58,17 +57,20 @@ class _AtTrainEnd(pl.Callback):
         self.state = trainer.strategy.full_state_dict()  # type: ignore[attr-defined]
 
 
-def _check_full(ck: Checks, tag: str, got: dict[str, torch.Tensor], want: dict[str, torch.Tensor],
-                module: torch.nn.Module) -> None:
+def _check_full(
+    ck: Checks, tag: str, got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], module: torch.nn.Module
+) -> None:
     """Rank 0: every key, shape and dtype of ``module.state_dict()``, values bitwise ``want``; else ``{}``."""
     if comms.get_rank() != 0:
         ck.true(f"{tag} other ranks get {{}}", got == {}, list(got))
         return
     own = module.state_dict()
     ck.true(f"{tag} every key of the module, in its order", list(got) == list(own), list(got))
-    ck.true(f"{tag} every shape and dtype of the module",
-            all(k in got and got[k].shape == v.shape and got[k].dtype == v.dtype for k, v in own.items()),
-            [(k, tuple(v.shape), v.dtype) for k, v in got.items()])
+    ck.true(
+        f"{tag} every shape and dtype of the module",
+        all(k in got and got[k].shape == v.shape and got[k].dtype == v.dtype for k, v in own.items()),
+        [(k, tuple(v.shape), v.dtype) for k, v in got.items()],
+    )
     for key, value in want.items():
         ck.close(f"{tag} {key}", got.get(key, torch.empty(0)), value)  # tolerance 0
 
@@ -87,10 +89,10 @@ def _sharded(rank: int, world: int) -> tuple[list[str], int]:
         trained = _state(module)  # teardown unsharded the module: it holds the full trained parameters
         if dtype is None:  # bf16 computes in another precision than the fp32 reference
             for key, value in trained.items():
-                ck.close(f"{tag} after fit the module holds the reference's weights: {key}", value, ref[key],
-                         **EQ_TOL)
-        ck.true(f"{tag} the module's parameters are fp32 again",
-                all(v.dtype == torch.float32 for v in trained.values()))
+                ck.close(f"{tag} after fit the module holds the reference's weights: {key}", value, ref[key], **EQ_TOL)
+        ck.true(
+            f"{tag} the module's parameters are fp32 again", all(v.dtype == torch.float32 for v in trained.values())
+        )
         _check_full(ck, f"{tag} during fit:", during.state or {}, trained, module)
         _check_full(ck, f"{tag} after fit:", trainer.strategy.full_state_dict(), trained, module)
         for fn in ("validate", "test"):
@@ -136,10 +138,13 @@ def _periodic(rank: int, world: int) -> tuple[list[str], int]:
                 continue
             ck.true(f"[{name}] after {when}: every key of the module", list(got) == list(module.state_dict()))
             for key, value in want.items():
-                ck.close(f"[{name}] after {when}: the synchronized model: {key}", got.get(key, torch.empty(0)),
-                         value, **tol)
-        ck.true(f"[{name}] evaluation left this rank's replica as it was",
-                all(torch.equal(v, replicas[comms.get_rank()][k]) for k, v in _state(module).items()))
+                ck.close(
+                    f"[{name}] after {when}: the synchronized model: {key}", got.get(key, torch.empty(0)), value, **tol
+                )
+        ck.true(
+            f"[{name}] evaluation left this rank's replica as it was",
+            all(torch.equal(v, replicas[comms.get_rank()][k]) for k, v in _state(module).items()),
+        )
     return ck.result()
 
 

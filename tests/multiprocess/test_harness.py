@@ -47,8 +47,9 @@ def _run_expecting(error: type[E], fn: Callable[..., Any], world_size: int, *arg
 
 def _block_on_store(seconds: float) -> None:
     """Stay alive without touching gloo: wait for a store key that is never set."""
-    store = dist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), is_master=False,
-                          timeout=timedelta(seconds=seconds))
+    store = dist.TCPStore(
+        "127.0.0.1", int(os.environ["MASTER_PORT"]), is_master=False, timeout=timedelta(seconds=seconds)
+    )
     store.wait(["lightning_sync-test-never-set"])
 
 
@@ -175,8 +176,9 @@ def test_failing_rank_is_reported_and_blocked_peers_killed(how: str) -> None:
     # Rank 0 is blocked in a collective with rank 2, and the failing rank 1 is not part of it.
     # ranks 0 and 2 would wait PG_TIMEOUT_S (120 s), past the run's 60 s timeout: the run ending in a
     # DistributedRankError, not a DistributedTimeoutError, shows the harness killed them once rank 1 failed
-    err = _run_expecting(DistributedRankError, _fail_while_peer_waits_on_subgroup, 3, how,
-                            timeout=60, pg_timeout=PG_TIMEOUT_S)
+    err = _run_expecting(
+        DistributedRankError, _fail_while_peer_waits_on_subgroup, 3, how, timeout=60, pg_timeout=PG_TIMEOUT_S
+    )
     assert err.rank == 1, str(err)
     if how == "raise":
         assert "boom on rank 1" in err.remote_traceback
@@ -193,8 +195,9 @@ def test_root_cause_named_when_the_blocked_peer_fails_too(how: str) -> None:
     # Repeated: the peer's secondary error races the root cause to the parent, so one lucky pass
     # would prove little. Every repetition must name rank 1.
     for attempt in range(3):
-        err = _run_expecting(DistributedRankError, _fail_while_peer_waits_on_it, 2, how,
-                                timeout=60, pg_timeout=PG_TIMEOUT_S)
+        err = _run_expecting(
+            DistributedRankError, _fail_while_peer_waits_on_it, 2, how, timeout=60, pg_timeout=PG_TIMEOUT_S
+        )
         assert err.rank == 1, f"attempt {attempt}: {err}"
         if how == "raise":
             assert "boom on rank 1" in err.remote_traceback
@@ -226,8 +229,9 @@ def test_stuck_collective_times_out_and_names_the_stuck_rank() -> None:
 def test_timeout_stack_dump_shows_where_a_slow_starting_rank_is_stuck() -> None:
     # 3 s of slow unpickling plus start-up stay well inside timeout=20: rank 0 is then surely in its
     # all_reduce when the deadline passes, and its dump must say so.
-    err = _run_expecting(DistributedTimeoutError, _deadlock_worker, 2, _SlowToUnpickle(),
-                            timeout=20, pg_timeout=PG_TIMEOUT_S)
+    err = _run_expecting(
+        DistributedTimeoutError, _deadlock_worker, 2, _SlowToUnpickle(), timeout=20, pg_timeout=PG_TIMEOUT_S
+    )
     stacks = _stacks_of(str(err), 0)
     assert "in _deadlock_worker" in stacks, stacks  # faulthandler: 'File "...", line N in <function>'
     assert "in all_reduce" in stacks, stacks
@@ -246,13 +250,16 @@ def test_skipped_collective_times_out_with_stack_of_the_stuck_rank() -> None:
 # --------------------------------------------------------------------------- bad arguments
 
 
-@pytest.mark.parametrize(("kwargs", "patterns"), [
-    ({"world_size": 0}, [r"world_size", r">= 1", r"\b0\b"]),
-    ({"world_size": -2}, [r"world_size", r">= 1", r"-2"]),
-    ({"world_size": 2.0}, [r"world_size", r"int", r"2\.0"]),
-    ({"world_size": 2, "backend": "mpi"}, [r"'mpi'", re.escape("['gloo', 'nccl']")]),
-    ({"world_size": 2, "timeout": 0}, [r"timeout", r"> 0", r"\b0\b"]),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "patterns"),
+    [
+        ({"world_size": 0}, [r"world_size", r">= 1", r"\b0\b"]),
+        ({"world_size": -2}, [r"world_size", r">= 1", r"-2"]),
+        ({"world_size": 2.0}, [r"world_size", r"int", r"2\.0"]),
+        ({"world_size": 2, "backend": "mpi"}, [r"'mpi'", re.escape("['gloo', 'nccl']")]),
+        ({"world_size": 2, "timeout": 0}, [r"timeout", r"> 0", r"\b0\b"]),
+    ],
+)
 def test_bad_arguments_raise_value_error_listing_allowed(kwargs: dict[str, Any], patterns: list[str]) -> None:
     with pytest.raises(ValueError) as info:
         run_distributed(_tensor_worker, **kwargs)

@@ -33,7 +33,11 @@ def _worker(rank: int, world: int) -> tuple[list[str], int]:
     stats = comms.get_stats().snapshot()
     got = {op: stats[op].bytes for op in stats if op.startswith(("intra_node/", "inter_node/"))}
     leader = rank in (0, 2)
-    want = {"intra_node/reduce": 4000, "intra_node/broadcast": 4000, **({"inter_node/all_reduce": 4000} if leader else {})}
+    want = {
+        "intra_node/reduce": 4000,
+        "intra_node/broadcast": 4000,
+        **({"inter_node/all_reduce": 4000} if leader else {}),
+    }
     ck.true(f"[bytes] rank {rank}: intra-node and inter-node traffic apart", got == want, got)
     ck.close("[bytes] the sum", payload, torch.full((1000,), 4.0), rtol=0.0, atol=0.0)
     # BucketedDDP selects it: 4 ranks of one Lightning node (devices=4) against the single-process

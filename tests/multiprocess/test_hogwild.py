@@ -104,17 +104,27 @@ class _SaveAt3(pl.Callback):
 
 def _driver(rank: int, world: int, tmpdir: str) -> dict[str, Any]:
     module = _OwnRows(tmpdir, slow_rank=1)
-    trainer = pl.Trainer(accelerator="cpu", strategy=HogwildStrategy(num_processes=NPROC), max_steps=STEPS,
-                         callbacks=[_SaveAt3(os.path.join(tmpdir, "step=3.ckpt"))], default_root_dir=tmpdir,
-                         enable_checkpointing=False, **_QUIET)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        strategy=HogwildStrategy(num_processes=NPROC),
+        max_steps=STEPS,
+        callbacks=[_SaveAt3(os.path.join(tmpdir, "step=3.ckpt"))],
+        default_root_dir=tmpdir,
+        enable_checkpointing=False,
+        **_QUIET,
+    )
     trainer.fit(module)
     reports = []
     for r in range(NPROC):
         with open(os.path.join(tmpdir, f"rank{r}.json")) as f:
             reports.append(json.load(f))
     saved = torch.load(os.path.join(tmpdir, "step=3.ckpt"), map_location="cpu", weights_only=True)
-    return {"reports": reports, "final": module.emb.weight.detach().clone(),
-            "at3": saved["state_dict"]["emb.weight"], "shared": module.emb.weight.is_shared()}
+    return {
+        "reports": reports,
+        "final": module.emb.weight.detach().clone(),
+        "at3": saved["state_dict"]["emb.weight"],
+        "shared": module.emb.weight.is_shared(),
+    }
 
 
 @pytest.mark.timeout(180)
@@ -130,12 +140,17 @@ def test_every_process_sees_every_update_and_checkpoints_are_consistent(tmp_path
     torch.testing.assert_close(out["at3"], _initial() - LR * 3, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize(("kw", "named"), [({"num_processes": 0}, "num_processes"),
-                                           ({"num_processes": 2.0}, "num_processes"),
-                                           ({"num_processes": (os.cpu_count() or 1) + 1}, "oversubscribe=True"),
-                                           ({"oversubscribe": "yes"}, "oversubscribe"),
-                                           ({"start_method": "popen"}, "start_method"),
-                                           ({"bogus": 1}, "bogus")])
+@pytest.mark.parametrize(
+    ("kw", "named"),
+    [
+        ({"num_processes": 0}, "num_processes"),
+        ({"num_processes": 2.0}, "num_processes"),
+        ({"num_processes": (os.cpu_count() or 1) + 1}, "oversubscribe=True"),
+        ({"oversubscribe": "yes"}, "oversubscribe"),
+        ({"start_method": "popen"}, "start_method"),
+        ({"bogus": 1}, "bogus"),
+    ],
+)
 def test_bad_arguments_are_named(kw: dict[str, Any], named: str) -> None:
     with pytest.raises(ValueError, match=named):
         HogwildStrategy(**kw)
@@ -163,8 +178,15 @@ def _topics_driver(rank: int, world: int, tmpdir: str) -> dict[str, float]:
         data = TopicDataModule()
         data.setup("fit")
         model = BagOfWordsClassifier(vocab_size=data.vocab_size, num_classes=data.num_classes)
-        trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_epochs=EPOCHS,
-                             enable_checkpointing=False, default_root_dir=tmpdir, **_QUIET)
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            devices=devices,
+            strategy=strategy,
+            max_epochs=EPOCHS,
+            enable_checkpointing=False,
+            default_root_dir=tmpdir,
+            **_QUIET,
+        )
         trainer.fit(model, datamodule=data)
         return float(trainer.callback_metrics["val_acc"])
 

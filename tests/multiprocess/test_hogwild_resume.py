@@ -86,9 +86,14 @@ class _OwnRows(pl.LightningModule):
 
     def on_train_end(self) -> None:
         self.trainer.strategy.barrier()  # every process's last update has landed in the shared model
-        report = {"seen": self.seen, "draws": self.draws, "momentum_at_start": self.momentum_at_start,
-                  "model_at_start": self.model_at_start, "momentum_at_end": self._momentum(),
-                  "model_at_end": self.emb.weight.detach().reshape(-1).tolist()}
+        report = {
+            "seen": self.seen,
+            "draws": self.draws,
+            "momentum_at_start": self.momentum_at_start,
+            "model_at_start": self.model_at_start,
+            "momentum_at_end": self._momentum(),
+            "model_at_end": self.emb.weight.detach().reshape(-1).tolist(),
+        }
         with open(os.path.join(self.tmpdir, f"{self.tag}-rank{self.global_rank}.json"), "w") as f:
             json.dump(report, f)
 
@@ -98,8 +103,15 @@ def _fit(tmpdir: str, tag: str, max_steps: int, callbacks: list[Any], ckpt: Path
     random.seed(100)
     np.random.seed(200)
     torch.manual_seed(300)
-    trainer = pl.Trainer(accelerator="cpu", strategy=HogwildStrategy(num_processes=NPROC), max_steps=max_steps,
-                         callbacks=callbacks, default_root_dir=tmpdir, enable_checkpointing=bool(callbacks), **_QUIET)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        strategy=HogwildStrategy(num_processes=NPROC),
+        max_steps=max_steps,
+        callbacks=callbacks,
+        default_root_dir=tmpdir,
+        enable_checkpointing=bool(callbacks),
+        **_QUIET,
+    )
     trainer.fit(_OwnRows(tmpdir, tag), ckpt_path=ckpt)
     reports = []
     for r in range(NPROC):
@@ -115,16 +127,30 @@ def _driver(rank: int, world: int, tmpdir: str, phase: str) -> list[dict]:
     if phase == "whole":
         return _fit(tmpdir, phase, STEPS, [])
     if phase == "first":
-        return _fit(tmpdir, phase, CKPT_STEP, [ModelCheckpoint(dirpath=ckpt.parent, every_n_train_steps=CKPT_STEP,
-                                                               save_top_k=-1)])
+        return _fit(
+            tmpdir,
+            phase,
+            CKPT_STEP,
+            [ModelCheckpoint(dirpath=ckpt.parent, every_n_train_steps=CKPT_STEP, save_top_k=-1)],
+        )
     return _fit(tmpdir, phase, STEPS, [], ckpt=ckpt)
 
 
 def _reference() -> list[float]:
     """Each process's rows, stepped by SGD with momentum on its samples (Lightning's DistributedSampler)."""
     weight = nn.Parameter(_initial().clone())
-    orders = [list(DistributedSampler(range(N), num_replicas=NPROC, rank=r, shuffle=True,  # type: ignore[arg-type]
-                                      seed=SEED)) for r in range(NPROC)]
+    orders = [
+        list(
+            DistributedSampler(
+                range(N),
+                num_replicas=NPROC,
+                rank=r,
+                shuffle=True,  # type: ignore[arg-type]
+                seed=SEED,
+            )
+        )
+        for r in range(NPROC)
+    ]
     momentum = torch.zeros_like(weight)
     with torch.no_grad():
         for step in range(STEPS):
@@ -139,11 +165,19 @@ def _reference() -> list[float]:
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_hogwild_resume_continues_each_process_exactly_when_updates_never_collide(tmp_path: Path) -> None:
-    whole, first, resumed = (run_distributed(_driver, 1, str(tmp_path), phase, timeout=80, process_group=False,
-                                             env={"PL_GLOBAL_SEED": str(SEED)})[0]
-                             for phase in ("whole", "first", "resumed"))
-    saved = torch.load(tmp_path / "checkpoints" / f"epoch=0-step={CKPT_STEP}.ckpt", map_location="cpu",
-                       weights_only=True)["state_dict"]["emb.weight"].reshape(-1).tolist()
+    whole, first, resumed = (
+        run_distributed(
+            _driver, 1, str(tmp_path), phase, timeout=80, process_group=False, env={"PL_GLOBAL_SEED": str(SEED)}
+        )[0]
+        for phase in ("whole", "first", "resumed")
+    )
+    saved = (
+        torch.load(tmp_path / "checkpoints" / f"epoch=0-step={CKPT_STEP}.ckpt", map_location="cpu", weights_only=True)[
+            "state_dict"
+        ]["emb.weight"]
+        .reshape(-1)
+        .tolist()
+    )
     # tolerance 0 throughout: disjoint rows, dyadic values exact in fp32, the same ops in each process
     assert whole[0]["model_at_end"] == whole[1]["model_at_end"], "the processes share one model"
     assert whole[0]["model_at_end"] == _reference(), "the uninterrupted run is the single-process reference"
@@ -151,8 +185,9 @@ def test_hogwild_resume_continues_each_process_exactly_when_updates_never_collid
     for r in range(NPROC):  # where the resume starts, in each process
         assert resumed[r]["model_at_start"] == saved, f"process {r} resumes from the saved model"
         assert first[r]["momentum_at_end"] is not None
-        assert resumed[r]["momentum_at_start"] == first[r]["momentum_at_end"], \
+        assert resumed[r]["momentum_at_start"] == first[r]["momentum_at_end"], (
             f"process {r} resumes with its own momentum, not another process's"
+        )
     for r in range(NPROC):  # what it trains on and draws
         assert len(first[r]["seen"]) == CKPT_STEP
         assert first[r]["seen"] + resumed[r]["seen"] == whole[r]["seen"], f"process {r}'s samples"

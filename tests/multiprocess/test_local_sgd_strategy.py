@@ -12,10 +12,10 @@ import torch
 from _lightning_reference import (
     ENV,
     EQ_TOL,
+    _check_against,
     _quiet_rank,
     _reference,
     _state,
-    _check_against,
     _TiedModule,
     _trainer,
 )
@@ -68,8 +68,9 @@ def _worker(rank: int, world: int, tmpdir: str) -> tuple[list[str], int]:
     # 2. H=3, warm-up 2: replicas equal through warm-up, differ between syncs, identical right after
     #    each sync (steps 5 and 8); validation at step 4 sees the average, training resumes from the replica
     rec = _Recording("sgd")
-    trainer = _trainer(world, LocalSGDStrategy(sync_every=3, warmup_steps=2), max_steps=8, val_check_interval=4,
-                       limit_val_batches=1)
+    trainer = _trainer(
+        world, LocalSGDStrategy(sync_every=3, warmup_steps=2), max_steps=8, val_check_interval=4, limit_val_batches=1
+    )
     trainer.fit(rec)
     everyone = comms.all_gather_object(rec.after_batch)
     for step in range(8):
@@ -98,10 +99,14 @@ def _worker(rank: int, world: int, tmpdir: str) -> tuple[list[str], int]:
     average = _mean(replicas)
     for k in average:
         ck.close(f"[ckpt] saved weights are the average: {k}", saved["state_dict"][k], average[k], **AVG_TOL)
-    ck.true("[ckpt] replicas did drift", max((replicas[0][k] - replicas[1][k]).abs().max().item()
-                                             for k in average) > 1e-6)
-    ck.true("[ckpt] schedule state saved", saved["lightning_sync/local_sgd"]["steps"] == 4,
-            saved.get("lightning_sync/local_sgd"))
+    ck.true(
+        "[ckpt] replicas did drift", max((replicas[0][k] - replicas[1][k]).abs().max().item() for k in average) > 1e-6
+    )
+    ck.true(
+        "[ckpt] schedule state saved",
+        saved["lightning_sync/local_sgd"]["steps"] == 4,
+        saved.get("lightning_sync/local_sgd"),
+    )
     _check_diloco(ck, world, tmpdir)
     return ck.failures, ck.count
 
@@ -125,8 +130,9 @@ def _check_diloco(ck: Checks, world: int, tmpdir: str) -> None:
     first outer step's Nesterov momentum buffer is g itself); replicas differ after steps 1 and 3."""
     module, rec = _TiedModule("sgd"), _AfterInner()
     w0 = _state(module)
-    trainer = _trainer(world, DiLoCoStrategy(sync_every=2, outer_lr=0.7, outer_momentum=0.9), max_steps=3,
-                       callbacks=[rec])
+    trainer = _trainer(
+        world, DiLoCoStrategy(sync_every=2, outer_lr=0.7, outer_momentum=0.9), max_steps=3, callbacks=[rec]
+    )
     trainer.fit(module)
     inner = comms.all_gather_object(rec.after_inner)
     after = comms.all_gather_object(rec.after_batch)
@@ -138,16 +144,26 @@ def _check_diloco(ck: Checks, world: int, tmpdir: str) -> None:
         ck.close(f"[diloco] outer step by hand: {name}", after[0][1][name], want, rtol=0.0, atol=1e-6)
     for step, same in ((0, False), (1, True), (2, False)):
         diff = max((after[0][step][k] - after[1][step][k]).abs().max().item() for k in trainable)
-        ck.true(f"[diloco] replicas {'identical' if same else 'differ'} after step {step + 1}",
-                (diff == 0.0) if same else (diff > 1e-6), diff)
+        ck.true(
+            f"[diloco] replicas {'identical' if same else 'differ'} after step {step + 1}",
+            (diff == 0.0) if same else (diff > 1e-6),
+            diff,
+        )
     path = os.path.join(tmpdir, "diloco.ckpt")
     trainer.save_checkpoint(path)  # after step 3 (drifted): the checkpoint holds the global model of step 2
     saved = torch.load(path, map_location="cpu", weights_only=False)
     for name in trainable:
-        ck.close(f"[diloco] checkpoint holds the global model: {name}", saved["state_dict"][name],
-                 after[0][1][name], rtol=0.0, atol=0.0)
-    ck.true("[diloco] outer optimizer state saved",
-            len(saved["lightning_sync/diloco"]["outer_optimizer"]["state"]) == len(trainable))
+        ck.close(
+            f"[diloco] checkpoint holds the global model: {name}",
+            saved["state_dict"][name],
+            after[0][1][name],
+            rtol=0.0,
+            atol=0.0,
+        )
+    ck.true(
+        "[diloco] outer optimizer state saved",
+        len(saved["lightning_sync/diloco"]["outer_optimizer"]["state"]) == len(trainable),
+    )
 
 
 @pytest.mark.timeout(240)
@@ -156,19 +172,31 @@ def test_local_sgd_equals_ddp_at_h1_syncs_on_schedule_and_saves_the_average(tmp_
     assert_all_ranks_passed(results, min_checks=40)
 
 
-@pytest.mark.parametrize(("kw", "named"), [({"sync_every": 0}, "sync_every"), ({"sync_every": 2.5}, "sync_every"),
-                                           ({"warmup_steps": -1}, "warmup_steps"),
-                                           ({"average_optimizer_state": "yes"}, "average_optimizer_state"),
-                                           ({"bogus": 1}, "bogus")])
+@pytest.mark.parametrize(
+    ("kw", "named"),
+    [
+        ({"sync_every": 0}, "sync_every"),
+        ({"sync_every": 2.5}, "sync_every"),
+        ({"warmup_steps": -1}, "warmup_steps"),
+        ({"average_optimizer_state": "yes"}, "average_optimizer_state"),
+        ({"bogus": 1}, "bogus"),
+    ],
+)
 def test_bad_arguments_are_named(kw: dict[str, Any], named: str) -> None:
     with pytest.raises(ValueError, match=named):
         LocalSGDStrategy(**kw)
 
 
-@pytest.mark.parametrize(("kw", "named"), [({"sync_every": 0}, "sync_every"), ({"outer_lr": 0}, "outer_lr"),
-                                           ({"outer_momentum": 1}, "outer_momentum"),
-                                           ({"outer_momentum": 0.0}, "nesterov"),
-                                           ({"warmup_steps": 5}, "warmup_steps")])
+@pytest.mark.parametrize(
+    ("kw", "named"),
+    [
+        ({"sync_every": 0}, "sync_every"),
+        ({"outer_lr": 0}, "outer_lr"),
+        ({"outer_momentum": 1}, "outer_momentum"),
+        ({"outer_momentum": 0.0}, "nesterov"),
+        ({"warmup_steps": 5}, "warmup_steps"),
+    ],
+)
 def test_diloco_bad_arguments_are_named(kw: dict[str, Any], named: str) -> None:
     with pytest.raises(ValueError, match=named):
         DiLoCoStrategy(**kw)

@@ -52,12 +52,17 @@ def _worker(rank: int, world: int) -> tuple[list[str], int]:
     everyone = comms.all_gather_object(_state(module))
     for name in everyone[0]:
         ck.true(f"replicas identical: {name}", torch.equal(everyone[0][name], everyone[1][name]))
-    ck.raises("three in a row stop every rank",
-              lambda: _trainer(world, BucketedDDPStrategy(), max_steps=6,
-                               callbacks=[_InfAt(1, {2, 3, 4}), NonFiniteGuard(max_consecutive=3)]).fit(
-                  _TiedModule("sgd")),
-              r"3 consecutive optimizer steps had non-finite gradients \(steps \[2, 3, 4\]\); max_consecutive=3",
-              exc=RuntimeError)
+    ck.raises(
+        "three in a row stop every rank",
+        lambda: _trainer(
+            world,
+            BucketedDDPStrategy(),
+            max_steps=6,
+            callbacks=[_InfAt(1, {2, 3, 4}), NonFiniteGuard(max_consecutive=3)],
+        ).fit(_TiedModule("sgd")),
+        r"3 consecutive optimizer steps had non-finite gradients \(steps \[2, 3, 4\]\); max_consecutive=3",
+        exc=RuntimeError,
+    )
     return ck.result()
 
 

@@ -22,8 +22,10 @@ def _model() -> nn.Module:
 def _batches(world: int) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
     """batches[step][rank]: each rank's own data."""
     g = torch.Generator().manual_seed(1)
-    return [[(torch.randn(BATCH, 5, generator=g), torch.randn(BATCH, 3, generator=g)) for _ in range(world)]
-            for _ in range(STEPS)]
+    return [
+        [(torch.randn(BATCH, 5, generator=g), torch.randn(BATCH, 3, generator=g)) for _ in range(world)]
+        for _ in range(STEPS)
+    ]
 
 
 def _loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -45,8 +47,13 @@ def _ddp_reference(world: int) -> list[torch.Tensor]:
 def _local_sgd(rank: int, world: int, sync_every: int) -> tuple[list[list[torch.Tensor]], list[bool]]:
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9 if sync_every > 1 else 0.0)
-    avg = PeriodicAverager(model.parameters(), ProcessGroupCommunicator(), sync_every, optimizer=opt,
-                           average_optimizer_state=sync_every > 1)
+    avg = PeriodicAverager(
+        model.parameters(),
+        ProcessGroupCommunicator(),
+        sync_every,
+        optimizer=opt,
+        average_optimizer_state=sync_every > 1,
+    )
     snapshots, synced = [], []
     for step in _batches(world):
         opt.zero_grad()

@@ -25,8 +25,17 @@ import lightning.pytorch as pl
 import numpy as np
 import pytest
 import torch
-from _lightning_reference import ENV, EQ_TOL, MIN_MOVE, _quiet_rank, _rank_batches, _state, _TiedModule, _token_data
-from _lightning_reference import _trainer
+from _lightning_reference import (
+    ENV,
+    EQ_TOL,
+    MIN_MOVE,
+    _quiet_rank,
+    _rank_batches,
+    _state,
+    _TiedModule,
+    _token_data,
+    _trainer,
+)
 from lightning.pytorch.callbacks import ModelCheckpoint
 from test_exact_resume import BATCH, N
 from test_exact_resume import _Recorded as _IndexedRecording
@@ -64,9 +73,13 @@ class _Recorded(_IndexedRecording):
 
     def on_train_start(self) -> None:
         strategy = self.trainer.strategy
-        self.at_start = {"state": _state(self), "optimizer": _optimizer_tensors(self.trainer.optimizers[0]),
-                         "steps": strategy.averager.steps, "syncs": strategy.averager.syncs,
-                         "outer": _outer(strategy)}
+        self.at_start = {
+            "state": _state(self),
+            "optimizer": _optimizer_tensors(self.trainer.optimizers[0]),
+            "steps": strategy.averager.steps,
+            "syncs": strategy.averager.syncs,
+            "outer": _outer(strategy),
+        }
 
 
 def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
@@ -87,15 +100,22 @@ def _outer(strategy: Any) -> dict[str, torch.Tensor]:
     return out
 
 
-def _fit(kind: str, max_steps: int, callbacks: list[Any], ckpt: Path | None = None,
-         **kw: Any) -> tuple[pl.Trainer, _Recorded]:
+def _fit(
+    kind: str, max_steps: int, callbacks: list[Any], ckpt: Path | None = None, **kw: Any
+) -> tuple[pl.Trainer, _Recorded]:
     # every fit starts from the same RNG states; a resume must replace them with the saved ones
     random.seed(100 + comms.get_rank())
     np.random.seed(200)
     torch.manual_seed(300)
     module = _Recorded()
-    trainer = _trainer(comms.get_world_size(), _strategy(kind), max_steps=max_steps,
-                       accumulate_grad_batches=ACCUMULATE, callbacks=callbacks, **kw)
+    trainer = _trainer(
+        comms.get_world_size(),
+        _strategy(kind),
+        max_steps=max_steps,
+        accumulate_grad_batches=ACCUMULATE,
+        callbacks=callbacks,
+        **kw,
+    )
     trainer.fit(module, ckpt_path=ckpt)
     return trainer, module
 
@@ -103,8 +123,9 @@ def _fit(kind: str, max_steps: int, callbacks: list[Any], ckpt: Path | None = No
 # --------------------------------------------------------------------------- the single-process reference
 
 
-def _reference(kind: str, world: int, steps: int, start: dict[str, Any] | None = None,
-               epoch: int = 0) -> list[dict[str, torch.Tensor]]:
+def _reference(
+    kind: str, world: int, steps: int, start: dict[str, Any] | None = None, epoch: int = 0
+) -> list[dict[str, torch.Tensor]]:
     """K replicas trained side by side in this process, each on the batches its rank gets, with its own
     AdamW and StepLR; local_sgd averages the gradients for the warm-up steps and the parameters every H
     steps after, diloco steps the global parameters with the outer Nesterov SGD on the mean of
@@ -182,10 +203,16 @@ def _same_run(ck: Checks, tag: str, whole: _Recorded, first: _Recorded, resumed:
     done = steps * ACCUMULATE
     ck.true(f"{tag} stopped run trained {done} micro-batches", len(first.seen) == done, len(first.seen))
     joined = first.seen + resumed.seen
-    ck.true(f"{tag} sample indices of every batch equal the uninterrupted run's", joined == whole.seen,
-            next((i for i, (a, b) in enumerate(zip(joined, whole.seen)) if a != b), (len(joined), len(whole.seen))))
-    ck.true(f"{tag} RNG draws in user code continue the uninterrupted run's", resumed.draws == whole.draws[done:],
-            (resumed.draws[:1], whole.draws[done:done + 1]))
+    ck.true(
+        f"{tag} sample indices of every batch equal the uninterrupted run's",
+        joined == whole.seen,
+        next((i for i, (a, b) in enumerate(zip(joined, whole.seen)) if a != b), (len(joined), len(whole.seen))),
+    )
+    ck.true(
+        f"{tag} RNG draws in user code continue the uninterrupted run's",
+        resumed.draws == whole.draws[done:],
+        (resumed.draws[:1], whole.draws[done : done + 1]),
+    )
 
 
 def _check_kind(ck: Checks, kind: str, tmpdir: Path) -> None:
@@ -222,33 +249,47 @@ def _check_kind(ck: Checks, kind: str, tmpdir: Path) -> None:
         global_of = {id(p): g.detach() for p, g in zip(outer.params, outer.global_params)}
         model = {k: global_of.get(id(v), v).detach() for k, v in first.state_dict(keep_vars=True).items()}
     for key, value in saved["state_dict"].items():
-        ck.close(f"[{kind}] the checkpoint's state_dict is the synchronized model: {key}", value, model[key],
-                 **AVG_TOL)
+        ck.close(f"[{kind}] the checkpoint's state_dict is the synchronized model: {key}", value, model[key], **AVG_TOL)
 
     # a fresh Trainer resumes it: this rank's replica and optimizer state are back before the first step
     trainer, resumed = _fit(kind, STEPS, [], ckpt=ckpt)
     for key, value in resumed.at_start["state"].items():
-        ck.true(f"[{kind}] resume starts from this rank's replica: {key}", torch.equal(value, stopped[key]),
-                (value - stopped[key]).abs().max().item())
+        ck.true(
+            f"[{kind}] resume starts from this rank's replica: {key}",
+            torch.equal(value, stopped[key]),
+            (value - stopped[key]).abs().max().item(),
+        )
     start_opt = resumed.at_start["optimizer"]
-    ck.true(f"[{kind}] resume starts from this rank's optimizer state",
-            start_opt.keys() == stopped_opt.keys()
-            and all(torch.equal(start_opt[k], v) for k, v in stopped_opt.items()),
-            max(((start_opt[k] - v).abs().max().item() for k, v in stopped_opt.items() if k in start_opt),
-                default=None))
-    ck.true(f"[{kind}] the period's counters continue", (resumed.at_start["steps"], resumed.at_start["syncs"]) ==
-            (CKPT_STEP, (CKPT_STEP - WARMUP) // H if kind == "local_sgd" else CKPT_STEP // H), resumed.at_start)
+    ck.true(
+        f"[{kind}] resume starts from this rank's optimizer state",
+        start_opt.keys() == stopped_opt.keys() and all(torch.equal(start_opt[k], v) for k, v in stopped_opt.items()),
+        max(((start_opt[k] - v).abs().max().item() for k, v in stopped_opt.items() if k in start_opt), default=None),
+    )
+    ck.true(
+        f"[{kind}] the period's counters continue",
+        (resumed.at_start["steps"], resumed.at_start["syncs"])
+        == (CKPT_STEP, (CKPT_STEP - WARMUP) // H if kind == "local_sgd" else CKPT_STEP // H),
+        resumed.at_start,
+    )
     _same_run(ck, f"[{kind}]", whole, first, resumed, CKPT_STEP)
     for key, value in _state(resumed).items():
         # same batches, same ops, same order as the uninterrupted run: bitwise equal
-        ck.true(f"[{kind}] resumed == uninterrupted: {key}", torch.equal(value, final[key]),
-                (value - final[key]).abs().max().item())
+        ck.true(
+            f"[{kind}] resumed == uninterrupted: {key}",
+            torch.equal(value, final[key]),
+            (value - final[key]).abs().max().item(),
+        )
     for key, value in _outer(trainer.strategy).items():
-        ck.true(f"[{kind}] outer state resumed == uninterrupted: {key}", torch.equal(value, outer_final[key]),
-                (value - outer_final[key]).abs().max().item())
-    ck.true(f"[{kind}] counters at the end == uninterrupted",
-            (trainer.strategy.averager.steps, trainer.strategy.averager.syncs) == counters,
-            ((trainer.strategy.averager.steps, trainer.strategy.averager.syncs), counters))
+        ck.true(
+            f"[{kind}] outer state resumed == uninterrupted: {key}",
+            torch.equal(value, outer_final[key]),
+            (value - outer_final[key]).abs().max().item(),
+        )
+    ck.true(
+        f"[{kind}] counters at the end == uninterrupted",
+        (trainer.strategy.averager.steps, trainer.strategy.averager.syncs) == counters,
+        ((trainer.strategy.averager.steps, trainer.strategy.averager.syncs), counters),
+    )
 
 
 def _two_ranks(rank: int, world: int, tmpdir: str) -> tuple[list[str], int]:
@@ -271,21 +312,32 @@ def _one_rank(rank: int, world: int, tmpdir: str) -> tuple[list[str], int]:
         trainer, module = _fit(kind, STEPS, [], ckpt=ckpt)
         at_start = module.at_start
         for key, value in at_start["state"].items():
-            ck.true(f"[{kind} 2 -> 1 rank] starts from the saved synchronized model: {key}",
-                    torch.equal(value, saved["state_dict"][key]))
-        rank0 = {f"{i}/{k}": torch.as_tensor(v) for i, s in saved["optimizer_states"][0]["state"].items()
-                 for k, v in s.items()}
-        ck.true(f"[{kind} 2 -> 1 rank] starts from rank 0's optimizer state",
-                at_start["optimizer"].keys() == rank0.keys()
-                and all(torch.equal(at_start["optimizer"][k], v) for k, v in rank0.items()))
+            ck.true(
+                f"[{kind} 2 -> 1 rank] starts from the saved synchronized model: {key}",
+                torch.equal(value, saved["state_dict"][key]),
+            )
+        rank0 = {
+            f"{i}/{k}": torch.as_tensor(v)
+            for i, s in saved["optimizer_states"][0]["state"].items()
+            for k, v in s.items()
+        }
+        ck.true(
+            f"[{kind} 2 -> 1 rank] starts from rank 0's optimizer state",
+            at_start["optimizer"].keys() == rank0.keys()
+            and all(torch.equal(at_start["optimizer"][k], v) for k, v in rank0.items()),
+        )
         ck.true(f"[{kind} 2 -> 1 rank] the counters continue", at_start["steps"] == EPOCH_END, at_start["steps"])
         if kind == "diloco":  # the outer state is global: kept whatever the world size
             state = saved[KEYS[kind]]
             saved_outer = {f"global/{i}": g for i, g in enumerate(state["global_params"])}
-            saved_outer.update({f"momentum/{i}": s["momentum_buffer"]
-                                for i, s in state["outer_optimizer"]["state"].items()})
-            ck.true(f"[{kind} 2 -> 1 rank] the outer state continues", at_start["outer"].keys() == saved_outer.keys()
-                    and all(torch.equal(at_start["outer"][k], v) for k, v in saved_outer.items()))
+            saved_outer.update(
+                {f"momentum/{i}": s["momentum_buffer"] for i, s in state["outer_optimizer"]["state"].items()}
+            )
+            ck.true(
+                f"[{kind} 2 -> 1 rank] the outer state continues",
+                at_start["outer"].keys() == saved_outer.keys()
+                and all(torch.equal(at_start["outer"][k], v) for k, v in saved_outer.items()),
+            )
         ck.true(f"[{kind} 2 -> 1 rank] trained to max_steps", trainer.global_step == STEPS, trainer.global_step)
         # it continues as one process started from that state does (epoch 1 of a 1-rank sampler); the
         # same ops in one process, the tolerance is the one of the 2-rank comparison
@@ -300,7 +352,9 @@ def _one_rank(rank: int, world: int, tmpdir: str) -> tuple[list[str], int]:
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_local_sgd_and_diloco_resume_mid_period_exactly_and_at_another_world_size(tmp_path: Path) -> None:
-    assert_all_ranks_passed(run_distributed(_two_ranks, 2, str(tmp_path), timeout=420, env=ENV), min_checks=40,
-                            same_count=False)
-    assert_all_ranks_passed(run_distributed(_one_rank, 1, str(tmp_path), timeout=150, env=ENV), min_checks=20,
-                            same_count=False)
+    assert_all_ranks_passed(
+        run_distributed(_two_ranks, 2, str(tmp_path), timeout=420, env=ENV), min_checks=40, same_count=False
+    )
+    assert_all_ranks_passed(
+        run_distributed(_one_rank, 1, str(tmp_path), timeout=150, env=ENV), min_checks=20, same_count=False
+    )

@@ -57,8 +57,9 @@ def _worker(rank: int, world: int) -> tuple[list[str], int]:
     ck.true("checked at steps 2, 4, 6", quiet.checked_steps == [2, 4, 6], quiet.checked_steps)
     ck.true("every parameter compared (9: the tied one once; no buffers)", quiet.compared == 9, quiet.compared)
     ck.true("no divergence", quiet.first_divergent_step is None and quiet.divergences == [], quiet.divergences)
-    ck.true("diverged metric 0", float(trainer.callback_metrics["replica_drift/diverged"]) == 0.0,
-            trainer.callback_metrics)
+    ck.true(
+        "diverged metric 0", float(trainer.callback_metrics["replica_drift/diverged"]) == 0.0, trainer.callback_metrics
+    )
     _check_against(ck, "[with the check]", module, ref, init)
 
     # (b) rank 1 nudged at the end of step 3, action="warn": found at step 3 and warned once
@@ -71,22 +72,32 @@ def _worker(rank: int, world: int) -> tuple[list[str], int]:
     ours = [str(w.message) for w in caught if "replicas diverged" in str(w.message)]
     ck.true("checked every step", warn.checked_steps == list(range(1, STEPS + 1)), warn.checked_steps)
     ck.true("first divergent step is 3", warn.first_divergent_step == NUDGE_STEP, warn.first_divergent_step)
-    ck.true("one divergence: step 3, rank 1, net.fc1.weight",
-            warn.divergences == [(NUDGE_STEP, [1], "parameter net.fc1.weight")], warn.divergences)
-    ck.true("diverged metric 1", float(trainer.callback_metrics["replica_drift/diverged"]) == 1.0,
-            trainer.callback_metrics)
+    ck.true(
+        "one divergence: step 3, rank 1, net.fc1.weight",
+        warn.divergences == [(NUDGE_STEP, [1], "parameter net.fc1.weight")],
+        warn.divergences,
+    )
+    ck.true(
+        "diverged metric 1", float(trainer.callback_metrics["replica_drift/diverged"]) == 1.0, trainer.callback_metrics
+    )
     ck.true("one warning, on rank 0 only", len(ours) == (1 if rank == 0 else 0), ours)
-    expected = ("replicas diverged at global step 3: rank 1 differs from rank 0; first difference: parameter "
-                "net.fc1.weight: rank 0 has shape (48, 16), torch.float32, checksum ")
-    ck.true("the warning names step, rank and parameter", rank != 0 or bool(ours) and ours[0].startswith(expected),
-            ours)
+    expected = (
+        "replicas diverged at global step 3: rank 1 differs from rank 0; first difference: parameter "
+        "net.fc1.weight: rank 0 has shape (48, 16), torch.float32, checksum "
+    )
+    ck.true(
+        "the warning names step, rank and parameter", rank != 0 or bool(ours) and ours[0].startswith(expected), ours
+    )
     # an independent look: the replicas really differ, in fc1.weight only, and there by about the nudge
     states = comms.all_gather_object(_state(nudged))
     differing = sorted(k for k in states[0] if not torch.equal(states[0][k], states[1][k]))
     ck.true("only net.fc1.weight differs", differing == ["net.fc1.weight"], differing)
     gap = (states[1]["net.fc1.weight"] - states[0]["net.fc1.weight"]).abs()
-    ck.true("by about the nudge, in one element", abs(gap[0, 0].item() - NUDGE) < 1e-4 and
-            int((gap > 1e-4).sum()) == 1, gap.max())
+    ck.true(
+        "by about the nudge, in one element",
+        abs(gap[0, 0].item() - NUDGE) < 1e-4 and int((gap > 1e-4).sum()) == 1,
+        gap.max(),
+    )
 
     # (c) ZeRO-2: the module's parameters are re-gathered from the master shards after every step, so the
     # nudge of step 3 is gone after step 4 (overwritten, or, if it fell in rank 1's own shard, gathered to
@@ -94,36 +105,49 @@ def _worker(rank: int, world: int) -> tuple[list[str], int]:
     zero2 = ReplicaDriftCheck(every_n_steps=1, action="warn")
     trainer = _trainer(world, ShardedStrategy(stage=2), max_steps=STEPS, callbacks=[_NudgeAt(1, NUDGE_STEP), zero2])
     trainer.fit(_TiedModule("sgd"))
-    ck.true("ZeRO-2: checked every step, every parameter",
-            zero2.checked_steps == list(range(1, STEPS + 1)) and zero2.compared == 9,
-            (zero2.checked_steps, zero2.compared))
-    ck.true("ZeRO-2: diverged at step 3 only, in net.fc1.weight",
-            zero2.divergences == [(NUDGE_STEP, [1], "parameter net.fc1.weight")] and
-            float(trainer.callback_metrics["replica_drift/diverged"]) == 0.0,
-            (zero2.divergences, trainer.callback_metrics))
+    ck.true(
+        "ZeRO-2: checked every step, every parameter",
+        zero2.checked_steps == list(range(1, STEPS + 1)) and zero2.compared == 9,
+        (zero2.checked_steps, zero2.compared),
+    )
+    ck.true(
+        "ZeRO-2: diverged at step 3 only, in net.fc1.weight",
+        zero2.divergences == [(NUDGE_STEP, [1], "parameter net.fc1.weight")]
+        and float(trainer.callback_metrics["replica_drift/diverged"]) == 0.0,
+        (zero2.divergences, trainer.callback_metrics),
+    )
 
     # (d) ZeRO-3: trainable parameters are one shard per rank (not compared); a replicated frozen parameter is
     zero3 = ReplicaDriftCheck(every_n_steps=1, action="warn")
-    trainer = _trainer(world, ShardedStrategy(stage=3), max_steps=STEPS,
-                       callbacks=[_NudgeAt(1, NUDGE_STEP, "frozen"), zero3])
+    trainer = _trainer(
+        world, ShardedStrategy(stage=3), max_steps=STEPS, callbacks=[_NudgeAt(1, NUDGE_STEP, "frozen"), zero3]
+    )
     trainer.fit(_TiedModule("sgd"))
     ck.true("ZeRO-3: checked every step", zero3.checked_steps == list(range(1, STEPS + 1)), zero3.checked_steps)
     ck.true("ZeRO-3: only the frozen layer's 2 tensors compared", zero3.compared == 2, zero3.compared)
-    ck.true("ZeRO-3: the frozen parameter diverged at step 3, and stays apart",
-            zero3.divergences == [(NUDGE_STEP, [1], "parameter net.frozen.weight")] and
-            float(trainer.callback_metrics["replica_drift/diverged"]) == 1.0,
-            (zero3.divergences, trainer.callback_metrics))
+    ck.true(
+        "ZeRO-3: the frozen parameter diverged at step 3, and stays apart",
+        zero3.divergences == [(NUDGE_STEP, [1], "parameter net.frozen.weight")]
+        and float(trainer.callback_metrics["replica_drift/diverged"]) == 1.0,
+        (zero3.divergences, trainer.callback_metrics),
+    )
 
     # (e) (b) with action="raise": every rank raises, naming the step, rank 1 and the parameter
     stop = ReplicaDriftCheck(every_n_steps=1)
-    ck.raises("a divergence stops every rank",
-              lambda: _trainer(world, BucketedDDPStrategy(), max_steps=STEPS,
-                               callbacks=[_NudgeAt(1, NUDGE_STEP), stop]).fit(_TiedModule("sgd")),
-              r"^replicas diverged at global step 3: rank 1 differs from rank 0; first difference: "
-              r"parameter net\.fc1\.weight: rank 0 has .*; rank 1 has ", exc=RuntimeError)
-    ck.true("raise: checked steps 1-3, first divergent step 3",
-            stop.checked_steps == [1, 2, 3] and stop.first_divergent_step == NUDGE_STEP,
-            (stop.checked_steps, stop.first_divergent_step))
+    ck.raises(
+        "a divergence stops every rank",
+        lambda: _trainer(world, BucketedDDPStrategy(), max_steps=STEPS, callbacks=[_NudgeAt(1, NUDGE_STEP), stop]).fit(
+            _TiedModule("sgd")
+        ),
+        r"^replicas diverged at global step 3: rank 1 differs from rank 0; first difference: "
+        r"parameter net\.fc1\.weight: rank 0 has .*; rank 1 has ",
+        exc=RuntimeError,
+    )
+    ck.true(
+        "raise: checked steps 1-3, first divergent step 3",
+        stop.checked_steps == [1, 2, 3] and stop.first_divergent_step == NUDGE_STEP,
+        (stop.checked_steps, stop.first_divergent_step),
+    )
     return ck.result()
 
 

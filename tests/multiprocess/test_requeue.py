@@ -85,8 +85,10 @@ class _Draws(pl.Callback):
 
 
 def _strategies() -> dict[str, Any]:
-    return {"bucketed_ddp": lambda: BucketedDDPStrategy(bucket_cap_mb=0.001),
-            "zero3": lambda: ShardedStrategy(stage=3, bucket_cap_mb=0.001)}
+    return {
+        "bucketed_ddp": lambda: BucketedDDPStrategy(bucket_cap_mb=0.001),
+        "zero3": lambda: ShardedStrategy(stage=3, bucket_cap_mb=0.001),
+    }
 
 
 def _fit(world: int, strategy: Any, callbacks: list[Any], ckpt: Path | None = None) -> tuple[pl.Trainer, Any]:
@@ -119,13 +121,20 @@ def _worker(rank: int, world: int, tmpdir: str) -> tuple[list[str], int]:
         if requeue and rank == 0:
             said = [r for r in records if "scontrol is not on PATH, so job 4242 is NOT requeued" in r]
             ck.true(f"[{name}] the missing scontrol is logged", len(said) == 1, records)
-        ck.true(f"[{name}] stopped at the step boundary after the signal", trainer.global_step == STOP_STEP,
-                trainer.global_step)
-        ck.true(f"[{name}] handler restored", signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL,
-                signal.getsignal(signal.SIGUSR1))
+        ck.true(
+            f"[{name}] stopped at the step boundary after the signal",
+            trainer.global_step == STOP_STEP,
+            trainer.global_step,
+        )
+        ck.true(
+            f"[{name}] handler restored",
+            signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL,
+            signal.getsignal(signal.SIGUSR1),
+        )
         ckpt = latest_checkpoint(directory)
-        ck.true(f"[{name}] latest.json names the checkpoint",
-                ckpt == directory / f"requeue-step{STOP_STEP:09d}.ckpt", ckpt)
+        ck.true(
+            f"[{name}] latest.json names the checkpoint", ckpt == directory / f"requeue-step{STOP_STEP:09d}.ckpt", ckpt
+        )
         if rank == 0:
             pointer = json.loads((directory / POINTER).read_text())
             ck.true(f"[{name}] pointer step", pointer.get("global_step") == STOP_STEP, pointer)
@@ -136,16 +145,21 @@ def _worker(rank: int, world: int, tmpdir: str) -> tuple[list[str], int]:
         trainer, resumed = _fit(world, make(), [resumed_stopper, resumed_draws], ckpt=ckpt)
         # Python's and NumPy's RNGs go on from where the stopped run left them: the resumed run draws
         # exactly what the uninterrupted run drew for the same batches (the fit's own seeding is replaced)
-        tail = whole_draws.draws[len(whole_draws.draws) - len(resumed_draws.draws):]
-        ck.true(f"[{name}] host RNG draws continue the uninterrupted run's",
-                len(resumed_draws.draws) == (STEPS - STOP_STEP) * ACCUMULATE and resumed_draws.draws == tail,
-                (len(resumed_draws.draws), resumed_draws.draws[:2], tail[:2]))
+        tail = whole_draws.draws[len(whole_draws.draws) - len(resumed_draws.draws) :]
+        ck.true(
+            f"[{name}] host RNG draws continue the uninterrupted run's",
+            len(resumed_draws.draws) == (STEPS - STOP_STEP) * ACCUMULATE and resumed_draws.draws == tail,
+            (len(resumed_draws.draws), resumed_draws.draws[:2], tail[:2]),
+        )
         ck.true(f"[{name}] the resumed run was not stopped", not resumed_stopper.preempted)
         ck.true(f"[{name}] resumed run ends at max_steps", trainer.global_step == STEPS, trainer.global_step)
         for key, value in _state(resumed).items():
             # same batches, same ops, same order as the uninterrupted run: bitwise equal
-            ck.true(f"[{name}] resumed == uninterrupted: {key}", torch.equal(value, _state(whole)[key]),
-                    (value - _state(whole)[key]).abs().max().item())
+            ck.true(
+                f"[{name}] resumed == uninterrupted: {key}",
+                torch.equal(value, _state(whole)[key]),
+                (value - _state(whole)[key]).abs().max().item(),
+            )
         _check_against(ck, f"[{name} resumed]", resumed, ref["state"], init)
     return ck.result()
 

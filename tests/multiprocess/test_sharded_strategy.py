@@ -96,8 +96,14 @@ class _Module(_TiedModule):
     """The tied model with a per-step StepLR (unless ``scheduler=False``), validation/test steps logging
     torchmetrics metrics and ``sync_dist`` values, and a configurable per-rank training batch size."""
 
-    def __init__(self, optimizer: str = "sgd", ds: TensorDataset | None = None, batch: int = BATCH,
-                 net: nn.Module | None = None, scheduler: bool = True) -> None:
+    def __init__(
+        self,
+        optimizer: str = "sgd",
+        ds: TensorDataset | None = None,
+        batch: int = BATCH,
+        net: nn.Module | None = None,
+        scheduler: bool = True,
+    ) -> None:
         super().__init__(optimizer, ds, scheduler=scheduler)
         if net is not None:
             self.net = net
@@ -199,8 +205,9 @@ class _ShardProbe(pl.Callback):
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         state = trainer.optimizers[0].state
-        self.state_numel = sum(v.numel() for s in state.values() for v in s.values()
-                               if isinstance(v, torch.Tensor) and v.dim() == 1)
+        self.state_numel = sum(
+            v.numel() for s in state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim() == 1
+        )
 
 
 def _sharded(stage: int, **kw: Any) -> ShardedStrategy:
@@ -210,8 +217,12 @@ def _sharded(stage: int, **kw: Any) -> ShardedStrategy:
 def _optimizer_state(trainer: pl.Trainer) -> tuple[list[float], list[dict[str, Any]]]:
     """The learning rates and per-parameter state (this rank's shards) of the trainer's optimizer."""
     opt = trainer.optimizers[0]
-    state = [{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in opt.state[p].items()}
-             for g in opt.param_groups for p in g["params"] if p in opt.state]
+    state = [
+        {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in opt.state[p].items()}
+        for g in opt.param_groups
+        for p in g["params"]
+        if p in opt.state
+    ]
     return [g["lr"] for g in opt.param_groups], state
 
 
@@ -221,21 +232,30 @@ def _check_sharded(ck: Checks, tag: str, probe: _ShardProbe, stage: int, world: 
     the optimizer state has one element per master element (one buffer for SGD, two for AdamW)."""
     ck.true(f"{tag} probed every step", len(probe.master_numel) >= 3, probe.master_numel)
     lo, hi = TRAINABLE / world, TRAINABLE / world + probe.flats
-    ck.true(f"{tag} master shards hold 1/{world} of the values",
-            all(lo <= n < hi for n in probe.master_numel) and probe.flats >= (4 if stage == 3 else 3),
-            (probe.master_numel, lo, hi, probe.flats))
+    ck.true(
+        f"{tag} master shards hold 1/{world} of the values",
+        all(lo <= n < hi for n in probe.master_numel) and probe.flats >= (4 if stage == 3 else 3),
+        (probe.master_numel, lo, hi, probe.flats),
+    )
     ck.true(f"{tag} every master shard has its gradient shard", all(probe.master_grads_ok), probe.master_grads_ok)
     ck.true(f"{tag} the module's parameters hold no .grad", not any(probe.module_grads), probe.module_grads)
     expected = 0 if stage == 3 else TRAINABLE
-    ck.true(f"{tag} module parameters at the step: {expected} values", set(probe.module_numel) == {expected},
-            probe.module_numel)
+    ck.true(
+        f"{tag} module parameters at the step: {expected} values",
+        set(probe.module_numel) == {expected},
+        probe.module_numel,
+    )
     per_master = 1 if opt == "sgd" else 2
-    ck.true(f"{tag} optimizer state sharded", probe.state_numel == per_master * probe.master_numel[-1],
-            (probe.state_numel, probe.master_numel[-1]))
+    ck.true(
+        f"{tag} optimizer state sharded",
+        probe.state_numel == per_master * probe.master_numel[-1],
+        (probe.state_numel, probe.master_numel[-1]),
+    )
 
 
-def _check_plain_after_fit(ck: Checks, tag: str, module: _TiedModule, ref_module: _TiedModule,
-                           ds: TensorDataset) -> None:
+def _check_plain_after_fit(
+    ck: Checks, tag: str, module: _TiedModule, ref_module: _TiedModule, ds: TensorDataset
+) -> None:
     """After fit (teardown) the module is an ordinary module: full parameters, no hooks left (a plain
     backward fills every trainable .grad), and its loss equals the reference module's."""
     ids, y = ds.tensors[0][:8], ds.tensors[1][:8]
@@ -245,9 +265,11 @@ def _check_plain_after_fit(ck: Checks, tag: str, module: _TiedModule, ref_module
         loss = F.cross_entropy(m.net(ids, y), y)
         loss.backward()
         losses.append(loss.detach())
-    ck.true(f"{tag} plain backward after fit fills every .grad",
-            all(p.grad is not None and p.grad.shape == p.shape for p in module.parameters() if p.requires_grad),
-            [(n, None if p.grad is None else tuple(p.grad.shape)) for n, p in module.named_parameters()])
+    ck.true(
+        f"{tag} plain backward after fit fills every .grad",
+        all(p.grad is not None and p.grad.shape == p.shape for p in module.parameters() if p.requires_grad),
+        [(n, None if p.grad is None else tuple(p.grad.shape)) for n, p in module.named_parameters()],
+    )
     ck.close(f"{tag} plain loss after fit", losses[0], losses[1], **EQ_TOL)
     module.zero_grad(set_to_none=True)
     ref_module.zero_grad(set_to_none=True)
@@ -308,8 +330,11 @@ def _equivalence(ck: Checks, world: int, scenarios: list[tuple[int, str, int]], 
         trainer.fit(module)
         _check_against(ck, tag, module, ref["state"], init)
         lrs, _ = _optimizer_state(trainer)
-        ck.true(f"{tag} StepLR stepped like the reference", lrs == [g["lr"] for g in ref["optimizer"].param_groups]
-                and len(set(ref["lrs"])) > 1, (lrs, ref["lrs"]))
+        ck.true(
+            f"{tag} StepLR stepped like the reference",
+            lrs == [g["lr"] for g in ref["optimizer"].param_groups] and len(set(ref["lrs"])) > 1,
+            (lrs, ref["lrs"]),
+        )
         for name in ("net.frozen.weight", "net.frozen.bias"):
             ck.close(f"{tag} frozen {name} unchanged", module.state_dict()[name], init[name])
         ck.true(f"{tag} engine released at teardown", trainer.strategy.engine is None)  # type: ignore[attr-defined]
@@ -317,8 +342,11 @@ def _equivalence(ck: Checks, world: int, scenarios: list[tuple[int, str, int]], 
         ck.true(f"{tag} one probe per optimizer step", len(probe.master_numel) == steps, probe.master_numel)
         # micro-step k is a boundary iff (k + 1) % acc == 0: one reduce-scatter per flat buffer there, none elsewhere
         expected = [probe.flats if (k + 1) % acc == 0 else 0 for k in range(steps * acc)]
-        ck.true(f"{tag} reduce-scatters only on the accumulation boundary", probe.reduce_scatters == expected,
-                (probe.reduce_scatters, expected))
+        ck.true(
+            f"{tag} reduce-scatters only on the accumulation boundary",
+            probe.reduce_scatters == expected,
+            (probe.reduce_scatters, expected),
+        )
         _check_plain_after_fit(ck, tag, module, ref_module, ds)
         finals[tag] = _state(module)
 
@@ -336,20 +364,31 @@ def _clipping(ck: Checks, world: int) -> None:
     for stage in (1, 2, 3):
         tag = f"[clip norm zero{stage}]"
         module, probe = _Module("sgd", ds), _ShardProbe()
-        _trainer(world, _sharded(stage), max_steps=STEPS, gradient_clip_val=CLIP, gradient_clip_algorithm="norm",
-                 callbacks=[probe]).fit(module)
+        _trainer(
+            world,
+            _sharded(stage),
+            max_steps=STEPS,
+            gradient_clip_val=CLIP,
+            gradient_clip_algorithm="norm",
+            callbacks=[probe],
+        ).fit(module)
         _check_against(ck, tag, module, ref["state"], init)
         # the engine sums squares in float64, torch in float32 per tensor: ~1e-7 relative apart
-        ck.close(f"{tag} global norms equal the reference's", torch.tensor(probe.norms, dtype=torch.float64),
-                 torch.tensor(ref["norms"], dtype=torch.float64), rtol=1e-5)
+        ck.close(
+            f"{tag} global norms equal the reference's",
+            torch.tensor(probe.norms, dtype=torch.float64),
+            torch.tensor(ref["norms"], dtype=torch.float64),
+            rtol=1e-5,
+        )
     ref_v = _reference(_Module("sgd"), ds, world, STEPS, clip=CLIP_VALUE, clip_algorithm="value")["state"]
     moved = max((ref_v[k] - unclipped[k]).abs().max().item() for k in unclipped)
     ck.true("[clip value] clipping changed the reference's weights", moved > 1e-3, moved)
     for stage in (1, 3):
         tag = f"[clip value zero{stage}]"
         module = _Module("sgd", ds)
-        _trainer(world, _sharded(stage), max_steps=STEPS, gradient_clip_val=CLIP_VALUE,
-                 gradient_clip_algorithm="value").fit(module)
+        _trainer(
+            world, _sharded(stage), max_steps=STEPS, gradient_clip_val=CLIP_VALUE, gradient_clip_algorithm="value"
+        ).fit(module)
         _check_against(ck, tag, module, ref_v, init)
 
 
@@ -378,12 +417,17 @@ def _evaluation(ck: Checks, world: int, trained: dict[str, torch.Tensor]) -> Non
         got = trainer.callback_metrics
         prefix = "val" if fn == "validate" else "test"
         batches = N_VAL // world // BATCH
-        ck.close(f"{tag} torchmetrics MeanMetric over all ranks", got[f"{prefix}_loss_metric"], want["loss"], **METRIC_TOL)
+        ck.close(
+            f"{tag} torchmetrics MeanMetric over all ranks", got[f"{prefix}_loss_metric"], want["loss"], **METRIC_TOL
+        )
         ck.close(f"{tag} torchmetrics accuracy over all ranks", got[f"{prefix}_acc"], want["acc"])  # counts: exact
         ck.close(f"{tag} sync_dist mean", got[f"{prefix}_loss"], want["loss"], **METRIC_TOL)
         ck.close(f"{tag} sync_dist max", got[f"{prefix}_loss_max"], want["loss_max"], **METRIC_TOL)
-        ck.true(f"{tag} whole fc1 inside every forward",
-                module.forward_shapes == [(HIDDEN, module.net.fc1.in_features)] * batches, module.forward_shapes)
+        ck.true(
+            f"{tag} whole fc1 inside every forward",
+            module.forward_shapes == [(HIDDEN, module.net.fc1.in_features)] * batches,
+            module.forward_shapes,
+        )
         ck.true(f"{tag} no parameter held between steps", module.eval_between == [0] * batches, module.eval_between)
         for name, value in _state(module).items():  # teardown unshards: the module is whole again, unchanged
             ck.close(f"{tag} {name} after {fn}", value, trained[name])
@@ -427,24 +471,38 @@ def _reshard_source(ck: Checks, world: int, tmpdir: str, out: dict[str, Any]) ->
     _check_against(ck, "[reshard source]", module, ref["state"], init)
     for step in (RESHARD_K, RESHARD_N):
         path = Path(dirpath, f"step={step}.ckpt")
-        ck.true(f"[checkpoint] step={step}.ckpt is a sharded directory",
-                path.is_dir() and (path / "lightning_sync_meta.json").is_file() and (path / "lightning.pt").is_file()
-                and (path / "COMPLETE").is_file(),
-                sorted(p.name for p in path.iterdir()) if path.is_dir() else path)
-    ck.true("[checkpoint] no temporary directory left", not any(p.name.startswith(".") for p in Path(dirpath).iterdir()),
-            sorted(p.name for p in Path(dirpath).iterdir()))
+        ck.true(
+            f"[checkpoint] step={step}.ckpt is a sharded directory",
+            path.is_dir()
+            and (path / "lightning_sync_meta.json").is_file()
+            and (path / "lightning.pt").is_file()
+            and (path / "COMPLETE").is_file(),
+            sorted(p.name for p in path.iterdir()) if path.is_dir() else path,
+        )
+    ck.true(
+        "[checkpoint] no temporary directory left",
+        not any(p.name.startswith(".") for p in Path(dirpath).iterdir()),
+        sorted(p.name for p in Path(dirpath).iterdir()),
+    )
     broken = Path(tmpdir, "broken.ckpt")  # a save killed before its marker: refused, never half-loaded
     if torch.distributed.get_rank() == 0:
         shutil.copytree(Path(dirpath, f"step={RESHARD_K}.ckpt"), broken)
         (broken / "COMPLETE").unlink()
     torch.distributed.barrier()
-    ck.raises("[checkpoint] a directory without its COMPLETE marker is refused",
-              lambda: _trainer(world, _sharded(3), max_steps=RESHARD_N).fit(
-                  _Module("adamw", ds, RESHARD_BATCH[world], scheduler=False), ckpt_path=str(broken)),
-              r"incomplete sharded checkpoint \(no COMPLETE\)", exc=ValueError)
+    ck.raises(
+        "[checkpoint] a directory without its COMPLETE marker is refused",
+        lambda: _trainer(world, _sharded(3), max_steps=RESHARD_N).fit(
+            _Module("adamw", ds, RESHARD_BATCH[world], scheduler=False), ckpt_path=str(broken)
+        ),
+        r"incomplete sharded checkpoint \(no COMPLETE\)",
+        exc=ValueError,
+    )
     if torch.distributed.get_rank() == 0:
-        ck.true("[full_state_dict] rank 0 gets every key", probe.state is not None and
-                list(probe.state) == list(module.state_dict()), None if probe.state is None else list(probe.state))
+        ck.true(
+            "[full_state_dict] rank 0 gets every key",
+            probe.state is not None and list(probe.state) == list(module.state_dict()),
+            None if probe.state is None else list(probe.state),
+        )
     else:
         ck.true("[full_state_dict] other ranks get {}", probe.state == {}, probe.state)
 
@@ -468,8 +526,11 @@ def _resume_pair(ck: Checks, world: int, tmpdir: str, tag: str, stage: int, opt:
     lrs, state = _optimizer_state(trainer)
     full_lrs, full_state = _optimizer_state(full_trainer)
     ck.true(f"{tag} learning rate", lrs == full_lrs, (lrs, full_lrs))
-    ck.true(f"{tag} optimizer state for every master shard", len(state) == len(full_state) > 0
-            and all(a.keys() == b.keys() for a, b in zip(state, full_state)), (state, full_state))
+    ck.true(
+        f"{tag} optimizer state for every master shard",
+        len(state) == len(full_state) > 0 and all(a.keys() == b.keys() for a, b in zip(state, full_state)),
+        (state, full_state),
+    )
     for i, (a, b) in enumerate(zip(state, full_state)):
         for key in a.keys() & b.keys():
             ck.close(f"{tag} optimizer state {i} {key}", torch.as_tensor(a[key]), torch.as_tensor(b[key]))
@@ -507,13 +568,20 @@ def _save_after_fit(ck: Checks, world: int, tmpdir: str) -> None:
 def _mismatch(ck: Checks, world: int, ckpt: str) -> None:
     """A checkpoint of another model raises a ValueError naming the first mismatched key."""
     other_keys = _Module("adamw", net=_TiedNet(sometimes=True))  # net.sometimes.* where net.scale was
-    ck.raises("[mismatch] extra layer", lambda: _trainer(world, _sharded(3), max_steps=RESHARD_N + 1).fit(
-        other_keys, ckpt_path=ckpt), r"net\.sometimes\.weight")
+    ck.raises(
+        "[mismatch] extra layer",
+        lambda: _trainer(world, _sharded(3), max_steps=RESHARD_N + 1).fit(other_keys, ckpt_path=ckpt),
+        r"net\.sometimes\.weight",
+    )
     wider = _Module("adamw", net=_WideNet())  # same keys, fc1 one row wider
-    ck.raises("[mismatch] other shape", lambda: _trainer(world, _sharded(1), max_steps=RESHARD_N + 1).fit(
-        wider, ckpt_path=ckpt), r"net\.fc1\.weight")
-    ck.raises("[mismatch] validate", lambda: _trainer(world, _sharded(3)).validate(wider, ckpt_path=ckpt),
-              r"net\.fc1\.weight")
+    ck.raises(
+        "[mismatch] other shape",
+        lambda: _trainer(world, _sharded(1), max_steps=RESHARD_N + 1).fit(wider, ckpt_path=ckpt),
+        r"net\.fc1\.weight",
+    )
+    ck.raises(
+        "[mismatch] validate", lambda: _trainer(world, _sharded(3)).validate(wider, ckpt_path=ckpt), r"net\.fc1\.weight"
+    )
 
 
 def _from_ddp(ck: Checks, world: int, tmpdir: str) -> None:
@@ -534,8 +602,11 @@ def _from_ddp(ck: Checks, world: int, tmpdir: str) -> None:
         for name, value in _state(module).items():
             ck.close(f"[from ddp {fn}] {name}", value, ddp_state[name])
         if fn == "fit":  # a rank-zero warning
-            ck.true("[from ddp fit] warns that the optimizer state starts fresh", torch.distributed.get_rank() != 0
-                    or any("optimizer state" in str(w.message) for w in caught), [str(w.message) for w in caught])
+            ck.true(
+                "[from ddp fit] warns that the optimizer state starts fresh",
+                torch.distributed.get_rank() != 0 or any("optimizer state" in str(w.message) for w in caught),
+                [str(w.message) for w in caught],
+            )
 
 
 def _load_other_world(ck: Checks, world: int, source: dict[str, Any]) -> None:
@@ -549,8 +620,11 @@ def _load_other_world(ck: Checks, world: int, source: dict[str, Any]) -> None:
         for name, value in _state(module).items():  # after validate (teardown): whole, exactly the saved ones
             ck.close(f"{tag} validate: {name}", value, source["final"][name])
         if torch.distributed.get_rank() == 0:
-            ck.true(f"{tag} full_state_dict has every key", probe.state is not None and
-                    list(probe.state) == list(source["final"]), probe.state)
+            ck.true(
+                f"{tag} full_state_dict has every key",
+                probe.state is not None and list(probe.state) == list(source["final"]),
+                probe.state,
+            )
             for name, value in (probe.state or {}).items():
                 ck.close(f"{tag} full_state_dict {name}", value, source["final"][name])
         else:
@@ -570,8 +644,11 @@ def _resume_other_world(ck: Checks, world: int, source: dict[str, Any]) -> None:
         trainer = _trainer(world, _sharded(stage), max_steps=RESHARD_N, callbacks=[probe])
         trainer.fit(resumed, ckpt_path=ckpt_k)
         ck.true(f"{tag} resumed to step n", trainer.global_step == RESHARD_N, trainer.global_step)
-        ck.true(f"{tag} AdamW state for every master element", probe.state_numel == 2 * probe.master_numel[-1],
-                (probe.state_numel, probe.master_numel))
+        ck.true(
+            f"{tag} AdamW state for every master element",
+            probe.state_numel == 2 * probe.master_numel[-1],
+            (probe.state_numel, probe.master_numel),
+        )
         _check_against(ck, tag, resumed, source["final"], init, tol=RESHARD_TOL)
 
 
@@ -584,8 +661,11 @@ def _wrap_nothing(ck: Checks, world: int) -> None:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         _trainer(world, _sharded(3, wrap_policy=["Conv2d"]), max_steps=3, callbacks=[probe]).fit(module)
-    ck.true("[wrap nothing] warns", any("matched no submodule" in str(w.message) for w in caught),
-            [str(w.message) for w in caught])
+    ck.true(
+        "[wrap nothing] warns",
+        any("matched no submodule" in str(w.message) for w in caught),
+        [str(w.message) for w in caught],
+    )
     ck.true("[wrap nothing] one unit", probe.flats == 1, probe.flats)
     _check_against(ck, "[wrap nothing]", module, ref["state"], init)
 
@@ -631,7 +711,9 @@ def _assert_replicas_identical(results: list[dict[str, Any]]) -> None:
     for r, res in enumerate(results[1:], start=1):
         for tag, state in res["finals"].items():
             for name, value in state.items():
-                assert torch.equal(value, results[0]["finals"][tag][name]), f"rank {r} differs from rank 0: {tag} {name}"
+                assert torch.equal(value, results[0]["finals"][tag][name]), (
+                    f"rank {r} differs from rank 0: {tag} {name}"
+                )
 
 
 @pytest.fixture(scope="module")

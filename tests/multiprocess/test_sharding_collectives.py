@@ -27,27 +27,45 @@ def _worker(rank: int, world: int) -> tuple[list[str], int]:
     total = sum(flats.values())
     ck.close("reduce_scatter sum", fs.reduce_scatter(flats[rank], comm, op="sum"), total[fs.start : fs.end])
     # avg: one fp32 rounding of an exact sum divided by K
-    ck.close("reduce_scatter avg", fs.reduce_scatter(flats[rank], comm, op="avg"),
-             total[fs.start : fs.end] / world, rtol=1e-6, atol=1e-7)
+    ck.close(
+        "reduce_scatter avg",
+        fs.reduce_scatter(flats[rank], comm, op="avg"),
+        total[fs.start : fs.end] / world,
+        rtol=1e-6,
+        atol=1e-7,
+    )
     ck.true("padding stays zero", bool(full[fs.total :].eq(0).all()) if fs.padding else True)
     # scratch=True: same results, every op, on both gloo paths: one reduce per owner with the input used as
     # scratch (chunks of at least SCRATCH_REDUCES_MIN_CHUNK_BYTES; 0 here), and gloo's own op below it
     default = C.SCRATCH_REDUCES_MIN_CHUNK_BYTES
     for path, threshold in (("reduces", 0), ("gloo", default)):
         C.SCRATCH_REDUCES_MIN_CHUNK_BYTES = threshold
-        for op, want_op in (("sum", total), ("avg", total / world),
-                            ("max", torch.stack(list(flats.values())).amax(0)),
-                            ("min", torch.stack(list(flats.values())).amin(0))):
+        for op, want_op in (
+            ("sum", total),
+            ("avg", total / world),
+            ("max", torch.stack(list(flats.values())).amax(0)),
+            ("min", torch.stack(list(flats.values())).amin(0)),
+        ):
             out = torch.empty(fs.shard_numel)
             work = comm.reduce_scatter_into(out, flats[rank].clone(), op=op, async_op=True, scratch=True)
-            ck.close(f"reduce_scatter_into scratch {path} {op}", work.wait(), want_op[fs.start : fs.end],
-                     rtol=1e-6, atol=1e-7)
+            ck.close(
+                f"reduce_scatter_into scratch {path} {op}",
+                work.wait(),
+                want_op[fs.start : fs.end],
+                rtol=1e-6,
+                atol=1e-7,
+            )
         bf16 = {r: f.to(torch.bfloat16) for r, f in flats.items()}
         out = torch.empty(fs.shard_numel, dtype=torch.bfloat16)
         comm.reduce_scatter_into(out, bf16[rank].clone(), op="sum", scratch=True)
         # bf16: the sum of K bf16 values rounded to bf16 once per addition -> 2 ulps (2**-7 relative)
-        ck.close(f"reduce_scatter_into scratch {path} bf16", out.float(),
-                 sum(b.float() for b in bf16.values())[fs.start : fs.end], rtol=2 ** -6, atol=1e-2)
+        ck.close(
+            f"reduce_scatter_into scratch {path} bf16",
+            out.float(),
+            sum(b.float() for b in bf16.values())[fs.start : fs.end],
+            rtol=2**-6,
+            atol=1e-2,
+        )
     C.SCRATCH_REDUCES_MIN_CHUNK_BYTES = default
     # the path by chunk size: K reduces from a chunk of exactly the threshold, gloo's op one element below;
     # the sums against a reference (small integers: exact)
@@ -58,12 +76,16 @@ def _worker(rank: int, world: int) -> tuple[list[str], int]:
         for n, want_reduces in ((default // 4, world), (default // 4 - 1, 0)):
             reduces.clear()
             out = torch.empty(n)
-            comm.reduce_scatter_into(out, torch.arange(n * world, dtype=torch.float32).remainder(97) + rank,
-                                     op="sum", scratch=True)
+            comm.reduce_scatter_into(
+                out, torch.arange(n * world, dtype=torch.float32).remainder(97) + rank, op="sum", scratch=True
+            )
             want_big = sum(torch.arange(n * world, dtype=torch.float32).remainder(97) + r for r in range(world))
             ck.close(f"reduce_scatter_into scratch chunk {4 * n} B", out, want_big[rank * n : (rank + 1) * n])
-            ck.true(f"reduce_scatter_into scratch chunk {4 * n} B: {want_reduces} reduces", len(reduces) == want_reduces,
-                    len(reduces))
+            ck.true(
+                f"reduce_scatter_into scratch chunk {4 * n} B: {want_reduces} reduces",
+                len(reduces) == want_reduces,
+                len(reduces),
+            )
     finally:
         C.dist.reduce = real_reduce
     return ck.failures, ck.count

@@ -38,7 +38,9 @@ def _worker(rank: int, world: int) -> tuple[list[str], int]:
     if rank == 1:
         ck.true("the slow rank measured every batch", len(slow.measured) == 5, slow.measured)
         for i, (m, d) in enumerate(zip(slow.measured, slow.delays)):
-            ck.close(f"delay {i} is (factor - 1) x measured", torch.tensor(d), torch.tensor(2.0 * m), rtol=1e-12, atol=0.0)
+            ck.close(
+                f"delay {i} is (factor - 1) x measured", torch.tensor(d), torch.tensor(2.0 * m), rtol=1e-12, atol=0.0
+            )
         # time.sleep(d) sleeps at least d, so each whole batch took at least measured + delay
         for i, (w, m, d) in enumerate(zip(slow.walls, slow.measured, slow.delays)):
             ck.true(f"batch {i} took at least measured + delay", w >= m + d, (w, m, d))
@@ -53,9 +55,15 @@ def test_slow_rank_delays_only_its_rank_by_the_factor() -> None:
     assert_all_ranks_passed(run_distributed(_worker, 2, timeout=120, env=ENV), min_checks=2, same_count=False)
 
 
-@pytest.mark.parametrize(("kw", "named"), [({"rank": -1, "factor": 2}, "rank"), ({"rank": 0, "factor": 0.5}, "factor"),
-                                           ({"rank": 0, "factor": float("inf")}, "factor"),
-                                           ({"rank": True, "factor": 2}, "rank")])
+@pytest.mark.parametrize(
+    ("kw", "named"),
+    [
+        ({"rank": -1, "factor": 2}, "rank"),
+        ({"rank": 0, "factor": 0.5}, "factor"),
+        ({"rank": 0, "factor": float("inf")}, "factor"),
+        ({"rank": True, "factor": 2}, "rank"),
+    ],
+)
 def test_bad_arguments_are_named(kw: dict[str, Any], named: str) -> None:
     with pytest.raises(ValueError, match=named):
         SlowRank(**kw)

@@ -26,22 +26,32 @@ def _worker(rank: int, world: int) -> tuple[list[str], int]:
     ck.true("one window per 4 steps", len(detector.windows) == STEPS // EVERY, detector.windows)
     flagged = sorted({r for _, r, _ in detector.flags})
     # SlowRank sleeps 3x the measured compute: rank 1 takes ~4x the others, far above the threshold 2
-    ck.true("rank 1, and only rank 1, flagged in every window",
-            flagged == [1] and len(detector.flags) == STEPS // EVERY, (detector.flags, detector.windows))
-    ck.true("rank 1's ratio is far above the threshold", all(ratio > 2.5 for _, _, ratio in detector.flags),
-            detector.flags)
+    ck.true(
+        "rank 1, and only rank 1, flagged in every window",
+        flagged == [1] and len(detector.flags) == STEPS // EVERY,
+        (detector.flags, detector.windows),
+    )
+    ck.true(
+        "rank 1's ratio is far above the threshold", all(ratio > 2.5 for _, _, ratio in detector.flags), detector.flags
+    )
     if rank == 1:
         # the independent record: SlowRank's own sleeps. Rank 1's measured time per step is that sleep plus
         # its compute, and SlowRank sleeps 3x its compute (which it measures with any wait inside backward
         # included), so the measure lies between the sleep and 4/3 of it (+ the optimizer step: 1.6x, 2 ms)
         for w, times in enumerate(detector.windows):
-            sleep = sum(slow.delays[w * EVERY:(w + 1) * EVERY]) / EVERY
-            ck.true(f"window {w}: rank 1's time is its sleep plus its compute",
-                    sleep <= times[1] <= 1.6 * sleep + 2e-3, (times[1], sleep))
+            sleep = sum(slow.delays[w * EVERY : (w + 1) * EVERY]) / EVERY
+            ck.true(
+                f"window {w}: rank 1's time is its sleep plus its compute",
+                sleep <= times[1] <= 1.6 * sleep + 2e-3,
+                (times[1], sleep),
+            )
     quiet = StragglerDetector(every_n_steps=EVERY, threshold=2.0)
     _trainer(world, BucketedDDPStrategy(), max_steps=STEPS, callbacks=[quiet]).fit(_TiedModule("sgd"))
-    ck.true("no straggler, no flag", quiet.flags == [] and len(quiet.windows) == STEPS // EVERY,
-            (quiet.flags, quiet.windows))
+    ck.true(
+        "no straggler, no flag",
+        quiet.flags == [] and len(quiet.windows) == STEPS // EVERY,
+        (quiet.flags, quiet.windows),
+    )
     return ck.result()
 
 
@@ -50,12 +60,15 @@ def test_the_slowed_rank_is_flagged_in_every_window_and_no_other() -> None:
     assert_all_ranks_passed(run_distributed(_worker, 3, timeout=180, env=ENV), min_checks=6, same_count=False)
 
 
-@pytest.mark.parametrize(("kwargs", "message"), [
-    ({"every_n_steps": 0}, "every_n_steps must be an int >= 1, got 0"),
-    ({"every_n_steps": True}, "every_n_steps must be an int >= 1, got True"),
-    ({"threshold": 1.0}, "threshold must be a finite number > 1, got 1.0"),
-    ({"threshold": float("inf")}, "threshold must be a finite number > 1, got inf"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"every_n_steps": 0}, "every_n_steps must be an int >= 1, got 0"),
+        ({"every_n_steps": True}, "every_n_steps must be an int >= 1, got True"),
+        ({"threshold": 1.0}, "threshold must be a finite number > 1, got 1.0"),
+        ({"threshold": float("inf")}, "threshold must be a finite number > 1, got inf"),
+    ],
+)
 def test_bad_arguments_are_named(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         StragglerDetector(**kwargs)

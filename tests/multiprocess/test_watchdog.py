@@ -53,8 +53,9 @@ def _skip_one_all_reduce(rank: int, k: int) -> tuple[list[str], int, str]:
             time.sleep(1.5)
         t = torch.full((3,), float(rank + step))
         comms.all_reduce(t)
-        ck.close(f"all_reduce step {step}", t, torch.full((3,), float(sum(r + step for r in range(k)))),
-                 rtol=0, atol=0)  # small integers: exact
+        ck.close(
+            f"all_reduce step {step}", t, torch.full((3,), float(sum(r + step for r in range(k)))), rtol=0, atol=0
+        )  # small integers: exact
     ck.true("no abort after a slow but complete phase", comms.watchdog.active().error is None)
     # phase 2: rank 1 skips the all_reduce of step 1, then everyone reaches the final barrier
     message = ""
@@ -78,8 +79,10 @@ def test_skipped_all_reduce_names_the_rank_on_every_rank() -> None:
         assert DECLARED in message, f"rank {rank}: not the watchdog's declaration: {message!r}"
         # ranks 0 and 2 hang in all_reduce #6, rank 1 in barrier #6 (its 5th all_reduce was never issued):
         # every rank names the same split, rank 1 as the minority first
-        assert "different code paths at #6: barrier (0 B) on ranks [1]; all_reduce (12 B, float32[3], sum) on " \
-               "ranks [0, 2]" in message, f"rank {rank}: {message}"
+        assert (
+            "different code paths at #6: barrier (0 B) on ranks [1]; all_reduce (12 B, float32[3], sum) on "
+            "ranks [0, 2]" in message
+        ), f"rank {rank}: {message}"
 
 
 class _ExtraKeyOnRank0(_TiedModule):
@@ -105,8 +108,12 @@ def _diverging_log_key(rank: int, k: int) -> tuple[list[str], int, str]:
     _quiet_rank()
     ck = Checks()
     module, first = _ExtraKeyOnRank0("sgd"), _FirstStep()
-    trainer = _trainer(k, BucketedDDPStrategy(timeout=PG_TIMEOUT), max_steps=4,
-                       callbacks=[HangWatchdog(TIMEOUT, interval=INTERVAL), first])
+    trainer = _trainer(
+        k,
+        BucketedDDPStrategy(timeout=PG_TIMEOUT),
+        max_steps=4,
+        callbacks=[HangWatchdog(TIMEOUT, interval=INTERVAL), first],
+    )
     message = ""
     try:
         trainer.fit(module)
@@ -126,9 +133,11 @@ def test_a_sync_dist_key_logged_on_one_rank_only_is_named() -> None:
         assert DECLARED in message, f"rank {rank}: not the watchdog's declaration: {message!r}"
         # rank 0's extra sync_dist all_reduce (one fp32 scalar, under its logged key) meets rank 1's next
         # collective: both ranks name the split, rank 0 as the odd one
-        assert re.search(r"took different code paths at #\d+: all_reduce \(4 B, float32\[\], avg, "
-                         r"'training_step\.only_on_rank_0'\) on ranks \[0\]; [\w/]+ \(\d+ B[^)]*\) on ranks \[1\]",
-                         message), f"rank {rank}: {message!r}"
+        assert re.search(
+            r"took different code paths at #\d+: all_reduce \(4 B, float32\[\], avg, "
+            r"'training_step\.only_on_rank_0'\) on ranks \[0\]; [\w/]+ \(\d+ B[^)]*\) on ranks \[1\]",
+            message,
+        ), f"rank {rank}: {message!r}"
 
 
 class _RecordingWork:
@@ -154,8 +163,12 @@ def _late_rank(rank: int, k: int) -> tuple[list[str], int]:
     waits: list[tuple[Any, ...]] = []
     # every backend call comms makes for the three ways a gloo request is waited for (module waiting): all_reduce
     # (its future), reduce-scatter and send/recv (no future: a waiting thread)
-    patched = [(torch.distributed, "all_reduce"), (collectives, "_REDUCE_SCATTER_SINGLE"),
-               (torch.distributed, "isend"), (torch.distributed, "irecv")]
+    patched = [
+        (torch.distributed, "all_reduce"),
+        (collectives, "_REDUCE_SCATTER_SINGLE"),
+        (torch.distributed, "isend"),
+        (torch.distributed, "irecv"),
+    ]
     real = {name: getattr(owner, name) for owner, name in patched}
     for owner, name in patched:
         setattr(owner, name, lambda *a, _fn=real[name], **kw: _RecordingWork(_fn(*a, **kw), waits))
@@ -177,7 +190,7 @@ def _late_rank(rank: int, k: int) -> tuple[list[str], int]:
     expected = torch.full((4,), float(sum(r + 1 for r in range(k))))  # small integers: exact
     ck.close("the late all_reduce", late, expected)
     ck.close("the next all_reduce", after, expected)
-    ck.close("reduce_scatter", shard, (2 * torch.arange(4.0) + 1)[2 * rank:2 * rank + 2])
+    ck.close("reduce_scatter", shard, (2 * torch.arange(4.0) + 1)[2 * rank : 2 * rank + 2])
     ck.close("ring all_reduce", ring, 2 * torch.arange(4.0) + 1)
     ck.true("no abort", comms.watchdog.active().error is None, comms.watchdog.active().error)
     ck.true("waited on every request", len(waits) >= 5, waits)
@@ -205,8 +218,9 @@ class _SwappedKeys(_TiedModule):
 
 def _swapped_log_keys(rank: int, k: int) -> str:
     _quiet_rank()
-    trainer = _trainer(k, BucketedDDPStrategy(timeout=PG_TIMEOUT), max_steps=3,
-                       callbacks=[HangWatchdog(TIMEOUT, interval=INTERVAL)])
+    trainer = _trainer(
+        k, BucketedDDPStrategy(timeout=PG_TIMEOUT), max_steps=3, callbacks=[HangWatchdog(TIMEOUT, interval=INTERVAL)]
+    )
     try:
         trainer.fit(_SwappedKeys("sgd"))
     except CollectiveError as err:
@@ -220,10 +234,12 @@ def test_sync_dist_keys_that_pair_up_across_ranks_are_named() -> None:
     for rank, message in enumerate(messages):
         assert message, f"rank {rank} finished its fit: the swapped keys went unnoticed"
         # both ranks name the same first difference: the one all_reduce at which the keys met
-        assert re.search(r"ranks issued different collectives on world at #\d+ that paired up: "
-                         r"all_reduce \(4 B, float32\[\], avg, 'training_step\.a'\) on ranks \[0\]; "
-                         r"all_reduce \(4 B, float32\[\], avg, 'training_step\.b'\) on ranks \[1\]", message), \
-            f"rank {rank}: {message!r}"
+        assert re.search(
+            r"ranks issued different collectives on world at #\d+ that paired up: "
+            r"all_reduce \(4 B, float32\[\], avg, 'training_step\.a'\) on ranks \[0\]; "
+            r"all_reduce \(4 B, float32\[\], avg, 'training_step\.b'\) on ranks \[1\]",
+            message,
+        ), f"rank {rank}: {message!r}"
     assert messages[0] == messages[1], messages
 
 
@@ -240,15 +256,21 @@ def _same_calls_then_a_transposed_tensor(rank: int, k: int) -> tuple[list[str], 
     if rank != 1:
         ck.close("sub-group all_reduce", comms.all_reduce(torch.ones(2), group=pair), torch.full((2,), 2.0))
     total = sum(torch.arange(6.0) + r for r in range(k))  # small integers from here on: every result is exact
-    ck.close("reduce_scatter", comms.reduce_scatter(torch.arange(6.0) + rank), total[2 * rank:2 * rank + 2])
-    ck.close("scatter", comms.scatter([torch.full((r + 1,), 7.0) for r in range(k)] if rank == 0 else None),
-             torch.full((rank + 1,), 7.0))  # world #8 (its header: #9 the size, #10 the bytes)
+    ck.close("reduce_scatter", comms.reduce_scatter(torch.arange(6.0) + rank), total[2 * rank : 2 * rank + 2])
+    ck.close(
+        "scatter",
+        comms.scatter([torch.full((r + 1,), 7.0) for r in range(k)] if rank == 0 else None),
+        torch.full((rank + 1,), 7.0),
+    )  # world #8 (its header: #9 the size, #10 the bytes)
     gathered = comms.gather(torch.full((rank + 1,), float(rank)), dst=2)  # #11, #12
     if rank == 2:
         ck.close("gather", gathered, [torch.full((r + 1,), float(r)) for r in range(k)])
     out = torch.empty(k, 2)
-    ck.close("all_gather_into", comms.all_gather_into(out, torch.full((2,), float(rank))),  # #13
-             torch.arange(float(k)).repeat_interleave(2).view(k, 2))
+    ck.close(
+        "all_gather_into",
+        comms.all_gather_into(out, torch.full((2,), float(rank))),  # #13
+        torch.arange(float(k)).repeat_interleave(2).view(k, 2),
+    )
     ck.close("broadcast", comms.broadcast(torch.full((3,), float(rank)), src=2), torch.full((3,), 2.0))  # #14
     ck.close("tree all_reduce", comms.algorithms.tree_all_reduce(torch.arange(6.0) + rank), total)  # send/recv
     comms.watchdog.verify()  # world #15, #16: the check's own all_gather_object
@@ -260,8 +282,12 @@ def _same_calls_then_a_transposed_tensor(rank: int, k: int) -> tuple[list[str], 
         comms.watchdog.verify()
     except CollectiveMismatch as err:
         message = str(err)
-    ck.raises("the next collective raises it too", lambda: comms.barrier(), "different collectives on world at #17",
-              exc=CollectiveMismatch)
+    ck.raises(
+        "the next collective raises it too",
+        lambda: comms.barrier(),
+        "different collectives on world at #17",
+        exc=CollectiveMismatch,
+    )
     comms.watchdog.stop()
     return (*ck.result(), message)
 
@@ -271,7 +297,8 @@ def test_collectives_that_pair_up_with_other_shapes_are_named_on_every_rank() ->
     results = run_distributed(_same_calls_then_a_transposed_tensor, 3, timeout=60)
     assert_all_ranks_passed([r[:2] for r in results], min_checks=10, same_count=False)
     for rank, (_, _, message) in enumerate(results):
-        assert message.startswith("ranks issued different collectives on world at #17 that paired up: "
-                                  "all_reduce (24 B, float32[3, 2], sum) on ranks [2]; "
-                                  "all_reduce (24 B, float32[2, 3], sum) on ranks [0, 1] (nothing hung"), \
-            f"rank {rank}: {message!r}"
+        assert message.startswith(
+            "ranks issued different collectives on world at #17 that paired up: "
+            "all_reduce (24 B, float32[3, 2], sum) on ranks [2]; "
+            "all_reduce (24 B, float32[2, 3], sum) on ranks [0, 1] (nothing hung"
+        ), f"rank {rank}: {message!r}"

@@ -21,8 +21,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_sync import BucketedDDPStrategy, DiLoCoStrategy, LocalSGDStrategy, ShardedStrategy
 from lightning_sync.sync import consolidate_checkpoint
 from lightning_sync.sync.safe_load import UntrustedCheckpointError
-from lightning_sync.testing.faults import UnpicklePayload
 from lightning_sync.testing import Checks, assert_all_ranks_passed, run_distributed
+from lightning_sync.testing.faults import UnpicklePayload
 
 _STRATEGIES = {
     "bucketed_ddp": lambda: BucketedDDPStrategy(compression="powersgd", powersgd_rank=1, powersgd_warmup_steps=0),
@@ -49,8 +49,11 @@ def _worker(rank: int, world: int, tmpdir: str) -> tuple[list[str], int]:
                 ck.true(f"[{name}] consolidates weights-only", len(consolidate_checkpoint(path)) > 0)
             else:
                 saved = torch.load(path, map_location="cpu", weights_only=True)
-                ck.true(f"[{name}] our state is in the file", any(k.startswith("lightning_sync/") for k in saved),
-                        sorted(saved))
+                ck.true(
+                    f"[{name}] our state is in the file",
+                    any(k.startswith("lightning_sync/") for k in saved),
+                    sorted(saved),
+                )
         trainer = _trainer(world, make(), max_steps=3)
         trainer.fit(_TiedModule("adamw"), ckpt_path=path)  # weights_only not given: read as True
         ck.true(f"[{name}] resumed from step 2 to step 3", trainer.global_step == 3, trainer.global_step)
@@ -68,8 +71,11 @@ def _worker(rank: int, world: int, tmpdir: str) -> tuple[list[str], int]:
             _trainer(world, _STRATEGIES["bucketed_ddp"](), max_steps=3).fit(_TiedModule("adamw"), ckpt_path=path)
             ck.true(f"[refuse] {os.path.basename(path)} refused", False, "it loaded")
         except UntrustedCheckpointError as error:
-            ck.true(f"[refuse] {os.path.basename(path)} refused by name", path in str(error)
-                    and offending in str(error) and "weights_only=False" in str(error), str(error))
+            ck.true(
+                f"[refuse] {os.path.basename(path)} refused by name",
+                path in str(error) and offending in str(error) and "weights_only=False" in str(error),
+                str(error),
+            )
     ck.true("[refuse] the payload never ran", not os.path.exists(marker))
     trainer = _trainer(world, _STRATEGIES["bucketed_ddp"](), max_steps=3)
     trainer.fit(_TiedModule("adamw"), ckpt_path=extra, weights_only=False)  # the explicit opt-in

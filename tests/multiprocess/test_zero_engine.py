@@ -105,8 +105,10 @@ def make_optimizer(model: nn.Module, kind: str) -> tuple[torch.optim.Optimizer, 
     if kind == "adamw":
         return torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1), None
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    groups = [{"params": [p for n, p in named if n.endswith("weight")], "weight_decay": 0.1},
-              {"params": [p for n, p in named if not n.endswith("weight")], "weight_decay": 0.0, "lr": 0.02}]
+    groups = [
+        {"params": [p for n, p in named if n.endswith("weight")], "weight_decay": 0.1},
+        {"params": [p for n, p in named if not n.endswith("weight")], "weight_decay": 0.0, "lr": 0.02},
+    ]
     opt = torch.optim.AdamW(groups, lr=0.01)
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.7**s)
 
@@ -116,8 +118,10 @@ CLIP = {"adamw_groups": 0.5}  # max grad norm (only this optimizer kind clips)
 
 def batches(n: int, seed: int = 1, batch: int = BATCH) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
-    return [(torch.randint(0, VOCAB, (batch, SEQ), generator=g), torch.randint(0, VOCAB, (batch, SEQ), generator=g))
-            for _ in range(n)]
+    return [
+        (torch.randint(0, VOCAB, (batch, SEQ), generator=g), torch.randint(0, VOCAB, (batch, SEQ), generator=g))
+        for _ in range(n)
+    ]
 
 
 def rows(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
@@ -141,8 +145,9 @@ def perturb(model: nn.Module, rank: int) -> None:
             t.add_(rank)
 
 
-def reference(kind: str, data: list[tuple[torch.Tensor, torch.Tensor]], accum: int = 1,
-              model: nn.Module | None = None, **kw: Any) -> tuple[dict[str, torch.Tensor], list[float]]:
+def reference(
+    kind: str, data: list[tuple[torch.Tensor, torch.Tensor]], accum: int = 1, model: nn.Module | None = None, **kw: Any
+) -> tuple[dict[str, torch.Tensor], list[float]]:
     """Single-process training; with ``accum`` A, each step takes the mean loss over A global batches
     (the gradient of their concatenation: the sum of the A mean gradients divided by A)."""
     model = model or make_model(**kw)
@@ -161,9 +166,18 @@ def reference(kind: str, data: list[tuple[torch.Tensor, torch.Tensor]], accum: i
     return clone_sd(model), norms
 
 
-def sharded_steps(engine: ZeroEngine, model: nn.Module, opt: torch.optim.Optimizer, sched: Any, kind: str,
-                  data: list[tuple[torch.Tensor, torch.Tensor]], rank: int, world: int, accum: int = 1,
-                  micro_stats: list[dict[str, Any]] | None = None) -> list[float]:
+def sharded_steps(
+    engine: ZeroEngine,
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    sched: Any,
+    kind: str,
+    data: list[tuple[torch.Tensor, torch.Tensor]],
+    rank: int,
+    world: int,
+    accum: int = 1,
+    micro_stats: list[dict[str, Any]] | None = None,
+) -> list[float]:
     """Train on this rank's rows of ``data``: ``accum`` micro-steps per optimizer step (all but the last
     under ``no_sync``), each backpropagating its mean loss / accum. Records CommStats deltas per
     micro-step (forward + backward only) into ``micro_stats`` when given."""
@@ -200,8 +214,14 @@ def _delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, tuple[int
     return out
 
 
-def build(rank: int, kind: str, stage: int, policy: Any = None, seed: int = 0, **engine_kw: Any,
-          ) -> tuple[nn.Module, torch.optim.Optimizer, Any, ZeroEngine]:
+def build(
+    rank: int,
+    kind: str,
+    stage: int,
+    policy: Any = None,
+    seed: int = 0,
+    **engine_kw: Any,
+) -> tuple[nn.Module, torch.optim.Optimizer, Any, ZeroEngine]:
     model_kw = {k: engine_kw.pop(k) for k in ("vocab", "dim", "hidden", "frozen") if k in engine_kw}
     model = make_model(seed, **model_kw)
     perturb(model, rank)
@@ -216,14 +236,18 @@ def build(rank: int, kind: str, stage: int, policy: Any = None, seed: int = 0, *
 # (name, stage, optimizer kind, engine kwargs). Stage 1/2 each with the default 25 MiB cap (one bucket)
 # and a ~1 KiB cap (several buckets), one per optimizer; stage 3 with a Linear wrap policy (both
 # optimizers), a size policy and the whole model; two param groups + LR schedule + clipping at 2 and 3.
-EQUIV = [("s1-sgd-cap0.001", 1, "sgd", {"bucket_cap_mb": 0.001}), ("s1-adamw-cap25", 1, "adamw", {}),
-         ("s2-sgd-cap25", 2, "sgd", {}), ("s2-adamw-cap0.001", 2, "adamw", {"bucket_cap_mb": 0.001}),
-         ("s3-sgd-linear", 3, "sgd", {"wrap_policy": nn.Linear}),
-         ("s3-adamw-linear", 3, "adamw", {"wrap_policy": nn.Linear}),
-         ("s3-sgd-min100", 3, "sgd", {"wrap_policy": {"min_num_params": 100}}),
-         ("s3-adamw-whole", 3, "adamw", {"wrap_policy": None}),
-         ("s2-adamw_groups", 2, "adamw_groups", {"bucket_cap_mb": 0.001}),
-         ("s3-adamw_groups", 3, "adamw_groups", {"wrap_policy": "Linear"})]
+EQUIV = [
+    ("s1-sgd-cap0.001", 1, "sgd", {"bucket_cap_mb": 0.001}),
+    ("s1-adamw-cap25", 1, "adamw", {}),
+    ("s2-sgd-cap25", 2, "sgd", {}),
+    ("s2-adamw-cap0.001", 2, "adamw", {"bucket_cap_mb": 0.001}),
+    ("s3-sgd-linear", 3, "sgd", {"wrap_policy": nn.Linear}),
+    ("s3-adamw-linear", 3, "adamw", {"wrap_policy": nn.Linear}),
+    ("s3-sgd-min100", 3, "sgd", {"wrap_policy": {"min_num_params": 100}}),
+    ("s3-adamw-whole", 3, "adamw", {"wrap_policy": None}),
+    ("s2-adamw_groups", 2, "adamw_groups", {"bucket_cap_mb": 0.001}),
+    ("s3-adamw_groups", 3, "adamw_groups", {"wrap_policy": "Linear"}),
+]
 
 
 def _equivalence(rank: int, world: int) -> dict[str, Any]:
@@ -232,8 +256,13 @@ def _equivalence(rank: int, world: int) -> dict[str, Any]:
         kw = dict(kw)
         model, opt, sched, eng = build(rank, kind, stage, kw.pop("wrap_policy", None), **kw)
         norms = sharded_steps(eng, model, opt, sched, kind, data, rank, world)
-        out[name] = {"sd": eng.full_state_dict(), "units": [u.name for u in eng.units], "norms": norms,
-                     "flat_total": sum(f.layout.total for f in eng.flats), "lr": [g["lr"] for g in opt.param_groups]}
+        out[name] = {
+            "sd": eng.full_state_dict(),
+            "units": [u.name for u in eng.units],
+            "norms": norms,
+            "flat_total": sum(f.layout.total for f in eng.flats),
+            "lr": [g["lr"] for g in opt.param_groups],
+        }
     return out
 
 
@@ -286,8 +315,11 @@ def _memory(rank: int, world: int) -> dict[str, Any]:
                 loss_fn_v(model, rows(x, rank, world), rows(y, rank, world)).backward()
                 if i == 0:
                     opt.step()
-            out[f"s{stage}-{kind}"] = {"mem": eng.memory_bytes(), "largest_unit": eng.largest_unit_numel,
-                                       "module_grads": sum(p.grad is not None for p in model.parameters())}
+            out[f"s{stage}-{kind}"] = {
+                "mem": eng.memory_bytes(),
+                "largest_unit": eng.largest_unit_numel,
+                "module_grads": sum(p.grad is not None for p in model.parameters()),
+            }
     return out
 
 
@@ -310,8 +342,13 @@ def _prefetch(rank: int, world: int) -> dict[str, Any]:
         for mname in ("l1", "l2", "head"):  # runs after the engine's own (prepended) pre-hook
             getattr(model, mname).register_forward_pre_hook(
                 lambda mod, args, mname=mname: gathered_at.append(
-                    (mname, [u.name for u in eng.units if u.gathered and not u.is_root],
-                     [u.name for u in eng.units if any(f._gather_work is not None for f in u.flats)])))
+                    (
+                        mname,
+                        [u.name for u in eng.units if u.gathered and not u.is_root],
+                        [u.name for u in eng.units if any(f._gather_work is not None for f in u.flats)],
+                    )
+                )
+            )
         stats = None
         for step, (x, y) in enumerate(data):
             if step == 1:
@@ -324,9 +361,13 @@ def _prefetch(rank: int, world: int) -> dict[str, Any]:
             if step == 1:
                 stats = _delta(before, comms.get_stats().snapshot())
             opt.step()
-        out[name] = {"events": [(e, units[i]) for e, i in eng.events], "stats": stats, "gathered_at": gathered_at,
-                     "units": [u.name for u in eng.units],
-                     "unit_numel": {u.name: u.numel for u in eng.units}}
+        out[name] = {
+            "events": [(e, units[i]) for e, i in eng.events],
+            "stats": stats,
+            "gathered_at": gathered_at,
+            "units": [u.name for u in eng.units],
+            "unit_numel": {u.name: u.numel for u in eng.units},
+        }
     return out
 
 
@@ -356,8 +397,9 @@ def _save_checkpoints(rank: int, world: int, dirs: dict[int, str]) -> dict[str, 
 LOADS = [(2, 1), (2, 2), (2, 3), (3, 1), (3, 2), (3, 3)]
 
 
-def _load_checkpoints(rank: int, world: int, dirs: dict[int, str],
-                      full: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
+def _load_checkpoints(
+    rank: int, world: int, dirs: dict[int, str], full: dict[str, torch.Tensor] | None = None
+) -> dict[str, Any]:
     data, out = batches(STEPS, seed=3), {}
     for saved, stage in LOADS:
         model, opt, sched, eng = build(rank, "adamw", stage, CKPT_STAGES.get(stage), seed=123)
@@ -372,9 +414,15 @@ def _load_checkpoints(rank: int, world: int, dirs: dict[int, str],
     return out
 
 
-MIXED = [(f"s{st}-{name}", st, kw) for st in (1, 2, 3) for name, kw in
-         (("fp32", {}), ("bf16", {"param_dtype": torch.bfloat16}),
-          ("bf16-r32", {"param_dtype": "bf16", "reduce_dtype": torch.float32}))]
+MIXED = [
+    (f"s{st}-{name}", st, kw)
+    for st in (1, 2, 3)
+    for name, kw in (
+        ("fp32", {}),
+        ("bf16", {"param_dtype": torch.bfloat16}),
+        ("bf16-r32", {"param_dtype": "bf16", "reduce_dtype": torch.float32}),
+    )
+]
 
 
 def _mixed(rank: int, world: int) -> dict[str, Any]:
@@ -388,8 +436,11 @@ def _mixed(rank: int, world: int) -> dict[str, Any]:
         sharded_steps(eng, model, opt, sched, "sgd", data[1:2], rank, world)  # forward, backward and step
         stats = _delta(before, comms.get_stats().snapshot())
         sharded_steps(eng, model, opt, sched, "sgd", data[2:], rank, world)
-        out[name] = {"stats": stats, "master_dtypes": sorted({str(f.master.dtype) for f in eng.flats}),
-                     "sd": eng.full_state_dict()}
+        out[name] = {
+            "stats": stats,
+            "master_dtypes": sorted({str(f.master.dtype) for f in eng.flats}),
+            "sd": eng.full_state_dict(),
+        }
     return out
 
 
@@ -399,8 +450,9 @@ def _mixed_with_frozen(rank: int, world: int) -> dict[str, Any]:
     data = batches(1)
     for stage in (1, 2, 3):
         try:
-            model, opt, sched, eng = build(rank, "sgd", stage, nn.Linear if stage == 3 else None,
-                                           param_dtype=torch.bfloat16)
+            model, opt, sched, eng = build(
+                rank, "sgd", stage, nn.Linear if stage == 3 else None, param_dtype=torch.bfloat16
+            )
             sharded_steps(eng, model, opt, sched, "sgd", data, rank, world)
             out[stage] = {"error": None, "dtypes": {k: str(v.dtype) for k, v in eng.full_state_dict().items()}}
         except Exception as err:  # noqa: BLE001 - every rank fails at the same point; reported to the parent
@@ -410,15 +462,24 @@ def _mixed_with_frozen(rank: int, world: int) -> dict[str, Any]:
 
 def _world2_job(rank: int, world: int, dirs: dict[int, str]) -> dict[str, Any]:
     torch.set_num_threads(1)  # 2-4 ranks share the cores: intra-op threads would only spin against each other
-    return {"equiv": _equivalence(rank, world), "accum": _accumulation(rank, world), "memory": _memory(rank, world),
-            "prefetch": _prefetch(rank, world), "ckpt": _save_checkpoints(rank, world, dirs),
-            "mixed": _mixed(rank, world), "mixed_frozen": _mixed_with_frozen(rank, world)}
+    return {
+        "equiv": _equivalence(rank, world),
+        "accum": _accumulation(rank, world),
+        "memory": _memory(rank, world),
+        "prefetch": _prefetch(rank, world),
+        "ckpt": _save_checkpoints(rank, world, dirs),
+        "mixed": _mixed(rank, world),
+        "mixed_frozen": _mixed_with_frozen(rank, world),
+    }
 
 
 def _world3_job(rank: int, world: int, dirs: dict[int, str], full: dict[str, torch.Tensor]) -> dict[str, Any]:
     torch.set_num_threads(1)
-    return {"equiv": _equivalence(rank, world), "accum": _accumulation(rank, world),
-            "load": _load_checkpoints(rank, world, dirs, full)}
+    return {
+        "equiv": _equivalence(rank, world),
+        "accum": _accumulation(rank, world),
+        "load": _load_checkpoints(rank, world, dirs, full),
+    }
 
 
 def _world4_job(rank: int, world: int) -> dict[str, Any]:
@@ -465,8 +526,9 @@ def _results(request: pytest.FixtureRequest, world: int) -> list[dict[str, Any]]
 def assert_state_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str, **tol: float) -> None:
     assert list(got) == list(want), f"{what}: keys {list(got)} != {list(want)}"
     for k in want:
-        assert got[k].dtype == want[k].dtype and got[k].shape == want[k].shape, \
+        assert got[k].dtype == want[k].dtype and got[k].shape == want[k].shape, (
             f"{what}: {k} is {got[k].dtype}{tuple(got[k].shape)}, expected {want[k].dtype}{tuple(want[k].shape)}"
+        )
         torch.testing.assert_close(got[k], want[k], **tol, msg=lambda m, k=k: f"{what}: {k}: {m}")
 
 
@@ -515,16 +577,20 @@ def test_trained_weights_equal_single_process_training(request: pytest.FixtureRe
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("world", [2, 3])
-def test_accumulation_equals_reference_and_reduces_only_on_the_boundary(request: pytest.FixtureRequest,
-                                                                        world: int) -> None:
+def test_accumulation_equals_reference_and_reduces_only_on_the_boundary(
+    request: pytest.FixtureRequest, world: int
+) -> None:
     res = _results(request, world)
     data = batches(2 * 3, seed=5)
     ref, _ = reference("adamw", data, accum=2)
     assert max_move(ref, clone_sd(make_model())) > MIN_MOVE
     padded = lambda n: math.ceil(n / world) * world * 4  # fp32 bytes of a flat padded to a multiple of K
     # stage 1/2: one bucket of all 563; stage 3: root (emb 296 + scale 1), l1 117, l2 112, head bias 37
-    want_rs = {"s1": (1, padded(TRAINABLE)), "s2": (1, padded(TRAINABLE)),
-               "s3": (4, padded(297) + padded(117) + padded(112) + padded(37))}
+    want_rs = {
+        "s1": (1, padded(TRAINABLE)),
+        "s2": (1, padded(TRAINABLE)),
+        "s3": (4, padded(297) + padded(117) + padded(112) + padded(37)),
+    }
     for rank, r in enumerate(res):
         for name, stage, _ in ACCUM:
             got = r["accum"][name]
@@ -560,8 +626,11 @@ def _check_memory(res: list[dict[str, Any]], world: int) -> None:
                 # and each part: full parameters in stages 1/2 (fp32 masters are their own slices), only
                 # the fp32 master shard in stage 3; full gradients in stage 1 only; sharded optimizer state
                 psi = MEM_TRAINABLE
-                parts = {"params": (4 * psi if stage < 3 else 4 * psi / world) + frozen,
-                         "grads": 4 * psi if stage == 1 else 4 * psi / world, "optimizer": k_bytes * psi / world}
+                parts = {
+                    "params": (4 * psi if stage < 3 else 4 * psi / world) + frozen,
+                    "grads": 4 * psi if stage == 1 else 4 * psi / world,
+                    "optimizer": k_bytes * psi / world,
+                }
                 for part, value in parts.items():
                     assert got["mem"][part] == pytest.approx(value, rel=0.05), (world, kind, stage, part, got["mem"])
                 if stage == 3:
@@ -620,7 +689,8 @@ def test_prefetch_issues_the_next_gather_before_the_current_unit_finishes(world2
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_prefetch_in_backward_issues_the_previous_gather_before_the_current_reduce(
-        world2: list[dict[str, Any]]) -> None:
+    world2: list[dict[str, Any]],
+) -> None:
     for rank, r in enumerate(world2):
         ev = r["prefetch"]["prefetch"]["events"]
         for prev, cur in zip(FORWARD_ORDER, FORWARD_ORDER[1:]):  # backward runs cur, then prev
@@ -680,8 +750,9 @@ def test_checkpoint_resumes_exactly_at_the_same_world_size(world2: list[dict[str
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_checkpoint_from_2_ranks_loads_at_3_ranks_into_every_stage(world2: list[dict[str, Any]],
-                                                                   world3: list[dict[str, Any]]) -> None:
+def test_checkpoint_from_2_ranks_loads_at_3_ranks_into_every_stage(
+    world2: list[dict[str, Any]], world3: list[dict[str, Any]]
+) -> None:
     ref4, _ = reference("adamw", batches(STEPS, seed=3))
     for rank, r in enumerate(world3):
         for saved, stage in LOADS:
@@ -696,8 +767,12 @@ def test_checkpoint_from_2_ranks_loads_at_3_ranks_into_every_stage(world2: list[
 def _local_engine(kind: str, stage: int, seed: int = 123, **kw: Any) -> tuple[nn.Module, Any, Any, ZeroEngine]:
     model = make_model(seed, **{k: kw.pop(k) for k in ("hidden",) if k in kw})
     opt, sched = make_optimizer(model, kind)
-    return model, opt, sched, ZeroEngine(model, opt, LoopbackCommunicator(1), stage=stage,
-                                         wrap_policy=CKPT_STAGES.get(stage), **kw)
+    return (
+        model,
+        opt,
+        sched,
+        ZeroEngine(model, opt, LoopbackCommunicator(1), stage=stage, wrap_policy=CKPT_STAGES.get(stage), **kw),
+    )
 
 
 @pytest.mark.slow
@@ -730,8 +805,9 @@ def test_consolidated_checkpoint_is_a_plain_state_dict(world2: list[dict[str, An
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_loading_another_models_checkpoint_names_the_first_mismatched_key(ckpt_dirs: dict[int, str],
-                                                                          world2: list[dict[str, Any]]) -> None:
+def test_loading_another_models_checkpoint_names_the_first_mismatched_key(
+    ckpt_dirs: dict[int, str], world2: list[dict[str, Any]]
+) -> None:
     for stage in (1, 3):
         _, _, _, eng = _local_engine("adamw", stage, hidden=HIDDEN + 1)  # l1.weight (14, 8) instead of (13, 8)
         with pytest.raises(ValueError, match=r"first mismatched key 'l1\.weight'"):
@@ -742,8 +818,9 @@ def test_loading_another_models_checkpoint_names_the_first_mismatched_key(ckpt_d
     opt, _ = make_optimizer(renamed, "adamw")
     eng = ZeroEngine(renamed, opt, LoopbackCommunicator(1), stage=2)
     # the checkpoint has l2.weight where this model has frozen.weight (l3 is registered last)
-    with pytest.raises(ValueError,
-                       match=r"first mismatched key 'frozen\.weight' \(checkpoint has 'l2\.weight' there\)"):
+    with pytest.raises(
+        ValueError, match=r"first mismatched key 'frozen\.weight' \(checkpoint has 'l2\.weight' there\)"
+    ):
         eng.load_sharded(ckpt_dirs[3])
     with pytest.raises(ValueError, match=r"first mismatched key 'l3\.weight'"):
         eng.load_full_state_dict(make_model(0).state_dict())
@@ -791,5 +868,6 @@ def test_bf16_with_a_frozen_layer_trains(world2: list[dict[str, Any]]) -> None:
 def test_full_state_dict_keeps_dtypes_under_bf16(world2: list[dict[str, Any]]) -> None:
     for r in world2:
         for st in (1, 2, 3):
-            assert {k: v.dtype for k, v in r["mixed"][f"s{st}-bf16"]["sd"].items()} == \
-                   {k: v.dtype for k, v in make_model(frozen=False).state_dict().items()}
+            assert {k: v.dtype for k, v in r["mixed"][f"s{st}-bf16"]["sd"].items()} == {
+                k: v.dtype for k, v in make_model(frozen=False).state_dict().items()
+            }

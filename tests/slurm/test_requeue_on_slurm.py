@@ -25,9 +25,16 @@ from test_train_on_slurm import _cli, submit_rendered
 from lightning_sync.testing.slurm_cluster import SlurmCluster
 
 STEPS = 300
-TRAIN = ["strategy=bucketed_ddp", f"trainer.max_steps={STEPS}", "trainer.max_epochs=-1",
-         "trainer.enable_progress_bar=false", "trainer.enable_checkpointing=false", "seed=0",
-         "final_validate=false", "sample_chars=0"]
+TRAIN = [
+    "strategy=bucketed_ddp",
+    f"trainer.max_steps={STEPS}",
+    "trainer.max_epochs=-1",
+    "trainer.enable_progress_bar=false",
+    "trainer.enable_checkpointing=false",
+    "seed=0",
+    "final_validate=false",
+    "sample_chars=0",
+]
 SLOW = "+trainer.callbacks=[{_target_:lightning_sync.diagnostics.SlowRank,rank:0,factor:20}]"
 
 
@@ -40,8 +47,9 @@ def _wait_for(path: Path, pattern: str, timeout: float, slurm: SlurmCluster, job
             return match
         time.sleep(0.2)
     slurm.run("scancel", job, check=False)
-    raise TimeoutError(f"{pattern!r} not in {path} after {timeout:.0f}s (job {slurm.job_state(job)}):\n"
-                       f"{text[-3000:]}\n{slurm.logs()}")
+    raise TimeoutError(
+        f"{pattern!r} not in {path} after {timeout:.0f}s (job {slurm.job_state(job)}):\n{text[-3000:]}\n{slurm.logs()}"
+    )
 
 
 def _release(slurm: SlurmCluster, job: str, timeout: float = 60.0) -> None:
@@ -52,8 +60,9 @@ def _release(slurm: SlurmCluster, job: str, timeout: float = 60.0) -> None:
             slurm.run("scontrol", "update", f"JobId={job}", "StartTime=now")
             return
         time.sleep(0.2)
-    raise TimeoutError(f"job {job} is {slurm.job_state(job)}, not PENDING, {timeout:.0f}s after requeue\n"
-                       f"{slurm.logs()}")
+    raise TimeoutError(
+        f"job {job} is {slurm.job_state(job)}, not PENDING, {timeout:.0f}s after requeue\n{slurm.logs()}"
+    )
 
 
 def _weights(path: Path) -> dict[str, torch.Tensor]:
@@ -64,27 +73,48 @@ def _weights(path: Path) -> dict[str, torch.Tensor]:
 def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
     """Final weights of the same job on 2 local ranks, never interrupted (no SlowRank: it only sleeps)."""
     tmp = tmp_path_factory.mktemp("uninterrupted")
-    local = subprocess.run([_cli(), "train", *TRAIN, "trainer.devices=2", f"hydra.run.dir={tmp / 'run'}",
-                            f"final_checkpoint={tmp / 'final.ckpt'}"],
-                           capture_output=True, text=True, timeout=300, cwd=tmp, check=False)
+    local = subprocess.run(
+        [
+            _cli(),
+            "train",
+            *TRAIN,
+            "trainer.devices=2",
+            f"hydra.run.dir={tmp / 'run'}",
+            f"final_checkpoint={tmp / 'final.ckpt'}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp,
+        check=False,
+    )
     assert local.returncode == 0, local.stderr[-3000:]
     return _weights(tmp / "final.ckpt")
 
 
 @pytest.mark.timeout(600)
 def test_usr1_mid_run_requeues_and_the_resumed_job_ends_with_the_uninterrupted_weights(
-        slurm: SlurmCluster, tmp_path: Path, uninterrupted: dict[str, torch.Tensor]) -> None:
+    slurm: SlurmCluster, tmp_path: Path, uninterrupted: dict[str, torch.Tensor]
+) -> None:
     run_dir = tmp_path / "run"
-    job, _ = submit_rendered(slurm, tmp_path, ["launch.nodes=2", "trainer.devices=1", *TRAIN, SLOW,
-                                               f"hydra.run.dir={run_dir}",
-                                               f"final_checkpoint={tmp_path / 'slurm-final.ckpt'}"])
+    job, _ = submit_rendered(
+        slurm,
+        tmp_path,
+        [
+            "launch.nodes=2",
+            "trainer.devices=1",
+            *TRAIN,
+            SLOW,
+            f"hydra.run.dir={run_dir}",
+            f"final_checkpoint={tmp_path / 'slurm-final.ckpt'}",
+        ],
+    )
     log = tmp_path / f"slurm-{job}.out"
     _wait_for(log, r"node 1 of 2 on host", 180, slurm, job)
     time.sleep(6.0)  # past setup and the sanity check, into the training loop
     slurm.run("scancel", "--signal=USR1", "--batch", job)
     started = time.monotonic()
-    saved = _wait_for(log, r"requeue: SIGUSR1 received here [\d.]+ s ago; saving at global step (\d+)", 120, slurm,
-                      job)
+    saved = _wait_for(log, r"requeue: SIGUSR1 received here [\d.]+ s ago; saving at global step (\d+)", 120, slurm, job)
     stop_step = int(saved.group(1))
     assert 0 < stop_step < STEPS, saved.group(0)
     _wait_for(log, rf"requeue: job {job} requeued \(scontrol requeue\)", 60, slurm, job)
@@ -94,10 +124,16 @@ def test_usr1_mid_run_requeues_and_the_resumed_job_ends_with_the_uninterrupted_w
     text = log.read_text()
     restarts = re.search(r"Restarts=(\d+)", slurm.run("scontrol", "show", "job", job).stdout)
     assert restarts and restarts.group(1) == "1", restarts
-    assert re.search(rf"resuming from \S+requeue-step{stop_step:09d}\.ckpt \(global step {stop_step}, .*SLURM restart "
-                     r"count 1\)", text), text[-4000:]
-    assert re.search(r"resume: epoch \d+ continues at sample \d+ of its global order of \d+; the batches already "
-                     r"trained are skipped", text), text[-4000:]
+    assert re.search(
+        rf"resuming from \S+requeue-step{stop_step:09d}\.ckpt \(global step {stop_step}, .*SLURM restart "
+        r"count 1\)",
+        text,
+    ), text[-4000:]
+    assert re.search(
+        r"resume: epoch \d+ continues at sample \d+ of its global order of \d+; the batches already "
+        r"trained are skipped",
+        text,
+    ), text[-4000:]
     assert f"`Trainer.fit` stopped: `max_steps={STEPS}` reached." in text, text[-4000:]
 
     _assert_bitwise_equal(_weights(tmp_path / "slurm-final.ckpt"), uninterrupted)
@@ -105,15 +141,31 @@ def test_usr1_mid_run_requeues_and_the_resumed_job_ends_with_the_uninterrupted_w
 
 
 @pytest.mark.timeout(600)
-def test_the_hydra_submitit_route_requeues_and_resumes_too(slurm: SlurmCluster, tmp_path: Path,
-                                                           uninterrupted: dict[str, torch.Tensor]) -> None:
+def test_the_hydra_submitit_route_requeues_and_resumes_too(
+    slurm: SlurmCluster, tmp_path: Path, uninterrupted: dict[str, torch.Tensor]
+) -> None:
     # submitit's batch shell does not trap signals, so the signal goes to the job's tasks (scancel without
     # --batch), which is where Slurm's --signal=USR1@90 sends it before the time limit as well
     sweep = tmp_path / "multirun"
-    submit = subprocess.Popen([_cli(), "train", "-m", "launch=slurm", "launch.nodes=2", "trainer.devices=1", *TRAIN,
-                               SLOW, f"hydra.sweep.dir={sweep}", f"final_checkpoint={tmp_path / 'slurm-final.ckpt'}"],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path,
-                              env=slurm.env)
+    submit = subprocess.Popen(
+        [
+            _cli(),
+            "train",
+            "-m",
+            "launch=slurm",
+            "launch.nodes=2",
+            "trainer.devices=1",
+            *TRAIN,
+            SLOW,
+            f"hydra.sweep.dir={sweep}",
+            f"final_checkpoint={tmp_path / 'slurm-final.ckpt'}",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=tmp_path,
+        env=slurm.env,
+    )
     try:
         deadline = time.monotonic() + 120
         while not list(sweep.glob(".submitit/*/*_0_log.out")) and time.monotonic() < deadline:
@@ -136,8 +188,9 @@ def test_the_hydra_submitit_route_requeues_and_resumes_too(slurm: SlurmCluster, 
             slurm.run("scancel", job, check=False)
     assert submit.returncode == 0, out[-4000:]
     text = log.read_text()
-    assert re.search(rf"resuming from \S+requeue-step{stop_step:09d}\.ckpt \(global step {stop_step}", text), \
-        text[-4000:]
+    assert re.search(rf"resuming from \S+requeue-step{stop_step:09d}\.ckpt \(global step {stop_step}", text), text[
+        -4000:
+    ]
     assert re.search(r"resume: epoch \d+ continues at sample \d+ of its global order", text), text[-4000:]
     assert f"final metrics (2 ranks, {STEPS} steps)" in text, text[-4000:]
     _assert_bitwise_equal(_weights(tmp_path / "slurm-final.ckpt"), uninterrupted)

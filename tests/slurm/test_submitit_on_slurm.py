@@ -18,8 +18,16 @@ from test_train_on_slurm import _cli
 
 from lightning_sync.testing.slurm_cluster import SlurmCluster
 
-TRAIN = ["strategy=bucketed_ddp", "trainer.max_steps=20", "trainer.max_epochs=-1", "trainer.enable_progress_bar=false",
-         "trainer.enable_checkpointing=false", "seed=0", "final_validate=false", "sample_chars=0"]
+TRAIN = [
+    "strategy=bucketed_ddp",
+    "trainer.max_steps=20",
+    "trainer.max_epochs=-1",
+    "trainer.enable_progress_bar=false",
+    "trainer.enable_checkpointing=false",
+    "seed=0",
+    "final_validate=false",
+    "sample_chars=0",
+]
 
 
 def _weights(path: Path) -> dict[str, torch.Tensor]:
@@ -28,25 +36,57 @@ def _weights(path: Path) -> dict[str, torch.Tensor]:
 
 @pytest.mark.timeout(560)
 @pytest.mark.parametrize("tasks", [1, 2])
-def test_hydra_submitit_job_has_slurm_ranks_and_trains_like_local_ranks(slurm: SlurmCluster, tmp_path: Path,
-                                                                        tasks: int) -> None:
+def test_hydra_submitit_job_has_slurm_ranks_and_trains_like_local_ranks(
+    slurm: SlurmCluster, tmp_path: Path, tasks: int
+) -> None:
     world = 2 * tasks
     sweep = tmp_path / "multirun"
-    submit = subprocess.run([_cli(), "train", "-m", "launch=slurm", "launch.nodes=2", f"trainer.devices={tasks}",
-                             *TRAIN, f"hydra.sweep.dir={sweep}", f"final_checkpoint={tmp_path / 'slurm.ckpt'}"],
-                            capture_output=True, text=True, timeout=480, cwd=tmp_path, env=slurm.env, check=False)
+    submit = subprocess.run(
+        [
+            _cli(),
+            "train",
+            "-m",
+            "launch=slurm",
+            "launch.nodes=2",
+            f"trainer.devices={tasks}",
+            *TRAIN,
+            f"hydra.sweep.dir={sweep}",
+            f"final_checkpoint={tmp_path / 'slurm.ckpt'}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=480,
+        cwd=tmp_path,
+        env=slurm.env,
+        check=False,
+    )
     logs = "\n".join(p.read_text(errors="replace") for p in sorted(sweep.glob(".submitit/*/*_log.*")))
     assert submit.returncode == 0, f"{submit.stderr[-3000:]}\n{logs[-3000:]}\n{slurm.logs()}"
     script = next(sweep.glob(".submitit/*/*_submission.sh")).read_text()
     assert "#SBATCH --nodes=2" in script and f"#SBATCH --ntasks-per-node={tasks}" in script, script
     assert "#SBATCH --signal=USR1@90" in script and "#SBATCH --requeue" in script, script  # ours, not USR2
-    banners = re.findall(rf"node (\d) of 2 on host \S+: local rank 0, global rank (\d), world size {world}, "
-                         r"backend gloo", logs)
+    banners = re.findall(
+        rf"node (\d) of 2 on host \S+: local rank 0, global rank (\d), world size {world}, "
+        r"backend gloo",
+        logs,
+    )
     assert sorted(banners) == [("0", "0"), ("1", str(tasks))], logs[-4000:]
     assert f"final metrics ({world} ranks, 20 steps)" in logs, logs[-4000:]
-    local = subprocess.run([_cli(), "train", *TRAIN, f"trainer.devices={world}", f"hydra.run.dir={tmp_path / 'local'}",
-                            f"final_checkpoint={tmp_path / 'local.ckpt'}"],
-                           capture_output=True, text=True, timeout=300, cwd=tmp_path, check=False)
+    local = subprocess.run(
+        [
+            _cli(),
+            "train",
+            *TRAIN,
+            f"trainer.devices={world}",
+            f"hydra.run.dir={tmp_path / 'local'}",
+            f"final_checkpoint={tmp_path / 'local.ckpt'}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        check=False,
+    )
     assert local.returncode == 0, local.stderr[-3000:]
     on_slurm, expected = _weights(tmp_path / "slurm.ckpt"), _weights(tmp_path / "local.ckpt")
     assert on_slurm.keys() == expected.keys()

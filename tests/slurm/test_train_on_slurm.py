@@ -19,8 +19,15 @@ import pytest
 
 from lightning_sync.testing.slurm_cluster import SlurmCluster
 
-TRAIN = ["strategy=bucketed_ddp", "trainer.max_steps=20", "trainer.max_epochs=-1", "trainer.enable_progress_bar=false",
-         "trainer.enable_checkpointing=false", "final_validate=true", "seed=0"]
+TRAIN = [
+    "strategy=bucketed_ddp",
+    "trainer.max_steps=20",
+    "trainer.max_epochs=-1",
+    "trainer.enable_progress_bar=false",
+    "trainer.enable_checkpointing=false",
+    "final_validate=true",
+    "seed=0",
+]
 # Two runs of the same synchronous job differ only by float32 summation order in the all-reduce: 1e-4
 # on a loss of ~0.5 after 20 steps (observed: identical).
 TOL = 1e-4
@@ -40,8 +47,14 @@ def _metrics(text: str, ranks: int = 2) -> dict[str, float]:
 
 def train_locally(tmp_path: Path, devices: int, args: list[str], name: str = "local") -> str:
     """``lightning-sync train <args> trainer.devices=<devices>`` on this machine; its output (it must succeed)."""
-    local = subprocess.run([_cli(), "train", *args, f"trainer.devices={devices}", f"hydra.run.dir={tmp_path / name}"],
-                           capture_output=True, text=True, timeout=300, cwd=tmp_path, check=False)
+    local = subprocess.run(
+        [_cli(), "train", *args, f"trainer.devices={devices}", f"hydra.run.dir={tmp_path / name}"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        check=False,
+    )
     assert local.returncode == 0, local.stderr[-3000:]
     return local.stdout + local.stderr
 
@@ -50,8 +63,9 @@ def submit_rendered(slurm: SlurmCluster, tmp_path: Path, overrides: list[str]) -
     """Render ``lightning-sync sbatch <overrides>`` into ``tmp_path/job.sh`` and submit it as it is.
 
     Returns the job id and the script; the job writes ``tmp_path/slurm-<id>.out``."""
-    render = subprocess.run([_cli(), "sbatch", *overrides], capture_output=True, text=True, timeout=120,
-                            cwd=tmp_path, check=False)
+    render = subprocess.run(
+        [_cli(), "sbatch", *overrides], capture_output=True, text=True, timeout=120, cwd=tmp_path, check=False
+    )
     assert render.returncode == 0, render.stderr[-3000:]
     script = tmp_path / "job.sh"
     script.write_text(render.stdout)
@@ -68,15 +82,32 @@ def assert_same_metrics(on_slurm: dict[str, float], expected: dict[str, float]) 
 def test_two_nodes_one_task_each_train_like_two_local_ranks(slurm: SlurmCluster, tmp_path: Path) -> None:
     out_dir = tmp_path / "run"
     script = tmp_path / "job.sh"
-    script.write_text("#!/bin/bash\n" + f"srun {_cli()} train {' '.join(TRAIN)} trainer.devices=1 trainer.num_nodes=2 "
-                      f"hydra.run.dir={out_dir}\n")
-    job = slurm.run("sbatch", "--parsable", "-N2", "--ntasks-per-node=1", f"--output={tmp_path}/slurm.%j",
-                    f"--chdir={tmp_path}", str(script)).stdout.strip().split(";")[0]
+    script.write_text(
+        "#!/bin/bash\n" + f"srun {_cli()} train {' '.join(TRAIN)} trainer.devices=1 trainer.num_nodes=2 "
+        f"hydra.run.dir={out_dir}\n"
+    )
+    job = (
+        slurm.run(
+            "sbatch",
+            "--parsable",
+            "-N2",
+            "--ntasks-per-node=1",
+            f"--output={tmp_path}/slurm.%j",
+            f"--chdir={tmp_path}",
+            str(script),
+        )
+        .stdout.strip()
+        .split(";")[0]
+    )
     slurm.wait_job(job, timeout=360)
     log = (tmp_path / f"slurm.{job}").read_text()
-    banners = re.findall(r"node (\d) of 2 on host \S+: local rank 0, global rank (\d), world size 2, backend gloo, "
-                         r"rendezvous 127\.0\.0\.1:(\d+) \(fallback: 'n1' does not resolve", log)
-    assert sorted(banners) == [("0", "0", str(15000 + int(job) % 10000)), ("1", "1", str(15000 + int(job) % 10000))], \
+    banners = re.findall(
+        r"node (\d) of 2 on host \S+: local rank 0, global rank (\d), world size 2, backend gloo, "
+        r"rendezvous 127\.0\.0\.1:(\d+) \(fallback: 'n1' does not resolve",
+        log,
+    )
+    assert sorted(banners) == [("0", "0", str(15000 + int(job) % 10000)), ("1", "1", str(15000 + int(job) % 10000))], (
         log[-4000:]
+    )
     on_slurm = _metrics(log)
     assert_same_metrics(on_slurm, _metrics(train_locally(tmp_path, 2, TRAIN)))

@@ -117,7 +117,8 @@ def _save(step: int, final: Path) -> None:
 # Saves global step 1, then replaces it with global step 2, logging every file-system step of that second
 # save (renames, and tree removals) before taking it; SIGKILLs itself at step number kill_at (0: never).
 # A removal is killed partway: one of its files is already gone.
-_SHARDED_CHILD = textwrap.dedent("""
+_SHARDED_CHILD = (
+    textwrap.dedent("""
     from __future__ import annotations
     import os, pathlib, shutil, signal, sys, warnings
     from pathlib import Path
@@ -125,7 +126,10 @@ _SHARDED_CHILD = textwrap.dedent("""
     from torch import nn
     from lightning_sync import ShardedStrategy
     from lightning_sync.sync import LoopbackCommunicator, ZeroEngine
-""") + inspect.getsource(_sharded_strategy) + inspect.getsource(_save) + textwrap.dedent("""
+""")
+    + inspect.getsource(_sharded_strategy)
+    + inspect.getsource(_save)
+    + textwrap.dedent("""
 
     warnings.simplefilter("ignore")  # DCP without a process group says so
     final, log, kill_at = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2]), int(sys.argv[3])
@@ -160,14 +164,20 @@ _SHARDED_CHILD = textwrap.dedent("""
     os.replace, pathlib.Path.rename, shutil.rmtree = replace, rename, rmtree
     _save(2, final)
 """)
+)
 
 
 def _killed_save(directory: Path, kill_at: int) -> list[str]:
     """Run the child on ``directory/last.ckpt``; the steps of its second save it logged (random parts of
     names as ``*``). With ``kill_at`` it must have died of SIGKILL at that step."""
     log = directory.with_suffix(".log")
-    child = subprocess.run([sys.executable, "-c", _SHARDED_CHILD, str(directory / "last.ckpt"), str(log),
-                            str(kill_at)], capture_output=True, text=True, timeout=120, check=False)
+    child = subprocess.run(
+        [sys.executable, "-c", _SHARDED_CHILD, str(directory / "last.ckpt"), str(log), str(kill_at)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     want = -signal.SIGKILL if kill_at else 0
     assert child.returncode == want, f"kill_at={kill_at}: exit {child.returncode}\n{child.stderr[-3000:]}"
     steps = [re.sub(r"-[0-9a-f]{8,}$", "-*", line) for line in log.read_text().splitlines()] if log.exists() else []
@@ -257,8 +267,10 @@ def test_every_rank_may_recover_the_same_directory_at_once(tmp_path: Path) -> No
         _checkpoint_dir(tmp_path / f".{'both' if i % 2 else 'missing'}{i}.ckpt.old", "old")
     context = multiprocessing.get_context("fork")
     barrier = context.Barrier(4)
-    ranks = [context.Process(target=_recover_at_once, args=(str(tmp_path), barrier), name=f"lightning_sync-recover{r}")
-             for r in range(4)]
+    ranks = [
+        context.Process(target=_recover_at_once, args=(str(tmp_path), barrier), name=f"lightning_sync-recover{r}")
+        for r in range(4)
+    ]
     for rank in ranks:
         rank.start()
     for rank in ranks:

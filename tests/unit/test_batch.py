@@ -50,7 +50,11 @@ def test_all_three_consistent_keys_are_accepted_unchanged(world: int) -> None:
     for per_device, accumulate in FACTORS:
         plan = derive_batch(world, per_device * world * accumulate, per_device, accumulate)
         assert (plan.global_size, plan.per_device, plan.accumulate, plan.world_size) == (
-            per_device * world * accumulate, per_device, accumulate, world)
+            per_device * world * accumulate,
+            per_device,
+            accumulate,
+            world,
+        )
 
 
 def test_describe_is_one_line_of_arithmetic() -> None:
@@ -68,27 +72,44 @@ def test_plan_is_frozen() -> None:
 # --------------------------------------------------------------------------- errors name the numbers
 
 
-@pytest.mark.parametrize(("world", "kw", "message"), [
-    (2, {"global_size": 1000, "per_device": 64}, "global 1000 is not divisible by per_device 64 x world 2 (= 128)"),
-    (2, {"global_size": 32, "per_device": 32}, "global 32 is not divisible by per_device 32 x world 2 (= 64)"),
-    (3, {"global_size": 10, "accumulate": 4}, "global 10 is not divisible by world 3 x accumulate 4 (= 12)"),
-    (3, {"global_size": 256, "per_device": 32}, "global 256 is not divisible by per_device 32 x world 3 (= 96)"),
-    (2, {"global_size": 1000, "per_device": 64, "accumulate": 4},
-     "inconsistent batch: global 1000 != per_device 64 x world 2 x accumulate 4 (= 512)"),
-    (2, {"global_size": 256, "per_device": 32, "accumulate": 2},
-     "inconsistent batch: global 256 != per_device 32 x world 2 x accumulate 2 (= 128)"),
-], ids=["nondiv-pd", "global-below-pd-x-world", "nondiv-acc", "nondiv-world3", "inconsistent", "inconsistent-2"])
+@pytest.mark.parametrize(
+    ("world", "kw", "message"),
+    [
+        (2, {"global_size": 1000, "per_device": 64}, "global 1000 is not divisible by per_device 64 x world 2 (= 128)"),
+        (2, {"global_size": 32, "per_device": 32}, "global 32 is not divisible by per_device 32 x world 2 (= 64)"),
+        (3, {"global_size": 10, "accumulate": 4}, "global 10 is not divisible by world 3 x accumulate 4 (= 12)"),
+        (3, {"global_size": 256, "per_device": 32}, "global 256 is not divisible by per_device 32 x world 3 (= 96)"),
+        (
+            2,
+            {"global_size": 1000, "per_device": 64, "accumulate": 4},
+            "inconsistent batch: global 1000 != per_device 64 x world 2 x accumulate 4 (= 512)",
+        ),
+        (
+            2,
+            {"global_size": 256, "per_device": 32, "accumulate": 2},
+            "inconsistent batch: global 256 != per_device 32 x world 2 x accumulate 2 (= 128)",
+        ),
+    ],
+    ids=["nondiv-pd", "global-below-pd-x-world", "nondiv-acc", "nondiv-world3", "inconsistent", "inconsistent-2"],
+)
 def test_bad_combinations_raise_naming_every_number(world: int, kw: dict[str, int], message: str) -> None:
     with pytest.raises(ValueError, match=re.escape(message)):
         derive_batch(world, **kw)
 
 
-@pytest.mark.parametrize("given", [{}, {"global_size": 256}, {"per_device": 32}, {"accumulate": 4}],
-                         ids=["none", "global", "per_device", "accumulate"])
+@pytest.mark.parametrize(
+    "given",
+    [{}, {"global_size": 256}, {"per_device": 32}, {"accumulate": 4}],
+    ids=["none", "global", "per_device", "accumulate"],
+)
 def test_fewer_than_two_keys_raise(given: dict[str, int]) -> None:
     got = ", ".join(f"{k}={v}" for k, v in given.items()) or "none"
-    with pytest.raises(ValueError, match=re.escape(f"give at least two of global_size, per_device, accumulate "
-                                                   f"(the third is derived with world 2); got {got}")):
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            f"give at least two of global_size, per_device, accumulate (the third is derived with world 2); got {got}"
+        ),
+    ):
         derive_batch(2, **given)
 
 
@@ -106,8 +127,9 @@ def test_plan_refuses_an_inconsistent_triple() -> None:
         BatchPlan(global_size=100, per_device=8, accumulate=4, world_size=2)
 
 
-@pytest.mark.parametrize(("devices", "nodes", "world"), [(1, 1, 1), (2, 1, 2), (3, 2, 6), ("2", 1, 2),
-                                                         (" 4 ", 1, 4), ([0, 1], 2, 4)])
+@pytest.mark.parametrize(
+    ("devices", "nodes", "world"), [(1, 1, 1), (2, 1, 2), (3, 2, 6), ("2", 1, 2), (" 4 ", 1, 4), ([0, 1], 2, 4)]
+)
 def test_world_size_is_devices_times_nodes(devices: object, nodes: int, world: int) -> None:
     assert world_size_of(devices, nodes) == world
 
@@ -145,8 +167,9 @@ def test_large_batch_without_lars_or_lamb_warns(optimizer: str | None) -> None:
     assert (repr(optimizer) if optimizer else "an optimizer the config does not name") in text
 
 
-@pytest.mark.parametrize("optimizer", ["lamb", "LARS", "pytorch_optimizer.Lamb", "pytorch_optimizer.LARS",
-                                       "apex.optimizers.FusedLAMB"])
+@pytest.mark.parametrize(
+    "optimizer", ["lamb", "LARS", "pytorch_optimizer.Lamb", "pytorch_optimizer.LARS", "apex.optimizers.FusedLAMB"]
+)
 def test_large_batch_with_lars_or_lamb_is_quiet(optimizer: str) -> None:
     assert large_batch_warning(4 * LARGE_BATCH, optimizer) is None
 
@@ -163,9 +186,17 @@ def composer():
 
 
 def test_batch_keys_reach_the_datamodule_and_the_trainer(composer, tmp_path: Path, caplog) -> None:
-    cfg = composer(["batch.global_size=256", "batch.per_device=32", "trainer.devices=2", "trainer.num_nodes=1",
-                    f"trainer.default_root_dir={tmp_path}", "trainer.logger=false",
-                    "trainer.enable_checkpointing=false"])
+    cfg = composer(
+        [
+            "batch.global_size=256",
+            "batch.per_device=32",
+            "trainer.devices=2",
+            "trainer.num_nodes=1",
+            f"trainer.default_root_dir={tmp_path}",
+            "trainer.logger=false",
+            "trainer.enable_checkpointing=false",
+        ]
+    )
     with caplog.at_level(logging.INFO, logger="lightning_sync"), warnings.catch_warnings():
         warnings.simplefilter("error")  # 256 is no large batch: nothing to warn about
         plan = cli._apply_batch(cfg)
@@ -183,8 +214,9 @@ def test_every_datamodule_takes_the_derived_batch_size(composer) -> None:
     options = sorted(p.stem for p in (Path(cli.config_dir()) / "data").glob("*.yaml"))
     assert len(options) >= 4
     for option in options:
-        cfg = composer([f"data={option}", "batch.per_device=8", "batch.accumulate=3", "trainer.devices=2",
-                        "trainer.num_nodes=2"])
+        cfg = composer(
+            [f"data={option}", "batch.per_device=8", "batch.accumulate=3", "trainer.devices=2", "trainer.num_nodes=2"]
+        )
         plan = cli._apply_batch(cfg)
         assert plan.global_size == 8 * 2 * 2 * 3
         assert instantiate(cfg.data, _convert_="all").batch_size == 8, option
@@ -198,9 +230,13 @@ def test_no_batch_keys_change_nothing(composer) -> None:
 
 def test_bad_batch_config_fails_naming_the_numbers(composer) -> None:
     cfg = composer(["batch.global_size=1000", "batch.per_device=64", "trainer.devices=2"])
-    with pytest.raises(ValueError, match=re.escape(
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
             "batch.global_size=1000 batch.per_device=64 with trainer.devices=2 x trainer.num_nodes=1: "
-            "global 1000 is not divisible by per_device 64 x world 2 (= 128)")):
+            "global 1000 is not divisible by per_device 64 x world 2 (= 128)"
+        ),
+    ):
         cli._apply_batch(cfg)
     cfg = composer(["batch.global_size=256", "trainer.devices=2"])
     with pytest.raises(ValueError, match="give at least two of"):
@@ -216,8 +252,10 @@ def test_devices_auto_is_refused(composer) -> None:
 def test_explicit_accumulate_grad_batches_must_agree(composer) -> None:
     base = ["batch.global_size=256", "batch.per_device=32", "trainer.devices=2"]
     cfg = composer([*base, "trainer.accumulate_grad_batches=2"])
-    with pytest.raises(ValueError, match=re.escape("trainer.accumulate_grad_batches=2 contradicts the batch config, "
-                                                   "which derives accumulate 4")):
+    with pytest.raises(
+        ValueError,
+        match=re.escape("trainer.accumulate_grad_batches=2 contradicts the batch config, which derives accumulate 4"),
+    ):
         cli._apply_batch(cfg)
     cfg = composer([*base, "trainer.accumulate_grad_batches=4"])  # agrees: fine
     assert cli._apply_batch(cfg).accumulate == 4
@@ -225,8 +263,10 @@ def test_explicit_accumulate_grad_batches_must_agree(composer) -> None:
 
 def test_explicit_accumulate_of_one_on_the_command_line_is_refused_too(composer) -> None:
     # 1 is also trainer/default.yaml's value: only Hydra's record of the command line tells them apart
-    cfg = composer(["batch.global_size=256", "batch.per_device=32", "trainer.devices=2",
-                    "trainer.accumulate_grad_batches=1"], return_hydra_config=True)
+    cfg = composer(
+        ["batch.global_size=256", "batch.per_device=32", "trainer.devices=2", "trainer.accumulate_grad_batches=1"],
+        return_hydra_config=True,
+    )
     HydraConfig.instance().set_config(cfg)
     try:
         with pytest.raises(ValueError, match=re.escape("trainer.accumulate_grad_batches=1 contradicts")):
@@ -247,8 +287,15 @@ def test_large_batch_warns_once_without_lars_or_lamb(composer) -> None:
 @pytest.mark.parametrize("optimizer", ["lamb", "lars"])
 def test_large_batch_with_lars_or_lamb_from_the_config_is_quiet(composer, optimizer: str) -> None:
     # the optim=lamb / optim=lars configs select the optimizer through model.optimizer
-    cfg = composer(["model=digits_mlp", f"model.optimizer={optimizer}", "batch.global_size=65536",
-                    "batch.per_device=32768", "trainer.devices=2"])
+    cfg = composer(
+        [
+            "model=digits_mlp",
+            f"model.optimizer={optimizer}",
+            "batch.global_size=65536",
+            "batch.per_device=32768",
+            "trainer.devices=2",
+        ]
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert cli._apply_batch(cfg).global_size == 65536

@@ -51,9 +51,15 @@ def test_unknown_keyword_arguments_are_named() -> None:
     assert "'bucket_cap'" in str(info.value) and "'find_unused_params'" in str(info.value)
 
 
-@pytest.mark.parametrize(("kw", "shown"), [({"process_group_backend": "mpi"}, "'mpi'"),
-                                           ({"start_method": "thread"}, "'thread'"),
-                                           ({"timeout": 0}, "0"), ({"timeout": -5.0}, "-5.0")])
+@pytest.mark.parametrize(
+    ("kw", "shown"),
+    [
+        ({"process_group_backend": "mpi"}, "'mpi'"),
+        ({"start_method": "thread"}, "'thread'"),
+        ({"timeout": 0}, "0"),
+        ({"timeout": -5.0}, "-5.0"),
+    ],
+)
 def test_other_arguments_name_the_bad_value(kw: dict[str, Any], shown: str) -> None:
     with pytest.raises(ValueError) as info:
         BucketedDDPStrategy(**kw)
@@ -61,17 +67,35 @@ def test_other_arguments_name_the_bad_value(kw: dict[str, Any], shown: str) -> N
 
 
 def test_valid_arguments_are_kept() -> None:
-    s = BucketedDDPStrategy(bucket_cap_mb=5, first_bucket_mb=0.5, gradient_as_bucket_view=False,
-                            find_unused_parameters=True, compression="powersgd", powersgd_rank=1)
-    assert (s.bucket_cap_mb, s.first_bucket_mb, s.gradient_as_bucket_view, s.find_unused_parameters,
-            s.compression) == (5, 0.5, False, True, "powersgd")
+    s = BucketedDDPStrategy(
+        bucket_cap_mb=5,
+        first_bucket_mb=0.5,
+        gradient_as_bucket_view=False,
+        find_unused_parameters=True,
+        compression="powersgd",
+        powersgd_rank=1,
+    )
+    assert (s.bucket_cap_mb, s.first_bucket_mb, s.gradient_as_bucket_view, s.find_unused_parameters, s.compression) == (
+        5,
+        0.5,
+        False,
+        True,
+        "powersgd",
+    )
     assert s.is_distributed is True  # so Lightning adds the DistributedSampler and turns sync_dist on
 
 
 @pytest.mark.parametrize(("name", "start_method"), [("bucketed_ddp", "popen"), ("bucketed_ddp_spawn", "spawn")])
 def test_trainer_resolves_the_registered_names(name: str, start_method: str) -> None:
-    trainer = pl.Trainer(strategy=name, accelerator="cpu", devices=2, logger=False, enable_progress_bar=False,
-                         enable_checkpointing=False, enable_model_summary=False)
+    trainer = pl.Trainer(
+        strategy=name,
+        accelerator="cpu",
+        devices=2,
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+    )
     assert type(trainer.strategy) is BucketedDDPStrategy
     assert trainer.strategy._start_method == start_method
     assert trainer.strategy.num_processes == 2

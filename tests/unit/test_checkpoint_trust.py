@@ -28,8 +28,16 @@ from lightning_sync import (
     ShardedStrategy,
 )
 from lightning_sync.strategies.sharded import COMPLETE_MARKER
-from lightning_sync.sync import DiLoCoOuter, GradBucketer, LoopbackCommunicator, ParameterServer, PeriodicAverager
-from lightning_sync.sync import PowerSGD, ZeroEngine, consolidate_checkpoint
+from lightning_sync.sync import (
+    DiLoCoOuter,
+    GradBucketer,
+    LoopbackCommunicator,
+    ParameterServer,
+    PeriodicAverager,
+    PowerSGD,
+    ZeroEngine,
+    consolidate_checkpoint,
+)
 from lightning_sync.sync.safe_load import UntrustedCheckpointError, dcp_load, load_file
 from lightning_sync.testing.faults import UnpicklePayload
 
@@ -51,8 +59,13 @@ def _hostile(tmp_path: Path, name: str = "hostile.ckpt") -> tuple[Path, Path]:
 
 
 def _strategies() -> list[Any]:
-    return [BucketedDDPStrategy(), LocalSGDStrategy(), DiLoCoStrategy(), AsyncParameterServerStrategy(),
-            HogwildStrategy(num_processes=1)]
+    return [
+        BucketedDDPStrategy(),
+        LocalSGDStrategy(),
+        DiLoCoStrategy(),
+        AsyncParameterServerStrategy(),
+        HogwildStrategy(num_processes=1),
+    ]
 
 
 def _assert_refused(error: pytest.ExceptionInfo[UntrustedCheckpointError], path: Path, offending: str) -> None:
@@ -128,10 +141,12 @@ def test_the_state_our_strategies_add_to_a_checkpoint_loads_weights_only(tmp_pat
     for _ in range(2):
         outer.step()
     server = ParameterServer([p.detach().clone() for p in params], [], None, num_workers=2, max_staleness=2)
-    state = {"lightning_sync/bucketed_ddp": [bucketer.state_dict()],
-             "lightning_sync/local_sgd": PeriodicAverager(params, comm, 2, 0, opt, True).state_dict(),
-             "lightning_sync/diloco": outer.state_dict(),
-             "lightning_sync/async_ps": server.state_dict()}
+    state = {
+        "lightning_sync/bucketed_ddp": [bucketer.state_dict()],
+        "lightning_sync/local_sgd": PeriodicAverager(params, comm, 2, 0, opt, True).state_dict(),
+        "lightning_sync/diloco": outer.state_dict(),
+        "lightning_sync/async_ps": server.state_dict(),
+    }
     assert state["lightning_sync/bucketed_ddp"][0]["compressor"]["error"], "PowerSGD kept no error feedback"
     torch.save(state, tmp_path / "state.pt")
     loaded = torch.load(tmp_path / "state.pt", weights_only=True)

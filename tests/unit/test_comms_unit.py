@@ -128,8 +128,12 @@ def test_comm_stats_as_metrics_and_table() -> None:
     s.record("all_reduce", 3 * 2**19, 1.25, calls=4)
     metrics = s.as_metrics()
     assert metrics == {
-        "comm/all_reduce/calls": 4.0, "comm/all_reduce/bytes": float(3 * 2**19), "comm/all_reduce/seconds": 1.25,
-        "comm/send/calls": 1.0, "comm/send/bytes": float(2**20), "comm/send/seconds": 0.5,
+        "comm/all_reduce/calls": 4.0,
+        "comm/all_reduce/bytes": float(3 * 2**19),
+        "comm/all_reduce/seconds": 1.25,
+        "comm/send/calls": 1.0,
+        "comm/send/bytes": float(2**20),
+        "comm/send/seconds": 0.5,
     }
     assert [k.split("/")[1] for k in metrics] == ["all_reduce"] * 3 + ["send"] * 3  # ops in sorted order
     assert all(isinstance(v, float) for v in metrics.values())
@@ -181,9 +185,17 @@ def test_global_stats_reset_and_work_without_handles(monkeypatch: pytest.MonkeyP
 # with rel=1e-12: each is a handful of double-precision operations, so only last-bit rounding differs.
 
 
-@pytest.mark.parametrize(("nbytes", "k", "expected"), [
-    (1000, 1, 0.0), (1000, 2, 1000.0), (1000, 4, 1500.0), (4096, 8, 7168.0), (0, 5, 0.0), (3, 3, 4.0),
-])
+@pytest.mark.parametrize(
+    ("nbytes", "k", "expected"),
+    [
+        (1000, 1, 0.0),
+        (1000, 2, 1000.0),
+        (1000, 4, 1500.0),
+        (4096, 8, 7168.0),
+        (0, 5, 0.0),
+        (3, 3, 4.0),
+    ],
+)
 def test_ring_allreduce_bytes(nbytes: int, k: int, expected: float) -> None:
     assert ring_allreduce_bytes(nbytes, k) == pytest.approx(expected, rel=1e-12)
     # reduce-scatter (or all-gather) is exactly half of the all-reduce
@@ -227,19 +239,22 @@ def test_overlapped_step_time() -> None:
     assert overlapped_step_time(1.0, 1.0, 0.0) == 1.0
 
 
-@pytest.mark.parametrize(("fn", "args", "pattern"), [
-    (ring_allreduce_bytes, (100, 0), r"world_size must be >= 1, got 0"),
-    (ring_allreduce_bytes, (-1, 2), r"payload bytes must be >= 0, got -1"),
-    (ring_shard_bytes, (100, -3), r"world_size must be >= 1, got -3"),
-    (ring_shard_bytes, (-5.5, 2), r"payload bytes must be >= 0, got -5.5"),
-    (ring_allreduce_time, (100, 2, 0), r"bandwidth must be > 0 bytes/s, got 0"),
-    (ring_allreduce_time, (100, 2, -1e9), r"bandwidth must be > 0 bytes/s, got -1000000000.0"),
-    (ring_allreduce_time, (100, 0, 1e9), r"world_size must be >= 1, got 0"),
-    (ring_allreduce_time, (-100, 2, 1e9), r"payload bytes must be >= 0, got -100"),
-    (tree_allreduce_time, (100, 2, 0.0), r"bandwidth must be > 0 bytes/s, got 0.0"),
-    (tree_allreduce_time, (100, 0, 1e9), r"world_size must be >= 1, got 0"),
-    (tree_allreduce_time, (-1, 4, 1e9), r"payload bytes must be >= 0, got -1"),
-])
+@pytest.mark.parametrize(
+    ("fn", "args", "pattern"),
+    [
+        (ring_allreduce_bytes, (100, 0), r"world_size must be >= 1, got 0"),
+        (ring_allreduce_bytes, (-1, 2), r"payload bytes must be >= 0, got -1"),
+        (ring_shard_bytes, (100, -3), r"world_size must be >= 1, got -3"),
+        (ring_shard_bytes, (-5.5, 2), r"payload bytes must be >= 0, got -5.5"),
+        (ring_allreduce_time, (100, 2, 0), r"bandwidth must be > 0 bytes/s, got 0"),
+        (ring_allreduce_time, (100, 2, -1e9), r"bandwidth must be > 0 bytes/s, got -1000000000.0"),
+        (ring_allreduce_time, (100, 0, 1e9), r"world_size must be >= 1, got 0"),
+        (ring_allreduce_time, (-100, 2, 1e9), r"payload bytes must be >= 0, got -100"),
+        (tree_allreduce_time, (100, 2, 0.0), r"bandwidth must be > 0 bytes/s, got 0.0"),
+        (tree_allreduce_time, (100, 0, 1e9), r"world_size must be >= 1, got 0"),
+        (tree_allreduce_time, (-1, 4, 1e9), r"payload bytes must be >= 0, got -1"),
+    ],
+)
 def test_cost_model_value_errors(fn: Callable[..., float], args: tuple[float, ...], pattern: str) -> None:
     with pytest.raises(ValueError, match=pattern):
         fn(*args)

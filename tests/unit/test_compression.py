@@ -93,8 +93,13 @@ def test_cast_compression_equals_the_average_within_the_dtype_precision(dtype: t
     shapes = [(16, 8), (8,), (5, 3, 2)]
     model = Params(shapes)
     comm = RecordingLoopback(world_size)
-    b = GradBucketer(model.named_parameters(), comm, compressor=CastCompression(dtype),
-                     bucket_cap_mb=20 * 4 / _MB, first_bucket_mb=20 * 4 / _MB)  # [(5, 3, 2)], [(8,), (16, 8)]
+    b = GradBucketer(
+        model.named_parameters(),
+        comm,
+        compressor=CastCompression(dtype),
+        bucket_cap_mb=20 * 4 / _MB,
+        first_bucket_mb=20 * 4 / _MB,
+    )  # [(5, 3, 2)], [(8,), (16, 8)]
     assert len(b.buckets) == 2
     rtol = 2 * _UNIT_ROUNDOFF[dtype] + 2.0**-24
     for step in range(3):
@@ -127,9 +132,14 @@ def test_powersgd_rejects_bad_rank(rank: Any) -> None:
     assert repr(rank) in str(info.value)
 
 
-@pytest.mark.parametrize("kwargs, needle", [({"warmup_steps": -1}, "warmup_steps"),
-                                             ({"warmup_steps": 1.5}, "warmup_steps"),
-                                             ({"min_compression_rate": 0.5}, "min_compression_rate")])
+@pytest.mark.parametrize(
+    "kwargs, needle",
+    [
+        ({"warmup_steps": -1}, "warmup_steps"),
+        ({"warmup_steps": 1.5}, "warmup_steps"),
+        ({"min_compression_rate": 0.5}, "min_compression_rate"),
+    ],
+)
 def test_powersgd_rejects_bad_settings(kwargs: dict[str, Any], needle: str) -> None:
     with pytest.raises(ValueError, match=needle) as info:
         PowerSGD(**kwargs)
@@ -176,8 +186,13 @@ def test_powersgd_sends_one_message_pair_per_bucket() -> None:
     shapes = [(32, 16), (24, 24), (10,)]
     model = Params(shapes)
     comm = LoopbackCommunicator(world_size=2)
-    b = GradBucketer(model.named_parameters(), comm, compressor=PowerSGD(rank=1, warmup_steps=0),
-                     bucket_cap_mb=500 * 4 / _MB, first_bucket_mb=500 * 4 / _MB)
+    b = GradBucketer(
+        model.named_parameters(),
+        comm,
+        compressor=PowerSGD(rank=1, warmup_steps=0),
+        bucket_cap_mb=500 * 4 / _MB,
+        first_bucket_mb=500 * 4 / _MB,
+    )
     assert [bk.members for bk in b.buckets] == [[2, 1], [0]]
     _step(model, b, [_rand(s, k) for k, s in enumerate(shapes)])
     # bucket 0: P of the 24 x 24 matrix plus the 10 uncompressed values, then its Q; bucket 1: P, then Q.
@@ -217,8 +232,11 @@ def test_powersgd_warm_start_converges_to_the_best_rank_r_approximation() -> Non
     g = u @ torch.diag(s) @ v.T
     best = u[:, :r] @ torch.diag(s[:r]) @ v[:, :r].T
     model = Params([(n, m)])
-    b = GradBucketer(model.named_parameters(), LoopbackCommunicator(2),
-                     compressor=PowerSGD(rank=r, warmup_steps=0, error_feedback=False, warm_start=True))
+    b = GradBucketer(
+        model.named_parameters(),
+        LoopbackCommunicator(2),
+        compressor=PowerSGD(rank=r, warmup_steps=0, error_feedback=False, warm_start=True),
+    )
     errors = [_rel(_step(model, b, [g])[0], best) for _ in range(8)]
     # the error shrinks by about (s_3 / s_2)^2 = (0.5/6)^2 each step; after 8 steps only rounding is left
     assert errors[-1] < 1e-5, errors
@@ -319,8 +337,9 @@ def _saved_state(n: int, m: int) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize(("device", "dtype"), [("meta", torch.float32), ("cpu", torch.float64)])
-def test_powersgd_state_loaded_from_a_checkpoint_moves_to_the_gradients_device_and_dtype(device: str,
-                                                                                       dtype: torch.dtype) -> None:
+def test_powersgd_state_loaded_from_a_checkpoint_moves_to_the_gradients_device_and_dtype(
+    device: str, dtype: torch.dtype
+) -> None:
     # A checkpoint's Q and error are CPU float32; a run on another device (meta stands in for CUDA here) or
     # in another dtype meets them in its first compressed step, where they must follow the gradient.
     n, m = 32, 16
@@ -382,8 +401,9 @@ def test_make_compressor_validates_the_powersgd_rank() -> None:
 
 
 @pytest.mark.parametrize("compressor", ["fp16", "powersgd"])
-def test_codec_arithmetic_is_counted_in_comms_stats_as_time_without_bytes(compressor: str,
-                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_codec_arithmetic_is_counted_in_comms_stats_as_time_without_bytes(
+    compressor: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The codec entry counts one call per compressed bucket, no bytes, and the seconds of each timed
     stretch of arithmetic; the communicator's own traffic is not in it (the loopback communicator records
     nothing in comms). The compressor reads a fake clock that advances by exactly 1 s per reading, so
@@ -399,8 +419,13 @@ def test_codec_arithmetic_is_counted_in_comms_stats_as_time_without_bytes(compre
     shapes = [(64, 32), (32,)]
     model = Params(shapes)
     codec_of = make_compressor(compressor, powersgd_warmup_steps=0)
-    b = GradBucketer(model.named_parameters(), LoopbackCommunicator(world_size=2), compressor=codec_of,
-                     bucket_cap_mb=64 * 32 * 4 / _MB, first_bucket_mb=64 * 32 * 4 / _MB)
+    b = GradBucketer(
+        model.named_parameters(),
+        LoopbackCommunicator(world_size=2),
+        compressor=codec_of,
+        bucket_cap_mb=64 * 32 * 4 / _MB,
+        first_bucket_mb=64 * 32 * 4 / _MB,
+    )
     comms.reset_stats()
     steps = 2
     for step in range(steps):

@@ -25,12 +25,21 @@ def _flat(link: M.Link = ONE, g: int = 1 << 20) -> M.Fabric:
     return M.Fabric(name="flat", intra=link, inter=link, ranks_per_node=g)
 
 
-@pytest.mark.parametrize(("algorithm", "k", "expected"), [
-    ("ring", 2, (2, 1.0)), ("ring", 4, (6, 1.5)), ("backend", 8, (14, 1.75)),
-    ("tree", 2, (2, 2)), ("tree", 5, (6, 6)), ("tree", 1, (0, 0)),
-    ("all_gather", 4, (3, 0.75)), ("reduce_scatter", 2, (1, 0.5)),
-    ("torch_all_gather", 3, (2, 2 / 3)), ("torch_reduce_scatter", 4, (3, 0.75)),
-])
+@pytest.mark.parametrize(
+    ("algorithm", "k", "expected"),
+    [
+        ("ring", 2, (2, 1.0)),
+        ("ring", 4, (6, 1.5)),
+        ("backend", 8, (14, 1.75)),
+        ("tree", 2, (2, 2)),
+        ("tree", 5, (6, 6)),
+        ("tree", 1, (0, 0)),
+        ("all_gather", 4, (3, 0.75)),
+        ("reduce_scatter", 2, (1, 0.5)),
+        ("torch_all_gather", 3, (2, 2 / 3)),
+        ("torch_reduce_scatter", 4, (3, 0.75)),
+    ],
+)
 def test_coefficients(algorithm: str, k: int, expected: tuple[float, float]) -> None:
     assert M.all_reduce_coefficients(algorithm, k) == pytest.approx(expected)
 
@@ -99,7 +108,8 @@ def test_comm_seconds_of_a_zero3_like_step_by_hand() -> None:
     assert M.comm_seconds(t, 4, fab) == pytest.approx(2 * gather + scatter)
     # an op the table does not know costs one message and its payload once; recv costs nothing
     assert M.comm_seconds(M.Traffic({"custom": (2, 100.0), "recv": (5, 1e9)}, 2), 2, _flat()) == pytest.approx(
-        2e-3 + 100e-9)
+        2e-3 + 100e-9
+    )
 
 
 @pytest.mark.parametrize("algorithm", M.SWEPT)
@@ -118,8 +128,10 @@ def test_fit_recovers_known_latency_and_bandwidth(algorithm: str) -> None:
 
 def test_fit_clamps_a_negative_latency_and_reports_errors() -> None:
     # times that fall faster than linearly at small sizes would need a negative latency: clamp it to 0
-    pts = [{"algorithm": "ring", "world": 2, "bytes": b, "seconds": t}
-           for b, t in ((1000, 1e-7), (1_000_000, 1e-3), (10_000_000, 1e-2))]
+    pts = [
+        {"algorithm": "ring", "world": 2, "bytes": b, "seconds": t}
+        for b, t in ((1000, 1e-7), (1_000_000, 1e-3), (10_000_000, 1e-2))
+    ]
     fit = M.fit_alpha_beta(pts, "ring")
     assert fit.link.alpha == 0.0 and fit.link.beta > 0
     assert all(p["predicted"] == pytest.approx(p["bytes"] * fit.link.beta) for p in fit.points)
@@ -172,9 +184,19 @@ def test_slowest_per_step_takes_each_steps_slowest_process() -> None:
 
 
 def _row(strategy: dict[str, object], measured: bool, world: int = 2, **kw: object) -> dict[str, object]:
-    return {"model": "m", "strategy": kw.pop("name", "s"), "world": world, "param_bytes": 60 * MIB,
-            "measured": measured, "op_bytes_per_step": kw.pop("ops", {}), "op_calls_per_step": kw.pop("calls", {}),
-            "n_linear": 5, "strategy_node": strategy, "step_ms": kw.pop("step_ms", 100.0), **kw}
+    return {
+        "model": "m",
+        "strategy": kw.pop("name", "s"),
+        "world": world,
+        "param_bytes": 60 * MIB,
+        "measured": measured,
+        "op_bytes_per_step": kw.pop("ops", {}),
+        "op_calls_per_step": kw.pop("calls", {}),
+        "n_linear": 5,
+        "strategy_node": strategy,
+        "step_ms": kw.pop("step_ms", 100.0),
+        **kw,
+    }
 
 
 def test_traffic_of_measured_and_analytic_rows() -> None:
@@ -191,10 +213,15 @@ def test_traffic_of_measured_and_analytic_rows() -> None:
 
 
 def test_cost_model_validation_error_by_hand() -> None:
-    sweep = [{"algorithm": "backend", "world": k, "bytes": s, "seconds": 2 * (k - 1) * 1e-3 + 2 * (k - 1) / k * s * 1e-9}
-             for k in (2, 4) for s in (1000, 10**6, 10**8)]
-    rows = [_row({}, True, name="ddp", ops={"all_reduce": 1e7}, calls={"all_reduce": 1.0}, step_ms=40.0, codec_ms=1.5),
-            _row({}, True, name="ddp", world=4, ops={"all_reduce": 1e7}, calls={"all_reduce": 1.0}, step_ms=50.0)]
+    sweep = [
+        {"algorithm": "backend", "world": k, "bytes": s, "seconds": 2 * (k - 1) * 1e-3 + 2 * (k - 1) / k * s * 1e-9}
+        for k in (2, 4)
+        for s in (1000, 10**6, 10**8)
+    ]
+    rows = [
+        _row({}, True, name="ddp", ops={"all_reduce": 1e7}, calls={"all_reduce": 1.0}, step_ms=40.0, codec_ms=1.5),
+        _row({}, True, name="ddp", world=4, ops={"all_reduce": 1e7}, calls={"all_reduce": 1.0}, step_ms=50.0),
+    ]
     compute = {("m", 1): 0.020, ("m", 2): 0.025}  # no K=4 measurement of compute under time-sharing
     cost = CostModel(rows, compute, sweep, cores=2)
     assert cost.link.alpha == pytest.approx(1e-3) and cost.link.beta == pytest.approx(1e-9)
@@ -207,8 +234,10 @@ def test_cost_model_validation_error_by_hand() -> None:
     assert v4["predicted_s"] is None and v4["error"] is None
     assert v4["predicted_ck_s"] == pytest.approx(2 * 0.020 + 6e-3 + 1.5e7 * 1e-9)  # c(4) = 2
     proj = cost.projection()  # the K=4 row, on both fabrics, 10 world sizes, 3 algorithms
-    assert len(proj) == 2 * 10 * 3 and {p["fabric"] for p in proj} == {M.H100_NDR400.name,
-                                                                     "this machine (fitted backend links)"}
+    assert len(proj) == 2 * 10 * 3 and {p["fabric"] for p in proj} == {
+        M.H100_NDR400.name,
+        "this machine (fitted backend links)",
+    }
     text = "\n".join(cost.markdown())
     assert "| m | ddp | 2 | 1 | 40.0 | 25.0 | 0.0 | 1.5 | 12.0 | 38.5 | -4% | 33.5 | -16% |" in text
     assert "1 of 1 predictions lie within 25 %" in text
@@ -218,10 +247,16 @@ def test_cost_model_validation_error_by_hand() -> None:
 
 
 def test_a_row_measured_at_one_rank_adds_its_host_work_scaled_like_the_compute() -> None:
-    sweep = [{"algorithm": "backend", "world": k, "bytes": s,
-              "seconds": 2 * (k - 1) * 1e-3 + 2 * (k - 1) / k * s * 1e-9} for k in (2, 4) for s in (1000, 10**6, 10**8)]
-    rows = [_row({}, True, name=n, world=k, ops={"all_reduce": 1e7}, calls={"all_reduce": 1.0}, step_ms=60.0)
-            for n in ("fsdp", "ddp") for k in (2, 4)]
+    sweep = [
+        {"algorithm": "backend", "world": k, "bytes": s, "seconds": 2 * (k - 1) * 1e-3 + 2 * (k - 1) / k * s * 1e-9}
+        for k in (2, 4)
+        for s in (1000, 10**6, 10**8)
+    ]
+    rows = [
+        _row({}, True, name=n, world=k, ops={"all_reduce": 1e7}, calls={"all_reduce": 1.0}, step_ms=60.0)
+        for n in ("fsdp", "ddp")
+        for k in (2, 4)
+    ]
     compute = {("m", 1): 0.020, ("m", 2): 0.025, ("m", 4): 0.050}
     # fsdp's one-rank step took 8 ms more than T1; ddp was not measured at one rank
     cost = CostModel(rows, compute, sweep, cores=2, host={("m", "fsdp"): 0.008})
@@ -246,9 +281,10 @@ def test_a_row_measured_at_one_rank_adds_its_host_work_scaled_like_the_compute()
 
 def test_a_row_that_syncs_once_in_h_steps_is_predicted_with_the_compute_of_h_step_windows() -> None:
     sweep = [{"algorithm": "backend", "world": 2, "bytes": s, "seconds": 2e-3 + s * 1e-9} for s in (1000, 10**6, 10**8)]
-    rows = [_row({}, True, name="local", ops={"all_reduce": 2e6}, calls={"all_reduce": 0.2}, step_ms=30.0,
-                 sync_every=5),
-            _row({}, True, name="ddp", ops={"all_reduce": 1e7}, calls={"all_reduce": 1.0}, step_ms=40.0)]
+    rows = [
+        _row({}, True, name="local", ops={"all_reduce": 2e6}, calls={"all_reduce": 0.2}, step_ms=30.0, sync_every=5),
+        _row({}, True, name="ddp", ops={"all_reduce": 1e7}, calls={"all_reduce": 1.0}, step_ms=40.0),
+    ]
     compute = {("m", 1): 0.020, ("m", 2): 0.025}
     cost = CostModel(rows, compute, sweep, cores=2, compute_every={("m", 2, 5): 0.022})
     local, ddp = cost.validation()
@@ -264,11 +300,20 @@ def test_a_row_that_syncs_once_in_h_steps_is_predicted_with_the_compute_of_h_ste
 def test_validation_prices_each_k_with_the_links_fitted_at_that_k() -> None:
     # the sweep's latency doubles from K=2 to K=4 (time-sharing): the pooled fit lies between, the
     # validation uses each K's own exact fit; a K the sweep did not run at falls back to the pooled fit
-    sweep = [{"algorithm": "backend", "world": k, "bytes": s,
-              "seconds": 2 * (k - 1) * (1e-3 if k == 2 else 2e-3) + 2 * (k - 1) / k * s * 1e-9}
-             for k in (2, 4) for s in (1000, 10**6, 10**8)]
-    rows = [_row({}, True, name="ddp", world=k, ops={"all_reduce": 1e7}, calls={"all_reduce": 1.0}, step_ms=50.0)
-            for k in (2, 3, 4)]
+    sweep = [
+        {
+            "algorithm": "backend",
+            "world": k,
+            "bytes": s,
+            "seconds": 2 * (k - 1) * (1e-3 if k == 2 else 2e-3) + 2 * (k - 1) / k * s * 1e-9,
+        }
+        for k in (2, 4)
+        for s in (1000, 10**6, 10**8)
+    ]
+    rows = [
+        _row({}, True, name="ddp", world=k, ops={"all_reduce": 1e7}, calls={"all_reduce": 1.0}, step_ms=50.0)
+        for k in (2, 3, 4)
+    ]
     compute = {("m", 1): 0.020, ("m", 2): 0.025, ("m", 3): 0.03, ("m", 4): 0.035}
     cost = CostModel(rows, compute, sweep, cores=2)
     assert cost.fits_at[2]["backend"].link.alpha == pytest.approx(1e-3)

@@ -33,19 +33,35 @@ class _Tiny(pl.LightningModule):
 
 
 def _fit(tmp_path: Path, callback: ModelCheckpoint, steps: int) -> list[str]:
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=steps, callbacks=[callback], logger=False,
-                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=steps,
+        callbacks=[callback],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
     trainer.fit(_Tiny())
     return sorted(p.name for p in Path(callback.dirpath).iterdir())
 
 
 def test_epoch_and_step_intervals_together(tmp_path: Path) -> None:
-    callback = IntervalCheckpoint(dirpath=tmp_path / "both", every_n_epochs=1, every_n_train_steps=3, save_top_k=-1,
-                                  save_last=True)
+    callback = IntervalCheckpoint(
+        dirpath=tmp_path / "both", every_n_epochs=1, every_n_train_steps=3, save_top_k=-1, save_last=True
+    )
     # steps 3, 6, 9 and the epoch ends at 5 and 10 (step 10 ends an epoch and the run: saved once)
-    assert _fit(tmp_path, callback, 10) == sorted(["epoch=0-step=3.ckpt", "epoch=0-step=5.ckpt",
-                                                   "epoch=1-step=6.ckpt", "epoch=1-step=9.ckpt",
-                                                   "epoch=1-step=10.ckpt", "last.ckpt"])
+    assert _fit(tmp_path, callback, 10) == sorted(
+        [
+            "epoch=0-step=3.ckpt",
+            "epoch=0-step=5.ckpt",
+            "epoch=1-step=6.ckpt",
+            "epoch=1-step=9.ckpt",
+            "epoch=1-step=10.ckpt",
+            "last.ckpt",
+        ]
+    )
     assert torch.load(tmp_path / "both" / "last.ckpt", weights_only=True)["global_step"] == 10
 
 

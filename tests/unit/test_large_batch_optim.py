@@ -19,9 +19,9 @@ from torch import nn
 from lightning_sync.cli import config_dir
 from lightning_sync.lr_rules import ScaledWarmup
 from lightning_sync.models import CharGPT, DigitsMLP
+from lightning_sync.models._common import OPTIMIZERS, build_optimizer
 from lightning_sync.models.synthetic import DeepMLP, WideMLP
 from lightning_sync.models.topics import BagOfWordsClassifier
-from lightning_sync.models._common import OPTIMIZERS, build_optimizer
 
 pytorch_optimizer = pytest.importorskip("pytorch_optimizer", reason="the optim extra: pip install -e .[optim]")
 
@@ -65,9 +65,14 @@ def test_char_gpt_default_is_todays_adamw_bit_for_bit() -> None:
     assert model.hparams["optimizer"] == "adamw"
     opt = model.configure_optimizers()
     params = list(model.parameters())  # what configure_optimizers did before the optimizer argument
-    reference = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.01},
-                                   {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
-                                  lr=3e-3, betas=(0.9, 0.95))
+    reference = torch.optim.AdamW(
+        [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.01},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ],
+        lr=3e-3,
+        betas=(0.9, 0.95),
+    )
     assert type(opt) is torch.optim.AdamW
     assert opt.state_dict() == reference.state_dict()
     assert [g["params"] for g in opt.param_groups] == [g["params"] for g in reference.param_groups]
@@ -94,8 +99,13 @@ def _selected() -> set[str]:
 
 
 MODELS = sorted(p.stem for p in (CONF / "model").glob("*.yaml"))
-_DEFAULT = {"digits_mlp": torch.optim.Adam, "char_gpt": torch.optim.AdamW, "wide_mlp": torch.optim.SGD,
-            "deep_mlp": torch.optim.SGD, "bow_topics": torch.optim.SGD}
+_DEFAULT = {
+    "digits_mlp": torch.optim.Adam,
+    "char_gpt": torch.optim.AdamW,
+    "wide_mlp": torch.optim.SGD,
+    "deep_mlp": torch.optim.SGD,
+    "bow_topics": torch.optim.SGD,
+}
 
 
 def _compose(overrides: list[str]) -> DictConfig:
@@ -128,8 +138,10 @@ def test_bow_topics_sparse_embedding_refuses_stateful_optimizers(option: str) ->
     """LAMB and LARS keep per-row state, which a sparse gradient cannot feed: a clear error, not a crash in step."""
     prefix = "" if "optim" in _selected() else "+"
     cfg = _compose(["model=bow_topics", f"{prefix}optim={option}"])
-    message = (rf"optimizer must be one of \['sgd'\] \(with sparse=True only plain SGD; "
-               rf"set sparse=False for the others\), got '{option}'")
+    message = (
+        rf"optimizer must be one of \['sgd'\] \(with sparse=True only plain SGD; "
+        rf"set sparse=False for the others\), got '{option}'"
+    )
     with pytest.raises(InstantiationException, match=message):
         instantiate(cfg.model, _convert_="all")
 

@@ -42,8 +42,9 @@ class _Tiny(pl.LightningModule):
         if self._groups == 1:
             opt = torch.optim.SGD(self.parameters(), lr=LR, momentum=0.9)
         else:
-            opt = torch.optim.SGD([{"params": self.a.parameters()},
-                                   {"params": self.b.parameters(), "lr": LR2}], lr=LR, momentum=0.9)
+            opt = torch.optim.SGD(
+                [{"params": self.a.parameters()}, {"params": self.b.parameters(), "lr": LR2}], lr=LR, momentum=0.9
+            )
         if not self._step_lr:
             return opt
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=STEP_SIZE, gamma=GAMMA)
@@ -79,15 +80,30 @@ class _Capture(Logger):
         pass
 
 
-def _fit(callback: ScaledWarmup | None, max_steps: int, accumulate: int = 1, groups: int = 1,
-         step_lr: bool = False, ckpt: Path | None = None, save: Path | None = None) -> tuple[_Spy, _Capture]:
+def _fit(
+    callback: ScaledWarmup | None,
+    max_steps: int,
+    accumulate: int = 1,
+    groups: int = 1,
+    step_lr: bool = False,
+    ckpt: Path | None = None,
+    save: Path | None = None,
+) -> tuple[_Spy, _Capture]:
     spy, logger = _Spy(), _Capture()
     g = torch.Generator().manual_seed(1)
     data = TensorDataset(torch.randn(64, 4, generator=g), torch.randint(0, 2, (64,), generator=g))
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, accumulate_grad_batches=accumulate,
-                         callbacks=[c for c in (callback, spy) if c is not None], logger=logger,
-                         log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=max_steps,
+        accumulate_grad_batches=accumulate,
+        callbacks=[c for c in (callback, spy) if c is not None],
+        logger=logger,
+        log_every_n_steps=1,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(_Tiny(groups, step_lr), DataLoader(data, batch_size=4), ckpt_path=ckpt)
     if save is not None:
         trainer.save_checkpoint(save)
@@ -178,17 +194,25 @@ def test_resume_from_an_unscaled_checkpoint_scales_once(tmp_path: Path) -> None:
     assert [lrs for _, lrs in spy.applied] == [[LR * 2.0]] * 2
 
 
-@pytest.mark.parametrize("make", [
-    lambda o: torch.optim.lr_scheduler.StepLR(o, 2, 0.3),
-    lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0 / (1 + s)),
-    lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, 7, eta_min=1e-3),
-    lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.1, total_steps=12),
-    lambda o: torch.optim.lr_scheduler.CyclicLR(o, 0.01, 0.1, step_size_up=3),
-    lambda o: torch.optim.lr_scheduler.SequentialLR(o, [torch.optim.lr_scheduler.LinearLR(o, 0.2, total_iters=3),
-                                                        torch.optim.lr_scheduler.ExponentialLR(o, 0.9)], [3]),
-], ids=["step", "lambda", "cosine", "onecycle", "cyclic", "sequential"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda o: torch.optim.lr_scheduler.StepLR(o, 2, 0.3),
+        lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0 / (1 + s)),
+        lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, 7, eta_min=1e-3),
+        lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.1, total_steps=12),
+        lambda o: torch.optim.lr_scheduler.CyclicLR(o, 0.01, 0.1, step_size_up=3),
+        lambda o: torch.optim.lr_scheduler.SequentialLR(
+            o,
+            [torch.optim.lr_scheduler.LinearLR(o, 0.2, total_iters=3), torch.optim.lr_scheduler.ExponentialLR(o, 0.9)],
+            [3],
+        ),
+    ],
+    ids=["step", "lambda", "cosine", "onecycle", "cyclic", "sequential"],
+)
 def test_scaling_makes_any_scheduler_k_times_its_unscaled_schedule(make: Any) -> None:
     """rtol 1e-12: the same products taken in another order differ in the last bits."""
+
     def run(scale: float | None) -> list[float]:
         groups = [{"params": [nn.Parameter(torch.zeros(1))]}, {"params": [nn.Parameter(torch.zeros(1))], "lr": 0.02}]
         opt = torch.optim.SGD(groups, lr=0.05, momentum=0.9)
@@ -239,19 +263,28 @@ def test_scale_lr_rules() -> None:
     assert lr_scale_factor(96, 64, "linear") == 1.5 and lr_scale_factor(32, 64, "sqrt") == math.sqrt(0.5)
 
 
-@pytest.mark.parametrize(("call", "match"), [
-    (lambda: scale_lr(0.1, 64, 32, "cubic"), r"lr_scaling must be one of \['none', 'linear', 'sqrt'\], got 'cubic'"),
-    (lambda: scale_lr(0.1, 0, 32, "linear"), r"global_batch must be an int >= 1, got 0"),
-    (lambda: scale_lr(0.1, 64, 2.5, "linear"), r"base_batch must be an int >= 1, got 2.5"),
-    (lambda: scale_lr(-1.0, 64, 32, "linear"), r"lr must be a finite number >= 0, got -1.0"),
-    (lambda: ScaledWarmup("Linear", 32), r"lr_scaling must be one of \['none', 'linear', 'sqrt'\], got 'Linear'"),
-    (lambda: ScaledWarmup("linear"), r"lr_scaling='linear' needs base_batch_size .* got None"),
-    (lambda: ScaledWarmup("sqrt", base_batch_size=-4), r"base_batch_size must be an int >= 1, got -4"),
-    (lambda: ScaledWarmup("linear", 32, global_batch_size=True), r"global_batch_size must be an int >= 1, got True"),
-    (lambda: ScaledWarmup(warmup_steps=-1), r"warmup_steps must be an int >= 0, got -1"),
-    (lambda: ScaledWarmup(warmup_steps=2.0), r"warmup_steps must be an int >= 0, got 2.0"),
-    (lambda: ScaledWarmup(warmup_start="one"), r"warmup_start must be one of \['base', 'zero'\], got 'one'"),
-])
+@pytest.mark.parametrize(
+    ("call", "match"),
+    [
+        (
+            lambda: scale_lr(0.1, 64, 32, "cubic"),
+            r"lr_scaling must be one of \['none', 'linear', 'sqrt'\], got 'cubic'",
+        ),
+        (lambda: scale_lr(0.1, 0, 32, "linear"), r"global_batch must be an int >= 1, got 0"),
+        (lambda: scale_lr(0.1, 64, 2.5, "linear"), r"base_batch must be an int >= 1, got 2.5"),
+        (lambda: scale_lr(-1.0, 64, 32, "linear"), r"lr must be a finite number >= 0, got -1.0"),
+        (lambda: ScaledWarmup("Linear", 32), r"lr_scaling must be one of \['none', 'linear', 'sqrt'\], got 'Linear'"),
+        (lambda: ScaledWarmup("linear"), r"lr_scaling='linear' needs base_batch_size .* got None"),
+        (lambda: ScaledWarmup("sqrt", base_batch_size=-4), r"base_batch_size must be an int >= 1, got -4"),
+        (
+            lambda: ScaledWarmup("linear", 32, global_batch_size=True),
+            r"global_batch_size must be an int >= 1, got True",
+        ),
+        (lambda: ScaledWarmup(warmup_steps=-1), r"warmup_steps must be an int >= 0, got -1"),
+        (lambda: ScaledWarmup(warmup_steps=2.0), r"warmup_steps must be an int >= 0, got 2.0"),
+        (lambda: ScaledWarmup(warmup_start="one"), r"warmup_start must be one of \['base', 'zero'\], got 'one'"),
+    ],
+)
 def test_bad_arguments_name_the_value_and_the_allowed_ones(call: Any, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         call()

@@ -116,8 +116,9 @@ def test_missing_gradients_leave_parameters_alone_and_a_step_carries_its_share()
     applied, with the weight decay, at half the learning rate."""
     model = _model()
     params = [p for p in model.parameters() if p.requires_grad]
-    server = ParameterServer(params, list(model.buffers()), torch.optim.SGD(params, lr=1.0, weight_decay=0.5),
-                             2, math.inf)
+    server = ParameterServer(
+        params, list(model.buffers()), torch.optim.SGD(params, lr=1.0, weight_decay=0.5), 2, math.inf
+    )
     before = [p.detach().clone() for p in server.params]
     grads, present = _grads(server, 3)
     present[0] = False
@@ -201,11 +202,13 @@ def test_sqrt_lr_scaling_moves_one_push_by_lr_over_sqrt_k_and_is_exact_at_s0() -
     """lr_scaling="sqrt": the first Adam step moves each element by the step's lr, so one push of K = 4 at
     lr 0.1 moves it by 0.1 / sqrt(4) = 0.05 (linear: 0.025). At s = 0 a step carries all K gradients,
     sqrt(K / K) = 1: the same model as linear scaling, which is synchronous SGD."""
+
     def adam_server(k: int, s: float, scaling: str) -> ParameterServer:
         model = _model()
         params = [p for p in model.parameters() if p.requires_grad]
-        return ParameterServer(params, list(model.buffers()), torch.optim.Adam(params, lr=0.1), k, s,
-                               lr_scaling=scaling)
+        return ParameterServer(
+            params, list(model.buffers()), torch.optim.Adam(params, lr=0.1), k, s, lr_scaling=scaling
+        )
 
     server = adam_server(4, math.inf, "sqrt")
     before = [p.detach().clone() for p in server.params]
@@ -226,7 +229,9 @@ def test_sqrt_lr_scaling_moves_one_push_by_lr_over_sqrt_k_and_is_exact_at_s0() -
 
 @pytest.mark.parametrize("bad", ["Linear", "none", None, 1])
 def test_bad_lr_scaling_is_named_with_the_allowed_ones(bad: Any) -> None:
-    with pytest.raises(ValueError, match=r"lr_scaling must be one of \['linear', 'sqrt'\], got " + re.escape(repr(bad))):
+    with pytest.raises(
+        ValueError, match=r"lr_scaling must be one of \['linear', 'sqrt'\], got " + re.escape(repr(bad))
+    ):
         check_lr_scaling(bad)
     with pytest.raises(ValueError, match=r"lr_scaling must be one of \['linear', 'sqrt'\]"):
         AsyncParameterServerStrategy(lr_scaling=bad)
@@ -234,8 +239,12 @@ def test_bad_lr_scaling_is_named_with_the_allowed_ones(bad: Any) -> None:
 
 def _workers(server: ParameterServer, lookahead: bool) -> tuple[list[PSWorker], list[nn.Module]]:
     replicas = [_model(), _model()]
-    workers = [PSWorker(w, [p for p in r.parameters() if p.requires_grad], list(r.buffers()), LocalLink(server),
-                        lookahead=lookahead) for w, r in enumerate(replicas)]
+    workers = [
+        PSWorker(
+            w, [p for p in r.parameters() if p.requires_grad], list(r.buffers()), LocalLink(server), lookahead=lookahead
+        )
+        for w, r in enumerate(replicas)
+    ]
     for worker in workers:
         worker.pull()
     return workers, replicas
@@ -303,19 +312,21 @@ def test_lookahead_leaves_synchronous_training_untouched() -> None:
 
 @pytest.mark.parametrize("bad", ["dc", "", None, True])
 def test_bad_compensation_is_named_with_the_allowed_ones(bad: Any) -> None:
-    with pytest.raises(ValueError, match=r"compensation must be one of \['lookahead', 'none'\], got " + re.escape(repr(bad))):
+    with pytest.raises(
+        ValueError, match=r"compensation must be one of \['lookahead', 'none'\], got " + re.escape(repr(bad))
+    ):
         check_compensation(bad)
     with pytest.raises(ValueError, match=r"compensation must be one of \['lookahead', 'none'\]"):
         AsyncParameterServerStrategy(compensation=bad)
-
 
 
 def _restoring_server(saved: dict[str, Any]) -> ParameterServer:
     """A server built with restoring=True from ``saved``'s model and counters; its optimizer not yet restored."""
     model = _model()
     params = [p for p in model.parameters() if p.requires_grad]
-    server = ParameterServer(params, list(model.buffers()), torch.optim.SGD(params, lr=LR, momentum=0.9), 2,
-                             math.inf, restoring=True)
+    server = ParameterServer(
+        params, list(model.buffers()), torch.optim.SGD(params, lr=LR, momentum=0.9), 2, math.inf, restoring=True
+    )
     with torch.no_grad():
         for p, v in zip(server.params, saved["params"]):
             p.copy_(v)
@@ -339,8 +350,9 @@ def test_a_restoring_server_holds_pushes_until_restored_and_applies_them_to_the_
     assert early.done() and early.wait().applied and server.version == 2
     ref = [nn.Parameter(v.clone()) for v in saved["params"]]
     ref_opt = torch.optim.SGD(ref, lr=LR * 0.5, momentum=0.9)
-    ref_opt.load_state_dict({**saved["optimizer"], "param_groups": [{**saved["optimizer"]["param_groups"][0],
-                                                                     "lr": LR * 0.5}]})
+    ref_opt.load_state_dict(
+        {**saved["optimizer"], "param_groups": [{**saved["optimizer"]["param_groups"][0], "lr": LR * 0.5}]}
+    )
     for p, g in zip(ref, server.layout.views(_grads(server, 2)[0])):
         p.grad = g.clone()
     ref_opt.step()

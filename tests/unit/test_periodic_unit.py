@@ -22,9 +22,15 @@ def test_sync_every_below_one_or_not_an_int_is_named(value: Any) -> None:
         DiLoCoOuter(p, LoopbackCommunicator(2), value)
 
 
-@pytest.mark.parametrize(("kw", "named"), [({"warmup_steps": -1}, "warmup_steps"), ({"outer_lr": 0}, "outer_lr"),
-                                           ({"outer_momentum": 1.0}, "outer_momentum"),
-                                           ({"outer_momentum": 0.0}, "nesterov")])
+@pytest.mark.parametrize(
+    ("kw", "named"),
+    [
+        ({"warmup_steps": -1}, "warmup_steps"),
+        ({"outer_lr": 0}, "outer_lr"),
+        ({"outer_momentum": 1.0}, "outer_momentum"),
+        ({"outer_momentum": 0.0}, "nesterov"),
+    ],
+)
 def test_other_bad_arguments_are_named(kw: dict[str, Any], named: str) -> None:
     p = [nn.Parameter(torch.ones(2))]
     cls = PeriodicAverager if "warmup_steps" in kw else DiLoCoOuter
@@ -34,14 +40,26 @@ def test_other_bad_arguments_are_named(kw: dict[str, Any], named: str) -> None:
 
 def test_local_sgd_schedule_with_warmup_and_one_message_per_dtype() -> None:
     comm = LoopbackCommunicator(2)
-    params = [nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(2, dtype=torch.float64)), nn.Parameter(torch.ones(4))]
+    params = [
+        nn.Parameter(torch.ones(3)),
+        nn.Parameter(torch.ones(2, dtype=torch.float64)),
+        nn.Parameter(torch.ones(4)),
+    ]
     avg = PeriodicAverager(params + [params[0]], comm, sync_every=3, warmup_steps=2)  # a shared tensor once
     flags = []
     for _ in range(8):
         flags.append((avg.in_warmup, avg.step()))
     # steps 1-2 are warm-up (synchronous); then a sync every 3 local steps: after steps 5 and 8
-    assert flags == [(True, False), (True, False), (False, False), (False, False), (False, True),
-                     (False, False), (False, False), (False, True)]
+    assert flags == [
+        (True, False),
+        (True, False),
+        (False, False),
+        (False, False),
+        (False, True),
+        (False, False),
+        (False, False),
+        (False, True),
+    ]
     # each sync: one fp32 message (3 + 4 values) and one fp64 message (2 values)
     assert sorted(comm.calls) == sorted([("all_reduce", 7), ("all_reduce", 2)] * 2)
     fresh = PeriodicAverager(params, comm, sync_every=3, warmup_steps=2)

@@ -23,46 +23,74 @@ from lightning_sync.diagnostics import ReplicaDriftCheck, drift
 from lightning_sync.diagnostics.drift import checksum, value_fingerprint
 
 
-@pytest.mark.parametrize(("kwargs", "message"), [
-    ({"every_n_steps": 0}, "every_n_steps must be an int >= 1, got 0"),
-    ({"every_n_steps": -3}, "every_n_steps must be an int >= 1, got -3"),
-    ({"every_n_steps": True}, "every_n_steps must be an int >= 1, got True"),
-    ({"every_n_steps": 2.0}, "every_n_steps must be an int >= 1, got 2.0"),
-    ({"every_n_steps": None}, "every_n_steps must be an int >= 1, got None"),
-    ({"action": "ignore"}, r"action must be one of \['raise', 'warn'\], got 'ignore'"),
-    ({"action": "RAISE"}, r"action must be one of \['raise', 'warn'\], got 'RAISE'"),
-    ({"action": None}, r"action must be one of \['raise', 'warn'\], got None"),
-    ({"buffers": "yes"}, "buffers must be True or False, got 'yes'"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"every_n_steps": 0}, "every_n_steps must be an int >= 1, got 0"),
+        ({"every_n_steps": -3}, "every_n_steps must be an int >= 1, got -3"),
+        ({"every_n_steps": True}, "every_n_steps must be an int >= 1, got True"),
+        ({"every_n_steps": 2.0}, "every_n_steps must be an int >= 1, got 2.0"),
+        ({"every_n_steps": None}, "every_n_steps must be an int >= 1, got None"),
+        ({"action": "ignore"}, r"action must be one of \['raise', 'warn'\], got 'ignore'"),
+        ({"action": "RAISE"}, r"action must be one of \['raise', 'warn'\], got 'RAISE'"),
+        ({"action": None}, r"action must be one of \['raise', 'warn'\], got None"),
+        ({"buffers": "yes"}, "buffers must be True or False, got 'yes'"),
+    ],
+)
 def test_bad_arguments_are_named_with_the_allowed_values(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         ReplicaDriftCheck(**kwargs)
 
 
-@pytest.mark.parametrize(("strategy", "name", "why"), [
-    (LocalSGDStrategy(), "local_sgd", "every rank steps its own replica between averages"),
-    (DiLoCoStrategy(), "diloco", "the replicas agree only right after an outer step"),
-    (AsyncParameterServerStrategy(), "async_ps", "stale copies of the server's parameters"),
-    (HogwildStrategy(), "hogwild", "one shared-memory model"),
-    (FSDPStrategy(), "fsdp", "it shards the parameters"),
-], ids=["local_sgd", "diloco", "async_ps", "hogwild", "fsdp"])
-def test_periodic_async_and_foreign_sharded_strategies_are_refused_at_setup(strategy: Any, name: str,
-                                                                           why: str) -> None:
-    with pytest.raises(ValueError, match=rf"does not support the '{name}' strategy \({type(strategy).__name__}\): "
-                                         rf".*{why}.*It checks synchronous strategies"):
+@pytest.mark.parametrize(
+    ("strategy", "name", "why"),
+    [
+        (LocalSGDStrategy(), "local_sgd", "every rank steps its own replica between averages"),
+        (DiLoCoStrategy(), "diloco", "the replicas agree only right after an outer step"),
+        (AsyncParameterServerStrategy(), "async_ps", "stale copies of the server's parameters"),
+        (HogwildStrategy(), "hogwild", "one shared-memory model"),
+        (FSDPStrategy(), "fsdp", "it shards the parameters"),
+    ],
+    ids=["local_sgd", "diloco", "async_ps", "hogwild", "fsdp"],
+)
+def test_periodic_async_and_foreign_sharded_strategies_are_refused_at_setup(strategy: Any, name: str, why: str) -> None:
+    with pytest.raises(
+        ValueError,
+        match=rf"does not support the '{name}' strategy \({type(strategy).__name__}\): "
+        rf".*{why}.*It checks synchronous strategies",
+    ):
         ReplicaDriftCheck().setup(SimpleNamespace(strategy=strategy), None, "fit")  # type: ignore[arg-type]
     # evaluation only (trainer.validate / test): the check never runs there, so nothing is refused
     ReplicaDriftCheck().setup(SimpleNamespace(strategy=strategy), None, "validate")  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("strategy", [BucketedDDPStrategy(), DDPStrategy(), ShardedStrategy(stage=1),
-                                      ShardedStrategy(stage=2), ShardedStrategy(stage=3)])
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        BucketedDDPStrategy(),
+        DDPStrategy(),
+        ShardedStrategy(stage=1),
+        ShardedStrategy(stage=2),
+        ShardedStrategy(stage=3),
+    ],
+)
 def test_synchronous_strategies_are_accepted(strategy: Any) -> None:
     ReplicaDriftCheck().setup(SimpleNamespace(strategy=strategy), None, "fit")  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
-                                   torch.uint8, torch.bool, torch.complex64])
+@pytest.mark.parametrize(
+    "dtype",
+    [
+        torch.float32,
+        torch.float64,
+        torch.float16,
+        torch.bfloat16,
+        torch.int64,
+        torch.uint8,
+        torch.bool,
+        torch.complex64,
+    ],
+)
 def test_one_flipped_bit_of_one_element_changes_the_checksum(dtype: torch.dtype) -> None:
     g = torch.Generator().manual_seed(0)
     t = (torch.randn(37, 11, generator=g) * 1e3).to(dtype) if dtype != torch.bool else torch.rand(37, 11) > 0.5
@@ -107,11 +135,21 @@ def test_the_fingerprint_skips_norm_running_statistics_and_what_it_is_told_to() 
     net = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3))
     net.register_buffer("table", torch.arange(5.0))
     items = [item for item, _ in value_fingerprint(net)]
-    assert items == ["parameter 0.weight", "parameter 0.bias", "parameter 1.weight", "parameter 1.bias",
-                     "buffer table", "buffer 1.num_batches_tracked"]
+    assert items == [
+        "parameter 0.weight",
+        "parameter 0.bias",
+        "parameter 1.weight",
+        "parameter 1.bias",
+        "buffer table",
+        "buffer 1.num_batches_tracked",
+    ]
     assert [item for item, _ in value_fingerprint(net, buffers=False)] == items[:4]
     assert [item for item, _ in value_fingerprint(net, skip={id(net[0].weight), id(net.table)})] == [
-        "parameter 0.bias", "parameter 1.weight", "parameter 1.bias", "buffer 1.num_batches_tracked"]
+        "parameter 0.bias",
+        "parameter 1.weight",
+        "parameter 1.bias",
+        "buffer 1.num_batches_tracked",
+    ]
     assert value_fingerprint(net)[0][1].startswith("shape (3, 4), torch.float32, checksum ")
 
 
@@ -137,8 +175,10 @@ def _fake_gather(monkeypatch: pytest.MonkeyPatch, altered: list[set[int]]) -> li
     def gather(mine: list[tuple[str, str]]) -> list[list[tuple[str, str]]]:
         bad = altered.pop(0)
         calls.append(sorted(bad))
-        return [[(item, desc + (" (changed)" if r in bad and i == 1 else "")) for i, (item, desc) in enumerate(mine)]
-                for r in range(3)]
+        return [
+            [(item, desc + (" (changed)" if r in bad and i == 1 else "")) for i, (item, desc) in enumerate(mine)]
+            for r in range(3)
+        ]
 
     monkeypatch.setattr(drift.comms, "all_gather_object", gather)
     return calls
@@ -147,8 +187,11 @@ def _fake_gather(monkeypatch: pytest.MonkeyPatch, altered: list[set[int]]) -> li
 def test_the_majority_is_the_reference_and_every_rank_decides_alike(monkeypatch: pytest.MonkeyPatch) -> None:
     _fake_gather(monkeypatch, [{0}])
     check, module = ReplicaDriftCheck(every_n_steps=2), _Module()
-    with pytest.raises(RuntimeError, match=r"^replicas diverged at global step 4: rank 0 differs from ranks \[1, 2\]; "
-                                           r"first difference: parameter bias: rank 0 has .* \(changed\); rank 1 has "):
+    with pytest.raises(
+        RuntimeError,
+        match=r"^replicas diverged at global step 4: rank 0 differs from ranks \[1, 2\]; "
+        r"first difference: parameter bias: rank 0 has .* \(changed\); rank 1 has ",
+    ):
         check.on_train_batch_end(_trainer(4), module, None, None, 0)
     assert check.first_divergent_step == 4 and check.divergences == [(4, [0], "parameter bias")]
     assert module.logged == [("replica_drift/diverged", 1.0)]
@@ -157,8 +200,16 @@ def test_the_majority_is_the_reference_and_every_rank_decides_alike(monkeypatch:
 def test_checks_only_on_step_boundaries_every_n_steps_once_per_step(monkeypatch: pytest.MonkeyPatch) -> None:
     calls = _fake_gather(monkeypatch, [set()] * 3)
     check, module = ReplicaDriftCheck(every_n_steps=3, action="warn"), _Module()
-    for step, accumulate in [(1, False), (2, True), (3, True), (3, False), (3, False), (4, False), (6, False),
-                             (9, False)]:
+    for step, accumulate in [
+        (1, False),
+        (2, True),
+        (3, True),
+        (3, False),
+        (3, False),
+        (4, False),
+        (6, False),
+        (9, False),
+    ]:
         check.on_train_batch_end(_trainer(step, accumulate), module, None, None, 0)
     assert check.checked_steps == [3, 6, 9] and len(calls) == 3 and check.compared == 2
     assert module.logged == [("replica_drift/diverged", 0.0)] * 3

@@ -28,17 +28,27 @@ from lightning_sync.launch.requeue import (
 from lightning_sync.strategies.sharded import COMPLETE_MARKER, LIGHTNING_STATE
 
 
-@pytest.mark.parametrize(("value", "expected"), [("USR1", signal.SIGUSR1), ("sigusr2", signal.SIGUSR2),
-                                                 (" TERM ", signal.SIGTERM), (int(signal.SIGUSR1), signal.SIGUSR1),
-                                                 (signal.SIGHUP, signal.SIGHUP)])
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ("USR1", signal.SIGUSR1),
+        ("sigusr2", signal.SIGUSR2),
+        (" TERM ", signal.SIGTERM),
+        (int(signal.SIGUSR1), signal.SIGUSR1),
+        (signal.SIGHUP, signal.SIGHUP),
+    ],
+)
 def test_signal_names_and_numbers(value: object, expected: signal.Signals) -> None:
     assert resolve_signal(value) is expected
 
 
 @pytest.mark.parametrize("value", ["KILL", "SIGSTOP", "usr3", "", None, True, 9999, 1.5])
 def test_bad_signal_is_named_with_the_allowed_ones(value: object) -> None:
-    with pytest.raises(ValueError, match=r"signal must be one of \['USR1', 'USR2', 'TERM'.*got " + repr(value)
-                       .replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
+    with pytest.raises(
+        ValueError,
+        match=r"signal must be one of \['USR1', 'USR2', 'TERM'.*got "
+        + repr(value).replace("(", r"\(").replace(")", r"\)").replace(".", r"\."),
+    ):
         resolve_signal(value)
 
 
@@ -63,8 +73,9 @@ def test_no_pointer_means_a_first_run(tmp_path: Path) -> None:
 
 
 def test_pointer_moves_only_after_the_new_checkpoint_is_complete(tmp_path: Path) -> None:
-    first = publish_checkpoint(tmp_path, _ckpt(tmp_path / ".a.tmp", 1.0, step=5), "requeue-step000000005.ckpt",
-                               {"global_step": 5})
+    first = publish_checkpoint(
+        tmp_path, _ckpt(tmp_path / ".a.tmp", 1.0, step=5), "requeue-step000000005.ckpt", {"global_step": 5}
+    )
     assert latest_checkpoint(tmp_path) == first
     assert json.loads((tmp_path / POINTER).read_text()) == {"checkpoint": first.name, "global_step": 5}
     # a second save killed half-way: the temporary exists (truncated), the pointer never moved
@@ -81,8 +92,9 @@ def test_pointer_moves_only_after_the_new_checkpoint_is_complete(tmp_path: Path)
 def test_the_newest_complete_checkpoint_wins_and_the_pointer_is_only_a_hint(tmp_path: Path) -> None:
     # killed after the rename of step 7 but before the pointer moved: two complete checkpoints, the pointer
     # still names step 3; step 7 holds more progress and is whole, so resume takes it
-    older = publish_checkpoint(tmp_path, _ckpt(tmp_path / ".a.tmp", 1.0, step=3), "requeue-step000000003.ckpt",
-                               {"global_step": 3})
+    older = publish_checkpoint(
+        tmp_path, _ckpt(tmp_path / ".a.tmp", 1.0, step=3), "requeue-step000000003.ckpt", {"global_step": 3}
+    )
     newer = _ckpt(tmp_path / "requeue-step000000007.ckpt", 2.0, step=7)
     assert json.loads((tmp_path / POINTER).read_text())["checkpoint"] == older.name
     assert latest_checkpoint(tmp_path) == newer
@@ -115,8 +127,9 @@ def test_a_pointer_to_a_missing_checkpoint_fails_loudly(tmp_path: Path) -> None:
         latest_checkpoint(tmp_path)
 
 
-def test_requeue_outside_slurm_or_without_scontrol_logs_and_returns_false(caplog: pytest.LogCaptureFixture,
-                                                                          tmp_path: Path) -> None:
+def test_requeue_outside_slurm_or_without_scontrol_logs_and_returns_false(
+    caplog: pytest.LogCaptureFixture, tmp_path: Path
+) -> None:
     caplog.set_level(logging.INFO, logger="lightning_sync.launch")
     assert requeue_job({"PATH": str(tmp_path)}) is False
     assert "not a SLURM job (no SLURM_JOB_ID)" in caplog.text
@@ -135,7 +148,8 @@ def _scontrol_that_slurm_kills(directory: Path) -> Path:
 
 
 def test_slurms_sigterm_during_the_requeue_neither_fails_it_nor_runs_the_handler_before_the_outcome(
-        caplog: pytest.LogCaptureFixture, tmp_path: Path) -> None:
+    caplog: pytest.LogCaptureFixture, tmp_path: Path
+) -> None:
     # the order of events: the outcome's log line, the end of the deferred block, then the SIGTERM handler
     # that was there before (in a Lightning job: its handler, which runs a broadcast)
     events: list[str] = []
@@ -164,5 +178,9 @@ def test_slurms_sigterm_during_the_requeue_neither_fails_it_nor_runs_the_handler
     assert requeued is True, caplog.text
     assert (scontrol.parent / "scontrol.args").read_text().split() == ["requeue", "42"]
     assert held == [signal.SIGTERM] and nothing == []
-    assert events == ["requeue: job 42 requeued (scontrol requeue); it resumes from the checkpoint",
-                      "deferred block ends", "handler SIGTERM", "quiet block"]
+    assert events == [
+        "requeue: job 42 requeued (scontrol requeue); it resumes from the checkpoint",
+        "deferred block ends",
+        "handler SIGTERM",
+        "quiet block",
+    ]

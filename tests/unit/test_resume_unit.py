@@ -24,8 +24,9 @@ def _distributed(n: int, world: int, rank: int, **kw: object) -> DistributedSamp
 @pytest.mark.parametrize("n", [23, 24, 25])
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 @pytest.mark.parametrize(("shuffle", "drop_last"), [(True, False), (False, False), (True, True)])
-def test_the_global_order_is_what_distributed_sampler_yields(n: int, world: int, shuffle: bool,
-                                                             drop_last: bool) -> None:
+def test_the_global_order_is_what_distributed_sampler_yields(
+    n: int, world: int, shuffle: bool, drop_last: bool
+) -> None:
     for rank in range(world):
         base = _distributed(n, world, rank, shuffle=shuffle, seed=7, drop_last=drop_last)
         ours = GlobalOrderSampler(_distributed(n, world, rank, shuffle=shuffle, seed=7, drop_last=drop_last))
@@ -49,9 +50,9 @@ def test_a_resume_position_skips_a_prefix_of_the_global_order_in_that_epoch_only
         fresh = GlobalOrderSampler(_distributed(40, world, r, shuffle=True, seed=1))
         fresh.resume(state)
         assert fresh.epoch == 4  # set before any iterator exists: workers prefetch at creation
-        assert list(fresh) == full[r][3 * batch:]
+        assert list(fresh) == full[r][3 * batch :]
         assert len(fresh) == len(full[r])  # Lightning counts the resumed epoch's batches from the whole
-        assert list(fresh) == full[r][3 * batch:]  # the same epoch again (a second iterator) resumes alike
+        assert list(fresh) == full[r][3 * batch :]  # the same epoch again (a second iterator) resumes alike
         fresh.set_epoch(5)
         s.set_epoch(5)
         assert list(fresh) == list(s)  # the next epoch is whole
@@ -67,11 +68,14 @@ def test_a_finished_epoch_resumes_at_the_start_of_the_next_at_any_world_size() -
     assert list(other) == list(base)
 
 
-@pytest.mark.parametrize(("change", "message"), [
-    ({"world_size": 3}, r"'world_size': 2}; this run has .*'world_size': 3}"),
-    ({"dataset_size": 30}, r"'dataset_size': 24.*this run has \{'dataset_size': 30"),
-    ({"seed": 4}, r"'seed': 3.*'seed': 4"),
-])
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"world_size": 3}, r"'world_size': 2}; this run has .*'world_size': 3}"),
+        ({"dataset_size": 30}, r"'dataset_size': 24.*this run has \{'dataset_size': 30"),
+        ({"seed": 4}, r"'seed': 3.*'seed': 4"),
+    ],
+)
 def test_a_mid_epoch_position_needs_the_same_world_dataset_and_seed(change: dict[str, int], message: str) -> None:
     state = GlobalOrderSampler(_distributed(24, 2, 0, seed=3)).state(batches=2, batch_size=2, epoch_done=False)
     n, world, seed = change.get("dataset_size", 24), change.get("world_size", 2), change.get("seed", 3)

@@ -50,7 +50,7 @@ def _hostile(tmp_path: Path) -> tuple[str, list[str]]:
     job_name = f"launch.job_name='j$(touch {m}1)`touch {m}2`;touch {m}3;\"dq\"\\'sq'"
     overrides = [
         f"+notes='$(touch {m}4) `touch {m}5`; touch {m}6 \\'; touch {m}7; \\' \"; touch {m}8; \"'",
-        f"+more=\"it's; touch {m}9 \\\"q\\\" $(touch {m}10) `touch {m}11`\"",
+        f'+more="it\'s; touch {m}9 \\"q\\" $(touch {m}10) `touch {m}11`"',
         f"launch.partition='p;touch {m}12 $(touch {m}13)'",
         f"launch.python='python3;touch {m}14'",
     ]
@@ -65,8 +65,11 @@ def _run(script: str, tmp_path: Path, signal: str = "") -> subprocess.CompletedP
     path = tmp_path / "job.sh"
     path.write_text(script)
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
-    env.update(PATH=f"{tmp_path / 'bin'}{os.pathsep}{env.get('PATH', '')}", FAKE_SRUN_DIR=str(tmp_path),
-               FAKE_SRUN_SIGNAL=signal)
+    env.update(
+        PATH=f"{tmp_path / 'bin'}{os.pathsep}{env.get('PATH', '')}",
+        FAKE_SRUN_DIR=str(tmp_path),
+        FAKE_SRUN_SIGNAL=signal,
+    )
     return subprocess.run(["bash", str(path)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
 
 
@@ -85,8 +88,15 @@ def test_the_sbatch_script_runs_no_injected_command(tmp_path: Path, capsys: pyte
     log = (tmp_path / "log").read_text().splitlines()
     assert log == ["OMP_NUM_THREADS=1", "srun got USR1"], log  # the export ran; the trap passed the signal on
     argv = (tmp_path / "argv").read_text().split("\0")[:-1]
-    assert argv == ["python3;touch " + f"{tmp_path}/INJECTED-14", "-m", "lightning_sync", "train", "launch=slurm",
-                    job_name, *overrides], argv  # exactly the overrides given, each one argument
+    assert argv == [
+        "python3;touch " + f"{tmp_path}/INJECTED-14",
+        "-m",
+        "lightning_sync",
+        "train",
+        "launch=slurm",
+        job_name,
+        *overrides,
+    ], argv  # exactly the overrides given, each one argument
     for text in ("$(touch", "`touch", "; touch", "\\'", '"dq"', "it's"):
         assert any(text in a for a in argv[5:]), text
 
@@ -108,8 +118,11 @@ def _submitit_script(overrides: list[str], sweep_dir: Path) -> str:
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
-            cfg = compose("train", overrides=["launch=slurm", f"hydra.sweep.dir={sweep_dir}", *overrides],
-                          return_hydra_config=True)
+            cfg = compose(
+                "train",
+                overrides=["launch=slurm", f"hydra.sweep.dir={sweep_dir}", *overrides],
+                return_hydra_config=True,
+            )
             HydraConfig.instance().set_config(cfg)
             params = dict(instantiate(cfg.hydra.launcher).params)
     finally:
@@ -156,7 +169,8 @@ def test_a_value_spanning_lines_is_refused_before_submitit_writes_its_script(key
         GlobalHydra.instance().clear()
     callbacks = cfg.hydra.callbacks
     assert [c._target_ for c in callbacks.values()].count(
-        f"{SlurmLauncherValues.__module__}.{SlurmLauncherValues.__qualname__}") == 1  # conf/launch/slurm.yaml
+        f"{SlurmLauncherValues.__module__}.{SlurmLauncherValues.__qualname__}"
+    ) == 1  # conf/launch/slurm.yaml
     named = rf"hydra\.launcher\..* \(set from .*\${{{re.escape(key)}}}.*\) must be one line"
     with pytest.raises(ValueError, match=named):
         SlurmLauncherValues().on_multirun_start(cfg)
@@ -166,9 +180,23 @@ def test_the_train_command_refuses_it_before_submitting(tmp_path: Path) -> None:
     """End to end: ``lightning-sync train -m launch=slurm`` with a job name spanning lines exits with the
     message before hydra-submitit-launcher runs ``sbatch`` (there is none on PATH here: it would fail later)."""
     hostile = f"launch.job_name='x\\'\ntouch {tmp_path}/INJECTED-nl\n#'"
-    done = subprocess.run([sys.executable, "-m", "lightning_sync", "train", "-m", "launch=slurm", hostile,
-                           f"hydra.sweep.dir={tmp_path / 'sweep'}"], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=120, env={**os.environ, "PATH": os.path.dirname(sys.executable)})
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lightning_sync",
+            "train",
+            "-m",
+            "launch=slurm",
+            hostile,
+            f"hydra.sweep.dir={tmp_path / 'sweep'}",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PATH": os.path.dirname(sys.executable)},
+    )
     assert done.returncode != 0
     assert "must be one line" in done.stderr + done.stdout, done.stderr[-2000:]
     assert not (tmp_path / "sweep" / ".submitit").exists()

@@ -34,26 +34,56 @@ def test_stage_outside_1_2_3_lists_the_allowed_stages(stage: Any) -> None:
     assert "[1, 2, 3]" in msg and f"got {stage!r}" in msg
 
 
-@pytest.mark.parametrize(("policy", "named"), [
-    ("torch.nn.NoSuchLayer", "'torch.nn.NoSuchLayer'"), ("torch.nn.functional.relu", "'torch.nn.functional.relu'"),
-    (0, "got 0"), (-3, "got -3"), (3.5, "3.5"), (True, "True"), ([], "[]"), ([1, 2], "[1, 2]"),
-    ({"min_params": 5}, "'min_params'"), ({"min_num_params": 5, "module_classes": ["Linear"]}, "'module_classes'"),
-])
+@pytest.mark.parametrize(
+    ("policy", "named"),
+    [
+        ("torch.nn.NoSuchLayer", "'torch.nn.NoSuchLayer'"),
+        ("torch.nn.functional.relu", "'torch.nn.functional.relu'"),
+        (0, "got 0"),
+        (-3, "got -3"),
+        (3.5, "3.5"),
+        (True, "True"),
+        ([], "[]"),
+        ([1, 2], "[1, 2]"),
+        ({"min_params": 5}, "'min_params'"),
+        ({"min_num_params": 5, "module_classes": ["Linear"]}, "'module_classes'"),
+    ],
+)
 def test_bad_wrap_policy_names_the_value(policy: Any, named: str) -> None:
     msg = _message({"wrap_policy": policy})
     assert "wrap_policy" in msg and named in msg
 
 
-@pytest.mark.parametrize("policy", [None, "Linear", "torch.nn.Linear", nn.Linear, [nn.Linear, "Embedding"], 100,
-                                    {"min_num_params": 100}, {"module_classes": ["Linear"]},
-                                    lambda m: isinstance(m, nn.Linear)])
+@pytest.mark.parametrize(
+    "policy",
+    [
+        None,
+        "Linear",
+        "torch.nn.Linear",
+        nn.Linear,
+        [nn.Linear, "Embedding"],
+        100,
+        {"min_num_params": 100},
+        {"module_classes": ["Linear"]},
+        lambda m: isinstance(m, nn.Linear),
+    ],
+)
 def test_every_documented_wrap_policy_form_is_accepted(policy: Any) -> None:
     assert ShardedStrategy(wrap_policy=policy).wrap_policy is policy
 
 
 @pytest.mark.parametrize("arg", ["param_dtype", "reduce_dtype"])
-@pytest.mark.parametrize(("value", "named"), [("fp8", "'fp8'"), ("int8", "'int8'"), ("bfloat17", "'bfloat17'"),
-                                             (torch.int32, "torch.int32"), (16, "got 16"), (torch.bool, "torch.bool")])
+@pytest.mark.parametrize(
+    ("value", "named"),
+    [
+        ("fp8", "'fp8'"),
+        ("int8", "'int8'"),
+        ("bfloat17", "'bfloat17'"),
+        (torch.int32, "torch.int32"),
+        (16, "got 16"),
+        (torch.bool, "torch.bool"),
+    ],
+)
 def test_bad_dtype_names_the_argument_and_the_value(arg: str, value: Any, named: str) -> None:
     msg = _message({arg: value})
     assert arg in msg and named in msg and "'bf16'" in msg  # lists the allowed names too
@@ -77,18 +107,36 @@ def test_unknown_keyword_arguments_are_named() -> None:
     assert "'stages'" in msg and "'wrap'" in msg
 
 
-@pytest.mark.parametrize(("kw", "shown"), [({"process_group_backend": "mpi"}, "'mpi'"),
-                                           ({"start_method": "thread"}, "'thread'"),
-                                           ({"timeout": 0}, "got 0"), ({"timeout": -5.0}, "got -5.0")])
+@pytest.mark.parametrize(
+    ("kw", "shown"),
+    [
+        ({"process_group_backend": "mpi"}, "'mpi'"),
+        ({"start_method": "thread"}, "'thread'"),
+        ({"timeout": 0}, "got 0"),
+        ({"timeout": -5.0}, "got -5.0"),
+    ],
+)
 def test_launch_arguments_name_the_bad_value(kw: dict[str, Any], shown: str) -> None:
     assert shown in _message(kw)
 
 
 def test_valid_arguments_are_kept() -> None:
-    s = ShardedStrategy(stage=2, wrap_policy={"min_num_params": 100}, prefetch=False, reshard_after_forward=False,
-                        param_dtype="bf16", reduce_dtype=torch.float32, bucket_cap_mb=1)
+    s = ShardedStrategy(
+        stage=2,
+        wrap_policy={"min_num_params": 100},
+        prefetch=False,
+        reshard_after_forward=False,
+        param_dtype="bf16",
+        reduce_dtype=torch.float32,
+        bucket_cap_mb=1,
+    )
     assert (s.stage, s.wrap_policy, s.prefetch, s.reshard_after_forward, s.bucket_cap_mb) == (
-        2, {"min_num_params": 100}, False, False, 1)
+        2,
+        {"min_num_params": 100},
+        False,
+        False,
+        1,
+    )
     assert s.param_dtype is torch.bfloat16 and s.reduce_dtype is torch.float32
     assert s.is_distributed is True  # so Lightning adds the DistributedSampler and turns sync_dist on
     assert ShardedStrategy().stage == 3  # the documented default
@@ -96,8 +144,15 @@ def test_valid_arguments_are_kept() -> None:
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_trainer_resolves_the_registered_names(stage: int) -> None:
-    trainer = pl.Trainer(strategy=f"zero{stage}", accelerator="cpu", devices=2, logger=False,
-                         enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False)
+    trainer = pl.Trainer(
+        strategy=f"zero{stage}",
+        accelerator="cpu",
+        devices=2,
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+    )
     assert type(trainer.strategy) is ShardedStrategy
     assert trainer.strategy.stage == stage and trainer.strategy.num_processes == 2
 

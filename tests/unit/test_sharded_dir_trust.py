@@ -74,9 +74,11 @@ def _strategy_on(engine: ZeroEngine) -> ShardedStrategy:
 
 def _loaders(path: Path) -> dict[str, Callable[[bool | None], Any]]:
     """Every way lightning_sync reads a sharded directory, each on a fresh engine."""
-    return {"consolidate_checkpoint": lambda wo: consolidate_checkpoint(path, weights_only=wo is not False),
-            "ZeroEngine.load_sharded": lambda wo: _engine().load_sharded(path, wo),
-            "ShardedStrategy.load_checkpoint": lambda wo: _strategy_on(_engine()).load_checkpoint(path, wo)}
+    return {
+        "consolidate_checkpoint": lambda wo: consolidate_checkpoint(path, weights_only=wo is not False),
+        "ZeroEngine.load_sharded": lambda wo: _engine().load_sharded(path, wo),
+        "ShardedStrategy.load_checkpoint": lambda wo: _strategy_on(_engine()).load_checkpoint(path, wo),
+    }
 
 
 LOADERS = ["consolidate_checkpoint", "ZeroEngine.load_sharded", "ShardedStrategy.load_checkpoint"]
@@ -94,8 +96,10 @@ def _point_entries_at(path: Path, outside: Path, how: str) -> None:
     with open(path / ".metadata", "rb") as f:
         meta = pickle.load(f)
     assert meta.state_dict_metadata.keys() == theirs.state_dict_metadata.keys()
-    meta.storage_data = {index: dataclasses.replace(info, relative_path=_redirect(info.relative_path, outside, how))
-                         for index, info in theirs.storage_data.items()}
+    meta.storage_data = {
+        index: dataclasses.replace(info, relative_path=_redirect(info.relative_path, outside, how))
+        for index, info in theirs.storage_data.items()
+    }
     with open(path / ".metadata", "wb") as f:
         pickle.dump(meta, f)
     # nothing of the original shards is left to read: a loader that returns anything read it outside
@@ -107,7 +111,8 @@ def _point_entries_at(path: Path, outside: Path, how: str) -> None:
 @pytest.mark.parametrize("weights_only", [None, False], ids=["default", "opted_in"])
 @pytest.mark.parametrize("loader", LOADERS)
 def test_a_directory_without_metadata_is_refused_before_the_rank_file_is_unpickled(
-        tmp_path: Path, loader: str, weights_only: bool | None) -> None:
+    tmp_path: Path, loader: str, weights_only: bool | None
+) -> None:
     path, marker = tmp_path / "sharded.ckpt", tmp_path / "rank_metadata.MARKER"
     _save(path)
     (path / ".metadata").unlink()

@@ -14,8 +14,9 @@ SHAPES = [(3, 5), (7,), (2, 2, 2), (1,)]  # 31 elements: not divisible by 2, 3 o
 def test_layout_pads_to_a_multiple_of_k_and_shards_tile_it(world: int) -> None:
     shards = [FlatShard(SHAPES, world, r) for r in range(world)]
     assert all(s.total == 31 and s.padded % world == 0 and 0 <= s.padding < world for s in shards)
-    assert [(s.start, s.end) for s in shards] == [(r * shards[0].shard_numel, (r + 1) * shards[0].shard_numel)
-                                                  for r in range(world)]
+    assert [(s.start, s.end) for s in shards] == [
+        (r * shards[0].shard_numel, (r + 1) * shards[0].shard_numel) for r in range(world)
+    ]
     assert shards[-1].end == shards[0].padded
 
 
@@ -65,8 +66,11 @@ def test_collectives_on_the_loopback_communicator() -> None:
     got = fs.reduce_scatter(flat, comm, op="sum")
     assert torch.equal(got, 3 * flat[fs.start : fs.end])  # K identical ranks summed
     assert torch.equal(fs.reduce_scatter(flat, comm, op="avg"), flat[fs.start : fs.end])
-    assert comm.calls == [("all_gather_into", fs.shard_numel), ("reduce_scatter_into", fs.padded),
-                          ("reduce_scatter_into", fs.padded)]
+    assert comm.calls == [
+        ("all_gather_into", fs.shard_numel),
+        ("reduce_scatter_into", fs.padded),
+        ("reduce_scatter_into", fs.padded),
+    ]
 
 
 def test_bad_input_names_the_value() -> None:

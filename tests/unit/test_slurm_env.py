@@ -13,16 +13,19 @@ from lightning_sync.launch import slurm_env
 from lightning_sync.launch.slurm_env import expand_hostlist, master_port, prepare, resolves
 
 
-@pytest.mark.parametrize(("hostlist", "names"), [
-    ("n1", ["n1"]),
-    ("n[1-2]", ["n1", "n2"]),
-    ("n[08-10]", ["n08", "n09", "n10"]),
-    ("n[1-3,7],gpu02", ["n1", "n2", "n3", "n7", "gpu02"]),
-    ("r[1-2]n[1-2]", ["r1n1", "r1n2", "r2n1", "r2n2"]),
-    ("n[1-2]-ib", ["n1-ib", "n2-ib"]),
-    ("host0 host1", ["host0", "host1"]),
-    ("n[5]", ["n5"]),
-])
+@pytest.mark.parametrize(
+    ("hostlist", "names"),
+    [
+        ("n1", ["n1"]),
+        ("n[1-2]", ["n1", "n2"]),
+        ("n[08-10]", ["n08", "n09", "n10"]),
+        ("n[1-3,7],gpu02", ["n1", "n2", "n3", "n7", "gpu02"]),
+        ("r[1-2]n[1-2]", ["r1n1", "r1n2", "r2n1", "r2n2"]),
+        ("n[1-2]-ib", ["n1-ib", "n2-ib"]),
+        ("host0 host1", ["host0", "host1"]),
+        ("n[5]", ["n5"]),
+    ],
+)
 def test_host_lists_expand_like_scontrol(hostlist: str, names: list[str]) -> None:
     assert expand_hostlist(hostlist) == names
 
@@ -47,8 +50,13 @@ def test_resolution_is_bounded_and_honest() -> None:
 
 
 def _job(**kw: str) -> dict[str, str]:
-    return {"SLURM_JOB_ID": "4321", "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_JOB_NUM_NODES": "2",
-            "SLURM_PROCID": "0", **kw}
+    return {
+        "SLURM_JOB_ID": "4321",
+        "SLURM_JOB_NODELIST": "n[1-2]",
+        "SLURM_JOB_NUM_NODES": "2",
+        "SLURM_PROCID": "0",
+        **kw,
+    }
 
 
 def test_outside_slurm_nothing_is_set() -> None:
@@ -70,8 +78,7 @@ def test_a_resolvable_first_host_is_used(monkeypatch: pytest.MonkeyPatch) -> Non
     assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("localhost", "19321")
 
 
-def test_unresolvable_first_host_falls_back_to_its_node_address(monkeypatch: pytest.MonkeyPatch,
-                                                                caplog: Any) -> None:
+def test_unresolvable_first_host_falls_back_to_its_node_address(monkeypatch: pytest.MonkeyPatch, caplog: Any) -> None:
     monkeypatch.setattr(slurm_env, "node_address", lambda host: "127.0.0.1" if host == "n1" else None)
     monkeypatch.setattr(slurm_env, "first_host", lambda nodelist: "n1")
     monkeypatch.setattr(slurm_env, "resolves", lambda host, timeout=5.0: host == "127.0.0.1")
@@ -84,7 +91,8 @@ def test_unresolvable_first_host_falls_back_to_its_node_address(monkeypatch: pyt
 
 
 def test_one_node_job_without_scontrol_uses_loopback_and_multi_node_fails_naming_the_host(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.setattr(slurm_env, "node_address", lambda host: None)
     monkeypatch.setattr(slurm_env, "first_host", lambda nodelist: "n1")
     monkeypatch.setattr(slurm_env, "resolves", lambda host, timeout=5.0: False)

@@ -34,8 +34,14 @@ from lightning_sync.strategies import (
 __all__: list[str] = []
 
 CPUS = 4  # os.cpu_count() as the strategies see it in these tests
-STRATEGIES = (BucketedDDPStrategy, ShardedStrategy, LocalSGDStrategy, DiLoCoStrategy, AsyncParameterServerStrategy,
-              HogwildStrategy)
+STRATEGIES = (
+    BucketedDDPStrategy,
+    ShardedStrategy,
+    LocalSGDStrategy,
+    DiLoCoStrategy,
+    AsyncParameterServerStrategy,
+    HogwildStrategy,
+)
 KWARGS = "**kwargs"  # the table's name for "an unknown keyword argument"
 
 
@@ -57,42 +63,76 @@ _WRAP = "allowed forms: None, an int"
 
 # Arguments BucketedDDPStrategy takes, and so LocalSGDStrategy and DiLoCoStrategy too (through **kwargs).
 _BUCKETED: list[tuple[str, Any, str]] = [
-    *[(arg, v, got(arg, _MIB, v)) for arg in ("bucket_cap_mb", "first_bucket_mb")
-      for v in (0, -1.5, math.inf, math.nan, "25", True, None)],
-    *[(arg, v, got(arg, _BOOL, v)) for arg in ("gradient_as_bucket_view", "find_unused_parameters",
-                                               "broadcast_buffers") for v in (1, 0, "false", None)],
-    *[("compression", v, unknown("compression", v, "'fp16', 'bf16', 'powersgd'"))
-      for v in ("gzip", "FP16", "", 16, True)],
+    *[
+        (arg, v, got(arg, _MIB, v))
+        for arg in ("bucket_cap_mb", "first_bucket_mb")
+        for v in (0, -1.5, math.inf, math.nan, "25", True, None)
+    ],
+    *[
+        (arg, v, got(arg, _BOOL, v))
+        for arg in ("gradient_as_bucket_view", "find_unused_parameters", "broadcast_buffers")
+        for v in (1, 0, "false", None)
+    ],
+    *[
+        ("compression", v, unknown("compression", v, "'fp16', 'bf16', 'powersgd'"))
+        for v in ("gzip", "FP16", "", 16, True)
+    ],
     *[("powersgd_rank", v, got("powersgd_rank", "an int >= 1", v)) for v in (0, -2, 1.5, "2", True)],
     *[("powersgd_warmup_steps", v, got("powersgd_warmup_steps", "an int >= 0", v)) for v in (-1, 2.5, "10", False)],
-    *[("comm_algorithm", v, unknown("comm_algorithm", v, "'backend'.*'ring'.*'tree'"))
-      for v in ("nccl", "Ring", "", None, ["ring"], 1)],
-    *[("process_group_backend", v, got("process_group_backend", "one of \\[None, 'gloo', 'nccl'\\]", v))
-      for v in ("mpi", "GLOO", "", 0)],
-    *[("start_method", v, got("start_method", "one of \\['popen', 'spawn', 'fork', 'forkserver'\\]", v))
-      for v in ("thread", "", None)],
-    *[("timeout", v, got("timeout", _TIMEOUT, v)) for v in (0, -5.0, math.inf, math.nan, "30", True, None,
-                                                            timedelta(0), timedelta(seconds=-1))],
+    *[
+        ("comm_algorithm", v, unknown("comm_algorithm", v, "'backend'.*'ring'.*'tree'"))
+        for v in ("nccl", "Ring", "", None, ["ring"], 1)
+    ],
+    *[
+        ("process_group_backend", v, got("process_group_backend", "one of \\[None, 'gloo', 'nccl'\\]", v))
+        for v in ("mpi", "GLOO", "", 0)
+    ],
+    *[
+        ("start_method", v, got("start_method", "one of \\['popen', 'spawn', 'fork', 'forkserver'\\]", v))
+        for v in ("thread", "", None)
+    ],
+    *[
+        ("timeout", v, got("timeout", _TIMEOUT, v))
+        for v in (0, -5.0, math.inf, math.nan, "30", True, None, timedelta(0), timedelta(seconds=-1))
+    ],
     (KWARGS, {"bucket_cap": 5}, r"unknown arguments \['bucket_cap'\]; besides its own it accepts \['accelerator'"),
 ]
 
 _SHARDED: list[tuple[str, Any, str]] = [
     *[("stage", v, got("stage", "one of \\[1, 2, 3\\]", v)) for v in (0, 4, -1, "2", True, 2.0, None)],
-    *[("wrap_policy", v, rf"wrap_policy.*{re.escape(repr(v))}.*{_WRAP}")
-      for v in (3.5, True, [], [1, 2], {"Linear"})],
+    *[("wrap_policy", v, rf"wrap_policy.*{re.escape(repr(v))}.*{_WRAP}") for v in (3.5, True, [], [1, 2], {"Linear"})],
     *[("wrap_policy", v, got("wrap_policy min_num_params", "an int >= 1", v)) for v in (0, -3)],
     ("wrap_policy", {"min_num_params": "abc"}, got("wrap_policy min_num_params", "an int >= 1", "abc")),
     ("wrap_policy", {"min_num_params": 5.5}, got("wrap_policy min_num_params", "an int >= 1", 5.5)),
     ("wrap_policy", {"module_classes": 5}, got("wrap_policy module_classes", "a list of module classes", 5)),
-    ("wrap_policy", {"min_params": 5}, r"wrap_policy mapping .*'min_num_params' or 'module_classes', got keys "
-                                       r"\['min_params'\]"),
-    ("wrap_policy", "torch.nn.NoSuchLayer", r"wrap_policy names 'torch\.nn\.NoSuchLayer', which is not an importable class"),
-    ("wrap_policy", "torch.nn.functional.relu", r"wrap_policy names 'torch\.nn\.functional\.relu', which is not a class"),
+    (
+        "wrap_policy",
+        {"min_params": 5},
+        r"wrap_policy mapping .*'min_num_params' or 'module_classes', got keys "
+        r"\['min_params'\]",
+    ),
+    (
+        "wrap_policy",
+        "torch.nn.NoSuchLayer",
+        r"wrap_policy names 'torch\.nn\.NoSuchLayer', which is not an importable class",
+    ),
+    (
+        "wrap_policy",
+        "torch.nn.functional.relu",
+        r"wrap_policy names 'torch\.nn\.functional\.relu', which is not a class",
+    ),
     *[(arg, v, got(arg, _BOOL, v)) for arg in ("prefetch", "reshard_after_forward") for v in (1, "yes", None)],
-    *[(arg, v, got(arg, "None, a floating torch.dtype or " + _DTYPES, v)) for arg in ("param_dtype", "reduce_dtype")
-      for v in ("fp8", "int8", torch.int32, torch.bool, 16, True)],
+    *[
+        (arg, v, got(arg, "None, a floating torch.dtype or " + _DTYPES, v))
+        for arg in ("param_dtype", "reduce_dtype")
+        for v in ("fp8", "int8", torch.int32, torch.bool, 16, True)
+    ],
     *[("bucket_cap_mb", v, got("bucket_cap_mb", _MIB, v)) for v in (0, -1, math.nan, "25", True)],
-    *[(arg, v, pattern) for arg, v, pattern in _BUCKETED if arg in ("process_group_backend", "start_method", "timeout")],
+    *[
+        (arg, v, pattern)
+        for arg, v, pattern in _BUCKETED
+        if arg in ("process_group_backend", "start_method", "timeout")
+    ],
     (KWARGS, {"stages": 2}, r"unknown arguments \['stages'\]; besides its own it accepts"),
 ]
 
@@ -105,32 +145,48 @@ _LOCAL_SGD_OWN: list[tuple[str, Any, str]] = [
 _DILOCO_OWN: list[tuple[str, Any, str]] = [
     *[(arg, v, pattern) for arg, v, pattern in _LOCAL_SGD_OWN if arg == "sync_every"],
     *[("outer_lr", v, got("outer_lr", "a finite number > 0", v)) for v in (0, -0.7, math.inf, math.nan, "0.7", True)],
-    *[("outer_momentum", v, got("outer_momentum", "a number in \\[0, 1\\)", v))
-      for v in (1.0, -0.1, 1.5, math.nan, "0.9", True)],
+    *[
+        ("outer_momentum", v, got("outer_momentum", "a number in \\[0, 1\\)", v))
+        for v in (1.0, -0.1, 1.5, math.nan, "0.9", True)
+    ],
     *[("nesterov", v, got("nesterov", _BOOL, v)) for v in (1, "yes", None)],
-    ("nesterov", True, r"nesterov must be True or False \(True needs outer_momentum > 0\), got True with "
-                       r"outer_momentum=0"),  # with outer_momentum=0, set below
+    (
+        "nesterov",
+        True,
+        r"nesterov must be True or False \(True needs outer_momentum > 0\), got True with "
+        r"outer_momentum=0",
+    ),  # with outer_momentum=0, set below
     (KWARGS, {"warmup_steps": 5}, r"DiLoCoStrategy does not take \['warmup_steps'\] \(LocalSGDStrategy does\)"),
 ]
 
 _ASYNC_PS: list[tuple[str, Any, str]] = [
-    *[("max_staleness", v, got("max_staleness", "an int >= 0 or math.inf", v))
-      for v in (-1, 2.5, -math.inf, math.nan, "4", "inf", True, None)],
+    *[
+        ("max_staleness", v, got("max_staleness", "an int >= 0 or math.inf", v))
+        for v in (-1, 2.5, -math.inf, math.nan, "4", "inf", True, None)
+    ],
     *[("server_rank", v, got("server_rank", "an int >= 0", v)) for v in (-1, 0.0, "0", True, None)],
     *[("lr_scaling", v, got("lr_scaling", "one of \\['linear', 'sqrt'\\]", v)) for v in ("Linear", "adam", "", None)],
-    *[("compensation", v, got("compensation", "one of \\['lookahead', 'none'\\]", v))
-      for v in ("Lookahead", "dc", "", None)],
+    *[
+        ("compensation", v, got("compensation", "one of \\['lookahead', 'none'\\]", v))
+        for v in ("Lookahead", "dc", "", None)
+    ],
     *[(arg, v, pattern) for arg, v, pattern in _BUCKETED if arg in ("start_method", "timeout")],
     (KWARGS, {"process_group_backend": "gloo"}, r"unknown arguments \['process_group_backend'\]"),
 ]
 
 _HOGWILD: list[tuple[str, Any, str]] = [
     *[("num_processes", v, got("num_processes", "None or an int >= 1", v)) for v in (0, -2, 2.0, "2", True)],
-    ("num_processes", CPUS + 1, rf"num_processes={CPUS + 1} is more than this machine's {CPUS} CPUs \(allowed: 1 to "
-                                rf"{CPUS}\).*oversubscribe=True"),
+    (
+        "num_processes",
+        CPUS + 1,
+        rf"num_processes={CPUS + 1} is more than this machine's {CPUS} CPUs \(allowed: 1 to "
+        rf"{CPUS}\).*oversubscribe=True",
+    ),
     *[("oversubscribe", v, got("oversubscribe", _BOOL, v)) for v in (1, "yes", None)],
-    *[("start_method", v, got("start_method", "one of \\['fork', 'spawn', 'forkserver'\\]", v))
-      for v in ("popen", "thread", None)],
+    *[
+        ("start_method", v, got("start_method", "one of \\['fork', 'spawn', 'forkserver'\\]", v))
+        for v in ("popen", "thread", None)
+    ],
     *[(arg, v, pattern) for arg, v, pattern in _BUCKETED if arg == "timeout"],
     (KWARGS, {"process_group_backend": "gloo"}, r"unknown arguments \['process_group_backend'\]"),
 ]
@@ -165,8 +221,9 @@ def fixed_cpu_count(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.usefixtures("fixed_cpu_count")
-@pytest.mark.parametrize(("cls", "arg", "value", "pattern"), TABLE,
-                         ids=[_id(cls, arg, value) for cls, arg, value, _ in TABLE])
+@pytest.mark.parametrize(
+    ("cls", "arg", "value", "pattern"), TABLE, ids=[_id(cls, arg, value) for cls, arg, value, _ in TABLE]
+)
 def test_bad_argument_raises_naming_value_and_allowed(cls: type, arg: str, value: Any, pattern: str) -> None:
     with pytest.raises(ValueError, match=pattern):
         cls(**_kwargs(cls, arg, value))

@@ -103,8 +103,9 @@ def _chain_input(seed: int = 0) -> torch.Tensor:
 def _record_ready_order(model: nn.Module) -> tuple[list[str], list[Any]]:
     """Names of parameters in the order their gradients became ready (our own post-accumulate hooks)."""
     order: list[str] = []
-    handles = [p.register_post_accumulate_grad_hook(lambda _p, n=n: order.append(n))
-               for n, p in model.named_parameters()]
+    handles = [
+        p.register_post_accumulate_grad_hook(lambda _p, n=n: order.append(n)) for n, p in model.named_parameters()
+    ]
     return order, handles
 
 
@@ -271,8 +272,9 @@ def test_gradients_equal_plain_single_process_gradients(as_view: bool, world_siz
 
 def test_gradient_as_bucket_view_makes_each_grad_a_view_into_its_bucket() -> None:
     model = _mlp()
-    b = GradBucketer(model.named_parameters(), LoopbackCommunicator(), gradient_as_bucket_view=True,
-                     **_caps(model, 200))
+    b = GradBucketer(
+        model.named_parameters(), LoopbackCommunicator(), gradient_as_bucket_view=True, **_caps(model, 200)
+    )
     _loss(model, _batch(0)).backward()  # no prepare_for_backward: autograd's own grads get re-pointed too
     for i, p in enumerate(b.params):
         bucket = _bucket_of(b, i)
@@ -285,8 +287,9 @@ def test_gradient_as_bucket_view_makes_each_grad_a_view_into_its_bucket() -> Non
 
 def test_without_bucket_view_grads_have_their_own_storage() -> None:
     model = _mlp()
-    b = GradBucketer(model.named_parameters(), LoopbackCommunicator(), gradient_as_bucket_view=False,
-                     **_caps(model, 200))
+    b = GradBucketer(
+        model.named_parameters(), LoopbackCommunicator(), gradient_as_bucket_view=False, **_caps(model, 200)
+    )
     for step in range(2):
         b.prepare_for_backward()
         _loss(model, _batch(step)).backward()
@@ -325,8 +328,10 @@ def test_autograd_accumulates_directly_into_the_bucket_view() -> None:
     seen: dict[str, bool] = {}
     views: dict[str, int] = {}
     # registered before the bucketer's hooks, so these run first: nothing could have copied yet
-    hooks = [p.register_post_accumulate_grad_hook(
-        lambda p, n=n: seen.__setitem__(n, p.grad.data_ptr() == views.get(n))) for n, p in model.named_parameters()]
+    hooks = [
+        p.register_post_accumulate_grad_hook(lambda p, n=n: seen.__setitem__(n, p.grad.data_ptr() == views.get(n)))
+        for n, p in model.named_parameters()
+    ]
     b = GradBucketer(model.named_parameters(), LoopbackCommunicator(), **_caps(model, 200))
     b.prepare_for_backward()
     for i, name in enumerate(b.names):
@@ -462,8 +467,13 @@ def test_rebuild_uses_the_recorded_ready_order_once() -> None:
 def test_rebuild_preserves_gradients_accumulated_so_far(as_view: bool) -> None:
     model, ref = Chain(), Chain()
     comm = LoopbackCommunicator(world_size=2)
-    b = GradBucketer(model.named_parameters(), comm, gradient_as_bucket_view=as_view,
-                     bucket_cap_mb=_CHAIN_CAP, first_bucket_mb=_CHAIN_CAP)
+    b = GradBucketer(
+        model.named_parameters(),
+        comm,
+        gradient_as_bucket_view=as_view,
+        bucket_cap_mb=_CHAIN_CAP,
+        first_bucket_mb=_CHAIN_CAP,
+    )
     b.prepare_for_backward()
     model(_chain_input(0)).sum().backward()  # step 0: synchronized, records the order
     with b.no_sync():  # a micro-step: accumulates, must not rebuild (no collective inside no_sync)
@@ -525,8 +535,13 @@ def test_unused_parameter_raises_after_every_bucket_was_reduced() -> None:
 def test_find_unused_parameters_leaves_globally_unused_grads_none(as_view: bool) -> None:
     model, ref = TwoHeads(), TwoHeads()
     comm = LoopbackCommunicator(world_size=2)
-    b = GradBucketer(model.named_parameters(), comm, find_unused_parameters=True,
-                     gradient_as_bucket_view=as_view, **_two_heads_caps())
+    b = GradBucketer(
+        model.named_parameters(),
+        comm,
+        find_unused_parameters=True,
+        gradient_as_bucket_view=as_view,
+        **_two_heads_caps(),
+    )
     for step in range(2):
         model.zero_grad(set_to_none=True)
         ref.zero_grad(set_to_none=True)
@@ -567,15 +582,17 @@ def test_state_dict_round_trip() -> None:
 
 def test_state_dict_restores_the_rebuilt_bucket_order() -> None:
     model = Chain()
-    b = GradBucketer(model.named_parameters(), LoopbackCommunicator(), bucket_cap_mb=_CHAIN_CAP,
-                     first_bucket_mb=_CHAIN_CAP)
+    b = GradBucketer(
+        model.named_parameters(), LoopbackCommunicator(), bucket_cap_mb=_CHAIN_CAP, first_bucket_mb=_CHAIN_CAP
+    )
     for step in range(2):
         model.zero_grad(set_to_none=True)
         b.prepare_for_backward()
         model(_chain_input(step)).sum().backward()
     fresh_model = Chain()
-    fresh = GradBucketer(fresh_model.named_parameters(), LoopbackCommunicator(), bucket_cap_mb=_CHAIN_CAP,
-                         first_bucket_mb=_CHAIN_CAP)
+    fresh = GradBucketer(
+        fresh_model.named_parameters(), LoopbackCommunicator(), bucket_cap_mb=_CHAIN_CAP, first_bucket_mb=_CHAIN_CAP
+    )
     fresh.load_state_dict(copy.deepcopy(b.state_dict()))
     fresh.prepare_for_backward()
     assert [bk.members for bk in fresh.buckets] == [bk.members for bk in b.buckets]
@@ -583,8 +600,9 @@ def test_state_dict_restores_the_rebuilt_bucket_order() -> None:
 
 def test_state_dict_restored_bucket_order_gives_the_same_gradients_and_one_rebuild() -> None:
     model, ref = Chain(), Chain()
-    b = GradBucketer(model.named_parameters(), LoopbackCommunicator(), bucket_cap_mb=_CHAIN_CAP,
-                     first_bucket_mb=_CHAIN_CAP)
+    b = GradBucketer(
+        model.named_parameters(), LoopbackCommunicator(), bucket_cap_mb=_CHAIN_CAP, first_bucket_mb=_CHAIN_CAP
+    )
     for step in range(2):
         model.zero_grad(set_to_none=True)
         b.prepare_for_backward()

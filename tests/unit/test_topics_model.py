@@ -54,9 +54,7 @@ def _training_words(words: tuple[str, ...]) -> list[str]:
 
 
 def test_tokenize_gives_lowercase_identifier_words() -> None:
-    assert tokenize("The __init__() method, x2 = 3.5; 'Foo_Bar'!") == [
-        "the", "__init__", "method", "x2", "foo_bar"
-    ]
+    assert tokenize("The __init__() method, x2 = 3.5; 'Foo_Bar'!") == ["the", "__init__", "method", "x2", "foo_bar"]
 
 
 def test_topics_are_the_longest_distinct_ones_first_ties_by_name(dm: TopicDataModule) -> None:
@@ -67,12 +65,18 @@ def test_topics_are_the_longest_distinct_ones_first_ties_by_name(dm: TopicDataMo
     names = [name for name, _ in load_topics()]
     assert names == [name for name in ranked if name in names]  # the order is kept
     for i, name in enumerate(ranked):  # left out if its words are a run in a longer/earlier one
-        inside = [other for j, other in enumerate(ranked)
-                  if j != i and joined[name] in joined[other]
-                  and (len(joined[other]) > len(joined[name]) or j < i)]
+        inside = [
+            other
+            for j, other in enumerate(ranked)
+            if j != i and joined[name] in joined[other] and (len(joined[other]) > len(joined[name]) or j < i)
+        ]
         assert (name in names) == (not inside), (name, inside)
-    for section, whole in [("attribute-access", "specialnames"), ("customization", "specialnames"),
-                           ("try", "compound"), ("typesseq-mutable", "typesseq")]:
+    for section, whole in [
+        ("attribute-access", "specialnames"),
+        ("customization", "specialnames"),
+        ("try", "compound"),
+        ("typesseq-mutable", "typesseq"),
+    ]:
         assert section not in names and whole in names
     assert dm.topic_names == tuple(names[:8])
     assert "typesmapping" in dm.topic_names and "attribute-access" not in dm.topic_names
@@ -102,8 +106,13 @@ def test_block_splits_interleave_validation_blocks(
 
 @pytest.mark.parametrize(
     ("num_words", "window", "stride", "val_fraction", "block_words"),
-    [(2600, 32, 4, 0.2, 256), (1000, 16, 4, 0.2, 100), (1001, 5, 3, 0.3, 37),
-     (570, 7, 10, 0.5, 7), (600, 16, 1, 0.25, 50)],
+    [
+        (2600, 32, 4, 0.2, 256),
+        (1000, 16, 4, 0.2, 100),
+        (1001, 5, 3, 0.3, 37),
+        (570, 7, 10, 0.5, 7),
+        (600, 16, 1, 0.25, 50),
+    ],
 )
 def test_window_starts_stay_inside_their_blocks(
     num_words: int, window: int, stride: int, val_fraction: float, block_words: int
@@ -125,8 +134,7 @@ def test_data_module_windows_hold_the_words_at_their_positions_without_overlap(
 ) -> None:
     ids = {word: i for i, word in enumerate(dm.vocabulary)}
     topics = load_topics(8)
-    for positions, dataset in ((dm.train_positions, dm.train_dataset),
-                               (dm.val_positions, dm.val_dataset)):
+    for positions, dataset in ((dm.train_positions, dm.train_dataset), (dm.val_positions, dm.val_dataset)):
         x, y = dataset.tensors
         assert positions.shape == (len(x), 2) and torch.equal(positions[:, 0], y)
         for row in (0, len(x) // 2, len(x) - 1):
@@ -143,7 +151,8 @@ def test_data_module_windows_hold_the_words_at_their_positions_without_overlap(
             # a window has windows: each fifth block for validation, the others for training.
             assert blocks == {(s + WINDOW - 1) // BLOCK for s in firsts}, name
             assert blocks == {
-                b for b in range(-(-len(words) // BLOCK))
+                b
+                for b in range(-(-len(words) // BLOCK))
                 if (b % EVERY == EVERY - 1) == is_val and len(words) - b * BLOCK >= WINDOW
             }, name
             covered.append({p for s in firsts for p in range(s, s + WINDOW)})
@@ -192,8 +201,10 @@ def test_too_short_topic_is_named_when_building() -> None:
     topics = load_topics()
     # The first (longest) topic too short for a validation block (block 4) holding a window.
     name, words = next((n, w) for n, w in topics if len(w) < (EVERY - 1) * BLOCK + WINDOW)
-    shown = (rf"topic {re.escape(repr(name))} has {len(words)} words.*{WINDOW}.*blocks of {BLOCK}"
-             r".*num_topics or block_words")
+    shown = (
+        rf"topic {re.escape(repr(name))} has {len(words)} words.*{WINDOW}.*blocks of {BLOCK}"
+        r".*num_topics or block_words"
+    )
     with pytest.raises(ValueError, match=shown):
         TopicDataModule(num_topics=len(topics)).setup()
     assert [n for n, _ in topics].index(name) == 11  # so the defaults allow at most 11 topics
@@ -279,8 +290,7 @@ def test_bow_topics_config_wires_the_model_to_its_data() -> None:
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
-            cfg = compose("train", overrides=["model=bow_topics", "data.num_topics=5",
-                                              "data.vocab_size=300"])
+            cfg = compose("train", overrides=["model=bow_topics", "data.num_topics=5", "data.vocab_size=300"])
     finally:
         GlobalHydra.instance().clear()
     assert cfg.data._target_.endswith("TopicDataModule")

@@ -14,18 +14,28 @@ from lightning_sync.comms.watchdog import check_args
 from lightning_sync.diagnostics import HangWatchdog
 
 
-def _record(last: int, hist: list[list[Any]], state: str = "running", waiting: str | None = None,
-            key: str = "world") -> dict[str, Any]:
-    return {"beat": 7, "state": state, "host": "h", "pid": 100, "last": {key: last}, "hist": {key: hist},
-            "waiting": waiting}
+def _record(
+    last: int, hist: list[list[Any]], state: str = "running", waiting: str | None = None, key: str = "world"
+) -> dict[str, Any]:
+    return {
+        "beat": 7,
+        "state": state,
+        "host": "h",
+        "pid": 100,
+        "last": {key: last},
+        "hist": {key: hist},
+        "waiting": waiting,
+    }
 
 
 PENDING = Pending("all_reduce", 4, "world", [0, 1, 2], 4000)
 
 
 def test_a_rank_that_never_issued_it_never_joined() -> None:
-    records = {1: _record(3, [[3, "all_reduce", 4000]]),
-               2: _record(4, [[4, "all_reduce", 4000]], waiting="all_reduce #4 (4.0 kB) on world for 5.0 s")}
+    records = {
+        1: _record(3, [[3, "all_reduce", 4000]]),
+        2: _record(4, [[4, "all_reduce", 4000]], waiting="all_reduce #4 (4.0 kB) on world for 5.0 s"),
+    }
     msg = explain(PENDING, "did not complete within 3 s", 0, records, [], silent_for=2.1)
     assert msg.startswith("all_reduce #4 (4.0 kB) on world did not complete within 3 s: ranks [1] never joined\n")
     assert "rank 1 (h pid 100): last issued #3 here, not in a collective" in msg
@@ -33,22 +43,25 @@ def test_a_rank_that_never_issued_it_never_joined() -> None:
 
 
 def test_different_code_paths_name_the_minority_first() -> None:
-    records = {1: _record(4, [[3, "all_reduce", 4000], [4, "barrier", 0]]),
-               2: _record(4, [[4, "all_reduce", 4000]])}
+    records = {1: _record(4, [[3, "all_reduce", 4000], [4, "barrier", 0]]), 2: _record(4, [[4, "all_reduce", 4000]])}
     msg = explain(PENDING, "did not complete within 3 s", 0, records, [], silent_for=2.1)
-    assert "ranks took different code paths at #4: barrier (0 B) on ranks [1]; all_reduce (4.0 kB) on ranks [0, 2]" \
-        in msg
+    assert (
+        "ranks took different code paths at #4: barrier (0 B) on ranks [1]; all_reduce (4.0 kB) on ranks [0, 2]" in msg
+    )
     sized = {1: _record(4, [[4, "all_reduce", 8]]), 2: _record(4, [[4, "all_reduce", 4000]])}  # same op, size differs
-    assert "all_reduce (8 B) on ranks [1]; all_reduce (4.0 kB) on ranks [0, 2]" in \
-        explain(PENDING, "x", 0, sized, [], silent_for=2.1)
+    assert "all_reduce (8 B) on ranks [1]; all_reduce (4.0 kB) on ranks [0, 2]" in explain(
+        PENDING, "x", 0, sized, [], silent_for=2.1
+    )
 
 
 def test_the_same_op_and_size_under_other_keys_are_different_code_paths() -> None:
     pending = Pending("all_reduce", 4, "world", [0, 1], 4, detail="float32[], avg, 'training_step.a'")
     records = {1: _record(4, [[4, "all_reduce", 4, "float32[], avg, 'training_step.b'"]])}
-    assert "different code paths at #4: all_reduce (4 B, float32[], avg, 'training_step.a') on ranks [0]; " \
-           "all_reduce (4 B, float32[], avg, 'training_step.b') on ranks [1]" in \
-           explain(pending, "x", 0, records, [], silent_for=2.1)
+    assert (
+        "different code paths at #4: all_reduce (4 B, float32[], avg, 'training_step.a') on ranks [0]; "
+        "all_reduce (4 B, float32[], avg, 'training_step.b') on ranks [1]"
+        in explain(pending, "x", 0, records, [], silent_for=2.1)
+    )
 
 
 def test_describe() -> None:
@@ -73,18 +86,22 @@ def test_mismatch_names_the_first_call_that_differs_minority_first() -> None:
     issued = {0: _issued(BUCKET, A, B, BUCKET), 1: _issued(BUCKET, A, B, BUCKET), 2: _issued(BUCKET, B, A, BUCKET)}
     assert mismatch("world", issued).startswith(
         "ranks issued different collectives on world at #2 that paired up: all_reduce (4 B, float32[], avg, 'b') "
-        "on ranks [2]; all_reduce (4 B, float32[], avg, 'a') on ranks [0, 1] (nothing hung")
+        "on ranks [2]; all_reduce (4 B, float32[], avg, 'a') on ranks [0, 1] (nothing hung"
+    )
 
 
 def test_mismatch_of_a_rank_that_issued_fewer_and_of_calls_no_longer_kept() -> None:
     fewer = {0: _issued(BUCKET, A), 1: _issued(BUCKET)}
-    assert "at #2 that paired up: all_reduce (4 B, float32[], avg, 'a') on ranks [0]; nothing (its last was #1) on " \
-           "ranks [1]" in mismatch("world", fewer)
+    assert (
+        "at #2 that paired up: all_reduce (4 B, float32[], avg, 'a') on ranks [0]; nothing (its last was #1) on "
+        "ranks [1]" in mismatch("world", fewer)
+    )
     # the calls that differed (#1) were dropped from the kept ring: only #2 and #3 are left
     dropped = {0: _issued(A, BUCKET, BUCKET)[1:], 1: _issued(B, BUCKET, BUCKET)[1:]}
     assert mismatch("world", dropped).startswith(
         "ranks issued different collectives on world before #2 that paired up (the calls that differed are older "
-        "than the last 2 kept)")
+        "than the last 2 kept)"
+    )
 
 
 def test_lost_and_departed_ranks_are_named() -> None:
@@ -96,24 +113,32 @@ def test_lost_and_departed_ranks_are_named() -> None:
 
 def test_point_to_point_reports_where_the_peer_is_and_everyone_joined_blames_the_transport() -> None:
     recv = Pending("recv", 2, "world", [0, 3], 16, peer=3)
-    msg = explain(recv, "did not complete within 3 s", 0,
-                  {3: _record(5, [], waiting="all_reduce #5 (4 B) on world for 4.0 s", key="world/p2p")}, [],
-                  silent_for=2.1)
+    msg = explain(
+        recv,
+        "did not complete within 3 s",
+        0,
+        {3: _record(5, [], waiting="all_reduce #5 (4 B) on world for 4.0 s", key="world/p2p")},
+        [],
+        silent_for=2.1,
+    )
     assert msg.startswith("recv #2 (16 B) with rank 3 did not complete")
     assert "rank 3 (h pid 100): last issued #5 here, waiting in all_reduce #5" in msg
     joined = {1: _record(4, [[4, "all_reduce", 4000]]), 2: _record(5, [[4, "all_reduce", 4000]])}
     assert "every peer issued it; the transport did not complete it" in explain(PENDING, "x", 0, joined, [], 2.1)
 
 
-@pytest.mark.parametrize(("args", "pattern"), [
-    ((0,), "timeout must be a number of seconds > 0, got 0"),
-    ((-1.0,), "timeout must be .* got -1.0"),
-    ((True,), "timeout must be .* got True"),
-    (("60",), "timeout must be .* got '60'"),
-    ((10, 10), r"interval must be a number of seconds in \(0, timeout=10\), got 10"),
-    ((10, 0), r"interval must be .* got 0"),
-    ((10, None, -1), "exit_after must be a number of seconds >= 0, got -1"),
-])
+@pytest.mark.parametrize(
+    ("args", "pattern"),
+    [
+        ((0,), "timeout must be a number of seconds > 0, got 0"),
+        ((-1.0,), "timeout must be .* got -1.0"),
+        ((True,), "timeout must be .* got True"),
+        (("60",), "timeout must be .* got '60'"),
+        ((10, 10), r"interval must be a number of seconds in \(0, timeout=10\), got 10"),
+        ((10, 0), r"interval must be .* got 0"),
+        ((10, None, -1), "exit_after must be a number of seconds >= 0, got -1"),
+    ],
+)
 def test_bad_arguments_are_named(args: tuple[Any, ...], pattern: str) -> None:
     with pytest.raises(ValueError, match=pattern):
         check_args(*args)

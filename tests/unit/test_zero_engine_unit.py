@@ -83,18 +83,24 @@ def make(seed: int = 0, cls: type[nn.Module] = TiedNet) -> nn.Module:
     return cls()
 
 
-def engine(model: nn.Module | None = None, kind: str = "sgd", world: int = 1, rank: int = 0,
-           **kw: Any) -> tuple[nn.Module, torch.optim.Optimizer, ZeroEngine]:
+def engine(
+    model: nn.Module | None = None, kind: str = "sgd", world: int = 1, rank: int = 0, **kw: Any
+) -> tuple[nn.Module, torch.optim.Optimizer, ZeroEngine]:
     model = model or make()
-    opt = (torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9) if kind == "sgd"
-           else torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1))
+    opt = (
+        torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        if kind == "sgd"
+        else torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+    )
     return model, opt, ZeroEngine(model, opt, LoopbackCommunicator(world, rank), **kw)
 
 
 def data(n: int = 3, batch: int = 6) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(1)
-    return [(torch.randint(0, VOCAB, (batch, 3), generator=g), torch.randint(0, VOCAB, (batch, 3), generator=g))
-            for _ in range(n)]
+    return [
+        (torch.randint(0, VOCAB, (batch, 3), generator=g), torch.randint(0, VOCAB, (batch, 3), generator=g))
+        for _ in range(n)
+    ]
 
 
 def step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> None:
@@ -110,8 +116,15 @@ def test_resolve_wrap_policy_forms() -> None:
     for form in (100, {"min_num_params": 100}):
         fn = resolve_wrap_policy(form)
         assert fn(lin, 100) and not fn(lin, 99) and fn(emb, 1000)  # counts the unclaimed parameters only
-    for form in (nn.Linear, "torch.nn.Linear", "Linear", ["Linear"], [nn.Linear], {"module_classes": ["Linear"]},
-                 {"module_classes": [nn.Linear]}):
+    for form in (
+        nn.Linear,
+        "torch.nn.Linear",
+        "Linear",
+        ["Linear"],
+        [nn.Linear],
+        {"module_classes": ["Linear"]},
+        {"module_classes": [nn.Linear]},
+    ):
         fn = resolve_wrap_policy(form)
         assert fn(lin, 0) and not fn(emb, 10**6) and not fn(net, 10**6), form
     both = resolve_wrap_policy(["Embedding", "torch.nn.Linear"])
@@ -120,15 +133,18 @@ def test_resolve_wrap_policy_forms() -> None:
     assert fn(emb, 0) and not fn(lin, 10**6)
 
 
-@pytest.mark.parametrize(("form", "units"), [
-    (None, [""]),
-    (nn.Linear, ["", "l1", "l2", "head"]),  # the tied weight has places in emb and head: the root owns it
-    ("torch.nn.Linear", ["", "l1", "l2", "head"]),
-    (["Linear", "Embedding"], ["", "l1", "l2", "head"]),  # emb's only parameter is tied: nothing left for it
-    ({"min_num_params": 100}, ["", "l1", "l2"]),  # l1 117, l2 112; head's own bias is 37
-    (117, ["", "l1"]),
-    (lambda m: m.__class__.__name__ == "Linear" and m.out_features == HIDDEN, ["", "l1"]),
-])
+@pytest.mark.parametrize(
+    ("form", "units"),
+    [
+        (None, [""]),
+        (nn.Linear, ["", "l1", "l2", "head"]),  # the tied weight has places in emb and head: the root owns it
+        ("torch.nn.Linear", ["", "l1", "l2", "head"]),
+        (["Linear", "Embedding"], ["", "l1", "l2", "head"]),  # emb's only parameter is tied: nothing left for it
+        ({"min_num_params": 100}, ["", "l1", "l2"]),  # l1 117, l2 112; head's own bias is 37
+        (117, ["", "l1"]),
+        (lambda m: m.__class__.__name__ == "Linear" and m.out_features == HIDDEN, ["", "l1"]),
+    ],
+)
 def test_stage3_units_per_policy(form: Any, units: list[str]) -> None:
     model, _, eng = engine(stage=3, wrap_policy=form)
     assert [u.name for u in eng.units] == units
@@ -143,8 +159,12 @@ def test_a_tied_weight_goes_to_the_smallest_unit_holding_all_its_places() -> Non
     model, _, eng = engine(make(cls=Outer), stage=3, wrap_policy=["Block", "Linear"])
     owned = {u.name: sorted(n for f in u.flats for n in f.names) for u in eng.units}
     # block.out is a Linear, but its weight also lives in block.emb: only block holds both
-    assert owned == {"": [], "block": ["block.emb.weight"], "block.out": ["block.out.bias"],
-                     "extra": ["extra.bias", "extra.weight"]}
+    assert owned == {
+        "": [],
+        "block": ["block.emb.weight"],
+        "block.out": ["block.out.bias"],
+        "extra": ["extra.bias", "extra.weight"],
+    }
     x = torch.randint(0, VOCAB, (4, 2))
     assert model(x).shape == (4, 2, 3)
 
@@ -171,11 +191,21 @@ def test_a_bool_or_float_stage_is_refused(stage: Any) -> None:
         engine(stage=stage)
 
 
-@pytest.mark.parametrize(("form", "named"), [
-    (3.5, "3.5"), (True, "True"), ([], r"\[\]"), ([1, 2], r"\[1, 2\]"), ({"min_params": 5}, "min_params"),
-    ({"min_num_params": 5, "module_classes": ["Linear"]}, "module_classes"), (0, "got 0"), (-3, "got -3"),
-    ("no.such.Module", "no.such.Module"), ("torch.nn.functional.relu", "torch.nn.functional.relu"),
-])
+@pytest.mark.parametrize(
+    ("form", "named"),
+    [
+        (3.5, "3.5"),
+        (True, "True"),
+        ([], r"\[\]"),
+        ([1, 2], r"\[1, 2\]"),
+        ({"min_params": 5}, "min_params"),
+        ({"min_num_params": 5, "module_classes": ["Linear"]}, "module_classes"),
+        (0, "got 0"),
+        (-3, "got -3"),
+        ("no.such.Module", "no.such.Module"),
+        ("torch.nn.functional.relu", "torch.nn.functional.relu"),
+    ],
+)
 def test_an_unknown_wrap_policy_names_the_value(form: Any, named: str) -> None:
     with pytest.raises(ValueError, match=named):
         resolve_wrap_policy(form)
@@ -184,8 +214,9 @@ def test_an_unknown_wrap_policy_names_the_value(form: Any, named: str) -> None:
 
 
 @pytest.mark.parametrize("arg", ["param_dtype", "reduce_dtype"])
-@pytest.mark.parametrize(("value", "named"), [("int8", "'int8'"), (torch.int32, "torch.int32"), ("fp8", "'fp8'"),
-                                             (16.0, "16.0")])
+@pytest.mark.parametrize(
+    ("value", "named"), [("int8", "'int8'"), (torch.int32, "torch.int32"), ("fp8", "'fp8'"), (16.0, "16.0")]
+)
 def test_a_bad_dtype_names_the_value(arg: str, value: Any, named: str) -> None:
     with pytest.raises(ValueError, match=rf"{arg} must be None, a floating torch.dtype or one of .*got {named}"):
         engine(stage=2, **{arg: value})
@@ -196,8 +227,17 @@ def test_dtype_names_resolve() -> None:
     assert resolve_dtype(torch.float64, "x") is torch.float64 and resolve_dtype(None, "x") is None
 
 
-@pytest.mark.parametrize(("value", "named"), [(0, "got 0"), (-1, "got -1"), (math.inf, "got inf"),
-                                             (math.nan, "got nan"), ("25", "got '25'"), (True, "got True")])
+@pytest.mark.parametrize(
+    ("value", "named"),
+    [
+        (0, "got 0"),
+        (-1, "got -1"),
+        (math.inf, "got inf"),
+        (math.nan, "got nan"),
+        ("25", "got '25'"),
+        (True, "got True"),
+    ],
+)
 def test_a_bad_bucket_cap_names_the_value(value: Any, named: str) -> None:
     with pytest.raises(ValueError, match=rf"bucket_cap_mb must be a finite number > 0 \(MiB\), {named}"):
         engine(stage=2, bucket_cap_mb=value)
@@ -217,15 +257,17 @@ def test_an_optimizer_that_already_stepped_is_refused() -> None:
 def test_padding_is_invisible_and_stays_zero(stage: int, world: int) -> None:
     shapes = {n: p.shape for n, p in make().named_parameters()}
     last = world - 1  # the padding sits at the end of the last rank's shard
-    model, opt, eng = engine(kind="adamw", world=world, rank=last, stage=stage,
-                             wrap_policy=None)  # one flat of all 563: it pads at K = 2, 3 and 4
+    model, opt, eng = engine(
+        kind="adamw", world=world, rank=last, stage=stage, wrap_policy=None
+    )  # one flat of all 563: it pads at K = 2, 3 and 4
     (flat,) = eng.flats
     assert flat.layout.total == TRAINABLE and flat.layout.padding == -TRAINABLE % world > 0
     assert flat.master.numel() == math.ceil(TRAINABLE / world) and flat.master.dtype == torch.float32
     assert [g["params"][0] for g in opt.param_groups] == [flat.master]  # the optimizer steps the shard
     seen: dict[str, torch.Size] = {}
     hook = model.l2.register_forward_pre_hook(
-        lambda mod, args: seen.update({n: p.shape for n, p in model.named_parameters()}))
+        lambda mod, args: seen.update({n: p.shape for n, p in model.named_parameters()})
+    )
     pad = flat.layout.padding
     for x, y in data(2):
         step(model, opt, x, y)
@@ -233,8 +275,9 @@ def test_padding_is_invisible_and_stays_zero(stage: int, world: int) -> None:
         assert flat.master.detach()[-pad:].eq(0).all()  # ... so AdamW (with weight decay) keeps padding at 0
     hook.remove()
     assert seen == shapes  # inside forward every parameter has its own shape, padding excluded
-    assert {k: v.shape for k, v in eng.full_state_dict().items()} == \
-           {k: v.shape for k, v in make().state_dict().items()}
+    assert {k: v.shape for k, v in eng.full_state_dict().items()} == {
+        k: v.shape for k, v in make().state_dict().items()
+    }
     if stage < 3:  # stages 1/2: the module's parameters are views of the full buffer, which ends in padding
         views = {p.data_ptr() for p in model.parameters() if p.requires_grad}
         assert len(views) == 7 and all(p.shape == shapes[n] for n, p in model.named_parameters())
@@ -262,8 +305,11 @@ def test_one_rank_trains_exactly_like_plain_torch(kind: str, stage: int, policy:
     # At K = 1 the reduce-scatter is an identity and the fp32 masters hold the parameters' own values;
     # the optimizers are elementwise, so the flat shard steps exactly like the separate tensors: bit equal.
     ref_model = make()
-    ref_opt = (torch.optim.SGD(ref_model.parameters(), lr=0.05, momentum=0.9) if kind == "sgd"
-               else torch.optim.AdamW(ref_model.parameters(), lr=0.01, weight_decay=0.1))
+    ref_opt = (
+        torch.optim.SGD(ref_model.parameters(), lr=0.05, momentum=0.9)
+        if kind == "sgd"
+        else torch.optim.AdamW(ref_model.parameters(), lr=0.01, weight_decay=0.1)
+    )
     model, opt, eng = engine(kind=kind, stage=stage, wrap_policy=policy)
     for x, y in data():
         step(ref_model, ref_opt, x, y)
@@ -322,7 +368,9 @@ def test_memory_bytes_at_one_rank_equal_the_plain_models(stage: int) -> None:
     # stages 1/2 hold the full parameters (the master shard is their buffer); stage 3 freed them after
     # backward and holds the fp32 master shard
     assert mem["params"] == TRAINABLE * 4 + frozen
-    plain = sum(p.numel() * 4 for p in ref_model.parameters()) + sum(
-        p.grad.numel() * 4 for p in ref_model.parameters() if p.grad is not None) + sum(
-        v.numel() * v.element_size() for s in ref_opt.state.values() for v in s.values())
+    plain = (
+        sum(p.numel() * 4 for p in ref_model.parameters())
+        + sum(p.grad.numel() * 4 for p in ref_model.parameters() if p.grad is not None)
+        + sum(v.numel() * v.element_size() for s in ref_opt.state.values() for v in s.values())
+    )
     assert sum(mem.values()) == plain - 4 * (7 - len(eng.flats))  # 7 trainable parameters' step scalars
