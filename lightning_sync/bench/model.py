@@ -73,7 +73,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_sync._checks import check_choice, check_int
-from lightning_sync.comms.stats import overlapped_step_time, ring_allreduce_time, tree_allreduce_time, tree_depth
+from lightning_sync.bench.formulas import overlapped_step_time, ring_allreduce_time, tree_allreduce_time, tree_depth
 
 __all__ = [
     "ALGORITHMS",

@@ -13,12 +13,12 @@ calls and seconds with 0 bytes, so no byte is counted twice.
 * **Ring all-gather**: rank r starts with chunk r; in step s it forwards chunk ``(r-s) mod K`` and
   receives chunk ``(r-s-1) mod K``. Each rank sends ``(K-1) * c`` elements.
 * **Ring all-reduce** = reduce-scatter then all-gather: ``2(K-1)/K * S`` bytes per rank, which
-  :func:`~lightning_sync.comms.stats.ring_allreduce_bytes` and the cost model
-  ``T_ring = 2(K-1)*alpha + 2(K-1)*S/(K*BW)`` (:func:`~lightning_sync.comms.stats.ring_allreduce_time`)
+  :func:`~lightning_sync.bench.formulas.ring_allreduce_bytes` and the cost model
+  ``T_ring = 2(K-1)*alpha + 2(K-1)*S/(K*BW)`` (:func:`~lightning_sync.bench.formulas.ring_allreduce_time`)
   describe.
 * **Tree all-reduce**: reduce up a binary tree (children of r are 2r+1, 2r+2) to rank 0, then
   broadcast back down: ``2*ceil(log2 K)`` latency steps, each moving the whole tensor
-  (:func:`~lightning_sync.comms.stats.tree_allreduce_time`). Better than the ring for small,
+  (:func:`~lightning_sync.bench.formulas.tree_allreduce_time`). Better than the ring for small,
   latency-bound messages.
 * **Hierarchical all-reduce** (multi-node): reduce within each node to its leader (local rank 0),
   all-reduce among the node leaders, broadcast within each node. Only the leaders' step crosses
@@ -41,7 +41,6 @@ import torch
 import torch.distributed as dist
 
 from lightning_sync.comms import collectives as C
-from lightning_sync.comms.stats import ring_allreduce_bytes, ring_allreduce_time, tree_allreduce_time
 
 __all__ = [
     "ALGORITHMS",
@@ -52,11 +51,8 @@ __all__ = [
     "release_node_groups",
     "ring_all_gather",
     "ring_all_reduce",
-    "ring_allreduce_bytes",
-    "ring_allreduce_time",
     "ring_reduce_scatter",
     "tree_all_reduce",
-    "tree_allreduce_time",
 ]
 
 _COMBINE: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {

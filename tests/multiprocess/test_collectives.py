@@ -22,8 +22,8 @@ import pytest
 import torch
 
 from lightning_sync import comms
+from lightning_sync.bench.formulas import ring_allreduce_bytes, ring_shard_bytes
 from lightning_sync.comms import algorithms as A
-from lightning_sync.comms.stats import ring_allreduce_bytes, ring_shard_bytes
 from lightning_sync.testing import Checks, assert_all_ranks_passed, exact_input, reduce_reference, run_distributed
 
 __all__: list[str] = []

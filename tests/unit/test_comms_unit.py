@@ -15,16 +15,15 @@ import torch
 import torch.distributed as dist
 
 from lightning_sync import comms
-from lightning_sync.comms import algorithms as A
-from lightning_sync.comms.stats import (
-    CommStats,
-    OpStats,
+from lightning_sync.bench.formulas import (
     overlapped_step_time,
     ring_allreduce_bytes,
     ring_allreduce_time,
     ring_shard_bytes,
     tree_allreduce_time,
 )
+from lightning_sync.comms import algorithms as A
+from lightning_sync.comms.stats import CommStats, OpStats
 
 __all__: list[str] = []
 
