@@ -4,7 +4,6 @@ through :mod:`lightning_sync.comms` so that metric syncing is counted like every
 from __future__ import annotations
 
 import math
-import sys
 from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
 from typing import Any
@@ -13,6 +12,7 @@ import torch
 
 from lightning_sync import comms
 from lightning_sync._checks import check_bool
+from lightning_sync._lightning import calling_metric_key, explicit_checkpoint_io, set_checkpoint_io, trainer_of
 from lightning_sync.strategies._exact_data import ExactDataHooks
 
 __all__ = [
@@ -86,15 +86,15 @@ class AtomicCheckpoints:
 
     @property
     def checkpoint_io(self) -> Any:
-        if self._checkpoint_io is None:  # type: ignore[attr-defined]
+        if explicit_checkpoint_io(self) is None:
             from lightning_sync.launch.atomic import AtomicCheckpointIO
 
-            self._checkpoint_io = AtomicCheckpointIO()
+            set_checkpoint_io(self, AtomicCheckpointIO())
         return super().checkpoint_io  # type: ignore[misc]
 
     @checkpoint_io.setter
     def checkpoint_io(self, io: Any) -> None:
-        self._checkpoint_io = io
+        set_checkpoint_io(self, io)
 
 
 class CommsCollectivesMixin(ExactDataHooks, AtomicCheckpoints):
@@ -103,7 +103,7 @@ class CommsCollectivesMixin(ExactDataHooks, AtomicCheckpoints):
     clean communication state (:func:`lightning_sync.comms.begin_job`)."""
 
     def setup_environment(self) -> None:
-        trainer = getattr(self.lightning_module, "_trainer", None)  # type: ignore[attr-defined]
+        trainer = trainer_of(self.lightning_module)  # type: ignore[attr-defined]
         if trainer is not None and trainer.state.fn == "fit":  # a multirun's next job, or a second fit
             comms.begin_job()
         super().setup_environment()  # type: ignore[misc]
@@ -120,8 +120,7 @@ class CommsCollectivesMixin(ExactDataHooks, AtomicCheckpoints):
             out = out.float()
         # Lightning's result collection passes the tensor alone; the key it syncs is on the caller's metadata. As
         # the all-reduce's label, it lets the hang watchdog tell apart ranks that sync different keys of one shape.
-        meta = getattr(sys._getframe(1).f_locals.get("self"), "meta", None)
-        label = f"{meta.fx}.{meta.name}" if isinstance(getattr(meta, "name", None), str) else None
+        label = calling_metric_key()
         return comms.all_reduce(out, op=op, group=group, label=label)
 
     def all_gather(self, tensor: torch.Tensor, group: Any | None = None, sync_grads: bool = False) -> torch.Tensor:

@@ -1,0 +1,110 @@
+"""Every private Lightning internal lightning_sync relies on, in one place.
+
+Lightning's public API does not cover everything a strategy or a callback needs: launchers, a loop's
+accumulation decision, a module's trainer when none may be attached. Each such reach into Lightning's
+private names goes through this module, and only this module, so that a Lightning release that renames or
+removes one breaks here, named in :data:`INTERNALS`, and ``tests/unit/test_lightning_internals.py`` says
+which one. pyproject.toml caps Lightning below the next minor release because private names can change in
+any of them: raising the cap means running that test against the new release first.
+
+Every other module imports Lightning's public API directly; importing this module imports Lightning, so
+:mod:`lightning_sync.comms` and :mod:`lightning_sync.sync` never import it.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from lightning.fabric.utilities.types import _Stateful
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+
+__all__ = [
+    "INTERNALS",
+    "MultiProcessingLauncher",
+    "Stateful",
+    "SubprocessScriptLauncher",
+    "calling_metric_key",
+    "ddp_start_method",
+    "explicit_checkpoint_io",
+    "set_checkpoint_io",
+    "set_every_n_epochs",
+    "set_launcher",
+    "should_accumulate",
+    "trainer_of",
+    "unwrap_optimizer",
+]
+
+#: The private Lightning names used below, each with what we use it for. The unit test checks every one
+#: against the installed Lightning and fails naming the one that changed.
+INTERNALS: dict[str, str] = {
+    "lightning.fabric.utilities.types._Stateful": "is a loader already resumable (state_dict/load_state_dict)",
+    "lightning.pytorch.strategies.launchers._MultiProcessingLauncher": "fork/spawn launcher (Hogwild, async PS)",
+    "lightning.pytorch.strategies.launchers._SubprocessScriptLauncher": "popen launcher (async PS)",
+    "Strategy._configure_launcher": "the hook a strategy overrides to choose its launcher",
+    "Strategy._launcher": "where that hook puts the launcher (read by Strategy.launcher)",
+    "Strategy._checkpoint_io": "the checkpoint_io a user passed, before Lightning fills in its default",
+    "DDPStrategy._start_method": "the start_method DDPStrategy was given",
+    "LightningModule._trainer": "a module's trainer, or None where none is attached (the property raises)",
+    "LightningOptimizer._optimizer": "the optimizer a LightningOptimizer wraps",
+    "ModelCheckpoint._every_n_epochs": "the epoch interval ModelCheckpoint's epoch-end saves read",
+    "_TrainingEpochLoop._should_accumulate": "does this batch end with an optimizer step or an accumulation step",
+    "_ResultMetric.meta (.fx, .name)": "which logged key a strategy.reduce call syncs (the caller's frame)",
+}
+
+Stateful = _Stateful
+MultiProcessingLauncher = _MultiProcessingLauncher
+SubprocessScriptLauncher = _SubprocessScriptLauncher
+
+
+def should_accumulate(trainer: Any) -> bool:
+    """In ``on_train_batch_end``: is this batch an accumulation micro-step (no optimizer step after it)?"""
+    return bool(trainer.fit_loop.epoch_loop._should_accumulate())
+
+
+def trainer_of(module: Any) -> Any | None:
+    """The Trainer ``module`` is attached to, or None (``LightningModule.trainer`` raises instead)."""
+    return getattr(module, "_trainer", None) if module is not None else None
+
+
+def explicit_checkpoint_io(strategy: Any) -> Any | None:
+    """The ``checkpoint_io`` set on ``strategy`` so far, None where Lightning would pick its default."""
+    return strategy._checkpoint_io
+
+
+def set_checkpoint_io(strategy: Any, io: Any) -> None:
+    """Set ``strategy``'s checkpoint_io without going through (a subclass's override of) the property."""
+    strategy._checkpoint_io = io
+
+
+def set_launcher(strategy: Any, launcher: Any) -> None:
+    """In a ``_configure_launcher`` override: the launcher ``strategy.launcher`` returns."""
+    strategy._launcher = launcher
+
+
+def ddp_start_method(strategy: Any) -> str:
+    """The ``start_method`` a ``DDPStrategy`` (or subclass) was constructed with."""
+    return strategy._start_method
+
+
+def unwrap_optimizer(optimizer: Any) -> Any:
+    """The plain optimizer behind a ``LightningOptimizer``; any other optimizer as it is."""
+    return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+
+
+def set_every_n_epochs(callback: Any, every_n_epochs: int) -> None:
+    """Set the epoch interval a ``ModelCheckpoint``'s epoch-end and validation-end saves read."""
+    callback._every_n_epochs = every_n_epochs
+
+
+def calling_metric_key(depth: int = 2) -> str | None:
+    """``"<hook>.<name>"`` of the logged value being synced, when called from a ``Strategy.reduce`` that
+    Lightning's result collection called to sync a ``self.log(..., sync_dist=True)`` value; else None.
+
+    Lightning passes ``reduce`` the tensor alone; the key is on the caller's metadata. ``depth`` counts frames
+    from this function: 2 is the caller of the function that calls this one.
+    """
+    meta = getattr(sys._getframe(depth).f_locals.get("self"), "meta", None)
+    name = getattr(meta, "name", None)
+    return f"{meta.fx}.{name}" if isinstance(name, str) else None
