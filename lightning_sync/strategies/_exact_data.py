@@ -22,6 +22,7 @@ from typing import Any
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 
+from lightning_sync._lightning import trainer_of
 from lightning_sync.resume import RANK_STATES, ExactResume
 from lightning_sync.sampler import shard_for_evaluation
 
@@ -76,7 +77,7 @@ class ExactDataHooks:
     def process_dataloader(self, dataloader: object) -> object:
         dataloader = super().process_dataloader(dataloader)  # type: ignore[misc]
         module = self.lightning_module  # type: ignore[attr-defined]
-        trainer = getattr(module, "_trainer", None) if module is not None else None
+        trainer = trainer_of(module)
         if trainer is None:
             return dataloader
         if trainer.training:

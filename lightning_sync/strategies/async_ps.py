@@ -87,12 +87,12 @@ from typing import Any
 import torch
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import ParallelStrategy
-from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from typing_extensions import override
 
 from lightning_sync import comms
+from lightning_sync._lightning import MultiProcessingLauncher, SubprocessScriptLauncher, set_launcher, trainer_of
 from lightning_sync.comms import rpc
 from lightning_sync.strategies._common import AtomicCheckpoints, as_timedelta, check_launch_args
 from lightning_sync.strategies._ps_routing import PushingOptimizer, route_clipping, route_schedulers
@@ -194,9 +194,9 @@ class AsyncParameterServerStrategy(AtomicCheckpoints, ParallelStrategy):
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         if self._start_method == "popen":
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            set_launcher(self, SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes))
         else:
-            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+            set_launcher(self, MultiProcessingLauncher(self, start_method=self._start_method))
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -233,7 +233,7 @@ class AsyncParameterServerStrategy(AtomicCheckpoints, ParallelStrategy):
         self.model.to(self.root_device)
 
     def _trainer(self) -> Any:
-        return getattr(self._lightning_module, "_trainer", None) if self._lightning_module is not None else None
+        return trainer_of(self.lightning_module)
 
     @override
     def setup(self, trainer: Any) -> None:

@@ -51,10 +51,10 @@ from typing import Any
 import torch
 from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
+from lightning_sync._lightning import MultiProcessingLauncher, ddp_start_method, set_launcher
 from lightning_sync.strategies._common import (
     CommsCollectivesMixin,
     as_timedelta,
@@ -68,7 +68,7 @@ __all__ = ["HogwildStrategy"]
 _START_METHODS = ("fork", "spawn", "forkserver")
 
 
-class _SharedMemoryLauncher(_MultiProcessingLauncher):
+class _SharedMemoryLauncher(MultiProcessingLauncher):
     """Lightning's multiprocessing launcher, with the module moved into shared memory first, and rank 0's
     fit-loop progress brought back to the main process (so ``trainer.global_step`` is right there too)."""
 
@@ -146,7 +146,7 @@ class HogwildStrategy(CommsCollectivesMixin, DDPStrategy):
 
     @override
     def _configure_launcher(self) -> None:
-        self._launcher = _SharedMemoryLauncher(self, start_method=self._start_method)
+        set_launcher(self, _SharedMemoryLauncher(self, start_method=ddp_start_method(self)))
 
     @override
     def setup_environment(self) -> None:

@@ -61,6 +61,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from lightning_sync._lightning import unwrap_optimizer
 from lightning_sync.launch.atomic import publish_path, recover_path, remove_path
 from lightning_sync.strategies._common import (
     CommsCollectivesMixin,
@@ -295,7 +296,7 @@ class ShardedStrategy(CommsCollectivesMixin, DDPStrategy):
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         """Hyperparameters only (learning rates, betas, ...); the per-element state is in the shards."""
-        optimizer = getattr(optimizer, "_optimizer", optimizer)
+        optimizer = unwrap_optimizer(optimizer)
         return {"param_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]}
 
     @override

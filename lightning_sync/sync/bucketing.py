@@ -14,7 +14,8 @@ What is synchronized, and when (Li et al., "PyTorch Distributed", VLDB 2020):
    (average, or a compressor's scheme) starts at once, while backward continues. Buckets launch in
    index order. The first hook of a backward queues an autograd callback that runs when backward
    ends; it launches what is left and waits for every bucket, so gradients are averaged before the
-   optimizer step.
+   optimizer step. That skeleton is :class:`~lightning_sync.sync.backward.BackwardEngine`, shared with
+   ZeRO; a bucket's buffer and views are a :class:`~lightning_sync.sync.flat.FlatShard` of one shard.
 3. **Rebuild.** The first synchronized backward records the order in which gradients became ready.
    Before the next backward the buckets are re-planned in that order; rank 0's order is broadcast so
    every rank builds the same buckets. :meth:`GradBucketer.state_dict` carries the order, so a run
@@ -36,15 +37,16 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
+from lightning_sync.sync.backward import BackwardEngine, SyncSwitch
 from lightning_sync.sync.communicator import Communicator, WorkLike
+from lightning_sync.sync.flat import FlatShard
 
 __all__ = ["Bucket", "GradBucketer", "StepTrace", "SyncSwitch", "check_mib", "plan_buckets"]
 
@@ -95,9 +97,10 @@ class Bucket:
     members: list[int]
     buffer: torch.Tensor
     views: list[torch.Tensor]
-    pending: int = 0
     work: WorkLike | None = None
     launched_at: float | None = None
+    layout: FlatShard | None = None
+    """How ``buffer`` is cut into ``views`` (one shard: buckets are all-reduced, never split)."""
 
 
 @dataclass
@@ -122,22 +125,7 @@ class StepTrace:
         return sum(1 for t in self.launched_at if t is not None and t < self.backward_end)
 
 
-class SyncSwitch:
-    """``no_sync()``: backward passes inside it accumulate locally and issue no collective."""
-
-    _sync: bool = True
-
-    @contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Backward passes inside accumulate gradients locally and issue no collective."""
-        previous, self._sync = self._sync, False
-        try:
-            yield
-        finally:
-            self._sync = previous
-
-
-class GradBucketer(SyncSwitch):
+class GradBucketer(BackwardEngine):
     """Average gradients across ranks in buckets, overlapped with backward. See the module docstring.
 
     Args:
@@ -178,21 +166,14 @@ class GradBucketer(SyncSwitch):
         self._as_view = gradient_as_bucket_view
         self._find_unused = find_unused_parameters
         self._compressor = compressor
-        self._index = {id(p): i for i, p in enumerate(self._params)}
-        self._sync = True
-        self._in_backward = False
-        self._used = [False] * len(self._params)
-        self._ready = [False] * len(self._params)
-        self._ready_order: list[int] = []
         self._rebuilt = False
-        self._order_known = False  # a ready order was recorded (or restored): rebuild before the next backward
-        self._next_launch = 0
+        self._missing: set[int] = set()
         self.step = 0
         self.trace = StepTrace()
         self.buckets: list[Bucket] = []
         self._where: list[tuple[int, int]] = []  # param index -> (bucket index, position in bucket)
+        self._init_backward(self._params)
         self._build(list(reversed(range(len(self._params)))))
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._params]
 
     # ------------------------------------------------------------------ planning
     def _build(self, order: list[int]) -> None:
@@ -202,19 +183,18 @@ class GradBucketer(SyncSwitch):
         self.buckets, self._where = [], [(0, 0)] * len(self._params)
         for b, members in enumerate(plan):
             ref = self._params[members[0]]
-            buffer = torch.zeros(sum(self._params[i].numel() for i in members), dtype=ref.dtype, device=ref.device)
-            views, offset = [], 0
-            for pos, i in enumerate(members):
+            layout = FlatShard([self._params[i].shape for i in members])
+            buffer = layout.new_buffer(ref.dtype, ref.device)
+            views = layout.views(buffer)
+            for pos, (i, view) in enumerate(zip(members, views)):
                 p = self._params[i]
-                view = buffer[offset : offset + p.numel()].view_as(p)
-                offset += p.numel()
                 if p.grad is not None:  # keep gradients accumulated so far (rebuild mid-accumulation)
                     view.copy_(p.grad)
                     if self._as_view:
                         p.grad = view
-                views.append(view)
                 self._where[i] = (b, pos)
-            self.buckets.append(Bucket(b, list(members), buffer, views))
+            self.buckets.append(Bucket(b, list(members), buffer, views, layout=layout))
+        self._set_buckets([b for b, _ in self._where], len(self.buckets), range(len(self.buckets)))
         if self._compressor is not None and hasattr(self._compressor, "on_rebuild"):
             self._compressor.on_rebuild(self)
 
@@ -246,68 +226,52 @@ class GradBucketer(SyncSwitch):
         """Index of ``p`` in :attr:`params`."""
         return self._index[id(p)]
 
-    # ------------------------------------------------------------------ backward
-    def _on_grad_ready(self, p: torch.Tensor) -> None:
-        i = self._index[id(p)]
-        self._used[i] = True
-        if not self._sync:
-            return
-        if not self._in_backward:
-            self._begin_backward()
+    # ------------------------------------------------------------------ the backward engine's steps
+    def _view(self, i: int) -> torch.Tensor:
         b, pos = self._where[i]
-        bucket = self.buckets[b]
-        view = bucket.views[pos]
+        return self.buckets[b].views[pos]
+
+    def _store(self, i: int, p: torch.Tensor) -> None:
+        view = self._view(i)
         if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
             view.copy_(p.grad)
             if self._as_view:
                 p.grad = view
-        if not self._ready[i]:
-            self._ready[i] = True
-            if not self._order_known:  # only the first synchronized backward is recorded
-                self._ready_order.append(i)
-            bucket.pending -= 1
-            if bucket.pending == 0:
-                self._launch_in_order()
 
-    def _begin_backward(self) -> None:
-        self._in_backward = True
-        self._next_launch = 0
-        self._ready = [False] * len(self._params)
+    def _on_begin_backward(self) -> None:
         self.trace = StepTrace(launched_at=[None] * len(self.buckets))
         for bucket in self.buckets:
-            bucket.pending, bucket.work, bucket.launched_at = len(bucket.members), None, None
-        torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
+            bucket.work, bucket.launched_at = None, None
 
-    def _launch_in_order(self) -> None:
-        while self._next_launch < len(self.buckets) and self.buckets[self._next_launch].pending == 0:
-            bucket = self.buckets[self._next_launch]
-            bucket.launched_at = self.trace.launched_at[bucket.index] = time.perf_counter()
-            if self._compressor is None:
-                bucket.work = self._comm.all_reduce(bucket.buffer, op="avg", async_op=True)
-            else:
-                bucket.work = self._compressor.launch(bucket, self, self._comm)
-            self._next_launch += 1
+    def _launch(self, b: int) -> None:
+        bucket = self.buckets[b]
+        bucket.launched_at = self.trace.launched_at[b] = time.perf_counter()
+        if self._compressor is None:
+            bucket.work = self._comm.all_reduce(bucket.buffer, op="avg", async_op=True)
+        else:
+            bucket.work = self._compressor.launch(bucket, self, self._comm)
 
-    def _finalize(self) -> None:
+    def _wait(self, b: int) -> None:
+        self.buckets[b].work.wait()  # type: ignore[union-attr]
+
+    def _on_backward_end(self) -> None:
         self.trace.backward_end = time.perf_counter()
-        self._in_backward = False
-        late = [i for i in range(len(self._params)) if not self._ready[i]]
-        missing = {i for i in late if not self._used[i]}
-        for i in late:  # so every bucket is reduced and no peer waits on us:
-            b, pos = self._where[i]
-            view, grad = self.buckets[b].views[pos], self._params[i].grad
-            if i in missing or grad is None:  # no gradient in this accumulation window: zeros
+
+    def _fill_late(self, late: list[int]) -> None:
+        """Zeros for a parameter with no gradient in this window, its earlier gradient for one used in an
+        earlier micro-step only: every bucket is then reduced and no peer waits on us."""
+        self._missing = {i for i in late if not self._used[i]}
+        for i in late:
+            view, grad = self._view(i), self._params[i].grad
+            if i in self._missing or grad is None:
                 view.zero_()
-            elif grad.data_ptr() != view.data_ptr():  # used in an earlier micro-step only
+            elif grad.data_ptr() != view.data_ptr():
                 view.copy_(grad)
-            self.buckets[b].pending -= 1
-        self._launch_in_order()
-        for bucket in self.buckets:
-            bucket.work.wait()  # type: ignore[union-attr]
-        unused_everywhere = self._globally_unused() if self._find_unused else []
+
+    def _after_backward(self, synced: bool) -> None:
+        unused_everywhere = self._globally_unused() if self._find_unused else set()
         for i, p in enumerate(self._params):
-            b, pos = self._where[i]
-            view = self.buckets[b].views[pos]
+            view = self._view(i)
             if i in unused_everywhere:
                 p.grad = None
             elif p.grad is None or self._as_view:
@@ -316,10 +280,8 @@ class GradBucketer(SyncSwitch):
                 p.grad.copy_(view)
         self.trace.synced_at = time.perf_counter()
         self.step += 1
-        self._order_known = True
-        self._used = [False] * len(self._params)
-        if missing and not self._find_unused:
-            names = [self.names[i] for i in sorted(missing)]
+        if self._missing and not self._find_unused:
+            names = [self.names[i] for i in sorted(self._missing)]
             raise RuntimeError(
                 f"GradBucketer: parameters {names} received no gradient in this backward, so their buckets "
                 f"could not complete (they were zero-filled so peers did not hang). If parameters are unused "
@@ -352,6 +314,4 @@ class GradBucketer(SyncSwitch):
 
     def close(self) -> None:
         """Remove the hooks; gradients stay where they are."""
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
+        self._remove_grad_hooks()
