@@ -1,0 +1,173 @@
+"""One ZeRO flat parameter: a group of parameters flattened, sharded, gathered and reduced together.
+
+The layout is a :class:`~lightning_sync.sync.flat.FlatShard` over the ranks; this class holds the
+buffers that live in that layout during training and issues the two collectives of sharded training
+on them (all-gather of the parameters, reduce-scatter of the gradients).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_sync.sync.communicator import Communicator
+from lightning_sync.sync.flat import FlatShard
+
+__all__ = ["FlatParam"]
+
+
+class FlatParam:
+    """The parameters of one unit that share an optimizer group and a dtype, flattened and sharded.
+
+    Holds the fp32 *master shard* (an ``nn.Parameter`` the optimizer steps), the full flat buffer in
+    ``compute_dtype`` while it is gathered (always in stages 1 and 2, where the module's parameters
+    are views into it), and the full flat gradient in ``reduce_dtype`` while one is being accumulated.
+    With ``compute_dtype == master dtype`` in stages 1/2 the master shard *is* this rank's slice of the
+    full buffer (no second copy); in stage 1 the master's gradient is likewise this rank's slice of
+    the full gradient buffer.
+    """
+
+    def __init__(
+        self,
+        names: list[str],
+        params: list[nn.Parameter],
+        group: int,
+        comm: Communicator,
+        compute_dtype: torch.dtype | None,
+        reduce_dtype: torch.dtype | None,
+        stage: int,
+    ) -> None:
+        self.names, self.params, self.group, self.comm, self.stage = names, params, group, comm, stage
+        self.layout = FlatShard([p.shape for p in params], comm.world_size, comm.rank)
+        self.orig_dtype = params[0].dtype
+        self.compute_dtype = compute_dtype or self.orig_dtype
+        self.reduce_dtype = reduce_dtype or self.compute_dtype
+        self.master_dtype = torch.float64 if self.orig_dtype == torch.float64 else torch.float32
+        self.device = params[0].device
+        self.full: torch.Tensor | None = None
+        self.grad_full: torch.Tensor | None = None
+        self._gather_work: Any = None
+        self._gather_src: torch.Tensor | None = None
+        self._reduce: tuple[torch.Tensor, Any] | None = None
+        self._touched: set[int] = set()  # parameters whose gradient is in grad_full this window
+        with torch.no_grad():
+            flat = self.layout.flatten([p.detach() for p in params])
+            if stage < 3:
+                self.full = flat.to(self.compute_dtype)
+                self._point_params(self.full)
+                aliased = self.compute_dtype == self.master_dtype
+                shard = self.layout.shard(self.full if aliased else flat)
+                self.master = nn.Parameter(shard if aliased else shard.to(self.master_dtype).clone())
+            else:
+                self.master = nn.Parameter(self.layout.shard(flat).to(self.master_dtype).clone())
+                self.free()
+
+    # ------------------------------------------------------------------ parameters
+    @property
+    def aliased(self) -> bool:
+        """The master shard shares storage with the full buffer (stages 1/2, compute dtype = master's)."""
+        return self.full is not None and self.stage < 3 and self.compute_dtype == self.master_dtype
+
+    def _point_params(self, full: torch.Tensor) -> None:
+        for p, view in zip(self.params, self.layout.views(full)):
+            p.data = view
+
+    def free(self) -> None:
+        """Drop the full parameters (stage 3); the module's parameters become empty tensors."""
+        self.full = None
+        with torch.inference_mode(False):  # never an inference tensor, even when freed during validation
+            empty = torch.empty(0, dtype=self.compute_dtype, device=self.device)
+        for p in self.params:
+            p.data = empty
+
+    def start_gather(self) -> None:
+        """Issue the all-gather of the master shards into a fresh full buffer (stage 3, async)."""
+        if self.full is not None or self._gather_work is not None:
+            return
+        with torch.inference_mode(False), torch.no_grad():
+            src = self.master.detach()
+            self._gather_src = src if src.dtype == self.compute_dtype else src.to(self.compute_dtype)
+            buffer = torch.empty(self.layout.padded, dtype=self.compute_dtype, device=self.device)
+            self._gather_work = (buffer, self.comm.all_gather_into(buffer, self._gather_src, async_op=True))
+
+    def finish_gather(self) -> None:
+        """Wait for the all-gather and point the parameters at the full buffer."""
+        if self._gather_work is None:
+            return
+        buffer, work = self._gather_work
+        work.wait()
+        self._gather_work, self._gather_src = None, None
+        with torch.inference_mode(False):
+            self.full = buffer
+            self._point_params(buffer)
+
+    def refresh_full(self) -> Any:
+        """Stages 1/2 after a step: all-gather the updated master shards into the full buffer (async)."""
+        assert self.full is not None
+        with torch.no_grad():
+            src = self.master.detach()
+            self._gather_src = src.clone() if self.aliased else src.to(self.compute_dtype)
+        return self.comm.all_gather_into(self.full, self._gather_src, async_op=True)
+
+    # ------------------------------------------------------------------ gradients
+    def _grad_buffer(self) -> torch.Tensor:
+        if self.grad_full is None:  # uninitialised: each parameter's first gradient is copied in
+            self.grad_full = torch.empty(self.layout.padded, dtype=self.reduce_dtype, device=self.device)
+            self._touched = set()
+        return self.grad_full
+
+    def accumulate(self, index: int, grad: torch.Tensor) -> None:
+        """Add parameter ``index``'s gradient into the full flat gradient (copy on its first gradient
+        of the accumulation window, so the buffer is never cleared as a whole)."""
+        off, n = self.layout.offsets[index], self.layout.numels[index]
+        view = self._grad_buffer()[off : off + n]
+        if index in self._touched:
+            view.add_(grad.reshape(-1))
+        else:
+            view.copy_(grad.reshape(-1))
+            self._touched.add(index)
+
+    def complete_grad(self) -> torch.Tensor:
+        """The full gradient, with zeros where no gradient arrived this window and in the padding."""
+        buffer = self._grad_buffer()
+        for i, (off, n) in enumerate(zip(self.layout.offsets, self.layout.numels)):
+            if i not in self._touched:
+                buffer[off : off + n].zero_()
+                self._touched.add(i)
+        buffer[self.layout.total :].zero_()
+        return buffer
+
+    def launch_reduce(self) -> None:
+        """Issue the averaging reduce-scatter of the full gradient into this rank's shard (async)."""
+        full = self.complete_grad()
+        out = torch.empty(self.layout.shard_numel, dtype=self.reduce_dtype, device=self.device)
+        # the full gradient is not needed after this (stage 1 keeps only its own slice, copied from out)
+        self._reduce = (out, self.comm.reduce_scatter_into(out, full, op="avg", async_op=True, scratch=True))
+
+    def finish_reduce(self) -> None:
+        """Wait for the reduce-scatter; add the averaged shard to the master's gradient. Stage 1 keeps
+        the full gradient buffer (the master's gradient is its slice); stages 2/3 free it."""
+        assert self._reduce is not None and self.grad_full is not None
+        out, work = self._reduce
+        work.wait()
+        self._reduce = None
+        with torch.no_grad():
+            if self.stage == 1:
+                own = self.layout.shard(self.grad_full)
+                own.copy_(out)
+                shard = own if own.dtype == self.master_dtype else own.to(self.master_dtype)
+            else:
+                shard = out if out.dtype == self.master_dtype else out.to(self.master_dtype)
+                self.grad_full = None
+            master_grad = self.master.grad
+            if master_grad is None or master_grad.data_ptr() == shard.data_ptr():
+                self.master.grad = shard
+            else:
+                master_grad.add_(shard)
+
+    def start_window(self) -> None:
+        """A new accumulation window: every parameter's next gradient is copied, not added (stage 1
+        keeps its full gradient buffer between steps)."""
+        self._touched = set()

@@ -1,0 +1,207 @@
+"""Saving and loading a :class:`~lightning_sync.sync.zero_engine.ZeroEngine`'s state.
+
+Two forms: a *sharded* directory (every rank writes only the elements it owns, in the format of
+:mod:`lightning_sync.sync.zero_format`, which reshards on load to any world size and stage), and a
+*full* ``state_dict`` gathered from the shards (what a plain module or DDP would write). Both are
+collectives: every rank calls them. They are functions of the engine, not methods, so the engine
+module stays about training; the engine's methods of the same names call these.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from lightning_sync.sync.flat_param import FlatParam
+from lightning_sync.sync.safe_load import dcp_load, read_dcp_metadata
+from lightning_sync.sync.zero_format import FORMAT, META, chunk_index, fill, placeholder, read_meta, state_keys
+
+if TYPE_CHECKING:
+    from lightning_sync.sync.zero_engine import ZeroEngine
+
+__all__ = [
+    "check_compatible",
+    "full_params",
+    "full_state_dict",
+    "load_full_state_dict",
+    "load_sharded",
+    "replicated_state",
+    "save_sharded",
+]
+
+
+def full_params(engine: ZeroEngine) -> dict[str, torch.Tensor]:
+    """Canonical name -> full parameter in its original dtype, gathered from the master shards
+    (full precision whatever ``param_dtype`` is); a collective."""
+    issued = []
+    for f in engine.flats:
+        buffer = torch.empty(f.layout.padded, dtype=f.master_dtype, device=f.device)
+        issued.append((f, buffer, engine.comm.all_gather_into(buffer, f.master.detach(), async_op=True)))
+    out: dict[str, torch.Tensor] = {}
+    for f, buffer, work in issued:
+        work.wait()
+        for name, view in zip(f.names, f.layout.views(buffer)):
+            out[name] = view.to(f.orig_dtype, copy=True)
+    return out
+
+
+def full_state_dict(engine: ZeroEngine) -> dict[str, torch.Tensor]:
+    """The module's full ``state_dict`` (copies, original dtypes, gathered from the fp32 master
+    shards; tied parameters under each name); a collective."""
+    params = full_params(engine)
+    keys, replicated = replicated_state(engine)
+    return {k: params[c] if c is not None else replicated[k].clone() for k, c in keys}
+
+
+def replicated_state(engine: ZeroEngine) -> tuple[list[tuple[str, str | None]], dict[str, torch.Tensor]]:
+    """The module's state-dict keys, each either a sharded parameter (its canonical name) or a
+    replicated tensor (frozen parameter or persistent buffer) returned in the second dict."""
+    canonical = {id(p): n for f in engine.flats for n, p in zip(f.names, f.params)}
+    keys: list[tuple[str, str | None]] = []
+    replicated: dict[str, torch.Tensor] = {}
+    for key, value in engine.module.state_dict(keep_vars=True).items():
+        if id(value) in canonical:
+            keys.append((key, canonical[id(value)]))
+        else:
+            keys.append((key, None))
+            replicated[key] = engine.original(value).detach()
+    return keys, replicated
+
+
+def save_sharded(engine: ZeroEngine, path: str | os.PathLike[str]) -> None:
+    """Write this rank's shards (parameters and optimizer state, keyed by parameter name and element
+    offset, so they reshard to any world size) through ``torch.distributed.checkpoint``; rank 0
+    adds the replicated tensors and ``lightning_sync_meta.json``. A collective."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    out: dict[str, Any] = {}
+    for f in engine.flats:
+        master = f.master.detach()
+        state = engine.optimizer.state.get(f.master, {}) if engine.optimizer is not None else {}
+        for s in f.layout.owned_slices():
+            name, lo, hi = f.names[s.index], s.shard_offset, s.shard_offset + s.length
+            out[f"model/{name}@{s.param_offset}"] = master[lo:hi].clone()
+            for key, value in state.items():
+                if elementwise(value, f):
+                    out[f"optim/{name}/{key}@{s.param_offset}"] = value.detach()[lo:hi].clone()
+                elif s.param_offset == 0:
+                    out[f"optim/{name}/{key}"] = value.detach().clone() if isinstance(value, torch.Tensor) else value
+    keys, replicated = replicated_state(engine)
+    if engine.comm.rank == 0:
+        out.update({f"full/{k}": v.clone() for k, v in replicated.items()})
+        meta = {
+            "format": FORMAT,
+            "world_size": engine.comm.world_size,
+            "stage": engine.stage,
+            "params": {
+                n: [list(shape), str(f.orig_dtype)] for f in engine.flats for n, shape in zip(f.names, f.layout.shapes)
+            },
+            "keys": keys,
+        }
+        (path / META).write_text(json.dumps(meta, indent=1))
+    dcp.save(out, checkpoint_id=str(path), process_group=getattr(engine.comm, "group", None))
+
+
+def check_compatible(engine: ZeroEngine, meta: Mapping[str, Any]) -> None:
+    """Raise ``ValueError`` naming the first key where the checkpoint and this module differ."""
+    mine, _ = replicated_state(engine)
+    theirs = [tuple(k) for k in meta["keys"]]
+    shapes = {n: list(shape) for f in engine.flats for n, shape in zip(f.names, f.layout.shapes)}
+    for (mk, mc), (tk, tc) in zip(mine, theirs):
+        if mk != tk or (mc is None) != (tc is None):
+            raise ValueError(
+                f"checkpoint does not match this model: first mismatched key {mk!r} (checkpoint has {tk!r} there)"
+            )
+        if mc is not None and (mc != tc or shapes[mc] != meta["params"][tc][0]):
+            raise ValueError(
+                f"checkpoint does not match this model: first mismatched key {mk!r} "
+                f"(shape {shapes.get(mc)} here, {meta['params'].get(tc, [None])[0]} in the checkpoint)"
+            )
+    if len(mine) != len(theirs):
+        first = mine[len(theirs)][0] if len(mine) > len(theirs) else theirs[len(mine)][0]
+        raise ValueError(
+            f"checkpoint does not match this model: first mismatched key {first!r} "
+            f"({'missing from the checkpoint' if len(mine) > len(theirs) else 'not in this model'})"
+        )
+
+
+def load_sharded(engine: ZeroEngine, path: str | os.PathLike[str], weights_only: bool | None = None) -> None:
+    """Load a :meth:`save_sharded` checkpoint written at any world size and stage; a collective.
+    Weights-only (see :mod:`lightning_sync.sync.safe_load`) unless ``weights_only=False``; a directory that
+    would read files outside itself, or has no DCP ``.metadata``, raises ``ValueError`` whatever the trust."""
+    path = Path(path)
+    meta = read_meta(path)
+    check_compatible(engine, meta)
+    metadata = read_dcp_metadata(path, weights_only)
+    saved = metadata.state_dict_metadata
+    chunks = chunk_index(saved)
+    want: dict[str, Any] = {}
+    for f in engine.flats:
+        for s in f.layout.owned_slices():
+            name = f.names[s.index]
+            for prefix in [f"model/{name}"] + [f"optim/{name}/{k}" for k in state_keys(saved, name)]:
+                for lo, size in chunks.get(prefix, []):
+                    if lo < s.param_offset + s.length and s.param_offset < lo + size:
+                        want.setdefault(
+                            f"{prefix}@{lo}", torch.empty(size, dtype=saved[f"{prefix}@{lo}"].properties.dtype)
+                        )
+            for k in state_keys(saved, name, scalar=True):
+                want[f"optim/{name}/{k}"] = placeholder(saved[f"optim/{name}/{k}"])
+    _, replicated = replicated_state(engine)
+    for key, tensor in replicated.items():
+        want[f"full/{key}"] = tensor
+    dcp_load(want, path, weights_only, metadata=metadata, process_group=getattr(engine.comm, "group", None))
+    with torch.no_grad():
+        for f in engine.flats:
+            state: dict[str, Any] = {}
+            for s in f.layout.owned_slices():
+                name = f.names[s.index]
+                fill(f.master.data, f"model/{name}", chunks, want, s)
+                for k in state_keys(saved, name):
+                    buf = state.setdefault(
+                        k,
+                        torch.zeros(
+                            f.layout.shard_numel,
+                            dtype=saved[f"optim/{name}/{k}@{chunks[f'optim/{name}/{k}'][0][0]}"].properties.dtype,
+                            device=f.device,
+                        ),
+                    )
+                    fill(buf, f"optim/{name}/{k}", chunks, want, s)
+                for k in state_keys(saved, name, scalar=True):
+                    value = want[f"optim/{name}/{k}"]
+                    state.setdefault(k, value.to(f.device) if isinstance(value, torch.Tensor) else value)
+            if engine.optimizer is not None:
+                if state:
+                    engine.optimizer.state[f.master] = state
+                else:
+                    engine.optimizer.state.pop(f.master, None)
+    engine.after_load()
+
+
+def load_full_state_dict(engine: ZeroEngine, state_dict: Mapping[str, torch.Tensor]) -> None:
+    """Load a plain full ``state_dict`` (e.g. one :meth:`full_state_dict` or DDP wrote): every rank
+    takes its shards from it. Names the first missing key."""
+    keys, replicated = replicated_state(engine)
+    for key, _ in keys:
+        if key not in state_dict:
+            raise ValueError(f"state_dict does not match this model: first mismatched key {key!r} (missing)")
+    with torch.no_grad():
+        for f in engine.flats:
+            flat = f.layout.flatten(
+                [state_dict[n].to(f.master_dtype).reshape(s) for n, s in zip(f.names, f.layout.shapes)]
+            )
+            f.master.data.copy_(f.layout.shard(flat))
+        for key, tensor in replicated.items():
+            tensor.copy_(state_dict[key])
+    engine.after_load()
+
+
+def elementwise(value: Any, flat: FlatParam) -> bool:
+    """An optimizer-state tensor with one value per shard element (sharded with it), not a scalar."""
+    return isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == flat.layout.shard_numel

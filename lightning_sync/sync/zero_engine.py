@@ -1,0 +1,450 @@
+"""ZeRO stages 1-3 (Rajbhandari et al., SC 2020): the engine that shards a module's training state.
+
+What is synchronized, and when:
+
+* **Build.** Rank 0's parameters and buffers are broadcast; the trainable parameters are split into
+  units (:mod:`lightning_sync.sync.zero_units`) and each unit's parameters into flat, padded, evenly
+  sharded :class:`~lightning_sync.sync.flat_param.FlatParam` s; the optimizer is rewritten to step the
+  fp32 master shards.
+* **Backward.** The shared backward engine (:class:`~lightning_sync.sync.backward.BackwardEngine`)
+  moves each gradient into its unit's flat gradient buffer as it becomes ready and, once a unit is
+  complete, launches its averaging reduce-scatter into the master shards (stages 2/3, overlapped with
+  backward; stage 1 launches them all when backward ends). Stage 3 frees a unit's full parameters as
+  soon as its gradients are in.
+* **Step.** The optimizer steps this rank's shards; stages 1/2 then all-gather the full parameters.
+  Stage 3 all-gathers a unit just before its forward (and again before its backward when it was
+  resharded after forward), prefetching the next unit's while the current one computes.
+
+Every rank must run the same units in the same order (the collectives are matched by order); the first
+backward checks it. A rank that fails mid-step leaves its peers blocked in that unit's collective until
+the process group times out or notices the dead peer; nothing here retries.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+from lightning_sync.sync import zero_checkpoint
+from lightning_sync.sync.backward import BackwardEngine
+from lightning_sync.sync.bucketing import check_mib
+from lightning_sync.sync.communicator import Communicator
+from lightning_sync.sync.flat_param import FlatParam
+from lightning_sync.sync.zero_options import check_stage, resolve_dtype, resolve_wrap_policy, storage_bytes
+from lightning_sync.sync.zero_units import Unit, bucket_units, optimizer_groups, trainable_params, wrap_units
+
+__all__ = ["ZeroEngine"]
+
+_MB = 2**20
+
+
+class _PreBackward(torch.autograd.Function):
+    """Identity on a unit's outputs whose backward re-gathers the unit before its own backward runs."""
+
+    @staticmethod
+    def forward(ctx: Any, engine: ZeroEngine, unit: Unit, *tensors: torch.Tensor) -> Any:
+        ctx.engine, ctx.unit = engine, unit
+        return tensors if len(tensors) > 1 else tensors[0]
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+        ctx.engine._pre_backward(ctx.unit)
+        return (None, None, *grads)
+
+
+class ZeroEngine(BackwardEngine):
+    """ZeRO stages 1-3 over ``module`` and its ``optimizer``, every collective through ``comm``.
+
+    Building the engine broadcasts rank 0's parameters and buffers, flattens and shards the
+    trainable parameters, and rewrites ``optimizer.param_groups`` in place to step the fp32 master
+    shards (same groups, same hyperparameters, so LR schedulers keep working). After that:
+
+    * forward/backward as usual: hooks reduce-scatter gradients (stage 1 at the end of backward,
+      stages 2/3 unit by unit during it) into the masters' ``.grad``; the module's ``.grad`` stay None
+      (each unit is a bucket of the shared :class:`~lightning_sync.sync.backward.BackwardEngine`);
+    * ``optimizer.step()`` steps this rank's shards; a post-step hook all-gathers the full parameters
+      (stages 1/2); stage 3 gathers each unit just before it runs;
+    * :meth:`no_sync` for accumulation micro-steps (no collective; full gradients accumulate locally).
+
+    Args:
+        module: the model (its parameters are broadcast from rank 0 and sharded).
+        optimizer: a torch optimizer over (some of) ``module``'s parameters, not yet stepped.
+        comm: the :class:`~lightning_sync.sync.communicator.Communicator`.
+        stage: 1, 2 or 3.
+        wrap_policy: stage 3 wrap units (see :func:`~lightning_sync.sync.zero_options.resolve_wrap_policy`;
+            None: the whole model).
+        prefetch: stage 3: issue the next unit's all-gather while the current one computes.
+        reshard_after_forward: stage 3: free a unit's full parameters after its forward.
+        param_dtype: dtype parameters are gathered and computed in (None: their own).
+        reduce_dtype: dtype gradients are reduced in (None: the compute dtype).
+        bucket_cap_mb: stages 1/2: gradient bucket size (each bucket is one flat shard).
+        broadcast: broadcast rank 0's parameters and buffers first.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        comm: Communicator,
+        stage: int = 3,
+        wrap_policy: Any = None,
+        prefetch: bool = True,
+        reshard_after_forward: bool = True,
+        param_dtype: Any = None,
+        reduce_dtype: Any = None,
+        bucket_cap_mb: float = 25.0,
+        broadcast: bool = True,
+    ) -> None:
+        check_stage(stage)
+        check_mib("bucket_cap_mb", bucket_cap_mb)
+        if optimizer is not None and hasattr(optimizer, "_params"):
+            raise ValueError(
+                f"{type(optimizer).__name__} keeps its own parameter list and cannot step shards; "
+                f"use an optimizer that reads param_groups (SGD, Adam, AdamW, ...)"
+            )
+        if optimizer is not None and any(len(s) for s in optimizer.state.values()):
+            raise ValueError("the optimizer already has state; build the ZeroEngine before the first step")
+        self.module, self.optimizer, self.comm, self.stage = module, optimizer, comm, stage
+        self.prefetch, self.reshard_after_forward = bool(prefetch), bool(reshard_after_forward)
+        self.param_dtype = resolve_dtype(param_dtype, "param_dtype")
+        self.reduce_dtype = resolve_dtype(reduce_dtype, "reduce_dtype")
+        self._policy = resolve_wrap_policy(wrap_policy)
+        self._cap = max(1, int(bucket_cap_mb * _MB))
+        if broadcast and comm.world_size > 1:
+            with torch.no_grad():
+                for t in [*module.parameters(), *module.buffers()]:
+                    comm.broadcast(t.data, src=0)
+        self._window_open = False
+        self._forward_order: list[int] | None = None
+        self._recording: list[int] = []
+        self._order_checked = False
+        self._frozen_orig: dict[int, torch.Tensor] = {}  # frozen parameters' own data (param_dtype set)
+        self.events: list[tuple[str, int]] = []
+        """``(event, unit index)`` in order: gather_issue, gather_wait, forward_begin, forward_end,
+        backward_begin, reduce_issue, free; appended while :attr:`record_events` is True (tests clear it)."""
+        self.record_events = False
+        self._build()
+
+    # ------------------------------------------------------------------ layout
+    def _build(self) -> None:
+        names, params = trainable_params(self.module)
+        self.names = names
+        group_of = optimizer_groups(self.module, self.optimizer, params)
+        name_of = {id(p): n for n, p in zip(names, params)}
+        if self.stage < 3:
+            members_of = bucket_units(params, group_of, self._cap)
+        else:
+            members_of = wrap_units(self.module, params, self._policy)
+        self.units: list[Unit] = []
+        for ui, (uname, umodule, uparams, is_root) in enumerate(members_of):
+            by_key: dict[tuple[int, torch.dtype], list[nn.Parameter]] = {}
+            for p in uparams:
+                by_key.setdefault((group_of[id(p)], p.dtype), []).append(p)
+            flats = [
+                FlatParam(
+                    [name_of[id(p)] for p in ps], ps, key[0], self.comm, self.param_dtype, self.reduce_dtype, self.stage
+                )
+                for key, ps in by_key.items()
+            ]
+            self.units.append(Unit(ui, uname, umodule, flats, is_root))
+        self.flats = [f for u in self.units for f in u.flats]
+        slot = {
+            id(p): (unit.index, flat, i)
+            for unit in self.units
+            for flat in unit.flats
+            for i, p in enumerate(flat.params)
+        }
+        self._slot = [(flat, i) for _, flat, i in (slot[id(p)] for p in params)]  # param index -> where it lives
+        self._rewrite_optimizer()
+        self._cast_frozen()
+        self._overlap = self.stage > 1  # stage 1 reduces once, when backward ends
+        self._init_backward(params)
+        self._handles: list[Any] = []
+        if self.stage == 3:
+            for unit in self.units:
+                if unit.module is None:
+                    continue
+                self._handles.append(
+                    unit.module.register_forward_pre_hook(
+                        functools.partial(self._pre_forward, unit), prepend=True, with_kwargs=True
+                    )
+                )
+                if not unit.is_root:
+                    self._handles.append(unit.module.register_forward_hook(functools.partial(self._post_forward, unit)))
+        if self.optimizer is not None and self.stage < 3:
+            self._handles.append(self.optimizer.register_step_post_hook(self._after_step))
+        if self.stage < 3 and self.param_dtype is not None:  # stage 3 casts in every unit's pre-forward
+            self._handles.append(self.module.register_forward_pre_hook(self._cast_inputs, with_kwargs=True))
+        root = [u for u in self.units if u.is_root]
+        self.root = root[0] if root else None
+        # launch order of reduce-scatters: reverse forward order, root last (stage 3); bucket order (1/2)
+        bucket_of = [slot[id(p)][0] for p in params]
+        self._set_buckets(bucket_of, len(self.units), self._default_launch_order())
+
+    def _default_launch_order(self) -> list[int]:
+        if self.stage < 3:
+            return [u.index for u in self.units]
+        forward = self._forward_order or [u.index for u in self.units if not u.is_root]
+        return list(reversed(forward)) + ([self.root.index] if self.root is not None else [])
+
+    def _cast_frozen(self) -> None:
+        """With ``param_dtype``, frozen floating parameters compute in it too; their own data is kept
+        (for checkpoints, :meth:`full_state_dict` and :meth:`unshard`)."""
+        if self.param_dtype is None:
+            return
+        for p in self.module.parameters():
+            if not p.requires_grad and p.is_floating_point():
+                original = self._frozen_orig.setdefault(id(p), p.data)
+                p.data = original.to(self.param_dtype)
+
+    def _rewrite_optimizer(self) -> None:
+        if self.optimizer is None:
+            return
+        sharded = {id(p) for f in self.flats for p in f.params}
+        for gi, group in enumerate(self.optimizer.param_groups):
+            kept = [p for p in group["params"] if id(p) not in sharded]  # frozen ones stay as they are
+            group["params"] = [f.master for f in self.flats if f.group == gi] + kept
+        self.optimizer.state.clear()
+
+    # ------------------------------------------------------------------ stage 3: forward
+    def _log(self, event: str, unit: Unit) -> None:
+        if self.record_events:
+            self.events.append((event, unit.index))
+
+    def _gather(self, unit: Unit, wait: bool) -> None:
+        if not unit.gathered:
+            if any(f._gather_work is None and f.full is None for f in unit.flats):
+                self._log("gather_issue", unit)
+            for f in unit.flats:
+                f.start_gather()
+        if wait and any(f._gather_work is not None for f in unit.flats):
+            for f in unit.flats:
+                f.finish_gather()
+            self._log("gather_wait", unit)
+
+    def gather_root(self) -> None:
+        """Stage 3: gather the root unit (the parameters no wrapped submodule owns). Call before a
+        step function that may use them without calling the root module's ``forward``."""
+        if self.stage == 3 and self.root is not None:
+            self._gather(self.root, wait=True)
+
+    def reshard(self) -> None:
+        """Stage 3: free every unit's full parameters (after an evaluation step, for example)."""
+        if self.stage == 3:
+            for unit in self.units:
+                for f in unit.flats:
+                    f.finish_gather()
+                    f.free()
+
+    def _pre_forward(self, unit: Unit, module: nn.Module, args: Any, kwargs: Any) -> Any:
+        if not unit.is_root:
+            if self._forward_order is None and unit.index not in self._recording:
+                self._recording.append(unit.index)
+            self._log("forward_begin", unit)
+        self._gather(unit, wait=True)
+        if self.prefetch and not unit.is_root and self._forward_order is not None:
+            nxt = self._neighbour(unit, +1)
+            if nxt is not None:
+                self._gather(nxt, wait=False)
+        return self._cast_inputs(module, args, kwargs) if self.param_dtype is not None else None
+
+    def _cast_inputs(self, module: nn.Module, args: Any, kwargs: Any) -> Any:
+        """Floating-point inputs to ``param_dtype`` (the parameters are in it)."""
+        cast = functools.partial(_cast_floating, dtype=self.param_dtype)
+        return tree_map(cast, args), tree_map(cast, kwargs)
+
+    def _neighbour(self, unit: Unit, step: int) -> Unit | None:
+        order = self._forward_order or []
+        if unit.index not in order:
+            return None
+        j = order.index(unit.index) + step
+        return self.units[order[j]] if 0 <= j < len(order) else None
+
+    def _post_forward(self, unit: Unit, module: nn.Module, args: Any, output: Any) -> Any:
+        self._log("forward_end", unit)
+        if self.reshard_after_forward:
+            for f in unit.flats:
+                f.free()
+            self._log("free", unit)
+        if not torch.is_grad_enabled():
+            return None
+        leaves, spec = tree_flatten(output)
+        idx = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not idx:
+            return None
+        out = _PreBackward.apply(self, unit, *[leaves[i] for i in idx])
+        out = out if isinstance(out, tuple) else (out,)
+        for i, t in zip(idx, out):
+            leaves[i] = t
+        return tree_unflatten(leaves, spec)
+
+    def _pre_backward(self, unit: Unit) -> None:
+        self._log("backward_begin", unit)
+        self._gather(unit, wait=True)
+        if self.prefetch:
+            prev = self._neighbour(unit, -1)
+            if prev is not None and not self._is_complete(prev.index):
+                self._gather(prev, wait=False)
+
+    # ------------------------------------------------------------------ the backward engine's steps
+    _engage_in_no_sync = True  # gradients must leave the (view / freed) parameters in every backward
+
+    def _store(self, index: int, p: torch.Tensor) -> None:
+        if p.grad is not None:
+            flat, i = self._slot[index]
+            flat.accumulate(i, p.grad)
+            p.grad = None
+
+    def _on_begin_backward(self) -> None:
+        if not self._window_open:
+            self._window_open = True
+            for f in self.flats:
+                f.start_window()
+
+    def _on_bucket_complete(self, bucket: int) -> None:
+        unit = self.units[bucket]
+        if self.stage == 3 and not unit.is_root:
+            for f in unit.flats:
+                f.free()
+            self._log("free", unit)
+
+    def _launch(self, bucket: int) -> None:
+        unit = self.units[bucket]
+        self._log("reduce_issue", unit)
+        for f in unit.flats:
+            f.launch_reduce()
+
+    def _wait(self, bucket: int) -> None:
+        for f in self.units[bucket].flats:
+            f.finish_reduce()
+
+    def _after_backward(self, synced: bool) -> None:
+        if synced:
+            self._window_open = False
+        if self.stage == 3:
+            self.reshard()
+            if not self._order_checked:
+                self._check_forward_order()
+
+    def _check_forward_order(self) -> None:
+        """After the first backward: every rank must have run the units in the same order (the
+        all-gathers are matched by order); it becomes the prefetch and reduce-scatter order."""
+        self._order_checked = True
+        orders = self.comm.all_gather_object(list(self._recording))
+        if any(o != orders[0] for o in orders):
+            raise RuntimeError(
+                f"ZeroEngine: ranks ran the wrap units in different orders {orders}; every rank "
+                f"must run the same units in the same order"
+            )
+        self._forward_order = list(orders[0]) + [
+            u.index for u in self.units if not u.is_root and u.index not in orders[0]
+        ]
+        self._launch_order = self._default_launch_order()
+
+    # ------------------------------------------------------------------ optimizer step
+    def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        """Stages 1/2: all-gather every updated master shard into the full parameters."""
+        works = [f.refresh_full() for f in self.flats]
+        for work in works:
+            work.wait()
+        for f in self.flats:
+            f._gather_src = None
+
+    def after_load(self) -> None:
+        """Re-derive the full parameters from freshly loaded master shards (stages 1/2) and the
+        compute copies of frozen parameters."""
+        if self.stage < 3:
+            self._after_step(None, None, None)
+        self._cast_frozen()
+
+    # ------------------------------------------------------------------ inspection
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes of parameter, gradient and optimizer-state storage this rank holds now (each storage once)."""
+        seen: set[int] = set()
+        params = storage_bytes([p for p in self.module.parameters()], seen)
+        params += storage_bytes([f.master for f in self.flats], seen)
+        grads = storage_bytes([p.grad for p in self.module.parameters()], seen)
+        grads += storage_bytes([f.grad_full for f in self.flats] + [f.master.grad for f in self.flats], seen)
+        state: list[Any] = []
+        if self.optimizer is not None:
+            for s in self.optimizer.state.values():
+                state.extend(s.values())
+        return {"params": params, "grads": grads, "optimizer": storage_bytes(state, seen)}
+
+    @property
+    def largest_unit_numel(self) -> int:
+        return max((u.numel for u in self.units), default=0)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the masters' gradients by the *global* norm (all ranks' shards together); a collective.
+        Padding gradients are zero, so they do not change the norm."""
+        if norm_type != 2.0:
+            raise ValueError(f"ZeroEngine.clip_grad_norm_ supports norm_type=2.0 only, got {norm_type!r}")
+        grads = [f.master.grad for f in self.flats if f.master.grad is not None]
+        device = self.flats[0].device if self.flats else torch.device("cpu")
+        sq = torch.zeros(1, dtype=torch.float64, device=device)
+        for g in grads:
+            sq += g.detach().double().pow(2).sum()
+        self.comm.all_reduce(sq, op="sum")
+        total = sq.sqrt().squeeze(0)
+        coef = (float(max_norm) / (total + 1e-6)).clamp(max=1.0)
+        for g in grads:
+            g.mul_(coef.to(g.dtype))
+        return total.float()
+
+    def original(self, t: torch.Tensor) -> torch.Tensor:
+        """What a checkpoint stores for the module tensor ``t``: a frozen parameter's own data when
+        ``param_dtype`` gave it a compute copy, else ``t`` itself."""
+        return self._frozen_orig.get(id(t), t)
+
+    # ------------------------------------------------------------------ checkpoints (zero_checkpoint)
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The module's full ``state_dict`` gathered from the master shards; a collective."""
+        return zero_checkpoint.full_state_dict(self)
+
+    def save_sharded(self, path: str | os.PathLike[str]) -> None:
+        """Write this rank's shards to the directory ``path``, loadable at any world size; a collective."""
+        zero_checkpoint.save_sharded(self, path)
+
+    def check_compatible(self, meta: Mapping[str, Any]) -> None:
+        """Raise ``ValueError`` naming the first key where the checkpoint and this module differ."""
+        zero_checkpoint.check_compatible(self, meta)
+
+    def load_sharded(self, path: str | os.PathLike[str], weights_only: bool | None = None) -> None:
+        """Load a :meth:`save_sharded` directory written at any world size and stage; a collective."""
+        zero_checkpoint.load_sharded(self, path, weights_only)
+
+    def load_full_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Load a plain full ``state_dict``: every rank takes its shards from it."""
+        zero_checkpoint.load_full_state_dict(self, state_dict)
+
+    def unshard(self) -> None:
+        """Leave the module with its full parameters (stage 3 gathers every unit) and remove the hooks:
+        after training the module is an ordinary module with the trained weights on every rank."""
+        params = zero_checkpoint.full_params(self)
+        self.reshard()
+        with torch.no_grad():
+            for f in self.flats:
+                for name, p in zip(f.names, f.params):
+                    p.data = params[name]
+            for p in self.module.parameters():
+                if id(p) in self._frozen_orig:
+                    p.data = self._frozen_orig[id(p)]
+        self.close()
+
+    def close(self) -> None:
+        """Remove the hooks; the module keeps its current (possibly empty, stage 3) parameters."""
+        self._remove_grad_hooks()
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+
+def _cast_floating(x: Any, dtype: torch.dtype) -> Any:
+    return x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x

@@ -1,0 +1,94 @@
+"""The on-disk format of a ZeRO sharded checkpoint, read by loading and by consolidation alike.
+
+A checkpoint is a ``torch.distributed.checkpoint`` directory plus ``lightning_sync_meta.json``. Every
+sharded tensor is saved in chunks keyed by parameter name and *element offset* (``model/<name>@<offset>``,
+``optim/<name>/<state key>@<offset>``), never by rank, so a checkpoint written at one world size and
+stage loads at any other: a reader asks for the chunks that overlap the elements it owns and copies
+the overlap. Replicated tensors (frozen parameters, persistent buffers) are saved whole under
+``full/<key>``, and scalar optimizer state under ``optim/<name>/<key>``. The JSON file records the
+format version, the module's state-dict keys (each a sharded parameter's canonical name or
+replicated), and each parameter's shape and dtype, so a mismatch is reported by key before any tensor
+is read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from lightning_sync.sync.flat import OwnedSlice
+from lightning_sync.sync.safe_load import contained_path
+
+__all__ = ["FORMAT", "META", "chunk_index", "fill", "placeholder", "read_meta", "state_keys"]
+
+FORMAT = "lightning_sync.zero/1"
+META = "lightning_sync_meta.json"
+
+
+def read_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The ``lightning_sync_meta.json`` of a sharded checkpoint directory (clear error if absent)."""
+    file = contained_path(path, META, "layout file")
+    if not file.is_file():
+        raise ValueError(f"{path} is not a lightning_sync sharded checkpoint (no {META} in it)")
+    meta = json.loads(file.read_text())
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"{file} has format {meta.get('format')!r}; this version reads {FORMAT!r}")
+    return meta
+
+
+def chunk_index(saved: Mapping[str, Any]) -> dict[str, list[tuple[int, int]]]:
+    """``prefix -> [(element offset, size)]`` for every ``prefix@offset`` key of a checkpoint."""
+    index: dict[str, list[tuple[int, int]]] = {}
+    for key, md in saved.items():
+        prefix, at, lo = key.rpartition("@")
+        if at and lo.isdigit():
+            index.setdefault(prefix, []).append((int(lo), int(md.size[0])))
+    for chunks in index.values():
+        chunks.sort()
+    return index
+
+
+def state_keys(saved: Mapping[str, Any], name: str, scalar: bool = False) -> list[str]:
+    """Optimizer-state keys saved for parameter ``name``: elementwise (``key@offset``) or scalar."""
+    prefix = f"optim/{name}/"
+    keys = set()
+    for key in saved:
+        if key.startswith(prefix):
+            rest = key[len(prefix) :]
+            is_chunk = "@" in rest and rest.rpartition("@")[2].isdigit()
+            if is_chunk != scalar:
+                keys.add(rest.rpartition("@")[0] if is_chunk else rest)
+    return sorted(keys)
+
+
+def placeholder(md: Any) -> Any:
+    """An empty tensor shaped like a saved tensor's metadata, for DCP to load into (None: not a tensor)."""
+    props = getattr(md, "properties", None)
+    if props is not None and hasattr(md, "size"):
+        return torch.empty(tuple(md.size), dtype=props.dtype)
+    return None
+
+
+def fill(
+    dest: torch.Tensor,
+    prefix: str,
+    chunks: Mapping[str, list[tuple[int, int]]],
+    loaded: Mapping[str, Any],
+    s: OwnedSlice,
+) -> None:
+    """Copy elements ``[s.param_offset, +s.length)`` of a parameter from its saved chunks into ``dest``."""
+    want_lo, want_hi = s.param_offset, s.param_offset + s.length
+    covered = 0
+    for lo, size in chunks.get(prefix, []):
+        a, b = max(lo, want_lo), min(lo + size, want_hi)
+        if a < b:
+            dest[s.shard_offset + a - want_lo : s.shard_offset + b - want_lo].copy_(
+                loaded[f"{prefix}@{lo}"][a - lo : b - lo]
+            )
+            covered += b - a
+    if covered != s.length:
+        raise ValueError(f"checkpoint holds {covered} of the {s.length} elements of {prefix} this rank needs")
