@@ -152,13 +152,17 @@ class ExactResume:
 
     # ------------------------------------------------------------------ per-rank states
     @staticmethod
-    def gather(extra: dict[str, Any] | None = None, device: torch.device | None = None) -> list[dict[str, Any]] | None:
+    def gather(
+        comm: comms.CommContext,
+        extra: dict[str, Any] | None = None,
+        device: torch.device | None = None,
+    ) -> list[dict[str, Any]] | None:
         """Every rank's RNG states and ``extra`` (its own state of the strategy), collected on rank 0 for the
-        checkpoint in one ``gather_object``; None on the other ranks. Every rank must call it."""
+        checkpoint in one ``gather_object`` through ``comm``; None on the other ranks. Every rank must call it."""
         mine = {"rng": rng_state(device or torch.device("cpu")), **(extra or {})}
         if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
             return [mine]
-        return comms.gather_object(mine, dst=0)
+        return comm.gather_object(mine, dst=0)
 
     def take(self, states: Sequence[dict[str, Any]] | None, rank: int, world_size: int) -> dict[str, Any] | None:
         """This rank's entry of the checkpoint's ``states`` (its RNG states are kept for

@@ -2,7 +2,7 @@
 
 These exist so that the algorithm behind an all-reduce is visible, selectable and measurable
 rather than hidden inside the backend. Every message goes through
-:func:`lightning_sync.comms.collectives.send` / ``recv``, so :class:`CommStats` counts the exact
+:meth:`CommContext.send <lightning_sync.comms.context.CommContext.send>` / ``recv``, so an observer counts the exact
 wire bytes under ``send`` and ``recv``; the algorithm's own entry (``ring_all_reduce``, ...) counts
 calls and seconds with 0 bytes, so no byte is counted twice.
 
@@ -26,7 +26,7 @@ calls and seconds with 0 bytes, so no byte is counted twice.
   among N*L. Ranks are laid out node by node (global rank = node * L + local rank, as Lightning and
   SLURM number them); the sub-groups come from :class:`NodeGroups`. Its traffic is recorded under
   ``intra_node/reduce``, ``inter_node/all_reduce`` and ``intra_node/broadcast``
-  (:func:`~lightning_sync.comms.collectives.scope`), so intra- and inter-node bytes are separate.
+  (:meth:`~lightning_sync.comms.context.CommContext.scope`), so intra- and inter-node bytes are separate.
 
 All ranks in ``group`` must call the same function with tensors of the same shape and dtype.
 """
@@ -36,19 +36,22 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from lightning_sync.comms import collectives as C
+from lightning_sync.comms import payload as P
+
+if TYPE_CHECKING:
+    from lightning_sync.comms.context import CommContext
 
 __all__ = [
     "ALGORITHMS",
     "NodeGroups",
     "all_reduce_with",
     "hierarchical_all_reduce",
-    "node_groups",
-    "release_node_groups",
+    "resolve_ranks_per_node",
     "ring_all_gather",
     "ring_all_reduce",
     "ring_reduce_scatter",
@@ -64,27 +67,33 @@ _COMBINE: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
 
 
 def _combine(op: str, tensor: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    C.check_reduce(op, tensor)  # same allowed ops and dtype rules as the backend path
+    P.check_reduce(op, tensor)  # same allowed ops and dtype rules as the backend path
     return _COMBINE[op]
 
 
 def _exchange(
-    send_buf: torch.Tensor, dst: int, recv_buf: torch.Tensor, src: int, group: dist.ProcessGroup | None
+    ctx: CommContext,
+    send_buf: torch.Tensor,
+    dst: int,
+    recv_buf: torch.Tensor,
+    src: int,
+    group: dist.ProcessGroup | None,
 ) -> None:
     """Send to ``dst`` and receive from ``src`` at the same time (no ordering deadlock)."""
-    works = [C.send(send_buf, dst, group=group, async_op=True), C.recv(recv_buf, src, group=group, async_op=True)]
+    works = [ctx.send(send_buf, dst, group=group, async_op=True), ctx.recv(recv_buf, src, group=group, async_op=True)]
     for w in works:
         w.wait()
 
 
-def _account(op: str, start: float) -> None:
-    C.get_stats().record(op, 0, time.perf_counter() - start)
+def _account(ctx: CommContext, op: str, start: float) -> None:
+    if ctx.observer is not None:  # the algorithm's own entry: calls and seconds, its bytes are in send/recv
+        ctx.observer.record(op, 0, time.perf_counter() - start)
 
 
 def _ring_setup(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> tuple[list[int], int, int, int]:
-    ranks = C.group_ranks(group)
+    ranks = P.group_ranks(group)
     world = len(ranks)
-    me = ranks.index(C.get_rank())
+    me = ranks.index(P.get_rank())
     chunk = -(-tensor.numel() // world)
     return ranks, world, me, chunk
 
@@ -96,96 +105,105 @@ def _chunks(tensor: torch.Tensor, world: int, chunk: int) -> torch.Tensor:
 
 
 def _reduce_scatter_steps(
-    buf: torch.Tensor, ranks: list[int], me: int, op: str, group: dist.ProcessGroup | None
+    ctx: CommContext, buf: torch.Tensor, ranks: list[int], me: int, op: str, group: dist.ProcessGroup | None
 ) -> None:
     world, combine = len(ranks), _COMBINE[op]
     nxt, prv = ranks[(me + 1) % world], ranks[(me - 1) % world]
     incoming = torch.empty_like(buf[0])
     for s in range(world - 1):
-        _exchange(buf[(me - s - 1) % world], nxt, incoming, prv, group)
+        _exchange(ctx, buf[(me - s - 1) % world], nxt, incoming, prv, group)
         combine(buf[(me - s - 2) % world], incoming)
 
 
-def _all_gather_steps(buf: torch.Tensor, ranks: list[int], me: int, group: dist.ProcessGroup | None) -> None:
+def _all_gather_steps(
+    ctx: CommContext, buf: torch.Tensor, ranks: list[int], me: int, group: dist.ProcessGroup | None
+) -> None:
     world = len(ranks)
     nxt, prv = ranks[(me + 1) % world], ranks[(me - 1) % world]
     for s in range(world - 1):
-        _exchange(buf[(me - s) % world], nxt, buf[(me - s - 1) % world], prv, group)
+        _exchange(ctx, buf[(me - s) % world], nxt, buf[(me - s - 1) % world], prv, group)
 
 
-def ring_reduce_scatter(tensor: torch.Tensor, op: str = "sum", group: dist.ProcessGroup | None = None) -> torch.Tensor:
+def ring_reduce_scatter(
+    ctx: CommContext, tensor: torch.Tensor, op: str = "sum", group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
     """Ring reduce-scatter of the flattened ``tensor``; returns this rank's chunk (``ceil(n/K)``
     elements, trimmed of padding at the end)."""
     _combine(op, tensor)
     start = time.perf_counter()
     ranks, world, me, chunk = _ring_setup(tensor, group)
     buf = _chunks(tensor, world, chunk)
-    _reduce_scatter_steps(buf, ranks, me, op, group)
+    _reduce_scatter_steps(ctx, buf, ranks, me, op, group)
     mine = buf[me].clone()
     if op == "avg":
         mine /= world
     keep = max(0, min(tensor.numel(), (me + 1) * chunk) - me * chunk)
-    _account("ring_reduce_scatter", start)
+    _account(ctx, "ring_reduce_scatter", start)
     return mine[:keep]
 
 
-def ring_all_gather(shard: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+def ring_all_gather(ctx: CommContext, shard: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Ring all-gather of equal-sized flat shards; returns a ``(K, shard.numel())`` tensor."""
     start = time.perf_counter()
-    ranks = C.group_ranks(group)
-    world, me = len(ranks), ranks.index(C.get_rank())
+    ranks = P.group_ranks(group)
+    world, me = len(ranks), ranks.index(P.get_rank())
     buf = shard.new_empty((world, shard.numel()))
     buf[me] = shard.reshape(-1)
-    _all_gather_steps(buf, ranks, me, group)
-    _account("ring_all_gather", start)
+    _all_gather_steps(ctx, buf, ranks, me, group)
+    _account(ctx, "ring_all_gather", start)
     return buf
 
 
-def ring_all_reduce(tensor: torch.Tensor, op: str = "sum", group: dist.ProcessGroup | None = None) -> torch.Tensor:
+def ring_all_reduce(
+    ctx: CommContext, tensor: torch.Tensor, op: str = "sum", group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
     """Ring all-reduce of ``tensor`` in place (reduce-scatter, then all-gather); returns it."""
     _combine(op, tensor)
     start = time.perf_counter()
     ranks, world, me, chunk = _ring_setup(tensor, group)
     if world > 1:
         buf = _chunks(tensor, world, chunk)
-        _reduce_scatter_steps(buf, ranks, me, op, group)
-        _all_gather_steps(buf, ranks, me, group)
+        _reduce_scatter_steps(ctx, buf, ranks, me, op, group)
+        _all_gather_steps(ctx, buf, ranks, me, group)
         tensor.copy_(buf.view(-1)[: tensor.numel()].view_as(tensor))
     if op == "avg":
         tensor /= world
-    _account("ring_all_reduce", start)
+    _account(ctx, "ring_all_reduce", start)
     return tensor
 
 
-def tree_all_reduce(tensor: torch.Tensor, op: str = "sum", group: dist.ProcessGroup | None = None) -> torch.Tensor:
+def tree_all_reduce(
+    ctx: CommContext, tensor: torch.Tensor, op: str = "sum", group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
     """Binary-tree all-reduce of ``tensor`` in place (reduce to group rank 0, broadcast down)."""
     combine = _combine(op, tensor)
     start = time.perf_counter()
-    ranks = C.group_ranks(group)
-    world, me = len(ranks), ranks.index(C.get_rank())
+    ranks = P.group_ranks(group)
+    world, me = len(ranks), ranks.index(P.get_rank())
     children = [c for c in (2 * me + 1, 2 * me + 2) if c < world]
     incoming = torch.empty_like(tensor)
     for c in children:  # reduce phase: fold the children's subtrees in, then pass up
-        C.recv(incoming, ranks[c], group=group)
+        ctx.recv(incoming, ranks[c], group=group)
         combine(tensor, incoming)
     if me != 0:
-        C.send(tensor, ranks[(me - 1) // 2], group=group)
-        C.recv(tensor, ranks[(me - 1) // 2], group=group)
+        ctx.send(tensor, ranks[(me - 1) // 2], group=group)
+        ctx.recv(tensor, ranks[(me - 1) // 2], group=group)
     for c in children:  # broadcast phase
-        C.send(tensor, ranks[c], group=group)
+        ctx.send(tensor, ranks[c], group=group)
     if op == "avg":
         tensor /= world
-    _account("tree_all_reduce", start)
+    _account(ctx, "tree_all_reduce", start)
     return tensor
 
 
 class NodeGroups:
     """The sub-groups of a job laid out node by node, ``ranks_per_node`` (L) ranks each: one group per node
     and one of the node leaders (local rank 0). ``torch.distributed.new_group`` is collective, so every
-    rank builds every group, in the same order; build it outside backward (use :func:`node_groups`)."""
+    rank builds every group, in the same order; build it outside backward
+    (:meth:`~lightning_sync.comms.context.CommContext.node_groups`)."""
 
     def __init__(self, ranks_per_node: int) -> None:
-        world = C.get_world_size()
+        world = P.get_world_size()
         if (
             isinstance(ranks_per_node, bool)
             or not isinstance(ranks_per_node, int)
@@ -200,81 +218,63 @@ class NodeGroups:
         self.leaders = [ranks[0] for ranks in self.nodes]
         groups = [dist.new_group(ranks) for ranks in self.nodes]
         self.leader_group = dist.new_group(self.leaders)
-        me = C.get_rank()
+        me = P.get_rank()
         self.node = me // ranks_per_node
         self.node_group = groups[self.node]
         self.leader = self.leaders[self.node]
-        self.world = dist.group.WORLD  # held, so the cache key's id cannot be reused by a later default group
+        self.world = dist.group.WORLD  # the default group these sub-groups belong to
 
     def destroy(self) -> None:
         """Destroy this rank's sub-groups (its node's, and the leaders' on a leader); local, not collective."""
-        mine = [self.node_group, *([self.leader_group] if C.get_rank() == self.leader else [])]
+        mine = [self.node_group, *([self.leader_group] if P.get_rank() == self.leader else [])]
         for group in mine:
             if dist.is_initialized() and group in dist.distributed_c10d._world.pg_map:
                 dist.destroy_process_group(group)
 
 
-_NODE_GROUPS: dict[tuple[int, int], NodeGroups] = {}
-
-
-def node_groups(ranks_per_node: int | None = None) -> NodeGroups:
-    """The :class:`NodeGroups` of the current default group (built once per process group and layout).
-
-    ``ranks_per_node`` defaults to ``LOCAL_WORLD_SIZE`` (torchrun, Lightning) or ``SLURM_NTASKS_PER_NODE``.
-    """
-    if ranks_per_node is None:
-        value = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("SLURM_NTASKS_PER_NODE", "").split("(")[0]
-        if not value:
-            raise ValueError(
-                "hierarchical all-reduce needs ranks_per_node (or LOCAL_WORLD_SIZE / "
-                "SLURM_NTASKS_PER_NODE in the environment)"
-            )
-        ranks_per_node = int(value)
-    key = (id(dist.group.WORLD), ranks_per_node)
-    if key not in _NODE_GROUPS:  # each entry holds its default group, so a later group cannot reuse the id
-        _NODE_GROUPS[key] = NodeGroups(ranks_per_node)
-    return _NODE_GROUPS[key]
-
-
-def release_node_groups() -> int:
-    """Destroy every cached :class:`NodeGroups`' sub-groups and forget them; returns how many were cached.
-
-    A strategy that used the hierarchical all-reduce calls this at teardown, so no gloo sub-group (with
-    its worker threads) outlives the job into interpreter exit, and a later process group builds its
-    own. Every rank calls it alike; it is local (no collective).
-    """
-    n = len(_NODE_GROUPS)
-    for groups in _NODE_GROUPS.values():
-        groups.destroy()
-    _NODE_GROUPS.clear()
-    return n
+def resolve_ranks_per_node(ranks_per_node: int | None) -> int:
+    """``ranks_per_node``, or from the environment: ``LOCAL_WORLD_SIZE`` (torchrun, Lightning) or
+    ``SLURM_NTASKS_PER_NODE``."""
+    if ranks_per_node is not None:
+        return ranks_per_node
+    value = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("SLURM_NTASKS_PER_NODE", "").split("(")[0]
+    if not value:
+        raise ValueError(
+            "hierarchical all-reduce needs ranks_per_node "
+            "(or LOCAL_WORLD_SIZE / SLURM_NTASKS_PER_NODE in the environment)"
+        )
+    return int(value)
 
 
 def hierarchical_all_reduce(
-    tensor: torch.Tensor, op: str = "sum", group: dist.ProcessGroup | None = None, ranks_per_node: int | None = None
+    ctx: CommContext,
+    tensor: torch.Tensor,
+    op: str = "sum",
+    group: dist.ProcessGroup | None = None,
+    ranks_per_node: int | None = None,
 ) -> torch.Tensor:
     """Hierarchical all-reduce of ``tensor`` in place over the default group (see the module docstring)."""
     if group is not None and group is not dist.group.WORLD:
         raise ValueError("hierarchical all-reduce runs over the default group (its node layout), got a sub-group")
     _combine(op, tensor)  # the allowed ops and dtypes
     start = time.perf_counter()
-    g = node_groups(ranks_per_node)
+    g = ctx.node_groups(ranks_per_node)  # built once per context, released by its begin_job/close
     step_op = "sum" if op == "avg" else op
-    with C.scope("intra_node"):
-        C.reduce(tensor, dst=g.leader, op=step_op, group=g.node_group)
-    if C.get_rank() == g.leader and len(g.leaders) > 1:
-        with C.scope("inter_node"):
-            C.all_reduce(tensor, op=step_op, group=g.leader_group)
-    with C.scope("intra_node"):
-        C.broadcast(tensor, src=g.leader, group=g.node_group)
+    with ctx.scope("intra_node"):
+        ctx.reduce(tensor, dst=g.leader, op=step_op, group=g.node_group)
+    if P.get_rank() == g.leader and len(g.leaders) > 1:
+        with ctx.scope("inter_node"):
+            ctx.all_reduce(tensor, op=step_op, group=g.leader_group)
+    with ctx.scope("intra_node"):
+        ctx.broadcast(tensor, src=g.leader, group=g.node_group)
     if op == "avg":
-        tensor /= C.get_world_size()
-    _account("hierarchical_all_reduce", start)
+        tensor /= P.get_world_size()
+    _account(ctx, "hierarchical_all_reduce", start)
     return tensor
 
 
 ALGORITHMS: dict[str, Callable[..., torch.Tensor]] = {
-    "backend": lambda t, op="sum", group=None: C.all_reduce(t, op=op, group=group),
+    "backend": lambda ctx, t, op="sum", group=None: ctx.all_reduce(t, op=op, group=group),
     "ring": ring_all_reduce,
     "tree": tree_all_reduce,
     "hierarchical": hierarchical_all_reduce,
@@ -282,10 +282,10 @@ ALGORITHMS: dict[str, Callable[..., torch.Tensor]] = {
 
 
 def all_reduce_with(
-    algorithm: str, tensor: torch.Tensor, op: str = "sum", group: dist.ProcessGroup | None = None
+    ctx: CommContext, algorithm: str, tensor: torch.Tensor, op: str = "sum", group: dist.ProcessGroup | None = None
 ) -> torch.Tensor:
     """All-reduce with a named algorithm: one of :data:`ALGORITHMS` (``backend``, ``ring``, ``tree``,
     ``hierarchical``)."""
     if algorithm not in ALGORITHMS:
         raise ValueError(f"unknown all-reduce algorithm {algorithm!r}; allowed: {sorted(ALGORITHMS)}")
-    return ALGORITHMS[algorithm](tensor, op=op, group=group)
+    return ALGORITHMS[algorithm](ctx, tensor, op=op, group=group)

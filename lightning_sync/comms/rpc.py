@@ -30,12 +30,13 @@ from typing import Any
 import torch
 import torch.distributed.rpc as rpc
 
-from lightning_sync.comms.collectives import Work, get_stats
+from lightning_sync.comms.work import Observer, Work
 
 __all__ = ["init", "is_initialized", "rpc_call", "shutdown", "tensor_bytes", "worker_name"]
 
-_SEQ = itertools.count(1)
-_STATE: dict[str, Any] = {"rank": None, "world": None}
+# torch.distributed.rpc keeps one agent per process (init_rpc is process-wide by torch's design); this mirrors
+# it: the rank and world it joined as, and the count of calls made through it.
+_STATE: dict[str, Any] = {"rank": None, "world": None, "calls": itertools.count(1)}
 
 
 def worker_name(rank: int) -> str:
@@ -105,11 +106,14 @@ class _FutureHandle:
         return self.future.done()
 
 
-def rpc_call(to: int, fn: Callable[..., Any], *args: Any, async_op: bool = False) -> Any:
+def rpc_call(
+    to: int, fn: Callable[..., Any], *args: Any, async_op: bool = False, observer: Observer | None = None
+) -> Any:
     """Run ``fn(*args)`` on global rank ``to`` and return its result (a :class:`Work` if ``async_op``).
 
-    ``fn`` must be a module-level function importable on the callee. The request's tensor bytes are
-    counted as ``rpc_send``, the reply's as ``rpc_recv`` (with the round-trip time).
+    ``fn`` must be a module-level function importable on the callee. The ``observer`` (the caller's
+    context's, if any) counts the request's tensor bytes as ``rpc_send``, the reply's as ``rpc_recv`` (with the
+    round-trip time).
     """
     if not is_initialized():
         raise RuntimeError(
@@ -121,15 +125,16 @@ def rpc_call(to: int, fn: Callable[..., Any], *args: Any, async_op: bool = False
         raise ValueError(f"to must be a rank in [0, {world - 1}], got {to!r}")
     if to == me:
         raise ValueError(f"rpc_call to this process itself (rank {me}); call {getattr(fn, '__name__', fn)} directly")
-    stats = get_stats()
-    stats.record("rpc_send", tensor_bytes(args))
+    if observer is not None:
+        observer.record("rpc_send", tensor_bytes(args))
     start = time.perf_counter()
     future = rpc.rpc_async(worker_name(to), fn, args=args)
 
     def finish() -> Any:
         value = future.wait()
-        stats.record("rpc_recv", tensor_bytes(value), time.perf_counter() - start)
+        if observer is not None:
+            observer.record("rpc_recv", tensor_bytes(value), time.perf_counter() - start)
         return value
 
-    work = Work("rpc_recv", next(_SEQ), [_FutureHandle(future)], finish, start, account=False)
+    work = Work("rpc_recv", next(_STATE["calls"]), [_FutureHandle(future)], finish, start, account=False)
     return work if async_op else work.wait()

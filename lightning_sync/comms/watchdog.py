@@ -1,10 +1,9 @@
 """Hang watchdog for the collectives layer: a hang becomes an error, on every live rank, that names the culprit.
 
-With a :class:`Watchdog` started (:func:`start`, or the Lightning callback
-:class:`lightning_sync.diagnostics.HangWatchdog`), every collective issued through
-:mod:`lightning_sync.comms` is tracked by group, sequence number and signature (op name, byte size, dtype and
-shape, reduce op, root rank, the logged key of a Lightning ``sync_dist`` reduction:
-:mod:`lightning_sync.comms.diagnosis`), and:
+With a :class:`Watchdog` started (:meth:`~lightning_sync.comms.context.CommContext.start_watchdog`, or the
+Lightning callback :class:`lightning_sync.diagnostics.HangWatchdog`), every collective issued through its context
+is tracked by group, sequence number and signature (op name, byte size, dtype and shape, reduce op, root rank,
+the logged key of a Lightning ``sync_dist`` reduction: :mod:`lightning_sync.comms.diagnosis`), and:
 
 * **A collective that does not complete within ``timeout`` seconds** fails on the rank that waits for it
   with a :class:`CollectiveTimeout` such as ``all_reduce #412 (4.0 kB) on world did not complete within
@@ -18,7 +17,7 @@ shape, reduce op, root rank, the logged key of a Lightning ``sync_dist`` reducti
   (Connection closed by peer ...): ranks [1] lost (no heartbeat for 2.1 s; last seen in all_reduce #87)``.
 * **Collectives that pair up across different calls** do not hang, so no timeout fires: rank 0 logs ``a``
   then ``b`` with ``sync_dist`` and rank 1 logs ``b`` then ``a``, and each key is averaged with the other.
-  Every rank keeps a running hash of the signatures it issued on each group; :func:`verify` (a collective
+  Every rank keeps a running hash of the signatures it issued on each group; :meth:`Watchdog.verify` (a collective
   the Lightning callback runs every few steps and at the end of each stage) compares them, and on a
   difference every rank raises the same :class:`CollectiveMismatch` naming the first call that differed and
   the ranks on each side: ``ranks issued different collectives on world at #57 that paired up:
@@ -76,17 +75,12 @@ __all__ = [
     "Pending",
     "RankLost",
     "Watchdog",
-    "active",
     "check_args",
     "sequence_key",
-    "start",
-    "stop",
-    "verify",
 ]
 
 _HISTORY = 8  # ops per group in a rank's published record: enough to compare the op at a pending seq
 _KEPT = 4096  # ops per group kept in memory, to name the first that differs when verify finds a mismatch
-_ACTIVE: Watchdog | None = None
 
 
 class CollectiveError(RuntimeError):
@@ -102,37 +96,7 @@ class RankLost(CollectiveError):
 
 
 class CollectiveMismatch(CollectiveError):
-    """Ranks issued different collectives that paired up without a hang (found by :func:`verify`)."""
-
-
-def active() -> Watchdog | None:
-    """The running watchdog of this process, if any."""
-    return _ACTIVE
-
-
-def start(timeout: float, interval: float | None = None, exit_after: float | None = None) -> Watchdog:
-    """Start this process's watchdog on the default process group (stopping a running one first). Every rank of
-    the group starts its watchdogs alike, as it issues collectives: the n-th of each rank share a namespace."""
-    global _ACTIVE
-    stop(clean=True)
-    _ACTIVE = Watchdog(timeout, interval=interval, exit_after=exit_after)
-    _ACTIVE.start()
-    return _ACTIVE
-
-
-def verify() -> None:
-    """Check that every rank issued the same collectives so far (:meth:`Watchdog.verify`); nothing without a
-    running watchdog. Collective over the default group."""
-    if _ACTIVE is not None:
-        _ACTIVE.verify()
-
-
-def stop(clean: bool = True) -> None:
-    """Stop this process's watchdog; ``clean`` tells the peers this rank left on purpose."""
-    global _ACTIVE
-    wd, _ACTIVE = _ACTIVE, None
-    if wd is not None:
-        wd.stop(clean=clean)
+    """Ranks issued different collectives that paired up without a hang (found by :meth:`Watchdog.verify`)."""
 
 
 def check_args(timeout: Any, interval: Any = None, exit_after: Any = None) -> tuple[float, float, float]:
@@ -243,19 +207,16 @@ class Watchdog:
         if self._error is not None:
             raise type(self._error)(str(self._error))
 
-    def verify(self) -> None:
+    def verify(self, ctx: Any) -> None:
         """Raise :class:`CollectiveMismatch` on every rank, naming the first call that differs, unless every rank
         issued the same collectives on every group so far (same count, same signatures in the same order).
-
         Collective over the default group: one small ``all_gather_object`` (a second on a mismatch), recorded under
         the op prefix ``watchdog/``. Every rank compares the same gathered hashes, so all raise alike."""
-        from lightning_sync.comms import collectives  # it imports this module
-
         self.check()
         with self._lock:
             mine = {key: (self._last[key], running, ranks) for key, (running, ranks) in self._hash.items()}
-        with collectives.scope("watchdog"):
-            states = collectives.all_gather_object(mine)
+        with ctx.scope("watchdog"):
+            states = ctx.all_gather_object(mine)
         members = {key: ranks for state in states for key, (_, _, ranks) in state.items()}
         differ = sorted(
             key for key, ranks in members.items() if len({tuple(states[r].get(key, (0, 0))[:2]) for r in ranks}) > 1
@@ -266,8 +227,8 @@ class Watchdog:
         key = differ[0]
         with self._lock:
             tail = [e for e in self._issued.get(key, ()) if e[0] > self._verified.get(key, 0)]
-        with collectives.scope("watchdog"):
-            tails = collectives.all_gather_object(tail)
+        with ctx.scope("watchdog"):
+            tails = ctx.all_gather_object(tail)
         raise self._set_error(CollectiveMismatch(mismatch(key, {r: tails[r] for r in members[key]})), post=False)
 
     # ------------------------------------------------------------------ life cycle

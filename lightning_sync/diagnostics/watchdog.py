@@ -61,31 +61,40 @@ class HangWatchdog(pl.Callback):
         self.collective_timeout, self.interval, self.exit_after = collective_timeout, interval, exit_after
         self.verify_every = check_int("verify_every", verify_every, 0)
         self._verified_step = -1
+        self._comm: Any = None
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._comm = getattr(trainer.strategy, "comm", None)
+        if self._comm is None:
+            raise ValueError(
+                f"HangWatchdog watches the collectives of a lightning_sync strategy, whose communication context "
+                f"it runs in; got {type(trainer.strategy).__name__}. Allowed: the strategies of lightning_sync "
+                f"(e.g. strategy='bucketed_ddp')"
+            )
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            watchdog.start(self.collective_timeout, self.interval, self.exit_after)
+            self._comm.start_watchdog(self.collective_timeout, self.interval, self.exit_after)
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         step = trainer.global_step  # with gradient accumulation, several batches end one step
         if self.verify_every and step % self.verify_every == 0 and step != self._verified_step:
             self._verified_step = step
-            watchdog.verify()
+            self._comm.verify()
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        watchdog.verify()  # after the last epoch's logged values were synced
+        self._comm.verify()  # after the last epoch's logged values were synced
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        watchdog.verify()
+        self._comm.verify()
 
     def on_test_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        watchdog.verify()
+        self._comm.verify()
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        watchdog.stop(clean=True)
+        if self._comm is not None:
+            self._comm.stop_watchdog(clean=True)
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        wd = watchdog.active()
+        wd = self._comm.watchdog if self._comm is not None else None
         if wd is None:
             return
         if not isinstance(exception, watchdog.CollectiveError):
@@ -98,4 +107,4 @@ class HangWatchdog(pl.Callback):
             if note:
                 exception.add_note(note)
                 log.error("rank %d: %s", wd.rank, note)
-        watchdog.stop(clean=False)
+        self._comm.stop_watchdog(clean=False)

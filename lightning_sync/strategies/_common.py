@@ -1,5 +1,5 @@
-"""What the lightning_sync strategies share: argument checks and Lightning's collectives, routed
-through :mod:`lightning_sync.comms` so that metric syncing is counted like everything else."""
+"""What the lightning_sync strategies share: argument checks, the communication context, and Lightning's
+collectives routed through it, so that metric syncing is counted and watched like everything else."""
 
 from __future__ import annotations
 
@@ -54,14 +54,15 @@ class _AllGatherWithGrad(torch.autograd.Function):
     """``comms.all_gather`` whose backward sends each rank the gradient of its own slice."""
 
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor) -> torch.Tensor:
-        return torch.stack(comms.all_gather(tensor.contiguous()))
+    def forward(ctx: Any, tensor: torch.Tensor, comm: comms.CommContext) -> torch.Tensor:
+        ctx.comm = comm
+        return torch.stack(comm.all_gather(tensor.contiguous()))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
         grad = grad.contiguous()
-        comms.all_reduce(grad, op="sum")
-        return grad[comms.get_rank()]
+        ctx.comm.all_reduce(grad, op="sum")
+        return grad[comms.get_rank()], None
 
 
 def no_sync_of(switch: Any | None) -> AbstractContextManager[Any]:
@@ -98,14 +99,28 @@ class AtomicCheckpoints:
 
 
 class CommsCollectivesMixin(ExactDataHooks, AtomicCheckpoints):
-    """``reduce``/``all_gather``/``broadcast``/``barrier`` for Lightning (torchmetrics ``sync_dist``,
-    ``self.all_gather``, checkpoint-path broadcasts) through :mod:`lightning_sync.comms`; every fit starts from
-    clean communication state (:func:`lightning_sync.comms.begin_job`)."""
+    """The strategy's communication context (:attr:`comm`), and ``reduce``/``all_gather``/``broadcast``/``barrier``
+    for Lightning (torchmetrics ``sync_dist``, ``self.all_gather``, checkpoint-path broadcasts) through it; every
+    fit starts from clean communication state (:meth:`~lightning_sync.comms.CommContext.begin_job`)."""
+
+    @property
+    def comm(self) -> comms.CommContext:
+        """This strategy's :class:`~lightning_sync.comms.CommContext`: its collectives, sequence numbers, hang
+        watchdog and node groups, and a :class:`~lightning_sync.comms.CommStats` observer that measures them
+        (set ``comm.observer = None`` to measure nothing). Nothing of it is shared with another strategy."""
+        ctx = self.__dict__.get("_comm")
+        if ctx is None:
+            ctx = self.__dict__["_comm"] = comms._DEFAULT
+        return ctx
+
+    @comm.setter
+    def comm(self, ctx: comms.CommContext) -> None:
+        self.__dict__["_comm"] = ctx
 
     def setup_environment(self) -> None:
         trainer = trainer_of(self.lightning_module)  # type: ignore[attr-defined]
-        if trainer is not None and trainer.state.fn == "fit":  # a multirun's next job, or a second fit
-            comms.begin_job()
+        if trainer is not None and trainer.state.fn == "fit":  # a second fit of this strategy
+            self.comm.begin_job()
         super().setup_environment()  # type: ignore[misc]
 
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
@@ -121,20 +136,20 @@ class CommsCollectivesMixin(ExactDataHooks, AtomicCheckpoints):
         # Lightning's result collection passes the tensor alone; the key it syncs is on the caller's metadata. As
         # the all-reduce's label, it lets the hang watchdog tell apart ranks that sync different keys of one shape.
         label = calling_metric_key()
-        return comms.all_reduce(out, op=op, group=group, label=label)
+        return self.comm.all_reduce(out, op=op, group=group, label=label)
 
     def all_gather(self, tensor: torch.Tensor, group: Any | None = None, sync_grads: bool = False) -> torch.Tensor:
         if not torch.distributed.is_initialized():
             return tensor
         if sync_grads:
-            return _AllGatherWithGrad.apply(tensor)
-        return torch.stack(comms.all_gather(tensor.detach().contiguous(), group=group))
+            return _AllGatherWithGrad.apply(tensor, self.comm)
+        return torch.stack(self.comm.all_gather(tensor.detach().contiguous(), group=group))
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         if not torch.distributed.is_initialized():
             return obj
-        return comms.broadcast_object(obj, src=src)
+        return self.comm.broadcast_object(obj, src=src)
 
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         if torch.distributed.is_initialized():
-            comms.barrier()
+            self.comm.barrier()

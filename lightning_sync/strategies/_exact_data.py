@@ -109,7 +109,7 @@ class ExactDataHooks:
         if self._per_rank_optimizer_state and rank != 0 and "optimizer_states" in checkpoint:
             optimizers = self.optimizers  # type: ignore[attr-defined]
             extra["optimizer_states"] = [self.optimizer_state(o) for o in optimizers]  # type: ignore[attr-defined]
-        checkpoint[RANK_STATES] = self._exact_resume.gather(extra, self.root_device)  # type: ignore[attr-defined]
+        checkpoint[RANK_STATES] = self._exact_resume.gather(self.comm, extra, self.root_device)  # type: ignore[attr-defined]
 
     def _take_rank_state(self, checkpoint: dict[str, Any]) -> dict[str, Any] | None:
         """This rank's entry of ``checkpoint``'s per-rank states (None when absent or from another world size);

@@ -37,7 +37,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_sync import comms
-from lightning_sync.comms.algorithms import ALGORITHMS, release_node_groups
+from lightning_sync.comms.algorithms import ALGORITHMS
 from lightning_sync.resume import RANK_STATES
 from lightning_sync.strategies._common import (
     CommsCollectivesMixin,
@@ -168,7 +168,7 @@ class BucketedDDPStrategy(CommsCollectivesMixin, DDPStrategy):
             self.bucketer.close()
             self.bucketer = None
         if self.comm_algorithm == "hierarchical":  # no gloo sub-group outlives the fit (algorithms.release_node_groups)
-            release_node_groups()
+            comms._DEFAULT.release_node_groups()
         super().teardown()
 
     # ------------------------------------------------------------------ training hooks

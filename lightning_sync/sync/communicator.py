@@ -2,7 +2,7 @@
 
 Algorithms never call torch.distributed directly: they get a :class:`Communicator`, so they run
 unchanged on a real process group (:class:`ProcessGroupCommunicator`, which goes through
-:mod:`lightning_sync.comms` and is therefore counted in ``CommStats``) or, in one-process unit
+:mod:`lightning_sync.comms` and is therefore measured by its context's observer) or, in one-process unit
 tests, on a fake such as :class:`LoopbackCommunicator`.
 """
 
@@ -49,31 +49,46 @@ class Communicator(Protocol):
 
 
 class ProcessGroupCommunicator:
-    """A :class:`Communicator` over a torch process group, through :mod:`lightning_sync.comms`.
+    """A :class:`Communicator` over a torch process group, through a :class:`~lightning_sync.comms.CommContext`
+    (so every call is numbered, watched, and measured by the context's observer).
 
     Args:
-        group: the process group (None: the default group).
+        ctx: the communication context of the job (the strategy's ``comm``); its group is the default.
         algorithm: how ``all_reduce`` runs: ``"backend"`` (the backend's own, asynchronous), or one of
             :data:`lightning_sync.comms.algorithms.ALGORITHMS` written out in ``comms`` (``"ring"``,
             ``"tree"``, ``"hierarchical"``), which complete before ``all_reduce`` returns.
         ranks_per_node: the node layout for ``"hierarchical"`` (its sub-groups are built here, once).
+        group: the process group (None: the context's).
     """
 
     def __init__(
-        self, group: dist.ProcessGroup | None = None, algorithm: str = "backend", ranks_per_node: int | None = None
+        self,
+        ctx: comms.CommContext | None = None,
+        algorithm: str = "backend",
+        ranks_per_node: int | None = None,
+        group: dist.ProcessGroup | None = None,
     ) -> None:
         from lightning_sync.comms import algorithms
 
+        if ctx is None:
+            ctx = comms._DEFAULT
         if algorithm not in algorithms.ALGORITHMS:
             raise ValueError(f"unknown all-reduce algorithm {algorithm!r}; allowed: {sorted(algorithms.ALGORITHMS)}")
         if algorithm == "hierarchical":
-            algorithms.node_groups(ranks_per_node)  # collective: every rank builds the sub-groups now
-        self._group, self.algorithm, self.ranks_per_node = group, algorithm, ranks_per_node
+            ctx.node_groups(ranks_per_node)  # collective: every rank builds the sub-groups now
+        self.ctx = ctx
+        self._group = ctx.group if group is None else group
+        self.algorithm, self.ranks_per_node = algorithm, ranks_per_node
 
     @property
     def group(self) -> dist.ProcessGroup | None:
         """The process group (None: the default group)."""
         return self._group
+
+    @property
+    def observer(self) -> comms.Observer | None:
+        """The context's observer: what an algorithm's own local work (a codec's arithmetic) is recorded in."""
+        return self.ctx.observer
 
     @property
     def rank(self) -> int:
@@ -85,31 +100,33 @@ class ProcessGroupCommunicator:
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False) -> Any:
         if self.algorithm == "backend":
-            return comms.all_reduce(tensor, op=op, group=self._group, async_op=async_op)
+            return self.ctx.all_reduce(tensor, op=op, group=self._group, async_op=async_op)
         from lightning_sync.comms import algorithms
 
         if self.algorithm == "hierarchical":
-            algorithms.hierarchical_all_reduce(tensor, op=op, group=self._group, ranks_per_node=self.ranks_per_node)
+            algorithms.hierarchical_all_reduce(
+                self.ctx, tensor, op=op, group=self._group, ranks_per_node=self.ranks_per_node
+            )
         else:
-            algorithms.all_reduce_with(self.algorithm, tensor, op=op, group=self._group)
+            algorithms.all_reduce_with(self.ctx, self.algorithm, tensor, op=op, group=self._group)
         return CompletedWork(tensor) if async_op else tensor
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
-        return comms.broadcast_object(obj, src=src, group=self._group)
+        return self.ctx.broadcast_object(obj, src=src, group=self._group)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False) -> Any:
-        return comms.broadcast(tensor, src=src, group=self._group, async_op=async_op)
+        return self.ctx.broadcast(tensor, src=src, group=self._group, async_op=async_op)
 
     def all_gather_object(self, obj: Any) -> list[Any]:
-        return comms.all_gather_object(obj, group=self._group)
+        return self.ctx.all_gather_object(obj, group=self._group)
 
     def all_gather_into(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> Any:
-        return comms.all_gather_into(output, input, group=self._group, async_op=async_op)
+        return self.ctx.all_gather_into(output, input, group=self._group, async_op=async_op)
 
     def reduce_scatter_into(
         self, output: torch.Tensor, input: torch.Tensor, op: str = "sum", async_op: bool = False, scratch: bool = False
     ) -> Any:
-        return comms.reduce_scatter_into(output, input, op=op, group=self._group, async_op=async_op, scratch=scratch)
+        return self.ctx.reduce_scatter_into(output, input, op=op, group=self._group, async_op=async_op, scratch=scratch)
 
 
 class CompletedWork:
@@ -133,10 +150,11 @@ class LoopbackCommunicator:
     what an algorithm sent, and when.
     """
 
-    def __init__(self, world_size: int = 1, rank: int = 0) -> None:
+    def __init__(self, world_size: int = 1, rank: int = 0, observer: comms.Observer | None = None) -> None:
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"need world_size >= 1 and 0 <= rank < world_size, got {world_size=}, {rank=}")
         self._world, self._rank = world_size, rank
+        self.observer = observer  # what an algorithm's local work (a codec's arithmetic) is recorded in
         self.calls: list[tuple[str, int]] = []
 
     @property

@@ -19,7 +19,7 @@ returns a handle whose ``wait()`` leaves the *average* gradient in ``bucket.buff
   buckets keeps it. Q is identical on every rank; the error is each rank's own.
 
 Codec time. The arithmetic of compressing and decompressing (casts, the products and the
-orthonormalization, error feedback) is counted in ``comms.get_stats()`` as op :data:`CODEC_OP`, with
+orthonormalization, error feedback) is recorded by the communicator's observer as op :data:`CODEC_OP`, with
 its seconds and zero bytes, one call per bucket; the time spent waiting for communication is not in it.
 """
 
@@ -31,17 +31,18 @@ from typing import Any
 
 import torch
 
-from lightning_sync import comms
 from lightning_sync.sync.communicator import Communicator, WorkLike
 
 __all__ = ["CODEC_OP", "COMPRESSIONS", "CastCompression", "PowerSGD", "make_compressor"]
 
 CODEC_OP = "codec"
-"""The ``comms.get_stats()`` entry of compression arithmetic: seconds, no bytes, a call per bucket."""
+"""The observer's entry of compression arithmetic: seconds, no bytes, a call per bucket."""
 
 
-def _codec(seconds: float, calls: int = 0) -> None:
-    comms.get_stats().record(CODEC_OP, 0, seconds, calls=calls)
+def _codec(comm: Communicator, seconds: float, calls: int = 0) -> None:
+    observer = getattr(comm, "observer", None)  # the communicator's context's, if it measures
+    if observer is not None:
+        observer.record(CODEC_OP, 0, seconds, calls=calls)
 
 
 class _Deferred:
@@ -73,13 +74,13 @@ class CastCompression:
         # divide first (in fp32), so the fp16 sum of K values cannot overflow where the average would not
         t0 = time.perf_counter()
         low = (bucket.buffer / comm.world_size).to(self.dtype)
-        _codec(time.perf_counter() - t0, calls=1)
+        _codec(comm, time.perf_counter() - t0, calls=1)
         work = comm.all_reduce(low, op="sum", async_op=True)
 
         def decode() -> None:
             t1 = time.perf_counter()
             bucket.buffer.copy_(low)
-            _codec(time.perf_counter() - t1)
+            _codec(comm, time.perf_counter() - t1)
 
         return _Deferred(work, decode)
 
@@ -154,7 +155,7 @@ class PowerSGD:
                     self._error[i].copy_(m)
                 else:
                     self._error[i] = m.clone()
-        _codec(time.perf_counter() - t0, calls=1)
+        _codec(comm, time.perf_counter() - t0, calls=1)
         work1 = comm.all_reduce(msg1, op="sum", async_op=True)
 
         def finish() -> None:
@@ -172,7 +173,7 @@ class PowerSGD:
             qs = [(p.t() @ m).t().contiguous() for (_, m, _), p in zip(mats, ps_orth)]
             if qs:  # message 2: every Q = M^T P
                 msg2 = torch.cat([q.reshape(-1) for q in qs])
-                _codec(time.perf_counter() - t1)
+                _codec(comm, time.perf_counter() - t1)
                 comm.all_reduce(msg2, op="sum")
                 t1 = time.perf_counter()
                 offset = 0
@@ -184,7 +185,7 @@ class PowerSGD:
                 self._q[i] = q
                 if self.error_feedback:
                     self._error[i].sub_(m)  # error = input - approximation
-            _codec(time.perf_counter() - t1)
+            _codec(comm, time.perf_counter() - t1)
 
         return _Deferred(_Done(), finish)
 

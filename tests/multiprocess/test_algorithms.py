@@ -24,6 +24,9 @@ from lightning_sync.testing import Checks, assert_all_ranks_passed, exact_input,
 
 __all__: list[str] = []
 
+# The communication context of this process's checks (a strategy owns one the same way).
+CTX = comms.CommContext(observer=comms.CommStats())
+
 OPS = ("sum", "avg", "max", "min")
 RUN_TIMEOUT_S = 150  # hard limit for one spawned run (start-up ~3 s/rank, checks a few seconds)
 
@@ -36,11 +39,11 @@ def _tol(op: str) -> dict[str, float]:
 
 
 _ALGOS: dict[str, Callable[..., torch.Tensor]] = {
-    "ring": A.ring_all_reduce,
-    "tree": A.tree_all_reduce,
-    "with(ring)": lambda t, op, group: A.all_reduce_with("ring", t, op=op, group=group),
-    "with(tree)": lambda t, op, group: A.all_reduce_with("tree", t, op=op, group=group),
-    "with(backend)": lambda t, op, group: A.all_reduce_with("backend", t, op=op, group=group),
+    "ring": lambda t, op, group: A.ring_all_reduce(CTX, t, op=op, group=group),
+    "tree": lambda t, op, group: A.tree_all_reduce(CTX, t, op=op, group=group),
+    "with(ring)": lambda t, op, group: A.all_reduce_with(CTX, "ring", t, op=op, group=group),
+    "with(tree)": lambda t, op, group: A.all_reduce_with(CTX, "tree", t, op=op, group=group),
+    "with(backend)": lambda t, op, group: A.all_reduce_with(CTX, "backend", t, op=op, group=group),
 }
 
 
@@ -58,7 +61,7 @@ def _check_all_reduces(
         )
         backend = None
         if ref is not None:
-            backend = comms.all_reduce(exact_input(me, shape, dtype, seed), op=op, group=group)
+            backend = CTX.all_reduce(exact_input(me, shape, dtype, seed), op=op, group=group)
             ck.close(f"{label} backend all_reduce{shape}[{op}, {dtype}]", backend, ref, **_tol(op))
         for name, algo in _ALGOS.items():
             case = f"{label} {name}{shape}[{op}, {dtype}]"
@@ -86,40 +89,40 @@ def _check_ring_pieces(
         full = reduce_reference([exact_input(r, (n,), dtype, seed) for r in members], op)
         c = -(-n // k)  # chunk r is elements [r*c, min(n, (r+1)*c)) of the flattened tensor
         expected = full[pos * c : max(pos * c, min(n, (pos + 1) * c))]
-        out = A.ring_reduce_scatter(exact_input(me, (n,), dtype, seed), op=op, group=group)
+        out = A.ring_reduce_scatter(CTX, exact_input(me, (n,), dtype, seed), op=op, group=group)
         ck.close(case + " vs reference", out, expected, **_tol(op))
-        backend = comms.reduce_scatter(exact_input(me, (n,), dtype, seed), op=op, group=group)
+        backend = CTX.reduce_scatter(exact_input(me, (n,), dtype, seed), op=op, group=group)
         ck.close(case + " vs backend", out, backend, **_tol(op))
     # a 2-D input is flattened first
     seed += 1
     full = reduce_reference([exact_input(r, (3, 5), torch.float32, seed) for r in members], "sum").reshape(-1)
     c = -(-15 // k)
-    out = A.ring_reduce_scatter(exact_input(me, (3, 5), torch.float32, seed), group=group)
+    out = A.ring_reduce_scatter(CTX, exact_input(me, (3, 5), torch.float32, seed), group=group)
     ck.close(f"{label} ring_reduce_scatter 2-D", out, full[pos * c : min(15, (pos + 1) * c)], **_tol("sum"))
     for m, dtype in itertools.product((1, 4), (torch.float32, torch.int64)):
         seed += 1
         case = f"{label} ring_all_gather(m={m})[{dtype}]"
         ref = torch.stack([exact_input(r, (m,), dtype, seed) for r in members])
-        out = A.ring_all_gather(exact_input(me, (m,), dtype, seed), group=group)
+        out = A.ring_all_gather(CTX, exact_input(me, (m,), dtype, seed), group=group)
         ck.close(case + " vs reference", out, ref, rtol=0.0, atol=0.0)  # pure data movement: bit-exact
-        backend = comms.all_gather_into(torch.empty(k, m, dtype=dtype), exact_input(me, (m,), dtype, seed), group=group)
+        backend = CTX.all_gather_into(torch.empty(k, m, dtype=dtype), exact_input(me, (m,), dtype, seed), group=group)
         ck.close(case + " vs backend", out, backend, rtol=0.0, atol=0.0)
     return seed
 
 
 def _check_tree_traffic(ck: Checks, me: int, members: list[int], group: Any, label: str) -> dict[str, int]:
     """This rank's tree send/recv bytes; the parent checks the totals (each tree edge carries S twice)."""
-    comms.reset_stats()
+    CTX.observer.reset()
     t = torch.zeros(10)  # S = 40 bytes
-    A.tree_all_reduce(t, group=group)
-    stats = comms.get_stats()
+    A.tree_all_reduce(CTX, t, group=group)
+    stats = CTX.observer
     ck.true(
         f"{label} tree entry has 0 bytes",
         stats["tree_all_reduce"].bytes == 0 and stats["tree_all_reduce"].calls == 1,
         stats["tree_all_reduce"],
     )
     out = {"send": stats["send"].bytes, "recv": stats["recv"].bytes}
-    comms.reset_stats()
+    CTX.observer.reset()
     return out
 
 
@@ -134,17 +137,17 @@ def _worker(rank: int, k: int) -> tuple[list[str], int, dict[str, Any]]:
 
     ck.raises(
         "unknown algorithm",
-        lambda: A.all_reduce_with("allgather", torch.ones(2)),
+        lambda: A.all_reduce_with(CTX, "allgather", torch.ones(2)),
         r"'allgather'",
         re.escape("['backend', 'hierarchical', 'ring', 'tree']"),
     )
     ck.raises(
         "unknown op in ring",
-        lambda: A.ring_all_reduce(torch.ones(2), op="prod"),
+        lambda: A.ring_all_reduce(CTX, torch.ones(2), op="prod"),
         r"'prod'",
         re.escape("['avg', 'max', 'min', 'sum']"),
     )
-    ck.raises("unknown op in tree", lambda: A.tree_all_reduce(torch.ones(2), op="mean"), r"'mean'")
+    ck.raises("unknown op in tree", lambda: A.tree_all_reduce(CTX, torch.ones(2), op="mean"), r"'mean'")
 
     # sub-groups: every rank must call new_group, only members use it
     subgroups = [[0, 2]] if k == 3 else [[0, 2], [1, 2, 3]] if k == 4 else []
@@ -160,7 +163,7 @@ def _worker(rank: int, k: int) -> tuple[list[str], int, dict[str, Any]]:
         seed = _check_ring_pieces(ck, rank, members, group, label, [1, 5], seed)
         traffic[str(members)] = _check_tree_traffic(ck, rank, members, group, label)
     # all ranks still in step after the sub-group work (sum of ones: exact)
-    ck.close("final all_reduce", comms.all_reduce(torch.ones(2)), torch.full((2,), float(k)), rtol=0.0, atol=0.0)
+    ck.close("final all_reduce", CTX.all_reduce(torch.ones(2)), torch.full((2,), float(k)), rtol=0.0, atol=0.0)
     return ck.failures, ck.count, traffic
 
 

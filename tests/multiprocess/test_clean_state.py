@@ -22,6 +22,9 @@ from lightning_sync.comms import algorithms
 from lightning_sync.diagnostics import HangWatchdog
 from lightning_sync.testing import Checks, assert_all_ranks_passed, run_distributed
 
+# The communication context of this process's checks (a strategy owns one the same way).
+CTX = comms.CommContext(observer=comms.CommStats())
+
 TIMEOUT, INTERVAL = 30.0, 0.5  # the watchdog's: no collective here comes near either
 
 
@@ -33,7 +36,7 @@ class _LoggedLoss(_TiedModule):
 
 
 def _calls_and_bytes() -> dict[str, tuple[int, int]]:
-    return {op: (s.calls, s.bytes) for op, s in comms.get_stats().snapshot().items()}
+    return {op: (s.calls, s.bytes) for op, s in CTX.observer.snapshot().items()}
 
 
 class _Snapshot(pl.Callback):
@@ -47,7 +50,7 @@ class _Snapshot(pl.Callback):
         self.seen["node groups at start"] = len(algorithms._NODE_GROUPS)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        wd = comms.watchdog.active()
+        wd = CTX.watchdog
         assert wd is not None
         self.seen["stats at end"] = _calls_and_bytes()
         self.seen["last sequence numbers"] = dict(wd._last)
@@ -94,17 +97,17 @@ def _relaunched_peer(rank: int, k: int) -> tuple[list[str], int]:
     ck = Checks()
     if rank == 0:  # the multirun's previous job, in the process that stays (the peers relaunched for it are gone)
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-        comms.watchdog.start(TIMEOUT, interval=INTERVAL)
-        comms.all_reduce(torch.ones(2))
-        comms.watchdog.stop()
+        CTX.start_watchdog(TIMEOUT, interval=INTERVAL)
+        CTX.all_reduce(torch.ones(2))
+        CTX.stop_watchdog()
         dist.destroy_process_group()
     dist.init_process_group("gloo", init_method="env://")  # this job; rank 1 is a fresh process
-    wd = comms.watchdog.start(TIMEOUT, interval=INTERVAL)
-    comms.barrier()  # both watchdogs have published (start publishes a first record before it returns)
+    wd = CTX.start_watchdog(TIMEOUT, interval=INTERVAL)
+    CTX.barrier()  # both watchdogs have published (start publishes a first record before it returns)
     peer = wd._read([1 - rank])[1 - rank]
     ck.true("the peer's heartbeat is in this rank's watchdog namespace", peer is not None, "no record")
     ck.true("and it is the peer's", peer is not None and peer["pid"] != os.getpid(), peer)
-    comms.watchdog.stop()
+    CTX.stop_watchdog()
     return ck.result()
 
 
@@ -115,18 +118,18 @@ def test_a_relaunched_peer_shares_the_watchdog_namespace_of_a_process_that_ran_a
 
 def _job_under_a_running_watchdog(rank: int, k: int) -> tuple[list[str], int]:
     ck = Checks()
-    wd = comms.watchdog.start(TIMEOUT, interval=INTERVAL)  # started by the user, before both jobs
-    comms.all_reduce(torch.ones(2))
-    comms.all_gather(torch.ones(rank + 1))
-    comms.begin_job()
+    wd = CTX.start_watchdog(TIMEOUT, interval=INTERVAL)  # started by the user, before both jobs
+    CTX.all_reduce(torch.ones(2))
+    CTX.all_gather(torch.ones(rank + 1))
+    CTX.begin_job()
     ck.true("the watchdog forgot the previous job's calls", wd._last == {}, wd._last)
-    ck.true("the stats too", comms.get_stats().snapshot() == {}, comms.get_stats().snapshot())
-    work = comms.all_reduce(torch.full((2,), float(rank)), async_op=True)
+    ck.true("the stats too", CTX.observer.snapshot() == {}, CTX.observer.snapshot())
+    work = CTX.all_reduce(torch.full((2,), float(rank)), async_op=True)
     ck.true("sequence numbers start again", work.seq == 1, work)
     ck.close("the job's first all_reduce", work.wait(), torch.full((2,), 1.0))  # 0 + 1: exact
-    comms.watchdog.verify()  # the ranks' hashes restarted alike
+    CTX.verify()  # the ranks' hashes restarted alike
     ck.true("no mismatch", wd.error is None, wd.error)
-    comms.watchdog.stop()
+    CTX.stop_watchdog()
     return ck.result()
 
 

@@ -28,6 +28,9 @@ from lightning_sync.testing import Checks, assert_all_ranks_passed, exact_input,
 
 __all__: list[str] = []
 
+# The communication context of this process's checks (a strategy owns one the same way).
+CTX = comms.CommContext(observer=comms.CommStats())
+
 OPS = ("sum", "avg", "max", "min")
 DTYPES = (torch.float32, torch.bfloat16, torch.int64)
 RUN_TIMEOUT_S = 150  # hard limit for one spawned run (start-up ~3 s/rank, the checks a few seconds)
@@ -66,19 +69,17 @@ def _check_all_reduce(ck: Checks, rank: int, k: int, seeds: Iterator[int]) -> No
         name = f"all_reduce[{op}, {dtype}, async={async_op}]"
         t = exact_input(rank, (5, 3), dtype, seed)
         if op == "avg" and not dtype.is_floating_point:
-            ck.raises(
-                name, lambda: comms.all_reduce(t, op=op, async_op=async_op), r"int64", r"'max'", r"'min'", r"'sum'"
-            )
+            ck.raises(name, lambda: CTX.all_reduce(t, op=op, async_op=async_op), r"int64", r"'max'", r"'min'", r"'sum'")
             ck.true(name + " left input alone", torch.equal(t, exact_input(rank, (5, 3), dtype, seed)))
             continue
         ref = reduce_reference([exact_input(r, (5, 3), dtype, seed) for r in range(k)], op)
         if async_op:
-            work = comms.all_reduce(t, op=op, async_op=True)
+            work = CTX.all_reduce(t, op=op, async_op=True)
             ck.true(name + " returns Work", isinstance(work, comms.Work) and work.op == "all_reduce", repr(work))
             out = work.wait()
             ck.true(name + " wait twice", work.wait() is out and work.is_completed(), repr(work))
         else:
-            out = comms.all_reduce(t, op=op)
+            out = CTX.all_reduce(t, op=op)
         ck.true(name + " in place", out is t, type(out))
         ck.close(name, t, ref, **_tol(op, dtype))
 
@@ -93,19 +94,19 @@ def _check_reduce_scatter(ck: Checks, rank: int, k: int, seeds: Iterator[int]) -
         name = f"reduce_scatter[n={n}, {op}, {dtype}]"
         t = exact_input(rank, (n, 3), dtype, seed)
         if op == "avg" and not dtype.is_floating_point:
-            ck.raises(name, lambda: comms.reduce_scatter(t, op=op), r"int64", r"'sum'")
+            ck.raises(name, lambda: CTX.reduce_scatter(t, op=op), r"int64", r"'sum'")
             continue
         full = reduce_reference([exact_input(r, (n, 3), dtype, seed) for r in range(k)], op)
         c = -(-n // k)
         lo, hi = rank * c, min(n, (rank + 1) * c)
         ck.true(name + " shard rows", max(0, hi - lo) == _SHARD_ROWS[(k, n)][rank], (lo, hi))
-        out = comms.reduce_scatter(t, op=op)
+        out = CTX.reduce_scatter(t, op=op)
         ck.close(name, out, full[lo : max(lo, hi)], **_tol(op, dtype))
         ck.true(name + " input untouched", torch.equal(t, exact_input(rank, (n, 3), dtype, seed)))
     # 1-D input and the async form
     seed = next(seeds)
     t = exact_input(rank, (7,), torch.float32, seed)
-    work = comms.reduce_scatter(t, op="avg", async_op=True)
+    work = CTX.reduce_scatter(t, op="avg", async_op=True)
     ck.true("reduce_scatter async returns Work", isinstance(work, comms.Work), type(work))
     c = -(-7 // k)
     full = reduce_reference([exact_input(r, (7,), torch.float32, seed) for r in range(k)], "avg")
@@ -122,7 +123,7 @@ def _check_flat_fast_paths(ck: Checks, rank: int, k: int, seeds: Iterator[int]) 
         seed = next(seeds)
         name = f"all_gather_into[{dtype}, async={async_op}]"
         out = torch.full((k, 6), -99, dtype=dtype)
-        res = comms.all_gather_into(out, exact_input(rank, (2, 3), dtype, seed), async_op=async_op)
+        res = CTX.all_gather_into(out, exact_input(rank, (2, 3), dtype, seed), async_op=async_op)
         res = res.wait() if async_op else res
         ck.true(name + " fills output", res is out, type(res))
         ref = torch.stack([exact_input(r, (2, 3), dtype, seed).reshape(-1) for r in range(k)])
@@ -133,7 +134,7 @@ def _check_flat_fast_paths(ck: Checks, rank: int, k: int, seeds: Iterator[int]) 
         seed = next(seeds)
         name = f"reduce_scatter_into[{op}, {dtype}, async={async_op}]"
         out = torch.zeros(4, dtype=dtype)
-        res = comms.reduce_scatter_into(out, exact_input(rank, (4 * k,), dtype, seed), op=op, async_op=async_op)
+        res = CTX.reduce_scatter_into(out, exact_input(rank, (4 * k,), dtype, seed), op=op, async_op=async_op)
         res = res.wait() if async_op else res
         ck.true(name + " fills output", res is out, type(res))
         full = reduce_reference([exact_input(r, (4 * k,), dtype, seed) for r in range(k)], op)
@@ -153,7 +154,7 @@ def _check_broadcast(ck: Checks, rank: int, k: int, seeds: Iterator[int]) -> Non
         seed = next(seeds)
         name = f"broadcast tensor[src={src}, {dtype}, async={async_op}]"
         t = exact_input(rank, (4, 2), dtype, seed)
-        res = comms.broadcast(t, src=src, async_op=async_op)
+        res = CTX.broadcast(t, src=src, async_op=async_op)
         if async_op:
             ck.true(name + " returns Work", isinstance(res, comms.Work), type(res))
             res = res.wait()
@@ -161,7 +162,7 @@ def _check_broadcast(ck: Checks, rank: int, k: int, seeds: Iterator[int]) -> Non
         ck.close(name, t, exact_input(src, (4, 2), dtype, seed), **EXACT)
     for src, async_op in itertools.product((0, k - 1), (False, True)):
         name = f"broadcast object[src={src}, async={async_op}]"
-        res = comms.broadcast(_obj(src) if rank == src else None, src=src, async_op=async_op)
+        res = CTX.broadcast(_obj(src) if rank == src else None, src=src, async_op=async_op)
         res = res.wait() if async_op else res
         ck.true(name, res == _obj(src), res)
 
@@ -177,7 +178,7 @@ def _check_scatter(ck: Checks, rank: int, k: int, seeds: Iterator[int]) -> None:
         seed = next(seeds)
         name = f"scatter tensors[src={src}, {dtype}, async={async_op}]"
         chunks = [_scatter_chunk(r, dtype, seed) for r in range(k)] if rank == src else None
-        res = comms.scatter(chunks, src=src, async_op=async_op)
+        res = CTX.scatter(chunks, src=src, async_op=async_op)
         if async_op:
             ck.true(name + " returns Work", isinstance(res, comms.Work), type(res))
             res = res.wait()
@@ -185,12 +186,12 @@ def _check_scatter(ck: Checks, rank: int, k: int, seeds: Iterator[int]) -> None:
     for src, async_op in itertools.product((0, k - 1), (False, True)):
         name = f"scatter objects[src={src}, async={async_op}]"
         chunks = [_obj(r) for r in range(k)] if rank == src else None
-        res = comms.scatter(chunks, src=src, async_op=async_op)
+        res = CTX.scatter(chunks, src=src, async_op=async_op)
         res = res.wait() if async_op else res
         ck.true(name, res == _obj(rank), res)
     # a non-src rank's argument is ignored, even if it is not None
     ignored = ["junk"] * (k + 5)
-    res = comms.scatter([_obj(r) for r in range(k)] if rank == 0 else ignored, src=0)
+    res = CTX.scatter([_obj(r) for r in range(k)] if rank == 0 else ignored, src=0)
     ck.true("scatter ignores non-src chunks", res == _obj(rank), res)
 
 
@@ -202,7 +203,7 @@ def _check_gather(ck: Checks, rank: int, k: int, seeds: Iterator[int]) -> None:
         seed = next(seeds)
         name = f"gather[dst={dst}, {dtype}, async={async_op}]"
         refs = [exact_input(r, shape(r), dtype, seed) for r in range(k)]
-        res = comms.gather(exact_input(rank, shape(rank), dtype, seed), dst=dst, async_op=async_op)
+        res = CTX.gather(exact_input(rank, shape(rank), dtype, seed), dst=dst, async_op=async_op)
         if async_op:
             ck.true(name + " returns Work", isinstance(res, comms.Work), type(res))
             res = res.wait()
@@ -215,20 +216,20 @@ def _check_gather(ck: Checks, rank: int, k: int, seeds: Iterator[int]) -> None:
         name = f"gather with gather_list[dst={dst}]"
         refs = [exact_input(r, shape(r), torch.float32, seed) for r in range(k)]
         gl = [torch.full(shape(r), float("nan")) for r in range(k)] if rank == dst else None
-        res = comms.gather(exact_input(rank, shape(rank), torch.float32, seed), gather_list=gl, dst=dst)
+        res = CTX.gather(exact_input(rank, shape(rank), torch.float32, seed), gather_list=gl, dst=dst)
         if rank == dst:  # the very list passed in, filled
             ck.close(name, res if res is gl else f"not the given gather_list: {res}", refs, **EXACT)
         else:
             ck.true(name + " non-dst gets None", res is None, res)
     # 0-dim tensors come back 0-dim
-    res = comms.gather(torch.tensor(rank * 1.5), dst=k - 1)
+    res = CTX.gather(torch.tensor(rank * 1.5), dst=k - 1)
     if rank == k - 1:
         ck.close("gather 0-dim", res, [torch.tensor(r * 1.5) for r in range(k)], **EXACT)
     else:
         ck.true("gather 0-dim non-dst", res is None, res)
     for dst, async_op in itertools.product((0, k - 1), (False, True)):
         name = f"gather_object[dst={dst}, async={async_op}]"
-        res = comms.gather_object(_obj(rank), dst=dst, async_op=async_op)
+        res = CTX.gather_object(_obj(rank), dst=dst, async_op=async_op)
         res = res.wait() if async_op else res
         expected = [_obj(r) for r in range(k)] if rank == dst else None
         ck.true(name, res == expected, res)
@@ -248,27 +249,27 @@ def _check_all_gather(ck: Checks, rank: int, k: int, seeds: Iterator[int]) -> No
         seed = next(seeds)
         name = f"all_gather[{label}, async={async_op}]"
         refs = [exact_input(r, shape(r), dtype, seed) for r in range(k)]
-        res = comms.all_gather(exact_input(rank, shape(rank), dtype, seed), async_op=async_op)
+        res = CTX.all_gather(exact_input(rank, shape(rank), dtype, seed), async_op=async_op)
         if async_op:
             ck.true(name + " returns Work", isinstance(res, comms.Work) and res.op == "all_gather", res)
             res = res.wait()
         ck.close(name, res, refs, **EXACT)
     for async_op in (False, True):
-        res = comms.all_gather_object(_obj(rank), async_op=async_op)
+        res = CTX.all_gather_object(_obj(rank), async_op=async_op)
         res = res.wait() if async_op else res
         ck.true(f"all_gather_object async={async_op}", res == [_obj(r) for r in range(k)], res)
 
 
 def _check_barrier_and_work(ck: Checks, rank: int, k: int) -> None:
-    ck.true("barrier returns None", comms.barrier() is None)
-    work = comms.barrier(async_op=True)
+    ck.true("barrier returns None", CTX.barrier() is None)
+    work = CTX.barrier(async_op=True)
     ck.true("barrier async returns Work", isinstance(work, comms.Work) and work.op == "barrier", work)
     ck.true("barrier async wait", work.wait() is None and work.is_completed(), work)
     # several async ops in flight at once, waited in reverse order; sequence numbers increase
     t1, t2 = torch.full((3,), float(rank)), torch.full((2,), rank + 1, dtype=torch.int64)
-    w1 = comms.all_reduce(t1, async_op=True)
-    w2 = comms.all_reduce(t2, op="max", async_op=True)
-    w3 = comms.all_gather(torch.tensor([rank]), async_op=True)
+    w1 = CTX.all_reduce(t1, async_op=True)
+    w2 = CTX.all_reduce(t2, op="max", async_op=True)
+    w3 = CTX.all_gather(torch.tensor([rank]), async_op=True)
     ck.true("seq increases", w1.seq < w2.seq < w3.seq, (w1, w2, w3))
     gathered = w3.wait()
     ck.close("in flight: all_gather", gathered, [torch.tensor([r]) for r in range(k)], **EXACT)
@@ -282,7 +283,7 @@ def _check_barrier_and_work(ck: Checks, rank: int, k: int) -> None:
 
 def _check_stats(ck: Checks, rank: int, k: int) -> None:
     def expect(label: str, op: str, nbytes: int, calls: int) -> None:
-        got = comms.get_stats()[op]
+        got = CTX.observer[op]
         ck.true(
             f"stats {label}: {op}",
             (got.bytes, got.calls) == (nbytes, calls),
@@ -290,18 +291,18 @@ def _check_stats(ck: Checks, rank: int, k: int) -> None:
         )
 
     c7 = -(-7 // k)  # rows per reduce_scatter shard of 7 rows
-    comms.reset_stats()
-    ck.true("stats empty after reset", comms.get_stats().snapshot() == {}, comms.get_stats().snapshot())
-    comms.all_reduce(torch.zeros(1000))  # 1000 fp32 = 4000 B
-    comms.all_reduce(torch.zeros(10, dtype=torch.bfloat16), op="max", async_op=True).wait()  # 20 B
-    comms.broadcast(torch.zeros(10, dtype=torch.int64), src=k - 1)  # 80 B
-    comms.all_gather(torch.zeros(rank + 1, 4))  # padded to K rows: K*4*4 B; + one metadata row
-    comms.gather(torch.zeros(rank + 1, 4, dtype=torch.float64), dst=0)  # padded: K*4*8 B; + metadata
-    comms.reduce_scatter(torch.zeros(7, 3))  # padded full input: K*c7 rows * 3 * 4 B
-    comms.reduce_scatter_into(torch.zeros(4), torch.zeros(4 * k))  # the full input: 16K B
-    comms.all_gather_into(torch.zeros(k, 5), torch.zeros(5))  # this rank's input: 20 B
-    comms.barrier()
-    comms.barrier(async_op=True).wait()
+    CTX.observer.reset()
+    ck.true("stats empty after reset", CTX.observer.snapshot() == {}, CTX.observer.snapshot())
+    CTX.all_reduce(torch.zeros(1000))  # 1000 fp32 = 4000 B
+    CTX.all_reduce(torch.zeros(10, dtype=torch.bfloat16), op="max", async_op=True).wait()  # 20 B
+    CTX.broadcast(torch.zeros(10, dtype=torch.int64), src=k - 1)  # 80 B
+    CTX.all_gather(torch.zeros(rank + 1, 4))  # padded to K rows: K*4*4 B; + one metadata row
+    CTX.gather(torch.zeros(rank + 1, 4, dtype=torch.float64), dst=0)  # padded: K*4*8 B; + metadata
+    CTX.reduce_scatter(torch.zeros(7, 3))  # padded full input: K*c7 rows * 3 * 4 B
+    CTX.reduce_scatter_into(torch.zeros(4), torch.zeros(4 * k))  # the full input: 16K B
+    CTX.all_gather_into(torch.zeros(k, 5), torch.zeros(5))  # this rank's input: 20 B
+    CTX.barrier()
+    CTX.barrier(async_op=True).wait()
     expect("sequence", "all_reduce", 4000 + 20, 2)
     expect("sequence", "broadcast", 80, 1)
     expect("sequence", "all_gather", 16 * k + 20, 2)
@@ -311,29 +312,29 @@ def _check_stats(ck: Checks, rank: int, k: int) -> None:
     # one shape row per uneven call: [dtype, ndim, 8 dims] = 10 int64 = 80 B; the fast paths send none
     expect("sequence", "metadata", 160, 2)
     total = 4020 + 80 + 16 * k + 20 + 32 * k + k * c7 * 12 + 16 * k + 160
-    ck.true("stats total_bytes", comms.get_stats().total_bytes == total, comms.get_stats().total_bytes)
+    ck.true("stats total_bytes", CTX.observer.total_bytes == total, CTX.observer.total_bytes)
     ck.true(
         "stats ops",
-        set(comms.get_stats().snapshot())
+        set(CTX.observer.snapshot())
         == {"all_reduce", "broadcast", "all_gather", "gather", "reduce_scatter", "barrier", "metadata"},
-        sorted(comms.get_stats().snapshot()),
+        sorted(CTX.observer.snapshot()),
     )
 
     # 0-dim all_gather sends 1 element; scatter records the padded chunk it receives (max numel = K)
-    comms.reset_stats()
-    comms.all_gather(torch.tensor(1.0))
-    comms.scatter([torch.zeros(r + 1) for r in range(k)] if rank == 0 else None, src=0)
+    CTX.observer.reset()
+    CTX.all_gather(torch.tensor(1.0))
+    CTX.scatter([torch.zeros(r + 1) for r in range(k)] if rank == 0 else None, src=0)
     expect("0-dim", "all_gather", 4, 1)
     expect("scatter", "scatter", 4 * k, 1)
     # metadata: the all_gather's shape row, and scatter's header broadcast as its length, then its bytes
-    ck.true("stats scatter metadata separate", comms.get_stats()["metadata"].calls == 3, comms.get_stats()["metadata"])
+    ck.true("stats scatter metadata separate", CTX.observer["metadata"].calls == 3, CTX.observer["metadata"])
 
     # objects: the pickled payload (padded to the longest for all_gather), on every rank
-    comms.reset_stats()
-    comms.broadcast(_obj(k - 1) if rank == 0 else None, src=0)
+    CTX.observer.reset()
+    CTX.broadcast(_obj(k - 1) if rank == 0 else None, src=0)
     expect("object", "broadcast", len(pickle.dumps(_obj(k - 1), protocol=pickle.HIGHEST_PROTOCOL)), 1)
-    comms.reset_stats()
-    comms.all_gather_object(_obj(rank))
+    CTX.observer.reset()
+    CTX.all_gather_object(_obj(rank))
     longest = max(len(pickle.dumps(_obj(r), protocol=pickle.HIGHEST_PROTOCOL)) for r in range(k))
     expect("object", "all_gather", longest, 1)
     expect("object", "metadata", 80, 1)
@@ -343,10 +344,10 @@ def _check_stats(ck: Checks, rank: int, k: int) -> None:
         size = n * torch.tensor([], dtype=dtype).element_size()
         wire = 2 * (k - 1) * n // k * torch.tensor([], dtype=dtype).element_size()
         ck.true(f"ring bytes formula {dtype}", wire == ring_allreduce_bytes(size, k), (wire, size))
-        comms.reset_stats()
+        CTX.observer.reset()
         seed = 1000 + n
         t = exact_input(rank, (n,), dtype, seed)
-        A.ring_all_reduce(t)
+        A.ring_all_reduce(CTX, t)
         ref = reduce_reference([exact_input(r, (n,), dtype, seed) for r in range(k)], "sum")
         ck.close(f"ring_all_reduce result {dtype}", t, ref, **EXACT)
         expect(f"ring_all_reduce {dtype}", "send", wire, 2 * (k - 1))
@@ -354,24 +355,24 @@ def _check_stats(ck: Checks, rank: int, k: int) -> None:
         expect(f"ring_all_reduce {dtype}", "ring_all_reduce", 0, 1)
         ck.true(
             "ring_all_reduce uses only send/recv",
-            set(comms.get_stats().snapshot()) == {"send", "recv", "ring_all_reduce"},
-            sorted(comms.get_stats().snapshot()),
+            set(CTX.observer.snapshot()) == {"send", "recv", "ring_all_reduce"},
+            sorted(CTX.observer.snapshot()),
         )
 
-        comms.reset_stats()
-        A.ring_reduce_scatter(exact_input(rank, (n,), dtype, seed))
+        CTX.observer.reset()
+        A.ring_reduce_scatter(CTX, exact_input(rank, (n,), dtype, seed))
         half = int(ring_shard_bytes(size, k))
         ck.true("ring shard formula", half == (k - 1) * size // k, half)
         expect(f"ring_reduce_scatter {dtype}", "send", half, k - 1)
         expect(f"ring_reduce_scatter {dtype}", "recv", half, k - 1)
         expect(f"ring_reduce_scatter {dtype}", "ring_reduce_scatter", 0, 1)
 
-        comms.reset_stats()
-        A.ring_all_gather(exact_input(rank, (n // k,), dtype, seed))  # K shards make S bytes
+        CTX.observer.reset()
+        A.ring_all_gather(CTX, exact_input(rank, (n // k,), dtype, seed))  # K shards make S bytes
         expect(f"ring_all_gather {dtype}", "send", half, k - 1)
         expect(f"ring_all_gather {dtype}", "recv", half, k - 1)
         expect(f"ring_all_gather {dtype}", "ring_all_gather", 0, 1)
-    comms.reset_stats()
+    CTX.observer.reset()
 
 
 def _busy(seconds: float) -> None:
@@ -384,14 +385,14 @@ def _busy(seconds: float) -> None:
 def _check_covered(ck: Checks, rank: int, k: int) -> None:
     """CommStats.covered_seconds: the caller's own time with an async call in flight. The bounds come from
     the order of clock reads around the calls, so they hold however slow the machine is."""
-    stats = comms.get_stats()
-    comms.reset_stats()
-    comms.all_reduce(torch.ones(1000))  # synchronous: nothing stays in flight
+    stats = CTX.observer
+    CTX.observer.reset()
+    CTX.all_reduce(torch.ones(1000))  # synchronous: nothing stays in flight
     _busy(0.02)
-    comms.barrier()
+    CTX.barrier()
     ck.true("covered: synchronous calls cover nothing", stats.covered_seconds() == 0.0, stats.covered_seconds())
     before = time.perf_counter()
-    work = comms.all_reduce(torch.ones(1000), async_op=True)
+    work = CTX.all_reduce(torch.ones(1000), async_op=True)
     issued = time.perf_counter()
     _busy(0.05)
     waiting = time.perf_counter()
@@ -412,7 +413,7 @@ def _check_covered(ck: Checks, rank: int, k: int) -> None:
         (stats.covered_seconds(), covered),
     )
     # a chained object call (a Work around a Work) completes its inner call once
-    work = comms.all_gather_object(rank, async_op=True)
+    work = CTX.all_gather_object(rank, async_op=True)
     ck.true("covered: chained object call", work.wait() == list(range(k)), work)
     covered = stats.covered_seconds()
     _busy(0.02)
@@ -433,7 +434,7 @@ def _check_covered(ck: Checks, rank: int, k: int) -> None:
 
     for label, launch in (("launch", boom), ("wait", lambda: [Broken()])):
         try:
-            comms.collectives._issue("test_op", 0, launch, lambda: None, async_op=True).wait()
+            CTX._issue("test_op", 0, launch, lambda: None, async_op=True).wait()
             ck.true(f"covered: failing {label} raises", False)
         except RuntimeError:
             pass
@@ -444,7 +445,7 @@ def _check_covered(ck: Checks, rank: int, k: int) -> None:
             stats.covered_seconds() == covered,
             (stats.covered_seconds(), covered),
         )
-    comms.reset_stats()
+    CTX.observer.reset()
 
 
 # --------------------------------------------------------------------------- errors (on every rank)
@@ -458,42 +459,42 @@ def _check_errors(ck: Checks, rank: int, k: int) -> None:
         # every rank raises, non-src ranks included, with both the count and the world size
         ck.raises(
             f"scatter with {count} chunks",
-            lambda: comms.scatter(chunks, src=0),
+            lambda: CTX.scatter(chunks, src=0),
             rf"\b{count} chunks\b",
             rf"world size is {k}\b",
         )
     objs = ["x"] * (k + 2) if rank == k - 1 else None
-    ck.raises("scatter objects, wrong count", lambda: comms.scatter(objs, src=k - 1), rf"\b{k + 2}\b", rf"\b{k}\b")
-    ck.raises("scatter None on src", lambda: comms.scatter(None, src=0), r"None", rf"\b{k}\b")
+    ck.raises("scatter objects, wrong count", lambda: CTX.scatter(objs, src=k - 1), rf"\b{k + 2}\b", rf"\b{k}\b")
+    ck.raises("scatter None on src", lambda: CTX.scatter(None, src=0), r"None", rf"\b{k}\b")
     mixed = [torch.ones(1), torch.ones(1, dtype=torch.int64)] + [torch.ones(1)] * (k - 2) if rank == 0 else None
-    ck.raises("scatter mixed dtypes", lambda: comms.scatter(mixed, src=0), r"dtype")
+    ck.raises("scatter mixed dtypes", lambda: CTX.scatter(mixed, src=0), r"dtype")
 
-    ck.raises("broadcast src=K", lambda: comms.broadcast(t, src=k), rf"src={k}\b", allowed)
-    ck.raises("broadcast object src=-1", lambda: comms.broadcast("x", src=-1), r"src=-1\b", allowed)
-    ck.raises("scatter src=K", lambda: comms.scatter(None, src=k), rf"src={k}\b", allowed)
-    ck.raises("gather dst=K", lambda: comms.gather(t, dst=k), rf"dst={k}\b", allowed)
-    ck.raises("gather_object dst=-1", lambda: comms.gather_object(1, dst=-1), r"dst=-1\b", allowed)
-    ck.raises("send dst=K+3", lambda: comms.send(t, dst=k + 3), rf"dst={k + 3}\b", allowed)
+    ck.raises("broadcast src=K", lambda: CTX.broadcast(t, src=k), rf"src={k}\b", allowed)
+    ck.raises("broadcast object src=-1", lambda: CTX.broadcast("x", src=-1), r"src=-1\b", allowed)
+    ck.raises("scatter src=K", lambda: CTX.scatter(None, src=k), rf"src={k}\b", allowed)
+    ck.raises("gather dst=K", lambda: CTX.gather(t, dst=k), rf"dst={k}\b", allowed)
+    ck.raises("gather_object dst=-1", lambda: CTX.gather_object(1, dst=-1), r"dst=-1\b", allowed)
+    ck.raises("send dst=K+3", lambda: CTX.send(t, dst=k + 3), rf"dst={k + 3}\b", allowed)
 
     ops = re.escape("['avg', 'max', 'min', 'sum']")
-    ck.raises("all_reduce op=prod", lambda: comms.all_reduce(t, op="prod"), r"'prod'", ops)
-    ck.raises("all_reduce op=SUM", lambda: comms.all_reduce(t, op="SUM", async_op=True), r"'SUM'", ops)
-    ck.raises("reduce_scatter op=mean", lambda: comms.reduce_scatter(t, op="mean"), r"'mean'", ops)
+    ck.raises("all_reduce op=prod", lambda: CTX.all_reduce(t, op="prod"), r"'prod'", ops)
+    ck.raises("all_reduce op=SUM", lambda: CTX.all_reduce(t, op="SUM", async_op=True), r"'SUM'", ops)
+    ck.raises("reduce_scatter op=mean", lambda: CTX.reduce_scatter(t, op="mean"), r"'mean'", ops)
     ck.raises(
         "reduce_scatter_into op=product",
-        lambda: comms.reduce_scatter_into(torch.zeros(1), torch.zeros(k), op="product"),
+        lambda: CTX.reduce_scatter_into(torch.zeros(1), torch.zeros(k), op="product"),
         r"'product'",
         ops,
     )
     ck.raises(
         "all_gather_into wrong output",
-        lambda: comms.all_gather_into(torch.zeros(k * 3 + 1), torch.ones(3)),
+        lambda: CTX.all_gather_into(torch.zeros(k * 3 + 1), torch.ones(3)),
         rf"\b{k * 3 + 1}\b",
         rf"\b{k * 3}\b",
     )
     ck.raises(
         "reduce_scatter_into wrong input",
-        lambda: comms.reduce_scatter_into(torch.zeros(2), torch.ones(5)),
+        lambda: CTX.reduce_scatter_into(torch.zeros(2), torch.ones(5)),
         r"\b5\b",
         rf"\b{2 * k}\b",
     )
@@ -502,38 +503,38 @@ def _check_errors(ck: Checks, rank: int, k: int) -> None:
     last = rank == k - 1
     ck.raises(
         "all_gather trailing dims",
-        lambda: comms.all_gather(torch.zeros(2, 4 if last else 3)),
+        lambda: CTX.all_gather(torch.zeros(2, 4 if last else 3)),
         r"trailing",
         re.escape("(2, 3)"),
         re.escape("(2, 4)"),
     )
-    ck.raises("all_gather ndim", lambda: comms.all_gather(torch.zeros((2, 3, 1) if last else (2, 3))), r"trailing")
+    ck.raises("all_gather ndim", lambda: CTX.all_gather(torch.zeros((2, 3, 1) if last else (2, 3))), r"trailing")
     mixed_dtype = torch.int64 if last else torch.float32
-    ck.raises("all_gather dtype", lambda: comms.all_gather(torch.zeros(2, dtype=mixed_dtype)), r"dtype")
-    ck.raises("gather trailing dims", lambda: comms.gather(torch.zeros(1, 2 if last else 5), dst=0), r"trailing")
+    ck.raises("all_gather dtype", lambda: CTX.all_gather(torch.zeros(2, dtype=mixed_dtype)), r"dtype")
+    ck.raises("gather trailing dims", lambda: CTX.gather(torch.zeros(1, 2 if last else 5), dst=0), r"trailing")
 
     # a bad gather_list exists only on dst: dst raises after the collective, the others are not stranded
     bad_list = [torch.empty(2)] * (k + 1)
     if rank == 0:
         ck.raises(
             "gather_list wrong length",
-            lambda: comms.gather(t, gather_list=bad_list, dst=0),
+            lambda: CTX.gather(t, gather_list=bad_list, dst=0),
             rf"\b{k + 1} tensors\b",
             rf"\b{k} ranks\b",
         )
         ck.raises(
             "gather_list wrong shape",
-            lambda: comms.gather(t, gather_list=[torch.empty(3)] * k, dst=0),
+            lambda: CTX.gather(t, gather_list=[torch.empty(3)] * k, dst=0),
             r"\(3,\)",
             r"\(2,\)",
         )
     else:
-        ck.true("gather from non-dst", comms.gather(t, dst=0) is None)
-        ck.true("gather from non-dst", comms.gather(t, dst=0) is None)
+        ck.true("gather from non-dst", CTX.gather(t, dst=0) is None)
+        ck.true("gather from non-dst", CTX.gather(t, dst=0) is None)
 
     # after all the errors, the ranks are still in step: a real collective gives the right answer
     # (sum of ones over K ranks: a small integer, exact in fp32)
-    ck.close("collective after errors", comms.all_reduce(torch.ones(3)), torch.full((3,), float(k)), **EXACT)
+    ck.close("collective after errors", CTX.all_reduce(torch.ones(3)), torch.full((3,), float(k)), **EXACT)
 
 
 # --------------------------------------------------------------------------- spawned workers

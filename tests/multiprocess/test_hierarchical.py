@@ -13,6 +13,9 @@ from lightning_sync.comms import algorithms
 from lightning_sync.comms.algorithms import hierarchical_all_reduce
 from lightning_sync.testing import Checks, assert_all_ranks_passed, run_distributed
 
+# The communication context of this process's checks (a strategy owns one the same way).
+CTX = comms.CommContext(observer=comms.CommStats())
+
 
 def _worker(rank: int, world: int) -> tuple[list[str], int]:
     _quiet_rank()
@@ -24,13 +27,13 @@ def _worker(rank: int, world: int) -> tuple[list[str], int]:
                 continue
             base = (torch.arange(37) * (rank + 1) % 11).to(dtype)
             flat, mine = base.clone(), base.clone()
-            comms.all_reduce(flat, op=op)
+            CTX.all_reduce(flat, op=op)
             hierarchical_all_reduce(mine, op=op, ranks_per_node=2)
             ck.close(f"[{op} {dtype}] hierarchical equals flat", mine.float(), flat.float(), rtol=0.0, atol=0.0)
-    comms.reset_stats()
+    CTX.observer.reset()
     payload = torch.ones(1000)
     hierarchical_all_reduce(payload, op="sum", ranks_per_node=2)
-    stats = comms.get_stats().snapshot()
+    stats = CTX.observer.snapshot()
     got = {op: stats[op].bytes for op in stats if op.startswith(("intra_node/", "inter_node/"))}
     leader = rank in (0, 2)
     want = {
@@ -55,9 +58,9 @@ def _worker(rank: int, world: int) -> tuple[list[str], int]:
     # a later hierarchical all-reduce builds a fresh layout (2 nodes of 2 again) and is still exact
     again, flat = torch.arange(5.0) * (rank + 1), torch.arange(5.0) * (rank + 1)
     hierarchical_all_reduce(again, op="sum", ranks_per_node=2)
-    comms.all_reduce(flat, op="sum")
+    CTX.all_reduce(flat, op="sum")
     ck.close("[rebuilt] hierarchical equals flat", again, flat, rtol=0.0, atol=0.0)
-    ck.true("[release] counts the one cached layout", algorithms.release_node_groups() == 1)
+    ck.true("[release] counts the one cached layout", CTX.release_node_groups() == 1)
     return ck.failures, ck.count
 
 

@@ -27,43 +27,46 @@ from lightning_sync.comms.stats import CommStats, OpStats
 
 __all__: list[str] = []
 
+# The communication context of this process's checks (a strategy owns one the same way).
+CTX = comms.CommContext(observer=comms.CommStats())
+
 # Every public entry point that talks to other ranks. Each must refuse to run without a process group.
 _NEEDS_PG: dict[str, Callable[[], Any]] = {
-    "all_reduce": lambda: comms.all_reduce(torch.ones(3)),
-    "all_reduce_async": lambda: comms.all_reduce(torch.ones(3), async_op=True),
-    "broadcast_tensor": lambda: comms.broadcast(torch.ones(3), src=0),
-    "broadcast_object": lambda: comms.broadcast({"a": 1}, src=0),
-    "scatter": lambda: comms.scatter([torch.ones(1)], src=0),
-    "gather": lambda: comms.gather(torch.ones(2), dst=0),
-    "gather_object": lambda: comms.gather_object("x", dst=0),
-    "all_gather": lambda: comms.all_gather(torch.ones(2)),
-    "all_gather_object": lambda: comms.all_gather_object("x"),
-    "all_gather_into": lambda: comms.all_gather_into(torch.empty(1, 2), torch.ones(2)),
-    "reduce_scatter": lambda: comms.reduce_scatter(torch.ones(4)),
-    "reduce_scatter_into": lambda: comms.reduce_scatter_into(torch.empty(2), torch.ones(2)),
-    "barrier": lambda: comms.barrier(),
-    "send": lambda: comms.send(torch.ones(1), dst=0),
-    "recv": lambda: comms.recv(torch.ones(1), src=0),
+    "all_reduce": lambda: CTX.all_reduce(torch.ones(3)),
+    "all_reduce_async": lambda: CTX.all_reduce(torch.ones(3), async_op=True),
+    "broadcast_tensor": lambda: CTX.broadcast(torch.ones(3), src=0),
+    "broadcast_object": lambda: CTX.broadcast({"a": 1}, src=0),
+    "scatter": lambda: CTX.scatter([torch.ones(1)], src=0),
+    "gather": lambda: CTX.gather(torch.ones(2), dst=0),
+    "gather_object": lambda: CTX.gather_object("x", dst=0),
+    "all_gather": lambda: CTX.all_gather(torch.ones(2)),
+    "all_gather_object": lambda: CTX.all_gather_object("x"),
+    "all_gather_into": lambda: CTX.all_gather_into(torch.empty(1, 2), torch.ones(2)),
+    "reduce_scatter": lambda: CTX.reduce_scatter(torch.ones(4)),
+    "reduce_scatter_into": lambda: CTX.reduce_scatter_into(torch.empty(2), torch.ones(2)),
+    "barrier": lambda: CTX.barrier(),
+    "send": lambda: CTX.send(torch.ones(1), dst=0),
+    "recv": lambda: CTX.recv(torch.ones(1), src=0),
     "get_rank": lambda: comms.get_rank(),
     "get_world_size": lambda: comms.get_world_size(),
     "group_ranks": lambda: comms.group_ranks(),
-    "ring_all_reduce": lambda: A.ring_all_reduce(torch.ones(4)),
-    "tree_all_reduce": lambda: A.tree_all_reduce(torch.ones(4)),
-    "ring_reduce_scatter": lambda: A.ring_reduce_scatter(torch.ones(4)),
-    "ring_all_gather": lambda: A.ring_all_gather(torch.ones(4)),
-    "all_reduce_with_ring": lambda: A.all_reduce_with("ring", torch.ones(4)),
-    "all_reduce_with_backend": lambda: A.all_reduce_with("backend", torch.ones(4)),
+    "ring_all_reduce": lambda: A.ring_all_reduce(CTX, torch.ones(4)),
+    "tree_all_reduce": lambda: A.tree_all_reduce(CTX, torch.ones(4)),
+    "ring_reduce_scatter": lambda: A.ring_reduce_scatter(CTX, torch.ones(4)),
+    "ring_all_gather": lambda: A.ring_all_gather(CTX, torch.ones(4)),
+    "all_reduce_with_ring": lambda: A.all_reduce_with(CTX, "ring", torch.ones(4)),
+    "all_reduce_with_backend": lambda: A.all_reduce_with(CTX, "backend", torch.ones(4)),
 }
 
 
 @pytest.mark.parametrize("name", sorted(_NEEDS_PG))
 def test_collective_without_process_group_raises_runtime_error(name: str) -> None:
     assert not dist.is_initialized(), "this test needs a pytest process without a process group"
-    before = comms.get_stats().snapshot()
+    before = CTX.observer.snapshot()
     with pytest.raises(RuntimeError, match="init_process_group"):
         _NEEDS_PG[name]()
     # the refusal happens before anything is issued, so nothing is accounted
-    assert comms.get_stats().snapshot() == before
+    assert CTX.observer.snapshot() == before
 
 
 def test_check_reduce_maps_ops_and_rejects_bad_ones() -> None:
@@ -82,7 +85,7 @@ def test_check_reduce_maps_ops_and_rejects_bad_ones() -> None:
 def test_all_reduce_with_unknown_algorithm_lists_allowed_names() -> None:
     # validated before any communication, so this needs no process group
     with pytest.raises(ValueError, match=r"'butterfly'.*\['backend', 'hierarchical', 'ring', 'tree'\]"):
-        A.all_reduce_with("butterfly", torch.ones(2))
+        A.all_reduce_with(CTX, "butterfly", torch.ones(2))
 
 
 # --------------------------------------------------------------------------- CommStats
@@ -156,27 +159,29 @@ def test_comm_stats_is_thread_safe() -> None:
     assert s["send"] == OpStats(calls=16000, bytes=48000, seconds=0.0)  # no lost update
 
 
-def test_global_stats_reset_and_work_without_handles(monkeypatch: pytest.MonkeyPatch) -> None:
-    comms.reset_stats()
-    assert comms.get_stats().snapshot() == {}
-    assert comms.get_stats() is comms.get_stats()  # one process-wide instance
+def test_context_stats_reset_and_work_without_handles(monkeypatch: pytest.MonkeyPatch) -> None:
+    CTX.observer.reset()
+    assert CTX.observer.snapshot() == {}
+    other = comms.CommContext(observer=comms.CommStats())
+    assert other.observer is not CTX.observer  # every context measures into its own observer
     calls = []
     # a fixed clock, so no wall time is read: issued at 900 s, completed at 1000 s
-    from lightning_sync.comms import collectives
+    from lightning_sync.comms import work as work_module
 
-    monkeypatch.setattr(collectives.time, "perf_counter", lambda: 1000.0)
-    work = comms.Work("unit_op", 7, [], lambda: calls.append(1) or "result", 900.0)
+    monkeypatch.setattr(work_module.time, "perf_counter", lambda: 1000.0)
+    work = comms.Work("unit_op", 7, [], lambda: calls.append(1) or "result", 900.0, observer=CTX.observer)
     assert work.is_completed()  # no backend request outstanding
     assert "unit_op #7" in repr(work) and "done=False" in repr(work)
     assert work.wait() == "result"
     assert work.wait() == "result"  # waiting twice returns the same result ...
     assert calls == [1]  # ... without running finish again
     assert "done=True" in repr(work)
-    stats = comms.get_stats()["unit_op"]
+    stats = CTX.observer["unit_op"]
     assert stats.calls == 0 and stats.seconds == 100.0  # wait() adds the seconds since issue, never a call
-    assert "unit_op" in comms.get_stats().snapshot()
-    comms.reset_stats()
-    assert comms.get_stats().snapshot() == {}
+    assert "unit_op" in CTX.observer.snapshot()
+    assert other.observer.snapshot() == {}  # nothing of it reached the other context
+    CTX.observer.reset()
+    assert CTX.observer.snapshot() == {}
 
 
 # --------------------------------------------------------------------------- cost model

@@ -13,6 +13,7 @@ import torch
 from lightning.fabric.utilities.types import _Stateful
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, RandomSampler, TensorDataset
 
+from lightning_sync import comms
 from lightning_sync.resume import ExactResume, host_rng_state, rng_state, set_host_rng_state, set_rng_state
 from lightning_sync.sampler import GlobalOrderSampler
 
@@ -167,7 +168,7 @@ def test_rng_states_restore_torch_python_and_numpy_and_cuda_on_cuda_only(caplog:
 
 
 def test_rank_states_are_taken_per_rank_and_dropped_for_another_world_size(caplog: pytest.LogCaptureFixture) -> None:
-    states = ExactResume.gather({"mine": 1})  # no process group: this process alone
+    states = ExactResume.gather(comms.CommContext(), {"mine": 1})  # no process group: this process alone
     assert states is not None and len(states) == 1 and states[0]["mine"] == 1
     resume = ExactResume()
     assert resume.take(states, rank=0, world_size=1) == states[0]
