@@ -1,0 +1,184 @@
+"""ZeRO stage 3's forward side: gather a unit just before it runs, prefetch the next, free after.
+
+FSDP's schedule (Zhao et al., "PyTorch FSDP", VLDB 2023): a forward pre-hook on each wrap unit waits
+for its all-gather (and issues the next unit's, in the recorded forward order, so communication hides
+behind compute); a forward hook frees the unit's full parameters again (``reshard_after_forward``) and
+wraps its outputs in :class:`_PreBackward`, whose backward re-gathers the unit (prefetching the unit
+whose backward comes next) before autograd needs its parameters. The order units ran in is recorded
+in the first step, checked to be the same on every rank after the first backward (the all-gathers are
+matched by order), and from then on drives prefetching and the reduce-scatter order.
+
+This is a mixin of :class:`~lightning_sync.sync.zero_engine.ZeroEngine`, kept apart so the engine
+module reads as build / backward / step; it uses the engine's units, flats, options and events.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+from lightning_sync.sync.zero_units import Unit
+
+if TYPE_CHECKING:
+    from lightning_sync.sync.communicator import Communicator
+
+__all__ = ["Stage3Forward"]
+
+
+class _PreBackward(torch.autograd.Function):
+    """Identity on a unit's outputs whose backward re-gathers the unit before its own backward runs."""
+
+    @staticmethod
+    def forward(ctx: Any, engine: Stage3Forward, unit: Unit, *tensors: torch.Tensor) -> Any:
+        ctx.engine, ctx.unit = engine, unit
+        return tensors if len(tensors) > 1 else tensors[0]
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+        ctx.engine._pre_backward(ctx.unit)
+        return (None, None, *grads)
+
+
+class Stage3Forward:
+    """Stage 3's gather/prefetch/free hooks around each wrap unit (see the module docstring)."""
+
+    units: list[Unit]
+    root: Unit | None
+    module: nn.Module
+    comm: Communicator
+    stage: int
+    prefetch: bool
+    reshard_after_forward: bool
+    param_dtype: torch.dtype | None
+    events: list[tuple[str, int]]
+    record_events: bool
+    _handles: list[Any]
+    _forward_order: list[int] | None
+    _recording: list[int]
+    _order_checked: bool
+    _launch_order: list[int]
+
+    _is_complete: Callable[[int], bool]  # BackwardEngine's: has this unit's backward finished?
+
+    def _install_forward_hooks(self) -> None:
+        """Gather before each unit's forward; free after (and re-gather for backward) unless it is the root."""
+        for unit in self.units:
+            if unit.module is None:
+                continue
+            self._handles.append(
+                unit.module.register_forward_pre_hook(
+                    functools.partial(self._pre_forward, unit), prepend=True, with_kwargs=True
+                )
+            )
+            if not unit.is_root:
+                self._handles.append(unit.module.register_forward_hook(functools.partial(self._post_forward, unit)))
+
+    def _default_launch_order(self) -> list[int]:
+        if self.stage < 3:
+            return [u.index for u in self.units]
+        forward = self._forward_order or [u.index for u in self.units if not u.is_root]
+        return list(reversed(forward)) + ([self.root.index] if self.root is not None else [])
+
+    # ------------------------------------------------------------------ stage 3: forward
+    def _log(self, event: str, unit: Unit) -> None:
+        if self.record_events:
+            self.events.append((event, unit.index))
+
+    def _gather(self, unit: Unit, wait: bool) -> None:
+        if not unit.gathered:
+            if any(f._gather_work is None and f.full is None for f in unit.flats):
+                self._log("gather_issue", unit)
+            for f in unit.flats:
+                f.start_gather()
+        if wait and any(f._gather_work is not None for f in unit.flats):
+            for f in unit.flats:
+                f.finish_gather()
+            self._log("gather_wait", unit)
+
+    def gather_root(self) -> None:
+        """Stage 3: gather the root unit (the parameters no wrapped submodule owns). Call before a
+        step function that may use them without calling the root module's ``forward``."""
+        if self.stage == 3 and self.root is not None:
+            self._gather(self.root, wait=True)
+
+    def reshard(self) -> None:
+        """Stage 3: free every unit's full parameters (after an evaluation step, for example)."""
+        if self.stage == 3:
+            for unit in self.units:
+                for f in unit.flats:
+                    f.finish_gather()
+                    f.free()
+
+    def _pre_forward(self, unit: Unit, module: nn.Module, args: Any, kwargs: Any) -> Any:
+        if not unit.is_root:
+            if self._forward_order is None and unit.index not in self._recording:
+                self._recording.append(unit.index)
+            self._log("forward_begin", unit)
+        self._gather(unit, wait=True)
+        if self.prefetch and not unit.is_root and self._forward_order is not None:
+            nxt = self._neighbour(unit, +1)
+            if nxt is not None:
+                self._gather(nxt, wait=False)
+        return self._cast_inputs(module, args, kwargs) if self.param_dtype is not None else None
+
+    def _cast_inputs(self, module: nn.Module, args: Any, kwargs: Any) -> Any:
+        """Floating-point inputs to ``param_dtype`` (the parameters are in it)."""
+        cast = functools.partial(_cast_floating, dtype=self.param_dtype)
+        return tree_map(cast, args), tree_map(cast, kwargs)
+
+    def _neighbour(self, unit: Unit, step: int) -> Unit | None:
+        order = self._forward_order or []
+        if unit.index not in order:
+            return None
+        j = order.index(unit.index) + step
+        return self.units[order[j]] if 0 <= j < len(order) else None
+
+    def _post_forward(self, unit: Unit, module: nn.Module, args: Any, output: Any) -> Any:
+        self._log("forward_end", unit)
+        if self.reshard_after_forward:
+            for f in unit.flats:
+                f.free()
+            self._log("free", unit)
+        if not torch.is_grad_enabled():
+            return None
+        leaves, spec = tree_flatten(output)
+        idx = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not idx:
+            return None
+        out = _PreBackward.apply(self, unit, *[leaves[i] for i in idx])
+        out = out if isinstance(out, tuple) else (out,)
+        for i, t in zip(idx, out):
+            leaves[i] = t
+        return tree_unflatten(leaves, spec)
+
+    def _pre_backward(self, unit: Unit) -> None:
+        self._log("backward_begin", unit)
+        self._gather(unit, wait=True)
+        if self.prefetch:
+            prev = self._neighbour(unit, -1)
+            if prev is not None and not self._is_complete(prev.index):
+                self._gather(prev, wait=False)
+
+    def _check_forward_order(self) -> None:
+        """After the first backward: every rank must have run the units in the same order (the
+        all-gathers are matched by order); it becomes the prefetch and reduce-scatter order."""
+        self._order_checked = True
+        orders = self.comm.all_gather_object(list(self._recording))
+        if any(o != orders[0] for o in orders):
+            raise RuntimeError(
+                f"ZeroEngine: ranks ran the wrap units in different orders {orders}; every rank "
+                f"must run the same units in the same order"
+            )
+        self._forward_order = list(orders[0]) + [
+            u.index for u in self.units if not u.is_root and u.index not in orders[0]
+        ]
+        self._launch_order = self._default_launch_order()
+
+
+def _cast_floating(x: Any, dtype: torch.dtype) -> Any:
+    return x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
