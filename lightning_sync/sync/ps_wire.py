@@ -7,48 +7,46 @@ sides build the layout from the same parameter order, so nothing describing it i
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from lightning_sync.sync.flat import FlatShard
+
 __all__ = ["FlatLayout", "Reply"]
 
 
 class FlatLayout:
-    """A fixed list of tensors packed as one flat tensor per dtype (in first-seen dtype order)."""
+    """A fixed list of tensors packed as one flat tensor per dtype (in first-seen dtype order); each
+    dtype's packing is a :class:`~lightning_sync.sync.flat.FlatShard` (one shard, no padding)."""
 
     def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
         self.shapes = [t.shape for t in tensors]
         self.groups: dict[torch.dtype, list[int]] = {}
         for i, t in enumerate(tensors):
             self.groups.setdefault(t.dtype, []).append(i)
+        self._layouts = [FlatShard([self.shapes[i] for i in idx]) for idx in self.groups.values()]
 
     def flatten(self, tensors: Sequence[torch.Tensor | None], fill_missing: bool = False) -> list[torch.Tensor]:
         """One new CPU tensor per dtype; ``None`` entries become zeros when ``fill_missing``."""
         out = []
-        for dtype, idx in self.groups.items():
+        for (dtype, idx), layout in zip(self.groups.items(), self._layouts):
             parts = []
             for i in idx:
                 t = tensors[i]
-                if t is None:
-                    if not fill_missing:
-                        raise ValueError(f"tensor {i} is None")
-                    t = torch.zeros(self.shapes[i], dtype=dtype)
-                parts.append(t.detach().reshape(-1).to("cpu", dtype))
-            out.append(torch.cat(parts) if parts else torch.zeros(0, dtype=dtype))
+                if t is None and not fill_missing:
+                    raise ValueError(f"tensor {i} is None")
+                parts.append(None if t is None else t.detach())
+            out.append(layout.flatten(parts, dtype=dtype, device="cpu"))
         return out
 
     def views(self, flats: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """The tensors as views into ``flats`` (in the original order)."""
         out: list[torch.Tensor | None] = [None] * len(self.shapes)
-        for flat, idx in zip(flats, self.groups.values()):
-            offset = 0
-            for i in idx:
-                n = math.prod(self.shapes[i])
-                out[i] = flat[offset : offset + n].view(self.shapes[i])
-                offset += n
+        for flat, idx, layout in zip(flats, self.groups.values(), self._layouts):
+            for i, view in zip(idx, layout.views(flat)):
+                out[i] = view
         return out  # type: ignore[return-value]
 
     def copy_into(self, flats: Sequence[torch.Tensor], tensors: Sequence[torch.Tensor]) -> None:
