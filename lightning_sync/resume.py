@@ -40,11 +40,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from lightning.fabric.utilities.types import _Stateful
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_sync import comms
+from lightning_sync._lightning import Stateful
 from lightning_sync.sampler import GlobalOrderSampler
 
 __all__ = ["RANK_STATES", "ExactResume", "host_rng_state", "rng_state", "set_host_rng_state", "set_rng_state"]
@@ -121,7 +121,7 @@ class ExactResume:
         batch_size = getattr(batch_sampler, "batch_size", None)
         if (
             not isinstance(loader, DataLoader)
-            or isinstance(loader, _Stateful)
+            or isinstance(loader, Stateful)
             or not isinstance(batch_size, int)
             or type(sampler) is not DistributedSampler
         ):  # a subclass may order samples its own way

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import lightning.pytorch as pl
 
+from lightning_sync._lightning import should_accumulate
+
 __all__ = ["optimizer_step_ended"]
 
 
@@ -14,4 +16,4 @@ def optimizer_step_ended(trainer: pl.Trainer) -> bool:
     the batch counters, so every rank answers the same on the same batch and collectives that follow
     stay paired across ranks.
     """
-    return not trainer.fit_loop.epoch_loop._should_accumulate()
+    return not should_accumulate(trainer)

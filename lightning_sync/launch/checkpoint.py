@@ -14,6 +14,8 @@ from typing import Any
 
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from lightning_sync._lightning import set_every_n_epochs
+
 __all__ = ["IntervalCheckpoint"]
 
 
@@ -33,4 +35,4 @@ class IntervalCheckpoint(ModelCheckpoint):
             if not isinstance(every_n_epochs, int) or isinstance(every_n_epochs, bool) or every_n_epochs < 1:
                 raise ValueError(f"every_n_epochs must be an int >= 1 or None, got {every_n_epochs!r}")
             # the attribute ModelCheckpoint's epoch-end and validation-end saves read
-            self._every_n_epochs = every_n_epochs
+            set_every_n_epochs(self, every_n_epochs)

@@ -65,6 +65,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
+from lightning_sync._lightning import should_accumulate
 from lightning_sync.launch.atomic import publish_path, recover_dir, remove_path, write_atomically
 from lightning_sync.strategies._exact_data import ExactDataHooks
 from lightning_sync.strategies.sharded import COMPLETE_MARKER, LIGHTNING_STATE
@@ -329,8 +330,7 @@ class RequeueOnSignal(pl.Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        epoch_loop = trainer.fit_loop.epoch_loop
-        if epoch_loop._should_accumulate() or epoch_loop.batch_progress.is_last_batch:
+        if should_accumulate(trainer) or trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
             return  # the same on every rank: mid-accumulation or epoch end, act at the next step instead
         if not trainer.strategy.reduce_boolean_decision(self._received is not None, all=False):
             return
