@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -15,6 +16,8 @@ from test_cli import run_cli  # noqa: E402 - tests/ is on sys.path under pytest'
 from lightning_sync.bench import Report, schedule
 from lightning_sync.bench.app import select_strategies
 from lightning_sync.bench.report import analytic_wire_bytes, analytic_wire_factor, load_raw, wire_bytes
+from lightning_sync.bench.rows import Measurement
+from lightning_sync.bench.tradeoff import TradeoffResult
 from lightning_sync.testing import run_distributed
 
 
@@ -139,9 +142,9 @@ def test_bench_quick_suite_smoke_writes_report_with_exact_byte_ratios(tmp_path: 
     # the raw measurements rebuild the same report with the run's own config
     from omegaconf import OmegaConf
 
-    results, single, sweep, meta = load_raw(report.parent / "raw.json")
+    results, single, params, meta = load_raw(report.parent / "raw.json")
     cfg = OmegaConf.load(report.parent / ".hydra" / "config.yaml")
-    again = Report(results, single, cfg, meta, sweep=sweep)
+    again = Report(results, single, cfg, meta, params)
     assert again.markdown() == report.read_text()
 
 
@@ -195,23 +198,19 @@ def _result(
     peak: float,
     world: int = 2,
     param_bytes: int = 2**20,
-) -> dict[str, object]:
-    return {
-        "name": name,
-        "model": "m",
-        "world": world,
-        "step_s": [step_ms / 1e3] * 3,
-        "bytes_per_step": sum(ops.values()),
-        "op_bytes_per_step": ops,
-        "comm_calls": calls,
-        "exposed_s": [],
-        "comm_s": None,
-        "grad_bytes": param_bytes,
-        "param_bytes": param_bytes,
-        "strategy": strategy,
-        "peak_mib": peak,
-        "extra": {},
-    }
+) -> Measurement:
+    return Measurement(
+        name=name,
+        model="m",
+        world=world,
+        step_s=[step_ms / 1e3] * 3,
+        bytes_per_step=sum(ops.values()),
+        op_bytes_per_step=ops,
+        comm_calls=calls,
+        param_bytes=param_bytes,
+        strategy=strategy,
+        peak_mib=peak,
+    )
 
 
 def test_report_sharding_table_measured_against_analytic(tmp_path: Path) -> None:
@@ -254,21 +253,21 @@ def test_report_sharding_table_measured_against_analytic(tmp_path: Path) -> None
         "command": "x",
     }
     for i, t in enumerate(rank0):  # zero3 computed with a call in flight: 10 ms a step in one pair, 30 in the other
-        if t["name"] == "zero3":
-            t["covered_s"] = [0.01 if i < len(one_pair) else 0.03] * 3
+        if t.name == "zero3":
+            t.covered_s = [0.01 if i < len(one_pair) else 0.03] * 3
     report = Report([rank0, rank1], [], cfg, meta)
-    covered = {r["strategy"]: r["covered_ms"] for r in report.rows()}
+    covered = {r.strategy: r.covered_ms for r in report.rows()}
     assert covered["zero3"] == pytest.approx(20.0) and math.isnan(covered["bucketed_ddp"])  # median of the pairs
-    rows = {r["strategy"]: r for r in report.sharding_rows()}
+    rows = {r.strategy: r for r in report.sharding_rows()}
     assert list(rows) == ["lightning_ddp", "bucketed_ddp", "fsdp2", "zero3"]
-    assert rows["zero3"]["ratio"] == pytest.approx(3.0) and rows["zero3"]["ratio_ref"] == pytest.approx(1.5)
-    assert rows["fsdp2"]["ratio"] == pytest.approx(2.0) and rows["lightning_ddp"]["ratio_ref"] == pytest.approx(0.5)
-    assert rows["zero3"]["peak_mib"] == 70.0  # the largest over ranks
-    assert rows["bucketed_ddp"]["wire_x_analytic"] == pytest.approx(1.0)
-    assert rows["zero3"]["wire_measured_mib"] == pytest.approx(1.5 + 0.5)
-    assert rows["zero3"]["wire_analytic_mib"] == pytest.approx(1.5)
-    assert rows["zero3"]["wire_x_analytic"] == pytest.approx(2.0 / 1.5)
-    assert not rows["fsdp2"]["measured"] and not rows["lightning_ddp"]["measured"]
+    assert rows["zero3"].ratio == pytest.approx(3.0) and rows["zero3"].ratio_ref == pytest.approx(1.5)
+    assert rows["fsdp2"].ratio == pytest.approx(2.0) and rows["lightning_ddp"].ratio_ref == pytest.approx(0.5)
+    assert rows["zero3"].peak_mib == 70.0  # the largest over ranks
+    assert rows["bucketed_ddp"].wire_x_analytic == pytest.approx(1.0)
+    assert rows["zero3"].wire_measured_mib == pytest.approx(1.5 + 0.5)
+    assert rows["zero3"].wire_analytic_mib == pytest.approx(1.5)
+    assert rows["zero3"].wire_x_analytic == pytest.approx(2.0 / 1.5)
+    assert not rows["fsdp2"].measured and not rows["lightning_ddp"].measured
     text = report.markdown()
     assert "| m | 2 | zero3 | 300.0 | 3.000 | 1.500 | 70 | 2.00 | 1.50 | 1.333 |" in text
     assert "| m | 2 | fsdp2 | 200.0 | 2.000 | 1.000 | 70 | n/a | 1.50 | n/a |" in text
@@ -297,21 +296,19 @@ def test_in_step_compute_rows_give_the_compute_and_are_not_strategy_rows() -> No
         "command": "x",
     }
 
-    def in_step(times: list[float]) -> dict[str, object]:
-        return {
-            **_result(COMPUTE_ROW, {"_target_": None}, 0.0, {}, 0, peak=1.0),
-            "step_s": times,
-            "extra": {IN_STEP: True},
-        }
+    def in_step(times: list[float]) -> Measurement:
+        return replace(
+            _result(COMPUTE_ROW, {"_target_": None}, 0.0, {}, 0, peak=1.0), step_s=times, extra={IN_STEP: True}
+        )
 
     ddp = _result("lightning_ddp", DDP, 100.0, {}, 0, peak=1.0)
     # two rounds, each: ddp, then the compute row; per step the slower rank counts (a step waits for it)
     rank0 = [ddp, in_step([0.010, 0.050, 0.020]), ddp, in_step([0.030, 0.030, 0.030])]
     rank1 = [ddp, in_step([0.020, 0.040, 0.010]), ddp, in_step([0.001, 0.060, 0.002])]
-    report = Report([rank0, rank1], [{"model": "m", "name": "single", "step_s": [0.005, 0.007, 0.006]}], cfg, meta)
+    report = Report([rank0, rank1], [Measurement("single", "m", step_s=[0.005, 0.007, 0.006])], cfg, meta)
     # slowest per step: round 1 [0.020, 0.050, 0.020], round 2 [0.030, 0.060, 0.030] -> median 0.030
     assert report.compute == {("m", 2): pytest.approx(0.030), ("m", 1): pytest.approx(0.006)}
-    assert [r["strategy"] for r in report.rows()] == ["lightning_ddp"]
+    assert [r.strategy for r in report.rows()] == ["lightning_ddp"]
     assert COMPUTE_ROW not in report.markdown()
 
 
@@ -330,8 +327,8 @@ def test_one_rank_rounds_give_t1_over_every_round_and_the_host_rows_work() -> No
     }
     ddp = _result("lightning_ddp", DDP, 100.0, {}, 0, peak=1.0)
     # three rounds of the one-rank schedule: single, fsdp2 / fsdp2, single / single, fsdp2
-    single = [{"model": "m", "name": "single", "step_s": s} for s in ([0.010, 0.011], [0.030, 0.031], [0.012, 0.013])]
-    host = [{"model": "m", "name": "fsdp2", "step_s": s} for s in ([0.020], [0.019], [0.050])]
+    single = [Measurement("single", "m", step_s=s) for s in ([0.010, 0.011], [0.030, 0.031], [0.012, 0.013])]
+    host = [Measurement("fsdp2", "m", step_s=s) for s in ([0.020], [0.019], [0.050])]
     report = Report([[ddp], [ddp]], [single[0], host[0], host[1], single[1], single[2], host[2]], cfg, meta)
     # T1: the median over rounds of each round's median (not the last round's): 0.0125
     assert report.compute[("m", 1)] == pytest.approx(0.0125)
@@ -377,30 +374,26 @@ def test_a_periodic_row_is_timed_and_predicted_over_windows_of_its_period() -> N
         "threads_per_rank": 1,
         "command": "x",
     }
-    ddp = {**_result("lightning_ddp", DDP, 100.0, {}, 0, peak=1.0), "step_s": [0.010, 0.011, 0.012]}
+    ddp = replace(_result("lightning_ddp", DDP, 100.0, {}, 0, peak=1.0), step_s=[0.010, 0.011, 0.012])
     # communicates on steps 3 and 6 (H = 3), and those steps hold the wait for the other rank: the median
     # of single steps (0.010) would leave the synchronization out; the median window mean is 0.020
-    local = {
-        **_result("local_sgd", {"_target_": "x.LocalSGDStrategy"}, 10.0, {"all_reduce": 10.0}, 2, peak=1.0),
-        "step_s": [0.010, 0.010, 0.040, 0.010, 0.010, 0.040],
-        "step_calls": [0, 0, 1, 0, 0, 1],
-    }
+    local = replace(
+        _result("local_sgd", {"_target_": "x.LocalSGDStrategy"}, 10.0, {"all_reduce": 10.0}, 2, peak=1.0),
+        step_s=[0.010, 0.010, 0.040, 0.010, 0.010, 0.040],
+        step_calls=[0, 0, 1, 0, 0, 1],
+    )
 
-    def in_step(times: list[float]) -> dict[str, object]:
-        return {
-            **_result(COMPUTE_ROW, {"_target_": None}, 0.0, {}, 0, peak=1.0),
-            "step_s": times,
-            "extra": {IN_STEP: True},
-        }
+    def in_step(times: list[float]) -> Measurement:
+        return replace(
+            _result(COMPUTE_ROW, {"_target_": None}, 0.0, {}, 0, peak=1.0), step_s=times, extra={IN_STEP: True}
+        )
 
     rank0 = [ddp, local, in_step([0.010, 0.010, 0.040, 0.010, 0.010, 0.040])]
     rank1 = [ddp, local, in_step([0.040, 0.010, 0.010, 0.040, 0.010, 0.010])]
-    report = Report([rank0, rank1], [{"model": "m", "name": "single", "step_s": [0.005]}], cfg, meta)
-    rows = {r["strategy"]: r for r in report.rows()}
-    assert rows["local_sgd"]["sync_every"] == 3 and rows["lightning_ddp"]["sync_every"] == 1
-    assert rows["local_sgd"]["step_ms"] == pytest.approx(20.0) and rows["lightning_ddp"]["step_ms"] == pytest.approx(
-        11.0
-    )
+    report = Report([rank0, rank1], [Measurement("single", "m", step_s=[0.005])], cfg, meta)
+    rows = {r.strategy: r for r in report.rows()}
+    assert rows["local_sgd"].sync_every == 3 and rows["lightning_ddp"].sync_every == 1
+    assert rows["local_sgd"].step_ms == pytest.approx(20.0) and rows["lightning_ddp"].step_ms == pytest.approx(11.0)
     # compute: per step the slower rank, [40, 10, 40, 40, 10, 40] ms -> 40; per window of 3 steps both
     # ranks average 20 ms -> 20 (a rank's slow step is made up by its fast ones before the ranks meet)
     assert report.compute[("m", 2)] == pytest.approx(0.040)
@@ -450,9 +443,9 @@ def _sweep_order(rank: int, world: int, sizes: list[int], algorithms: list[str],
     order: list[tuple[int, str]] = []
     real = sweep._run
 
-    def recording(op: str, whole: torch.Tensor) -> None:
+    def recording(ctx: object, op: str, whole: torch.Tensor) -> None:
         order.append((whole.numel() * 4, op))
-        real(op, whole)
+        real(ctx, op, whole)
 
     sweep._run = recording
     try:
@@ -466,11 +459,11 @@ def test_sweep_passes_over_every_size_per_repeat_and_reports_every_time_per_poin
     sizes, algorithms = [1024, 4096], ["backend", "ring"]
     (points, order), (points1, _) = run_distributed(_sweep_order, 2, sizes, algorithms, 3, timeout=120)
     assert points == points1  # every rank reports the same all-reduced times
-    assert [(p["bytes"], p["algorithm"]) for p in points] == [(n, a) for n in sizes for a in algorithms]
+    assert [(p.bytes, p.algorithm) for p in points] == [(n, a) for n in sizes for a in algorithms]
     # the times themselves are the benchmark's to judge (the fit table of the report), not a test's
     # (the report prints span / rank time per K: CostModel.span_ratio)
     assert all(
-        p["world"] == 2 and all(isinstance(p[t], float) for t in ("seconds", "median_seconds", "rank_seconds"))
+        p.world == 2 and all(isinstance(getattr(p, t), float) for t in ("seconds", "median_seconds", "rank_seconds"))
         for p in points
     )
     # one warm-up per point, then each repeat passes over every size, the algorithms alternating: a burst
@@ -610,20 +603,8 @@ def test_fsdp2_baseline_trains_like_ddp_on_two_ranks() -> None:
 # --------------------------------------------------------------------------- the synchronization trade-off
 
 
-def _trade(name: str, slow: float | None, rnd: int, loss: float, mib: float, wall: float) -> dict[str, object]:
-    return {
-        "name": name,
-        "model": "m",
-        "slow": slow,
-        "round": rnd,
-        "val_loss": loss,
-        "metrics": {},
-        "bytes": mib * 2**20,
-        "wall_s": wall,
-        "samples": 1000,
-        "samples_per_s": 1000 / wall,
-        "steps_by_rank": [4, 4],
-    }
+def _trade(name: str, slow: float | None, rnd: int, loss: float, mib: float, wall: float) -> TradeoffResult:
+    return TradeoffResult(name, "m", slow, rnd, loss, mib * 2**20, wall, 1000, 1000 / wall, [4, 4])
 
 
 def test_tradeoff_rows_take_same_round_ratios_and_check_the_targets() -> None:
@@ -642,14 +623,14 @@ def test_tradeoff_rows_take_same_round_ratios_and_check_the_targets() -> None:
         _trade("bucketed_ddp", 2.0, 1, 2.0, 80.0, 20.0),
         _trade("async_ps", 2.0, 1, 2.06, 40.0, 16.0),
     ]
-    rows = {(r["name"], r["slow"]): r for r in tradeoff_rows(results)}
+    rows = {(r.name, r.slow): r for r in tradeoff_rows(results)}
     local = rows[("local_sgd", None)]
-    assert local["x_bytes"] == pytest.approx(0.125)
-    assert local["x_loss"] == pytest.approx((1.01 + 1.04) / 2)  # median of the two same-round ratios
-    assert local["x_throughput"] == pytest.approx((20 / 18 + 10 / 9) / 2)
+    assert local.x_bytes == pytest.approx(0.125)
+    assert local.x_loss == pytest.approx((1.01 + 1.04) / 2)  # median of the two same-round ratios
+    assert local.x_throughput == pytest.approx((20 / 18 + 10 / 9) / 2)
     ps = rows[("async_ps", 2.0)]
-    assert ps["x_throughput"] == pytest.approx((40 / 25 + 20 / 16) / 2)  # 1.6 and 1.25: median 1.425
-    assert rows[("bucketed_ddp", 2.0)]["x_throughput"] == 1.0
+    assert ps.x_throughput == pytest.approx((40 / 25 + 20 / 16) / 2)  # 1.6 and 1.25: median 1.425
+    assert rows[("bucketed_ddp", 2.0)].x_throughput == 1.0
     cfg = OmegaConf.create({"tradeoff": {"steps": 4, "world_size": 2, "pairs": 2, "reference": "bucketed_ddp"}})
     text = tradeoff_markdown(results, cfg)
     assert "m local_sgd: bytes x0.1250 <= 0.1250: met; loss x1.025 <= 1.03: met" in text

@@ -1,12 +1,14 @@
 """``lightning-sync bench``: strategies side by side, in one invocation, A/B alternated.
 
-The schedule (:func:`schedule`) interleaves every strategy in each of ``pairs`` rounds, reversing
-the order every other round (A B C, C B A, ...), so every strategy sees the same machine drift;
-``run_strategies=[a,b]`` runs a subset (:func:`select_strategies`; the baseline always runs). All
-trials of one world size run inside one spawned process group, one ``Trainer.fit`` each, so start-up
-cost is paid once. Scaling efficiency ``T1(b) / TK(b)`` compares one process with per-rank batch b
-against K ranks each with batch b. Results go to ``report.md`` and PNG plots in the Hydra output
-directory; the table is printed too.
+The schedule (:func:`~lightning_sync.bench.rows.schedule`) interleaves every strategy in each of ``pairs``
+rounds, reversing the order every other round, so every strategy sees the same machine drift;
+``run_strategies=[a,b]`` runs a subset (:func:`select_strategies`; the baseline always runs). All trials of one
+world size run inside one spawned process group, one ``Trainer.fit`` each, so start-up cost is paid once.
+Scaling efficiency ``T1(b) / TK(b)`` compares one process with per-rank batch b against K ranks each with batch
+b. Results go to ``report.md`` and PNG plots in the Hydra output directory; the report is printed too.
+
+``mode=calibrate`` runs only the cost model's calibration (:func:`run_calibration`): the all-reduce sweep of
+``cost_model.sweep``, fitted and stored in ``cost_model.params_file``, which every later report reads.
 """
 
 from __future__ import annotations
@@ -17,12 +19,17 @@ import os
 import platform
 import sys
 from datetime import date
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig
 
+from lightning_sync._checks import check_choice
+from lightning_sync.bench.cost_report import params_markdown, plot_fit
+from lightning_sync.bench.model import CostParams, SweepPoint, calibrate, load_params
 from lightning_sync.bench.report import Report, save_raw
+from lightning_sync.bench.rows import Measurement, node, pyplot, schedule
 from lightning_sync.bench.runner import IN_STEP, SINGLE_ROW, Trial, run_trials
 from lightning_sync.bench.sweep import sweep_all_reduce, sweep_sizes
 
@@ -30,6 +37,7 @@ __all__ = [
     "COMPUTE_ROW",
     "host_rows",
     "run_bench",
+    "run_calibration",
     "run_sweep",
     "schedule",
     "select_strategies",
@@ -42,57 +50,38 @@ log = logging.getLogger("lightning_sync.bench")
 #: The cost model's compute row at every K (:data:`~lightning_sync.bench.runner.IN_STEP`): the plain model
 #: fitted alone on each rank, in step, scheduled among the strategy rows.
 COMPUTE_ROW = "compute in step"
+Rows = dict[str, tuple[dict[str, Any], dict[str, Any]]]
 
 
-def _node(cfg: Any) -> dict[str, Any]:
-    return OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
-
-
-def schedule(names: list[str], pairs: int) -> list[str]:
-    """Round-robin order over ``pairs`` rounds, reversed every other round (ABAB... generalized)."""
-    if pairs < 1:
-        raise ValueError(f"pairs must be >= 1, got {pairs!r}")
-    order: list[str] = []
-    for p in range(pairs):
-        order += names if p % 2 == 0 else list(reversed(names))
-    return order
-
-
-def _trials(
-    cfg: DictConfig, model: str, rows: dict[str, tuple[dict[str, Any], dict[str, Any]]], label: str | None = None
-) -> list[Trial]:
+def _trials(cfg: DictConfig, model: str, rows: Rows, label: str | None = None) -> list[Trial]:
     m = cfg.models[model]
-    out = []
-    for name in schedule(list(rows), int(cfg.pairs)):
-        strategy, extra = rows[name]
-        out.append(
-            Trial(
-                name=name,
-                model=label or model,
-                strategy=strategy,
-                model_cfg=_node(m.model),
-                data_cfg=_node(m.data),
-                steps=int(cfg.steps),
-                warmup=int(cfg.warmup_steps),
-                extra=extra,
-            )
+    return [
+        Trial(
+            name,
+            label or model,
+            rows[name][0],
+            node(m.model),
+            node(m.data),
+            int(cfg.steps),
+            int(cfg.warmup_steps),
+            rows[name][1],
         )
-    return out
+        for name in schedule(list(rows), int(cfg.pairs))
+    ]
 
 
 def with_compute_row(rows: dict[str, Any]) -> dict[str, Any]:
-    """``rows`` with the cost model's compute row :data:`COMPUTE_ROW` in the middle: :func:`schedule` reverses
-    every other round, so a row at either end would run twice back to back (the end of one round, the start
-    of the next) and two of its samples would see the same minute of this shared machine's load; in the
-    middle its samples lie a round apart, like every strategy's."""
+    """``rows`` with the compute row :data:`COMPUTE_ROW` in the middle: :func:`schedule` reverses every other
+    round, so a row at either end would run twice back to back and two of its samples would see the same minute
+    of this shared machine's load; in the middle its samples lie a round apart, like every strategy's."""
     items = list(rows.items())
     mid = len(items) // 2
     return dict([*items[:mid], (COMPUTE_ROW, ({"_target_": None}, {IN_STEP: True})), *items[mid:]])
 
 
-def _bucket_rows(cfg: DictConfig) -> dict[str, tuple[dict[str, Any], dict[str, Any]]]:
-    base = _node(cfg.strategies[cfg.bucket_sweep.strategy])
-    rows = {str(cfg.baseline): (_node(cfg.strategies[cfg.baseline]), {})}  # ratios stay same-pair
+def _bucket_rows(cfg: DictConfig) -> Rows:
+    base = node(cfg.strategies[cfg.bucket_sweep.strategy])
+    rows = {str(cfg.baseline): (node(cfg.strategies[cfg.baseline]), {})}  # ratios stay same-pair
     for cap in cfg.bucket_sweep.caps_mb:
         label = "one bucket" if float(cap) >= float(cfg.bucket_sweep.one_bucket_mb) else f"cap={cap}"
         rows[label] = ({**base, "bucket_cap_mb": float(cap)}, {"cap_mb": float(cap)})
@@ -102,22 +91,21 @@ def _bucket_rows(cfg: DictConfig) -> dict[str, tuple[dict[str, Any], dict[str, A
 def select_strategies(cfg: DictConfig) -> dict[str, dict[str, Any]]:
     """The ``strategies`` rows to run: all of them, or ``run_strategies`` plus the baseline, in config order.
 
-    Raises ``ValueError`` for a name that is not a row, and ``ImportError`` (before any rank starts)
-    for a row whose ``_target_`` cannot be imported, naming the row and suggesting a subset.
+    Raises ``ValueError`` for a name that is not a row, and ``ImportError`` (before any rank starts) for a row
+    whose ``_target_`` cannot be imported, naming the row and suggesting a subset.
     """
-    rows = {str(name): _node(s) for name, s in cfg.strategies.items()}
+    rows = {str(name): node(s) for name, s in cfg.strategies.items()}
     wanted = cfg.get("run_strategies")
     if str(cfg.baseline) not in rows:
         raise ValueError(f"baseline must be one of {list(rows)}, got {cfg.baseline!r}")
     if wanted is not None:
-        wanted = [str(w) for w in wanted]
-        unknown = [w for w in wanted if w not in rows]
+        unknown = [str(w) for w in wanted if str(w) not in rows]
         if unknown:
             raise ValueError(f"run_strategies must name rows of strategies {list(rows)}, got {unknown!r}")
-        rows = {n: s for n, s in rows.items() if n in wanted or n == str(cfg.baseline)}  # ratios need the baseline
-    for name, node in rows.items():
-        target = node.get("_target_")
-        if target:
+        keep = {str(w) for w in wanted} | {str(cfg.baseline)}  # ratios need the baseline
+        rows = {n: s for n, s in rows.items() if n in keep}
+    for name, strategy in rows.items():
+        if target := strategy.get("_target_"):
             module, _, attr = str(target).rpartition(".")
             try:
                 getattr(importlib.import_module(module), attr)
@@ -129,10 +117,9 @@ def select_strategies(cfg: DictConfig) -> dict[str, dict[str, Any]]:
     return rows
 
 
-def host_rows(cfg: DictConfig, selected: dict[str, Any]) -> dict[str, tuple[dict[str, Any], dict[str, Any]]]:
-    """The strategy rows that the cost model also measures at one rank (``cost_model.host_rows``), among
-    the ``selected`` ones, for the single-process rounds: their step there less T1 is their host work
-    (:class:`~lightning_sync.bench.cost_report.CostModel`).
+def host_rows(cfg: DictConfig, selected: dict[str, Any]) -> Rows:
+    """The ``selected`` strategy rows that the cost model also measures at one rank (``cost_model.host_rows``),
+    for the single-process rounds: their step there less T1 is their host work.
 
     Raises ``ValueError`` for a name that is not a row of ``strategies``.
     """
@@ -146,54 +133,59 @@ def host_rows(cfg: DictConfig, selected: dict[str, Any]) -> dict[str, tuple[dict
 def world_sizes(cfg: DictConfig) -> list[int]:
     """The measured world sizes: ``world_sizes`` (a list of ints >= 2), in ascending order without repeats."""
     raw = cfg.get("world_sizes")
-    if not isinstance(raw, (list, ListConfig)) or not raw:
-        raise ValueError(f"world_sizes must be a non-empty list of ints >= 2, got {raw!r}")
-    for k in raw:
-        if isinstance(k, bool) or not isinstance(k, int) or k < 2:
-            raise ValueError(f"world_sizes must be a non-empty list of ints >= 2, got {list(raw)!r}")
+    bad = not isinstance(raw, (list, ListConfig)) or not raw
+    if bad or any(isinstance(k, bool) or not isinstance(k, int) or k < 2 for k in raw):
+        raise ValueError(f"world_sizes must be a non-empty list of ints >= 2, got {raw if bad else list(raw)!r}")
     return sorted(set(int(k) for k in raw))
 
 
-def run_bench(cfg: DictConfig, out_dir: Path) -> Report | None:
-    """Run the configured suite and write the reports into ``out_dir`` (the strategy rows' ``report.md``,
-    ``report.json`` and plots, every rank's raw measurements in ``raw.json``, from which
-    :func:`~lightning_sync.bench.report.load_raw` rebuilds the same report, and ``tradeoff.md`` when the
-    trade-off is enabled); returns the strategy rows' report, if any ran.
-
-    Order: the strategy rows at every world size (one spawned group per size, with the cost model's
-    compute row :data:`COMPUTE_ROW` among them; the bucket sweep at the smallest), the single-process
-    rows (T1, and the cost model's :func:`host_rows` at one rank, alternated with it), the all-reduce sweep
-    of the cost model, then the trade-off.
-    """
-    from lightning_sync.testing import run_distributed
-
-    worlds, threads = world_sizes(cfg), int(cfg.threads_per_rank)
-    env = {"OMP_NUM_THREADS": str(threads), "PL_GLOBAL_SEED": "0"}
-    meta = {
+def _meta(cfg: DictConfig, worlds: list[int]) -> dict[str, Any]:
+    """The machine, versions, date and command a report names."""
+    return {
         "date": date.today().isoformat(),
         "cpu": _cpu_model(),
         "cores": os.cpu_count() or 1,
         "python": platform.python_version(),
-        "torch": _version("torch"),
-        "lightning": _version("lightning"),
+        "torch": version("torch"),
+        "lightning": version("lightning"),
         "world_sizes": worlds,
-        "threads_per_rank": threads,
+        "threads_per_rank": int(cfg.threads_per_rank),
         "command": " ".join(["lightning-sync", "bench", *sys.argv[1:]]),
     }
+
+
+def run_bench(cfg: DictConfig, out_dir: Path) -> Report | None:
+    """Run the configured suite (or, with ``mode=calibrate``, :func:`run_calibration`) and write the reports into
+    ``out_dir``: the strategy rows' ``report.md``, ``report.json`` and plots, every rank's raw measurements in
+    ``raw.json`` (:func:`~lightning_sync.bench.report.load_raw` rebuilds the same report from them), and
+    ``tradeoff.md`` when the trade-off is enabled; returns the strategy rows' report, if any ran.
+
+    Order: the strategy rows at every world size (one spawned group per size, the compute row
+    :data:`COMPUTE_ROW` among them when the cost model is enabled; the bucket sweep at the smallest), the
+    single-process rows (T1, and the cost model's :func:`host_rows` alternated with it), then the trade-off. The
+    cost model prices the rows with the stored parameters (:func:`~lightning_sync.bench.model.load_params`).
+    """
+    from lightning_sync.testing import run_distributed
+
+    worlds, threads = world_sizes(cfg), int(cfg.threads_per_rank)
+    meta = _meta(cfg, worlds)
+    if check_choice("mode", str(cfg.get("mode", "run")), ("run", "calibrate")) == "calibrate":
+        run_calibration(cfg, out_dir, meta)
+        return None
+    env = {"OMP_NUM_THREADS": str(threads), "PL_GLOBAL_SEED": "0"}
     selected = select_strategies(cfg)
-    strategies = {name: (node, {}) for name, node in selected.items()}
+    strategies: Rows = {name: (s, {}) for name, s in selected.items()}
     cost = cfg.get("cost_model") or {}
     hosts = host_rows(cfg, selected) if cost.get("enabled") else {}
     if cost.get("enabled"):  # compute alone under the same time-sharing, in the same rounds (runner.IN_STEP)
         strategies = with_compute_row(strategies)
     timeout = float(cfg.timeout_s)
-    results: dict[int, list[list[dict[str, Any]]]] = {}
+    results: dict[int, list[list[Measurement]]] = {}
     for world in worlds:
         trials = [t for model in cfg.run_models for t in _trials(cfg, model, strategies)]
         if cfg.bucket_sweep.enabled and world == worlds[0]:
-            trials += _trials(
-                cfg, cfg.bucket_sweep.model, _bucket_rows(cfg), f"{cfg.bucket_sweep.model} (bucket sweep)"
-            )
+            sweep_model = cfg.bucket_sweep.model
+            trials += _trials(cfg, sweep_model, _bucket_rows(cfg), f"{sweep_model} (bucket sweep)")
         if trials:
             log.info(
                 "bench: %d trials on %d ranks (%d pairs, %d timed steps each)", len(trials), world, cfg.pairs, cfg.steps
@@ -201,21 +193,20 @@ def run_bench(cfg: DictConfig, out_dir: Path) -> Report | None:
             results[world] = run_distributed(run_trials, world, trials, threads, f"K={world}", timeout=timeout, env=env)
     report = None
     if results:
-        single: list[dict[str, Any]] = []
-        solo_models = list(
-            dict.fromkeys(
-                [*(cfg.scaling.models if cfg.scaling.enabled else []), *(cfg.run_models if cost.get("enabled") else [])]
-            )
-        )
+        single: list[Measurement] = []
+        scaled = cfg.scaling.models if cfg.scaling.enabled else []
+        solo_models = list(dict.fromkeys([*scaled, *(cfg.run_models if cost.get("enabled") else [])]))
         one = {SINGLE_ROW: ({"_target_": None}, {}), **hosts}  # and the cost model's host rows at one rank
         solo = [t for model in solo_models for t in _trials(cfg, model, one)]
         if solo:
             log.info("bench: %d single-process trials (T1%s)", len(solo), "".join(f", {n}" for n in hosts))
             single = run_distributed(run_trials, 1, solo, threads, "K=1", timeout=timeout, env=env)[0]
-        sweep = run_sweep(cost, threads, timeout) if cost.get("enabled") else []
-        report = Report(results, single, cfg, meta, sweep=sweep)
+        params = load_params(cost.get("params_file")) if cost.get("enabled") else None
+        if params is not None:
+            log.info("bench: cost model parameters: %s", params.source)
+        report = Report(results, single, cfg, meta, params)
         report.write(out_dir)
-        save_raw(out_dir / "raw.json", results, single, sweep, meta)
+        save_raw(out_dir / "raw.json", results, single, params, meta)
     if cfg.tradeoff.enabled:
         from lightning_sync.bench.tradeoff import run_tradeoff
 
@@ -226,32 +217,38 @@ def run_bench(cfg: DictConfig, out_dir: Path) -> Report | None:
     return report
 
 
-def run_sweep(cost: Any, threads: int, timeout: float) -> list[dict[str, Any]]:
-    """The cost model's all-reduce sweep (``cost_model.sweep``) at every world size it names."""
+def run_calibration(cfg: DictConfig, out_dir: Path, meta: dict[str, Any]) -> CostParams:
+    """Sweep (``cost_model.sweep``), fit (:func:`~lightning_sync.bench.model.calibrate`) and store the cost model's
+    parameters in ``cost_model.params_file`` (relative to the working directory), with a copy, ``calibration.md``
+    and ``fit.png`` in ``out_dir``; prints the parameters' table."""
+    cost = cfg.cost_model
+    points = run_sweep(cost, int(cfg.threads_per_rank), float(cfg.timeout_s))
+    params = calibrate(points, f"calibrated {meta['date']} on {meta['cpu']} with `{meta['command']}`")
+    path = Path(str(cost.params_file))
+    params.save(path)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    params.save(out_dir / "cost_params.json")
+    text = "\n".join(params_markdown(params))
+    (out_dir / "calibration.md").write_text(text + "\n")
+    print(f"{text}\n\nCost-model parameters written to {path.resolve()}")
+    plot_fit(params, out_dir / "fit.png", pyplot())
+    return params
+
+
+def run_sweep(cost: Any, threads: int, timeout: float) -> list[SweepPoint]:
+    """The calibration sweep (``cost_model.sweep``) at every world size it names."""
     from lightning_sync.testing import run_distributed
 
-    node = cost.sweep
-    sizes = sweep_sizes(int(node.smallest), int(node.largest), int(node.factor))
-    points: list[dict[str, Any]] = []
-    for world in node.worlds:
-        log.info("bench: all-reduce sweep on %d ranks (%d sizes x %s)", world, len(sizes), list(node.algorithms))
-        points += run_distributed(
-            sweep_all_reduce,
-            int(world),
-            sizes,
-            [str(a) for a in node.algorithms],
-            int(node.repeats),
-            threads,
-            timeout=timeout,
-            env={"OMP_NUM_THREADS": str(threads)},
-        )[0]
+    sweep = cost.sweep
+    sizes = sweep_sizes(int(sweep.smallest), int(sweep.largest), int(sweep.factor))
+    algorithms = [str(a) for a in sweep.algorithms]
+    points: list[SweepPoint] = []
+    for world in sweep.worlds:
+        log.info("bench: calibration sweep on %d ranks (%d sizes x %s)", world, len(sizes), algorithms)
+        env = {"OMP_NUM_THREADS": str(threads)}
+        args = (sizes, algorithms, int(sweep.repeats), threads)
+        points += run_distributed(sweep_all_reduce, int(world), *args, timeout=timeout, env=env)[0]
     return points
-
-
-def _version(pkg: str) -> str:
-    from importlib.metadata import version
-
-    return version(pkg)
 
 
 def _cpu_model() -> str:

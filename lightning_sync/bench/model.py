@@ -1,7 +1,7 @@
-r"""The communication cost model: latency and bandwidth fitted to a measured sweep, projected to K ranks.
+r"""The communication cost model: fixed, calibrated link parameters, priced traffic, projection to K ranks.
 
-Notation: K ranks, S payload bytes, :math:`\alpha` seconds per message (latency), :math:`\beta` seconds
-per byte (1 / bandwidth) of one link, N = K / G nodes of G ranks each.
+Notation: K ranks, S payload bytes, ``a`` seconds per message (latency), ``b`` seconds per byte (1 /
+bandwidth) of one link, N = K / G nodes of G ranks each.
 
 **All-reduce of S bytes** (Thakur, Rabenseifner & Gropp 2005; Patarasuk & Yuan 2009)::
 
@@ -9,67 +9,55 @@ per byte (1 / bandwidth) of one link, N = K / G nodes of G ranks each.
     tree           T = 2 ceil(log2 K) (a + S b)          reduce up a binary tree, broadcast down
     hierarchical   T = 2 ceil(log2 G) (a_in + S b_in)    reduce to the node leader, and back down
                      + 2(N-1) a_out + 2(N-1)/N S b_out   ring all-reduce among the N leaders
-    backend        fitted with the ring's coefficients (an effective a and b of gloo or NCCL)
+    backend        the ring's coefficients, with an effective a and b of gloo or NCCL
 
-The hierarchical formula is the package's own :func:`lightning_sync.comms.algorithms.hierarchical_all_reduce`
-(leader based), not NCCL's two-dimensional variant.
+Hierarchical is the package's own leader-based :func:`lightning_sync.comms.algorithms.hierarchical_all_reduce`.
+**Every other op**, as ``comms`` records its payload P per rank (:data:`OP_COST`: messages, wire bytes per
+payload byte): reduce_scatter ``(K-1) a + (K-1)/K P b`` (P the full input); all_gather ``(K-1) a + (K-1) P b``
+(P this rank's shard); broadcast ``ceil(log2 K)(a + P b)``; gather, scatter and metadata ``(K-1) a + (K-1) P b``
+(the root's link carries every other part); send ``a + P b`` (recv 0: the sender holds it); barrier
+``ceil(log2 K) a``.
 
-**Every other op**, as ``comms`` records its payload P per rank (see :mod:`lightning_sync.comms.stats`),
-under the ring model (:data:`OP_COST`: messages, bytes on the wire per payload byte)::
-
-    reduce_scatter   (K-1) a + (K-1)/K P b     P = the full input
-    all_gather       (K-1) a + (K-1)   P b     P = this rank's shard
-    broadcast        ceil(log2 K) (a + P b)
-    gather, scatter  (K-1) a + (K-1) P b       the root's link carries every other rank's part
-    metadata         (K-1) a + (K-1) P b
-    send             a + P b                   (recv: 0, the sender's entry holds the message)
-    barrier          ceil(log2 K) a
-
-**A strategy's step** (:class:`Traffic` holds its per-step calls and payload of every op, measured by
-``CommStats`` at some K0; :meth:`Traffic.at` rescales it to K: all_gather and scatter payloads are
-shards, ``P(K) = P(K0) K0 / K``, every other payload is the same at every K)::
+**A strategy's step.** :class:`Traffic` holds its per-step calls and payload of every op, measured at K0;
+shard payloads (all_gather, scatter) scale as ``K0 / K``, the others stay::
 
     T_comm(K) = sum over ops of  calls * messages(K) * a + wire(K) * P(K) * b
-    T_step(K) = c(K) T_comp + T_comm(K)                        no overlap
-    T_step(K) = max(c(K) T_comp, T_comm(K))                    perfect overlap
-    efficiency(K) = T_comp / T_step(K)                         weak scaling, fixed per-rank batch
+    T_step(K) = c(K) T_comp + T_comm(K)   (no overlap)    max(c(K) T_comp, T_comm(K))   (perfect overlap)
 
-T_comp is the measured single-process step time at the per-rank batch (for a strategy that does host work
-of its own, such as FSDP2's DTensor parameters and per-unit hooks, its one-rank step: the report adds that
-difference to the plain model's). ``c(K) = max(1, K * threads / cores)``
-is the time-sharing of one machine's cores: on this 2-core machine 4 ranks of one thread each get half
-a core each. The projection assumes every node has a core per rank (c = 1).
+``c(K) = max(1, K threads / cores)`` is the time-sharing of one machine's cores. No overlap is priced here:
+compute and communication compete for the same cores (crediting the measured in-flight time,
+``CommStats.covered_seconds``, put fewer rows within 25 % in a 36-row run of 2026-11-24).
 
-On this machine (:func:`predict_here`) every payload goes through the backend, so the prediction uses
-the ``backend`` fit (and for all_gather and reduce_scatter their own fits: ``comms.all_gather_into`` and
-``reduce_scatter_into`` run on gloo as K broadcasts and, for chunks of 2 MiB or more, K reduces (gloo's
-reduce-scatter below), so one fit spans both of the reduce-scatter's paths; ``torch_all_gather`` and
-``torch_reduce_scatter``, gloo's own ops, which FSDP2 calls, have theirs). The report's validation fits
-them to the sweep at the step's own K (:meth:`lightning_sync.bench.cost_report.CostModel.links_at`), so
-they ran under the same time-sharing and T_comm takes no further factor; no overlap: compute and
-communication compete for the same cores (the report's exposed-communication column measures how
-little of the all-reduce hides behind backward). The report's covered column
-(``CommStats.covered_seconds``) measures, per step, how long a rank computed with one of its async calls
-in flight: ZeRO-3, whose prefetched all-gathers and backward reduce-scatters are in flight during 80-95 %
-of its compute here, could hide most. Crediting it does not make a better prediction on this machine: in a
-run of K = 2 and 4 (2026-11-24; wide_mlp, deep_mlp and char_gpt; Lightning's DDP, bucketed DDP plain and
-fp16, ZeRO-2, ZeRO-3 and LocalSGD: 36 rows), the no-overlap sum put 35 rows within 25 % of the measured
-step, subtracting min(covered, T_comm) 28 and min(covered, the calls' latency terms) 31: bucketed DDP and
-ZeRO-3 on char_gpt fell below their measured steps (presumably a call in flight takes the time-shared
-cores from the compute it would hide behind).
+**Parameters** (:class:`CostParams`), a fixed set: per swept op (:data:`SWEPT`: the backend, ring and tree
+all-reduces, ``comms``' all_gather and reduce_scatter, the backend's own ``torch_all_gather`` and
+``torch_reduce_scatter`` that FSDP2 calls) one link ``(a, b)`` fitted to every world size of the calibration
+sweep together, and the same per world size K alone (``links_at``: with more ranks than cores, time-sharing
+changes a link with K, so a K-rank step is priced with the link measured under that time-sharing; the pooled
+link where the calibration did not run at K). :func:`calibrate` fits them (least squares on the relative
+error, :func:`fit_alpha_beta`) to the points of ``lightning-sync bench mode=calibrate``
+(:mod:`lightning_sync.bench.sweep`), which stores them in ``cost_model.params_file``; a report loads that
+file (:func:`load_params`) and never refits. Without one it uses :data:`DEFAULT_PARAMS`, the pooled fits of
+the 2-core AMD EPYC machine on 2026-11-24 (docs/benchmarks/amd-epyc-2core-2026-11-24.md). The projection's
+data-center fabric, :data:`H100_NDR400`, is fixed from data sheets. File format (JSON)::
 
-**Projection** (:func:`project`) to K = 8 ... 4096 with a :class:`Fabric`: the fitted link of this machine
-(copies of it as nodes of ``G`` = cores ranks, every link the fitted one) or :data:`H100_NDR400`. A flat ring or tree
-over more than one node runs at the slowest link (every step of the pipeline waits for the inter-node
-hop); within one node at the intra-node link. Sharded ops (reduce_scatter, all_gather) always use the
-flat ring.
+    {"format": 1, "source": "<machine, date, command>",
+     "links":    {"<op>": {"alpha_s": <s per message>, "beta_s_per_byte": <s per byte>}, ...},
+     "links_at": {"<K>": {"<op>": {"alpha_s": ..., "beta_s_per_byte": ...}, ...}, ...},
+     "points":   [{"algorithm": "<op>", "world": K, "bytes": S, "seconds": <mean span>,
+                   "median_seconds": ..., "rank_seconds": ...}, ...]}
+
+**Projection** (:func:`project`) to K = 8 ... 4096: a flat ring or tree over more than one node runs at the
+inter-node link (every pipeline step waits for that hop), within one node at the intra-node link; sharded ops
+always use the flat ring.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from lightning_sync._checks import check_choice, check_int
@@ -77,20 +65,27 @@ from lightning_sync.bench.formulas import overlapped_step_time, ring_allreduce_t
 
 __all__ = [
     "ALGORITHMS",
+    "DEFAULT_PARAMS",
     "H100_NDR400",
     "OP_COST",
     "SWEPT",
     "TORCH_TWINS",
+    "WIRE_FACTORS",
+    "CostParams",
     "Fabric",
     "Fit",
     "Link",
+    "Projection",
+    "SweepPoint",
     "Traffic",
     "all_reduce_coefficients",
     "all_reduce_seconds",
+    "calibrate",
     "comm_here",
     "comm_seconds",
     "contention",
     "fit_alpha_beta",
+    "load_params",
     "predict_here",
     "project",
     "projection_worlds",
@@ -101,9 +96,7 @@ __all__ = [
 #: All-reduce algorithms the model knows.
 ALGORITHMS = ("backend", "ring", "tree", "hierarchical")
 
-
-#: Per op: ``K -> (messages, wire bytes per payload byte)`` (module docstring). An op not listed
-#: (for example an algorithm's own 0-byte entry) costs one message and its payload once.
+#: Per op: ``K -> (messages, wire bytes per payload byte)``; an op not listed costs one message and its payload.
 OP_COST: dict[str, Callable[[int], tuple[float, float]]] = {
     "all_reduce": lambda k: (2 * (k - 1), 2 * (k - 1) / k),
     "reduce_scatter": lambda k: (k - 1, (k - 1) / k),
@@ -116,14 +109,19 @@ OP_COST: dict[str, Callable[[int], tuple[float, float]]] = {
     "recv": lambda k: (0, 0),
     "barrier": lambda k: (tree_depth(k), 0),
 }
-
-#: The backend's own all-gather and reduce-scatter (what FSDP2 calls), per the ``comms`` op whose payload and
-#: traffic they share; only their links differ.
+#: The backend's own all-gather and reduce-scatter (what FSDP2 calls): the payload and traffic of their twin.
 TORCH_TWINS = {"torch_all_gather": "all_gather", "torch_reduce_scatter": "reduce_scatter"}
 OP_COST.update({op: OP_COST[twin] for op, twin in TORCH_TWINS.items()})
-
+#: Bytes a rank puts on the wire per recorded payload byte, averaged over ranks (the report's ring wire bytes):
+#: the op's cost factor, except that the one-to-many ops spread the root's ``K-1`` parts over K ranks.
+WIRE_FACTORS: dict[str, Callable[[int], float]] = {
+    **{op: (lambda k, f=f: float(f(k)[1])) for op, f in OP_COST.items()},
+    **dict.fromkeys(("broadcast", "gather", "scatter"), lambda k: (k - 1) / k),
+}
 #: Ops whose payload per rank is a 1/K shard of a fixed whole.
 SHARD_OPS = frozenset({"all_gather", "torch_all_gather", "scatter"})
+#: What the calibration sweep measures (:mod:`lightning_sync.bench.sweep`), each with its own link.
+SWEPT = ("backend", "ring", "tree", "all_gather", "reduce_scatter", "torch_all_gather", "torch_reduce_scatter")
 
 
 @dataclass(frozen=True)
@@ -156,24 +154,20 @@ class Fabric:
     inter: Link
     ranks_per_node: int
     op_links: Mapping[str, Link] = field(default_factory=dict)
-    """Links that replace ``intra`` and ``inter`` for one op (this machine's fitted all_gather and
-    reduce_scatter, which gloo runs differently from its all-reduce)."""
+    """Links that replace ``intra`` and ``inter`` for one op (gloo runs its all-gather unlike its all-reduce)."""
 
     def __post_init__(self) -> None:
         check_int("ranks_per_node", self.ranks_per_node, 1)
 
 
-#: One DGX-H100-like node per 8 GPUs. Bandwidths are the vendor's peak figures per direction:
-#: NVLink 4 on H100 SXM5 is 900 GB/s per GPU in both directions together (NVIDIA H100 data sheet),
-#: 450 GB/s each way; one ConnectX-7 NDR InfiniBand port of 400 Gb/s per GPU (the DGX H100 reference
-#: architecture), 50 GB/s each way. Latencies are assumptions, not measurements: 1 us through NVSwitch
-#: and 5 us per InfiniBand hop across a spine. NCCL reaches roughly 70-90 % of the peak bandwidths.
+#: One DGX-H100-like node per 8 GPUs, vendor peak bandwidths per direction: NVLink 4 on H100 SXM5, 900 GB/s
+#: per GPU both ways together (H100 data sheet), 450 GB/s each way; one ConnectX-7 NDR 400 Gb/s port per GPU
+#: (DGX H100 reference architecture), 50 GB/s each way. Latencies are assumptions: 1 us through NVSwitch,
+#: 5 us per InfiniBand hop across a spine. NCCL reaches roughly 70-90 % of the peak bandwidths.
 H100_NDR400 = Fabric(
     name="8x H100 NVLink 4 per node, NDR 400 Gb/s InfiniBand per GPU",
-    intra=Link(
-        alpha=1e-6, beta=1 / 450e9, source="NVLink 4, H100 SXM5 data sheet (900 GB/s bidirectional); latency assumed"
-    ),
-    inter=Link(alpha=5e-6, beta=1 / 50e9, source="ConnectX-7 NDR 400 Gb/s per GPU; latency assumed"),
+    intra=Link(1e-6, 1 / 450e9, "NVLink 4, H100 SXM5 data sheet (900 GB/s bidirectional); latency assumed"),
+    inter=Link(5e-6, 1 / 50e9, "ConnectX-7 NDR 400 Gb/s per GPU; latency assumed"),
     ranks_per_node=8,
 )
 
@@ -184,13 +178,8 @@ def this_machine(
     """This machine as a fabric: ``cores // threads_per_rank`` ranks per "node", every link the fitted one."""
     check_int("cores", cores, 1)
     check_int("threads_per_rank", threads_per_rank, 1)
-    return Fabric(
-        name="this machine (fitted backend links)",
-        intra=link,
-        inter=link,
-        ranks_per_node=max(1, cores // threads_per_rank),
-        op_links=dict(op_links or {}),
-    )
+    per_node = max(1, cores // threads_per_rank)
+    return Fabric("this machine (fitted backend links)", link, link, per_node, dict(op_links or {}))
 
 
 def contention(world: int, cores: float, threads_per_rank: int = 1) -> float:
@@ -199,41 +188,30 @@ def contention(world: int, cores: float, threads_per_rank: int = 1) -> float:
     return max(1.0, world * threads_per_rank / cores)
 
 
-#: What the sweep can measure (:mod:`lightning_sync.bench.sweep`): the all-reduce algorithms, the even
-#: all-gather and reduce-scatter of ``comms`` (``all_gather_into``, ``reduce_scatter_into``), and the
-#: backend's own ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` (``torch_*``: what FSDP2 calls).
-SWEPT = ("backend", "ring", "tree", "all_gather", "reduce_scatter", "torch_all_gather", "torch_reduce_scatter")
-
-
 def all_reduce_coefficients(algorithm: str, world: int) -> tuple[float, float]:
-    """``(messages, bytes factor)`` of one swept op on S bytes (the whole tensor): ``T = messages * a + factor * S * b``.
-
-    All-reduce: ``ring`` and ``backend`` use the ring's ``2(K-1)`` and ``2(K-1)/K``, ``tree``
-    ``2 ceil(log2 K)`` for both (``hierarchical`` needs two links: :func:`all_reduce_seconds`).
-    ``all_gather`` and ``reduce_scatter`` (and their ``torch_*`` forms) of a whole of S bytes: ``K-1``
-    and ``(K-1)/K``.
-    """
+    """``(messages, bytes factor)`` of one swept op on S bytes (the whole tensor): ``T = messages a + factor S b``:
+    the ring's ``2(K-1)`` and ``2(K-1)/K`` (``ring``, ``backend``), the tree's ``2 ceil(log2 K)`` for both, and
+    ``K-1`` and ``(K-1)/K`` for the all-gathers and reduce-scatters of a whole of S bytes."""
     check_choice("algorithm", algorithm, SWEPT)
     check_int("world", world, 1)
     if algorithm == "tree":
         return 2 * tree_depth(world), 2 * tree_depth(world)
-    if algorithm in ("all_gather", "reduce_scatter", "torch_all_gather", "torch_reduce_scatter"):
+    if algorithm in ("all_gather", "reduce_scatter", *TORCH_TWINS):
         return world - 1, (world - 1) / world
     return 2 * (world - 1), 2 * (world - 1) / world
 
 
 def all_reduce_seconds(nbytes: float, world: int, fabric: Fabric, algorithm: str = "ring", calls: float = 1.0) -> float:
-    """Seconds for ``calls`` all-reduces totalling ``nbytes`` over ``world`` ranks of ``fabric``."""
+    """Seconds for ``calls`` all-reduces totalling ``nbytes`` over ``world`` ranks of ``fabric`` (each call pays
+    the latency, the bytes are paid once)."""
     check_choice("algorithm", algorithm, ALGORITHMS)
     if nbytes < 0:
         raise ValueError(f"nbytes must be >= 0, got {nbytes!r}")
     g = fabric.ranks_per_node
-    # calls all-reduces of nbytes in all: each pays the latency, the bytes are paid once
     if algorithm == "hierarchical" and world > g:
         inside = tree_allreduce_time(nbytes, g, fabric.intra.bandwidth, calls * fabric.intra.alpha)
-        return inside + ring_allreduce_time(
-            nbytes, math.ceil(world / g), fabric.inter.bandwidth, calls * fabric.inter.alpha
-        )
+        leaders = math.ceil(world / g)
+        return inside + ring_allreduce_time(nbytes, leaders, fabric.inter.bandwidth, calls * fabric.inter.alpha)
     link = fabric.intra if world <= g else fabric.inter
     time = tree_allreduce_time if algorithm == "tree" else ring_allreduce_time
     return time(nbytes, world, link.bandwidth, calls * link.alpha)
@@ -252,12 +230,9 @@ class Traffic:
         check_int("world", self.world, 1)
 
     def at(self, world: int) -> dict[str, tuple[float, float]]:
-        """The same step at ``world`` ranks: shard payloads (all_gather, scatter) scale by ``self.world / world``."""
+        """The same step at ``world`` ranks: shard payloads scale by ``self.world / world``."""
         check_int("world", world, 1)
-        return {
-            op: (calls, payload * self.world / world if op in SHARD_OPS else payload)
-            for op, (calls, payload) in self.ops.items()
-        }
+        return {op: (c, p * self.world / world if op in SHARD_OPS else p) for op, (c, p) in self.ops.items()}
 
     @property
     def bytes(self) -> float:
@@ -266,8 +241,8 @@ class Traffic:
 
 
 def comm_seconds(traffic: Traffic, world: int, fabric: Fabric, algorithm: str = "ring") -> float:
-    """``T_comm(K)`` of one step: every op at ``world`` ranks, all-reduces with ``algorithm``, at the
-    link its ranks span (the intra-node link up to ``ranks_per_node`` ranks, else the inter-node one)."""
+    """``T_comm(K)`` of one step: every op at ``world`` ranks, all-reduces with ``algorithm``, on the link its
+    ranks span (intra-node up to ``ranks_per_node`` ranks, else inter-node; an op's own link where it has one)."""
     check_choice("algorithm", algorithm, ALGORITHMS)
     link = fabric.intra if world <= fabric.ranks_per_node else fabric.inter
     total = 0.0
@@ -288,89 +263,17 @@ def step_seconds(compute_s: float, comm_s: float, overlap: bool) -> float:
     return overlapped_step_time(compute_s, comm_s) if overlap else compute_s + comm_s
 
 
-@dataclass
-class Fit:
-    """A fitted link and how well it explains the sweep."""
-
-    algorithm: str
-    link: Link
-    points: list[dict[str, Any]] = field(default_factory=list)
-    """The sweep points with ``predicted`` seconds and ``error`` (predicted / measured - 1)."""
-
-    def median_abs_error(self, world: int | None = None, min_bytes: int = 0) -> float:
-        """Median of |error| over the points (of one world size, of at least ``min_bytes``)."""
-        errs = sorted(
-            abs(p["error"]) for p in self.points if (world is None or p["world"] == world) and p["bytes"] >= min_bytes
-        )
-        if not errs:
-            return math.nan
-        mid = len(errs) // 2
-        return errs[mid] if len(errs) % 2 else (errs[mid - 1] + errs[mid]) / 2
-
-
-def _solve_2x2(rows: list[tuple[float, float]], ys: list[float]) -> tuple[float, float]:
-    """Least squares of ``y = a x0 + b x1`` through its normal equations; (0, 0) when singular."""
-    s00 = sum(x0 * x0 for x0, _ in rows)
-    s01 = sum(x0 * x1 for x0, x1 in rows)
-    s11 = sum(x1 * x1 for _, x1 in rows)
-    t0 = sum(x0 * y for (x0, _), y in zip(rows, ys))
-    t1 = sum(x1 * y for (_, x1), y in zip(rows, ys))
-    det = s00 * s11 - s01 * s01
-    if abs(det) <= 1e-300:
-        return 0.0, 0.0
-    return (t0 * s11 - t1 * s01) / det, (s00 * t1 - s01 * t0) / det
-
-
-def fit_alpha_beta(points: Iterable[Mapping[str, Any]], algorithm: str) -> Fit:
-    """Fit ``T = messages(K) a + factor(K) S b`` to the sweep points of ``algorithm`` (one of :data:`SWEPT`;
-    any world sizes; :func:`all_reduce_coefficients`).
-
-    Minimises the squared *relative* error (each equation divided by its measured time), so the
-    latency-bound small sizes and the bandwidth-bound large ones weigh alike. A negative coefficient is
-    clamped to 0 and the other refitted alone. Raises ``ValueError`` with fewer than 2 points of world > 1.
-    """
-    check_choice("algorithm", algorithm, SWEPT)
-    pts = [dict(p) for p in points if p["algorithm"] == algorithm and int(p["world"]) > 1 and p["seconds"] > 0]
-    if len(pts) < 2:
-        raise ValueError(f"fit_alpha_beta needs >= 2 {algorithm} points with world > 1 and seconds > 0, got {len(pts)}")
-    rows, ys = [], []
-    for p in pts:
-        msgs, factor = all_reduce_coefficients(algorithm, int(p["world"]))
-        rows.append((msgs / p["seconds"], factor * p["bytes"] / p["seconds"]))
-        ys.append(1.0)
-    alpha, beta = _solve_2x2(rows, ys)
-    if alpha < 0 or beta < 0:  # refit the other coefficient alone
-        if alpha < 0:
-            alpha, beta = 0.0, sum(r[1] for r in rows) / sum(r[1] ** 2 for r in rows)
-        else:
-            alpha, beta = sum(r[0] for r in rows) / sum(r[0] ** 2 for r in rows), 0.0
-    link = Link(alpha=alpha, beta=beta, source=f"least-squares fit to {len(pts)} measured {algorithm} points")
-    for p in pts:
-        msgs, factor = all_reduce_coefficients(algorithm, int(p["world"]))
-        p["predicted"] = msgs * alpha + factor * p["bytes"] * beta
-        p["error"] = p["predicted"] / p["seconds"] - 1
-    return Fit(algorithm=algorithm, link=link, points=pts)
-
-
 def comm_here(traffic: Traffic, world: int, link: Link, op_links: Mapping[str, Link] | None = None) -> float:
-    """``T_comm(K)`` of a ``world``-rank job on this machine: every rank on the fitted ``link`` (and
-    ``op_links`` for the ops that have their own fit), all-reduces as the backend runs them (ring coefficients).
-
-    The links were fitted to sweeps that ran with the same time-sharing of the cores, so ``T_comm``
-    takes no further factor.
-    """
-    fabric = Fabric(name="here", intra=link, inter=link, ranks_per_node=max(world, 1), op_links=dict(op_links or {}))
-    return comm_seconds(traffic, world, fabric, "ring")
+    """``T_comm(K)`` on this machine: every rank on ``link`` (``op_links`` for the ops with their own), all-reduces
+    as the backend runs them; the links were calibrated under the same time-sharing, so no further factor."""
+    return comm_seconds(traffic, world, Fabric("here", link, link, max(world, 1), dict(op_links or {})), "ring")
 
 
 def predict_here(
     traffic: Traffic, world: int, compute_s: float, link: Link, op_links: Mapping[str, Link] | None = None
 ) -> float:
-    """Predicted step seconds of a ``world``-rank job on this machine: ``compute_s +`` :func:`comm_here`, no overlap.
-
-    ``compute_s`` is the compute per step under the job's time-sharing of the cores: measured with K
-    single-process runs at once, kept in step, or ``contention(K, cores) * T1``.
-    """
+    """Predicted step seconds on this machine: ``compute_s`` (compute under the job's time-sharing) plus
+    :func:`comm_here`, no overlap."""
     return step_seconds(compute_s, comm_here(traffic, world, link, op_links), overlap=False)
 
 
@@ -378,11 +281,26 @@ def projection_worlds(smallest: int = 8, largest: int = 4096) -> list[int]:
     """Powers of two from ``smallest`` to ``largest``."""
     check_int("smallest", smallest, 1)
     check_int("largest", largest, smallest)
-    out, k = [], smallest
-    while k <= largest:
-        out.append(k)
-        k *= 2
-    return out
+    return [smallest * 2**i for i in range(int(math.log2(largest / smallest)) + 1)]
+
+
+@dataclass
+class Projection:
+    """One projected step: ``step_s`` / ``efficiency`` without overlap, ``step_overlap_s`` /
+    ``efficiency_overlap`` with perfect overlap, ``compute_for_90`` the compute per step that would give
+    0.9 without overlap (``9 T_comm``: what a faster accelerator may not undercut)."""
+
+    world: int
+    algorithm: str
+    comm_s: float
+    step_s: float
+    efficiency: float
+    step_overlap_s: float
+    efficiency_overlap: float
+    compute_for_90: float
+    model: str = ""
+    strategy: str = ""
+    fabric: str = ""
 
 
 def project(
@@ -391,13 +309,8 @@ def project(
     fabric: Fabric,
     worlds: Iterable[int],
     algorithms: Iterable[str] = ("ring", "tree", "hierarchical"),
-) -> list[dict[str, Any]]:
-    """Predicted step time and efficiency at every world size, per algorithm, without and with overlap.
-
-    Each row: ``world``, ``algorithm``, ``comm_s``, ``step_s`` / ``efficiency`` (no overlap) and
-    ``step_overlap_s`` / ``efficiency_overlap`` (perfect overlap), and ``compute_for_90`` (the compute
-    time per step at which the no-overlap efficiency would reach 0.9: ``9 T_comm``).
-    """
+) -> list[Projection]:
+    """Predicted step time and efficiency (weak scaling: ``T_comp / T_step``) per world size and algorithm."""
     if compute_s <= 0:
         raise ValueError(f"compute_s must be > 0, got {compute_s!r}")
     out = []
@@ -405,16 +318,152 @@ def project(
         for algorithm in algorithms:
             comm = comm_seconds(traffic, k, fabric, algorithm)
             plain, over = step_seconds(compute_s, comm, False), step_seconds(compute_s, comm, True)
-            out.append(
-                {
-                    "world": k,
-                    "algorithm": algorithm,
-                    "comm_s": comm,
-                    "step_s": plain,
-                    "efficiency": compute_s / plain,
-                    "step_overlap_s": over,
-                    "efficiency_overlap": compute_s / over,
-                    "compute_for_90": 9 * comm,
-                }
-            )
+            out.append(Projection(k, algorithm, comm, plain, compute_s / plain, over, compute_s / over, 9 * comm))
     return out
+
+
+@dataclass
+class SweepPoint:
+    """One swept op at one size: ``seconds`` is the mean span over the repeats (:mod:`lightning_sync.bench.sweep`),
+    ``median_seconds`` their median, ``rank_seconds`` the median of the slowest rank's own time."""
+
+    algorithm: str
+    world: int
+    bytes: int
+    seconds: float
+    median_seconds: float = math.nan
+    rank_seconds: float = math.nan
+
+
+@dataclass
+class Fit:
+    """A link and how well it explains its sweep points."""
+
+    algorithm: str
+    link: Link
+    points: list[SweepPoint] = field(default_factory=list)
+
+    def predict(self, p: SweepPoint) -> float:
+        msgs, factor = all_reduce_coefficients(self.algorithm, p.world)
+        return msgs * self.link.alpha + factor * p.bytes * self.link.beta
+
+    def error(self, p: SweepPoint) -> float:
+        """Predicted / measured - 1."""
+        return self.predict(p) / p.seconds - 1
+
+    def median_abs_error(self, world: int | None = None, min_bytes: int = 0) -> float:
+        """Median of |error| over the points (of one world size, of at least ``min_bytes``); NaN without any."""
+        errs = sorted(abs(self.error(p)) for p in self.points if world in (None, p.world) and p.bytes >= min_bytes)
+        if not errs:
+            return math.nan
+        mid = len(errs) // 2
+        return errs[mid] if len(errs) % 2 else (errs[mid - 1] + errs[mid]) / 2
+
+
+def fit_alpha_beta(points: Iterable[SweepPoint], algorithm: str) -> Fit:
+    """Fit ``T = messages(K) a + factor(K) S b`` (:func:`all_reduce_coefficients`) to the points of ``algorithm``.
+
+    Least squares of the *relative* error (each equation divided by its time), so latency-bound small sizes and
+    bandwidth-bound large ones weigh alike; a negative coefficient is clamped to 0 and the other refitted alone.
+    Raises ``ValueError`` with fewer than 2 points of world > 1.
+    """
+    check_choice("algorithm", algorithm, SWEPT)
+    pts = [p for p in points if p.algorithm == algorithm and p.world > 1 and p.seconds > 0]
+    if len(pts) < 2:
+        raise ValueError(f"fit_alpha_beta needs >= 2 {algorithm} points with world > 1 and seconds > 0, got {len(pts)}")
+    rows = []
+    for p in pts:
+        msgs, factor = all_reduce_coefficients(algorithm, p.world)
+        rows.append((msgs / p.seconds, factor * p.bytes / p.seconds))
+    s00, s11 = sum(x * x for x, _ in rows), sum(y * y for _, y in rows)
+    s01, t0, t1 = sum(x * y for x, y in rows), sum(x for x, _ in rows), sum(y for _, y in rows)
+    det = s00 * s11 - s01 * s01  # the normal equations of sum (a x + b y - 1)^2
+    alpha, beta = ((t0 * s11 - t1 * s01) / det, (s00 * t1 - s01 * t0) / det) if abs(det) > 1e-300 else (0.0, 0.0)
+    if alpha < 0:
+        alpha, beta = 0.0, t1 / s11
+    elif beta < 0:
+        alpha, beta = t0 / s00, 0.0
+    return Fit(algorithm, Link(alpha, beta, f"least-squares fit to {len(pts)} measured {algorithm} points"), pts)
+
+
+@dataclass
+class CostParams:
+    """The cost model's parameters (module docstring): per swept op a link pooled over every calibrated K, and
+    per K its own; ``points``, the calibration sweep they were fitted to (empty for the defaults)."""
+
+    links: dict[str, Link]
+    links_at: dict[int, dict[str, Link]] = field(default_factory=dict)
+    points: list[SweepPoint] = field(default_factory=list)
+    source: str = "defaults"
+
+    def fits(self, world: int | None = None) -> dict[str, Fit]:
+        """Per op, its link with the points it explains (every K pooled, or those of ``world`` alone)."""
+        links = self.links if world is None else self.links_at.get(world, {})
+        return {
+            a: Fit(a, link, [p for p in self.points if p.algorithm == a and world in (None, p.world)])
+            for a, link in links.items()
+        }
+
+    def as_json(self) -> dict[str, Any]:
+        """The file format of the module docstring."""
+
+        def links(d: Mapping[str, Link]) -> dict[str, dict[str, float]]:
+            return {op: {"alpha_s": v.alpha, "beta_s_per_byte": v.beta} for op, v in d.items()}
+
+        at = {str(k): links(v) for k, v in self.links_at.items()}
+        points = [asdict(p) for p in self.points]
+        return {"format": 1, "source": self.source, "links": links(self.links), "links_at": at, "points": points}
+
+    @classmethod
+    def from_json(cls, raw: Mapping[str, Any], origin: str = "") -> CostParams:
+        if raw.get("format") != 1:
+            raise ValueError(f"{origin}: cost-model parameters of format 1 expected, got {raw.get('format')!r}")
+
+        def links(d: Mapping[str, Mapping[str, float]]) -> dict[str, Link]:
+            return {op: Link(v["alpha_s"], v["beta_s_per_byte"], str(raw["source"])) for op, v in d.items()}
+
+        at = {int(k): links(v) for k, v in raw.get("links_at", {}).items()}
+        return cls(links(raw["links"]), at, [SweepPoint(**p) for p in raw.get("points", [])], str(raw["source"]))
+
+    def save(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.as_json(), indent=1))
+
+    @classmethod
+    def load(cls, path: Path) -> CostParams:
+        return cls.from_json(json.loads(Path(path).read_text()), str(path))
+
+
+def calibrate(points: Iterable[SweepPoint], source: str) -> CostParams:
+    """Fit every swept op with at least 2 points, over every K together and at each K alone."""
+    pts = [p for p in points if p.world > 1]
+
+    def fits(mine: list[SweepPoint]) -> dict[str, Link]:
+        return {a: fit_alpha_beta(mine, a).link for a in SWEPT if sum(p.algorithm == a for p in mine) >= 2}
+
+    at = {k: fits([p for p in pts if p.world == k]) for k in sorted({p.world for p in pts})}
+    return CostParams(fits(pts), at, pts, source)
+
+
+_SOURCE = "defaults: pooled fits of 2026-11-24, 2-core AMD EPYC, K=2-4 (docs/benchmarks)"
+#: Used where no calibration file exists: per op (latency in s, bandwidth in bytes/s).
+DEFAULT_PARAMS = CostParams(
+    {
+        op: Link(alpha, 1 / bandwidth, _SOURCE)
+        for op, (alpha, bandwidth) in {
+            "backend": (571e-6, 1.43e9),
+            "ring": (1228e-6, 0.715e9),
+            "tree": (325e-6, 2.34e9),
+            "all_gather": (858e-6, 0.889e9),
+            "reduce_scatter": (1428e-6, 0.652e9),
+            "torch_all_gather": (875e-6, 0.526e9),
+            "torch_reduce_scatter": (1429e-6, 0.445e9),
+        }.items()
+    },
+    source=_SOURCE,
+)
+
+
+def load_params(path: str | Path | None) -> CostParams:
+    """The parameters stored at ``path`` by ``lightning-sync bench mode=calibrate``, else :data:`DEFAULT_PARAMS`."""
+    return CostParams.load(Path(path)) if path and Path(path).is_file() else DEFAULT_PARAMS

@@ -1,39 +1,30 @@
 """Benchmark trials, run inside every rank: one ``Trainer.fit`` per trial, measured by a callback.
 
-A *trial* is one strategy on one model for ``warmup + steps`` optimizer steps. Every rank runs the
-same list of trials in the same order (the schedule alternates strategies A, B, A, B, ... so slow
-drifts of the machine hit all of them alike). A trial marked :data:`IN_STEP` is the cost model's
-compute row: each rank fits the plain model alone (one device, no collective in the step), every
-step started together by :class:`Lockstep`, in the same rounds as the strategies it is compared with.
-Each trial reports, per rank:
+A *trial* is one strategy on one model for ``warmup + steps`` optimizer steps. Every rank runs the same list
+of trials in the same order (the schedule alternates the strategies, so slow drifts of the machine hit all
+alike). A trial marked :data:`IN_STEP` is the cost model's compute row: each rank fits the plain model alone
+(one device, no collective in the step), every step started together by :class:`Lockstep`, in the same rounds
+as the strategies. Each trial gives a :class:`~lightning_sync.bench.rows.Measurement` per rank:
 
-* ``step_s``: wall time of each timed step (``on_train_batch_start`` to ``on_train_batch_end``:
-  forward, backward, communication and the optimizer step);
-* ``bytes_per_step``: payload bytes this rank sent through ``lightning_sync.comms`` per timed step
-  (0 for torch's own DDP, whose traffic bypasses comms: the report shows the analytic figure; FSDP2's
-  all-gathers and reduce-scatters are counted while its trials run, :func:`torch_collectives_counted`);
-* ``op_bytes_per_step``: the same payload split by op name (``all_reduce``, ``all_gather``,
-  ``reduce_scatter``, ...: per-op deltas of ``comms.get_stats().snapshot()`` around each step, averaged
-  over the timed steps), from which the report derives ring wire bytes; ``comm_calls`` counts the
-  collectives issued during the timed steps (0: the strategy does not use comms, measured = n/a);
-* ``op_seconds_per_step``: per op, the seconds its calls took inside the step (issue to completion, as
-  ``CommStats`` records them), averaged over the timed steps: the in-step price of each op, against the
-  sweep's;
-* ``param_bytes``: bytes of the trainable parameters, counted on the module before the strategy
-  touched it (S of the analytic wire bytes; tied parameters once, padding aside);
-* ``step_calls``: per timed step, the collectives this rank issued through ``comms`` in it (a strategy that
-  synchronizes every H steps communicates on one step in H: the report then measures its step time over
-  windows of H steps);
-* ``codec_s``: per step, seconds of compression arithmetic (``comms`` op ``codec``: casts, PowerSGD's
-  products; kept out of the per-op traffic above);
-* ``covered_s``: per step, the seconds this rank worked (computed) while at least one of its async
-  ``comms`` calls was in flight (``CommStats.covered_seconds``: the time it could hide communication
-  behind), and ``blocked_s``: the seconds it was blocked launching or waiting for ``comms`` calls;
-* ``exposed_s``: per step, communication still running after backward ended (strategies with a
-  ``bucketer``), and ``comm_s``: the same gradient buckets all-reduced alone, without compute;
-* ``peak_mib``: peak allocated memory (glibc ``mallinfo2``, sampled before and after each backward
-  and after each step) above the level before the model was built: parameters, gradients, bucket
-  buffers, optimizer state and activations (``torch.cuda.max_memory_allocated`` on GPU).
+* ``step_s``: wall time of each timed step (batch start to batch end: forward, backward, communication, step);
+* ``bytes_per_step`` and ``op_bytes_per_step``: payload this rank sent through ``comms`` per timed step, in all
+  and per op (per-op deltas of the statistics around each step), from which the report derives ring wire bytes;
+  torch's DDP bypasses ``comms`` (0 bytes, the report shows the analytic figure), FSDP2's all-gathers and
+  reduce-scatters are counted while its trials run (:func:`torch_collectives_counted`); ``comm_calls``,
+  ``op_calls_per_step`` and ``step_calls`` count the collectives (a strategy that synchronizes every H steps
+  communicates on one step in H: the report then times it over windows of H steps); ``op_seconds_per_step``:
+  the seconds each op's calls took inside the step;
+* ``codec_s``: seconds of compression arithmetic per step (``comms`` op ``codec``, kept out of the traffic);
+* ``covered_s``: seconds per step this rank computed while one of its async ``comms`` calls was in flight (the
+  time it could hide communication behind), ``blocked_s``: seconds it was blocked launching or waiting for them;
+* ``exposed_s``: communication still running after backward ended (strategies with a ``bucketer``), and
+  ``comm_s``: the same buckets all-reduced alone, without compute;
+* ``param_bytes``: the trainable parameters' bytes before the strategy touched the module (S of the analytic
+  wire bytes);
+* ``peak_mib``: peak allocated memory (glibc ``mallinfo2``, sampled around each backward and after each step)
+  above the level before the model was built (``torch.cuda.max_memory_allocated`` on GPU).
+
+Every read of the communication statistics goes through :func:`stats_of`.
 """
 
 from __future__ import annotations
@@ -53,6 +44,7 @@ from typing_extensions import override
 
 from lightning_sync import comms
 from lightning_sync.bench.fsdp2 import FullyShardStrategy
+from lightning_sync.bench.rows import Measurement
 from lightning_sync.sync.compression import CODEC_OP
 
 __all__ = [
@@ -63,34 +55,38 @@ __all__ = [
     "StepProbe",
     "Trial",
     "run_trials",
+    "stats_of",
     "torch_collectives_counted",
 ]
 
 #: ``Trial.extra`` key of the rows that measure compute alone under a K-rank job's time-sharing.
 IN_STEP = "in_step"
-
 #: Name of the single-process row of the plain model (T1) in the one-rank rounds.
 SINGLE_ROW = "single"
-
-#: The ``torch.distributed`` functions FSDP2 sends through, per ``comms`` op name they are counted as: the
-#: first name torch has (``_single``: torch 2.13's ``_fsdp_collectives``; older releases call the others).
+#: The ``torch.distributed`` functions FSDP2 sends through, per ``comms`` op they are counted as: the first
+#: name torch has (``_single``: torch 2.13's; older releases call the others).
 TORCH_OPS = {
     "torch_all_gather": ("all_gather_single", "all_gather_into_tensor"),
     "torch_reduce_scatter": ("reduce_scatter_single", "reduce_scatter_tensor"),
 }
 
 
+def stats_of(strategy: Any = None) -> comms.CommStats:
+    """The communication statistics a strategy's traffic is recorded in: the one place the bench reads them
+    (today the process-wide ``comms`` statistics, whatever the strategy)."""
+    return comms.get_stats()
+
+
 @contextmanager
-def torch_collectives_counted() -> Iterator[None]:
-    """Count what FSDP2 sends, which bypasses ``comms``: while the block runs, the functions of
-    :data:`TORCH_OPS` record each call into ``comms``' statistics, as ``torch_all_gather`` (payload: this
-    rank's input shard, as ``comms.all_gather`` counts it) and ``torch_reduce_scatter`` (payload: the whole
-    input), with the seconds the call took (a synchronous call: the collective; FSDP2 issues them so on
-    CPU; an async one: its issue only). The originals are put back on exit."""
+def torch_collectives_counted(strategy: Any = None) -> Iterator[None]:
+    """Count what FSDP2 sends, which bypasses ``comms``: while the block runs, the functions of :data:`TORCH_OPS`
+    record each call into :func:`stats_of`, as ``torch_all_gather`` (payload: this rank's input shard, as
+    ``comms.all_gather`` counts it) and ``torch_reduce_scatter`` (payload: the whole input), with the seconds the
+    call took (FSDP2 issues them synchronously on CPU; an async call: its issue only). Restored on exit."""
     import torch.distributed as dist
 
     saved: dict[str, Any] = {}
-    stats = comms.get_stats()
+    stats = stats_of(strategy)
 
     def counted(op: str, fn: Any) -> Any:
         def call(*args: Any, **kwargs: Any) -> Any:
@@ -142,27 +138,13 @@ class Trial:
 class _MallInfo2(ctypes.Structure):
     _fields_ = [
         (n, ctypes.c_size_t)
-        for n in (
-            "arena",
-            "ordblks",
-            "smblks",
-            "hblks",
-            "hblkhd",
-            "usmblks",
-            "fsmblks",
-            "uordblks",
-            "fordblks",
-            "keepcost",
-        )
+        for n in "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()
     ]
 
 
 def _allocated_mib() -> float:
-    """Bytes currently allocated through malloc (heap in use + mmapped blocks), in MiB.
-
-    Unlike RSS this falls when tensors are freed, so it can be compared across trials that share a
-    process. glibc only; elsewhere it falls back to RSS.
-    """
+    """MiB allocated through malloc (heap in use + mmapped blocks): unlike RSS it falls when tensors are freed,
+    so trials sharing a process compare. glibc only; elsewhere RSS."""
     try:
         libc = ctypes.CDLL("libc.so.6")
         libc.mallinfo2.restype = _MallInfo2
@@ -181,22 +163,20 @@ class StepProbe(pl.Callback):
         self.step_s: list[float] = []
         self.exposed_s: list[float] = []
         self.codec_s: list[float] = []
+        self.covered_s: list[float] = []
+        self.blocked_s: list[float] = []
         self.bytes: list[int] = []
         self.step_calls: list[int] = []
         self.op_bytes: dict[str, int] = {}  # summed over the timed steps
         self.op_calls: dict[str, int] = {}
         self.op_seconds: dict[str, float] = {}
-        self.calls = 0
         self.peak_rss = 0.0
         self.bucketer: Any = None  # kept past teardown, for the communication-alone measurement
-        self.covered_s: list[float] = []
-        self.blocked_s: list[float] = []
-        self._t0 = 0.0
+        self._t0 = self._covered0 = self._blocked0 = 0.0
         self._snap0: dict[str, comms.OpStats] = {}
-        self._covered0 = self._blocked0 = 0.0
 
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
-        stats = comms.get_stats()
+        stats = stats_of(trainer.strategy)
         self._snap0 = stats.snapshot()
         self._covered0, self._blocked0 = stats.covered_seconds(), stats.blocked_seconds()
         self._t0 = time.perf_counter()
@@ -213,7 +193,7 @@ class StepProbe(pl.Callback):
         if trainer.global_step <= self.warmup:
             return
         self.step_s.append(elapsed)
-        stats = comms.get_stats()
+        stats = stats_of(trainer.strategy)
         self.covered_s.append(stats.covered_seconds() - self._covered0)
         self.blocked_s.append(stats.blocked_seconds() - self._blocked0)
         step_bytes, codec, calls = 0, 0.0, 0
@@ -223,11 +203,10 @@ class StepProbe(pl.Callback):
                 codec += now.seconds - before.seconds
                 continue
             step_bytes += now.bytes - before.bytes
+            calls += now.calls - before.calls
             self.op_bytes[op] = self.op_bytes.get(op, 0) + now.bytes - before.bytes
             self.op_calls[op] = self.op_calls.get(op, 0) + now.calls - before.calls
             self.op_seconds[op] = self.op_seconds.get(op, 0.0) + now.seconds - before.seconds
-            calls += now.calls - before.calls
-        self.calls += calls
         self.step_calls.append(calls)
         self.bytes.append(step_bytes)
         self.codec_s.append(codec)
@@ -243,14 +222,13 @@ def _comm_alone(bucketer: Any, repeats: int = 3) -> float:
     for _ in range(repeats):
         comms.barrier()
         t0 = time.perf_counter()
-        works = [comms.all_reduce(b.buffer.clone(), op="avg", async_op=True) for b in bucketer.buckets]
-        for w in works:
+        for w in [comms.all_reduce(b.buffer.clone(), op="avg", async_op=True) for b in bucketer.buckets]:
             w.wait()
         times.append(time.perf_counter() - t0)
     return sorted(times)[len(times) // 2]
 
 
-def _run_one(trial: Trial, world: int, callbacks: tuple[pl.Callback, ...] = ()) -> dict[str, Any]:
+def _run_one(trial: Trial, world: int, callbacks: tuple[pl.Callback, ...] = ()) -> Measurement:
     from hydra.utils import instantiate
 
     import lightning_sync  # noqa: F401 - registers the strategy names
@@ -260,12 +238,10 @@ def _run_one(trial: Trial, world: int, callbacks: tuple[pl.Callback, ...] = ()) 
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     pl.seed_everything(0, verbose=False)
-    model = instantiate(trial.model_cfg)
-    data = instantiate(trial.data_cfg)
+    model, data = instantiate(trial.model_cfg), instantiate(trial.data_cfg)
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     strategy = instantiate(trial.strategy) if trial.strategy.get("_target_") else "auto"
     probe = StepProbe(trial.warmup)
-    n_linear = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
     trainer = pl.Trainer(
         accelerator="gpu" if torch.cuda.is_available() else "cpu",
         devices=trial.devices or world,
@@ -280,8 +256,8 @@ def _run_one(trial: Trial, world: int, callbacks: tuple[pl.Callback, ...] = ()) 
         enable_model_summary=False,
         callbacks=[*callbacks, probe],
     )
-    comms.reset_stats()
-    with torch_collectives_counted() if isinstance(strategy, FullyShardStrategy) else nullcontext():
+    stats_of(trainer.strategy).reset()
+    with torch_collectives_counted(strategy) if isinstance(strategy, FullyShardStrategy) else nullcontext():
         trainer.fit(model, datamodule=data)
     bucketer = probe.bucketer
     comm_s = _comm_alone(bucketer) if bucketer is not None and world > 1 else None
@@ -289,35 +265,33 @@ def _run_one(trial: Trial, world: int, callbacks: tuple[pl.Callback, ...] = ()) 
     if bucketer is not None:
         bucketer.close()
     n = max(len(probe.step_s), 1)
-    return {
-        "name": trial.name,
-        "model": trial.model,
-        "world": world,
-        "step_s": probe.step_s,
-        "bytes_per_step": (sum(probe.bytes) / len(probe.bytes)) if probe.bytes else 0.0,
-        "op_bytes_per_step": {op: b / n for op, b in probe.op_bytes.items()},
-        "comm_calls": probe.calls,
-        "op_calls_per_step": {op: c / n for op, c in probe.op_calls.items()},
-        "op_seconds_per_step": {op: t / n for op, t in probe.op_seconds.items()},
-        "n_linear": n_linear,
-        "exposed_s": probe.exposed_s,
-        "codec_s": probe.codec_s,
-        "step_calls": probe.step_calls,
-        "comm_s": comm_s,
-        "covered_s": probe.covered_s,
-        "blocked_s": probe.blocked_s,
-        "grad_bytes": param_bytes,
-        "param_bytes": param_bytes,
-        "strategy": dict(trial.strategy),
-        "peak_mib": peak,
-        "extra": trial.extra,
-    }
+    return Measurement(
+        name=trial.name,
+        model=trial.model,
+        world=world,
+        step_s=probe.step_s,
+        bytes_per_step=(sum(probe.bytes) / len(probe.bytes)) if probe.bytes else 0.0,
+        op_bytes_per_step={op: b / n for op, b in probe.op_bytes.items()},
+        op_calls_per_step={op: c / n for op, c in probe.op_calls.items()},
+        op_seconds_per_step={op: t / n for op, t in probe.op_seconds.items()},
+        comm_calls=sum(probe.step_calls),
+        step_calls=probe.step_calls,
+        exposed_s=probe.exposed_s,
+        codec_s=probe.codec_s,
+        covered_s=probe.covered_s,
+        blocked_s=probe.blocked_s,
+        comm_s=comm_s,
+        param_bytes=param_bytes,
+        n_linear=sum(isinstance(m, torch.nn.Linear) for m in model.modules()),
+        strategy=dict(trial.strategy),
+        peak_mib=peak,
+        extra=trial.extra,
+    )
 
 
 class Lockstep(pl.Callback):
-    """Holds every training step until all ranks of the group have reached it (``comms.barrier``), so K
-    single-process fits, one on each rank, compute in step, as the ranks of a synchronous job do. It runs
-    before :class:`StepProbe`, whose step time starts after it, so the barrier is not in the step."""
+    """Holds every training step until all ranks reached it (``comms.barrier``), so K single-process fits, one
+    per rank, compute in step as a synchronous job's ranks do; it runs before :class:`StepProbe`'s timer."""
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
@@ -325,42 +299,23 @@ class Lockstep(pl.Callback):
 
 
 #: What a launcher sets for a rank; an in-step trial hides it, so Lightning sees one device and no cluster.
-_RANK_ENV = (
-    "RANK",
-    "LOCAL_RANK",
-    "NODE_RANK",
-    "WORLD_SIZE",
-    "LOCAL_WORLD_SIZE",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "TORCHELASTIC_USE_AGENT_STORE",
-)
+_RANK_ENV = "RANK LOCAL_RANK NODE_RANK WORLD_SIZE LOCAL_WORLD_SIZE MASTER_ADDR MASTER_PORT TORCHELASTIC_USE_AGENT_STORE"
 
 
-@contextmanager
-def _without_rank_env() -> Iterator[None]:
-    saved = {name: os.environ.pop(name) for name in _RANK_ENV if name in os.environ}
+def _run_in_step(trial: Trial, world: int) -> Measurement:
+    """The trial as a single-process fit on this rank, in step with the other ranks' (:class:`Lockstep`): compute
+    under a ``world``-rank job's time-sharing with no collective in the step (the cost model's ``c(K) T_comp``)."""
+    saved = {name: os.environ.pop(name) for name in _RANK_ENV.split() if name in os.environ}
     try:
-        yield
+        out = _run_one(replace(trial, devices=1), 1, (Lockstep(),))
     finally:
         os.environ.update(saved)
+    return replace(out, world=world)
 
 
-def _run_in_step(trial: Trial, world: int) -> dict[str, Any]:
-    """The trial as a single-process fit on this rank, every step started together with the other ranks'
-    (:class:`Lockstep`): compute under the time-sharing of a ``world``-rank job, with no collective inside
-    the step (the cost model's ``c(K) T_comp``; :func:`~lightning_sync.bench.report.slowest_per_step`)."""
-    with _without_rank_env():
-        out = _run_one(replace(trial, devices=1), 1, (Lockstep(),))
-    return {**out, "world": world}
-
-
-def run_trials(rank: int, world: int, trials: list[Trial], threads: int = 1, label: str = "") -> list[dict[str, Any]]:
-    """Run every trial in order on this rank (called by ``run_distributed``); returns the measurements.
-
-    Rank 0 shows a progress bar on stderr (``label``: what the group is, e.g. ``"K=4"``). A trial whose
-    ``extra`` has :data:`IN_STEP` runs as a single-process fit on every rank, in step (:func:`_run_in_step`).
-    """
+def run_trials(rank: int, world: int, trials: list[Trial], threads: int = 1, label: str = "") -> list[Measurement]:
+    """Run every trial in order on this rank (called by ``run_distributed``); rank 0 shows a progress bar
+    (``label``: the group, e.g. ``"K=4"``). A trial whose ``extra`` has :data:`IN_STEP` runs in step."""
     import logging
     import warnings
 
@@ -374,5 +329,5 @@ def run_trials(rank: int, world: int, trials: list[Trial], threads: int = 1, lab
     for i, t in enumerate(bar):
         bar.set_postfix_str(f"{t.model} / {t.name}")
         measured = _run_in_step(t, world) if t.extra.get(IN_STEP) else _run_one(t, world)
-        out.append({**measured, "rank": rank, "trial": i})
+        out.append(replace(measured, rank=rank, trial=i))
     return out

@@ -1,25 +1,22 @@
 """The synchronization trade-off, measured: final validation loss against bytes sent and wall time.
 
 Every row trains one model for the same global step budget (``steps`` steps of the global batch
-``K x batch_size``: the same samples for every strategy), from the same seed and data, with and
-without one straggler (``SlowRank(rank=1, factor=slow_factor)``). Each trial is one ``Trainer.fit`` in
-freshly started processes with no process group set up beforehand: the asynchronous parameter
-server runs without one, the other strategies create theirs as they would under a launcher, and
-Hogwild starts its own processes from one driver. Rows alternate A B C ... C B A over ``pairs`` rounds.
+``K x batch_size``: the same samples for every strategy), from the same seed and data, with and without one
+straggler (``SlowRank(rank=1, factor=slow_factor)``). Each trial is one ``Trainer.fit`` in freshly started
+processes with no process group set up beforehand: the asynchronous parameter server runs without one, the
+other strategies create theirs as under a launcher, and Hogwild starts its own processes from one driver. Rows
+alternate A B C ... C B A over ``pairs`` rounds. Per trial (:class:`TradeoffResult`):
 
-Per trial:
-
-* **val loss:** the trained model, evaluated the same way for every strategy after ``fit``: on rank 0
-  (Hogwild: the driver, which shares the trained memory), over the whole validation set, in one
-  process. The budget is a multiple of every ``sync_every``, so LocalSGD and DiLoCo end on a sync;
-  the parameter server's workers end holding the final global model.
-* **bytes:** payload bytes through ``lightning_sync.comms`` (collectives and RPC) during training,
-  summed over ranks.
+* **val loss:** the trained model evaluated after ``fit`` on rank 0 (Hogwild: the driver, which shares the
+  trained memory), over the whole validation set, in one process. The budget is a multiple of every
+  ``sync_every``, so LocalSGD and DiLoCo end on a sync; the parameter server's workers end holding the final
+  global model.
+* **bytes:** payload bytes through ``lightning_sync.comms`` (collectives and RPC) in training, summed over ranks.
 * **wall:** from the first rank's ``on_train_start`` to the last rank's ``on_train_end``.
 * **throughput:** samples whose gradients entered the model (``steps x K x batch_size``) per second.
 
-The report gives medians over rounds, and each ratio to the reference row (``bucketed_ddp``, same
-model and straggler setting) is the median of same-round ratios.
+The report gives medians over rounds (:class:`TradeoffRow`), and each ratio to the reference row
+(``bucketed_ddp``, same model and straggler setting) is the median of same-round ratios.
 """
 
 from __future__ import annotations
@@ -27,19 +24,27 @@ from __future__ import annotations
 import json
 import logging
 import os
-import statistics
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 
-from lightning_sync import comms
+from lightning_sync.bench.rows import median, node, pyplot, schedule
+from lightning_sync.bench.runner import stats_of
 
-__all__ = ["TradeoffTrial", "run_tradeoff", "tradeoff_markdown", "tradeoff_rows", "tradeoff_trials"]
+__all__ = [
+    "TradeoffResult",
+    "TradeoffRow",
+    "TradeoffTrial",
+    "run_tradeoff",
+    "tradeoff_markdown",
+    "tradeoff_rows",
+    "tradeoff_trials",
+]
 
 log = logging.getLogger("lightning_sync.bench")
 _QUIET = {
@@ -91,11 +96,11 @@ class _Probe(pl.Callback):
         self._bytes0 = 0
 
     @staticmethod
-    def _bytes() -> int:
-        return sum(s.bytes for s in comms.get_stats().snapshot().values())
+    def _bytes(trainer: pl.Trainer) -> int:
+        return sum(s.bytes for s in stats_of(trainer.strategy).snapshot().values())
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._bytes0, self._start = self._bytes(), time.time()
+        self._bytes0, self._start = self._bytes(trainer), time.time()
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         record = {
@@ -103,7 +108,7 @@ class _Probe(pl.Callback):
             "start": self._start,
             "end": time.time(),
             "steps": trainer.global_step,
-            "bytes": self._bytes() - self._bytes0,
+            "bytes": self._bytes(trainer) - self._bytes0,
         }
         with open(os.path.join(self.out_dir, f"rank{trainer.global_rank}.json"), "w") as f:
             json.dump(record, f)
@@ -152,8 +157,6 @@ def _fit(rank: int, world: int, trial: TradeoffTrial, out_dir: str) -> dict[str,
 
 def tradeoff_trials(cfg: Any) -> list[TradeoffTrial]:
     """The alternating schedule of ``cfg.tradeoff`` (a plain dict or DictConfig)."""
-    from lightning_sync.bench.app import _node, schedule
-
     t = cfg.tradeoff
     slow = [None] if t.slow_factor is None else [None, float(t.slow_factor)]
     out = []
@@ -167,9 +170,9 @@ def tradeoff_trials(cfg: Any) -> list[TradeoffTrial]:
                     TradeoffTrial(
                         name=str(name),
                         model=str(model),
-                        strategy=_node(rows[name]),
-                        model_cfg=_node(m.model),
-                        data_cfg=_node(m.data),
+                        strategy=node(rows[name]),
+                        model_cfg=node(m.model),
+                        data_cfg=node(m.data),
                         steps=int(t.steps),
                         world=int(t.world_size),
                         slow_factor=factor,
@@ -180,7 +183,42 @@ def tradeoff_trials(cfg: Any) -> list[TradeoffTrial]:
     return out
 
 
-def run_tradeoff(cfg: Any, out_dir: Path, meta: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+@dataclass
+class TradeoffResult:
+    """One trial's figures (module docstring); ``steps_by_rank``: each rank's own optimizer steps."""
+
+    name: str
+    model: str
+    slow: float | None
+    round: int
+    val_loss: float
+    bytes: float
+    wall_s: float
+    samples: int
+    samples_per_s: float
+    steps_by_rank: list[int] = field(default_factory=list)
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class TradeoffRow:
+    """One (model, strategy, straggler) over its rounds: medians, and ``x_*`` same-round ratios to the reference."""
+
+    model: str
+    name: str
+    slow: float | None
+    val_loss: float
+    bytes: float
+    wall_s: float
+    samples_per_s: float
+    x_loss: float
+    x_bytes: float
+    x_throughput: float
+    steps_by_rank: list[int]
+    trials: int
+
+
+def run_tradeoff(cfg: Any, out_dir: Path, meta: dict[str, Any] | None = None) -> list[TradeoffResult]:
     """Run every trial (each in fresh processes), write ``tradeoff.md`` and ``tradeoff.png``; return the results."""
     from lightning_sync.testing import run_distributed
 
@@ -192,9 +230,8 @@ def run_tradeoff(cfg: Any, out_dir: Path, meta: dict[str, Any] | None = None) ->
         ranks = 1 if trial.self_launching else trial.world
         label = f"{trial.model}/{trial.name}" + (f" (rank 1 x{trial.slow_factor:g})" if trial.slow_factor else "")
         log.info("tradeoff %d/%d: %s", i, len(trials), label)
-        metrics = run_distributed(
-            _fit, ranks, trial, probe_dir, timeout=float(cfg.tradeoff.timeout_s), env=env, process_group=False
-        )[0]
+        timeout = float(cfg.tradeoff.timeout_s)
+        metrics = run_distributed(_fit, ranks, trial, probe_dir, timeout=timeout, env=env, process_group=False)[0]
         probes = [json.loads((Path(probe_dir) / f).read_text()) for f in sorted(os.listdir(probe_dir))]
         for f in os.listdir(probe_dir):
             os.remove(os.path.join(probe_dir, f))
@@ -203,66 +240,56 @@ def run_tradeoff(cfg: Any, out_dir: Path, meta: dict[str, Any] | None = None) ->
             raise RuntimeError(f"tradeoff trial {label}: {len(probes)} of {trial.world} ranks reported")
         wall = max(p["end"] for p in probes) - min(p["start"] for p in probes)
         samples = trial.steps * trial.world * int(trial.data_cfg.get("batch_size", 1))
+        steps = [p["steps"] for p in sorted(probes, key=lambda p: p["rank"])]
+        bytes_sent = sum(p["bytes"] for p in probes)
         results.append(
-            {
-                "name": trial.name,
-                "model": trial.model,
-                "slow": trial.slow_factor,
-                "round": trial.round,
-                "val_loss": metrics["val_loss"],
-                "metrics": metrics,
-                "bytes": sum(p["bytes"] for p in probes),
-                "wall_s": wall,
-                "samples": samples,
-                "samples_per_s": samples / wall,
-                "steps_by_rank": [p["steps"] for p in sorted(probes, key=lambda p: p["rank"])],
-            }
+            TradeoffResult(
+                trial.name,
+                trial.model,
+                trial.slow_factor,
+                trial.round,
+                metrics["val_loss"],
+                bytes_sent,
+                wall,
+                samples,
+                samples / wall,
+                steps,
+                metrics,
+            )
         )
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "tradeoff.md").write_text(tradeoff_markdown(results, cfg, meta) + "\n")
-    (out_dir / "tradeoff.json").write_text(json.dumps(results, indent=1))
+    (out_dir / "tradeoff.json").write_text(json.dumps([asdict(r) for r in results], indent=1))
     _plot(results, out_dir / "tradeoff.png")
     return results
 
 
-def _median(xs: list[float]) -> float:
-    return statistics.median(xs) if xs else float("nan")
-
-
-def tradeoff_rows(results: list[dict[str, Any]], reference: str = "bucketed_ddp") -> list[dict[str, Any]]:
+def tradeoff_rows(results: list[TradeoffResult], reference: str = "bucketed_ddp") -> list[TradeoffRow]:
     """One row per (model, strategy, straggler): medians, and same-round ratios to the reference row."""
-    ref = {(r["model"], r["slow"], r["round"]): r for r in results if r["name"] == reference}
-    keys: list[tuple[str, str, Any]] = []
-    for r in results:
-        if (r["model"], r["name"], r["slow"]) not in keys:
-            keys.append((r["model"], r["name"], r["slow"]))
+    ref = {(r.model, r.slow, r.round): r for r in results if r.name == reference}
     rows = []
-    for model, name, slow in keys:
-        trials = [r for r in results if (r["model"], r["name"], r["slow"]) == (model, name, slow)]
+    for model, name, slow in dict.fromkeys((r.model, r.name, r.slow) for r in results):
+        trials = [r for r in results if (r.model, r.name, r.slow) == (model, name, slow)]
+        pairs = [(t, ref[(t.model, t.slow, t.round)]) for t in trials if (t.model, t.slow, t.round) in ref]
 
-        def ratio(key: str, trials: list[dict[str, Any]] = trials) -> float:
-            pairs = [
-                (t[key], ref[(t["model"], t["slow"], t["round"])][key])
-                for t in trials
-                if (t["model"], t["slow"], t["round"]) in ref
-            ]
-            return _median([a / b for a, b in pairs if b])
+        def ratio(key: str, pairs: list[tuple[TradeoffResult, TradeoffResult]] = pairs) -> float:
+            return median([getattr(a, key) / getattr(b, key) for a, b in pairs if getattr(b, key)])
 
         rows.append(
-            {
-                "model": model,
-                "name": name,
-                "slow": slow,
-                "val_loss": _median([t["val_loss"] for t in trials]),
-                "bytes": _median([t["bytes"] for t in trials]),
-                "wall_s": _median([t["wall_s"] for t in trials]),
-                "samples_per_s": _median([t["samples_per_s"] for t in trials]),
-                "x_loss": ratio("val_loss"),
-                "x_bytes": ratio("bytes"),
-                "x_throughput": ratio("samples_per_s"),
-                "steps_by_rank": trials[0]["steps_by_rank"],
-                "trials": len(trials),
-            }
+            TradeoffRow(
+                model=model,
+                name=name,
+                slow=slow,
+                val_loss=median([t.val_loss for t in trials]),
+                bytes=median([t.bytes for t in trials]),
+                wall_s=median([t.wall_s for t in trials]),
+                samples_per_s=median([t.samples_per_s for t in trials]),
+                x_loss=ratio("val_loss"),
+                x_bytes=ratio("bytes"),
+                x_throughput=ratio("samples_per_s"),
+                steps_by_rank=trials[0].steps_by_rank,
+                trials=len(trials),
+            )
         )
     return rows
 
@@ -280,7 +307,7 @@ def _fmt(x: float, spec: str) -> str:
     return "n/a" if x != x else format(x, spec)
 
 
-def tradeoff_markdown(results: list[dict[str, Any]], cfg: Any, meta: dict[str, Any] | None = None) -> str:
+def tradeoff_markdown(results: list[TradeoffResult], cfg: Any, meta: dict[str, Any] | None = None) -> str:
     """The trade-off table and the target checks, as Markdown (``meta``: machine, versions, date, command)."""
     t = cfg.tradeoff
     rows = tradeoff_rows(results, str(t.reference))
@@ -300,55 +327,39 @@ def tradeoff_markdown(results: list[dict[str, Any]], cfg: Any, meta: dict[str, A
         "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
-        slow = f"rank 1 x{r['slow']:g}" if r["slow"] else "none"
+        slow = f"rank 1 x{r.slow:g}" if r.slow else "none"
         lines.append(
-            f"| {r['model']} | {r['name']} | {slow} | {r['val_loss']:.4f} | {_fmt(r['x_loss'], '.3f')} | "
-            f"{r['bytes'] / 2**20:.2f} | {_fmt(r['x_bytes'], '.4f')} | {r['wall_s']:.1f} | "
-            f"{r['samples_per_s']:.0f} | {_fmt(r['x_throughput'], '.2f')} | {r['steps_by_rank']} |"
+            f"| {r.model} | {r.name} | {slow} | {r.val_loss:.4f} | {_fmt(r.x_loss, '.3f')} | "
+            f"{r.bytes / 2**20:.2f} | {_fmt(r.x_bytes, '.4f')} | {r.wall_s:.1f} | "
+            f"{r.samples_per_s:.0f} | {_fmt(r.x_throughput, '.2f')} | {r.steps_by_rank} |"
         )
     lines += ["", "Targets:", ""]
     for name, slowed, max_bytes, max_loss, min_tp in TARGETS:
-        for r in rows:
-            if r["name"] != name or bool(r["slow"]) != slowed:
-                continue
+        for r in (r for r in rows if r.name == name and bool(r.slow) == slowed):
             checks = []
             if max_bytes is not None:
-                checks.append(
-                    f"bytes x{r['x_bytes']:.4f} <= {max_bytes:.4f}: {'met' if r['x_bytes'] <= max_bytes else 'MISSED'}"
-                )
+                met = "met" if r.x_bytes <= max_bytes else "MISSED"
+                checks.append(f"bytes x{r.x_bytes:.4f} <= {max_bytes:.4f}: {met}")
             if min_tp is not None:
-                checks.append(
-                    f"throughput x{r['x_throughput']:.2f} >= {min_tp}: "
-                    f"{'met' if r['x_throughput'] >= min_tp else 'MISSED'}"
-                )
-            checks.append(f"loss x{r['x_loss']:.3f} <= {max_loss}: {'met' if r['x_loss'] <= max_loss else 'MISSED'}")
-            lines.append(
-                f"- {r['model']} {name}" + (" with the straggler" if slowed else "") + ": " + "; ".join(checks)
-            )
+                met = "met" if r.x_throughput >= min_tp else "MISSED"
+                checks.append(f"throughput x{r.x_throughput:.2f} >= {min_tp}: {met}")
+            checks.append(f"loss x{r.x_loss:.3f} <= {max_loss}: {'met' if r.x_loss <= max_loss else 'MISSED'}")
+            lines.append(f"- {r.model} {name}" + (" with the straggler" if slowed else "") + ": " + "; ".join(checks))
     return "\n".join(lines)
 
 
-def _plot(results: list[dict[str, Any]], path: Path) -> None:
+def _plot(results: list[TradeoffResult], path: Path) -> None:
     """Validation loss against MiB sent (log) and against wall time, one row of panels per model."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    models = list(dict.fromkeys(r["model"] for r in results))
-    names = list(dict.fromkeys(r["name"] for r in results))
+    plt = pyplot()
+    models = list(dict.fromkeys(r.model for r in results))
+    colors = {n: plt.get_cmap("tab10")(i) for i, n in enumerate(dict.fromkeys(r.name for r in results))}
     fig, axes = plt.subplots(len(models), 2, figsize=(11, 4 * len(models)), squeeze=False)
-    colors = {n: plt.get_cmap("tab10")(i) for i, n in enumerate(names)}
     for row, model in enumerate(models):
-        for r in (r for r in results if r["model"] == model):
-            style = {
-                "color": colors[r["name"]],
-                "s": 45,
-                "marker": "o" if not r["slow"] else "s",
-                "facecolors": colors[r["name"]] if not r["slow"] else "none",
-            }
-            axes[row][0].scatter(max(r["bytes"] / 2**20, 1e-3), r["val_loss"], **style)
-            axes[row][1].scatter(r["wall_s"], r["val_loss"], **style)
+        for r in (r for r in results if r.model == model):
+            c = colors[r.name]
+            style = {"color": c, "s": 45, "marker": "s" if r.slow else "o", "facecolors": "none" if r.slow else c}
+            axes[row][0].scatter(max(r.bytes / 2**20, 1e-3), r.val_loss, **style)
+            axes[row][1].scatter(r.wall_s, r.val_loss, **style)
         axes[row][0].set_xscale("log")
         axes[row][0].set(xlabel="MiB sent (all ranks, log; 0 plotted at 1e-3)", ylabel=f"{model} val loss")
         axes[row][1].set(xlabel="wall time of training (s)", ylabel=f"{model} val loss")

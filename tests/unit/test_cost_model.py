@@ -6,7 +6,10 @@ generate points from known latency and bandwidth and require the fit to recover 
 
 from __future__ import annotations
 
+import json
 import math
+from dataclasses import replace
+from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
@@ -15,6 +18,7 @@ from lightning_sync.bench import model as M
 from lightning_sync.bench.app import world_sizes
 from lightning_sync.bench.cost_report import CostModel, traffic_of
 from lightning_sync.bench.report import slowest_per_step, sync_every, window_means
+from lightning_sync.bench.rows import Row
 from lightning_sync.bench.sweep import price, sweep_sizes
 
 MIB = 2**20
@@ -60,7 +64,7 @@ def test_bad_arguments_name_the_value() -> None:
     with pytest.raises(ValueError, match="compute_s must be > 0, got 0"):
         M.project(M.Traffic({}, 2), 0, _flat(), [8])
     with pytest.raises(ValueError, match="needs >= 2 ring points with world > 1"):
-        M.fit_alpha_beta([{"algorithm": "ring", "world": 2, "bytes": 8, "seconds": 1.0}], "ring")
+        M.fit_alpha_beta([M.SweepPoint("ring", 2, 8, 1.0)], "ring")
     with pytest.raises(ValueError, match=r"world_sizes must be a non-empty list of ints >= 2, got \[2, 1\]"):
         world_sizes(OmegaConf.create({"world_sizes": [2, 1]}))
     with pytest.raises(ValueError, match="world_sizes must be a non-empty list of ints >= 2, got 4"):
@@ -119,8 +123,8 @@ def test_fit_recovers_known_latency_and_bandwidth(algorithm: str) -> None:
     for k in (2, 3, 4):
         for s in sweep_sizes(1024, 256 * MIB):
             msgs, factor = M.all_reduce_coefficients(algorithm, k)
-            points.append({"algorithm": algorithm, "world": k, "bytes": s, "seconds": msgs * alpha + factor * s * beta})
-    points.append({"algorithm": "other", "world": 2, "bytes": 8, "seconds": 99.0})  # another algorithm's point
+            points.append(M.SweepPoint(algorithm, k, s, msgs * alpha + factor * s * beta))
+    points.append(M.SweepPoint("other", 2, 8, 99.0))  # another algorithm's point
     fit = M.fit_alpha_beta(points, algorithm)
     assert fit.link.alpha == pytest.approx(alpha, rel=1e-9) and fit.link.beta == pytest.approx(beta, rel=1e-9)
     assert len(fit.points) == 30 and fit.median_abs_error() == pytest.approx(0.0, abs=1e-9)
@@ -128,31 +132,28 @@ def test_fit_recovers_known_latency_and_bandwidth(algorithm: str) -> None:
 
 def test_fit_clamps_a_negative_latency_and_reports_errors() -> None:
     # times that fall faster than linearly at small sizes would need a negative latency: clamp it to 0
-    pts = [
-        {"algorithm": "ring", "world": 2, "bytes": b, "seconds": t}
-        for b, t in ((1000, 1e-7), (1_000_000, 1e-3), (10_000_000, 1e-2))
-    ]
+    pts = [M.SweepPoint("ring", 2, b, t) for b, t in ((1000, 1e-7), (1_000_000, 1e-3), (10_000_000, 1e-2))]
     fit = M.fit_alpha_beta(pts, "ring")
     assert fit.link.alpha == 0.0 and fit.link.beta > 0
-    assert all(p["predicted"] == pytest.approx(p["bytes"] * fit.link.beta) for p in fit.points)
+    assert all(fit.predict(p) == pytest.approx(p.bytes * fit.link.beta) for p in fit.points)
     assert fit.median_abs_error(world=3) != fit.median_abs_error(world=3)  # nan: no point of that world
 
 
 def test_projection_efficiency_falls_with_ranks_and_overlap_helps() -> None:
     t = M.Traffic({"all_reduce": (2, 64.0 * MIB)}, world=2)
     rows = M.project(t, 0.1, M.H100_NDR400, M.projection_worlds(8, 4096))
-    ring = [r for r in rows if r["algorithm"] == "ring"]
-    assert [r["world"] for r in ring] == M.projection_worlds(8, 4096) == [2**i for i in range(3, 13)]
-    assert all(a["efficiency"] >= b["efficiency"] for a, b in zip(ring, ring[1:]))
+    ring = [r for r in rows if r.algorithm == "ring"]
+    assert [r.world for r in ring] == M.projection_worlds(8, 4096) == [2**i for i in range(3, 13)]
+    assert all(a.efficiency >= b.efficiency for a, b in zip(ring, ring[1:]))
     for r in rows:
-        assert r["step_s"] == pytest.approx(0.1 + r["comm_s"])
-        assert r["step_overlap_s"] == pytest.approx(max(0.1, r["comm_s"]))
-        assert r["efficiency_overlap"] >= r["efficiency"]
-        assert r["compute_for_90"] == pytest.approx(9 * r["comm_s"])
+        assert r.step_s == pytest.approx(0.1 + r.comm_s)
+        assert r.step_overlap_s == pytest.approx(max(0.1, r.comm_s))
+        assert r.efficiency_overlap >= r.efficiency
+        assert r.compute_for_90 == pytest.approx(9 * r.comm_s)
     # at 4096 ranks (512 nodes) the leader-based hierarchical all-reduce pays 2*511 inter-node latencies,
     # the flat ring 2*4095: hierarchical must be faster
-    at = {r["algorithm"]: r for r in rows if r["world"] == 4096}
-    assert at["hierarchical"]["comm_s"] < at["ring"]["comm_s"]
+    at = {r.algorithm: r for r in rows if r.world == 4096}
+    assert at["hierarchical"].comm_s < at["ring"].comm_s
 
 
 def test_contention_and_predict_here() -> None:
@@ -183,20 +184,20 @@ def test_slowest_per_step_takes_each_steps_slowest_process() -> None:
     assert slowest_per_step([]) == []
 
 
-def _row(strategy: dict[str, object], measured: bool, world: int = 2, **kw: object) -> dict[str, object]:
-    return {
-        "model": "m",
-        "strategy": kw.pop("name", "s"),
-        "world": world,
-        "param_bytes": 60 * MIB,
-        "measured": measured,
-        "op_bytes_per_step": kw.pop("ops", {}),
-        "op_calls_per_step": kw.pop("calls", {}),
-        "n_linear": 5,
-        "strategy_node": strategy,
-        "step_ms": kw.pop("step_ms", 100.0),
-        **kw,
-    }
+def _row(strategy: dict[str, object], measured: bool, world: int = 2, **kw: object) -> Row:
+    return Row(
+        model="m",
+        strategy=kw.pop("name", "s"),  # type: ignore[arg-type]
+        world=world,
+        param_bytes=60 * MIB,
+        measured=measured,
+        op_bytes_per_step=kw.pop("ops", {}),  # type: ignore[arg-type]
+        op_calls_per_step=kw.pop("calls", {}),  # type: ignore[arg-type]
+        n_linear=5,
+        strategy_node=strategy,
+        step_ms=kw.pop("step_ms", 100.0),  # type: ignore[arg-type]
+        **kw,  # type: ignore[arg-type]
+    )
 
 
 def test_traffic_of_measured_and_analytic_rows() -> None:
@@ -213,11 +214,14 @@ def test_traffic_of_measured_and_analytic_rows() -> None:
 
 
 def test_cost_model_validation_error_by_hand() -> None:
-    sweep = [
-        {"algorithm": "backend", "world": k, "bytes": s, "seconds": 2 * (k - 1) * 1e-3 + 2 * (k - 1) / k * s * 1e-9}
-        for k in (2, 4)
-        for s in (1000, 10**6, 10**8)
-    ]
+    sweep = M.calibrate(
+        [
+            M.SweepPoint("backend", k, s, 2 * (k - 1) * 1e-3 + 2 * (k - 1) / k * s * 1e-9)
+            for k in (2, 4)
+            for s in (1000, 10**6, 10**8)
+        ],
+        "test",
+    )
     rows = [
         _row({}, True, name="ddp", ops={"all_reduce": 1e7}, calls={"all_reduce": 1.0}, step_ms=40.0, codec_ms=1.5),
         _row({}, True, name="ddp", world=4, ops={"all_reduce": 1e7}, calls={"all_reduce": 1.0}, step_ms=50.0),
@@ -228,13 +232,13 @@ def test_cost_model_validation_error_by_hand() -> None:
     v2, v4 = cost.validation()
     comm2 = 2e-3 + 1e7 * 1e-9
     # the measured codec arithmetic (1.5 ms) is compute the plain model's T_comp does not hold: added
-    assert v2["comm_s"] == pytest.approx(comm2) and v2["predicted_s"] == pytest.approx(0.025 + 0.0015 + comm2)
-    assert v2["error"] == pytest.approx((0.0265 + comm2) / 0.040 - 1)
-    assert v2["predicted_ck_s"] == pytest.approx(0.0215 + comm2)  # c(2) = 1 on 2 cores
-    assert v4["predicted_s"] is None and v4["error"] is None
-    assert v4["predicted_ck_s"] == pytest.approx(2 * 0.020 + 6e-3 + 1.5e7 * 1e-9)  # c(4) = 2
+    assert v2.comm_s == pytest.approx(comm2) and v2.predicted_s == pytest.approx(0.025 + 0.0015 + comm2)
+    assert v2.error == pytest.approx((0.0265 + comm2) / 0.040 - 1)
+    assert v2.predicted_ck_s == pytest.approx(0.0215 + comm2)  # c(2) = 1 on 2 cores
+    assert v4.predicted_s is None and v4.error is None
+    assert v4.predicted_ck_s == pytest.approx(2 * 0.020 + 6e-3 + 1.5e7 * 1e-9)  # c(4) = 2
     proj = cost.projection()  # the K=4 row, on both fabrics, 10 world sizes, 3 algorithms
-    assert len(proj) == 2 * 10 * 3 and {p["fabric"] for p in proj} == {
+    assert len(proj) == 2 * 10 * 3 and {p.fabric for p in proj} == {
         M.H100_NDR400.name,
         "this machine (fitted backend links)",
     }
@@ -247,11 +251,14 @@ def test_cost_model_validation_error_by_hand() -> None:
 
 
 def test_a_row_measured_at_one_rank_adds_its_host_work_scaled_like_the_compute() -> None:
-    sweep = [
-        {"algorithm": "backend", "world": k, "bytes": s, "seconds": 2 * (k - 1) * 1e-3 + 2 * (k - 1) / k * s * 1e-9}
-        for k in (2, 4)
-        for s in (1000, 10**6, 10**8)
-    ]
+    sweep = M.calibrate(
+        [
+            M.SweepPoint("backend", k, s, 2 * (k - 1) * 1e-3 + 2 * (k - 1) / k * s * 1e-9)
+            for k in (2, 4)
+            for s in (1000, 10**6, 10**8)
+        ],
+        "test",
+    )
     rows = [
         _row({}, True, name=n, world=k, ops={"all_reduce": 1e7}, calls={"all_reduce": 1.0}, step_ms=60.0)
         for n in ("fsdp", "ddp")
@@ -263,24 +270,24 @@ def test_a_row_measured_at_one_rank_adds_its_host_work_scaled_like_the_compute()
     f2, f4, d2, d4 = cost.validation()
     comm2, comm4 = 2e-3 + 1e7 * 1e-9, 6e-3 + 1.5e7 * 1e-9
     # scaled by the measured time-sharing factor compute(K) / T1: 1.25 at K=2, 2.5 at K=4
-    assert f2["host_s"] == pytest.approx(0.010) and f4["host_s"] == pytest.approx(0.020)
-    assert f2["predicted_s"] == pytest.approx(0.025 + 0.010 + comm2)
-    assert f4["predicted_s"] == pytest.approx(0.050 + 0.020 + comm4)
-    assert f4["predicted_ck_s"] == pytest.approx(2 * (0.020 + 0.008) + comm4)  # c(4) = 2 on 2 cores
-    assert d2["host_s"] == 0.0 and d2["predicted_s"] == pytest.approx(0.025 + comm2)
-    assert d4["predicted_ck_s"] == pytest.approx(2 * 0.020 + comm4)
+    assert f2.host_s == pytest.approx(0.010) and f4.host_s == pytest.approx(0.020)
+    assert f2.predicted_s == pytest.approx(0.025 + 0.010 + comm2)
+    assert f4.predicted_s == pytest.approx(0.050 + 0.020 + comm4)
+    assert f4.predicted_ck_s == pytest.approx(2 * (0.020 + 0.008) + comm4)  # c(4) = 2 on 2 cores
+    assert d2.host_s == 0.0 and d2.predicted_s == pytest.approx(0.025 + comm2)
+    assert d4.predicted_ck_s == pytest.approx(2 * 0.020 + comm4)
     # without a compute measurement at K the host work falls back to c(K), like the compute
     assert cost.host_at("m", "fsdp", 3) == pytest.approx(1.5 * 0.008)
     # the projection's T_comp of the row is its one-rank step
-    proj = {(p["strategy"], p["fabric"], p["world"], p["algorithm"]): p for p in cost.projection()}
+    proj = {(p.strategy, p.fabric, p.world, p.algorithm): p for p in cost.projection()}
     key = (M.H100_NDR400.name, 8, "ring")
-    assert proj[("fsdp", *key)]["efficiency"] == pytest.approx(0.028 / proj[("fsdp", *key)]["step_s"])
-    assert proj[("ddp", *key)]["step_s"] == pytest.approx(proj[("fsdp", *key)]["step_s"] - 0.008)
+    assert proj[("fsdp", *key)].efficiency == pytest.approx(0.028 / proj[("fsdp", *key)].step_s)
+    assert proj[("ddp", *key)].step_s == pytest.approx(proj[("fsdp", *key)].step_s - 0.008)
     assert "| m | fsdp | 4 | 1 | 60.0 | 50.0 | 20.0 |" in "\n".join(cost.markdown())
 
 
 def test_a_row_that_syncs_once_in_h_steps_is_predicted_with_the_compute_of_h_step_windows() -> None:
-    sweep = [{"algorithm": "backend", "world": 2, "bytes": s, "seconds": 2e-3 + s * 1e-9} for s in (1000, 10**6, 10**8)]
+    sweep = M.calibrate([M.SweepPoint("backend", 2, s, 2e-3 + s * 1e-9) for s in (1000, 10**6, 10**8)], "test")
     rows = [
         _row({}, True, name="local", ops={"all_reduce": 2e6}, calls={"all_reduce": 0.2}, step_ms=30.0, sync_every=5),
         _row({}, True, name="ddp", ops={"all_reduce": 1e7}, calls={"all_reduce": 1.0}, step_ms=40.0),
@@ -289,27 +296,25 @@ def test_a_row_that_syncs_once_in_h_steps_is_predicted_with_the_compute_of_h_ste
     cost = CostModel(rows, compute, sweep, cores=2, compute_every={("m", 2, 5): 0.022})
     local, ddp = cost.validation()
     # the amortized traffic (one all-reduce of 10 MB in 5 steps) is priced as measured per step
-    assert local["sync_every"] == 5 and local["compute_s"] == pytest.approx(0.022)
-    assert local["comm_s"] == pytest.approx(0.2 * 2e-3 + 2e6 * 1e-9)
-    assert ddp["sync_every"] == 1 and ddp["compute_s"] == pytest.approx(0.025)
+    assert local.sync_every == 5 and local.compute_s == pytest.approx(0.022)
+    assert local.comm_s == pytest.approx(0.2 * 2e-3 + 2e6 * 1e-9)
+    assert ddp.sync_every == 1 and ddp.compute_s == pytest.approx(0.025)
     # a period without its own compute measurement has no prediction (rather than a wrong one)
     orphan = CostModel(rows[:1], compute, sweep, cores=2).validation()[0]
-    assert orphan["compute_s"] is None and orphan["error"] is None
+    assert orphan.compute_s is None and orphan.error is None
 
 
 def test_validation_prices_each_k_with_the_links_fitted_at_that_k() -> None:
     # the sweep's latency doubles from K=2 to K=4 (time-sharing): the pooled fit lies between, the
     # validation uses each K's own exact fit; a K the sweep did not run at falls back to the pooled fit
-    sweep = [
-        {
-            "algorithm": "backend",
-            "world": k,
-            "bytes": s,
-            "seconds": 2 * (k - 1) * (1e-3 if k == 2 else 2e-3) + 2 * (k - 1) / k * s * 1e-9,
-        }
-        for k in (2, 4)
-        for s in (1000, 10**6, 10**8)
-    ]
+    sweep = M.calibrate(
+        [
+            M.SweepPoint("backend", k, s, 2 * (k - 1) * (1e-3 if k == 2 else 2e-3) + 2 * (k - 1) / k * s * 1e-9)
+            for k in (2, 4)
+            for s in (1000, 10**6, 10**8)
+        ],
+        "test",
+    )
     rows = [
         _row({}, True, name="ddp", world=k, ops={"all_reduce": 1e7}, calls={"all_reduce": 1.0}, step_ms=50.0)
         for k in (2, 3, 4)
@@ -320,11 +325,11 @@ def test_validation_prices_each_k_with_the_links_fitted_at_that_k() -> None:
     assert cost.fits_at[4]["backend"].link.alpha == pytest.approx(2e-3)
     assert 1e-3 < cost.link.alpha < 2e-3  # the pooled fit, which the projection uses
     v2, v3, v4 = cost.validation()
-    assert (v2["links"], v3["links"], v4["links"]) == ("K=2", "pooled", "K=4")
-    assert v2["comm_s"] == pytest.approx(2 * 1e-3 + 1e7 * 1e-9)
-    assert v4["comm_s"] == pytest.approx(6 * 2e-3 + 1.5e7 * 1e-9)
+    assert (v2.links, v3.links, v4.links) == ("K=2", "pooled", "K=4")
+    assert v2.comm_s == pytest.approx(2 * 1e-3 + 1e7 * 1e-9)
+    assert v4.comm_s == pytest.approx(6 * 2e-3 + 1.5e7 * 1e-9)
     pooled = cost.link
-    assert v3["comm_s"] == pytest.approx(4 * pooled.alpha + 4 / 3 * 1e7 * pooled.beta)
+    assert v3.comm_s == pytest.approx(4 * pooled.alpha + 4 / 3 * 1e7 * pooled.beta)
     text = "\n".join(cost.markdown())
     assert "| backend | 1000 / 1.00 (0%) | 2000 / 1.00 (0%) |" in text
 
@@ -334,3 +339,77 @@ def test_a_sweep_point_is_priced_at_its_mean_span_and_keeps_the_median() -> None
     # moves the price by a third of its delay; the median, kept beside it, does not see it
     point = price([0.001, 0.002, 0.300], [0.002, 0.003, 0.301])
     assert point == {"seconds": pytest.approx(0.101), "median_seconds": 0.002, "rank_seconds": 0.003}
+
+
+def test_calibration_writes_the_parameters_and_a_report_reads_the_same_numbers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`lightning-sync bench mode=calibrate` (run_calibration, with the sweep replaced by known points) stores the
+    fitted links in cost_model.params_file; a report run afterwards prices with exactly those numbers, and
+    without the file it uses the documented defaults."""
+    from lightning_sync.bench import app
+    from lightning_sync.bench.report import Report
+    from lightning_sync.bench.rows import Measurement
+
+    def sweep(cost: object, threads: int, timeout: float) -> list[M.SweepPoint]:
+        out = []
+        for a in M.SWEPT:
+            for k in (2, 3):
+                msgs, factor = M.all_reduce_coefficients(a, k)
+                out += [
+                    M.SweepPoint(a, k, s, msgs * 3e-4 * k + factor * s * 1e-9, 0.9, 1.0) for s in (10**3, 10**6, 10**8)
+                ]
+        return out
+
+    monkeypatch.setattr(app, "run_sweep", sweep)
+    params_file = tmp_path / "stored" / "cost_params.json"
+    cfg = OmegaConf.create(
+        {
+            "baseline": "ddp",
+            "pairs": 1,
+            "steps": 3,
+            "warmup_steps": 1,
+            "threads_per_rank": 1,
+            "timeout_s": 10,
+            "cost_model": {"enabled": True, "params_file": str(params_file)},
+        }
+    )
+    meta = {"date": "d", "cpu": "c", "cores": 2, "python": "3", "torch": "t", "lightning": "l", "threads_per_rank": 1}
+    written = app.run_calibration(cfg, tmp_path / "out", {**meta, "command": "lightning-sync bench mode=calibrate"})
+    assert (tmp_path / "out" / "fit.png").stat().st_size > 0 and "## Cost model" in (
+        tmp_path / "out" / "calibration.md"
+    ).read_text()
+    raw = json.loads(params_file.read_text())
+    assert raw["format"] == 1 and set(raw["links"]) == set(M.SWEPT) and set(raw["links_at"]) == {"2", "3"}
+    assert raw["links_at"]["2"]["backend"]["alpha_s"] == pytest.approx(6e-4)  # the latency of K=2 alone
+    loaded = M.load_params(params_file)
+    assert loaded.links == {a: replace(link, source=loaded.source) for a, link in written.links.items()}
+    assert loaded.links_at[3]["tree"].beta == written.links_at[3]["tree"].beta and loaded.points == written.points
+    # a report built afterwards reads the file: the same links in its JSON and in its validation's T_comm
+    ranks = [
+        [
+            Measurement(
+                "ddp",
+                "m",
+                2,
+                [0.05] * 3,
+                8e6,
+                {"all_reduce": 8e6},
+                {"all_reduce": 1.0},
+                comm_calls=3,
+                param_bytes=8_000_000,
+            )
+        ]
+        for _ in range(2)
+    ]
+    single = [Measurement("single", "m", 1, [0.02] * 3)]
+    report = Report({2: ranks}, single, cfg, {**meta, "command": "x"}, M.load_params(cfg.cost_model.params_file))
+    fits = report.as_json()["fits"]
+    assert {a: (f["alpha_s"], f["beta_s_per_byte"]) for a, f in fits.items()} == {
+        a: (link.alpha, link.beta) for a, link in written.links.items()
+    }
+    (v,) = report.cost_model.validation()
+    backend = written.links_at[2]["backend"]
+    assert v.links == "K=2" and v.comm_s == pytest.approx(2 * backend.alpha + 8e6 * backend.beta)
+    assert M.load_params(tmp_path / "missing.json") is M.DEFAULT_PARAMS
+    assert M.DEFAULT_PARAMS.links["backend"].alpha == 571e-6 and set(M.DEFAULT_PARAMS.links) == set(M.SWEPT)

@@ -1,0 +1,105 @@
+"""Per-call overhead of the collectives layer: a 4-byte all-reduce, raw against ``comms`` with and without observer.
+
+Three ways to all-reduce one float32 on every rank, in one run, alternating in rounds (A, B, C, A, B, C, ...) so
+that drift of a noisy machine falls on all three alike:
+
+* ``raw``: ``torch.distributed.all_reduce``;
+* ``bare``: :meth:`CommContext.all_reduce <lightning_sync.comms.CommContext.all_reduce>` with no observer (what a
+  strategy costs whose user turned measurement off: a sequence number and the argument checks);
+* ``observed``: the same with a :class:`~lightning_sync.comms.CommStats` observer (a strategy's default).
+
+A 4-byte message is all latency, so the differences are the layer's own cost per call. The report gives the
+median over rounds of the mean microseconds per call, the spread (min and max over rounds), and each mode's
+median over ``raw``'s.
+
+Run it::
+
+    python -m lightning_sync.bench.overhead --world 2 --calls 2000 --rounds 15
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from lightning_sync import comms
+
+__all__ = ["MODES", "OverheadRow", "measure", "report"]
+
+MODES = ("raw", "bare", "observed")
+
+
+@dataclass(frozen=True)
+class OverheadRow:
+    """One mode's microseconds per call over the rounds, as rank 0 measured them."""
+
+    mode: str
+    median_us: float
+    min_us: float
+    max_us: float
+    ratio_to_raw: float
+
+
+def _rank(rank: int, world: int, calls: int, rounds: int, warmup: int) -> dict[str, list[float]]:
+    t = torch.ones(1)
+    bare = comms.CommContext()
+    observed = comms.CommContext(observer=comms.CommStats())
+    issue = {
+        "raw": lambda: dist.all_reduce(t),
+        "bare": lambda: bare.all_reduce(t),
+        "observed": lambda: observed.all_reduce(t),
+    }
+    for fn in issue.values():
+        for _ in range(warmup):
+            fn()
+    per_call: dict[str, list[float]] = {m: [] for m in MODES}
+    for _ in range(rounds):
+        for mode in MODES:
+            fn = issue[mode]
+            dist.barrier()  # every rank starts the mode's round together
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            per_call[mode].append((time.perf_counter() - start) / calls * 1e6)
+    return per_call
+
+
+def measure(world: int = 2, calls: int = 2000, rounds: int = 15, warmup: int = 200) -> list[OverheadRow]:
+    """Spawn ``world`` gloo ranks and measure the three modes; rows as rank 0 saw them."""
+    from lightning_sync.testing.harness import run_distributed
+
+    timeout = 60.0 + rounds * calls * len(MODES) * 2e-3  # generous: 2 ms a call would already be 20x too slow
+    per_call = run_distributed(_rank, world, calls, rounds, warmup, timeout=timeout)[0]
+    raw = statistics.median(per_call["raw"])
+    return [
+        OverheadRow(m, statistics.median(v), min(v), max(v), statistics.median(v) / raw) for m, v in per_call.items()
+    ]
+
+
+def report(rows: list[OverheadRow]) -> str:
+    """A Markdown table of the rows."""
+    lines = ["| mode | median us/call | min - max | / raw |", "|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r.mode} | {r.median_us:.1f} | {r.min_us:.1f} - {r.max_us:.1f} | {r.ratio_to_raw:.3f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--world", type=int, default=2, help="gloo ranks (default 2)")
+    parser.add_argument("--calls", type=int, default=2000, help="calls per mode and round (default 2000)")
+    parser.add_argument("--rounds", type=int, default=15, help="alternating rounds (default 15)")
+    args = parser.parse_args(argv)
+    for name in ("world", "calls", "rounds"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    print(report(measure(args.world, args.calls, args.rounds)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,131 @@
+"""The bench's typed rows, the schedule and the plot helpers every runner and report shares; it imports nothing
+else of the bench, so the app, the runners and the reports all use it without importing each other."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+__all__ = ["Measurement", "Row", "median", "node", "pyplot", "save_fig", "schedule", "strategy_class"]
+
+_NAN = math.nan
+
+
+def median(xs: list[float]) -> float:
+    """The median, NaN for no values (a figure that was not measured)."""
+    return statistics.median(xs) if xs else _NAN
+
+
+def node(cfg: Any) -> dict[str, Any]:
+    """A config node as a plain dict (a Hydra node for ``instantiate``, picklable into the ranks)."""
+    return OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
+
+
+def schedule(names: list[str], pairs: int) -> list[str]:
+    """Round-robin order over ``pairs`` rounds, reversed every other round (A B C, C B A, ...), so slow drifts
+    of the machine hit every row alike."""
+    if pairs < 1:
+        raise ValueError(f"pairs must be >= 1, got {pairs!r}")
+    return [n for p in range(pairs) for n in (names if p % 2 == 0 else names[::-1])]
+
+
+@dataclass
+class Measurement:
+    """One trial on one rank (:func:`lightning_sync.bench.runner.run_trials`; its module docstring defines the
+    figures). Per timed step: ``step_s``, ``exposed_s``, ``codec_s``, ``covered_s``, ``blocked_s``, ``step_calls``;
+    per step averaged over the timed steps: ``bytes_per_step`` and the ``op_*_per_step`` maps."""
+
+    name: str
+    model: str
+    world: int = 1
+    step_s: list[float] = field(default_factory=list)
+    bytes_per_step: float = 0.0
+    op_bytes_per_step: dict[str, float] = field(default_factory=dict)
+    op_calls_per_step: dict[str, float] = field(default_factory=dict)
+    op_seconds_per_step: dict[str, float] = field(default_factory=dict)
+    comm_calls: int = 0
+    """Collectives issued through ``comms`` in the timed steps (0: the strategy bypasses it)."""
+    step_calls: list[int] = field(default_factory=list)
+    exposed_s: list[float] = field(default_factory=list)
+    codec_s: list[float] = field(default_factory=list)
+    covered_s: list[float] = field(default_factory=list)
+    blocked_s: list[float] = field(default_factory=list)
+    comm_s: float | None = None
+    """The strategy's gradient buckets all-reduced alone, without compute (bucketed strategies only)."""
+    param_bytes: int = 0
+    n_linear: int = 0
+    strategy: dict[str, Any] = field(default_factory=dict)
+    peak_mib: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+    rank: int = 0
+    trial: int = 0
+    wire_bytes: float = _NAN
+    """Ring-model wire bytes per step, the largest over ranks (set by the report)."""
+
+
+@dataclass
+class Row:
+    """One strategy on one model at one world size, aggregated over its trials (medians; ratios are same-pair,
+    :class:`lightning_sync.bench.report.Report`); times in ms, bytes in MiB per step and rank."""
+
+    model: str
+    strategy: str
+    world: int
+    step_ms: float = _NAN
+    ratio: float = _NAN
+    """Same-pair step-time ratio to the baseline."""
+    ratio_ref: float = _NAN
+    """Same-pair step-time ratio to ``sharding_table.reference``."""
+    bytes_mib: float = 0.0
+    x_grad: float = _NAN
+    measured: bool = True
+    """Whether the traffic went through ``comms`` (else wire bytes are n/a and the cost model's are analytic)."""
+    wire_measured_mib: float = _NAN
+    wire_analytic_mib: float = _NAN
+    wire_x_analytic: float = _NAN
+    exposed_ms: float = _NAN
+    exposed_share: float = _NAN
+    comm_ms: float = _NAN
+    covered_ms: float = _NAN
+    covered_na: bool = False
+    codec_ms: float = 0.0
+    peak_mib: float = _NAN
+    scaling: float = _NAN
+    pairs: int = 0
+    sync_every: int = 1
+    param_bytes: float = 0.0
+    n_linear: int = 0
+    op_bytes_per_step: dict[str, float] = field(default_factory=dict)
+    op_calls_per_step: dict[str, float] = field(default_factory=dict)
+    strategy_node: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def strategy_class(strategy: dict[str, Any]) -> str:
+    """The class name a strategy node's ``_target_`` builds (``""`` for the single-device row)."""
+    return str(strategy.get("_target_") or "").rpartition(".")[2]
+
+
+def pyplot() -> Any:
+    """matplotlib's pyplot on the Agg backend (files only)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as err:  # pragma: no cover - matplotlib ships with the dev/bench extras
+        raise ImportError(
+            "lightning-sync bench draws its plots with matplotlib: pip install 'lightning-sync[bench]'"
+        ) from err
+    return plt
+
+
+def save_fig(fig: Any, path: Path, plt: Any) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
