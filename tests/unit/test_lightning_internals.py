@@ -1,0 +1,169 @@
+"""Every private Lightning internal listed in :data:`lightning_sync._lightning.INTERNALS` still exists and
+still means what the compatibility module assumes, against the installed Lightning.
+
+Run it before raising the Lightning cap in pyproject.toml: a failure names the internal that changed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import lightning
+import pytest
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.strategies import DDPStrategy, Strategy
+from lightning.pytorch.strategies.launchers.launcher import _Launcher
+
+from lightning_sync import _lightning as compat
+
+
+def _trainer() -> Trainer:
+    return Trainer(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+
+
+def _stateful() -> None:
+    class Resumable:
+        def state_dict(self) -> dict:
+            return {}
+
+        def load_state_dict(self, state: dict) -> None:
+            pass
+
+    assert isinstance(Resumable(), compat.Stateful) and not isinstance(object(), compat.Stateful)
+
+
+def _multiprocessing_launcher() -> None:
+    assert issubclass(compat.MultiProcessingLauncher, _Launcher)
+    launcher = compat.MultiProcessingLauncher(DDPStrategy(), start_method="spawn")
+    for hook in ("launch", "get_extra_results", "update_main_process_results"):  # what Hogwild's subclass overrides
+        assert callable(getattr(launcher, hook)), hook
+
+
+def _subprocess_launcher() -> None:
+    assert issubclass(compat.SubprocessScriptLauncher, _Launcher)
+
+
+def _configure_launcher() -> None:
+    assert callable(getattr(Strategy, "_configure_launcher", None)), "Strategy._configure_launcher is gone"
+    calls = []
+
+    class Probe(DDPStrategy):
+        def _configure_launcher(self) -> None:
+            calls.append(True)
+            compat.set_launcher(self, "mine")
+
+    trainer = Trainer(
+        accelerator="cpu", devices=1, strategy=Probe(), logger=False, enable_checkpointing=False, barebones=True
+    )
+    assert calls, "Lightning no longer calls Strategy._configure_launcher while it sets up the Trainer"
+    assert trainer.strategy.launcher == "mine"
+
+
+def _launcher_attribute() -> None:
+    strategy = DDPStrategy()
+    compat.set_launcher(strategy, "mine")
+    assert strategy.launcher == "mine", "Strategy.launcher no longer returns Strategy._launcher"
+
+
+def _checkpoint_io() -> None:
+    strategy = DDPStrategy()
+    assert compat.explicit_checkpoint_io(strategy) is None
+    io = object()
+    compat.set_checkpoint_io(strategy, io)
+    assert compat.explicit_checkpoint_io(strategy) is io and strategy.checkpoint_io is io
+
+
+def _start_method() -> None:
+    assert compat.ddp_start_method(DDPStrategy(start_method="spawn")) == "spawn"
+
+
+def _module_trainer() -> None:
+    module = LightningModule()
+    assert compat.trainer_of(module) is None and compat.trainer_of(None) is None
+    trainer = _trainer()
+    module.trainer = trainer
+    assert compat.trainer_of(module) is trainer
+
+
+def _unwrap_optimizer() -> None:
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    assert compat.unwrap_optimizer(LightningOptimizer(optimizer)) is optimizer
+    assert compat.unwrap_optimizer(optimizer) is optimizer
+
+
+def _every_n_epochs() -> None:
+    callback = ModelCheckpoint(every_n_epochs=1)
+    assert getattr(callback, "_every_n_epochs", None) == 1, "ModelCheckpoint keeps every_n_epochs elsewhere"
+    compat.set_every_n_epochs(callback, 3)
+    assert callback._every_n_epochs == 3
+
+
+def _should_accumulate() -> None:
+    trainer = Trainer(accelerator="cpu", devices=1, logger=False, accumulate_grad_batches=2, barebones=True)
+    progress = trainer.fit_loop.epoch_loop.batch_progress
+    progress.current.ready, progress.is_last_batch = 1, False
+    assert compat.should_accumulate(trainer) is True  # 1 of 2 micro-batches
+    progress.current.ready = 2
+    assert compat.should_accumulate(trainer) is False  # the second: an optimizer step
+    progress.current.ready, progress.is_last_batch = 3, True
+    assert compat.should_accumulate(trainer) is False  # the epoch's last batch always steps
+
+
+def _metric_key() -> None:
+    """Lightning's result collection calls the sync function from a method of the metric whose ``meta``
+    names the logged key, as ``strategy.reduce`` would be called for ``self.log(..., sync_dist=True)``."""
+    from lightning.pytorch.trainer.connectors.logger_connector.result import _Metadata, _ResultMetric, _Sync
+
+    seen = []
+
+    def reduce(tensor: torch.Tensor, group: object = None, reduce_op: object = None) -> torch.Tensor:
+        seen.append(compat.calling_metric_key())
+        return tensor
+
+    meta = _Metadata(fx="training_step", name="loss", on_step=True, on_epoch=False)
+    meta.sync = _Sync(fn=reduce, _should=True)
+    _ResultMetric(meta, is_tensor=True).update(torch.tensor(1.0), batch_size=1)
+    assert seen == ["training_step.loss"], f"the sync function's caller no longer carries meta.fx/meta.name: {seen}"
+    assert compat.calling_metric_key() is None  # called from anywhere else
+
+
+_CHECKS: dict[str, Callable[[], None]] = {
+    "lightning.fabric.utilities.types._Stateful": _stateful,
+    "lightning.pytorch.strategies.launchers._MultiProcessingLauncher": _multiprocessing_launcher,
+    "lightning.pytorch.strategies.launchers._SubprocessScriptLauncher": _subprocess_launcher,
+    "Strategy._configure_launcher": _configure_launcher,
+    "Strategy._launcher": _launcher_attribute,
+    "Strategy._checkpoint_io": _checkpoint_io,
+    "DDPStrategy._start_method": _start_method,
+    "LightningModule._trainer": _module_trainer,
+    "LightningOptimizer._optimizer": _unwrap_optimizer,
+    "ModelCheckpoint._every_n_epochs": _every_n_epochs,
+    "_TrainingEpochLoop._should_accumulate": _should_accumulate,
+    "_ResultMetric.meta (.fx, .name)": _metric_key,
+}
+
+
+def test_every_listed_internal_has_a_check() -> None:
+    assert set(_CHECKS) == set(compat.INTERNALS)
+
+
+@pytest.mark.parametrize("internal", sorted(compat.INTERNALS))
+def test_lightning_internal_still_works(internal: str) -> None:
+    try:
+        _CHECKS[internal]()
+    except Exception as error:  # an ImportError, AttributeError or failed assertion: all mean the same here
+        pytest.fail(
+            f"Lightning {lightning.__version__} changed the private internal {internal!r} "
+            f"({compat.INTERNALS[internal]}), which lightning_sync._lightning relies on: "
+            f"{type(error).__name__}: {error}"
+        )
