@@ -68,7 +68,8 @@ Checkpoints
 
 Logged on rank 0, every ``log_every_n_steps`` of its steps: ``ps/global_step``, ``ps/version``,
 ``ps/staleness_mean``, ``ps/staleness_max``; at the end of fit the staleness histogram
-(``ps/staleness_count/<s>``, and a TensorBoard histogram when that logger is used).
+(``ps/staleness_count/<s>``, and a TensorBoard histogram when that logger is used; see
+:mod:`lightning_sync.strategies._ps_metrics`).
 
 Failure
     A worker that raises, or the server's own update (its optimizer step, clipping, a scheduler on the
@@ -79,22 +80,18 @@ Failure
 
 from __future__ import annotations
 
-from collections.abc import Generator
-from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
 import torch
-from lightning.fabric.utilities.seed import reset_seed
-from lightning.pytorch.strategies import ParallelStrategy
-from lightning.pytorch.trainer.states import RunningStage, TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_sync import comms
-from lightning_sync._lightning import MultiProcessingLauncher, SubprocessScriptLauncher, set_launcher, trainer_of
 from lightning_sync.comms import rpc
-from lightning_sync.strategies._common import AtomicCheckpoints, as_timedelta, check_launch_args
+from lightning_sync.strategies._common import as_timedelta, check_launch_args
+from lightning_sync.strategies._no_process_group import NoProcessGroupStrategy
+from lightning_sync.strategies._ps_metrics import StalenessLog
 from lightning_sync.strategies._ps_routing import PushingOptimizer, route_clipping, route_schedulers
 from lightning_sync.sync.parameter_server import ParameterServer, Reply, check_lr_scaling, check_staleness
 from lightning_sync.sync.ps_worker import LocalLink, PSWorker, RpcLink, check_compensation, host
@@ -105,8 +102,9 @@ __all__ = ["AsyncParameterServerStrategy"]
 _CKPT_KEY = "lightning_sync/async_ps"
 
 
-class AsyncParameterServerStrategy(AtomicCheckpoints, ParallelStrategy):
-    """Asynchronous parameter server with bounded staleness (see the module docstring).
+class AsyncParameterServerStrategy(NoProcessGroupStrategy):
+    """Asynchronous parameter server with bounded staleness (see the module docstring). Its ranks share no
+    process group (:class:`~lightning_sync.strategies._no_process_group.NoProcessGroupStrategy`).
 
     Args:
         max_staleness: s, the most versions a pushed gradient may lag the model it is applied to:
@@ -143,77 +141,24 @@ class AsyncParameterServerStrategy(AtomicCheckpoints, ParallelStrategy):
         if isinstance(server_rank, bool) or not isinstance(server_rank, int) or server_rank < 0:
             raise ValueError(f"server_rank must be an int >= 0, got {server_rank!r}")
         check_launch_args(type(self).__name__, None, start_method, kwargs)
-        super().__init__(**kwargs)
-        self.server_rank, self._timeout, self._start_method = server_rank, as_timedelta(timeout), start_method
-        self._num_nodes = 1
+        super().__init__(start_method=start_method, **kwargs)
+        self.server_rank, self._timeout = server_rank, as_timedelta(timeout)
         self.server: ParameterServer | None = None
         self.worker: PSWorker | None = None
         self._clip: tuple[str, float] | None = None
         self._pending_state: dict[str, Any] | None = None
         self._lifted_max_steps: int | None = None
-        self._logged_at = 0
+        self._log = StalenessLog()  # rank 0's logging of the server's clock and staleness
         self._failed = False
         self._finished = False
         self._last: Reply | None = None  # the latest reply (kept after teardown)
         self._final: dict[str, Any] | None = None  # rank 0: the server's state at the end of fit
 
-    # ------------------------------------------------------------------ Lightning plumbing
-    @property
-    def is_distributed(self) -> bool:
-        """True: Lightning shards the training data with a DistributedSampler."""
-        return True
-
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
-    @property
-    def num_nodes(self) -> int:
-        return self._num_nodes
-
-    @num_nodes.setter
-    def num_nodes(self, num_nodes: int) -> None:
-        self._num_nodes = num_nodes
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        """Training data is sharded; evaluation data is not (each worker evaluates on all of it)."""
-        trainer = self._trainer()
-        if trainer is not None and trainer.state.stage != RunningStage.TRAINING:
-            return {"num_replicas": 1, "rank": 0}
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
-
-    @override
-    def _configure_launcher(self) -> None:
-        assert self.cluster_environment is not None
-        if self._start_method == "popen":
-            set_launcher(self, SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes))
-        else:
-            set_launcher(self, MultiProcessingLauncher(self, start_method=self._start_method))
-
-    def set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = self.global_rank
-
+    # ------------------------------------------------------------------ setup
     @override
     def setup_environment(self) -> None:
-        """Join the RPC group (no process group: there is nothing collective to do). A fit starts from the
-        communication state of a fresh process (a multirun's next job, a second fit in one process)."""
-        trainer = self._trainer()
-        if trainer is not None and trainer.state.fn == "fit":
-            comms.begin_job()
+        """Join the RPC group (no process group: there is nothing collective to do)."""
         super().setup_environment()
-        reset_seed()  # spawned ranks re-seed from PL_GLOBAL_SEED, as Lightning's DDP does
-        self.set_world_ranks()
         if not 0 <= self.server_rank < self.world_size:
             raise ValueError(
                 f"server_rank must be a rank of this job, in [0, {self.world_size - 1}], got {self.server_rank}"
@@ -226,14 +171,6 @@ class AsyncParameterServerStrategy(AtomicCheckpoints, ParallelStrategy):
             )
         if self.world_size > 1:
             rpc.init(self.global_rank, self.world_size, self._timeout)
-
-    @override
-    def model_to_device(self) -> None:
-        assert self.model is not None
-        self.model.to(self.root_device)
-
-    def _trainer(self) -> Any:
-        return trainer_of(self.lightning_module)
 
     @override
     def setup(self, trainer: Any) -> None:
@@ -311,7 +248,7 @@ class AsyncParameterServerStrategy(AtomicCheckpoints, ParallelStrategy):
         if reply.stop:
             trainer.should_stop = True
         if self.global_rank == 0:
-            self._log_progress(trainer, reply)
+            self._log.progress(trainer, self.worker.steps, reply)
 
     @property
     def global_step(self) -> int:
@@ -322,27 +259,6 @@ class AsyncParameterServerStrategy(AtomicCheckpoints, ParallelStrategy):
     def staleness_histogram(self) -> dict[int, int]:
         """Staleness -> applied gradients, as of this worker's last reply."""
         return dict(self._last.staleness) if self._last is not None else {}
-
-    def _log_progress(self, trainer: Any, reply: Any) -> None:
-        own = self.worker.steps if self.worker is not None else 0
-        if not trainer.loggers or own - self._logged_at < max(trainer.log_every_n_steps, 1):
-            return
-        self._logged_at = own
-        counts = reply.staleness
-        n = sum(counts.values())
-        metrics = {
-            "ps/global_step": float(reply.global_step),
-            "ps/version": float(reply.version),
-            "ps/staleness_mean": sum(k * v for k, v in counts.items()) / n if n else 0.0,
-            "ps/staleness_max": float(max(counts, default=0)),
-        }
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=trainer.global_step)
-
-    @contextmanager
-    @override
-    def block_backward_sync(self) -> Generator[None, None, None]:
-        yield None  # backward never communicates: accumulation needs nothing
 
     # ------------------------------------------------------------------ evaluation on the global model
     def _pull(self) -> None:
@@ -360,27 +276,6 @@ class AsyncParameterServerStrategy(AtomicCheckpoints, ParallelStrategy):
     @override
     def on_predict_start(self) -> None:
         self._pull()
-
-    # ------------------------------------------------------------------ no process group: local collectives
-    @override
-    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
-        return tensor
-
-    @override
-    def all_gather(self, tensor: torch.Tensor, group: Any | None = None, sync_grads: bool = False) -> torch.Tensor:
-        return tensor
-
-    @override
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        return obj
-
-    @override
-    def barrier(self, *args: Any, **kwargs: Any) -> None:
-        return None
-
-    @override
-    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
-        return decision
 
     # ------------------------------------------------------------------ checkpoints
     @override
@@ -438,21 +333,8 @@ class AsyncParameterServerStrategy(AtomicCheckpoints, ParallelStrategy):
     def on_train_end(self) -> None:
         """Every worker ends with the final global model; rank 0 logs the final staleness histogram."""
         self._finish()
-        trainer = self.lightning_module.trainer
-        counts = self.staleness_histogram
-        if self.global_rank == 0 and counts:
-            rank_zero_info(
-                f"{type(self).__name__}: staleness of the {sum(counts.values())} applied gradients: "
-                + ", ".join(f"{k}: {v}" for k, v in sorted(counts.items()))
-            )
-            for logger in trainer.loggers:
-                logger.log_metrics(
-                    {f"ps/staleness_count/{k}": float(v) for k, v in sorted(counts.items())}, step=trainer.global_step
-                )
-                experiment = getattr(logger, "experiment", None)
-                if hasattr(experiment, "add_histogram"):
-                    values = torch.tensor([k for k, v in counts.items() for _ in range(v)], dtype=torch.float32)
-                    experiment.add_histogram("ps/staleness", values, trainer.global_step)
+        if self.global_rank == 0:
+            self._log.final(self.lightning_module.trainer, self.staleness_histogram, type(self).__name__)
 
     @override
     def on_exception(self, exception: BaseException) -> None:

@@ -1,8 +1,10 @@
 """``DiLoCoStrategy``: local inner steps, and every H steps an outer Nesterov step on the averaged
 pseudo-gradient (Douillard et al., "DiLoCo", 2023; torchft's ``DiLoCo``).
 
-The Lightning adapter of :class:`lightning_sync.sync.periodic.DiLoCoOuter`, built on
-``LocalSGDStrategy``'s plumbing. What is synchronized, and when:
+The Lightning adapter of :class:`lightning_sync.sync.periodic.DiLoCoOuter`, on the plumbing it shares with
+LocalSGD (:mod:`lightning_sync.strategies._periodic`). It never averages gradients, so it holds no gradient
+bucketer and takes none of ``bucketed_ddp``'s arguments (nor LocalSGD's warm-up). What is synchronized, and
+when:
 
 * **Setup:** parameters and buffers are broadcast from rank 0; the global parameters start as them.
 * **Inner steps:** the LightningModule's own optimizer steps each rank's replica; no gradient is sent.
@@ -23,23 +25,26 @@ The Lightning adapter of :class:`lightning_sync.sync.periodic.DiLoCoOuter`, buil
   3Ψ + 2KΨ. At another world size every replica starts from the global model with rank 0's inner
   optimizer state; the outer state and the counter continue, so the next outer step comes on schedule,
   averaging the new ranks' pseudo-gradients.
+* **Failure:** if a rank fails, its peers raise in the next outer step's all-reduce once the process
+  group notices (connection closed, or ``timeout``).
 """
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
 import torch
 from typing_extensions import override
 
-from lightning_sync.strategies.local_sgd import LocalSGDStrategy
+from lightning_sync.strategies._periodic import PeriodicStrategy
 from lightning_sync.sync.communicator import ProcessGroupCommunicator
 from lightning_sync.sync.periodic import DiLoCoOuter, average_tensors, check_outer
 
 __all__ = ["DiLoCoStrategy"]
 
 
-class DiLoCoStrategy(LocalSGDStrategy):
+class DiLoCoStrategy(PeriodicStrategy):
     """DiLoCo (see the module docstring).
 
     Args:
@@ -47,7 +52,12 @@ class DiLoCoStrategy(LocalSGDStrategy):
         outer_lr: outer SGD learning rate (> 0; 0.7).
         outer_momentum: outer momentum in [0, 1) (0.9).
         nesterov: Nesterov outer momentum (True).
-        **kwargs: launch arguments (``process_group_backend``, ``timeout``, ``start_method``, ...).
+        process_group_backend: ``"gloo"``, ``"nccl"`` or None (Lightning picks for the accelerator).
+        timeout: collective timeout in seconds (or a ``timedelta``).
+        start_method: ``"popen"`` (re-run the script per rank), ``"spawn"``, ``"fork"`` or ``"forkserver"``.
+
+    Any other argument (``bucketed_ddp``'s ``compression`` or ``bucket_cap_mb``, LocalSGD's ``warmup_steps``)
+    raises a ``ValueError`` naming it and listing these.
     """
 
     strategy_name = "diloco"
@@ -59,13 +69,13 @@ class DiLoCoStrategy(LocalSGDStrategy):
         outer_lr: float = 0.7,
         outer_momentum: float = 0.9,
         nesterov: bool = True,
+        process_group_backend: str | None = None,
+        timeout: float | timedelta = 1800.0,
+        start_method: str = "popen",
         **kwargs: Any,
     ) -> None:
         check_outer(outer_lr, outer_momentum, nesterov)
-        unsupported = sorted({"warmup_steps", "average_optimizer_state"} & set(kwargs))
-        if unsupported:
-            raise ValueError(f"DiLoCoStrategy does not take {unsupported} (LocalSGDStrategy does)")
-        super().__init__(sync_every=sync_every, **kwargs)
+        super().__init__(sync_every, process_group_backend, timeout, start_method, **kwargs)
         self.outer_lr, self.outer_momentum, self.nesterov = float(outer_lr), float(outer_momentum), nesterov
 
     def _trainable(self) -> list[torch.Tensor]:
@@ -82,11 +92,6 @@ class DiLoCoStrategy(LocalSGDStrategy):
             self.outer_momentum,
             self.nesterov,
         )
-
-    @override
-    def _local_step(self) -> bool:
-        """Inner steps never send gradients."""
-        return True
 
     @override
     def _after_step(self) -> None:

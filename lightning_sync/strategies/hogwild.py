@@ -43,25 +43,17 @@ If a process fails, the others raise at the next barrier or collective (or at ``
 from __future__ import annotations
 
 import os
-from collections.abc import Generator
-from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
 import torch
 from lightning.pytorch.accelerators import CPUAccelerator
-from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_sync._lightning import MultiProcessingLauncher, ddp_start_method, set_launcher
-from lightning_sync.strategies._common import (
-    CommsCollectivesMixin,
-    as_timedelta,
-    check_bool,
-    check_launch_args,
-)
-from lightning_sync.sync.safe_load import guarded_load
+from lightning_sync.strategies._base import ProcessGroupStrategy
+from lightning_sync.strategies._common import as_timedelta, check_bool, check_launch_args
 
 __all__ = ["HogwildStrategy"]
 
@@ -91,8 +83,9 @@ class _SharedMemoryLauncher(MultiProcessingLauncher):
             trainer.fit_loop.load_state_dict(extra["fit_loop"])
 
 
-class HogwildStrategy(CommsCollectivesMixin, DDPStrategy):
-    """Lock-free shared-memory SGD on one machine (see the module docstring).
+class HogwildStrategy(ProcessGroupStrategy):
+    """Lock-free shared-memory SGD on one machine (see the module docstring). The process group carries
+    barriers, metric reductions and the checkpoints' per-rank states, never a parameter or a gradient.
 
     Args:
         num_processes: how many processes share the model (None: the Trainer's ``devices``). It may not
@@ -139,11 +132,6 @@ class HogwildStrategy(CommsCollectivesMixin, DDPStrategy):
         )
         self.num_processes_requested, self.oversubscribe = num_processes, oversubscribe
 
-    @property
-    def is_distributed(self) -> bool:
-        """True: each process gets its own shard of the training data."""
-        return True
-
     @override
     def _configure_launcher(self) -> None:
         set_launcher(self, _SharedMemoryLauncher(self, start_method=ddp_start_method(self)))
@@ -186,11 +174,6 @@ class HogwildStrategy(CommsCollectivesMixin, DDPStrategy):
             f"{sum(p.numel() for p in self.model.parameters())} parameters, lock-free"
         )
 
-    @contextmanager
-    @override
-    def block_backward_sync(self) -> Generator[None, None, None]:
-        yield None  # backward never communicates: accumulation needs nothing
-
     def _quiesce(self) -> None:
         """A barrier: once every process is here, no update is in flight on any of them."""
         if torch.distributed.is_initialized():
@@ -224,21 +207,6 @@ class HogwildStrategy(CommsCollectivesMixin, DDPStrategy):
         }
         self.barrier()
         return state
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        self._save_rank_states(checkpoint)
-        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-
-    @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """Weights-only unless ``weights_only=False`` (``trainer.fit(..., weights_only=False)``); a
-        checkpoint that needs more raises :class:`~lightning_sync.sync.safe_load.UntrustedCheckpointError`."""
-        checkpoint = guarded_load(
-            lambda wo: super(HogwildStrategy, self).load_checkpoint(checkpoint_path, wo), checkpoint_path, weights_only
-        )
-        self._take_rank_state(checkpoint)
-        return checkpoint
 
     @override
     def teardown(self) -> None:

@@ -1,8 +1,10 @@
 """``LocalSGDStrategy``: every rank steps its own replica; the replicas are averaged every H steps.
 
 The Lightning adapter of :class:`lightning_sync.sync.periodic.PeriodicAverager` (post-local SGD; Lin
-et al., ICLR 2020; torch's ``PeriodicModelAverager``). It extends ``BucketedDDPStrategy`` for the
-warm-up phase, which is ordinary synchronous data parallelism.
+et al., ICLR 2020; torch's ``PeriodicModelAverager``), on the plumbing it shares with DiLoCo
+(:mod:`lightning_sync.strategies._periodic`). For the warm-up phase, which is ordinary synchronous data
+parallelism, it holds a :class:`~lightning_sync.sync.bucketing.GradBucketer`; without a warm-up it holds
+none, and it takes only the bucketer arguments that shape the warm-up's all-reduce.
 
 What is synchronized, and when:
 
@@ -27,7 +29,8 @@ What is synchronized, and when:
     the schedule's counters, so a resumed run syncs on the same steps.
   - per rank (the per-rank states): the rank's replica where it differs from that average (every
     parameter and buffer inside a period, nothing right after a sync; a tied parameter once) and, on
-    ranks other than 0, its own optimizer state. On resume each rank puts both back once Lightning
+    ranks other than 0, its own optimizer state; with a warm-up, its bucketer's step count and bucket
+    order. On resume each rank puts both back once Lightning
     has loaded the average and rank 0's optimizer state (``load_optimizer_state_dict``).
 
   Size, K ranks, Ψ values per model, Adam's 2Ψ of state: inside a period (K + 1)Ψ + 2KΨ, right after
@@ -35,85 +38,118 @@ What is synchronized, and when:
   or from a checkpoint without per-rank states, every replica starts from the average with rank 0's
   optimizer state, and the counters continue. A weights-only checkpoint holds the average alone.
 * **Metrics:** ``reduce``/``all_gather``/``broadcast``/``barrier`` go through ``lightning_sync.comms``.
+* **Failure:** if a rank fails, its peers raise in the next collective (a warm-up gradient bucket, or the
+  next sync's all-reduce) once the process group notices (connection closed, or ``timeout``).
 
 Lightning's ``global_step`` counts optimizer steps as usual, and LR schedulers step on it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Generator
+from contextlib import contextmanager
+from datetime import timedelta
 from typing import Any
 
 import torch
-from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_sync.resume import RANK_STATES
 from lightning_sync.strategies._common import check_bool, no_sync_of
-from lightning_sync.strategies.bucketed_ddp import BucketedDDPStrategy
+from lightning_sync.strategies._periodic import PeriodicStrategy
+from lightning_sync.sync.bucketing import GradBucketer, check_mib
 from lightning_sync.sync.communicator import ProcessGroupCommunicator
 from lightning_sync.sync.periodic import PeriodicAverager, average_tensors, check_int
 
 __all__ = ["LocalSGDStrategy"]
 
-_CKPT_KEY = "lightning_sync/local_sgd"
 
-
-class LocalSGDStrategy(BucketedDDPStrategy):
+class LocalSGDStrategy(PeriodicStrategy):
     """LocalSGD / post-local SGD (see the module docstring).
 
     Args:
         sync_every: H, optimizer steps between parameter averages (>= 1).
         warmup_steps: optimizer steps of synchronous (gradient-averaging) training first (>= 0).
         average_optimizer_state: also average the optimizer's per-parameter state at every sync.
-        **kwargs: ``BucketedDDPStrategy``'s arguments (used during warm-up), e.g. ``bucket_cap_mb``,
-            ``process_group_backend``, ``timeout``. ``broadcast_buffers`` defaults to False here:
-            buffers are averaged at every sync instead.
+        bucket_cap_mb: warm-up only: bucket size limit in MiB of the gradient all-reduce (25).
+        first_bucket_mb: warm-up only: size limit of the first bucket in MiB (1).
+        gradient_as_bucket_view: warm-up only: ``param.grad`` are views into the buckets.
+        find_unused_parameters: warm-up only: allow parameters without a gradient (zero-filled).
+        process_group_backend: ``"gloo"``, ``"nccl"`` or None (Lightning picks for the accelerator).
+        timeout: collective timeout in seconds (or a ``timedelta``).
+        start_method: ``"popen"`` (re-run the script per rank), ``"spawn"``, ``"fork"`` or ``"forkserver"``.
+
+    ``bucketed_ddp``'s other arguments raise a ``ValueError``: the warm-up is the exact synchronous phase of
+    post-local SGD (no ``compression``, no ``powersgd_*``), the syncs use the backend's all-reduce (no
+    ``comm_algorithm``), and buffers are averaged at every sync (no ``broadcast_buffers``).
     """
 
     strategy_name = "local_sgd"
-    _per_rank_optimizer_state = True  # every rank steps an optimizer of its own
+    _ckpt_key = "lightning_sync/local_sgd"
 
     def __init__(
-        self, sync_every: int = 8, warmup_steps: int = 0, average_optimizer_state: bool = False, **kwargs: Any
+        self,
+        sync_every: int = 8,
+        warmup_steps: int = 0,
+        average_optimizer_state: bool = False,
+        bucket_cap_mb: float = 25.0,
+        first_bucket_mb: float = 1.0,
+        gradient_as_bucket_view: bool = True,
+        find_unused_parameters: bool = False,
+        process_group_backend: str | None = None,
+        timeout: float | timedelta = 1800.0,
+        start_method: str = "popen",
+        **kwargs: Any,
     ) -> None:
-        self.sync_every = check_int("sync_every", sync_every, 1)
         self.warmup_steps = check_int("warmup_steps", warmup_steps, 0)
         self.average_optimizer_state = check_bool("average_optimizer_state", average_optimizer_state)
-        kwargs.setdefault("broadcast_buffers", False)
-        super().__init__(**kwargs)
-        self.averager: Any = None  # PeriodicAverager (DiLoCoOuter in the DiLoCo subclass)
-        self._pending_averager: dict[str, Any] | None = None
-        self._stashed: list[torch.Tensor] | None = None
-        self._own_pending: dict[str, Any] | None = None  # this rank's replica, to put back
+        check_mib("bucket_cap_mb", bucket_cap_mb)
+        check_mib("first_bucket_mb", first_bucket_mb)
+        self.bucket_cap_mb, self.first_bucket_mb = bucket_cap_mb, first_bucket_mb
+        self.gradient_as_bucket_view = check_bool("gradient_as_bucket_view", gradient_as_bucket_view)
+        self.find_unused_parameters = check_bool("find_unused_parameters", find_unused_parameters)
+        super().__init__(sync_every, process_group_backend, timeout, start_method, **kwargs)
+        self.bucketer: GradBucketer | None = None  # the warm-up's; built at setup when warmup_steps > 0
+        self._pending_bucketer: dict[str, Any] | None = None  # loaded before configure_ddp built the bucketer
 
-    def _averaged_tensors(self) -> list[torch.Tensor]:
-        assert self.model is not None
-        buffers = [b for b in self.model.buffers() if b.is_floating_point()]
-        return [*self.model.parameters(), *buffers]
-
+    # ------------------------------------------------------------------ the warm-up's gradient bucketer
     @override
-    def setup_optimizers(self, trainer: Any) -> None:
-        super().setup_optimizers(trainer)
-        if self.average_optimizer_state and len(self.optimizers) != 1:
-            raise ValueError(f"average_optimizer_state=True needs exactly one optimizer, got {len(self.optimizers)}")
-        self.averager = self._make_syncer()
-        if self._pending_averager is not None:
-            self.averager.load_state_dict(self._pending_averager)
-            self._pending_averager = None
-
-    def _make_syncer(self) -> Any:
-        return PeriodicAverager(
-            self._averaged_tensors(),
+    def configure_ddp(self) -> None:
+        """Broadcast rank 0's parameters and buffers; with a warm-up, bucket the gradients for it."""
+        super().configure_ddp()
+        if not self.warmup_steps:
+            return
+        assert self.model is not None
+        self.bucketer = GradBucketer(
+            self.model.named_parameters(),
             ProcessGroupCommunicator(),
-            self.sync_every,
-            self.warmup_steps,
-            self.optimizers[0] if self.optimizers else None,
-            self.average_optimizer_state,
+            self.bucket_cap_mb,
+            self.first_bucket_mb,
+            self.gradient_as_bucket_view,
+            self.find_unused_parameters,
+        )
+        if self._pending_bucketer is not None:
+            self.bucketer.load_state_dict(self._pending_bucketer)
+            self._pending_bucketer = None
+        rank_zero_info(
+            f"{type(self).__name__}: the {self.warmup_steps} warm-up steps average the gradients of "
+            f"{len(self.bucketer.params)} parameters in {len(self.bucketer.buckets)} buckets "
+            f"(cap {self.bucket_cap_mb} MiB, first {self.first_bucket_mb} MiB)"
         )
 
-    # ------------------------------------------------------------------ training
+    @override
+    def teardown(self) -> None:
+        if self.bucketer is not None:
+            self.bucketer.close()
+            self.bucketer = None
+        super().teardown()
+
+    @override
+    def pre_backward(self, closure_loss: torch.Tensor) -> None:
+        if self.bucketer is not None:
+            self.bucketer.prepare_for_backward()
+
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         """Local steps: backward without any gradient collective (warm-up steps average as DDP does)."""
@@ -124,172 +160,59 @@ class LocalSGDStrategy(BucketedDDPStrategy):
         """Whether this step sends no gradient (after the warm-up)."""
         return self.averager is not None and not self.averager.in_warmup
 
+    @contextmanager
     @override
-    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        out = super().optimizer_step(optimizer, closure, model, **kwargs)
-        if self.averager is not None:
-            self._after_step()
-        return out
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Accumulation micro-steps: gradients accumulate locally, no collective is issued."""
+        with no_sync_of(self.bucketer):
+            yield None
 
-    def _after_step(self) -> None:
-        """Count the optimizer step; average when a period ends."""
-        self.averager.step()
+    # ------------------------------------------------------------------ the periodic average
+    @override
+    def _make_syncer(self) -> PeriodicAverager:
+        if self.average_optimizer_state and len(self.optimizers) != 1:
+            raise ValueError(f"average_optimizer_state=True needs exactly one optimizer, got {len(self.optimizers)}")
+        return PeriodicAverager(
+            self._averaged_tensors(),
+            ProcessGroupCommunicator(),
+            self.sync_every,
+            self.warmup_steps,
+            self.optimizers[0] if self.optimizers else None,
+            self.average_optimizer_state,
+        )
 
-    # ------------------------------------------------------------------ evaluation on the averaged model
+    @override
     def _drifted(self) -> bool:
         a = self.averager
         return a is not None and not a.in_warmup and (a.steps - a.warmup_steps) % a.sync_every != 0
 
+    @override
     def _synchronize(self, tensors: list[torch.Tensor]) -> None:
-        """Turn ``tensors`` (parallel to :meth:`_averaged_tensors`) into the synchronized model, in place:
-        here the average of the replicas (a collective)."""
+        """The average of the replicas (a collective)."""
         average_tensors(tensors, ProcessGroupCommunicator())
-
-    def _average_for_evaluation(self) -> None:
-        if self._drifted() and self._stashed is None:
-            tensors = self._averaged_tensors()
-            self._stashed = [t.detach().clone() for t in tensors]
-            self._synchronize(tensors)
-
-    def _restore_after_evaluation(self) -> None:
-        if self._stashed is not None:
-            self._put_back(self._stashed)
-            self._stashed = None
-
-    def _put_back(self, saved: list[torch.Tensor]) -> None:
-        with torch.no_grad():
-            for t, value in zip(self._averaged_tensors(), saved):
-                t.copy_(value)
-
-    @override
-    def setup(self, trainer: Any) -> None:
-        """``validate``/``test`` after a fit that ended inside a period: Lightning's setup gives every rank
-        rank 0's weights (a broadcast), which would drop the other replicas; each rank keeps its own, and the
-        evaluation runs on their average as it does during fit."""
-        keep = None
-        if trainer.state.fn != TrainerFn.FITTING and self._drifted():
-            keep = [t.detach().clone() for t in self._averaged_tensors()]
-        super().setup(trainer)
-        if keep is not None:
-            self._put_back(keep)
-
-    @override
-    def on_validation_start(self) -> None:
-        self._average_for_evaluation()
-
-    @override
-    def on_validation_end(self) -> None:
-        self._restore_after_evaluation()
-
-    @override
-    def on_test_start(self) -> None:
-        self._average_for_evaluation()
-
-    @override
-    def on_test_end(self) -> None:
-        self._restore_after_evaluation()
 
     # ------------------------------------------------------------------ checkpoints
     @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The average of the replicas (a collective; every rank computes it, rank 0 saves it)."""
-        state = super().lightning_module_state_dict()
-        if not self._drifted() or not torch.distributed.is_initialized():
-            return state
-        assert self.model is not None
-        live = self.model.state_dict(keep_vars=True)
-        averaged = {id(t): t.detach().clone() for t in self._averaged_tensors()}
-        self._synchronize(list(averaged.values()))
-        return {k: averaged.get(id(live.get(k)), v) for k, v in state.items()}
-
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The synchronized model as a ``state_dict`` on rank 0 (``{}`` on the others): the replicas' average
-        (DiLoCo: the global model of the last outer step), what a checkpoint's ``state_dict`` holds and the
-        model to export; after a fit that ended inside a period each rank's module is its own replica. A
-        collective while the replicas differ: every rank must call it. Raises ``RuntimeError`` before setup."""
-        if self.lightning_module is None:
-            raise RuntimeError(
-                f"{type(self).__name__}.full_state_dict() was called before the strategy was set up: "
-                f"call it during or after trainer.fit, validate or test"
-            )
-        state = self.lightning_module_state_dict()
-        return {k: v.detach().clone() for k, v in state.items()} if self.global_rank == 0 else {}
-
-    _ckpt_key = _CKPT_KEY
+    def _rank_state(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
+        state = super()._rank_state(checkpoint)
+        if self.bucketer is not None:
+            state["bucketer"] = self.bucketer.state_dict()
+        return state
 
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        if self.averager is not None:
-            checkpoint[self._ckpt_key] = self.averager.state_dict()
-        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-
-    @override
-    def _save_rank_states(self, checkpoint: dict[str, Any], extra: dict[str, Any] | None = None) -> None:
-        """Each rank's entry adds what only this rank holds (see the module docstring)."""
-        super()._save_rank_states(checkpoint, {**(extra or {}), **self._own_state(checkpoint)})
-
-    def _own_state(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
-        """This rank's replica where it differs from the saved synchronized model (all of it inside a period,
-        nothing right after a sync; its optimizer states are added by :meth:`_save_rank_states` itself). A
-        weights-only checkpoint cannot resume training, so it gets none."""
-        if "optimizer_states" not in checkpoint or self.lightning_module is None:
-            return {}
-        saved = checkpoint.get("state_dict", {})
-        replica: dict[str, torch.Tensor] = {}
-        seen: set[int] = set()  # a tied parameter once: putting it back under one name restores every name
-        for key, value in self.lightning_module.state_dict(keep_vars=True).items():
-            if not isinstance(value, torch.Tensor) or id(value) in seen:
-                continue
-            seen.add(id(value))
-            if not (key in saved and torch.equal(value, saved[key])):
-                # no copy: the entry is pickled for the gather at once (one process has nothing to add)
-                replica[key] = value.detach()
-        return {"replica": replica}
-
-    @override
-    def _take_rank_state(self, checkpoint: dict[str, Any]) -> dict[str, Any] | None:
-        mine = super()._take_rank_state(checkpoint)
-        self._own_pending = mine if mine is not None and "replica" in mine else None
-        states = checkpoint.get(RANK_STATES) or []
-        if mine is None and any("replica" in s for s in states):
-            rank_zero_info(
-                f"{type(self).__name__}: the checkpoint holds the replicas of {len(states)} ranks, this "
-                f"run has {self.world_size}: every replica starts from the saved synchronized model with "
-                f"rank 0's optimizer state; the period's counters continue"
-            )
-        return mine
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        """After Lightning put the synchronized model into every replica (before setup) and now loads rank
-        0's optimizer state: this rank's own optimizer state instead, and its own replica (the last step of
-        a resume that touches them)."""
-        own, self._own_pending = self._own_pending, None
-        super().load_optimizer_state_dict(checkpoint)  # this rank's own optimizer state (ExactDataHooks)
-        if own is None:
+    def _restore_rank_state(self, mine: dict[str, Any] | None, checkpoint: dict[str, Any]) -> None:
+        """Besides the replica: the warm-up bucketer's step count and bucket order, the same on every rank
+        (so one from another world size does too)."""
+        super()._restore_rank_state(mine, checkpoint)
+        states = [mine] if mine is not None else checkpoint.get(RANK_STATES) or []
+        state = states[0].get("bucketer") if states else None
+        if state is None:
             return
-        assert self.lightning_module is not None
-        live = self.lightning_module.state_dict(keep_vars=True)
-        unknown = sorted(set(own["replica"]) - set(live))
-        if unknown:
-            raise ValueError(
-                f"the checkpoint's replica of rank {self.global_rank} holds {unknown[:3]}, which this "
-                f"model does not have"
-            )
-        with torch.no_grad():
-            for key, value in own["replica"].items():
-                live[key].copy_(value)
-
-    @override
-    def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
-        state = checkpoint.get(self._ckpt_key)
-        if state is not None:
-            if self.averager is not None:
-                self.averager.load_state_dict(state)
-            else:
-                self._pending_averager = state
-        return checkpoint
+        state = {"step": state.get("step", 0), "ready_order": state.get("ready_order", [])}
+        if self.bucketer is not None:
+            self.bucketer.load_state_dict(state)
+        else:
+            self._pending_bucketer = state
 
     @classmethod
     @override

@@ -21,24 +21,9 @@ Versions and staleness
     * In between, a fast worker runs up to s versions ahead of the slowest, then waits for it.
 
 Step rule
-    A step carries a share |S| / K of the global batch (|S| pending gradients, K workers). It applies
-    the *mean* of its gradients with the optimizer's learning rate scaled by that share (the linear
-    scaling rule, per step), so K pushes are worth one synchronous step whatever the timing and the
-    optimizer: for plain SGD the update is ``lr * sum / K``, each gradient weighted as in a synchronous
-    all-reduce average; for an optimizer that normalizes the gradient's scale away (Adam, AdamW) one
-    push moves the model by 1/K of a synchronous step instead of a whole one (decoupled weight decay
-    scales with it). At s = 0 every step carries all K gradients: exactly synchronous SGD. Gradient
-    clipping applies to the mean, with the user's threshold. A parameter that no pushed gradient
-    touched keeps ``grad = None`` for the step, so the optimizer skips it, as in one process. A step
-    sums its gradients in a fixed order (by the version they were computed on, then by worker), not in
-    the order they arrived: at s = 0 a run is the same bit for bit however the pushes are timed.
-
-    ``lr_scaling="sqrt"`` scales the learning rate by sqrt(|S| / K) instead: the square-root rule for
-    adaptive optimizers (Malladi et al., "On the SDEs and Scaling Rules for Adaptive Gradient
-    Algorithms", NeurIPS 2022). Adam normalizes each step by the gradient's second moment, which grows
-    as the batch shrinks, so a push of 1/K of the batch at lr / K moves the model by less than 1/K of a
-    synchronous step; at lr / sqrt(K) it moves it by about that. At s = 0 (|S| = K) both rules are 1:
-    still exactly synchronous.
+    A step applies the *mean* of its pending gradients with the learning rate scaled by the share of the
+    global batch they carry, so K pushes are worth one synchronous step; at s = 0 it is exactly synchronous
+    SGD, bit for bit however the pushes are timed. See :mod:`lightning_sync.sync.ps_step`.
 
 Global clock and budget
     ``pushes // K`` is the *global step*: the number of synchronous steps' worth of samples applied.
@@ -79,24 +64,16 @@ import math
 import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
-from lightning_sync._checks import check_choice
+from lightning_sync.sync.ps_step import LR_SCALINGS, Push, apply_step, check_lr_scaling
 from lightning_sync.sync.ps_wire import FlatLayout, Reply
 
-__all__ = ["FlatLayout", "ParameterServer", "Reply", "check_staleness"]  # FlatLayout, Reply: from ps_wire
-
-
-LR_SCALINGS = ("linear", "sqrt")
-
-
-def check_lr_scaling(value: Any) -> str:
-    """``lr_scaling`` checked and returned: one of :data:`LR_SCALINGS`."""
-    return check_choice("lr_scaling", value, LR_SCALINGS)
+# FlatLayout, Reply: from ps_wire; LR_SCALINGS, check_lr_scaling: from ps_step
+__all__ = ["LR_SCALINGS", "FlatLayout", "ParameterServer", "Reply", "check_lr_scaling", "check_staleness"]
 
 
 def check_staleness(value: Any) -> int | float:
@@ -106,17 +83,6 @@ def check_staleness(value: Any) -> int | float:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"max_staleness must be an int >= 0 or math.inf (no bound), got {value!r}")
     return value
-
-
-@dataclass
-class _Push:
-    worker: int
-    read_version: int
-    grads: list[torch.Tensor]
-    present: list[bool]
-    buffers: list[torch.Tensor]
-    clip: tuple[str, float] | None
-    future: torch.futures.Future = field(default_factory=torch.futures.Future)
 
 
 class ParameterServer:
@@ -179,7 +145,7 @@ class ParameterServer:
         self.schedulers: list[Any] = []
         self._read = [0] * num_workers  # every worker starts computing on version 0
         self._done = [False] * num_workers
-        self._pending: list[_Push] = []
+        self._pending: list[Push] = []
         self._finishing: list[torch.futures.Future] = []
         self._error: str | None = None
         self._broken = False  # the server's own update raised: the model may be half-stepped
@@ -228,7 +194,7 @@ class ParameterServer:
     ) -> torch.futures.Future:
         """Queue a gradient computed on ``read_version``; the future completes with the :class:`Reply`
         once it has been applied (or discarded because the budget is spent)."""
-        item = _Push(worker, read_version, grads, present, buffers, clip)
+        item = Push(worker, read_version, grads, present, buffers, clip)
         with self.lock:
             self._check_worker(worker)
             if self.optimizer is None:
@@ -294,7 +260,7 @@ class ParameterServer:
                 lambda: self._released or len(self._reported) == self.num_workers, timeout=timeout
             )
 
-    def _fail(self, error: str, also: Sequence[_Push] = ()) -> list[tuple[torch.futures.Future, Any]]:
+    def _fail(self, error: str, also: Sequence[Push] = ()) -> list[tuple[torch.futures.Future, Any]]:
         """Keep the first ``error``; every waiting request (and the pushes ``also`` taken off the queue)
         is answered with it."""
         if self._error is None:
@@ -367,51 +333,20 @@ class ParameterServer:
             self._read[p.worker] = self.version
         return out
 
-    def _step(self, take: list[_Push]) -> None:
+    def _step(self, take: list[Push]) -> None:
+        """Apply ``take`` as one optimizer step (:func:`~lightning_sync.sync.ps_step.apply_step`), then count it."""
         assert self.optimizer is not None
-        # oldest model first, then by worker: the sums and the buffers kept do not depend on arrival order
-        take = sorted(take, key=lambda p: (p.read_version, p.worker))
-        n, k = len(take), self.num_workers
-        total = [torch.zeros_like(f) for f in take[0].grads]
-        for p in take:
-            for t, g in zip(total, p.grads):
-                t.add_(g)
-        touched = [any(p.present[i] for p in take) for i in range(len(self.params))]
-        for param, grad, used in zip(self.params, self.layout.views(total), touched):
-            param.grad = (grad / n).to(param.device) if used else None
-        clip = take[-1].clip
-        if clip is not None:
-            self._clip(clip)
-        lrs = [g["lr"] for g in self.optimizer.param_groups]
-        share = n / k if self.lr_scaling == "linear" else math.sqrt(n / k)
-        for g in self.optimizer.param_groups:  # this step carries n / k of the global batch
-            g["lr"] = g["lr"] * share
-        try:
-            self.optimizer.step()
-        finally:
-            for g, lr in zip(self.optimizer.param_groups, lrs):
-                g["lr"] = lr
-        self.optimizer.zero_grad(set_to_none=True)
+        take = apply_step(take, self.params, self.layout, self.optimizer, self.num_workers, self.lr_scaling)
         self.buffer_layout.copy_into(take[-1].buffers, self.buffers)  # the newest model's push (the last worker's)
         for p in take:
             self.staleness[self.version - p.read_version] += 1
             self.pushes_by_worker[p.worker] += 1
         self.version += 1
-        self.pushes += n
-        while self.pushes // k > self.global_step:
+        self.pushes += len(take)
+        while self.pushes // self.num_workers > self.global_step:
             self.global_step += 1
             if self.on_global_step is not None:
                 self.on_global_step(self.global_step)
-
-    def _clip(self, clip: tuple[str, float]) -> None:
-        algorithm, value = clip
-        grads = [p for p in self.params if p.grad is not None]
-        if algorithm == "norm":
-            torch.nn.utils.clip_grad_norm_(grads, value)
-        elif algorithm == "value":
-            torch.nn.utils.clip_grad_value_(grads, value)
-        else:
-            raise ValueError(f"gradient clipping algorithm must be one of ['norm', 'value'], got {algorithm!r}")
 
     def _reply(self, applied: bool = True) -> Reply:
         lrs = [float(g["lr"]) for g in self.optimizer.param_groups] if self.optimizer is not None else []

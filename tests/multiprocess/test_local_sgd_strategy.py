@@ -21,6 +21,7 @@ from _lightning_reference import (
 )
 
 from lightning_sync import DiLoCoStrategy, LocalSGDStrategy, comms
+from lightning_sync.sync.bucketing import GradBucketer
 from lightning_sync.testing import Checks, assert_all_ranks_passed, run_distributed
 
 # averaging K replicas in fp32: a few ulps of weights ~1
@@ -51,6 +52,16 @@ class _Recording(_TiedModule):
         return self.train_dataloader()
 
 
+class _Holds(pl.Callback):
+    """What the strategy holds for the gradients when training starts: its bucketer, or "absent"."""
+
+    def __init__(self) -> None:
+        self.bucketer: Any = "absent"
+
+    def on_train_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        self.bucketer = getattr(trainer.strategy, "bucketer", "absent")
+
+
 def _mean(states: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     return {k: sum(s[k] for s in states) / len(states) for k in states[0]}
 
@@ -63,15 +74,24 @@ def _worker(rank: int, world: int, tmpdir: str) -> tuple[list[str], int]:
     module = _TiedModule("sgd")
     init = _state(module)
     ref = _reference(_TiedModule("sgd"), module.ds, world, steps=6)["state"]
-    _trainer(world, LocalSGDStrategy(sync_every=1, average_optimizer_state=True), max_steps=6).fit(module)
+    holds = _Holds()
+    strategy = LocalSGDStrategy(sync_every=1, average_optimizer_state=True)
+    _trainer(world, strategy, max_steps=6, callbacks=[holds]).fit(module)
+    ck.true("[H=1] no warm-up, no gradient bucketer", holds.bucketer is None, holds.bucketer)
     _check_against(ck, "[H=1]", module, ref, init, tol=EQ_TOL)
     # 2. H=3, warm-up 2: replicas equal through warm-up, differ between syncs, identical right after
     #    each sync (steps 5 and 8); validation at step 4 sees the average, training resumes from the replica
-    rec = _Recording("sgd")
+    rec, holds = _Recording("sgd"), _Holds()
     trainer = _trainer(
-        world, LocalSGDStrategy(sync_every=3, warmup_steps=2), max_steps=8, val_check_interval=4, limit_val_batches=1
+        world,
+        LocalSGDStrategy(sync_every=3, warmup_steps=2),
+        max_steps=8,
+        val_check_interval=4,
+        limit_val_batches=1,
+        callbacks=[holds],
     )
     trainer.fit(rec)
+    ck.true("[H=3] the warm-up holds a gradient bucketer", isinstance(holds.bucketer, GradBucketer), holds.bucketer)
     everyone = comms.all_gather_object(rec.after_batch)
     for step in range(8):
         diff = max((everyone[0][step][k] - everyone[1][step][k]).abs().max().item() for k in everyone[0][step])
@@ -128,12 +148,13 @@ class _AfterInner(pl.Callback):
 def _check_diloco(ck: Checks, world: int, tmpdir: str) -> None:
     """H=2: after inner step 2 every replica becomes w0 - lr * (g + mu * g), g = mean_r(w0 - local_r) (the
     first outer step's Nesterov momentum buffer is g itself); replicas differ after steps 1 and 3."""
-    module, rec = _TiedModule("sgd"), _AfterInner()
+    module, rec, holds = _TiedModule("sgd"), _AfterInner(), _Holds()
     w0 = _state(module)
     trainer = _trainer(
-        world, DiLoCoStrategy(sync_every=2, outer_lr=0.7, outer_momentum=0.9), max_steps=3, callbacks=[rec]
+        world, DiLoCoStrategy(sync_every=2, outer_lr=0.7, outer_momentum=0.9), max_steps=3, callbacks=[rec, holds]
     )
     trainer.fit(module)
+    ck.true("[diloco] holds no gradient bucketer", holds.bucketer == "absent", holds.bucketer)
     inner = comms.all_gather_object(rec.after_inner)
     after = comms.all_gather_object(rec.after_batch)
     trainable = [n for n, p in module.named_parameters() if p.requires_grad]

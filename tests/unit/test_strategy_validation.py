@@ -61,7 +61,7 @@ _TIMEOUT = "finite number of seconds > 0 or a timedelta > 0"
 _DTYPES = "one of \\[.*'bf16'.*'fp32'.*\\]"
 _WRAP = "allowed forms: None, an int"
 
-# Arguments BucketedDDPStrategy takes, and so LocalSGDStrategy and DiLoCoStrategy too (through **kwargs).
+# Arguments BucketedDDPStrategy takes (LocalSGDStrategy takes the bucket layout ones and the launch ones).
 _BUCKETED: list[tuple[str, Any, str]] = [
     *[
         (arg, v, got(arg, _MIB, v))
@@ -136,10 +136,57 @@ _SHARDED: list[tuple[str, Any, str]] = [
     (KWARGS, {"stages": 2}, r"unknown arguments \['stages'\]; besides its own it accepts"),
 ]
 
+_LAUNCH = [row for row in _BUCKETED if row[0] in ("process_group_backend", "start_method", "timeout")]
+# What LocalSGD's warm-up bucketer takes
+_WARMUP = [
+    row
+    for row in _BUCKETED
+    if row[0] in ("bucket_cap_mb", "first_bucket_mb", "gradient_as_bucket_view", "find_unused_parameters")
+]
+
+
+def refused(owner: type, arg: str, taker: str, first: str) -> str:
+    """An argument ``owner`` does not take, valid for ``taker``: named, with who takes it and what ``owner``
+    accepts (from its first argument ``first`` on)."""
+    return rf"{owner.__name__} does not take \['{arg}'\] \(.*\b{taker}\b.* takes? '{arg}'\); it accepts \['{first}', "
+
+
+# Valid values of arguments a periodic strategy does not take: each raises, naming it
+_BUCKETER_ONLY = {
+    "compression": "fp16",
+    "powersgd_rank": 2,
+    "powersgd_warmup_steps": 10,
+    "comm_algorithm": "ring",
+    "broadcast_buffers": False,
+}
+_BUCKET_LAYOUT = {
+    "bucket_cap_mb": 25.0,
+    "first_bucket_mb": 1.0,
+    "gradient_as_bucket_view": True,
+    "find_unused_parameters": False,
+}
+_WARMUP_ONLY = {"warmup_steps": 5, "average_optimizer_state": True}
+
 _LOCAL_SGD_OWN: list[tuple[str, Any, str]] = [
     *[("sync_every", v, got("sync_every", "an int >= 1", v)) for v in (0, -1, 1.5, "8", True)],
     *[("warmup_steps", v, got("warmup_steps", "an int >= 0", v)) for v in (-1, 2.0, "0", False)],
     *[("average_optimizer_state", v, got("average_optimizer_state", _BOOL, v)) for v in (1, "true", None)],
+]
+
+_LOCAL_SGD: list[tuple[str, Any, str]] = [
+    *_LOCAL_SGD_OWN,
+    *_WARMUP,
+    *_LAUNCH,
+    *[
+        (arg, v, refused(LocalSGDStrategy, arg, "BucketedDDPStrategy", "sync_every"))
+        for arg, v in _BUCKETER_ONLY.items()
+    ],
+    (
+        KWARGS,
+        {"bucket_cap": 5},
+        r"LocalSGDStrategy does not take \['bucket_cap'\] \(no lightning_sync strategy takes 'bucket_cap'\); "
+        r"it accepts \['sync_every', 'warmup_steps'",
+    ),
 ]
 
 _DILOCO_OWN: list[tuple[str, Any, str]] = [
@@ -156,7 +203,14 @@ _DILOCO_OWN: list[tuple[str, Any, str]] = [
         r"nesterov must be True or False \(True needs outer_momentum > 0\), got True with "
         r"outer_momentum=0",
     ),  # with outer_momentum=0, set below
-    (KWARGS, {"warmup_steps": 5}, r"DiLoCoStrategy does not take \['warmup_steps'\] \(LocalSGDStrategy does\)"),
+    *_LAUNCH,
+    *[
+        (arg, v, refused(DiLoCoStrategy, arg, "BucketedDDPStrategy", "sync_every"))
+        for arg, v in {**_BUCKETER_ONLY, **_BUCKET_LAYOUT}.items()
+    ],
+    *[(arg, v, refused(DiLoCoStrategy, arg, "LocalSGDStrategy", "sync_every")) for arg, v in _WARMUP_ONLY.items()],
+    (KWARGS, {"warmup_steps": 5}, r"DiLoCoStrategy does not take \['warmup_steps'\] \(LocalSGDStrategy takes"),
+    (KWARGS, {"bucket_cap": 5}, r"DiLoCoStrategy does not take \['bucket_cap'\] \(no lightning_sync strategy"),
 ]
 
 _ASYNC_PS: list[tuple[str, Any, str]] = [
@@ -191,12 +245,12 @@ _HOGWILD: list[tuple[str, Any, str]] = [
     (KWARGS, {"process_group_backend": "gloo"}, r"unknown arguments \['process_group_backend'\]"),
 ]
 
-# Inherited arguments go through the subclasses too (DiLoCo rejects LocalSGD's own warm-up and state averaging).
+# Each strategy takes only the arguments it uses: the others raise, naming them (LocalSGD and DiLoCo rows).
 TABLE: list[tuple[type, str, Any, str]] = [
     *[(BucketedDDPStrategy, *row) for row in _BUCKETED],
     *[(ShardedStrategy, *row) for row in _SHARDED],
-    *[(LocalSGDStrategy, *row) for row in [*_LOCAL_SGD_OWN, *_BUCKETED]],
-    *[(DiLoCoStrategy, *row) for row in [*_DILOCO_OWN, *_BUCKETED]],
+    *[(LocalSGDStrategy, *row) for row in _LOCAL_SGD],
+    *[(DiLoCoStrategy, *row) for row in _DILOCO_OWN],
     *[(AsyncParameterServerStrategy, *row) for row in _ASYNC_PS],
     *[(HogwildStrategy, *row) for row in _HOGWILD],
 ]
@@ -236,8 +290,6 @@ def _own_and_inherited_arguments(cls: type) -> set[str]:
         if base.__module__.startswith("lightning_sync.strategies") and "__init__" in vars(base):
             params = inspect.signature(base.__init__).parameters.values()
             names |= {p.name for p in params if p.name != "self" and p.kind is not p.VAR_KEYWORD}
-    if cls is DiLoCoStrategy:
-        names -= {"warmup_steps", "average_optimizer_state"}  # rejected by DiLoCo (a row in the table)
     return names | {KWARGS}
 
 
