@@ -7,18 +7,14 @@ from lightning_sync.sync.communicator import (
     ProcessGroupCommunicator,
 )
 from lightning_sync.sync.compression import COMPRESSIONS, CastCompression, PowerSGD, make_compressor
+from lightning_sync.sync.flat import FlatShard, OwnedSlice
 from lightning_sync.sync.parameter_server import ParameterServer, Reply, check_staleness
 from lightning_sync.sync.periodic import DiLoCoOuter, PeriodicAverager
 from lightning_sync.sync.ps_worker import LocalLink, PSWorker, RpcLink
 from lightning_sync.sync.safe_load import UntrustedCheckpointError
-from lightning_sync.sync.sharding import (
-    ZERO_STAGES,
-    FlatShard,
-    OwnedSlice,
-    ZeroEngine,
-    consolidate_checkpoint,
-    zero_memory_bytes,
-)
+from lightning_sync.sync.zero_consolidate import consolidate_checkpoint
+from lightning_sync.sync.zero_engine import ZeroEngine
+from lightning_sync.sync.zero_options import ZERO_STAGES, zero_memory_bytes
 
 __all__ = [
     "COMPRESSIONS",

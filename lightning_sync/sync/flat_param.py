@@ -121,8 +121,7 @@ class FlatParam:
     def accumulate(self, index: int, grad: torch.Tensor) -> None:
         """Add parameter ``index``'s gradient into the full flat gradient (copy on its first gradient
         of the accumulation window, so the buffer is never cleared as a whole)."""
-        off, n = self.layout.offsets[index], self.layout.numels[index]
-        view = self._grad_buffer()[off : off + n]
+        view = self.layout.view(self._grad_buffer(), index)
         if index in self._touched:
             view.add_(grad.reshape(-1))
         else:
