@@ -33,17 +33,7 @@ from lightning_sync.bench.rows import Measurement, node, pyplot, schedule
 from lightning_sync.bench.runner import IN_STEP, SINGLE_ROW, Trial, run_trials
 from lightning_sync.bench.sweep import sweep_all_reduce, sweep_sizes
 
-__all__ = [
-    "COMPUTE_ROW",
-    "host_rows",
-    "run_bench",
-    "run_calibration",
-    "run_sweep",
-    "schedule",
-    "select_strategies",
-    "with_compute_row",
-    "world_sizes",
-]
+__all__ = ["COMPUTE_ROW", "run_bench", "run_calibration", "select_strategies", "world_sizes"]
 
 log = logging.getLogger("lightning_sync.bench")
 

@@ -1,20 +1,14 @@
-"""The report's cost-model sections: the stored parameters, the validation against measured step times, and the
-projection to thousands of ranks (formulas and parameters: :mod:`lightning_sync.bench.model`).
+"""The report's cost-model sections (formulas and parameters: :mod:`lightning_sync.bench.model`).
 
-* **Parameters.** The links of :class:`~lightning_sync.bench.model.CostParams`, as calibrated by
-  ``lightning-sync bench mode=calibrate`` (or the defaults), with their errors against the calibration's points;
-  ``fit.png`` draws them. The report reads them; it never refits.
-* **Validation.** For every measured row with a compute time: its traffic (``CommStats``, or the analytic one of
-  a row that sent nothing through it: :func:`traffic_of`), the links calibrated at the row's own K
-  (:meth:`CostModel.links_at`: time-sharing changes a link with K; the pooled link where the calibration did not
-  run at K), and the compute measured under the same time-sharing (the plain model fitted alone on each of the K
-  ranks, kept in step, in the same rounds as the strategy rows; per step its slowest rank, or for a row that
-  synchronizes once in H steps per window of H steps its slowest rank's mean) give a predicted step time. Rows
-  add their measured codec arithmetic (``comms`` op ``codec``), which the plain model's compute lacks, and the
-  rows measured at one rank too (``cost_model.host_rows``: FSDP2, whose one-rank step has no collective) their
-  host work, scaled like the compute (:meth:`CostModel.host_at`). A second prediction uses ``c(K) T1`` instead.
-* **Projection.** Every strategy at the largest measured K, projected to K = 8 ... 4096 on this machine's links
-  and on :data:`~lightning_sync.bench.model.H100_NDR400`, for ring, tree and hierarchical all-reduce.
+* **Parameters:** the stored links with their errors against the calibration's points (``fit.png``); read, never
+  refitted.
+* **Validation:** per row, compute measured under the same time-sharing of the cores (the plain model alone on
+  each of the K ranks, kept in step; per step the slowest rank, or per window of H steps for a row that
+  synchronizes once in H), plus its measured codec arithmetic, plus the host work of the rows measured at one
+  rank too (FSDP2: :meth:`CostModel.host_at`), plus T_comm from its traffic (:func:`traffic_of`) on the links
+  calibrated at its K (:meth:`CostModel.links_at`); a second prediction uses ``c(K) T1`` instead.
+* **Projection:** every strategy at the largest measured K, to K = 8 ... 4096 on this machine's links and on
+  :data:`~lightning_sync.bench.model.H100_NDR400`, for ring, tree and hierarchical all-reduce.
 """
 
 from __future__ import annotations
@@ -197,17 +191,13 @@ class CostModel:
             "",
             "### Validation: predicted against measured step time",
             "",
-            "Predicted = compute measured under the same time-sharing (the plain model fitted alone on each of the K "
-            "ranks, no communication in the step, kept in step by a barrier before every step, in the same rounds as "
-            "the strategy rows; per step the slowest rank's time, since a synchronous step waits for its slowest "
-            "rank; the median over steps; for a row that synchronizes once in H steps, H in the table, per window of "
-            "H steps the slowest rank's mean, and the row's measured time is the median window mean too) + host (a "
-            "row's own host work, for the rows measured at one rank too, whose step there has no collective: that "
-            "step less T1, times the time-sharing factor compute / T1) + codec (compression arithmetic, measured in "
-            "the run: `comms` op `codec`) + T_comm from the row's per-step traffic (`CommStats`; analytic where a "
-            "row sent nothing through `comms`: torch DDP) and the links calibrated at the row's K (the backend's "
-            "all-reduce; `comms`' all-gather and reduce-scatter; gloo's own ones for FSDP2), no overlap. The last "
-            f"two columns use c(K) (T1 + host at one rank) (c = max(1, K / {self.cores} cores)) instead of the "
+            "Predicted = compute measured under the same time-sharing (the plain model alone on each of the K ranks, "
+            "kept in step, in the same rounds as the strategy rows; per step its slowest rank, or per window of H "
+            "steps the slowest rank's mean for a row that synchronizes once in H steps, whose measured time is the "
+            "median window mean too) + host (the one-rank step less T1 of the rows measured at one rank too, times "
+            "compute / T1) + codec (compression arithmetic, `comms` op `codec`) + T_comm from the row's per-step "
+            "traffic (`CommStats`; analytic for torch DDP) and the links calibrated at the row's K, no overlap. The "
+            f"last two columns use c(K) (T1 + host at one rank) (c = max(1, K / {self.cores} cores)) instead of the "
             "measured compute and host.",
             "",
             "| model | strategy | K | H | measured ms | compute ms | host ms | codec ms | T_comm ms "

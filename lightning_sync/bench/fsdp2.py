@@ -1,32 +1,20 @@
 """The sharding baseline of the benchmark: torch's FSDP2 ``fully_shard`` under Lightning's ModelParallelStrategy.
 
-Lightning's :class:`~lightning.pytorch.strategies.ModelParallelStrategy` builds the device mesh and
-leaves parallelization to the LightningModule's ``configure_model`` hook; it refuses a module that
-does not define one. The benchmark models (``WideMLP``, ``DeepMLP``) are plain modules without such
-a hook, so :class:`FullyShardStrategy` supplies it: when the strategy connects to a module that has
-no ``configure_model`` of its own, it installs one on that instance (removed again at teardown) that
-applies ``fully_shard`` to
+``ModelParallelStrategy`` leaves parallelization to the LightningModule's ``configure_model`` hook and refuses a
+module without one; the benchmark models are plain modules, so :class:`FullyShardStrategy` installs that hook on
+the instance (removed at teardown). It applies ``fully_shard`` to every submodule of ``shard_classes`` (default
+``torch.nn.Linear``), in post-order, each its own unit (one all-gather and one reduce-scatter group), except one
+holding a parameter tied to a module outside it (FSDP2 refuses a parameter managed by two groups), and then to
+the LightningModule itself, the root unit. Lightning calls the hook at its usual place (after the mesh exists,
+before the optimizer is built). The root's forward hooks run only if ``training_step`` calls ``self(x)``.
 
-1. every submodule whose class is one of ``shard_classes`` (default: every ``torch.nn.Linear``), in
-   post-order, each becoming its own FSDP2 unit (one all-gather and one reduce-scatter group),
-   except one holding a parameter tied to a module outside it (a GPT head sharing the token
-   embedding's weight: FSDP2 refuses a parameter managed by two groups), and
-2. the LightningModule itself, the root unit (whatever parameters are not inside a unit above,
-   tied ones included).
+What is synchronized, and when (Zhao et al., "PyTorch FSDP", VLDB 2023): each unit all-gathers its parameters
+before its forward, frees them after it (``reshard_after_forward``), gathers them again before its backward,
+and reduce-scatters (averages) its gradients right after; every rank keeps and steps only its shard. Per step a
+rank sends ``3(K-1)/K * S`` bytes (``2(K-1)/K * S`` without resharding), S the parameter bytes. A rank that
+fails leaves its peers blocked in the next collective until the process group's timeout.
 
-Lightning then calls that hook at its usual place (after the process group and the mesh exist,
-before the optimizer is built), and the rest of ``ModelParallelStrategy.setup`` runs unchanged. The
-root's forward hooks run only if ``training_step`` calls the module (``self(x)``), as
-``ClassifierModule`` does; otherwise every unit acts as its own root and nothing is prefetched.
-
-What is synchronized, and when (Zhao et al., "PyTorch FSDP", VLDB 2023; torch's FSDP2): each unit
-all-gathers its parameters before its forward, frees them after it (``reshard_after_forward``),
-all-gathers them again before its backward, and reduce-scatters (averages) its gradients right after
-it; every rank keeps and steps only its shard. Per step each rank sends ``3(K-1)/K * S`` bytes
-(``2(K-1)/K * S`` without resharding after forward), S the parameter bytes. A rank that fails
-leaves its peers blocked in the next collective until the process group's timeout.
-
-Example (what ``conf/bench.yaml``'s ``fsdp2`` row builds)::
+Example (``conf/bench.yaml``'s ``fsdp2`` row)::
 
     FullyShardStrategy(shard_classes=["torch.nn.Linear"])   # data parallel over all ranks
 """

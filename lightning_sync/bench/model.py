@@ -64,33 +64,16 @@ from lightning_sync._checks import check_choice, check_int
 from lightning_sync.bench.formulas import overlapped_step_time, ring_allreduce_time, tree_allreduce_time, tree_depth
 
 __all__ = [
-    "ALGORITHMS",
-    "DEFAULT_PARAMS",
-    "H100_NDR400",
-    "OP_COST",
-    "SWEPT",
-    "TORCH_TWINS",
-    "WIRE_FACTORS",
     "CostParams",
+    "DEFAULT_PARAMS",
     "Fabric",
-    "Fit",
+    "H100_NDR400",
     "Link",
-    "Projection",
     "SweepPoint",
     "Traffic",
-    "all_reduce_coefficients",
-    "all_reduce_seconds",
     "calibrate",
-    "comm_here",
-    "comm_seconds",
-    "contention",
-    "fit_alpha_beta",
     "load_params",
-    "predict_here",
     "project",
-    "projection_worlds",
-    "step_seconds",
-    "this_machine",
 ]
 
 #: All-reduce algorithms the model knows.

@@ -1,22 +1,13 @@
-"""Turn benchmark measurements into medians, ratios, a Markdown report and PNG plots.
+"""Turn benchmark measurements into medians, same-pair ratios, a Markdown report and PNG plots.
 
-Statistics (this machine is noisy, so only medians and same-run ratios are reported):
-
-* a trial's step time is the median of its timed steps on rank 0 (ranks step in lockstep); for a strategy that
-  communicates on one step in H (:func:`sync_every`: LocalSGD, DiLoCo), the median over windows of H steps of
-  their mean (:func:`window_means`), so every window holds one synchronization and its wait;
-* a strategy's step time is the median over its trials (one per pair), and its ratio to the baseline the median
-  over pairs of (trial / the baseline's trial of the same pair), so both sides of each ratio ran back to back;
-* bytes/step are this rank's payload through ``comms``; ``x grad`` divides by the gradient bytes;
-* wire bytes/step (:func:`wire_bytes`) convert each op's payload with the ring model
-  (:data:`~lightning_sync.bench.model.WIRE_FACTORS`: all_reduce ``2(K-1)/K``, reduce_scatter ``(K-1)/K`` of the
-  full input, all_gather ``K-1`` of the shard), against :func:`analytic_wire_bytes` from the parameter bytes S;
-  torch DDP bypasses ``comms`` (measured n/a), FSDP2's collectives are counted while its trials run;
-* exposed communication is the median time still communicating after backward, as a share of the same buckets
-  all-reduced alone; covered is the median time per step a rank computed with an async ``comms`` call in flight;
-* scaling efficiency is ``T1(b) / TK(b)``, 1.0 being perfect;
-* the sharding table (``sharding_table``) puts the sharded strategies next to the DDP rows, with ratios to the
-  baseline and to ``sharding_table.reference`` (FSDP2), the peak memory of the largest rank and the wire bytes.
+This machine is noisy, so only medians and same-run ratios are reported. A trial's step time is the median of
+its timed steps on rank 0 (ranks step in lockstep); for a strategy that communicates on one step in H
+(:func:`sync_every`: LocalSGD, DiLoCo) the median over windows of H steps of their mean (:func:`window_means`), so
+every window holds one synchronization and its wait. A row's ratio to the baseline (or to
+``sharding_table.reference``) is the median over pairs of the two trials of the same pair, which ran back to
+back. Wire bytes convert each op's payload with the ring model
+(:data:`~lightning_sync.bench.model.WIRE_FACTORS`), against :func:`analytic_wire_bytes` from the parameter bytes.
+Scaling efficiency is ``T1(b) / TK(b)``, 1.0 being perfect.
 """
 
 from __future__ import annotations
@@ -35,17 +26,7 @@ from lightning_sync.bench.model import TORCH_TWINS, WIRE_FACTORS, CostParams
 from lightning_sync.bench.rows import Measurement, Row, median, pyplot, save_fig, strategy_class
 from lightning_sync.bench.runner import IN_STEP, SINGLE_ROW
 
-__all__ = [
-    "Report",
-    "analytic_wire_bytes",
-    "analytic_wire_factor",
-    "load_raw",
-    "save_raw",
-    "slowest_per_step",
-    "sync_every",
-    "window_means",
-    "wire_bytes",
-]
+__all__ = ["Report", "analytic_wire_bytes", "load_raw", "save_raw", "sync_every", "wire_bytes"]
 
 Results = Mapping[int, list[list[Measurement]]]
 
@@ -300,16 +281,14 @@ class Report:
             ]
         lines += [
             "",
-            "Overlap check: with perfect overlap a step would take max(T1, comm alone); on a machine where "
-            "communication competes with compute for the same cores it takes about T1 + comm alone. Covered ms: per "
-            "step, the time a rank computed with at least one of its async `comms` calls in flight (n/a: torch's DDP "
-            "and FSDP2, whose calls bypass `comms`), the most communication it could hide behind compute.",
+            "Overlap check: with perfect overlap a step takes max(T1, comm alone); where communication competes with "
+            "compute for the cores, about T1 + comm alone. Covered ms: per step, the time a rank computed with an "
+            "async `comms` call in flight (n/a: torch's DDP and FSDP2 bypass `comms`), the most it could hide.",
             "",
-            "torch's own DDP sends its gradients outside `lightning_sync.comms`, so its bytes read 0 here; its payload "
-            "is the gradient size (x grad bytes 1.00) by construction. Ring wire MiB converts each op's payload with "
-            "the ring model (all_reduce 2(K-1)/K, reduce_scatter (K-1)/K, all_gather K-1); n/a where the strategy "
-            "bypasses `comms`. Analytic MiB is the textbook figure (DDP 2(K-1)/K x S, ZeRO-3 and FSDP2 3(K-1)/K x S; "
-            "compression and periodic syncs not modelled).",
+            "torch's DDP sends outside `lightning_sync.comms` (0 bytes here; its payload: the gradients, x grad 1). "
+            "Ring wire MiB: each op's payload with the ring model (all_reduce 2(K-1)/K, reduce_scatter (K-1)/K, "
+            "all_gather K-1). Analytic MiB: DDP 2(K-1)/K x S, ZeRO-3 and FSDP2 3(K-1)/K x S (compression and "
+            "periodic syncs not modelled).",
             "",
             *self.scaling_markdown(),
             *self.sharding_markdown(),
@@ -374,12 +353,10 @@ class Report:
         lines = [
             "## Sharding",
             "",
-            f"Step time and same-pair ratios to `{self.baseline}` and to `{self.reference}`; peak memory is the "
-            "largest over ranks (mallinfo2 above the level before the model was built); wire bytes per step and "
-            "rank, measured through `comms` with the ring model, against the analytic figure (DDP and ZeRO-1/2: "
-            "2(K-1)/K x S, ZeRO-3 and FSDP2: 3(K-1)/K x S, S = trainable parameter bytes, padding aside). torch DDP "
-            "bypasses `comms`: measured n/a. FSDP2's all-gathers and reduce-scatters are counted while its trials "
-            "run (bench.runner.torch_collectives_counted).",
+            f"Step time and same-pair ratios to `{self.baseline}` and to `{self.reference}`; peak memory of the "
+            "largest rank (mallinfo2 above the level before the model was built); ring-model wire bytes per step and "
+            "rank through `comms` (torch DDP: n/a; FSDP2's collectives are counted while its trials run) against the "
+            "analytic figure (DDP, ZeRO-1/2: 2(K-1)/K x S; ZeRO-3, FSDP2: 3(K-1)/K x S; S = parameter bytes).",
             "",
             f"| model | K | strategy | step ms | x {self.baseline} | x {self.reference} | peak MiB/rank "
             "| wire MiB/step/rank | analytic MiB | wire / analytic |",

@@ -1,30 +1,19 @@
-"""Benchmark trials, run inside every rank: one ``Trainer.fit`` per trial, measured by a callback.
+"""Benchmark trials, run inside every rank: one ``Trainer.fit`` per trial, measured by :class:`StepProbe`.
 
-A *trial* is one strategy on one model for ``warmup + steps`` optimizer steps. Every rank runs the same list
-of trials in the same order (the schedule alternates the strategies, so slow drifts of the machine hit all
-alike). A trial marked :data:`IN_STEP` is the cost model's compute row: each rank fits the plain model alone
-(one device, no collective in the step), every step started together by :class:`Lockstep`, in the same rounds
-as the strategies. Each trial gives a :class:`~lightning_sync.bench.rows.Measurement` per rank:
+Every rank runs the same trials in the same order (the schedule alternates the strategies, so slow drifts of the
+machine hit all alike) and returns a :class:`~lightning_sync.bench.rows.Measurement` per trial. A step is timed
+from batch start to batch end (forward, backward, communication, optimizer step); bytes, calls and seconds per op
+are deltas of the communication statistics around each timed step (every read goes through :func:`stats_of`),
+with compression arithmetic (``comms`` op ``codec``) kept apart. torch's DDP bypasses ``comms`` (the report shows
+its analytic traffic); FSDP2's all-gathers and reduce-scatters are counted while its trials run
+(:func:`torch_collectives_counted`). ``covered_s`` is the time a rank computed with an async call in flight,
+``exposed_s`` the communication still running after backward (bucketed strategies) and ``comm_s`` the same
+buckets all-reduced alone; ``param_bytes`` is S of the analytic wire bytes, counted before the strategy touched
+the module; ``peak_mib`` is the peak malloc'd memory (glibc ``mallinfo2``, sampled around each backward and after
+each step) above the level before the model was built (``torch.cuda.max_memory_allocated`` on GPU).
 
-* ``step_s``: wall time of each timed step (batch start to batch end: forward, backward, communication, step);
-* ``bytes_per_step`` and ``op_bytes_per_step``: payload this rank sent through ``comms`` per timed step, in all
-  and per op (per-op deltas of the statistics around each step), from which the report derives ring wire bytes;
-  torch's DDP bypasses ``comms`` (0 bytes, the report shows the analytic figure), FSDP2's all-gathers and
-  reduce-scatters are counted while its trials run (:func:`torch_collectives_counted`); ``comm_calls``,
-  ``op_calls_per_step`` and ``step_calls`` count the collectives (a strategy that synchronizes every H steps
-  communicates on one step in H: the report then times it over windows of H steps); ``op_seconds_per_step``:
-  the seconds each op's calls took inside the step;
-* ``codec_s``: seconds of compression arithmetic per step (``comms`` op ``codec``, kept out of the traffic);
-* ``covered_s``: seconds per step this rank computed while one of its async ``comms`` calls was in flight (the
-  time it could hide communication behind), ``blocked_s``: seconds it was blocked launching or waiting for them;
-* ``exposed_s``: communication still running after backward ended (strategies with a ``bucketer``), and
-  ``comm_s``: the same buckets all-reduced alone, without compute;
-* ``param_bytes``: the trainable parameters' bytes before the strategy touched the module (S of the analytic
-  wire bytes);
-* ``peak_mib``: peak allocated memory (glibc ``mallinfo2``, sampled around each backward and after each step)
-  above the level before the model was built (``torch.cuda.max_memory_allocated`` on GPU).
-
-Every read of the communication statistics goes through :func:`stats_of`.
+A trial marked :data:`IN_STEP` is the cost model's compute row: each rank fits the plain model alone (one device,
+no collective in the step), every step started together by :class:`Lockstep`, in the strategies' rounds.
 """
 
 from __future__ import annotations
@@ -47,17 +36,7 @@ from lightning_sync.bench.fsdp2 import FullyShardStrategy
 from lightning_sync.bench.rows import Measurement
 from lightning_sync.sync.compression import CODEC_OP
 
-__all__ = [
-    "IN_STEP",
-    "SINGLE_ROW",
-    "TORCH_OPS",
-    "Lockstep",
-    "StepProbe",
-    "Trial",
-    "run_trials",
-    "stats_of",
-    "torch_collectives_counted",
-]
+__all__ = ["IN_STEP", "SINGLE_ROW", "StepProbe", "Trial", "run_trials", "stats_of", "torch_collectives_counted"]
 
 #: ``Trial.extra`` key of the rows that measure compute alone under a K-rank job's time-sharing.
 IN_STEP = "in_step"
@@ -113,26 +92,20 @@ def torch_collectives_counted(strategy: Any = None) -> Iterator[None]:
 
 @dataclass
 class Trial:
-    """One measured fit."""
+    """One measured fit: row ``name`` (e.g. ``bucketed_ddp`` or ``cap=5``) on ``model``, the Hydra nodes building
+    the strategy (``None`` target: single device), the module and the data, ``steps`` timed optimizer steps after
+    ``warmup`` untimed ones (bucket rebuild, allocator and PowerSGD warm-up), free-form ``extra`` labels carried
+    into the report, and the Trainer's ``devices`` (``None``: every rank of the group; 1: one process per rank)."""
 
     name: str
-    """Row name in the report (e.g. ``bucketed_ddp`` or ``cap=5``)."""
     model: str
-    """Model name (a key of the bench config's ``models``)."""
     strategy: dict[str, Any]
-    """Hydra node with ``_target_`` building the strategy (``None`` target: single device)."""
     model_cfg: dict[str, Any]
-    """Hydra node building the LightningModule."""
     data_cfg: dict[str, Any]
-    """Hydra node building the LightningDataModule."""
     steps: int = 20
-    """Timed optimizer steps."""
     warmup: int = 5
-    """Untimed steps first (bucket rebuild, allocator warm-up, PowerSGD warm-up)."""
     extra: dict[str, Any] = field(default_factory=dict)
-    """Free-form labels carried into the report (e.g. the bucket cap)."""
     devices: int | None = None
-    """Devices of the Trainer (``None``: every rank of the group; 1: one independent process per rank)."""
 
 
 class _MallInfo2(ctypes.Structure):

@@ -1,22 +1,14 @@
-"""The calibration sweep of the cost model: timed collectives per payload size and swept op.
+"""The calibration sweep of the cost model: timed collectives per payload size and swept op (:data:`OPS`).
 
-:func:`sweep_all_reduce` runs inside every rank (``run_distributed``). For each payload size (bytes of float32)
-and each op of :data:`OPS` it is asked for (``backend``: gloo's or NCCL's own all-reduce; ``ring`` and
-``tree``: ours, built from send/recv; ``all_gather`` and ``reduce_scatter``: ``comms.all_gather_into`` and
-``reduce_scatter_into`` of a whole of that size, what the sharded strategies call; ``torch_all_gather`` and
-``torch_reduce_scatter``: the backend's own, what FSDP2 calls), it times ``repeats`` calls, each started by a
-barrier, and reports the mean of the collective's *span*: from the moment its last rank entered it to the moment
-its last rank left it (``max(end) - max(start)`` on the host's monotonic clock, which every rank of the one-host
-group reads). That is what a synchronous step pays: its compute term already ends with its slowest rank.
-
-The mean, not the median: a step pays the sum of its calls, and on a time-shared CPU the span is heavy tailed
-(2026-11-24, 2 cores: gloo's 1 MiB all-gather at K=2 spanned 0.64-0.83 ms median, 1.58-1.82 ms mean, as a call
-now and then waits a scheduler slice for a peer; FSDP2's 24 calls per step on deep_mlp spanned 43-50 ms where
-the medians priced 33 ms). The median is kept as ``median_seconds``, and the slowest rank's own time
-``max(end - start)`` as ``rank_seconds`` (it also holds the wait for a late starter, which the compute term
-already prices). Each repeat passes over every size, the ops alternating within it (A B C, C B A, ...): a burst
-of load then hits one repeat of several sizes, a little on each mean, rather than every repeat of one size.
-:func:`lightning_sync.bench.model.calibrate` fits the points.
+:func:`sweep_all_reduce` runs inside every rank. Per size and op it times ``repeats`` calls, each started by a
+barrier, and reports the mean of the collective's *span*, from the moment its last rank entered it to the moment
+its last rank left it (``max(end) - max(start)`` on the one host's monotonic clock): what a synchronous step pays,
+since its compute term already ends with its slowest rank. The mean, not the median: a step pays the sum of its
+calls and on a time-shared CPU the span is heavy tailed (2026-11-24, 2 cores: gloo's 1 MiB all-gather at K=2
+spanned 0.64-0.83 ms median, 1.58-1.82 ms mean; FSDP2's 24 calls per step on deep_mlp spanned 43-50 ms where the
+medians priced 33 ms). The median is kept as ``median_seconds``, the slowest rank's own time as
+``rank_seconds``. Each repeat passes over every size, the ops alternating (A B C, C B A, ...), so a burst of load
+hits one repeat of several sizes rather than every repeat of one size.
 """
 
 from __future__ import annotations

@@ -36,50 +36,28 @@ import torch
 from lightning_sync.bench.rows import median, node, pyplot, schedule
 from lightning_sync.bench.runner import stats_of
 
-__all__ = [
-    "TradeoffResult",
-    "TradeoffRow",
-    "TradeoffTrial",
-    "run_tradeoff",
-    "tradeoff_markdown",
-    "tradeoff_rows",
-    "tradeoff_trials",
-]
+__all__ = ["TradeoffResult", "TradeoffRow", "run_tradeoff", "tradeoff_markdown", "tradeoff_rows"]
 
 log = logging.getLogger("lightning_sync.bench")
-_QUIET = {
-    "logger": False,
-    "enable_checkpointing": False,
-    "enable_progress_bar": False,
-    "enable_model_summary": False,
-    "num_sanity_val_steps": 0,
-}
+_QUIET = dict.fromkeys(("logger", "enable_checkpointing", "enable_progress_bar", "enable_model_summary"), False)
 
 
 @dataclass
 class TradeoffTrial:
-    """One fit of one strategy."""
+    """One fit of one strategy: row ``name`` (a key of the model's ``tradeoff.rows``) on ``model`` (a key of
+    ``tradeoff.models``), the Hydra nodes building strategy, module and data, the global step budget, the ranks,
+    rank 1 made ``slow_factor`` times slower (None: no straggler), the pass of the schedule, and labels."""
 
     name: str
-    """Row name (a key of the model's ``tradeoff.rows``)."""
     model: str
-    """Model name (a key of ``tradeoff.models``)."""
     strategy: dict[str, Any]
-    """Hydra node building the strategy."""
     model_cfg: dict[str, Any]
-    """Hydra node building the LightningModule."""
     data_cfg: dict[str, Any]
-    """Hydra node building the LightningDataModule."""
     steps: int
-    """Global step budget (``Trainer(max_steps=...)``)."""
     world: int
-    """Ranks (processes)."""
     slow_factor: float | None = None
-    """Rank 1 made this many times slower (None: no straggler)."""
     round: int = 0
-    """Which pass of the alternating schedule."""
     extra: dict[str, Any] = field(default_factory=dict)
-    """Labels carried into the results."""
 
     @property
     def self_launching(self) -> bool:
@@ -118,7 +96,7 @@ def _evaluate(model: pl.LightningModule, data: pl.LightningDataModule) -> dict[s
     """The trained model on the whole validation set, in this one process."""
     if torch.distributed.is_initialized():  # left by the strategy; this evaluation is local
         torch.distributed.destroy_process_group()
-    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy="auto", **_QUIET)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy="auto", num_sanity_val_steps=0, **_QUIET)
     metrics = trainer.validate(model, datamodule=data, verbose=False)[0]
     return {k: float(v) for k, v in metrics.items()}
 
@@ -148,6 +126,7 @@ def _fit(rank: int, world: int, trial: TradeoffTrial, out_dir: str) -> dict[str,
         max_steps=trial.steps,
         max_epochs=-1,
         limit_val_batches=0,
+        num_sanity_val_steps=0,
         callbacks=callbacks,
         **_QUIET,
     )
@@ -226,16 +205,13 @@ def run_tradeoff(cfg: Any, out_dir: Path, meta: dict[str, Any] | None = None) ->
     env = {"OMP_NUM_THREADS": "1", "PL_GLOBAL_SEED": str(int(cfg.tradeoff.seed))}
     results = []
     for i, trial in enumerate(trials, 1):
-        probe_dir = tempfile.mkdtemp(prefix="ls_tradeoff_")
         ranks = 1 if trial.self_launching else trial.world
         label = f"{trial.model}/{trial.name}" + (f" (rank 1 x{trial.slow_factor:g})" if trial.slow_factor else "")
         log.info("tradeoff %d/%d: %s", i, len(trials), label)
         timeout = float(cfg.tradeoff.timeout_s)
-        metrics = run_distributed(_fit, ranks, trial, probe_dir, timeout=timeout, env=env, process_group=False)[0]
-        probes = [json.loads((Path(probe_dir) / f).read_text()) for f in sorted(os.listdir(probe_dir))]
-        for f in os.listdir(probe_dir):
-            os.remove(os.path.join(probe_dir, f))
-        os.rmdir(probe_dir)
+        with tempfile.TemporaryDirectory(prefix="ls_tradeoff_") as probe_dir:
+            metrics = run_distributed(_fit, ranks, trial, probe_dir, timeout=timeout, env=env, process_group=False)[0]
+            probes = [json.loads(f.read_text()) for f in sorted(Path(probe_dir).iterdir())]
         if len(probes) != trial.world:
             raise RuntimeError(f"tradeoff trial {label}: {len(probes)} of {trial.world} ranks reported")
         wall = max(p["end"] for p in probes) - min(p["start"] for p in probes)
@@ -275,22 +251,9 @@ def tradeoff_rows(results: list[TradeoffResult], reference: str = "bucketed_ddp"
         def ratio(key: str, pairs: list[tuple[TradeoffResult, TradeoffResult]] = pairs) -> float:
             return median([getattr(a, key) / getattr(b, key) for a, b in pairs if getattr(b, key)])
 
-        rows.append(
-            TradeoffRow(
-                model=model,
-                name=name,
-                slow=slow,
-                val_loss=median([t.val_loss for t in trials]),
-                bytes=median([t.bytes for t in trials]),
-                wall_s=median([t.wall_s for t in trials]),
-                samples_per_s=median([t.samples_per_s for t in trials]),
-                x_loss=ratio("val_loss"),
-                x_bytes=ratio("bytes"),
-                x_throughput=ratio("samples_per_s"),
-                steps_by_rank=trials[0].steps_by_rank,
-                trials=len(trials),
-            )
-        )
+        medians = [median([getattr(t, k) for t in trials]) for k in ("val_loss", "bytes", "wall_s", "samples_per_s")]
+        ratios = [ratio(k) for k in ("val_loss", "bytes", "samples_per_s")]
+        rows.append(TradeoffRow(model, name, slow, *medians, *ratios, trials[0].steps_by_rank, len(trials)))
     return rows
 
 
