@@ -73,7 +73,8 @@ def measure(world: int = 2, calls: int = 2000, rounds: int = 15, warmup: int = 2
     """Spawn ``world`` gloo ranks and measure the three modes; rows as rank 0 saw them."""
     from lightning_sync.testing.harness import run_distributed
 
-    timeout = 60.0 + rounds * calls * len(MODES) * 2e-3  # generous: 2 ms a call would already be 20x too slow
+    # start-up (importing torch and this package in every rank) plus 2 ms a call, 20x what a call should take
+    timeout = 300.0 + rounds * calls * len(MODES) * 2e-3
     per_call = run_distributed(_rank, world, calls, rounds, warmup, timeout=timeout)[0]
     raw = statistics.median(per_call["raw"])
     return [

@@ -27,7 +27,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 
-from lightning_sync import comms
+from lightning_sync.diagnostics._comm import comm_of
 
 __all__ = ["ConsistencyCheck", "first_difference", "fingerprint"]
 
@@ -86,7 +86,7 @@ class ConsistencyCheck(pl.Callback):
         if trainer.world_size == 1 or not (dist.is_available() and dist.is_initialized()):
             return
         mine = fingerprint(pl_module, trainer.strategy, trainer.world_size)
-        prints = comms.all_gather_object(mine)
+        prints = comm_of(trainer).all_gather_object(mine)
         self.items = len(mine)
         difference = first_difference(prints)
         if difference is not None:

@@ -6,7 +6,7 @@ kernel, a corrupted bucket or a stray in-place write breaks that silently, and t
 apart while the loss still looks fine. Every ``every_n_steps`` optimizer steps (at ``on_train_batch_end``
 of a batch that ended with an optimizer step, and ``global_step`` a multiple of N) each rank computes
 :func:`value_fingerprint` of its LightningModule and the ranks exchange it with one
-``comms.all_gather_object``.
+``all_gather_object`` through the strategy's communication context.
 
 **What is fingerprinted.** Per tensor, two 64-bit integer checksums of its raw bits (each element read
 as an integer of its own width): the plain sum and the sum weighted by position (1-based), both modulo
@@ -54,8 +54,8 @@ from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelP
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.nn.modules.batchnorm import _NormBase
 
-from lightning_sync import comms
 from lightning_sync._checks import check_bool, check_choice, check_int
+from lightning_sync.diagnostics._comm import comm_of
 from lightning_sync.diagnostics._steps import optimizer_step_ended
 from lightning_sync.diagnostics.consistency import first_difference
 from lightning_sync.strategies import (
@@ -219,7 +219,7 @@ class ReplicaDriftCheck(pl.Callback):
         ):
             return
         mine = value_fingerprint(pl_module, self.buffers, self._sharded_ids(trainer.strategy))
-        prints: list[list[tuple[str, str]]] = comms.all_gather_object(mine)
+        prints: list[list[tuple[str, str]]] = comm_of(trainer).all_gather_object(mine)
         self.checked_steps.append(step)
         self.compared = len(mine)
         groups: dict[tuple[tuple[str, str], ...], list[int]] = {}

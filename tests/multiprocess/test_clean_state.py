@@ -1,6 +1,6 @@
 """Every fit starts from clean communication state, as in a fresh process: a Hydra multirun's next job, or a
-second ``trainer.fit`` in one process, must not inherit the previous one's statistics, sequence numbers, node
-groups or watchdog namespace.
+second ``trainer.fit`` in one process (of the same strategy or another), must not inherit the previous one's
+statistics, sequence numbers, node groups or watchdog namespace.
 
 The reference is a fit in a fresh process: the first of two identical fits in the same ranks. Their
 communication (calls and bytes per op, the last sequence number on every group) must be equal, exactly.
@@ -17,8 +17,7 @@ import torch
 import torch.distributed as dist
 from _lightning_reference import ENV, _quiet_rank, _TiedModule, _trainer
 
-from lightning_sync import BucketedDDPStrategy, comms
-from lightning_sync.comms import algorithms
+from lightning_sync import BucketedDDPStrategy, ShardedStrategy, comms
 from lightning_sync.diagnostics import HangWatchdog
 from lightning_sync.testing import Checks, assert_all_ranks_passed, run_distributed
 
@@ -35,8 +34,8 @@ class _LoggedLoss(_TiedModule):
         return loss
 
 
-def _calls_and_bytes() -> dict[str, tuple[int, int]]:
-    return {op: (s.calls, s.bytes) for op, s in CTX.observer.snapshot().items()}
+def _calls_and_bytes(comm: comms.CommContext) -> dict[str, tuple[int, int]]:
+    return {op: (s.calls, s.bytes) for op, s in comm.observer.snapshot().items()}
 
 
 class _Snapshot(pl.Callback):
@@ -46,51 +45,62 @@ class _Snapshot(pl.Callback):
         self.seen: dict[str, Any] = {}
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.seen["stats at start"] = _calls_and_bytes()
-        self.seen["node groups at start"] = len(algorithms._NODE_GROUPS)
+        self.seen["stats at start"] = _calls_and_bytes(trainer.strategy.comm)
+        self.seen["node groups at start"] = len(trainer.strategy.comm._node_groups)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        wd = CTX.watchdog
+        wd = trainer.strategy.comm.watchdog
         assert wd is not None
-        self.seen["stats at end"] = _calls_and_bytes()
+        self.seen["stats at end"] = _calls_and_bytes(trainer.strategy.comm)
         self.seen["last sequence numbers"] = dict(wd._last)
         peer = 1 - trainer.global_rank
         record = wd._read([peer])[peer]  # published in this rank's watchdog namespace, by this fit's peer
         self.seen["the peer's record in this namespace"] = None if record is None else record["last"]
 
 
-def _two_fits(rank: int, k: int) -> tuple[list[str], int, list[dict[str, Any]]]:
+def _three_fits(rank: int, k: int) -> tuple[list[str], int, list[dict[str, Any]]]:
+    """Bucketed DDP, then ZeRO-2, then bucketed DDP again, in the same processes: each strategy owns its context,
+    so the third fit must communicate exactly as the first (a fresh process), and nothing the later fits do may
+    reach the first one's statistics."""
     _quiet_rank()
     ck = Checks()
-    fits = []
-    for _ in range(2):
+    fits, strategies = [], []
+    for strategy in (BucketedDDPStrategy(comm_algorithm="hierarchical"), ShardedStrategy(stage=2), None):
+        strategy = strategy or BucketedDDPStrategy(comm_algorithm="hierarchical")
         snapshot = _Snapshot()
         trainer = _trainer(
-            k,
-            BucketedDDPStrategy(comm_algorithm="hierarchical"),
-            max_steps=3,
-            callbacks=[HangWatchdog(TIMEOUT, interval=INTERVAL, verify_every=1), snapshot],
+            k, strategy, max_steps=3, callbacks=[HangWatchdog(TIMEOUT, interval=INTERVAL, verify_every=1), snapshot]
         )
         trainer.fit(_LoggedLoss("sgd"))
         fits.append(snapshot.seen)
-    first, second = fits
+        strategies.append(strategy)
+        if len(fits) == 2:  # the ZeRO fit is over: what does the first strategy's context hold now?
+            first_after_second = _calls_and_bytes(strategies[0].comm)
+    first, second, third = fits
     ck.true("the first fit communicated", first["stats at end"].get("all_reduce", (0, 0))[0] > 0, first)
     ck.true(
         "the first fit built node groups", first["stats at end"].get("hierarchical_all_reduce", (0, 0))[0] > 0, first
     )
+    ck.true("the ZeRO fit reduce-scattered", second["stats at end"].get("reduce_scatter", (0, 0))[0] > 0, second)
+    ck.true("three contexts", len({id(s.comm) for s in strategies}) == 3, [id(s.comm) for s in strategies])
+    ck.true(
+        "the ZeRO fit left the first one's statistics alone",
+        first_after_second == first["stats at end"],
+        (first_after_second, first["stats at end"]),
+    )
     for what in first:
         ck.true(
-            f"second fit = fresh process: {what}",
-            second[what] == first[what],
-            f"first {first[what]}, second {second[what]}",
+            f"third fit = fresh process: {what}",
+            third[what] == first[what],
+            f"first {first[what]}, third {third[what]}",
         )
     return (*ck.result(), fits)
 
 
-@pytest.mark.timeout(180)
-def test_a_second_fit_in_one_process_communicates_as_a_fresh_process() -> None:
-    results = run_distributed(_two_fits, 2, timeout=150, env=ENV)
-    assert_all_ranks_passed([r[:2] for r in results], min_checks=7)
+@pytest.mark.timeout(240)
+def test_fits_in_one_process_have_independent_communication_state() -> None:
+    results = run_distributed(_three_fits, 2, timeout=210, env=ENV)
+    assert_all_ranks_passed([r[:2] for r in results], min_checks=10)
 
 
 def _relaunched_peer(rank: int, k: int) -> tuple[list[str], int]:

@@ -9,7 +9,6 @@ import torch
 from _lightning_reference import ENV, EQ_TOL, _check_against, _quiet_rank, _reference, _state, _TiedModule, _trainer
 
 from lightning_sync import BucketedDDPStrategy, comms
-from lightning_sync.comms import algorithms
 from lightning_sync.comms.algorithms import hierarchical_all_reduce
 from lightning_sync.testing import Checks, assert_all_ranks_passed, run_distributed
 
@@ -28,11 +27,11 @@ def _worker(rank: int, world: int) -> tuple[list[str], int]:
             base = (torch.arange(37) * (rank + 1) % 11).to(dtype)
             flat, mine = base.clone(), base.clone()
             CTX.all_reduce(flat, op=op)
-            hierarchical_all_reduce(mine, op=op, ranks_per_node=2)
+            hierarchical_all_reduce(CTX, mine, op=op, ranks_per_node=2)
             ck.close(f"[{op} {dtype}] hierarchical equals flat", mine.float(), flat.float(), rtol=0.0, atol=0.0)
     CTX.observer.reset()
     payload = torch.ones(1000)
-    hierarchical_all_reduce(payload, op="sum", ranks_per_node=2)
+    hierarchical_all_reduce(CTX, payload, op="sum", ranks_per_node=2)
     stats = CTX.observer.snapshot()
     got = {op: stats[op].bytes for op in stats if op.startswith(("intra_node/", "inter_node/"))}
     leader = rank in (0, 2)
@@ -43,6 +42,7 @@ def _worker(rank: int, world: int) -> tuple[list[str], int]:
     }
     ck.true(f"[bytes] rank {rank}: intra-node and inter-node traffic apart", got == want, got)
     ck.close("[bytes] the sum", payload, torch.full((1000,), 4.0), rtol=0.0, atol=0.0)
+    ck.true("[release] this context's one layout", CTX.release_node_groups() == 1)
     # BucketedDDP selects it: 4 ranks of one Lightning node (devices=4) against the single-process
     # reference; within EQ_TOL for the summation order of a reduce then broadcast
     module = _TiedModule("sgd")
@@ -53,20 +53,20 @@ def _worker(rank: int, world: int) -> tuple[list[str], int]:
     _check_against(ck, "[bucketed_ddp hierarchical]", module, ref, init, tol=EQ_TOL)
     # its teardown destroyed the sub-groups it built: none is cached, none left in torch's registry
     pgs = torch.distributed.distributed_c10d._world.pg_map
-    ck.true("[teardown] no cached node groups", not algorithms._NODE_GROUPS, list(algorithms._NODE_GROUPS))
+    ck.true("[teardown] no cached node groups", not strategy.comm._node_groups, list(strategy.comm._node_groups))
     ck.true("[teardown] only the default group is left", list(pgs) == [torch.distributed.group.WORLD], len(pgs))
     # a later hierarchical all-reduce builds a fresh layout (2 nodes of 2 again) and is still exact
     again, flat = torch.arange(5.0) * (rank + 1), torch.arange(5.0) * (rank + 1)
-    hierarchical_all_reduce(again, op="sum", ranks_per_node=2)
+    hierarchical_all_reduce(CTX, again, op="sum", ranks_per_node=2)
     CTX.all_reduce(flat, op="sum")
     ck.close("[rebuilt] hierarchical equals flat", again, flat, rtol=0.0, atol=0.0)
-    ck.true("[release] counts the one cached layout", CTX.release_node_groups() == 1)
+    ck.true("[release] counts the one rebuilt layout", CTX.release_node_groups() == 1)
     return ck.failures, ck.count
 
 
 @pytest.mark.timeout(200)
 def test_hierarchical_equals_flat_and_splits_its_bytes() -> None:
-    assert_all_ranks_passed(run_distributed(_worker, 4, timeout=160, env=ENV), min_checks=20)
+    assert_all_ranks_passed(run_distributed(_worker, 4, timeout=160, env=ENV), min_checks=21)
 
 
 @pytest.mark.parametrize("bad", ["butterfly", None, 2])
