@@ -1,9 +1,11 @@
 """The collectives of equal-sized tensors, as methods of a :class:`~lightning_sync.comms.context.CommContext`.
 
-Every byte a strategy sends goes through the context's ``_issue``; uneven tensors and picklable objects are
-in :mod:`lightning_sync.comms.uneven`.
+Every byte a strategy sends goes through :meth:`Collectives._issue`, in this file; uneven tensors and picklable
+objects are in :mod:`lightning_sync.comms.uneven`. Without an observer and a watchdog, ``_issue`` takes no lock,
+reads no clock and builds no handle for a synchronous call: it costs what the raw ``torch.distributed`` call costs,
+plus a sequence number.
 
-Each function follows torch.distributed's semantics with four differences that make it safe to
+Each collective follows torch.distributed's semantics with four differences that make it safe to
 build strategies on:
 
 * **Uneven inputs work on every backend.** gloo has no uneven all-gather; we exchange sizes and
@@ -11,7 +13,7 @@ build strategies on:
   dtypes raise a ``ValueError`` on *every* rank instead of hanging.
 * **Objects are first-class.** ``broadcast``/``scatter``/``gather_object``/``all_gather_object``
   pickle into a uint8 tensor, so the object payload is counted in bytes and can run async.
-* **Every call is accounted.** The context's ``_issue`` gives each call a sequence number, tells its
+* **Every call is accounted.** ``_issue`` gives each call a sequence number, tells its
   observer (if any) the payload bytes and seconds, and returns a :class:`Work` when ``async_op=True``.
 * **Bad input says what is allowed.** Unknown ``op``, out-of-range ``src``/``dst``, wrong chunk
   counts and calls before ``init_process_group`` raise with the bad value and the allowed ones.
@@ -19,7 +21,9 @@ build strategies on:
 
 from __future__ import annotations
 
-from typing import Any
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -30,6 +34,7 @@ from lightning_sync.comms.payload import (
     check_even,
     check_rank,
     check_reduce,
+    device_of,
     get_rank,
     get_world_size,
     group_ranks,
@@ -38,20 +43,79 @@ from lightning_sync.comms.payload import (
     padded,
     require_init,
 )
-from lightning_sync.comms.work import Work
+from lightning_sync.comms.work import Observer, Work
 
 __all__ = ["Collectives"]
+
+T = TypeVar("T")
 
 
 class Collectives:
     """The collectives of equal-sized tensors; each validates its arguments, then issues its backend calls
     through :meth:`~lightning_sync.comms.context.CommContext._issue`."""
 
+    # the state a CommContext holds (comms/context.py)
     group: dist.ProcessGroup | None
     settings: Any
+    observer: Observer | None
+    watchdog: Any
+    _scope: Any
 
-    def _issue(self, *args: Any, **kwargs: Any) -> Any:  # CommContext._issue
-        raise NotImplementedError
+    def _next_seq(self, group: dist.ProcessGroup | None, peer: int | None) -> tuple[int, str]:
+        raise NotImplementedError  # CommContext._next_seq
+
+    def _issue(
+        self,
+        op: str,
+        nbytes: int,
+        launch: Callable[[], Sequence[Any]],
+        finish: Callable[[], T],
+        async_op: bool,
+        group: dist.ProcessGroup | None = None,
+        peer: int | None = None,
+        like: torch.Tensor | None = None,
+        detail: str = "",
+        label: str | None = None,
+    ) -> Any:
+        """The one place every collective goes through: sequence number, observer, watchdog, async handle.
+
+        ``peer`` marks a point-to-point op with that global rank (its sequence numbers count apart). ``like``
+        (the tensor whose dtype and shape every rank passes alike), ``detail`` (reduce op, root rank) and
+        ``label`` (what the caller reduces, e.g. a logged key) complete the call's signature, which the hang
+        watchdog compares across ranks; they are read only while a watchdog runs."""
+        names = getattr(self._scope, "names", None)
+        if names:
+            op = "/".join([*names, op])
+        seq, name = self._next_seq(group, peer)
+        obs, wd = self.observer, self.watchdog
+        if obs is None and wd is None:  # the bare path: what torch.distributed costs
+            handles = launch()
+            if async_op:
+                return Work(op, seq, handles, finish, 0.0, in_flight=True)
+            for h in handles:
+                h.wait()
+            return finish()
+        tracked = None
+        if wd is not None:
+            device = like.device if like is not None else device_of(group)
+            signature = _signature(like, detail, label)
+            tracked = wd.issued(
+                op, seq, name, group_ranks(group), nbytes, peer, on_cpu=device.type == "cpu", detail=signature
+            )
+        start, launched = time.perf_counter(), False
+        if obs is not None:
+            obs.record(op, nbytes)
+            obs.block_begin()
+        try:
+            handles = launch()
+            launched = True
+        finally:  # a synchronous backend call blocks in launch; a failed launch leaves nothing in flight
+            if obs is not None:
+                obs.block_end(time.perf_counter() - start, issued_async=async_op and launched)
+        if tracked is not None:
+            wd.launched(tracked, handles)
+        work = Work(op, seq, handles, finish, start, observer=obs, watchdog=wd, tracked=tracked, in_flight=async_op)
+        return work if async_op else work.wait()
 
     def _g(self, group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
         return self.group if group is None else group
@@ -291,3 +355,8 @@ class Collectives:
             peer=src,
             like=tensor,
         )
+
+
+def _signature(like: torch.Tensor | None, detail: str, label: str | None) -> str:
+    parts = [] if like is None else [f"{str(like.dtype).removeprefix('torch.')}{list(like.shape)}"]
+    return ", ".join([*parts, *([detail] if detail else []), *([repr(label)] if label is not None else [])])

@@ -11,10 +11,8 @@ A strategy owns one context. It holds everything that used to be process-wide, s
 * the node sub-groups of the hierarchical all-reduce;
 * :class:`CommSettings`, the machine-dependent choices, as data.
 
-The collectives themselves are the methods of :class:`~lightning_sync.comms.collectives.Collectives`; every one
-of them goes through :meth:`CommContext._issue`. Without an observer and a watchdog, ``_issue`` takes no lock,
-reads no clock and builds no handle for a synchronous call: it costs what the raw ``torch.distributed`` call
-costs, plus a sequence number.
+The collectives themselves are the methods of :class:`~lightning_sync.comms.collectives.Collectives` and
+:class:`~lightning_sync.comms.uneven.UnevenCollectives`; every one of them goes through ``Collectives._issue``.
 """
 
 from __future__ import annotations
@@ -22,20 +20,18 @@ from __future__ import annotations
 import itertools
 import json
 import threading
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-import torch
 import torch.distributed as dist
 
 from lightning_sync.comms.collectives import Collectives
-from lightning_sync.comms.payload import device_of, group_ranks
+from lightning_sync.comms.payload import group_ranks
 from lightning_sync.comms.uneven import UnevenCollectives
-from lightning_sync.comms.work import Observer, Work
+from lightning_sync.comms.work import Observer
 
 if TYPE_CHECKING:
     from lightning_sync.comms.algorithms import NodeGroups
@@ -189,61 +185,3 @@ class CommContext(Collectives, UnevenCollectives):
         if counter is None:  # dict.setdefault and next() are atomic under the GIL: no lock
             counter = self._seq.setdefault(key, itertools.count(1))
         return next(counter), name
-
-    def _issue(
-        self,
-        op: str,
-        nbytes: int,
-        launch: Callable[[], Sequence[Any]],
-        finish: Callable[[], T],
-        async_op: bool,
-        group: dist.ProcessGroup | None = None,
-        peer: int | None = None,
-        like: torch.Tensor | None = None,
-        detail: str = "",
-        label: str | None = None,
-    ) -> Any:
-        """The one place every collective goes through: sequence number, observer, watchdog, async handle.
-
-        ``peer`` marks a point-to-point op with that global rank (its sequence numbers count apart). ``like``
-        (the tensor whose dtype and shape every rank passes alike), ``detail`` (reduce op, root rank) and
-        ``label`` (what the caller reduces, e.g. a logged key) complete the call's signature, which the hang
-        watchdog compares across ranks; they are read only while a watchdog runs."""
-        names = getattr(self._scope, "names", None)
-        if names:
-            op = "/".join([*names, op])
-        seq, name = self._next_seq(group, peer)
-        obs, wd = self.observer, self.watchdog
-        if obs is None and wd is None:  # the bare path: what torch.distributed costs
-            handles = launch()
-            if async_op:
-                return Work(op, seq, handles, finish, 0.0, in_flight=True)
-            for h in handles:
-                h.wait()
-            return finish()
-        tracked = None
-        if wd is not None:
-            device = like.device if like is not None else device_of(group)
-            signature = _signature(like, detail, label)
-            tracked = wd.issued(
-                op, seq, name, group_ranks(group), nbytes, peer, on_cpu=device.type == "cpu", detail=signature
-            )
-        start, launched = time.perf_counter(), False
-        if obs is not None:
-            obs.record(op, nbytes)
-            obs.block_begin()
-        try:
-            handles = launch()
-            launched = True
-        finally:  # a synchronous backend call blocks in launch; a failed launch leaves nothing in flight
-            if obs is not None:
-                obs.block_end(time.perf_counter() - start, issued_async=async_op and launched)
-        if tracked is not None:
-            wd.launched(tracked, handles)
-        work = Work(op, seq, handles, finish, start, observer=obs, watchdog=wd, tracked=tracked, in_flight=async_op)
-        return work if async_op else work.wait()
-
-
-def _signature(like: torch.Tensor | None, detail: str, label: str | None) -> str:
-    parts = [] if like is None else [f"{str(like.dtype).removeprefix('torch.')}{list(like.shape)}"]
-    return ", ".join([*parts, *([detail] if detail else []), *([repr(label)] if label is not None else [])])
