@@ -99,6 +99,17 @@ class CommContext(Collectives, UnevenCollectives):
         self._scope = threading.local()  # op-name prefixes of the scopes each thread is in (see scope())
         self._node_groups: dict[int, NodeGroups] = {}
 
+    # ------------------------------------------------------------------ as a lightning_sync.sync Communicator
+    @property
+    def rank(self) -> int:
+        """This process's rank in the context's group (a context is a ``sync`` Communicator as it is)."""
+        return dist.get_rank(self.group)
+
+    @property
+    def world_size(self) -> int:
+        """The number of ranks in the context's group."""
+        return dist.get_world_size(self.group)
+
     # ------------------------------------------------------------------ job lifecycle
     def begin_job(self) -> None:
         """Start a job from clean state: statistics (calls in flight included), sequence numbers, the watchdog's
