@@ -62,3 +62,15 @@ def dist_guard():
         problems.append(f"leaked child processes: {[p.name for p in children]}")
     if problems:
         pytest.fail("test " + "; ".join(problems))
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start the harness's forkserver (its imports take seconds) while the first tests run, if any test starts
+    ranks (``run_distributed``, or ``_cli_ranks.launch``)."""
+    for item in session.items:
+        module = getattr(item, "module", None)
+        if module is not None and any(name in vars(module) for name in ("run_distributed", "launch")):
+            from lightning_sync.testing.harness import warm_up
+
+            warm_up()
+            return

@@ -1,6 +1,14 @@
 """Launch ``lightning-sync train`` the way torchrun or a cluster does: one process per rank, the rank variables
 in each one's environment, every rank in a session of its own (so a test can kill it with its children).
 
+Each rank is ``python -m lightning_sync train ...``. By default it is forked by the test harness's forkserver
+(:func:`lightning_sync.testing.harness.rank_context`), which has imported torch, Lightning and Hydra once, and
+then runs ``lightning_sync``'s ``__main__`` as ``python -m`` would (``sys.argv``, the environment, stdout and
+stderr into one file, a session of its own; exit code, or minus the signal that killed it): a rank starts in
+a fraction of a second instead of importing those again. ``LIGHTNING_SYNC_START_METHOD=spawn`` starts every
+rank as a real ``python -m lightning_sync`` subprocess instead. (``tests/test_cli.py`` runs the installed
+console script itself.)
+
 Used by ``test_crash_restart.py`` and ``test_fault_matrix.py``; not a test module itself.
 """
 
@@ -11,12 +19,102 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
-__all__ = ["finish", "launch", "weights"]
+from lightning_sync.testing.harness import START_METHOD_ENV, fresh_process_state, rank_context
+
+__all__ = ["Rank", "finish", "launch", "weights"]
+
+
+def _run_module_as_main(argv: list[str], env: dict[str, str], output: str) -> None:
+    """In a forked rank: what ``python -m lightning_sync <argv>`` does in a fresh process, with
+    ``start_new_session=True`` and stdout and stderr merged into ``output``."""
+    import atexit
+    import runpy
+    import threading
+    import traceback
+
+    os.setsid()
+    fd = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    os.environ.clear()
+    os.environ.update(env)
+    fresh_process_state()
+    code = 0
+    try:
+        sys.argv = ["-m", *argv]  # run_module replaces argv[0] by the module's path, as ``python -m`` does
+        runpy.run_module("lightning_sync", run_name="__main__", alter_sys=True)
+    except SystemExit as e:  # the interpreter's own handling of SystemExit
+        if isinstance(e.code, int):
+            code = e.code
+        elif e.code is not None:
+            print(e.code, file=sys.stderr)
+            code = 1
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    finally:  # then the interpreter's shutdown: join non-daemon threads, run atexit, flush
+        try:
+            threading._shutdown()  # type: ignore[attr-defined]
+            atexit._run_exitfuncs()
+        finally:
+            for stream in (sys.stdout, sys.stderr):
+                try:
+                    stream.flush()
+                except Exception:  # noqa: BLE001, S110 - a closed stream at exit: nothing left to flush
+                    pass
+    os._exit(code)
+
+
+class Rank:
+    """One launched rank, with the part of :class:`subprocess.Popen` the tests use: ``pid`` (its session and
+    process group), ``poll``, ``wait``, ``communicate`` (its merged output) and ``returncode`` (negative: the
+    signal that killed it)."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], name: str) -> None:
+        fd, self._output = tempfile.mkstemp(prefix="ls_cli_rank_", suffix=".log")
+        os.close(fd)
+        self._process = rank_context().Process(
+            target=_run_module_as_main, args=(argv, env, self._output), name=name, daemon=False
+        )
+        self._process.start()
+        self.pid: int = self._process.pid
+        self._text: str | None = None
+
+    @property
+    def returncode(self) -> int | None:
+        return self._process.exitcode
+
+    def poll(self) -> int | None:
+        return self._process.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._process.join(timeout)
+        if self._process.exitcode is None:
+            raise subprocess.TimeoutExpired(self._process.name, timeout or 0.0)
+        return self._process.exitcode
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, None]:
+        self.wait(timeout)
+        if self._text is None:
+            with open(self._output, errors="replace") as f:
+                self._text = f.read()
+            os.remove(self._output)
+        return self._text, None
+
+    def kill(self) -> None:
+        try:  # the rank's session: the rank and any process it started
+            os.killpg(self.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):  # not yet its own group leader, or gone
+            self._process.kill()
 
 
 def _free_port() -> int:
@@ -25,9 +123,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(world: int, run_dir: Path, overrides: Sequence[str]) -> list[subprocess.Popen[str]]:
+def launch(world: int, run_dir: Path, overrides: Sequence[str]) -> list[Rank | subprocess.Popen[str]]:
     """Start ``world`` ranks of ``lightning-sync train`` (one device each) with ``overrides``, writing into
-    ``run_dir`` and their final weights to ``run_dir/final.ckpt``; stdout and stderr are merged."""
+    ``run_dir`` and their final weights to ``run_dir/final.ckpt``; stdout and stderr are merged.
+
+    Returns a :class:`Rank` per rank (a :class:`subprocess.Popen` with ``LIGHTNING_SYNC_START_METHOD=spawn``)."""
+    spawn = os.environ.get(START_METHOD_ENV, "forkserver") == "spawn"
     port = _free_port()
     procs = []
     for rank in range(world):
@@ -40,10 +141,7 @@ def launch(world: int, run_dir: Path, overrides: Sequence[str]) -> list[subproce
             "WORLD_SIZE": str(world),
             "OMP_NUM_THREADS": "1",
         }
-        cmd = [
-            sys.executable,
-            "-m",
-            "lightning_sync",
+        argv = [
             "train",
             "trainer.devices=1",
             f"trainer.num_nodes={world}",
@@ -55,15 +153,23 @@ def launch(world: int, run_dir: Path, overrides: Sequence[str]) -> list[subproce
             f"hydra.run.dir={run_dir}",
             *overrides,
         ]
-        procs.append(
-            subprocess.Popen(
-                cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        if spawn:
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "lightning_sync", *argv],
+                    env=env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                    start_new_session=True,
+                )
             )
-        )
+        else:
+            procs.append(Rank(argv, env, name=f"lightning_sync-cli-rank{rank}"))
     return procs
 
 
-def finish(procs: list[subprocess.Popen[str]], timeout: float) -> list[tuple[int, str]]:
+def finish(procs: list[Rank | subprocess.Popen[str]], timeout: float) -> list[tuple[int, str]]:
     """Every rank's exit code and output; a rank still running after ``timeout`` is killed (a test failure)."""
     out = []
     try:
@@ -73,8 +179,13 @@ def finish(procs: list[subprocess.Popen[str]], timeout: float) -> list[tuple[int
     finally:
         for p in procs:
             if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
+                if isinstance(p, Rank):
+                    p.kill()
+                else:
+                    os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
+            if isinstance(p, Rank):
+                p.communicate()  # removes its output file
     return out
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _cli_ranks import finish, launch, weights
+from _cli_ranks import Rank, finish, launch, weights
 
 WORLD = 2
 EPOCHS = 3
@@ -26,7 +26,7 @@ KILL_STEP = 2 * STEPS_PER_EPOCH + 5  # in epoch 3, after the epoch-2 checkpoint
 LOST_WITHIN_S = 30.0  # the bound for the survivors to exit
 
 
-def _launch(run_dir: Path, *overrides: str) -> list[subprocess.Popen[str]]:
+def _launch(run_dir: Path, *overrides: str) -> list[Rank | subprocess.Popen[str]]:
     return launch(WORLD, run_dir, [f"trainer.max_epochs={EPOCHS}", *overrides])
 
 

@@ -32,7 +32,7 @@ from typing import Any
 
 import pytest
 import torch
-from _cli_ranks import finish, launch, weights
+from _cli_ranks import Rank, finish, launch, weights
 
 WORLD, STEPS, KILL_STEP = 2, 10, 7
 CHECKPOINT_EVERY = 2  # so the newest complete checkpoint before the kill is step 6's
@@ -52,7 +52,7 @@ PHASES = {
 }
 
 
-def _launch(run_dir: Path, strategy: str, *overrides: str) -> list[subprocess.Popen[str]]:
+def _launch(run_dir: Path, strategy: str, *overrides: str) -> list[Rank | subprocess.Popen[str]]:
     return launch(
         WORLD,
         run_dir,
