@@ -16,7 +16,6 @@ pins ``hydra.run.dir`` to this job's output directory, so all ranks share exactl
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import math
 import os
@@ -25,22 +24,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from lightning_sync._config import config_dir
+
 __all__ = ["SUBCOMMANDS", "config_dir", "main", "run_train"]
 
 log = logging.getLogger("lightning_sync")
 SUBCOMMANDS = ("train", "bench", "sbatch")
 _CONFIG_FLAGS = ("--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd")
-
-
-def config_dir() -> str:
-    """Absolute path of the shipped config: ``lightning_sync.conf`` when installed, else ``<repo>/conf``."""
-    try:
-        spec = importlib.util.find_spec("lightning_sync.conf")
-    except ModuleNotFoundError:
-        spec = None
-    if spec is not None and spec.submodule_search_locations:
-        return str(Path(next(iter(spec.submodule_search_locations))).resolve())
-    return str((Path(__file__).resolve().parent.parent / "conf").resolve())
 
 
 def _config_flags(argv: Sequence[str]) -> list[str]:

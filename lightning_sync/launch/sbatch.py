@@ -28,6 +28,7 @@ from typing import Any
 
 from hydra.experimental.callback import Callback
 
+from lightning_sync._config import config_dir
 from lightning_sync.launch.requeue import resolve_signal
 
 __all__ = ["SlurmLauncherValues", "compose_job", "render_sbatch"]
@@ -37,8 +38,6 @@ def compose_job(overrides: Sequence[str]) -> Any:
     """The train config with ``launch=slurm`` and ``overrides`` (a plain ``DictConfig``, resolved later)."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
-
-    from lightning_sync.cli import config_dir
 
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):

@@ -1,0 +1,292 @@
+"""Import boundaries of the package.
+
+- ``lightning_sync``, ``lightning_sync.comms`` and ``lightning_sync.sync`` (and every module under the last
+  two) import no Lightning: checked in a fresh interpreter per module, from its ``sys.modules``.
+- The package root exports its public names lazily, and the strategy names still reach Lightning's
+  ``StrategyRegistry`` whichever of Lightning and lightning_sync is imported first.
+- No import cycles among lightning_sync's modules (:func:`test_no_import_cycles`).
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import lightning_sync
+
+PACKAGE = Path(lightning_sync.__file__).resolve().parent
+LIGHTNING_ROOTS = ("lightning", "lightning_fabric", "pytorch_lightning")
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+LIGHTNING_FREE = ["lightning_sync"] + [
+    name for name in MODULES if name.split(".")[:2] in (["lightning_sync", "comms"], ["lightning_sync", "sync"])
+]
+
+
+def _run(code: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=240, env=env
+    )
+
+
+def _imported_after(modules: list[str]) -> subprocess.CompletedProcess[str]:
+    return _run(
+        f"""
+        import importlib, sys
+        for module in {modules!r}:
+            importlib.import_module(module)
+        roots = {LIGHTNING_ROOTS!r}
+        print("\\n".join(sorted(n for n in sys.modules if n.split(".")[0] in roots)))
+        print("--")
+        print("\\n".join(sorted(n for n in sys.modules if n.startswith("lightning_sync"))))
+        """
+    )
+
+
+# a fresh interpreter each: the three packages alone, then every module under comms/ and sync/ together (what
+# they import together is the union of what each imports, so a module that pulls Lightning in shows there too;
+# the static test below names it)
+FRESH_IMPORTS = {
+    "lightning_sync": ["lightning_sync"],
+    "lightning_sync.comms": ["lightning_sync.comms"],
+    "lightning_sync.sync": ["lightning_sync.sync"],
+    "every module under comms/ and sync/": LIGHTNING_FREE[1:],
+}
+
+
+@pytest.mark.parametrize("modules", list(FRESH_IMPORTS.values()), ids=list(FRESH_IMPORTS))
+def test_lightning_free_modules_import_no_lightning(modules: list[str]) -> None:
+    """Nothing of Lightning, and none of the adapter layers (strategies, diagnostics, launch, models, bench,
+    cli) that would pull it in."""
+    result = _imported_after(modules)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lightning, ours = (part.split() for part in result.stdout.split("--\n"))
+    assert not lightning, f"importing {modules} imports Lightning: {lightning[:8]}"
+    allowed = {"lightning_sync", "lightning_sync._checks", "lightning_sync._registration"}
+    adapters = [n for n in ours if n not in allowed and n.split(".")[1] not in ("comms", "sync")]
+    assert not adapters, f"importing {modules} imports lightning_sync modules outside comms/sync: {adapters}"
+
+
+def test_lightning_free_modules_name_no_lightning_anywhere() -> None:
+    """The static side of the check above, covering imports inside functions too: no module under comms/ or
+    sync/ names Lightning in any import statement."""
+    offenders = []
+    for name in LIGHTNING_FREE:
+        for node in ast.walk(ast.parse(MODULES[name].read_text())):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                targets = [node.module]
+            else:
+                continue
+            offenders += [f"{name}:{node.lineno} {t}" for t in targets if t.split(".")[0] in LIGHTNING_ROOTS]
+    assert not offenders, offenders
+
+
+def test_public_names_are_lazy_and_importable() -> None:
+    result = _run(
+        """
+        import sys
+        import lightning_sync
+        assert "lightning_sync.strategies" not in sys.modules and "lightning" not in sys.modules
+        assert set(lightning_sync.__all__) <= set(dir(lightning_sync)), dir(lightning_sync)
+        from lightning_sync import *  # noqa: F403
+        from lightning_sync import ShardedStrategy, comms
+        import lightning_sync.strategies as strategies
+        assert ShardedStrategy is strategies.ShardedStrategy and comms is sys.modules["lightning_sync.comms"]
+        for name in lightning_sync.__all__:
+            assert getattr(lightning_sync, name) is not None, name
+        try:
+            lightning_sync.NoSuchName
+        except AttributeError as error:
+            assert "NoSuchName" in str(error)
+        else:
+            raise AssertionError("lightning_sync.NoSuchName did not raise AttributeError")
+        print("ok")
+        """
+    )
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
+
+
+@pytest.mark.parametrize("lightning_first", [False, True], ids=["lightning_sync-first", "lightning-first"])
+def test_strategy_names_resolve_after_import_lightning_sync(lightning_first: bool) -> None:
+    """``import lightning_sync`` then ``Trainer(strategy="zero3")`` works in either import order, without
+    importing the strategies before a Trainer asks for one."""
+    imports = ["import lightning_sync", "from lightning.pytorch import Trainer"]
+    result = _run(
+        f"""
+        import sys
+        {imports[1] if lightning_first else imports[0]}
+        {imports[0] if lightning_first else imports[1]}
+        import lightning
+        assert "lightning_sync.strategies" not in sys.modules
+        assert type(lightning.__loader__).__name__ != "_ThenRegister"  # the import hook left no trace
+        from lightning_sync._registration import _Hook
+        assert not any(isinstance(f, _Hook) for f in sys.meta_path)
+        trainer = Trainer(strategy="zero3", accelerator="cpu", devices=1, logger=False, barebones=True)
+        from lightning_sync import ShardedStrategy
+        assert type(trainer.strategy) is ShardedStrategy and trainer.strategy.stage == 3, trainer.strategy
+        trainer = Trainer(strategy="local_sgd", accelerator="cpu", devices=1, logger=False, barebones=True)
+        assert type(trainer.strategy).__name__ == "LocalSGDStrategy", trainer.strategy
+        print("ok")
+        """
+    )
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
+
+
+def test_placeholder_names_are_the_registered_names() -> None:
+    """:data:`lightning_sync._registration.STRATEGY_NAMES` lists exactly what the strategy classes register."""
+    import lightning_sync.strategies as strategies
+    from lightning_sync._registration import STRATEGY_NAMES
+
+    class Recorder(dict):
+        def register(self, name: str, strategy: object, description: str | None = None, **params: object) -> None:
+            self[name] = strategy
+
+    recorder = Recorder()
+    for name in strategies.__all__:
+        getattr(strategies, name).register_strategies(recorder)
+    assert set(recorder) == set(STRATEGY_NAMES)
+
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    for name in STRATEGY_NAMES:  # the real classes replaced the placeholders
+        assert isinstance(StrategyRegistry[name]["strategy"], type), name
+
+
+# ---------------------------------------------------------------------------------------------- import cycles
+def _is_type_checking(test: ast.expr) -> bool:
+    return "TYPE_CHECKING" in ast.unparse(test)
+
+
+def module_import_graph(modules: dict[str, Path] = MODULES) -> dict[str, set[str]]:
+    """``module -> the lightning_sync modules it imports when it is imported``.
+
+    Counted: ``import``/``from ... import`` statements that run at import time (module level, class bodies,
+    ``try``/``if`` blocks), relative ones resolved. Not counted: imports inside functions (they run at call
+    time, after every module involved is complete, so they cannot deadlock an import; that is what they are
+    for) and ``if TYPE_CHECKING:`` blocks (never run). ``from pkg import name`` is an edge to ``pkg.name``
+    when that is a module, else to ``pkg``. Parent packages are not edges: Python completes a package's
+    ``__init__`` before its submodules run, and a package re-exporting its submodules is no cycle.
+    """
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+
+        def visit(nodes: list[ast.stmt], name: str = name, package: str = package) -> None:
+            for node in nodes:
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    continue
+                if isinstance(node, ast.If) and _is_type_checking(node.test):
+                    visit(node.orelse)
+                    continue
+                if isinstance(node, ast.Import):
+                    graph[name].update(alias.name for alias in node.names if alias.name in modules)
+                elif isinstance(node, ast.ImportFrom):
+                    base = node.module or ""
+                    if node.level:
+                        parts = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                        base = ".".join(parts + ([node.module] if node.module else []))
+                    for alias in node.names:
+                        if f"{base}.{alias.name}" in modules:
+                            graph[name].add(f"{base}.{alias.name}")
+                        elif base in modules:
+                            graph[name].add(base)
+                for field in ("body", "orelse", "finalbody", "handlers"):
+                    visit(getattr(node, field, []))
+
+        visit(ast.parse(path.read_text()).body)
+    return graph
+
+
+def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle (``[a, b, ..., a]``) through each strongly connected group of modules (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    groups: list[set[str]] = []
+
+    def connect(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = set()
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                group.add(w)
+                if w == v:
+                    break
+            if len(group) > 1 or v in graph[v]:
+                groups.append(group)
+
+    for v in sorted(graph):
+        if v not in index:
+            connect(v)
+    cycles = []
+    for group in groups:  # a path back to the group's first module, staying inside the group
+        start = min(group)
+        paths, seen = {start: [start]}, {start}
+        frontier = [start]
+        while frontier:
+            v = frontier.pop(0)
+            for w in sorted(graph[v] & group):
+                if w == start:
+                    cycles.append([*paths[v], start])
+                    frontier = []
+                    break
+                if w not in seen:
+                    seen.add(w)
+                    paths[w] = [*paths[v], w]
+                    frontier.append(w)
+    return cycles
+
+
+def test_cycle_finder_finds_a_cycle() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": {"e"}}
+    assert sorted(find_cycles(graph)) == [["a", "b", "c", "a"], ["e", "e"]]
+    assert find_cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_cycle_graph_reads_imports(tmp_path: Path) -> None:
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("from pkg.a import A\n")
+    (package / "a.py").write_text("from . import b\nA = 1\n")
+    (package / "b.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import pkg.c\n"
+        "def late():\n    from pkg import a\nclass K:\n    from pkg.c import C\n"
+    )
+    (package / "c.py").write_text("import pkg.b\nC = 1\n")
+    modules = {"pkg": package / "__init__.py", **{f"pkg.{m}": package / f"{m}.py" for m in "abc"}}
+    graph = module_import_graph(modules)
+    assert graph == {"pkg": {"pkg.a"}, "pkg.a": {"pkg.b"}, "pkg.b": {"pkg.c"}, "pkg.c": {"pkg.b"}}
+    assert find_cycles(graph) == [["pkg.b", "pkg.c", "pkg.b"]]
+
+
+def test_no_import_cycles() -> None:
+    """No cycle among lightning_sync's import-time imports (see :func:`module_import_graph` for what counts:
+    imports inside functions are excluded)."""
+    cycles = find_cycles(module_import_graph())
+    assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(cycle) for cycle in cycles)
