@@ -266,7 +266,8 @@ class ScaledWarmup(pl.Callback):
             ratio = (
                 ""
                 if self.lr_scaling == "none"
-                else f" ({self.lr_scaling} rule: global batch {self.global_batch_size} / base batch {self.base_batch_size})"
+                else f" ({self.lr_scaling} rule: global batch {self.global_batch_size}"
+                f" / base batch {self.base_batch_size})"
             )
             start = "the unscaled lr (lr / k)" if self.warmup_start == "base" else "0"
             warm = f"; warmup over {self.warmup_steps} optimizer steps from {start}" if self.warmup_steps else ""

@@ -41,7 +41,8 @@ to compare, the check does nothing.
 
 From Hydra::
 
-    lightning-sync train '+trainer.callbacks=[{_target_: lightning_sync.diagnostics.ReplicaDriftCheck, every_n_steps: 100}]'
+    lightning-sync train \
+        '+trainer.callbacks=[{_target_: lightning_sync.diagnostics.ReplicaDriftCheck, every_n_steps: 100}]'
 """
 
 from __future__ import annotations

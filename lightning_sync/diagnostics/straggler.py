@@ -17,7 +17,8 @@ With 2 ranks the median is the mean of both, so a rank k times slower shows a ra
 
 From Hydra::
 
-    lightning-sync train '+trainer.callbacks=[{_target_: lightning_sync.diagnostics.StragglerDetector, every_n_steps: 20}]'
+    lightning-sync train \
+        '+trainer.callbacks=[{_target_: lightning_sync.diagnostics.StragglerDetector, every_n_steps: 20}]'
 """
 
 from __future__ import annotations

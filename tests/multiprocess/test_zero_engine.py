@@ -341,7 +341,7 @@ def _prefetch(rank: int, world: int) -> dict[str, Any]:
         units = {u.index: u.name for u in eng.units}
         for mname in ("l1", "l2", "head"):  # runs after the engine's own (prepended) pre-hook
             getattr(model, mname).register_forward_pre_hook(
-                lambda mod, args, mname=mname: gathered_at.append(
+                lambda mod, args, mname=mname, gathered_at=gathered_at, eng=eng: gathered_at.append(
                     (
                         mname,
                         [u.name for u in eng.units if u.gathered and not u.is_root],
@@ -554,7 +554,7 @@ def test_trained_weights_equal_single_process_training(request: pytest.FixtureRe
     res = _results(request, world)
     init = clone_sd(make_model())
     refs = {kind: reference(kind, batches(STEPS)) for kind in ("sgd", "adamw", "adamw_groups")}
-    for name, stage, kind, kw in EQUIV:
+    for name, _stage, kind, _kw in EQUIV:
         ref, ref_norms = refs[kind]
         assert max_move(ref, init) > MIN_MOVE
         for rank, r in enumerate(res):
@@ -584,7 +584,10 @@ def test_accumulation_equals_reference_and_reduces_only_on_the_boundary(
     data = batches(2 * 3, seed=5)
     ref, _ = reference("adamw", data, accum=2)
     assert max_move(ref, clone_sd(make_model())) > MIN_MOVE
-    padded = lambda n: math.ceil(n / world) * world * 4  # fp32 bytes of a flat padded to a multiple of K
+
+    def padded(n: int) -> int:  # fp32 bytes of a flat padded to a multiple of K
+        return math.ceil(n / world) * world * 4
+
     # stage 1/2: one bucket of all 563; stage 3: root (emb 296 + scale 1), l1 117, l2 112, head bias 37
     want_rs = {
         "s1": (1, padded(TRAINABLE)),
@@ -716,7 +719,9 @@ def test_prefetch_in_backward_reaches_the_first_unit(world2: list[dict[str, Any]
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_reshard_after_forward_false_gathers_each_unit_once_per_step(world2: list[dict[str, Any]]) -> None:
-    shard_bytes = lambda n: math.ceil(n / 2) * 4  # fp32, K=2, padded
+    def shard_bytes(n: int) -> int:  # fp32, K=2, padded
+        return math.ceil(n / 2) * 4
+
     numel = {"": 297, "l1": 117, "l2": 112, "head": 37}
     for rank, r in enumerate(world2):
         for name in ("prefetch", "no_prefetch", "keep"):

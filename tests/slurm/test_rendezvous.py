@@ -43,6 +43,6 @@ def test_unresolvable_first_node_falls_back_without_hanging(slurm: SlurmCluster,
     rows = [line.split(" ", 4) for line in lines if line and line[0].isdigit()]
     assert [(r[0], r[1]) for r in rows] == [("0", "0"), ("1", "1")], lines  # one task on each node
     port = str(15000 + int(job) % 10000)
-    for rank, node, address, got_port, source in rows:
+    for rank, _node, address, got_port, source in rows:
         assert (address, got_port) == ("127.0.0.1", port), (rank, address, got_port, source)
         assert "'n1' does not resolve, using its NodeAddr 127.0.0.1" in source, source

@@ -163,7 +163,7 @@ def test_powersgd_warmup_is_uncompressed_then_messages_are_r_times_n_plus_m() ->
     assert len(b.buckets) == 1
     total = b.buckets[0].buffer.numel()
     grads = [_rand(s, k) for k, s in enumerate(_SHAPES)]
-    for step in range(2):  # warmup: the whole bucket, averaged exactly (loopback avg does no arithmetic)
+    for _ in range(2):  # warmup: the whole bucket, averaged exactly (loopback avg does no arithmetic)
         comm.calls.clear()
         out = _step(model, b, grads)
         assert _reduces(comm) == [total]

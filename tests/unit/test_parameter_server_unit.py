@@ -297,7 +297,10 @@ def test_lookahead_leaves_synchronous_training_untouched() -> None:
         for w in (0, 1):
             _set_grads(replicas[w], seed=10 * step + w)
         futures = [torch.futures.Future(), torch.futures.Future()]
-        threads = [threading.Thread(target=lambda w=w: futures[w].set_result(workers[w].push())) for w in (0, 1)]
+        threads = [
+            threading.Thread(target=lambda w=w, futures=futures: futures[w].set_result(workers[w].push()))
+            for w in (0, 1)
+        ]
         for t in threads:
             t.start()
         for t in threads:
