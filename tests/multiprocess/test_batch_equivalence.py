@@ -1,4 +1,4 @@
-"""Issue 9: ``batch.global_size=256 batch.per_device=32`` on 2 gloo ranks with ``BucketedDDPStrategy`` trains
+"""``batch.global_size=256 batch.per_device=32`` on 2 gloo ranks with ``BucketedDDPStrategy`` trains
 to the same weights as one process taking one batch of 256 samples per step.
 
 The numbers come from :func:`~lightning_sync.batch.derive_batch` (accumulate 4 at world 2), as the train app

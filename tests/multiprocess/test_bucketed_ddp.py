@@ -1,4 +1,4 @@
-"""BucketedDDPStrategy (issue 3) on 2 and 3 real gloo ranks, each scenario against a single-process reference.
+"""BucketedDDPStrategy on 2 and 3 real gloo ranks, each scenario against a single-process reference.
 
 Every test spawns its ranks once (:func:`~lightning_sync.testing.run_distributed`: seconds per run) and
 runs several ``Trainer.fit`` calls in sequence inside them, each on a fresh model. Ranks never raise on

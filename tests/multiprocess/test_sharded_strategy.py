@@ -1,4 +1,4 @@
-"""ShardedStrategy (ZeRO 1/2/3, issue 4) through Lightning on 1, 2 and 3 real gloo ranks, against one process.
+"""ShardedStrategy (ZeRO 1/2/3) through Lightning on 1, 2 and 3 real gloo ranks, against one process.
 
 Spawning ranks costs seconds, a tiny ``Trainer.fit`` a fraction of one, so each world size is spawned
 once (a module-scoped fixture) and its worker runs every scenario of that world size in sequence, each

@@ -1,4 +1,4 @@
-"""ZeroEngine (ZeRO stages 1-3, issue 4) on real gloo ranks, each scenario against a single-process reference.
+"""ZeroEngine (ZeRO stages 1-3) on real gloo ranks, each scenario against a single-process reference.
 
 Spawning ranks costs seconds (every child imports torch and Lightning), so each world size is spawned
 once, by a module-scoped fixture whose job runs every scenario in sequence on fresh models and returns

@@ -1,4 +1,4 @@
-"""Global batch accounting (issue 9): ``lightning_sync.batch`` arithmetic and errors, and the train app's
+"""Global batch accounting: ``lightning_sync.batch`` arithmetic and errors, and the train app's
 ``batch.*`` keys reaching the data module and the Trainer (``cli._apply_batch`` on a composed config)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Every argument of every lightning_sync strategy is checked at construction (issue 7, "bad configuration").
+"""Every argument of every lightning_sync strategy is checked at construction, so a bad configuration fails there.
 
 One table: (strategy class, keyword arguments, regex). Each bad value must raise a ``ValueError`` whose
 message names the argument, quotes the bad value (its ``repr``) and says what is allowed. Construction
