@@ -20,7 +20,7 @@ import torch
 
 from lightning_sync import comms
 from lightning_sync.models.synthetic import DeepMLP
-from lightning_sync.sync import GradBucketer, ProcessGroupCommunicator
+from lightning_sync.sync import GradBucketer
 from lightning_sync.testing import run_distributed
 
 STEPS, WARMUP = 20, 5
@@ -39,21 +39,20 @@ def probe(rank: int, world: int, cap_mb: float) -> dict[str, float]:
     def forward_backward() -> None:
         torch.nn.functional.cross_entropy(model(x), y).backward()
 
+    ctx = comms.CommContext()  # this probe's communication: nothing to measure but wall time
     compute = []
     for _ in range(STEPS + WARMUP):
         model.zero_grad()
-        comms.barrier()
+        ctx.barrier()
         t0 = time.perf_counter()
         forward_backward()
         compute.append(time.perf_counter() - t0)
-    bucketer = GradBucketer(
-        model.named_parameters(), ProcessGroupCommunicator(), bucket_cap_mb=cap_mb, first_bucket_mb=min(1.0, cap_mb)
-    )
+    bucketer = GradBucketer(model.named_parameters(), ctx, bucket_cap_mb=cap_mb, first_bucket_mb=min(1.0, cap_mb))
     step, backward, exposed = [], [], []
     for _ in range(STEPS + WARMUP):
         model.zero_grad()
         bucketer.prepare_for_backward()
-        comms.barrier()
+        ctx.barrier()
         t0 = time.perf_counter()
         forward_backward()
         step.append(time.perf_counter() - t0)
@@ -61,9 +60,9 @@ def probe(rank: int, world: int, cap_mb: float) -> dict[str, float]:
         exposed.append(bucketer.trace.exposed_seconds)
     alone = []
     for _ in range(STEPS + WARMUP):
-        comms.barrier()
+        ctx.barrier()
         t0 = time.perf_counter()
-        for work in [comms.all_reduce(b.buffer, op="avg", async_op=True) for b in bucketer.buckets]:
+        for work in [ctx.all_reduce(b.buffer, op="avg", async_op=True) for b in bucketer.buckets]:
             work.wait()
         alone.append(time.perf_counter() - t0)
     bucketer.close()

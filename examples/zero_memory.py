@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
+from lightning_sync.comms import CommContext
 from lightning_sync.models.synthetic import WideMLP
-from lightning_sync.sync.communicator import ProcessGroupCommunicator
 from lightning_sync.sync.sharding import ZeroEngine, storage_bytes, zero_memory_bytes
 from lightning_sync.testing import run_distributed
 
@@ -43,7 +43,7 @@ def _measure(rank: int, world: int, stage: int, param_dtype: str | None) -> dict
     model = WideMLP(in_features=1024)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     engine = ZeroEngine(
-        model, opt, ProcessGroupCommunicator(), stage=stage, wrap_policy=["torch.nn.Linear"], param_dtype=param_dtype
+        model, opt, CommContext(), stage=stage, wrap_policy=["torch.nn.Linear"], param_dtype=param_dtype
     )
     x = torch.randn(16, 1024)
     held: dict[str, int] = {}

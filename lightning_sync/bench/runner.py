@@ -50,17 +50,24 @@ TORCH_OPS = {
 }
 
 
-def stats_of(strategy: Any = None) -> comms.CommStats:
-    """The communication statistics a strategy's traffic is recorded in: the one place the bench reads them
-    (today the process-wide ``comms`` statistics, whatever the strategy)."""
-    return comms.get_stats()
+def stats_of(strategy: Any) -> comms.CommStats:
+    """The communication statistics a strategy's traffic is recorded in: the one place the bench reads them.
+
+    A lightning_sync strategy's context observer; for another strategy (Lightning's, FSDP2) statistics the bench
+    keeps on the strategy object, which :func:`torch_collectives_counted` records its torch collectives into."""
+    comm = getattr(strategy, "comm", None)
+    if isinstance(comm, comms.CommContext):
+        if not isinstance(comm.observer, comms.CommStats):
+            comm.observer = comms.CommStats()  # measuring is what the bench is for
+        return comm.observer
+    return vars(strategy).setdefault("_lightning_sync_bench_stats", comms.CommStats())
 
 
 @contextmanager
-def torch_collectives_counted(strategy: Any = None) -> Iterator[None]:
+def torch_collectives_counted(strategy: Any) -> Iterator[None]:
     """Count what FSDP2 sends, which bypasses ``comms``: while the block runs, the functions of :data:`TORCH_OPS`
     record each call into :func:`stats_of`, as ``torch_all_gather`` (payload: this rank's input shard, as
-    ``comms.all_gather`` counts it) and ``torch_reduce_scatter`` (payload: the whole input), with the seconds the
+    ``CommContext.all_gather`` counts it) and ``torch_reduce_scatter`` (payload: the whole input), with the seconds the
     call took (FSDP2 issues them synchronously on CPU; an async call: its issue only). Restored on exit."""
     import torch.distributed as dist
 
@@ -190,12 +197,13 @@ class StepProbe(pl.Callback):
 
 
 def _comm_alone(bucketer: Any, repeats: int = 3) -> float:
-    """Seconds to all-reduce the strategy's buckets back to back with no compute (median of repeats)."""
-    times = []
+    """Seconds to all-reduce the strategy's buckets back to back with no compute (median of repeats); unmeasured,
+    through a bare context, so the strategy's statistics hold only its training traffic."""
+    times, ctx = [], comms.CommContext()
     for _ in range(repeats):
-        comms.barrier()
+        ctx.barrier()
         t0 = time.perf_counter()
-        for w in [comms.all_reduce(b.buffer.clone(), op="avg", async_op=True) for b in bucketer.buckets]:
+        for w in [ctx.all_reduce(b.buffer.clone(), op="avg", async_op=True) for b in bucketer.buckets]:
             w.wait()
         times.append(time.perf_counter() - t0)
     return sorted(times)[len(times) // 2]
@@ -263,12 +271,16 @@ def _run_one(trial: Trial, world: int, callbacks: tuple[pl.Callback, ...] = ()) 
 
 
 class Lockstep(pl.Callback):
-    """Holds every training step until all ranks reached it (``comms.barrier``), so K single-process fits, one
-    per rank, compute in step as a synchronous job's ranks do; it runs before :class:`StepProbe`'s timer."""
+    """Holds every training step until all ranks reached it (a barrier, through a bare context: it is no traffic of
+    the row), so K single-process fits, one per rank, compute in step as a synchronous job's ranks do; it runs
+    before :class:`StepProbe`'s timer."""
+
+    def __init__(self) -> None:
+        self._ctx = comms.CommContext()
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
-        comms.barrier()
+        self._ctx.barrier()
 
 
 #: What a launcher sets for a rank; an in-step trial hides it, so Lightning sees one device and no cluster.

@@ -32,33 +32,3 @@ __all__ = [
     "rpc",
     "watchdog",
 ]
-
-# --- transitional: the process-wide context the callers not yet holding a context of their own still use ---
-_DEFAULT = CommContext(observer=CommStats())
-
-
-def get_stats() -> CommStats:
-    return _DEFAULT.observer  # type: ignore[return-value]
-
-
-def reset_stats() -> None:
-    _DEFAULT.observer.reset()  # type: ignore[union-attr]
-
-
-begin_job = _DEFAULT.begin_job
-scope = _DEFAULT.scope
-barrier = _DEFAULT.barrier
-all_reduce = _DEFAULT.all_reduce
-reduce = _DEFAULT.reduce
-broadcast = _DEFAULT.broadcast
-broadcast_object = _DEFAULT.broadcast_object
-all_gather = _DEFAULT.all_gather
-all_gather_into = _DEFAULT.all_gather_into
-reduce_scatter = _DEFAULT.reduce_scatter
-reduce_scatter_into = _DEFAULT.reduce_scatter_into
-gather = _DEFAULT.gather
-gather_object = _DEFAULT.gather_object
-scatter = _DEFAULT.scatter
-all_gather_object = _DEFAULT.all_gather_object
-send = _DEFAULT.send
-recv = _DEFAULT.recv

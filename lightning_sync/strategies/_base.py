@@ -70,11 +70,11 @@ def check_own_arguments(cls: type, kwargs: Mapping[str, Any]) -> None:
     )
 
 
-def broadcast_module_states(model: torch.nn.Module) -> None:
+def broadcast_module_states(model: torch.nn.Module, comm: comms.CommContext) -> None:
     """Rank 0's parameters and buffers to every rank, in place (a collective): every replica starts equal."""
     with torch.no_grad():
         for t in list(model.parameters()) + list(model.buffers()):
-            comms.broadcast(t.data, src=0)
+            comm.broadcast(t.data, src=0)
 
 
 class ProcessGroupStrategy(CommsCollectivesMixin, DDPStrategy):
@@ -106,7 +106,7 @@ class ProcessGroupStrategy(CommsCollectivesMixin, DDPStrategy):
     def configure_ddp(self) -> None:
         """Broadcast rank 0's parameters and buffers (no DDP wrapper)."""
         assert self.model is not None
-        broadcast_module_states(self.model)
+        broadcast_module_states(self.model, self.comm)
 
     @contextmanager
     @override

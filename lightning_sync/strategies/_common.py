@@ -18,6 +18,7 @@ from lightning_sync.strategies._exact_data import ExactDataHooks
 __all__ = [
     "AtomicCheckpoints",
     "CommsCollectivesMixin",
+    "OwnsCommContext",
     "as_timedelta",
     "check_bool",
     "check_launch_args",
@@ -51,7 +52,7 @@ def as_timedelta(timeout: float | timedelta) -> timedelta:
 
 
 class _AllGatherWithGrad(torch.autograd.Function):
-    """``comms.all_gather`` whose backward sends each rank the gradient of its own slice."""
+    """``CommContext.all_gather`` whose backward sends each rank the gradient of its own slice."""
 
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, comm: comms.CommContext) -> torch.Tensor:
@@ -98,10 +99,8 @@ class AtomicCheckpoints:
         set_checkpoint_io(self, io)
 
 
-class CommsCollectivesMixin(ExactDataHooks, AtomicCheckpoints):
-    """The strategy's communication context (:attr:`comm`), and ``reduce``/``all_gather``/``broadcast``/``barrier``
-    for Lightning (torchmetrics ``sync_dist``, ``self.all_gather``, checkpoint-path broadcasts) through it; every
-    fit starts from clean communication state (:meth:`~lightning_sync.comms.CommContext.begin_job`)."""
+class OwnsCommContext:
+    """A strategy's own :class:`~lightning_sync.comms.CommContext` (:attr:`comm`), created on first use."""
 
     @property
     def comm(self) -> comms.CommContext:
@@ -110,12 +109,18 @@ class CommsCollectivesMixin(ExactDataHooks, AtomicCheckpoints):
         (set ``comm.observer = None`` to measure nothing). Nothing of it is shared with another strategy."""
         ctx = self.__dict__.get("_comm")
         if ctx is None:
-            ctx = self.__dict__["_comm"] = comms._DEFAULT
+            ctx = self.__dict__["_comm"] = comms.CommContext(observer=comms.CommStats())
         return ctx
 
     @comm.setter
     def comm(self, ctx: comms.CommContext) -> None:
         self.__dict__["_comm"] = ctx
+
+
+class CommsCollectivesMixin(OwnsCommContext, ExactDataHooks, AtomicCheckpoints):
+    """The strategy's communication context (:attr:`comm`), and ``reduce``/``all_gather``/``broadcast``/``barrier``
+    for Lightning (torchmetrics ``sync_dist``, ``self.all_gather``, checkpoint-path broadcasts) through it; every
+    fit starts from clean communication state (:meth:`~lightning_sync.comms.CommContext.begin_job`)."""
 
     def setup_environment(self) -> None:
         trainer = trainer_of(self.lightning_module)  # type: ignore[attr-defined]

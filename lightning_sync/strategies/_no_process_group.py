@@ -28,14 +28,13 @@ from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from typing_extensions import override
 
-from lightning_sync import comms
 from lightning_sync._lightning import MultiProcessingLauncher, SubprocessScriptLauncher, set_launcher, trainer_of
-from lightning_sync.strategies._common import AtomicCheckpoints
+from lightning_sync.strategies._common import AtomicCheckpoints, OwnsCommContext
 
 __all__ = ["NoProcessGroupStrategy"]
 
 
-class NoProcessGroupStrategy(AtomicCheckpoints, ParallelStrategy):
+class NoProcessGroupStrategy(OwnsCommContext, AtomicCheckpoints, ParallelStrategy):
     """Ranks launched by Lightning that share no process group (see the module docstring).
 
     Args:
@@ -100,7 +99,7 @@ class NoProcessGroupStrategy(AtomicCheckpoints, ParallelStrategy):
         """This rank's place in the job, and, for a fit, the communication state of a fresh process."""
         trainer = self._trainer()
         if trainer is not None and trainer.state.fn == "fit":
-            comms.begin_job()
+            self.comm.begin_job()
         super().setup_environment()
         reset_seed()  # spawned ranks re-seed from PL_GLOBAL_SEED, as Lightning's DDP does
         self.set_world_ranks()

@@ -9,7 +9,7 @@ Where the server runs
     keeps its own copy of the model and the LightningModule's optimizer (rewritten to step that copy),
     and answers requests on RPC threads while the rank's worker trains. The rank's worker reaches it
     with direct calls; the other ranks over ``torch.distributed.rpc`` (TensorPipe), counted in
-    ``comms.get_stats()`` as ``rpc_send`` / ``rpc_recv``.
+    its context's observer (``strategy.comm.observer``) as ``rpc_send`` / ``rpc_recv``.
 
 What is synchronized, and when
     * **Setup:** every worker pulls the server's model (``server_rank``'s weights, or the checkpoint's).
@@ -210,7 +210,7 @@ class AsyncParameterServerStrategy(NoProcessGroupStrategy):
             host(self.server)
             link: Any = LocalLink(self.server)
         else:
-            link = RpcLink(self.server_rank)
+            link = RpcLink(self.server_rank, observer=self.comm.observer)
         if fitting:
             route_schedulers(self.lr_scheduler_configs, self.server)
             route_clipping(self.precision_plugin, self._set_clip)

@@ -136,8 +136,8 @@ class BucketedDDPStrategy(CommsCollectivesMixin, DDPStrategy):
         """Broadcast rank 0's parameters and buffers, then bucket the gradients (no DDP wrapper)."""
         model = self.model
         assert model is not None
-        self._broadcast_module_states(model)
-        comm = ProcessGroupCommunicator(algorithm=self.comm_algorithm, ranks_per_node=self.num_processes)
+        self._broadcast_module_states(model, self.comm)
+        comm = ProcessGroupCommunicator(self.comm, algorithm=self.comm_algorithm, ranks_per_node=self.num_processes)
         self.bucketer = GradBucketer(
             model.named_parameters(),
             comm,
@@ -157,10 +157,10 @@ class BucketedDDPStrategy(CommsCollectivesMixin, DDPStrategy):
         )
 
     @staticmethod
-    def _broadcast_module_states(model: torch.nn.Module) -> None:
+    def _broadcast_module_states(model: torch.nn.Module, comm: comms.CommContext) -> None:
         with torch.no_grad():
             for t in list(model.parameters()) + list(model.buffers()):
-                comms.broadcast(t.data, src=0)
+                comm.broadcast(t.data, src=0)
 
     @override
     def teardown(self) -> None:
@@ -168,18 +168,18 @@ class BucketedDDPStrategy(CommsCollectivesMixin, DDPStrategy):
             self.bucketer.close()
             self.bucketer = None
         if self.comm_algorithm == "hierarchical":  # no gloo sub-group outlives the fit (algorithms.release_node_groups)
-            comms._DEFAULT.release_node_groups()
+            self.comm.release_node_groups()
         super().teardown()
 
     # ------------------------------------------------------------------ training hooks
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self.broadcast_buffers and self.model is not None:
-            self._broadcast_buffers(self.model)
+            self._broadcast_buffers(self.model, self.comm)
         return super().training_step(*args, **kwargs)
 
     @staticmethod
-    def _broadcast_buffers(model: torch.nn.Module) -> None:
+    def _broadcast_buffers(model: torch.nn.Module, comm: comms.CommContext) -> None:
         """Rank 0's buffers to every rank: one flat broadcast per dtype (none without buffers)."""
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for b in model.buffers():
@@ -187,7 +187,7 @@ class BucketedDDPStrategy(CommsCollectivesMixin, DDPStrategy):
                 by_dtype.setdefault(b.dtype, []).append(b)
         for buffers in by_dtype.values():
             flat = torch.cat([b.detach().reshape(-1) for b in buffers])
-            comms.broadcast(flat, src=0)
+            comm.broadcast(flat, src=0)
             offset = 0
             for b in buffers:
                 b.data.copy_(flat[offset : offset + b.numel()].view_as(b))

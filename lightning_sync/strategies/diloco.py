@@ -86,7 +86,7 @@ class DiLoCoStrategy(PeriodicStrategy):
     def _make_syncer(self) -> DiLoCoOuter:
         return DiLoCoOuter(
             self._trainable(),
-            ProcessGroupCommunicator(),
+            ProcessGroupCommunicator(self.comm),
             self.sync_every,
             self.outer_lr,
             self.outer_momentum,
@@ -98,7 +98,9 @@ class DiLoCoStrategy(PeriodicStrategy):
         """Count the inner step; at an outer step, average the floating buffers too."""
         if self.averager.step():
             assert self.model is not None
-            average_tensors([b for b in self.model.buffers() if b.is_floating_point()], ProcessGroupCommunicator())
+            average_tensors(
+                [b for b in self.model.buffers() if b.is_floating_point()], ProcessGroupCommunicator(self.comm)
+            )
 
     @override
     def _drifted(self) -> bool:
@@ -116,7 +118,7 @@ class DiLoCoStrategy(PeriodicStrategy):
                     t.copy_(global_of[id(live)])
                 elif live.is_floating_point() and not isinstance(live, torch.nn.Parameter):
                     rest.append(t)
-        average_tensors(rest, ProcessGroupCommunicator())
+        average_tensors(rest, ProcessGroupCommunicator(self.comm))
 
     @classmethod
     @override

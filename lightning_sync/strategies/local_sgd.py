@@ -123,7 +123,7 @@ class LocalSGDStrategy(PeriodicStrategy):
         assert self.model is not None
         self.bucketer = GradBucketer(
             self.model.named_parameters(),
-            ProcessGroupCommunicator(),
+            ProcessGroupCommunicator(self.comm),
             self.bucket_cap_mb,
             self.first_bucket_mb,
             self.gradient_as_bucket_view,
@@ -174,7 +174,7 @@ class LocalSGDStrategy(PeriodicStrategy):
             raise ValueError(f"average_optimizer_state=True needs exactly one optimizer, got {len(self.optimizers)}")
         return PeriodicAverager(
             self._averaged_tensors(),
-            ProcessGroupCommunicator(),
+            ProcessGroupCommunicator(self.comm),
             self.sync_every,
             self.warmup_steps,
             self.optimizers[0] if self.optimizers else None,
@@ -189,7 +189,7 @@ class LocalSGDStrategy(PeriodicStrategy):
     @override
     def _synchronize(self, tensors: list[torch.Tensor]) -> None:
         """The average of the replicas (a collective)."""
-        average_tensors(tensors, ProcessGroupCommunicator())
+        average_tensors(tensors, ProcessGroupCommunicator(self.comm))
 
     # ------------------------------------------------------------------ checkpoints
     @override

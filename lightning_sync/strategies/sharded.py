@@ -194,7 +194,7 @@ class ShardedStrategy(CommsCollectivesMixin, DDPStrategy):
         self.engine = ZeroEngine(
             self.model,
             optimizer,
-            ProcessGroupCommunicator(),
+            ProcessGroupCommunicator(self.comm),
             stage=self.stage,
             wrap_policy=self.wrap_policy,
             prefetch=self.prefetch,

@@ -63,15 +63,13 @@ class ProcessGroupCommunicator:
 
     def __init__(
         self,
-        ctx: comms.CommContext | None = None,
+        ctx: comms.CommContext,
         algorithm: str = "backend",
         ranks_per_node: int | None = None,
         group: dist.ProcessGroup | None = None,
     ) -> None:
         from lightning_sync.comms import algorithms
 
-        if ctx is None:
-            ctx = comms._DEFAULT
         if algorithm not in algorithms.ALGORITHMS:
             raise ValueError(f"unknown all-reduce algorithm {algorithm!r}; allowed: {sorted(algorithms.ALGORITHMS)}")
         if algorithm == "hierarchical":

@@ -155,13 +155,14 @@ _remote_finish = _async_execution(_remote_finish)
 class RpcLink:
     """The server is on rank ``server_rank``: requests over ``torch.distributed.rpc`` (counted bytes)."""
 
-    def __init__(self, server_rank: int) -> None:
+    def __init__(self, server_rank: int, observer: Any = None) -> None:
         self.server_rank = server_rank
+        self.observer = observer  # the strategy context's, which counts the requests' and replies' bytes
 
     def pull(self, worker: int) -> Reply:
         from lightning_sync.comms import rpc
 
-        return rpc.rpc_call(self.server_rank, _remote_pull, worker)
+        return rpc.rpc_call(self.server_rank, _remote_pull, worker, observer=self.observer)
 
     def push(
         self,
@@ -174,22 +175,24 @@ class RpcLink:
     ) -> Reply:
         from lightning_sync.comms import rpc
 
-        return rpc.rpc_call(self.server_rank, _remote_push, worker, read_version, grads, present, buffers, clip)
+        return rpc.rpc_call(
+            self.server_rank, _remote_push, worker, read_version, grads, present, buffers, clip, observer=self.observer
+        )
 
     def finish(self, worker: int) -> Reply:
         from lightning_sync.comms import rpc
 
-        return rpc.rpc_call(self.server_rank, _remote_finish, worker)
+        return rpc.rpc_call(self.server_rank, _remote_finish, worker, observer=self.observer)
 
     def abort(self, worker: int, message: str) -> None:
         from lightning_sync.comms import rpc
 
-        rpc.rpc_call(self.server_rank, _remote_abort, worker, message)
+        rpc.rpc_call(self.server_rank, _remote_abort, worker, message, observer=self.observer)
 
     def snapshot(self) -> dict[str, Any]:
         from lightning_sync.comms import rpc
 
-        return rpc.rpc_call(self.server_rank, _remote_snapshot)
+        return rpc.rpc_call(self.server_rank, _remote_snapshot, observer=self.observer)
 
 
 # ---------------------------------------------------------------------- the worker

@@ -9,7 +9,7 @@ timeout, and would hide every later result, so checks here never raise on a mism
     def _worker(rank: int, k: int) -> tuple[list[str], int]:
         ck = Checks()
         t = exact_input(rank, (5, 3), torch.float32, seed=1)
-        comms.all_reduce(t)
+        ctx.all_reduce(t)  # ctx = comms.CommContext(), the worker's communication context
         ref = reduce_reference([exact_input(r, (5, 3), torch.float32, seed=1) for r in range(k)], "sum")
         ck.close("all_reduce sum", t, ref)  # exact: see exact_input
         return ck.result()
@@ -31,7 +31,7 @@ import torch
 __all__ = ["REDUCE_OPS", "Checks", "assert_all_ranks_passed", "exact_input", "mismatch", "reduce_reference"]
 
 REDUCE_OPS = ("avg", "max", "min", "sum")
-"""The reduction ops :func:`reduce_reference` knows (those of :func:`lightning_sync.comms.all_reduce`)."""
+"""The reduction ops :func:`reduce_reference` knows (those of :meth:`lightning_sync.comms.CommContext.all_reduce`)."""
 
 _SEED_STRIDE = 104729  # generator seed = stride * seed + rank: distinct for every (seed, rank < stride)
 
@@ -64,7 +64,7 @@ def reduce_reference(tensors: Sequence[torch.Tensor], op: str) -> torch.Tensor:
 
     Computed in float64 (exact for :func:`exact_input` floats) or int64 (exact), then rounded once to
     the inputs' dtype, so it is the correctly rounded result. ``op`` is one of :data:`REDUCE_OPS`;
-    ``avg`` of integer tensors is a :class:`ValueError`, as in :func:`lightning_sync.comms.all_reduce`.
+    ``avg`` of integer tensors is a :class:`ValueError`, as in :meth:`lightning_sync.comms.CommContext.all_reduce`.
     """
     if op not in REDUCE_OPS:
         raise ValueError(f"unknown op {op!r}; allowed: {sorted(REDUCE_OPS)}")

@@ -15,6 +15,9 @@ import torch
 from lightning_sync import comms
 from lightning_sync.testing import run_distributed
 
+# The communication context of this process's checks (a strategy owns one the same way).
+CTX = comms.CommContext(observer=comms.CommStats())
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(torch.cuda.device_count() < 2, reason="two NCCL ranks need two CUDA devices"),
@@ -26,13 +29,13 @@ INTERVAL = 0.2
 
 def _late_rank(rank: int, world: int) -> list[torch.Tensor]:
     dev = torch.device("cuda", torch.cuda.current_device())
-    comms.watchdog.start(LATE + 5.0, interval=INTERVAL)
+    CTX.start_watchdog(LATE + 5.0, interval=INTERVAL)
     if rank == 1:
         time.sleep(LATE)  # the scenario itself: a rank busy elsewhere (data loading, a checkpoint write)
-    late = comms.all_reduce(torch.full((4,), float(rank + 1), device=dev))
-    after = comms.all_reduce(torch.full((4,), float(rank + 1), device=dev))  # the communicator still works
-    error = comms.watchdog.active().error
-    comms.watchdog.stop()
+    late = CTX.all_reduce(torch.full((4,), float(rank + 1), device=dev))
+    after = CTX.all_reduce(torch.full((4,), float(rank + 1), device=dev))  # the communicator still works
+    error = CTX.watchdog.error
+    CTX.stop_watchdog()
     assert error is None, f"rank {rank}: the watchdog aborted: {error}"
     return [late.cpu(), after.cpu()]
 

@@ -40,7 +40,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics.aggregation import MeanMetric, SumMetric
 
-from lightning_sync import BucketedDDPStrategy, comms
+from lightning_sync import BucketedDDPStrategy
 from lightning_sync.models import DigitsDataModule, DigitsMLP, SyntheticDataModule, WideMLP
 from lightning_sync.testing import Checks, assert_all_ranks_passed, run_distributed
 
@@ -68,11 +68,11 @@ class _CommCounter(pl.Callback):
         self.batches.append(batch[0].clone())
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
-        s = comms.get_stats()["all_reduce"]
+        s = trainer.strategy.comm.observer["all_reduce"]
         self._calls, self._bytes = s.calls, s.bytes
 
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        s = comms.get_stats()["all_reduce"]
+        s = trainer.strategy.comm.observer["all_reduce"]
         bucketer = trainer.strategy.bucketer  # type: ignore[attr-defined]
         self.deltas.append(s.calls - self._calls)
         self.bytes.append(s.bytes - self._bytes)
@@ -380,7 +380,7 @@ def _check_metrics(ck: Checks, world: int) -> None:
         return original(tensor, group=group, reduce_op=reduce_op)
 
     strategy.reduce = spy  # type: ignore[method-assign]
-    before = comms.get_stats()["all_reduce"].calls
+    before = strategy.comm.observer["all_reduce"].calls
     trainer = _trainer(world, strategy)
     trainer.validate(_MetricModule(), dataloaders=loader)
     got = trainer.callback_metrics
@@ -394,9 +394,9 @@ def _check_metrics(ck: Checks, world: int) -> None:
     ck.close("[metrics] sync_dist max", got["rank_max"], ranks.max())
     ck.true("[metrics] sync_dist went through the strategy's reduce", len(ops) >= 3, ops)
     ck.true(
-        "[metrics] ... and through lightning_sync.comms",
-        comms.get_stats()["all_reduce"].calls - before >= 3,
-        comms.get_stats().table(),
+        "[metrics] ... and through the strategy's communication context",
+        strategy.comm.observer["all_reduce"].calls - before >= 3,
+        strategy.comm.observer.table(),
     )
 
 

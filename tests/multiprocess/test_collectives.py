@@ -69,7 +69,14 @@ def _check_all_reduce(ck: Checks, rank: int, k: int, seeds: Iterator[int]) -> No
         name = f"all_reduce[{op}, {dtype}, async={async_op}]"
         t = exact_input(rank, (5, 3), dtype, seed)
         if op == "avg" and not dtype.is_floating_point:
-            ck.raises(name, lambda: CTX.all_reduce(t, op=op, async_op=async_op), r"int64", r"'max'", r"'min'", r"'sum'")
+            ck.raises(
+                name,
+                lambda t=t, op=op, async_op=async_op: CTX.all_reduce(t, op=op, async_op=async_op),
+                r"int64",
+                r"'max'",
+                r"'min'",
+                r"'sum'",
+            )
             ck.true(name + " left input alone", torch.equal(t, exact_input(rank, (5, 3), dtype, seed)))
             continue
         ref = reduce_reference([exact_input(r, (5, 3), dtype, seed) for r in range(k)], op)
@@ -94,7 +101,7 @@ def _check_reduce_scatter(ck: Checks, rank: int, k: int, seeds: Iterator[int]) -
         name = f"reduce_scatter[n={n}, {op}, {dtype}]"
         t = exact_input(rank, (n, 3), dtype, seed)
         if op == "avg" and not dtype.is_floating_point:
-            ck.raises(name, lambda: CTX.reduce_scatter(t, op=op), r"int64", r"'sum'")
+            ck.raises(name, lambda t=t, op=op: CTX.reduce_scatter(t, op=op), r"int64", r"'sum'")
             continue
         full = reduce_reference([exact_input(r, (n, 3), dtype, seed) for r in range(k)], op)
         c = -(-n // k)
@@ -459,7 +466,7 @@ def _check_errors(ck: Checks, rank: int, k: int) -> None:
         # every rank raises, non-src ranks included, with both the count and the world size
         ck.raises(
             f"scatter with {count} chunks",
-            lambda: CTX.scatter(chunks, src=0),
+            lambda chunks=chunks: CTX.scatter(chunks, src=0),
             rf"\b{count} chunks\b",
             rf"world size is {k}\b",
         )

@@ -36,7 +36,7 @@ from _lightning_reference import (
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_sync import BucketedDDPStrategy, ShardedStrategy, comms
+from lightning_sync import BucketedDDPStrategy, ShardedStrategy
 from lightning_sync.launch.requeue import RequeueOnSignal, latest_checkpoint
 from lightning_sync.resume import RANK_STATES
 from lightning_sync.testing import Checks, assert_all_ranks_passed, run_distributed
@@ -199,9 +199,10 @@ class _SaveAtEnd(pl.Callback):
         self.path, self.used = path, {}
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        before = {op: (s.calls, s.bytes) for op, s in comms.get_stats().snapshot().items()}
+        stats = trainer.strategy.comm.observer
+        before = {op: (s.calls, s.bytes) for op, s in stats.snapshot().items()}
         trainer.save_checkpoint(self.path)
-        after = {op: (s.calls, s.bytes) for op, s in comms.get_stats().snapshot().items()}
+        after = {op: (s.calls, s.bytes) for op, s in stats.snapshot().items()}
         self.used = {
             op: (n - before.get(op, (0, 0))[0], b - before.get(op, (0, 0))[1])
             for op, (n, b) in after.items()

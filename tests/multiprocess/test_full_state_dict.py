@@ -23,6 +23,9 @@ from torch.utils.data import DataLoader
 from lightning_sync import DiLoCoStrategy, LocalSGDStrategy, ShardedStrategy, comms
 from lightning_sync.testing import Checks, assert_all_ranks_passed, run_distributed
 
+# The communication context of this process's checks (a strategy owns one the same way).
+CTX = comms.CommContext(observer=comms.CommStats())
+
 AVG_TOL = {"rtol": 0.0, "atol": 1e-6}  # the average of 2 fp32 replicas ~1, by all-reduce or here: a few ulps
 
 
@@ -108,7 +111,7 @@ def _periodic(rank: int, world: int) -> tuple[list[str], int]:
         module = _Evaluated()
         trainer = _trainer(world, strategy, max_steps=4)  # syncs after step 3: step 4 drifted
         trainer.fit(module)
-        replicas = comms.all_gather_object(_state(module))
+        replicas = CTX.all_gather_object(_state(module))
         drift = max((replicas[0][k] - replicas[1][k]).abs().max().item() for k in replicas[0])
         ck.true(f"[{name}] the replicas differ after fit", drift > 1e-6, drift)
         if name == "local_sgd":

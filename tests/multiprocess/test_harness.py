@@ -22,6 +22,9 @@ import torch.distributed as dist
 from lightning_sync import comms
 from lightning_sync.testing import DistributedRankError, DistributedTimeoutError, run_distributed
 
+# The communication context of this process's checks (a strategy owns one the same way).
+CTX = comms.CommContext(observer=comms.CommStats())
+
 __all__: list[str] = []
 
 E = TypeVar("E", bound=BaseException)
@@ -72,7 +75,7 @@ def _echo_worker(rank: int, world_size: int, base: float, *, scale: int) -> dict
         "int_tensor": torch.full((2, rank + 1), rank, dtype=torch.int64),
         "pg": (dist.get_rank(), dist.get_world_size(), dist.get_backend()),
         # a real collective: every rank's contribution, in rank order
-        "gathered": comms.all_gather_object(f"r{rank}"),
+        "gathered": CTX.all_gather_object(f"r{rank}"),
     }
 
 
@@ -88,7 +91,7 @@ def _fail_while_peer_waits_on_subgroup(rank: int, world_size: int, how: str) -> 
             raise ValueError("boom on rank 1")
         os._exit(3)
     if rank == 0:
-        comms.all_reduce(torch.ones(2), group=sub)
+        CTX.all_reduce(torch.ones(2), group=sub)
     else:
         _block_on_store(PG_TIMEOUT_S)
 
@@ -100,7 +103,7 @@ def _fail_while_peer_waits_on_it(rank: int, world_size: int, how: str) -> None:
         if how == "raise":
             raise ValueError("boom on rank 1")
         os._exit(3)
-    comms.all_reduce(torch.ones(2))
+    CTX.all_reduce(torch.ones(2))
 
 
 def _exit_worker(rank: int, world_size: int) -> None:
@@ -112,7 +115,7 @@ def _exit_worker(rank: int, world_size: int) -> None:
 def _deadlock_worker(rank: int, world_size: int, *unused: Any) -> int:
     """Rank 1 skips the all_reduce (it waits for rank 0 to finish first): rank 0 is stuck in it."""
     if rank == 0:
-        comms.all_reduce(torch.ones(3))
+        CTX.all_reduce(torch.ones(3))
     else:
         _block_on_store(PG_TIMEOUT_S)
     return rank
@@ -121,7 +124,7 @@ def _deadlock_worker(rank: int, world_size: int, *unused: Any) -> int:
 def _skip_collective_worker(rank: int, world_size: int) -> int:
     """Rank 1 returns at once; rank 0 does an all_reduce that rank 1 never joins."""
     if rank == 0:
-        comms.all_reduce(torch.ones(3))
+        CTX.all_reduce(torch.ones(3))
     return rank
 
 

@@ -24,6 +24,9 @@ from lightning_sync import DiLoCoStrategy, LocalSGDStrategy, comms
 from lightning_sync.sync.bucketing import GradBucketer
 from lightning_sync.testing import Checks, assert_all_ranks_passed, run_distributed
 
+# The communication context of this process's checks (a strategy owns one the same way).
+CTX = comms.CommContext(observer=comms.CommStats())
+
 # averaging K replicas in fp32: a few ulps of weights ~1
 AVG_TOL = {"rtol": 0.0, "atol": 1e-6}
 
@@ -92,7 +95,7 @@ def _worker(rank: int, world: int, tmpdir: str) -> tuple[list[str], int]:
     )
     trainer.fit(rec)
     ck.true("[H=3] the warm-up holds a gradient bucketer", isinstance(holds.bucketer, GradBucketer), holds.bucketer)
-    everyone = comms.all_gather_object(rec.after_batch)
+    everyone = CTX.all_gather_object(rec.after_batch)
     for step in range(8):
         diff = max((everyone[0][step][k] - everyone[1][step][k]).abs().max().item() for k in everyone[0][step])
         if step + 1 in (1, 2, 5, 8):
@@ -114,7 +117,7 @@ def _worker(rank: int, world: int, tmpdir: str) -> tuple[list[str], int]:
     trainer3.fit(module3)
     mine = _state(module3)
     trainer3.save_checkpoint(path)
-    replicas = comms.all_gather_object(mine)
+    replicas = CTX.all_gather_object(mine)
     saved = torch.load(path, map_location="cpu", weights_only=False)
     average = _mean(replicas)
     for k in average:
@@ -155,8 +158,8 @@ def _check_diloco(ck: Checks, world: int, tmpdir: str) -> None:
     )
     trainer.fit(module)
     ck.true("[diloco] holds no gradient bucketer", holds.bucketer == "absent", holds.bucketer)
-    inner = comms.all_gather_object(rec.after_inner)
-    after = comms.all_gather_object(rec.after_batch)
+    inner = CTX.all_gather_object(rec.after_inner)
+    after = CTX.all_gather_object(rec.after_batch)
     trainable = [n for n, p in module.named_parameters() if p.requires_grad]
     for name in trainable:
         g = sum(w0[name] - inner[r][1][name] for r in range(world)) / world

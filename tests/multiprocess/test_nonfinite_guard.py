@@ -16,6 +16,9 @@ from lightning_sync import BucketedDDPStrategy, comms
 from lightning_sync.diagnostics import NonFiniteGuard
 from lightning_sync.testing import Checks, assert_all_ranks_passed, run_distributed
 
+# The communication context of this process's checks (a strategy owns one the same way).
+CTX = comms.CommContext(observer=comms.CommStats())
+
 
 class _InfAt(pl.Callback):
     """After backward (the gradients are synchronized by then), put an Inf into this rank's gradient at the
@@ -49,7 +52,7 @@ def _worker(rank: int, world: int) -> tuple[list[str], int]:
     ref = _reference(_TiedModule("sgd"), module.ds, world, steps=2)["state"]
     for name, value in record.states[1].items():
         ck.close(f"step 2 = reference: {name}", value, ref[name], **EQ_TOL)
-    everyone = comms.all_gather_object(_state(module))
+    everyone = CTX.all_gather_object(_state(module))
     for name in everyone[0]:
         ck.true(f"replicas identical: {name}", torch.equal(everyone[0][name], everyone[1][name]))
     ck.raises(

@@ -7,9 +7,13 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_sync import comms
 from lightning_sync.sync import ProcessGroupCommunicator
 from lightning_sync.sync.periodic import DiLoCoOuter, PeriodicAverager
 from lightning_sync.testing import Checks, assert_all_ranks_passed, run_distributed
+
+# The communication context of this process's checks (a strategy owns one the same way).
+CTX = comms.CommContext(observer=comms.CommStats())
 
 STEPS, BATCH, LR = 6, 4, 0.1
 
@@ -49,7 +53,7 @@ def _local_sgd(rank: int, world: int, sync_every: int) -> tuple[list[list[torch.
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9 if sync_every > 1 else 0.0)
     avg = PeriodicAverager(
         model.parameters(),
-        ProcessGroupCommunicator(),
+        ProcessGroupCommunicator(CTX),
         sync_every,
         optimizer=opt,
         average_optimizer_state=sync_every > 1,
@@ -66,7 +70,7 @@ def _local_sgd(rank: int, world: int, sync_every: int) -> tuple[list[list[torch.
 
 def _worker(rank: int, world: int) -> tuple[list[str], int]:
     torch.set_num_threads(1)
-    ck, comm = Checks(), ProcessGroupCommunicator()
+    ck, comm = Checks(), ProcessGroupCommunicator(CTX)
     # LocalSGD with H=1 and plain SGD is DDP: averaging the parameters after a step from equal
     # parameters equals stepping with the averaged gradient (exact up to fp32 rounding of the average)
     snapshots, synced = _local_sgd(rank, world, 1)

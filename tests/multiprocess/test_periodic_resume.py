@@ -43,6 +43,9 @@ from test_exact_resume import _Recorded as _IndexedRecording
 from lightning_sync import DiLoCoStrategy, LocalSGDStrategy, comms
 from lightning_sync.testing import Checks, assert_all_ranks_passed, run_distributed
 
+# The communication context of this process's checks (a strategy owns one the same way).
+CTX = comms.CommContext(observer=comms.CommStats())
+
 ACCUMULATE = 2  # N = 128 samples, BATCH = 4: 2 ranks take 16 micro-batches each per epoch, 8 optimizer steps
 H, WARMUP = 3, 1  # local_sgd syncs after steps 4, 7, 10 (one synchronous step first); diloco after 3, 6, 9
 STEPS = 10
@@ -236,7 +239,7 @@ def _check_kind(ck: Checks, kind: str, tmpdir: Path) -> None:
     trainer, first = _fit(kind, CKPT_STEP, [saver], enable_checkpointing=True)
     stopped = _state(first)
     stopped_opt = _optimizer_tensors(trainer.optimizers[0])
-    replicas = comms.all_gather_object(stopped)
+    replicas = CTX.all_gather_object(stopped)
     drift = max((replicas[0][k] - replicas[1][k]).abs().max().item() for k in stopped)
     ck.true(f"[{kind}] the replicas differ at the stop (inside a period)", drift > 1e-6, drift)
     ckpt = dirpath / f"epoch=0-step={CKPT_STEP}.ckpt"

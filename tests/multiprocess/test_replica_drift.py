@@ -26,6 +26,9 @@ from lightning_sync import BucketedDDPStrategy, ShardedStrategy, comms
 from lightning_sync.diagnostics import ReplicaDriftCheck
 from lightning_sync.testing import Checks, assert_all_ranks_passed, run_distributed
 
+# The communication context of this process's checks (a strategy owns one the same way).
+CTX = comms.CommContext(observer=comms.CommStats())
+
 STEPS, NUDGE_STEP, NUDGE = 6, 3, 1e-3
 
 
@@ -89,7 +92,7 @@ def _worker(rank: int, world: int) -> tuple[list[str], int]:
         "the warning names step, rank and parameter", rank != 0 or bool(ours) and ours[0].startswith(expected), ours
     )
     # an independent look: the replicas really differ, in fc1.weight only, and there by about the nudge
-    states = comms.all_gather_object(_state(nudged))
+    states = CTX.all_gather_object(_state(nudged))
     differing = sorted(k for k in states[0] if not torch.equal(states[0][k], states[1][k]))
     ck.true("only net.fc1.weight differs", differing == ["net.fc1.weight"], differing)
     gap = (states[1]["net.fc1.weight"] - states[0]["net.fc1.weight"]).abs()

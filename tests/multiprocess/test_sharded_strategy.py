@@ -55,7 +55,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics.aggregation import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
-from lightning_sync import BucketedDDPStrategy, ShardedStrategy, comms
+from lightning_sync import BucketedDDPStrategy, ShardedStrategy
 from lightning_sync.sync.sharding import consolidate_checkpoint
 from lightning_sync.testing import Checks, assert_all_ranks_passed, run_distributed
 
@@ -190,10 +190,10 @@ class _ShardProbe(pl.Callback):
         engine.clip_grad_norm_ = recording
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
-        self._calls = comms.get_stats()["reduce_scatter"].calls
+        self._calls = trainer.strategy.comm.observer["reduce_scatter"].calls
 
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.reduce_scatters.append(comms.get_stats()["reduce_scatter"].calls - self._calls)
+        self.reduce_scatters.append(trainer.strategy.comm.observer["reduce_scatter"].calls - self._calls)
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         params = [p for p in pl_module.parameters() if p.requires_grad]

@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
+from lightning_sync import comms
 from lightning_sync.comms import collectives as C
 from lightning_sync.sync import FlatShard, ProcessGroupCommunicator
 from lightning_sync.testing import Checks, assert_all_ranks_passed, exact_input, run_distributed
+
+# The communication context of this process's checks (a strategy owns one the same way).
+CTX = comms.CommContext(observer=comms.CommStats())
 
 SHAPES = [(3, 5), (7,), (2, 2, 2), (1,)]  # 31 elements, not divisible by 2 or 3
 
 
 def _worker(rank: int, world: int) -> tuple[list[str], int]:
-    ck, comm = Checks(), ProcessGroupCommunicator()
+    ck, comm = Checks(), ProcessGroupCommunicator(CTX)
     fs = FlatShard(SHAPES, world, rank)
     params = {r: [exact_input(r, s, torch.float32, seed=i + 1) for i, s in enumerate(SHAPES)] for r in range(world)}
     flats = {r: fs.flatten(params[r]) for r in range(world)}
@@ -36,10 +42,10 @@ def _worker(rank: int, world: int) -> tuple[list[str], int]:
     )
     ck.true("padding stays zero", bool(full[fs.total :].eq(0).all()) if fs.padding else True)
     # scratch=True: same results, every op, on both gloo paths: one reduce per owner with the input used as
-    # scratch (chunks of at least SCRATCH_REDUCES_MIN_CHUNK_BYTES; 0 here), and gloo's own op below it
-    default = C.SCRATCH_REDUCES_MIN_CHUNK_BYTES
-    for path, threshold in (("reduces", 0), ("gloo", default)):
-        C.SCRATCH_REDUCES_MIN_CHUNK_BYTES = threshold
+    # scratch (chunks of at least the context's scratch_reduces_min_chunk_bytes; 0 here), and gloo's own op below it
+    default = CTX.settings
+    for path, threshold in (("reduces", 0), ("gloo", default.scratch_reduces_min_chunk_bytes)):
+        CTX.settings = dataclasses.replace(default, scratch_reduces_min_chunk_bytes=threshold)
         for op, want_op in (
             ("sum", total),
             ("avg", total / world),
@@ -66,14 +72,17 @@ def _worker(rank: int, world: int) -> tuple[list[str], int]:
             rtol=2**-6,
             atol=1e-2,
         )
-    C.SCRATCH_REDUCES_MIN_CHUNK_BYTES = default
+    CTX.settings = default
     # the path by chunk size: K reduces from a chunk of exactly the threshold, gloo's op one element below;
     # the sums against a reference (small integers: exact)
     reduces: list[int] = []
     real_reduce = C.dist.reduce
     C.dist.reduce = lambda *a, **kw: reduces.append(1) or real_reduce(*a, **kw)  # this rank's process only
     try:
-        for n, want_reduces in ((default // 4, world), (default // 4 - 1, 0)):
+        for n, want_reduces in (
+            (default.scratch_reduces_min_chunk_bytes // 4, world),
+            (default.scratch_reduces_min_chunk_bytes // 4 - 1, 0),
+        ):
             reduces.clear()
             out = torch.empty(n)
             comm.reduce_scatter_into(

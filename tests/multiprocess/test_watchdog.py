@@ -35,6 +35,9 @@ from lightning_sync.comms.watchdog import (
 from lightning_sync.diagnostics import HangWatchdog
 from lightning_sync.testing import Checks, assert_all_ranks_passed, run_distributed
 
+# The communication context of this process's checks (a strategy owns one the same way).
+CTX = comms.CommContext(observer=comms.CommStats())
+
 TIMEOUT = 3.0  # the watchdog's collective timeout; the hung collective is declared after this
 INTERVAL = 0.5
 # gloo's own timeout: above the watchdog's declaration (TIMEOUT + ~3 INTERVAL), below the bound of
@@ -46,27 +49,27 @@ LATE = 3.0  # how late a healthy rank arrives: many watchdog intervals, below th
 
 def _skip_one_all_reduce(rank: int, k: int) -> tuple[list[str], int, str]:
     ck = Checks()
-    comms.watchdog.start(TIMEOUT, interval=INTERVAL)
+    CTX.start_watchdog(TIMEOUT, interval=INTERVAL)
     # phase 1: a slow rank (1.5 s, below the timeout) is not a hang; every sum equals the local reference
     for step in range(3):
         if rank == 2 and step == 1:
             time.sleep(1.5)
         t = torch.full((3,), float(rank + step))
-        comms.all_reduce(t)
+        CTX.all_reduce(t)
         ck.close(
             f"all_reduce step {step}", t, torch.full((3,), float(sum(r + step for r in range(k)))), rtol=0, atol=0
         )  # small integers: exact
-    ck.true("no abort after a slow but complete phase", comms.watchdog.active().error is None)
+    ck.true("no abort after a slow but complete phase", CTX.watchdog.error is None)
     # phase 2: rank 1 skips the all_reduce of step 1, then everyone reaches the final barrier
     message = ""
     try:
         for step in range(3):
             if not (rank == 1 and step == 1):
-                comms.all_reduce(torch.ones(3))
-        comms.barrier()
+                CTX.all_reduce(torch.ones(3))
+        CTX.barrier()
     except CollectiveTimeout as err:
         message = str(err)
-    comms.watchdog.stop(clean=False)
+    CTX.stop_watchdog(clean=False)
     return (*ck.result(), message)
 
 
@@ -172,18 +175,18 @@ def _late_rank(rank: int, k: int) -> tuple[list[str], int]:
     real = {name: getattr(owner, name) for owner, name in patched}
     for owner, name in patched:
         setattr(owner, name, lambda *a, _fn=real[name], **kw: _RecordingWork(_fn(*a, **kw), waits))
-    comms.watchdog.start(LATE + 5.0, interval=0.2)
+    CTX.start_watchdog(LATE + 5.0, interval=0.2)
     try:
         if rank == 1:
             time.sleep(LATE)  # the scenario itself: a rank busy elsewhere (data loading, a checkpoint write)
-        late = comms.all_reduce(torch.full((4,), float(rank + 1)))
-        after = comms.all_reduce(torch.full((4,), float(rank + 1)))  # the group still works afterwards
+        late = CTX.all_reduce(torch.full((4,), float(rank + 1)))
+        after = CTX.all_reduce(torch.full((4,), float(rank + 1)))  # the group still works afterwards
         if rank == 0:
             time.sleep(1.0)  # 5 intervals: now rank 1 waits
-        shard = comms.reduce_scatter(torch.arange(4.0) + rank)
+        shard = CTX.reduce_scatter(torch.arange(4.0) + rank)
         if rank == 1:
             time.sleep(1.0)
-        ring = comms.algorithms.ring_all_reduce(torch.arange(4.0) + rank)  # send and recv
+        ring = comms.algorithms.ring_all_reduce(CTX, torch.arange(4.0) + rank)  # send and recv
     finally:
         for owner, name in patched:
             setattr(owner, name, real[name])
@@ -192,10 +195,10 @@ def _late_rank(rank: int, k: int) -> tuple[list[str], int]:
     ck.close("the next all_reduce", after, expected)
     ck.close("reduce_scatter", shard, (2 * torch.arange(4.0) + 1)[2 * rank : 2 * rank + 2])
     ck.close("ring all_reduce", ring, 2 * torch.arange(4.0) + 1)
-    ck.true("no abort", comms.watchdog.active().error is None, comms.watchdog.active().error)
+    ck.true("no abort", CTX.watchdog.error is None, CTX.watchdog.error)
     ck.true("waited on every request", len(waits) >= 5, waits)
     ck.true("never a timed wait", all(w == () for w in waits), f"wait() arguments: {waits}")
-    comms.watchdog.stop()
+    CTX.stop_watchdog()
     return ck.result()
 
 
@@ -245,50 +248,50 @@ def test_sync_dist_keys_that_pair_up_across_ranks_are_named() -> None:
 
 def _same_calls_then_a_transposed_tensor(rank: int, k: int) -> tuple[list[str], int, str]:
     ck = Checks()
-    comms.watchdog.start(TIMEOUT, interval=INTERVAL)
+    CTX.start_watchdog(TIMEOUT, interval=INTERVAL)
     # the same calls on every rank, though their local arguments differ: an uneven all-gather, objects of other
     # sizes, a sub-group that rank 1 is not in (each result against its exact expected value)
-    parts = comms.all_gather(torch.full((rank + 1, 2), float(rank)))
+    parts = CTX.all_gather(torch.full((rank + 1, 2), float(rank)))
     ck.close("uneven all_gather", parts, [torch.full((r + 1, 2), float(r)) for r in range(k)])
-    ck.true("broadcast_object", comms.broadcast_object({"from": rank} if rank == 1 else None, src=1) == {"from": 1})
-    ck.true("all_gather_object", comms.all_gather_object("y" * rank) == ["y" * r for r in range(k)])
+    ck.true("broadcast_object", CTX.broadcast_object({"from": rank} if rank == 1 else None, src=1) == {"from": 1})
+    ck.true("all_gather_object", CTX.all_gather_object("y" * rank) == ["y" * r for r in range(k)])
     pair = torch.distributed.new_group([0, 2])
     if rank != 1:
-        ck.close("sub-group all_reduce", comms.all_reduce(torch.ones(2), group=pair), torch.full((2,), 2.0))
+        ck.close("sub-group all_reduce", CTX.all_reduce(torch.ones(2), group=pair), torch.full((2,), 2.0))
     total = sum(torch.arange(6.0) + r for r in range(k))  # small integers from here on: every result is exact
-    ck.close("reduce_scatter", comms.reduce_scatter(torch.arange(6.0) + rank), total[2 * rank : 2 * rank + 2])
+    ck.close("reduce_scatter", CTX.reduce_scatter(torch.arange(6.0) + rank), total[2 * rank : 2 * rank + 2])
     ck.close(
         "scatter",
-        comms.scatter([torch.full((r + 1,), 7.0) for r in range(k)] if rank == 0 else None),
+        CTX.scatter([torch.full((r + 1,), 7.0) for r in range(k)] if rank == 0 else None),
         torch.full((rank + 1,), 7.0),
     )  # world #8 (its header: #9 the size, #10 the bytes)
-    gathered = comms.gather(torch.full((rank + 1,), float(rank)), dst=2)  # #11, #12
+    gathered = CTX.gather(torch.full((rank + 1,), float(rank)), dst=2)  # #11, #12
     if rank == 2:
         ck.close("gather", gathered, [torch.full((r + 1,), float(r)) for r in range(k)])
     out = torch.empty(k, 2)
     ck.close(
         "all_gather_into",
-        comms.all_gather_into(out, torch.full((2,), float(rank))),  # #13
+        CTX.all_gather_into(out, torch.full((2,), float(rank))),  # #13
         torch.arange(float(k)).repeat_interleave(2).view(k, 2),
     )
-    ck.close("broadcast", comms.broadcast(torch.full((3,), float(rank)), src=2), torch.full((3,), 2.0))  # #14
-    ck.close("tree all_reduce", comms.algorithms.tree_all_reduce(torch.arange(6.0) + rank), total)  # send/recv
-    comms.watchdog.verify()  # world #15, #16: the check's own all_gather_object
-    ck.true("the same calls verify", comms.watchdog.active().error is None, comms.watchdog.active().error)
+    ck.close("broadcast", CTX.broadcast(torch.full((3,), float(rank)), src=2), torch.full((3,), 2.0))  # #14
+    ck.close("tree all_reduce", comms.algorithms.tree_all_reduce(CTX, torch.arange(6.0) + rank), total)  # send/recv
+    CTX.verify()  # world #15, #16: the check's own all_gather_object
+    ck.true("the same calls verify", CTX.watchdog.error is None, CTX.watchdog.error)
     # rank 2 reduces a [3, 2] tensor where the others reduce [2, 3]: 24 B each, so gloo pairs them up (world #17)
-    comms.all_reduce(torch.ones((3, 2) if rank == 2 else (2, 3)))
+    CTX.all_reduce(torch.ones((3, 2) if rank == 2 else (2, 3)))
     message = ""
     try:
-        comms.watchdog.verify()
+        CTX.verify()
     except CollectiveMismatch as err:
         message = str(err)
     ck.raises(
         "the next collective raises it too",
-        lambda: comms.barrier(),
+        lambda: CTX.barrier(),
         "different collectives on world at #17",
         exc=CollectiveMismatch,
     )
-    comms.watchdog.stop()
+    CTX.stop_watchdog()
     return (*ck.result(), message)
 
 

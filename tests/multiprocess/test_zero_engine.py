@@ -33,6 +33,9 @@ from lightning_sync.sync.communicator import LoopbackCommunicator, ProcessGroupC
 from lightning_sync.sync.sharding import ZeroEngine, consolidate_checkpoint, zero_memory_bytes
 from lightning_sync.testing import run_distributed
 
+# The communication context of this process's checks (a strategy owns one the same way).
+CTX = comms.CommContext(observer=comms.CommStats())
+
 __all__: list[str] = []
 
 # torch.distributed.checkpoint warns on every load without a process group, even with no_dist=True;
@@ -186,7 +189,7 @@ def sharded_steps(
         opt.zero_grad()
         for m in range(accum):
             x, y = data[s + m]
-            before = comms.get_stats().snapshot()
+            before = CTX.observer.snapshot()
             boundary = m == accum - 1
             if boundary:
                 (loss_fn(model, rows(x, rank, world), rows(y, rank, world)) / accum).backward()
@@ -194,7 +197,7 @@ def sharded_steps(
                 with engine.no_sync():
                     (loss_fn(model, rows(x, rank, world), rows(y, rank, world)) / accum).backward()
             if micro_stats is not None:
-                micro_stats.append({"boundary": boundary, **_delta(before, comms.get_stats().snapshot())})
+                micro_stats.append({"boundary": boundary, **_delta(before, CTX.observer.snapshot())})
         if kind in CLIP:
             norms.append(float(engine.clip_grad_norm_(CLIP[kind])))
         opt.step()
@@ -226,7 +229,7 @@ def build(
     model = make_model(seed, **model_kw)
     perturb(model, rank)
     opt, sched = make_optimizer(model, kind)  # built before the engine, as a Lightning Strategy sees it
-    engine = ZeroEngine(model, opt, ProcessGroupCommunicator(), stage=stage, wrap_policy=policy, **engine_kw)
+    engine = ZeroEngine(model, opt, ProcessGroupCommunicator(CTX), stage=stage, wrap_policy=policy, **engine_kw)
     return model, opt, sched, engine
 
 
@@ -355,11 +358,11 @@ def _prefetch(rank: int, world: int) -> dict[str, Any]:
                 eng.record_events = True
                 eng.events.clear()
                 gathered_at.clear()
-                before = comms.get_stats().snapshot()
+                before = CTX.observer.snapshot()
             opt.zero_grad()
             loss_fn(model, rows(x, rank, world), rows(y, rank, world)).backward()
             if step == 1:
-                stats = _delta(before, comms.get_stats().snapshot())
+                stats = _delta(before, CTX.observer.snapshot())
             opt.step()
         out[name] = {
             "events": [(e, units[i]) for e, i in eng.events],
@@ -432,9 +435,9 @@ def _mixed(rank: int, world: int) -> dict[str, Any]:
     for name, stage, kw in MIXED:
         model, opt, sched, eng = build(rank, "sgd", stage, nn.Linear if stage == 3 else None, frozen=False, **kw)
         sharded_steps(eng, model, opt, sched, "sgd", data[:1], rank, world)
-        before = comms.get_stats().snapshot()
+        before = CTX.observer.snapshot()
         sharded_steps(eng, model, opt, sched, "sgd", data[1:2], rank, world)  # forward, backward and step
-        stats = _delta(before, comms.get_stats().snapshot())
+        stats = _delta(before, CTX.observer.snapshot())
         sharded_steps(eng, model, opt, sched, "sgd", data[2:], rank, world)
         out[name] = {
             "stats": stats,

@@ -18,6 +18,7 @@ from lightning_sync import (
     HogwildStrategy,
     LocalSGDStrategy,
     ShardedStrategy,
+    comms,
 )
 from lightning_sync.diagnostics import ReplicaDriftCheck, drift
 from lightning_sync.diagnostics.drift import checksum, value_fingerprint
@@ -180,7 +181,8 @@ def _fake_gather(monkeypatch: pytest.MonkeyPatch, altered: list[set[int]]) -> li
             for r in range(3)
         ]
 
-    monkeypatch.setattr(drift.comms, "all_gather_object", gather)
+    # the strategy's communication context is where the callback gathers
+    monkeypatch.setattr(comms.CommContext, "all_gather_object", lambda self, mine: gather(mine))
     return calls
 
 

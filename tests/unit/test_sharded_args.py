@@ -167,7 +167,7 @@ class _Net(nn.Module):
 
 def _build_engine(monkeypatch: pytest.MonkeyPatch, wrap_policy: Any) -> Any:
     """The strategy's own engine construction, on a one-rank loopback communicator instead of a process group."""
-    monkeypatch.setattr(sharded, "ProcessGroupCommunicator", lambda: LoopbackCommunicator(world_size=1))
+    monkeypatch.setattr(sharded, "ProcessGroupCommunicator", lambda ctx: LoopbackCommunicator(world_size=1))
     strategy = ShardedStrategy(stage=3, wrap_policy=wrap_policy)
     strategy.model = _Net()
     strategy._build_engine(None)
