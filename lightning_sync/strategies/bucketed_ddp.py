@@ -137,7 +137,11 @@ class BucketedDDPStrategy(CommsCollectivesMixin, DDPStrategy):
         model = self.model
         assert model is not None
         self._broadcast_module_states(model, self.comm)
-        comm = ProcessGroupCommunicator(self.comm, algorithm=self.comm_algorithm, ranks_per_node=self.num_processes)
+        comm = (  # the context is a Communicator on the backend's own all-reduce; the written-out ones need an adapter
+            self.comm
+            if self.comm_algorithm == "backend"
+            else ProcessGroupCommunicator(self.comm, algorithm=self.comm_algorithm, ranks_per_node=self.num_processes)
+        )
         self.bucketer = GradBucketer(
             model.named_parameters(),
             comm,

@@ -71,7 +71,6 @@ from lightning_sync.strategies._common import (
     no_sync_of,
 )
 from lightning_sync.sync.bucketing import check_mib
-from lightning_sync.sync.communicator import ProcessGroupCommunicator
 from lightning_sync.sync.safe_load import contained_path, load_file
 from lightning_sync.sync.sharding import (
     ZERO_STAGES,
@@ -194,7 +193,7 @@ class ShardedStrategy(CommsCollectivesMixin, DDPStrategy):
         self.engine = ZeroEngine(
             self.model,
             optimizer,
-            ProcessGroupCommunicator(self.comm),
+            self.comm,
             stage=self.stage,
             wrap_policy=self.wrap_policy,
             prefetch=self.prefetch,
