@@ -21,6 +21,7 @@ build strategies on:
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -30,6 +31,7 @@ import torch.distributed as dist
 
 from lightning_sync.comms.payload import (
     ALL_GATHER_SINGLE,
+    REDUCE_OPS,
     REDUCE_SCATTER_SINGLE,
     check_even,
     check_rank,
@@ -38,6 +40,7 @@ from lightning_sync.comms.payload import (
     get_rank,
     get_world_size,
     group_ranks,
+    handles_of,
     is_gloo,
     nbytes,
     padded,
@@ -59,7 +62,7 @@ class Collectives:
     settings: Any
     observer: Observer | None
     watchdog: Any
-    _scope: Any
+    _scopes: dict[int, tuple[str, ...]]
 
     def _next_seq(self, group: dist.ProcessGroup | None, peer: int | None) -> tuple[int, str]:
         raise NotImplementedError  # CommContext._next_seq
@@ -68,7 +71,7 @@ class Collectives:
         self,
         op: str,
         nbytes: int,
-        launch: Callable[[], Sequence[Any]],
+        launch: Callable[[bool], Sequence[Any]],
         finish: Callable[[], T],
         async_op: bool,
         group: dist.ProcessGroup | None = None,
@@ -82,14 +85,20 @@ class Collectives:
         ``peer`` marks a point-to-point op with that global rank (its sequence numbers count apart). ``like``
         (the tensor whose dtype and shape every rank passes alike), ``detail`` (reduce op, root rank) and
         ``label`` (what the caller reduces, e.g. a logged key) complete the call's signature, which the hang
-        watchdog compares across ranks; they are read only while a watchdog runs."""
-        names = getattr(self._scope, "names", None)
-        if names:
-            op = "/".join([*names, op])
+        watchdog compares across ranks; they are read only while a watchdog runs.
+
+        ``launch(blocking)`` issues the backend call(s) and returns their handles; with ``blocking`` (a synchronous
+        call that no watchdog has to interrupt) a single backend call may run synchronously and return none, which
+        spares torch's asynchronous work object and its wait."""
+        if self._scopes:
+            names = self._scopes.get(threading.get_ident())
+            if names:
+                op = "/".join([*names, op])
         seq, name = self._next_seq(group, peer)
         obs, wd = self.observer, self.watchdog
+        blocking = not async_op and wd is None
         if obs is None and wd is None:  # the bare path: what torch.distributed costs
-            handles = launch()
+            handles = launch(blocking)
             if async_op:
                 return Work(op, seq, handles, finish, 0.0, in_flight=True)
             for h in handles:
@@ -107,7 +116,7 @@ class Collectives:
             obs.record(op, nbytes)
             obs.block_begin()
         try:
-            handles = launch()
+            handles = launch(blocking)
             launched = True
         finally:  # a synchronous backend call blocks in launch; a failed launch leaves nothing in flight
             if obs is not None:
@@ -125,7 +134,12 @@ class Collectives:
         group = self._g(group)
         require_init()
         return self._issue(
-            "barrier", 0, lambda: [dist.barrier(group=group, async_op=True)], lambda: None, async_op, group=group
+            "barrier",
+            0,
+            lambda blocking: handles_of(dist.barrier(group=group, async_op=not blocking)),
+            lambda: None,
+            async_op,
+            group=group,
         )
 
     def all_reduce(
@@ -141,13 +155,22 @@ class Collectives:
         ``label`` names what is reduced (Lightning's ``sync_dist`` passes the logged key): with the hang watchdog
         running, ranks that reduce different labels at the same call fail naming both, even when the tensors alike
         pair up without a hang."""
-        group = self._g(group)
-        require_init()
-        red = check_reduce(op, tensor)
+        if group is None:
+            group = self.group
+        if not dist.is_initialized():
+            require_init()
+        red = REDUCE_OPS.get(op) if op != "avg" or tensor.is_floating_point() else None
+        if red is None:
+            red = check_reduce(op, tensor)  # raises for a bad op or dtype, naming the allowed ones (complex avg: fine)
+        if not async_op and self.observer is None and self.watchdog is None and not self._scopes:
+            # the hot path of _issue's bare case, written out: no handle, no closure, one backend call
+            self._next_seq(group, None)
+            dist.all_reduce(tensor, op=red, group=group)
+            return tensor
         return self._issue(
             "all_reduce",
             nbytes(tensor),
-            lambda: [dist.all_reduce(tensor, op=red, group=group, async_op=True)],
+            lambda blocking: handles_of(dist.all_reduce(tensor, op=red, group=group, async_op=not blocking)),
             lambda: tensor,
             async_op,
             group=group,
@@ -176,7 +199,7 @@ class Collectives:
         return self._issue(
             "reduce",
             nbytes(tensor),
-            lambda: [dist.reduce(tensor, dst=dst, op=red, group=group, async_op=True)],
+            lambda blocking: handles_of(dist.reduce(tensor, dst=dst, op=red, group=group, async_op=not blocking)),
             lambda: tensor,
             async_op,
             group=group,
@@ -199,7 +222,7 @@ class Collectives:
             return self._issue(
                 "broadcast",
                 nbytes(value),
-                lambda: [dist.broadcast(value, src=src, group=group, async_op=True)],
+                lambda blocking: handles_of(dist.broadcast(value, src=src, group=group, async_op=not blocking)),
                 lambda: value,
                 async_op,
                 group=group,
@@ -223,7 +246,7 @@ class Collectives:
         if is_gloo(group):
             chunks, rank, ranks = output.view(-1).chunk(get_world_size(group)), get_rank(group), group_ranks(group)
 
-            def launch() -> list[Any]:
+            def launch(blocking: bool) -> list[Any]:  # K calls: asynchronous whatever `blocking` says
                 chunks[rank].copy_(input.reshape(-1))
                 return [dist.broadcast(c, src=ranks[i], group=group, async_op=True) for i, c in enumerate(chunks)]
 
@@ -231,7 +254,9 @@ class Collectives:
         return self._issue(
             "all_gather",
             nbytes(input),
-            lambda: [ALL_GATHER_SINGLE(output.view(-1), input.reshape(-1), group=group, async_op=True)],
+            lambda blocking: handles_of(
+                ALL_GATHER_SINGLE(output.view(-1), input.reshape(-1), group=group, async_op=not blocking)
+            ),
             lambda: output,
             async_op,
             group=group,
@@ -259,7 +284,7 @@ class Collectives:
         return self._issue(
             "reduce_scatter",
             nbytes(send),
-            lambda: [REDUCE_SCATTER_SINGLE(out, send, op=red, group=group, async_op=True)],
+            lambda blocking: handles_of(REDUCE_SCATTER_SINGLE(out, send, op=red, group=group, async_op=not blocking)),
             lambda: out[:keep],
             async_op,
             group=group,
@@ -296,7 +321,7 @@ class Collectives:
             chunks, out = input.reshape(-1).chunk(world), output.view(-1)
             by = dist.ReduceOp.SUM if op == "avg" else red
 
-            def launch() -> list[Any]:
+            def launch(blocking: bool) -> list[Any]:  # K calls: asynchronous whatever `blocking` says
                 out.copy_(chunks[rank])
                 return [
                     dist.reduce(out if i == rank else c, dst=ranks[i], op=by, group=group, async_op=True)
@@ -312,7 +337,9 @@ class Collectives:
         return self._issue(
             "reduce_scatter",
             nbytes(input),
-            lambda: [REDUCE_SCATTER_SINGLE(output.view(-1), input.reshape(-1), op=red, group=group, async_op=True)],
+            lambda blocking: handles_of(
+                REDUCE_SCATTER_SINGLE(output.view(-1), input.reshape(-1), op=red, group=group, async_op=not blocking)
+            ),
             lambda: output,
             async_op,
             group=group,
@@ -330,7 +357,7 @@ class Collectives:
         return self._issue(
             "send",
             nbytes(tensor),
-            lambda: [dist.isend(tensor, dst=dst, group=group)],
+            lambda blocking: [dist.isend(tensor, dst=dst, group=group)],
             lambda: tensor,
             async_op,
             group=group,
@@ -348,7 +375,7 @@ class Collectives:
         return self._issue(
             "recv",
             nbytes(tensor),
-            lambda: [dist.irecv(tensor, src=src, group=group)],
+            lambda blocking: [dist.irecv(tensor, src=src, group=group)],
             lambda: tensor,
             async_op,
             group=group,

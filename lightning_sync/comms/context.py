@@ -96,7 +96,8 @@ class CommContext(Collectives, UnevenCollectives):
         self.watchdog: Watchdog | None = None
         self._seq: dict[str, Iterator[int]] = {}
         self._seq_world: Any = None  # the default process group the sequence numbers belong to
-        self._scope = threading.local()  # op-name prefixes of the scopes each thread is in (see scope())
+        # op-name prefixes of the scopes each thread is in, by thread id (see scope()); empty, it costs one test
+        self._scopes: dict[int, tuple[str, ...]] = {}
         self._node_groups: dict[int, NodeGroups] = {}
 
     # ------------------------------------------------------------------ as a lightning_sync.sync Communicator
@@ -179,18 +180,23 @@ class CommContext(Collectives, UnevenCollectives):
         ``intra_node/reduce`` against ``inter_node/all_reduce``."""
         if not name or "/" in name:
             raise ValueError(f"scope name must be a non-empty string without '/', got {name!r}")
-        stack = getattr(self._scope, "names", ())
-        self._scope.names = (*stack, name)
+        thread = threading.get_ident()
+        stack = self._scopes.get(thread, ())
+        self._scopes[thread] = (*stack, name)
         try:
             yield
         finally:
-            self._scope.names = stack
+            if stack:
+                self._scopes[thread] = stack
+            else:
+                del self._scopes[thread]
 
     def _next_seq(self, group: dist.ProcessGroup | None, peer: int | None) -> tuple[int, str]:
-        if dist.group.WORLD is not self._seq_world:  # a new default group: count from 1
+        world = dist.group.WORLD
+        if world is not self._seq_world:  # a new default group: count from 1
             self._seq.clear()
-            self._seq_world = dist.group.WORLD
-        name = "world" if group is None or group is dist.group.WORLD else f"group {group_ranks(group)}"
+            self._seq_world = world
+        name = "world" if group is None or group is world else f"group {group_ranks(group)}"
         key = name if peer is None else f"{name}/p2p"
         counter = self._seq.get(key)
         if counter is None:  # dict.setdefault and next() are atomic under the GIL: no lock

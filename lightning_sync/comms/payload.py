@@ -22,6 +22,7 @@ __all__ = [
     "get_rank",
     "get_world_size",
     "group_ranks",
+    "handles_of",
     "is_gloo",
     "nbytes",
     "padded",
@@ -82,6 +83,11 @@ def check_rank(name: str, value: int, group: dist.ProcessGroup | None) -> None:
     ranks = group_ranks(group)
     if not isinstance(value, int) or value not in ranks:
         raise ValueError(f"{name}={value!r} is not a rank of the group; allowed: {ranks}")
+
+
+def handles_of(handle: Any) -> list[Any]:
+    """A backend call's handles: none for a call that ran synchronously (torch returns None)."""
+    return [] if handle is None else [handle]
 
 
 def device_of(group: dist.ProcessGroup | None) -> torch.device:

@@ -21,6 +21,7 @@ from lightning_sync.comms.payload import (
     from_bytes,
     get_rank,
     get_world_size,
+    handles_of,
     nbytes,
     padded,
     require_init,
@@ -50,7 +51,7 @@ class UnevenCollectives:
         return self._issue(
             "metadata",
             nbytes(mine),
-            lambda: [dist.all_gather(out, mine, group=group, async_op=True)],
+            lambda blocking: handles_of(dist.all_gather(out, mine, group=group, async_op=not blocking)),
             lambda: [r.tolist() for r in out],
             async_op=False,
             group=group,
@@ -63,7 +64,7 @@ class UnevenCollectives:
         return self._issue(
             "metadata",
             nbytes(box),
-            lambda: [dist.broadcast(box, src=src, group=group, async_op=True)],
+            lambda blocking: handles_of(dist.broadcast(box, src=src, group=group, async_op=not blocking)),
             lambda: int(box.item()),
             async_op=False,
             group=group,
@@ -81,7 +82,7 @@ class UnevenCollectives:
         return self._issue(
             op,
             size,
-            lambda: [dist.broadcast(buf, src=src, group=group, async_op=True)],
+            lambda blocking: handles_of(dist.broadcast(buf, src=src, group=group, async_op=not blocking)),
             lambda: value if payload is not None else from_bytes(buf),
             async_op,
             group=group,
@@ -138,7 +139,7 @@ class UnevenCollectives:
         return self._issue(
             "all_gather",
             nbytes(send),
-            lambda: [dist.all_gather(bufs, send, group=group, async_op=True)],
+            lambda blocking: handles_of(dist.all_gather(bufs, send, group=group, async_op=not blocking)),
             finish,
             async_op,
             group=group,
@@ -189,7 +190,9 @@ class UnevenCollectives:
         return self._issue(
             "gather",
             nbytes(send),
-            lambda: [dist.gather(send, gather_list=bufs, dst=dst, group=group, async_op=True)],
+            lambda blocking: handles_of(
+                dist.gather(send, gather_list=bufs, dst=dst, group=group, async_op=not blocking)
+            ),
             finish,
             async_op,
             group=group,
@@ -244,7 +247,9 @@ class UnevenCollectives:
         return self._issue(
             "scatter",
             nbytes(recv),
-            lambda: [dist.scatter(recv, scatter_list=send, src=src, group=group, async_op=True)],
+            lambda blocking: handles_of(
+                dist.scatter(recv, scatter_list=send, src=src, group=group, async_op=not blocking)
+            ),
             finish,
             async_op,
             group=group,
