@@ -15,7 +15,34 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Pending", "describe", "explain", "mismatch", "sequence_key", "size"]
+__all__ = [
+    "CollectiveError",
+    "CollectiveMismatch",
+    "CollectiveTimeout",
+    "Pending",
+    "RankLost",
+    "describe",
+    "explain",
+    "mismatch",
+    "sequence_key",
+    "size",
+]
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed or timed out; the message names the op, its sequence number and the culprits."""
+
+
+class CollectiveTimeout(CollectiveError):
+    """A collective did not complete within the watchdog's timeout (or another rank's watchdog aborted)."""
+
+
+class RankLost(CollectiveError):
+    """A collective failed because a peer rank is gone (its heartbeat stopped)."""
+
+
+class CollectiveMismatch(CollectiveError):
+    """Ranks issued different collectives that paired up without a hang (found by ``Watchdog.verify``)."""
 
 
 def sequence_key(group: str, peer: int | None) -> str:

@@ -65,7 +65,16 @@ from typing import Any
 
 import torch.distributed as dist
 
-from lightning_sync.comms.diagnosis import Pending, explain, mismatch, sequence_key
+from lightning_sync.comms.diagnosis import (
+    CollectiveError,
+    CollectiveMismatch,
+    CollectiveTimeout,
+    Pending,
+    RankLost,
+    explain,
+    mismatch,
+    sequence_key,
+)
 from lightning_sync.comms.waiting import Waiter
 
 __all__ = [
@@ -81,22 +90,6 @@ __all__ = [
 
 _HISTORY = 8  # ops per group in a rank's published record: enough to compare the op at a pending seq
 _KEPT = 4096  # ops per group kept in memory, to name the first that differs when verify finds a mismatch
-
-
-class CollectiveError(RuntimeError):
-    """A collective failed or timed out; the message names the op, its sequence number and the culprits."""
-
-
-class CollectiveTimeout(CollectiveError):
-    """A collective did not complete within the watchdog's timeout (or another rank's watchdog aborted)."""
-
-
-class RankLost(CollectiveError):
-    """A collective failed because a peer rank is gone (its heartbeat stopped)."""
-
-
-class CollectiveMismatch(CollectiveError):
-    """Ranks issued different collectives that paired up without a hang (found by :meth:`Watchdog.verify`)."""
 
 
 def check_args(timeout: Any, interval: Any = None, exit_after: Any = None) -> tuple[float, float, float]:
