@@ -436,10 +436,10 @@ def _check_covered(ck: Checks, rank: int, k: int) -> None:
         def wait(self) -> None:
             raise RuntimeError("broken handle")
 
-    def boom() -> list[Any]:
+    def boom(blocking: bool) -> list[Any]:
         raise RuntimeError("launch failed")
 
-    for label, launch in (("launch", boom), ("wait", lambda: [Broken()])):
+    for label, launch in (("launch", boom), ("wait", lambda blocking: [Broken()])):
         try:
             CTX._issue("test_op", 0, launch, lambda: None, async_op=True).wait()
             ck.true(f"covered: failing {label} raises", False)

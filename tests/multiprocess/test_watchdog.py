@@ -168,7 +168,7 @@ def _late_rank(rank: int, k: int) -> tuple[list[str], int]:
     # (its future), reduce-scatter and send/recv (no future: a waiting thread)
     patched = [
         (torch.distributed, "all_reduce"),
-        (collectives, "_REDUCE_SCATTER_SINGLE"),
+        (collectives, "REDUCE_SCATTER_SINGLE"),
         (torch.distributed, "isend"),
         (torch.distributed, "irecv"),
     ]
