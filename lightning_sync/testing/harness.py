@@ -63,7 +63,16 @@ __all__ = [
 
 START_METHOD_ENV = "LIGHTNING_SYNC_START_METHOD"
 """Names the start method of the harness's ranks: ``forkserver`` (the default) or ``spawn``."""
-PRELOAD = ("torch", "torch.distributed", "numpy", "lightning.pytorch", "hydra", "hydra.utils", "omegaconf")
+PRELOAD = (
+    "torch",
+    "torch.distributed",
+    "numpy",
+    "lightning.pytorch",
+    "hydra",
+    "hydra.utils",
+    "omegaconf",
+    "sklearn.datasets",  # the digits data of the CLI's default model
+)
 """Third-party modules the forkserver imports once; a module that fails to import is skipped."""
 
 _DUMP_SIGNAL = signal.SIGUSR2  # the parent sends it to a stuck rank, whose faulthandler dumps all stacks
