@@ -29,7 +29,7 @@ from lightning_sync._checks import check_choice
 from lightning_sync.bench.cost_report import params_markdown, plot_fit
 from lightning_sync.bench.model import CostParams, SweepPoint, calibrate, load_params
 from lightning_sync.bench.report import Report, save_raw
-from lightning_sync.bench.rows import Measurement, node, pyplot, schedule
+from lightning_sync.bench.rows import Measurement, node, schedule
 from lightning_sync.bench.runner import IN_STEP, SINGLE_ROW, Trial, run_trials
 from lightning_sync.bench.sweep import sweep_all_reduce, sweep_sizes
 
@@ -221,7 +221,7 @@ def run_calibration(cfg: DictConfig, out_dir: Path, meta: dict[str, Any]) -> Cos
     text = "\n".join(params_markdown(params))
     (out_dir / "calibration.md").write_text(text + "\n")
     print(f"{text}\n\nCost-model parameters written to {path.resolve()}")
-    plot_fit(params, out_dir / "fit.png", pyplot())
+    plot_fit(params, out_dir / "fit.png")
     return params
 
 

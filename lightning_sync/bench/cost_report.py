@@ -1,14 +1,8 @@
-"""The report's cost-model sections (formulas and parameters: :mod:`lightning_sync.bench.model`).
-
-* **Parameters:** the stored links with their errors against the calibration's points (``fit.png``); read, never
-  refitted.
-* **Validation:** per row, compute measured under the same time-sharing of the cores (the plain model alone on
-  each of the K ranks, kept in step; per step the slowest rank, or per window of H steps for a row that
-  synchronizes once in H), plus its measured codec arithmetic, plus the host work of the rows measured at one
-  rank too (FSDP2: :meth:`CostModel.host_at`), plus T_comm from its traffic (:func:`traffic_of`) on the links
-  calibrated at its K (:meth:`CostModel.links_at`); a second prediction uses ``c(K) T1`` instead.
-* **Projection:** every strategy at the largest measured K, to K = 8 ... 4096 on this machine's links and on
-  :data:`~lightning_sync.bench.model.H100_NDR400`, for ring, tree and hierarchical all-reduce.
+"""The report's cost-model sections (formulas and parameters: :mod:`lightning_sync.bench.model`): the stored
+parameters against their calibration points; validation, each row's step predicted from compute measured under the
+same time-sharing, its codec and host work and T_comm of its traffic on the links calibrated at its K (and again
+with ``c(K) T1``); the projection of every strategy at the largest K to K = 8 ... 4096 on this machine and on
+:data:`~lightning_sync.bench.model.H100_NDR400`.
 """
 
 from __future__ import annotations
@@ -17,10 +11,9 @@ import math
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
 from lightning_sync.bench import model as M
-from lightning_sync.bench.rows import Row, median, save_fig, strategy_class
+from lightning_sync.bench.rows import Row, figure, label, median, save_fig, strategy_class
 
 __all__ = ["CostModel", "Validation", "params_markdown", "plot_fit", "traffic_of"]
 
@@ -29,11 +22,9 @@ _DDP_FIRST_BUCKET, _DDP_BUCKET = 1 * _MIB, 25 * _MIB  # torch DDP's first bucket
 
 
 def traffic_of(row: Row) -> M.Traffic:
-    """A row's per-step traffic: measured through ``comms`` (FSDP2's counted by
-    :func:`~lightning_sync.bench.runner.torch_collectives_counted`), else the analytic traffic of the strategies
-    that bypass it: torch DDP, one all-reduce of the gradients in a 1 MiB then 25 MiB buckets; FSDP2 uncounted,
-    per ``nn.Linear`` unit two all-gathers of its shard (one without ``reshard_after_forward``) and one
-    reduce-scatter, with the backend's own ops."""
+    """A row's per-step traffic: measured through ``comms``, else analytic: torch DDP all-reduces the gradients
+    in a 1 MiB then 25 MiB buckets; FSDP2, per ``nn.Linear`` unit, all-gathers its shard twice (once without
+    ``reshard_after_forward``) and reduce-scatters once."""
     world, s = row.world, float(row.param_bytes)
     if row.measured:
         ops = {op: (float(row.op_calls_per_step.get(op, 0.0)), float(b)) for op, b in row.op_bytes_per_step.items()}
@@ -49,9 +40,8 @@ def traffic_of(row: Row) -> M.Traffic:
 
 @dataclass
 class Validation:
-    """One row's predicted step time against its measured one (seconds; ``None`` where compute was not measured
-    at that K and period). ``predicted_ck_s`` replaces the measured compute and host work by ``c(K)`` times the
-    one-rank step; ``links`` names the links' source (``K=<k>`` or ``pooled``), ``traffic`` the traffic's."""
+    """A row's predicted step time against its measured one (seconds; ``None`` where compute was not measured).
+    ``predicted_ck_s`` uses ``c(K)`` times the one-rank step; ``links``: ``K=<k>`` or ``pooled``."""
 
     model: str
     strategy: str
@@ -84,18 +74,12 @@ class CostModel:
         compute_every: dict[tuple[str, int, int], float] | None = None,
         host: dict[tuple[str, str], float] | None = None,
     ) -> None:
-        """``compute``: per (model, K) the compute step time under K-way time-sharing (K = 1: T1);
-        ``compute_every``: per (model, K, H) the same for ranks that synchronize once in H steps; ``host``: per
-        (model, strategy row) the row's step at one rank less T1 (:meth:`host_at`)."""
+        """``compute``: per (model, K) compute under K-way time-sharing (K = 1: T1); ``compute_every``: per
+        (model, K, H) the same, synchronizing once in H steps; ``host``: per (model, row) its one-rank step less T1."""
         self.rows = [r for r in rows if (r.model, 1) in compute]  # bucket-sweep rows have no compute of their own
         self.compute, self.compute_every, self.host = compute, dict(compute_every or {}), dict(host or {})
-        self.cores = cores or os.cpu_count() or 1
-        self.threads = threads_per_rank
-        self.params = params
-        self.fits = params.fits()
-        """Per op, the link pooled over every calibrated K (the projection's)."""
-        self.fits_at = {k: params.fits(k) for k in params.links_at}
-        """Per calibrated K, per op, the link of that K alone (the validation's)."""
+        self.cores, self.threads, self.params = cores or os.cpu_count() or 1, threads_per_rank, params
+        self.fits, self.fits_at = params.fits(), {k: params.fits(k) for k in params.links_at}
         self.worlds = M.projection_worlds(*projection)
 
     @property
@@ -104,8 +88,7 @@ class CostModel:
         return self.params.links["backend"]
 
     def links_at(self, world: int) -> tuple[M.Link, dict[str, M.Link], str]:
-        """The backend's link, the all-gathers' and reduce-scatters' links and their source (``"K=<world>"`` or
-        ``"pooled"``) for a ``world``-rank step."""
+        """The backend's link, the other ops' own links and their source (``K=<world>`` or ``pooled``)."""
         own = self.params.links_at.get(world, {})
         links = {**self.params.links, **own}
         return links["backend"], _op_links(links), f"K={world}" if "backend" in own else "pooled"
@@ -119,17 +102,13 @@ class CostModel:
         return self.compute[(model, 1)] + self.host.get((model, strategy), 0.0)
 
     def host_at(self, model: str, strategy: str, world: int, every: int = 1) -> float:
-        """Seconds per step of a row's own host work at K = ``world``: its one-rank step less T1, scaled like the
-        compute, by compute(K) / T1 (``c(K)`` where compute was not measured; 0 for a row not measured at one
-        rank). Only rows whose one-rank step has no collective earn it: ours still call the backend there."""
-        h = self.host.get((model, strategy))
-        if h is None:
+        """A row's host work per step at K = ``world``: its one-rank step less T1, scaled by compute(K) / T1 (by
+        ``c(K)`` where compute was not measured); 0 for a row not measured at one rank."""
+        if (h := self.host.get((model, strategy))) is None:
             return 0.0
-        compute = self.compute_at(model, world, every)
-        scale = (
-            compute / self.compute[(model, 1)] if compute is not None else M.contention(world, self.cores, self.threads)
-        )
-        return h * scale
+        if (compute := self.compute_at(model, world, every)) is None:
+            return h * M.contention(world, self.cores, self.threads)
+        return h * compute / self.compute[(model, 1)]
 
     def sharing(self) -> dict[tuple[str, int], float]:
         """Per (model, K > 1): the compute row over ``c(K) T1``; about 1 on an otherwise idle machine."""
@@ -151,27 +130,10 @@ class CostModel:
             codec = r.codec_ms / 1e3
             host = self.host_at(r.model, r.strategy, k, r.sync_every)
             simple = comm + codec + M.contention(k, self.cores, self.threads) * self.one_rank(r.model, r.strategy)
-            predicted = None if compute is None else compute + host + codec + comm
-            error = None if predicted is None else predicted / measured - 1
-            out.append(
-                Validation(
-                    r.model,
-                    r.strategy,
-                    k,
-                    measured,
-                    r.sync_every,
-                    compute,
-                    host,
-                    codec,
-                    comm,
-                    traffic.source,
-                    source,
-                    predicted,
-                    simple,
-                    simple / measured - 1,
-                    error,
-                )
-            )
+            pred = None if compute is None else compute + host + codec + comm
+            err = None if pred is None else pred / measured - 1
+            row = (r.model, r.strategy, k, measured, r.sync_every, compute, host, codec, comm, traffic.source, source)
+            out.append(Validation(*row, pred, simple, simple / measured - 1, err))
         return out
 
     def projection(self) -> list[M.Projection]:
@@ -191,14 +153,10 @@ class CostModel:
             "",
             "### Validation: predicted against measured step time",
             "",
-            "Predicted = compute measured under the same time-sharing (the plain model alone on each of the K ranks, "
-            "kept in step, in the same rounds as the strategy rows; per step its slowest rank, or per window of H "
-            "steps the slowest rank's mean for a row that synchronizes once in H steps, whose measured time is the "
-            "median window mean too) + host (the one-rank step less T1 of the rows measured at one rank too, times "
-            "compute / T1) + codec (compression arithmetic, `comms` op `codec`) + T_comm from the row's per-step "
-            "traffic (`CommStats`; analytic for torch DDP) and the links calibrated at the row's K, no overlap. The "
-            f"last two columns use c(K) (T1 + host at one rank) (c = max(1, K / {self.cores} cores)) instead of the "
-            "measured compute and host.",
+            "Predicted = compute (the plain model alone on each of the K ranks, in step, in the same rounds; the "
+            "slowest rank per step, or per window of H steps) + host (one-rank step less T1, times compute / T1) + "
+            "codec + T_comm of the row's traffic on the links calibrated at its K, no overlap. The last two columns "
+            f"use c(K) (T1 + host) with c = max(1, K / {self.cores} cores) instead.",
             "",
             "| model | strategy | K | H | measured ms | compute ms | host ms | codec ms | T_comm ms "
             "| predicted ms | error | c(K) (T1 + host) + codec + T_comm ms | error |",
@@ -214,10 +172,9 @@ class CostModel:
                 f"{v.host_s * 1e3:.1f} | {v.codec_s * 1e3:.1f} | {v.comm_s * 1e3:.1f} | {pred} | {err} | "
                 f"{v.predicted_ck_s * 1e3:.1f} | {v.error_ck:+.0%} |"
             )
-        errs = {v.strategy: [] for v in val if v.error is not None}
-        for v in val:
-            if v.error is not None:
-                errs[v.strategy].append(abs(v.error))
+        errs: dict[str, list[float]] = {}
+        for v in (v for v in val if v.error is not None):
+            errs.setdefault(v.strategy, []).append(abs(v.error))
         if errs:
             flat = sorted(e for es in errs.values() for e in es)
             lines += [
@@ -248,11 +205,9 @@ class CostModel:
             "",
             "### Projection to K ranks",
             "",
-            "Weak scaling at the measured per-rank batch: T_comp = the measured single-process step time (this "
-            "machine's CPU compute), T_comm from the row's traffic at the largest measured K rescaled to K (shards "
-            "shrink as 1/K). Efficiency T_comp / T_step without overlap, as ring / tree / hierarchical all-reduce; "
-            "the last column is the compute per step that would give 0.9 with the best algorithm at the largest K "
-            "(9 T_comm): what a faster accelerator may not undercut.",
+            "Weak scaling: T_comp = the single-process step, T_comm = the row's traffic at the largest measured K "
+            "rescaled to K. Efficiency T_comp / T_step, no overlap, ring / tree / hierarchical; the last column is "
+            "the compute per step giving 0.9 with the best algorithm (9 T_comm).",
             "",
         ]
         for fabric in dict.fromkeys(p.fabric for p in proj):
@@ -278,15 +233,14 @@ class CostModel:
         )
         return lines
 
-    def plots(self, out_dir: Path, plt: Any) -> None:
+    def plots(self, out_dir: Path) -> None:
         """``fit.png`` (the parameters against their calibration points) and ``projection.png``."""
-        plot_fit(self.params, out_dir / "fit.png", plt)
-        proj = self.projection()
-        if not proj:
+        plot_fit(self.params, out_dir / "fit.png")
+        if not (proj := self.projection()):
             return
         fabrics = list(dict.fromkeys(p.fabric for p in proj))
         models = list(dict.fromkeys(p.model for p in proj))
-        fig, axes = plt.subplots(len(fabrics), len(models), figsize=(5 * len(models), 4 * len(fabrics)), squeeze=False)
+        fig, axes = figure(len(fabrics), len(models), 5, 4)
         for i, fabric in enumerate(fabrics):
             for j, model in enumerate(models):
                 mine = [p for p in proj if p.fabric == fabric and p.model == model]
@@ -297,24 +251,21 @@ class CostModel:
                     axes[i][j].plot(list(best), list(best.values()), "o-", ms=3, label=name)
                 axes[i][j].set_xscale("log", base=2)
                 axes[i][j].set_ylim(0, 1.05)
-                _label(axes[i][j], "ranks K", "efficiency (best algorithm, no overlap)", f"{model}\n{fabric}")
-        save_fig(fig, out_dir / "projection.png", plt)
+                label(axes[i][j], "ranks K", "efficiency (best algorithm, no overlap)", f"{model}\n{fabric}")
+        save_fig(fig, out_dir / "projection.png")
 
 
 def params_markdown(params: M.CostParams) -> list[str]:
-    """The parameters' section: every op's pooled link and its errors against the calibration's points, the links
-    of each calibrated K alone, and the span / slowest-rank ratio of the calibration sweep."""
+    """Every op's pooled link with its errors against the calibration's points, the links of each K alone, and
+    the sweep's span over the slowest rank's time."""
     fits, worlds = params.fits(), sorted({p.world for p in params.points})
     lines = [
         "## Cost model",
         "",
-        f"Parameters: {params.source}. Latency a and bandwidth 1/b per op, calibrated by `lightning-sync bench "
-        "mode=calibrate` (least squares on the relative error, every world size together) and stored in "
-        "`cost_model.params_file`; read here, not refitted. T = 2(K-1) a + 2(K-1)/K S b (ring and backend "
-        "all-reduce), T = 2 ceil(log2 K)(a + S b) (tree), T = (K-1) a + (K-1)/K S b (all-gather and reduce-scatter "
-        "of a whole of S bytes); formulas and defaults: `lightning_sync/bench/model.py`. A calibration point is the "
-        "mean over repeats of the collective's span, from its last rank's start to its last rank's end "
-        "(`lightning_sync/bench/sweep.py`); errors are against those points.",
+        f"Parameters: {params.source}. Latency a and bandwidth 1/b per op from `lightning-sync bench mode=calibrate`"
+        " (stored in `cost_model.params_file`, not refitted here): T = 2(K-1) a + 2(K-1)/K S b (ring, backend), "
+        "2 ceil(log2 K)(a + S b) (tree), (K-1) a + (K-1)/K S b (all-gather, reduce-scatter); formulas in "
+        "`lightning_sync/bench/model.py`. Errors are against the mean span of each calibration point.",
         "",
         "| algorithm | a (us) | bandwidth (GB/s) | points | median abs error | error >= 1 MiB | "
         + " | ".join(f"K={k}" for k in worlds)
@@ -331,8 +282,7 @@ def params_markdown(params: M.CostParams) -> list[str]:
         at = {k: params.fits(k) for k in params.links_at}
         lines += [
             "",
-            "Calibrated at each K alone (the validation's links: a K-rank step is priced with the links measured "
-            "under the same time-sharing of the cores), a (us) / bandwidth (GB/s) and the median abs error:",
+            "Calibrated at each K alone (the validation's links), a (us) / bandwidth (GB/s) (median abs error):",
             "",
             "| algorithm | " + " | ".join(f"K={k}" for k in at) + " |",
             "|---|" + "---:|" * len(at),
@@ -359,13 +309,12 @@ def params_markdown(params: M.CostParams) -> list[str]:
     return lines
 
 
-def plot_fit(params: M.CostParams, path: Path, plt: Any) -> None:
-    """One panel per op: the calibration's points against the link's prediction, per K (K=2 over the default
-    sizes where the parameters have no points)."""
+def plot_fit(params: M.CostParams, path: Path) -> None:
+    """One panel per op: the calibration's points against the link's prediction per K (K=2 without points)."""
     from lightning_sync.bench.sweep import DEFAULT_SIZES
 
     fits = params.fits()
-    fig, axes = plt.subplots(1, len(fits), figsize=(5 * len(fits), 4), squeeze=False)
+    fig, axes = figure(1, len(fits), 5, 4)
     for ax, (a, fit) in zip(axes[0], fits.items()):
         for k in sorted({p.world for p in fit.points}) or [2]:
             pts = sorted((p for p in fit.points if p.world == k), key=lambda p: p.bytes)
@@ -378,20 +327,13 @@ def plot_fit(params: M.CostParams, path: Path, plt: Any) -> None:
         ax.set_xscale("log")
         ax.set_yscale("log")
         title = f"{a}: a={fit.link.alpha * 1e6:.0f} us, {fit.link.bandwidth / 1e9:.2f} GB/s"
-        _label(ax, "payload, the whole tensor (bytes)", "ms", title)
-    save_fig(fig, path, plt)
+        label(ax, "payload, the whole tensor (bytes)", "ms", title)
+    save_fig(fig, path)
 
 
 def _op_links(links: dict[str, M.Link]) -> dict[str, M.Link]:
     """The links of the ops that have their own cost entry (the all-gathers and reduce-scatters)."""
     return {op: link for op, link in links.items() if op in M.OP_COST}
-
-
-def _label(ax: Any, xlabel: str, ylabel: str, title: str) -> None:
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    ax.set_title(title, fontsize=8)
-    ax.legend(fontsize=6)
 
 
 def _fmt_s(seconds: float) -> str:

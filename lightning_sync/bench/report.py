@@ -1,13 +1,9 @@
-"""Turn benchmark measurements into medians, same-pair ratios, a Markdown report and PNG plots.
+"""Measurements to medians, same-pair ratios, a Markdown report and PNG plots.
 
-This machine is noisy, so only medians and same-run ratios are reported. A trial's step time is the median of
-its timed steps on rank 0 (ranks step in lockstep); for a strategy that communicates on one step in H
-(:func:`sync_every`: LocalSGD, DiLoCo) the median over windows of H steps of their mean (:func:`window_means`), so
-every window holds one synchronization and its wait. A row's ratio to the baseline (or to
-``sharding_table.reference``) is the median over pairs of the two trials of the same pair, which ran back to
-back. Wire bytes convert each op's payload with the ring model
-(:data:`~lightning_sync.bench.model.WIRE_FACTORS`), against :func:`analytic_wire_bytes` from the parameter bytes.
-Scaling efficiency is ``T1(b) / TK(b)``, 1.0 being perfect.
+The machine is noisy, so only medians and same-run ratios are reported. A trial's step time is the median of its
+timed steps on rank 0; for a strategy that communicates once in H steps (:func:`sync_every`) the median of the
+means of H-step windows, so every window holds one synchronization. A ratio is the median over pairs of the two
+trials of one pair, which ran back to back. Wire bytes apply the ring model to each op's payload.
 """
 
 from __future__ import annotations
@@ -23,7 +19,7 @@ from typing import Any
 from lightning_sync._checks import check_int
 from lightning_sync.bench.cost_report import CostModel
 from lightning_sync.bench.model import TORCH_TWINS, WIRE_FACTORS, CostParams
-from lightning_sync.bench.rows import Measurement, Row, median, pyplot, save_fig, strategy_class
+from lightning_sync.bench.rows import Measurement, Row, figure, fmt, label, median, save_fig, strategy_class
 from lightning_sync.bench.runner import IN_STEP, SINGLE_ROW
 
 __all__ = ["Report", "analytic_wire_bytes", "load_raw", "save_raw", "sync_every", "wire_bytes"]
@@ -31,23 +27,17 @@ __all__ = ["Report", "analytic_wire_bytes", "load_raw", "save_raw", "sync_every"
 Results = Mapping[int, list[list[Measurement]]]
 
 
-def _check_world(world: int) -> None:
-    if not isinstance(world, int) or world < 1:
-        raise ValueError(f"world size must be an int >= 1, got {world!r}")
-
-
 def wire_bytes(op_bytes: Mapping[str, float], world: int) -> float:
     """Ring-model bytes one rank sends, from its per-op payload bytes (``{op: bytes}``) over K=``world`` ranks."""
-    _check_world(world)
+    check_int("world size", world, 1)
     return sum(WIRE_FACTORS.get(op, lambda k: 1.0)(world) * b for op, b in op_bytes.items())
 
 
 def analytic_wire_factor(strategy: Mapping[str, Any], world: int) -> float:
-    """Wire bytes per parameter byte, per rank and step, that the strategy node's algorithm needs: ``3(K-1)/K``
-    for ZeRO-3 and FSDP2 (all-gather for forward and again for backward, reduce-scatter the gradients;
-    ``2(K-1)/K`` without ``reshard_after_forward``), ``2(K-1)/K`` for ZeRO-1/2 (reduce-scatter, all-gather) and
-    for anything else (one ring all-reduce; compression is not modelled: measured / analytic shows its saving)."""
-    _check_world(world)
+    """Wire bytes per parameter byte and step that the strategy node needs: ``3(K-1)/K`` for ZeRO-3 and FSDP2
+    (all-gather for forward and backward, reduce-scatter; ``2(K-1)/K`` without ``reshard_after_forward``), else
+    ``2(K-1)/K`` (one all-reduce, or ZeRO-1/2's reduce-scatter and all-gather; compression is not modelled)."""
+    check_int("world size", world, 1)
     cls, rounds = strategy_class(dict(strategy)), 2
     if cls == "ShardedStrategy":
         stage = int(strategy.get("stage", 3))
@@ -73,22 +63,19 @@ def window_means(steps: list[float], every: int = 1) -> list[float]:
 
 
 def slowest_per_step(ranks: list[list[float]], every: int = 1) -> list[float]:
-    """Per step, the slowest process's time (``ranks``: each process's step times): a synchronous step ends when
-    its slowest rank does. With ``every`` = H, per window of H steps the slowest process's mean: ranks that
-    synchronize once in H steps wait for the slowest one's H steps together, not for its slowest single step."""
+    """Per step (per window of ``every`` steps: ranks that synchronize once in H steps wait for the slowest one's
+    H steps together), the slowest process's time: a synchronous step ends when its slowest rank does."""
     return [max(window) for window in zip(*(window_means(r, every) for r in ranks))]
 
 
 def sync_every(step_calls: list[int] | None) -> int:
-    """H, a trial's synchronization period: its timed steps over those that issued collectives, rounded; 1 when
-    every step (or none, or nothing through ``comms``: torch's DDP and FSDP2) communicated."""
+    """H, a trial's synchronization period: timed steps over those that issued collectives (1 if none did)."""
     busy = sum(1 for c in step_calls or [] if c > 0)
     return max(1, round(len(step_calls or []) / busy)) if busy else 1
 
 
 def save_raw(path: Path, results: Results, single: list[Measurement], params: CostParams | None, meta: dict) -> None:
-    """A run's raw measurements (per world size, per rank, every trial; the one-rank trials; the cost model's
-    parameters; the metadata) as JSON, for :func:`load_raw`."""
+    """A run's measurements, cost-model parameters and metadata as JSON, for :func:`load_raw`."""
     body = {
         "meta": meta,
         "results": {str(k): [[asdict(m) for m in rank] for rank in v] for k, v in results.items()},
@@ -118,9 +105,8 @@ class Report:
         meta: dict[str, Any],
         params: CostParams | None = None,
     ) -> None:
-        """``results``: per world size (or one world size's list), per rank, the trials (the in-step compute rows,
-        ``extra`` :data:`~lightning_sync.bench.runner.IN_STEP`, among them); ``single``: one-process trials (T1
-        and the cost model's host rows); ``params``: the cost model's parameters (None: no cost model)."""
+        """``results``: per world size (or one world size's list), per rank, the trials (compute rows among
+        them); ``single``: one-process trials (T1 and host rows); ``params``: None for no cost model."""
         self.meta, self.cfg, self.params = meta, cfg, params
         self.baseline = str(cfg.baseline)
         node = cfg.get("sharding_table") if hasattr(cfg, "get") else None
@@ -158,8 +144,8 @@ class Report:
         self.cost_model = self._cost_model()
 
     def compute_every(self, model: str, world: int, every: int) -> float:
-        """Compute step time under K-way time-sharing for ranks that synchronize once in ``every`` steps: the
-        median over windows (of every round) of the slowest in-step rank's mean; NaN where no compute row ran."""
+        """Compute step time at K ranks that synchronize once in ``every`` steps: the median over windows of the
+        slowest in-step rank's mean; NaN where no compute row ran."""
         return median([w for ranks in self._in_step.get((model, world), []) for w in slowest_per_step(ranks, every)])
 
     @staticmethod
@@ -167,7 +153,6 @@ class Report:
         return median(window_means(list(t.step_s), sync_every(t.step_calls)))
 
     def _ratio(self, model: str, name: str, reference: str, world: int) -> float:
-        """Median over pairs of this strategy's step time over ``reference``'s in the same pair."""
         if name == reference:
             return 1.0
         if (model, reference, world) not in self._trials:
@@ -263,9 +248,8 @@ class Report:
         ]
         for r in self.rows():
             wire = f"{r.wire_measured_mib:.2f}" if r.measured else "n/a"
-            x_ref = _fmt(r.ratio_ref, ".3f")
             lines.append(
-                f"| {r.model} | {r.world} | {r.strategy} | {r.step_ms:.1f} | {r.ratio:.3f} | {x_ref} "
+                f"| {r.model} | {r.world} | {r.strategy} | {r.step_ms:.1f} | {r.ratio:.3f} | {fmt(r.ratio_ref, '.3f')} "
                 f"| {r.bytes_mib:.2f} | {r.x_grad:.3f} | {wire} | {r.wire_analytic_mib:.2f} | {r.comm_ms:.1f} | "
                 f"{r.exposed_ms:.1f} | {r.exposed_share:.2f} | {'n/a' if r.covered_na else f'{r.covered_ms:.1f}'} | "
                 f"{r.peak_mib:.0f} | {r.scaling:.2f} |"
@@ -281,14 +265,8 @@ class Report:
             ]
         lines += [
             "",
-            "Overlap check: with perfect overlap a step takes max(T1, comm alone); where communication competes with "
-            "compute for the cores, about T1 + comm alone. Covered ms: per step, the time a rank computed with an "
-            "async `comms` call in flight (n/a: torch's DDP and FSDP2 bypass `comms`), the most it could hide.",
-            "",
-            "torch's DDP sends outside `lightning_sync.comms` (0 bytes here; its payload: the gradients, x grad 1). "
-            "Ring wire MiB: each op's payload with the ring model (all_reduce 2(K-1)/K, reduce_scatter (K-1)/K, "
-            "all_gather K-1). Analytic MiB: DDP 2(K-1)/K x S, ZeRO-3 and FSDP2 3(K-1)/K x S (compression and "
-            "periodic syncs not modelled).",
+            "Covered ms: compute time with an async `comms` call in flight. torch's DDP and FSDP2 bypass `comms` "
+            "(n/a). Ring wire: all_reduce 2(K-1)/K, reduce_scatter (K-1)/K, all_gather K-1 per payload byte.",
             "",
             *self.scaling_markdown(),
             *self.sharding_markdown(),
@@ -298,8 +276,7 @@ class Report:
         return "\n".join(lines)
 
     def as_json(self) -> dict[str, Any]:
-        """Every row (each carrying the run's versions, CPU, date and command), the compute and host times, and
-        the cost model's parameters, validation and projection."""
+        """Every row (each with the run's metadata), compute and host times, and the cost model's results."""
         out: dict[str, Any] = {
             "meta": self.meta,
             "rows": [{**asdict(r), **self.meta} for r in self.rows()],
@@ -322,8 +299,7 @@ class Report:
         lines = [
             "## Scaling efficiency",
             "",
-            "T1(b) / TK(b) at a fixed per-rank batch b: one process against K ranks (1.00 is perfect). "
-            "On this machine K ranks beyond its cores time-share them.",
+            "T1(b) / TK(b) at a fixed per-rank batch b (1.00 is perfect; K ranks beyond the cores time-share them).",
             "",
             "| model | strategy | " + " | ".join(f"K={k}" for k in worlds) + " |",
             "|---|---|" + "---:|" * len(worlds),
@@ -336,8 +312,7 @@ class Report:
         return [*lines, ""]
 
     def sharding_rows(self) -> list[Row]:
-        """Rows of the sharding table: ``sharding_table.rows`` that ran, per model and world size, if a sharded
-        one ran."""
+        """``sharding_table.rows`` that ran, per model and world size where a sharded one ran."""
         out = []
         for model, world in dict.fromkeys((m, k) for m, _, k in self._trials):
             present = [self._rows[(model, n, world)] for n in self.shard_names if (model, n, world) in self._rows]
@@ -353,10 +328,8 @@ class Report:
         lines = [
             "## Sharding",
             "",
-            f"Step time and same-pair ratios to `{self.baseline}` and to `{self.reference}`; peak memory of the "
-            "largest rank (mallinfo2 above the level before the model was built); ring-model wire bytes per step and "
-            "rank through `comms` (torch DDP: n/a; FSDP2's collectives are counted while its trials run) against the "
-            "analytic figure (DDP, ZeRO-1/2: 2(K-1)/K x S; ZeRO-3, FSDP2: 3(K-1)/K x S; S = parameter bytes).",
+            "Peak memory of the largest rank; ring-model wire bytes through `comms` against the analytic figure "
+            "(DDP, ZeRO-1/2: 2(K-1)/K x S; ZeRO-3, FSDP2: 3(K-1)/K x S; S = parameter bytes).",
             "",
             f"| model | K | strategy | step ms | x {self.baseline} | x {self.reference} | peak MiB/rank "
             "| wire MiB/step/rank | analytic MiB | wire / analytic |",
@@ -366,7 +339,7 @@ class Report:
             wire, x_an = (f"{r.wire_measured_mib:.2f}", f"{r.wire_x_analytic:.3f}") if r.measured else ("n/a", "n/a")
             lines.append(
                 f"| {r.model} | {r.world} | {r.strategy} | {r.step_ms:.1f} | {r.ratio:.3f} | "
-                f"{_fmt(r.ratio_ref, '.3f')} | {r.peak_mib:.0f} | {wire} | {r.wire_analytic_mib:.2f} | {x_an} |"
+                f"{fmt(r.ratio_ref, '.3f')} | {r.peak_mib:.0f} | {wire} | {r.wire_analytic_mib:.2f} | {x_an} |"
             )
         return [*lines, ""]
 
@@ -377,85 +350,69 @@ class Report:
         (out_dir / "report.md").write_text(text)
         (out_dir / "report.json").write_text(json.dumps(self.as_json(), indent=1, default=str))
         print(text)
-        plt = pyplot()
         rows = self.rows()
         panels = list(dict.fromkeys((r.model, r.world) for r in rows))
         cols = min(len(panels), 3)
-        n = math.ceil(len(panels) / cols)
-        fig, axes = plt.subplots(n, cols, figsize=(5.5 * cols, 4 * n), squeeze=False)
+        fig, axes = figure(math.ceil(len(panels) / cols), cols, 5.5, 4)
         for ax in axes.flat[len(panels) :]:
             ax.axis("off")
         for ax, (model, world) in zip(axes.flat, panels):
             self._bars(ax, [r for r in rows if (r.model, r.world) == (model, world)], model, world)
-            ax.tick_params(axis="x", rotation=30, labelsize=8)
-        save_fig(fig, out_dir / "step_time.png", plt)
-        sweep = sorted((r for r in rows if "cap_mb" in r.extra), key=lambda r: r.extra["cap_mb"])
-        if sweep:
-            fig, ax = plt.subplots(figsize=(6, 4))
+        save_fig(fig, out_dir / "step_time.png")
+        if sweep := sorted((r for r in rows if "cap_mb" in r.extra), key=lambda r: r.extra["cap_mb"]):
+            fig, ((ax,),) = figure(1, 1, 6, 4)
             caps = [r.extra["cap_mb"] for r in sweep]
             ax.plot(caps, [r.step_ms for r in sweep], "o-", label="step time (ms)")
             ax.plot(caps, [r.exposed_ms for r in sweep], "s--", label="exposed comm (ms)")
             ax.set_xscale("log")
-            ax.set(xlabel="bucket_cap_mb (largest = one bucket)", title=f"bucket size sweep ({sweep[0].model})")
-            ax.legend()
-            save_fig(fig, out_dir / "bucket_sweep.png", plt)
-        self._sharding_plot(out_dir, plt)
-        self._scaling_plot(out_dir, plt)
+            label(ax, "bucket_cap_mb (largest = one bucket)", "", f"bucket size sweep ({sweep[0].model})", 12, 10)
+            save_fig(fig, out_dir / "bucket_sweep.png")
+        self._sharding_plot(out_dir)
+        self._scaling_plot(out_dir)
         if self.cost_model is not None:
-            self.cost_model.plots(out_dir, plt)
+            self.cost_model.plots(out_dir)
 
     def _bars(self, ax: Any, rows: list[Row], model: str, world: int) -> None:
         """Median step time per strategy, each bar labelled with its ratio to the baseline."""
-        ax.bar(range(len(rows)), [r.step_ms for r in rows], color="tab:blue", tick_label=[r.strategy for r in rows])
+        ax.bar(range(len(rows)), [r.step_ms for r in rows], color="tab:blue")
         for i, r in enumerate(rows):
             ax.text(i, r.step_ms, f"{r.ratio:.2f}x", ha="center", va="bottom", fontsize=8)
-        ax.set_title(f"{model}, K={world}: median step time (x {self.baseline})", fontsize=9)
-        ax.set_ylabel("ms / step")
+        ax.set_xticks(range(len(rows)), [r.strategy for r in rows], rotation=30, fontsize=8)
+        label(ax, "", "ms / step", f"{model}, K={world}: median step time (x {self.baseline})", 9, None)
 
-    def _scaling_plot(self, out_dir: Path, plt: Any) -> None:
+    def _scaling_plot(self, out_dir: Path) -> None:
         """``scaling.png``: T1/TK against K per strategy, one panel per model (only with 2+ world sizes)."""
         worlds = self._worlds()
         models = [m for m in dict.fromkeys(m for m, _, _ in self._trials) if m in self._single]
         if len(worlds) < 2 or not models:
             return
-        fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 4), squeeze=False)
+        fig, axes = figure(1, len(models), 5, 4)
         for ax, model in zip(axes[0], models):
             for name in dict.fromkeys(n for m, n, _ in self._trials if m == model):
                 ks = [k for k in worlds if (model, name, k) in self._rows]
                 ax.plot([1, *ks], [1.0, *(self._rows[(model, name, k)].scaling for k in ks)], "o-", label=name, ms=3)
             ax.set_xticks([1, *worlds])
             ax.set_ylim(0, 1.05)
-            ax.set(xlabel="ranks K (fixed per-rank batch)", ylabel="T1 / TK", title=f"{model}: scaling efficiency")
-            ax.legend(fontsize=6)
-        save_fig(fig, out_dir / "scaling.png", plt)
+            label(ax, "ranks K (fixed per-rank batch)", "T1 / TK", f"{model}: scaling efficiency", 12)
+        save_fig(fig, out_dir / "scaling.png")
 
-    def _sharding_plot(self, out_dir: Path, plt: Any) -> None:
+    def _sharding_plot(self, out_dir: Path) -> None:
         """``sharding.png``: per model, step time (top) and wire MiB measured vs analytic (bottom)."""
         rows = self.sharding_rows()
+        panels = list(dict.fromkeys((r.model, r.world) for r in rows))
         if not rows:
             return
-        panels = list(dict.fromkeys((r.model, r.world) for r in rows))
-        fig, axes = plt.subplots(2, len(panels), figsize=(5 * len(panels), 7), squeeze=False)
+        fig, axes = figure(2, len(panels), 5, 3.5)
         for col, (model, world) in enumerate(panels):
             mine = [r for r in rows if (r.model, r.world) == (model, world)]
-            xs = list(range(len(mine)))
-            top, bottom = axes[0][col], axes[1][col]
-            self._bars(top, mine, model, world)
+            xs, bottom = range(len(mine)), axes[1][col]
+            self._bars(axes[0][col], mine, model, world)
             measured = [r.wire_measured_mib if r.measured else 0.0 for r in mine]
             bottom.bar([x - 0.2 for x in xs], measured, width=0.4, color="tab:orange", label="measured (comms)")
             analytic = [r.wire_analytic_mib for r in mine]
             bottom.bar([x + 0.2 for x in xs], analytic, width=0.4, color="tab:gray", label="analytic")
-            for i, r in enumerate(mine):
-                if not r.measured:
-                    bottom.text(i - 0.2, 0, "n/a", ha="center", va="bottom", fontsize=8)
-            bottom.set(title=f"{model}, K={world}: wire MiB / step / rank", ylabel="MiB")
-            bottom.title.set_fontsize(9)
-            bottom.legend(fontsize=8)
-            for ax in (top, bottom):
-                ax.set_xticks(xs)
-                ax.set_xticklabels([r.strategy for r in mine], rotation=30, fontsize=8)
-        save_fig(fig, out_dir / "sharding.png", plt)
-
-
-def _fmt(x: float, spec: str) -> str:
-    return "n/a" if math.isnan(x) else format(x, spec)
+            for i in (i for i, r in enumerate(mine) if not r.measured):
+                bottom.text(i - 0.2, 0, "n/a", ha="center", va="bottom", fontsize=8)
+            bottom.set_xticks(xs, [r.strategy for r in mine], rotation=30, fontsize=8)
+            label(bottom, "", "MiB", f"{model}, K={world}: wire MiB / step / rank", 9, 8)
+        save_fig(fig, out_dir / "sharding.png")

@@ -11,7 +11,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-__all__ = ["Measurement", "Row", "median", "node", "pyplot", "save_fig", "schedule", "strategy_class"]
+__all__ = ["Measurement", "Row", "figure", "fmt", "label", "median", "node", "save_fig", "schedule", "strategy_class"]
 
 _NAN = math.nan
 
@@ -19,6 +19,11 @@ _NAN = math.nan
 def median(xs: list[float]) -> float:
     """The median, NaN for no values (a figure that was not measured)."""
     return statistics.median(xs) if xs else _NAN
+
+
+def fmt(x: float, spec: str) -> str:
+    """``x`` formatted by ``spec``, ``n/a`` for NaN."""
+    return "n/a" if math.isnan(x) else format(x, spec)
 
 
 def node(cfg: Any) -> dict[str, Any]:
@@ -125,7 +130,20 @@ def pyplot() -> Any:
     return plt
 
 
-def save_fig(fig: Any, path: Path, plt: Any) -> None:
-    fig.tight_layout()
+def figure(nrows: int, ncols: int, width: float, height: float) -> tuple[Any, Any]:
+    """``(fig, axes)``: a grid of panels of ``width`` x ``height`` inches each; ``axes`` is always 2-D."""
+    return pyplot().subplots(nrows, ncols, figsize=(width * ncols, height * nrows), squeeze=False)
+
+
+def label(ax: Any, xlabel: str, ylabel: str, title: str, size: float = 8, legend: float | None = 6) -> None:
+    """Axis labels, a title of font ``size`` and (unless ``legend`` is None) a legend of that font size."""
+    ax.set(xlabel=xlabel, ylabel=ylabel)
+    ax.set_title(title, fontsize=size)
+    if legend is not None:
+        ax.legend(fontsize=legend)
+
+
+def save_fig(fig: Any, path: Path, rect: tuple[float, ...] | None = None) -> None:
+    fig.tight_layout(rect=rect)
     fig.savefig(path, dpi=110)
-    plt.close(fig)
+    pyplot().close(fig)
