@@ -77,7 +77,7 @@ _CHUNK = 1 << 22  # elements per pass: bounds the int64 temporaries to 32 MiB ea
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 _SHARDS = "it shards the parameters: no rank holds a full replica (lightning_sync's zero1/zero2/zero3 are supported)"
-# Refused at setup, checked in this order (DiLoCoStrategy is a LocalSGDStrategy).
+# Refused at setup, each naming why replicas differ by design; the first match explains a strategy.
 _REFUSED: tuple[tuple[type, str], ...] = (
     (DiLoCoStrategy, "its inner steps are local: the replicas agree only right after an outer step"),
     (
