@@ -1,54 +1,27 @@
 r"""The communication cost model: fixed, calibrated link parameters, priced traffic, projection to K ranks.
 
-Notation: K ranks, S payload bytes, ``a`` seconds per message (latency), ``b`` seconds per byte (1 /
-bandwidth) of one link, N = K / G nodes of G ranks each.
-
-**All-reduce of S bytes** (Thakur, Rabenseifner & Gropp 2005; Patarasuk & Yuan 2009)::
+K ranks, S payload bytes, ``a`` seconds per message, ``b`` seconds per byte of a link, N = K / G nodes of G ranks.
+All-reduce (Thakur, Rabenseifner & Gropp 2005; Patarasuk & Yuan 2009)::
 
     ring           T = 2(K-1) a + 2(K-1)/K S b
     tree           T = 2 ceil(log2 K) (a + S b)          reduce up a binary tree, broadcast down
-    hierarchical   T = 2 ceil(log2 G) (a_in + S b_in)    reduce to the node leader, and back down
-                     + 2(N-1) a_out + 2(N-1)/N S b_out   ring all-reduce among the N leaders
-    backend        the ring's coefficients, with an effective a and b of gloo or NCCL
+    hierarchical   T = 2 ceil(log2 G) (a_in + S b_in)    to the node leader and back (comms.algorithms)
+                     + 2(N-1) a_out + 2(N-1)/N S b_out   ring among the N leaders
+    backend        the ring's form, with gloo's or NCCL's effective a and b
 
-Hierarchical is the package's own leader-based :func:`lightning_sync.comms.algorithms.hierarchical_all_reduce`.
-**Every other op**, as ``comms`` records its payload P per rank (:data:`OP_COST`: messages, wire bytes per
-payload byte): reduce_scatter ``(K-1) a + (K-1)/K P b`` (P the full input); all_gather ``(K-1) a + (K-1) P b``
-(P this rank's shard); broadcast ``ceil(log2 K)(a + P b)``; gather, scatter and metadata ``(K-1) a + (K-1) P b``
-(the root's link carries every other part); send ``a + P b`` (recv 0: the sender holds it); barrier
-``ceil(log2 K) a``.
-
-**A strategy's step.** :class:`Traffic` holds its per-step calls and payload of every op, measured at K0;
-shard payloads (all_gather, scatter) scale as ``K0 / K``, the others stay::
+Every other op costs :data:`OP_COST` (messages, wire bytes per payload byte P as ``comms`` records it). A step's
+:class:`Traffic` (calls and payload per op, measured at K0; shard payloads scale as K0 / K)::
 
     T_comm(K) = sum over ops of  calls * messages(K) * a + wire(K) * P(K) * b
-    T_step(K) = c(K) T_comp + T_comm(K)   (no overlap)    max(c(K) T_comp, T_comm(K))   (perfect overlap)
+    T_step(K) = c(K) T_comp + T_comm(K),   c(K) = max(1, K threads / cores)
 
-``c(K) = max(1, K threads / cores)`` is the time-sharing of one machine's cores. No overlap is priced here:
-compute and communication compete for the same cores (crediting the measured in-flight time,
-``CommStats.covered_seconds``, put fewer rows within 25 % in a 36-row run of 2026-11-24).
-
-**Parameters** (:class:`CostParams`), a fixed set: per swept op (:data:`SWEPT`: the backend, ring and tree
-all-reduces, ``comms``' all_gather and reduce_scatter, the backend's own ``torch_all_gather`` and
-``torch_reduce_scatter`` that FSDP2 calls) one link ``(a, b)`` fitted to every world size of the calibration
-sweep together, and the same per world size K alone (``links_at``: with more ranks than cores, time-sharing
-changes a link with K, so a K-rank step is priced with the link measured under that time-sharing; the pooled
-link where the calibration did not run at K). :func:`calibrate` fits them (least squares on the relative
-error, :func:`fit_alpha_beta`) to the points of ``lightning-sync bench mode=calibrate``
-(:mod:`lightning_sync.bench.sweep`), which stores them in ``cost_model.params_file``; a report loads that
-file (:func:`load_params`) and never refits. Without one it uses :data:`DEFAULT_PARAMS`, the pooled fits of
-the 2-core AMD EPYC machine on 2026-11-24 (docs/benchmarks/amd-epyc-2core-2026-11-24.md). The projection's
-data-center fabric, :data:`H100_NDR400`, is fixed from data sheets. File format (JSON)::
-
-    {"format": 1, "source": "<machine, date, command>",
-     "links":    {"<op>": {"alpha_s": <s per message>, "beta_s_per_byte": <s per byte>}, ...},
-     "links_at": {"<K>": {"<op>": {"alpha_s": ..., "beta_s_per_byte": ...}, ...}, ...},
-     "points":   [{"algorithm": "<op>", "world": K, "bytes": S, "seconds": <mean span>,
-                   "median_seconds": ..., "rank_seconds": ...}, ...]}
-
-**Projection** (:func:`project`) to K = 8 ... 4096: a flat ring or tree over more than one node runs at the
-inter-node link (every pipeline step waits for that hop), within one node at the intra-node link; sharded ops
-always use the flat ring.
+No overlap is priced: compute and communication compete for the same cores (crediting the measured in-flight
+time put fewer rows within 25 % in a 36-row run of 2026-11-24). :class:`CostParams` holds per swept op
+(:data:`SWEPT`) one link fitted to every K of the calibration together, and one per K alone (``links_at``: with
+more ranks than cores time-sharing changes a link with K). :func:`calibrate` fits them (``lightning-sync bench
+mode=calibrate`` stores them in ``cost_model.params_file``); a report loads that file and never refits, else uses
+:data:`DEFAULT_PARAMS` (docs/benchmarks/amd-epyc-2core-2026-11-24.md). The projection (:func:`project`) runs a
+flat ring or tree over several nodes at the inter-node link; :data:`H100_NDR400` is fixed from data sheets.
 """
 
 from __future__ import annotations
@@ -62,19 +35,10 @@ from typing import Any
 
 from lightning_sync._checks import check_choice, check_int
 from lightning_sync.bench.formulas import overlapped_step_time, ring_allreduce_time, tree_allreduce_time, tree_depth
+from lightning_sync.bench.rows import median
 
-__all__ = [
-    "CostParams",
-    "DEFAULT_PARAMS",
-    "Fabric",
-    "H100_NDR400",
-    "Link",
-    "SweepPoint",
-    "Traffic",
-    "calibrate",
-    "load_params",
-    "project",
-]
+__all__ = ["CostParams", "DEFAULT_PARAMS", "Fabric", "H100_NDR400", "Link", "SweepPoint", "Traffic"]
+__all__ += ["calibrate", "load_params", "project"]
 
 #: All-reduce algorithms the model knows.
 ALGORITHMS = ("backend", "ring", "tree", "hierarchical")
@@ -143,10 +107,8 @@ class Fabric:
         check_int("ranks_per_node", self.ranks_per_node, 1)
 
 
-#: One DGX-H100-like node per 8 GPUs, vendor peak bandwidths per direction: NVLink 4 on H100 SXM5, 900 GB/s
-#: per GPU both ways together (H100 data sheet), 450 GB/s each way; one ConnectX-7 NDR 400 Gb/s port per GPU
-#: (DGX H100 reference architecture), 50 GB/s each way. Latencies are assumptions: 1 us through NVSwitch,
-#: 5 us per InfiniBand hop across a spine. NCCL reaches roughly 70-90 % of the peak bandwidths.
+#: A DGX-H100-like node of 8 GPUs, peak bandwidths per direction: NVLink 4 450 GB/s (900 both ways, H100 data
+#: sheet); one ConnectX-7 NDR 400 Gb/s port per GPU, 50 GB/s. Latencies assumed: 1 us NVSwitch, 5 us InfiniBand.
 H100_NDR400 = Fabric(
     name="8x H100 NVLink 4 per node, NDR 400 Gb/s InfiniBand per GPU",
     intra=Link(1e-6, 1 / 450e9, "NVLink 4, H100 SXM5 data sheet (900 GB/s bidirectional); latency assumed"),
@@ -172,9 +134,7 @@ def contention(world: int, cores: float, threads_per_rank: int = 1) -> float:
 
 
 def all_reduce_coefficients(algorithm: str, world: int) -> tuple[float, float]:
-    """``(messages, bytes factor)`` of one swept op on S bytes (the whole tensor): ``T = messages a + factor S b``:
-    the ring's ``2(K-1)`` and ``2(K-1)/K`` (``ring``, ``backend``), the tree's ``2 ceil(log2 K)`` for both, and
-    ``K-1`` and ``(K-1)/K`` for the all-gathers and reduce-scatters of a whole of S bytes."""
+    """``(messages, bytes factor)`` of one swept op on a whole of S bytes: ``T = messages a + factor S b``."""
     check_choice("algorithm", algorithm, SWEPT)
     check_int("world", world, 1)
     if algorithm == "tree":
@@ -185,8 +145,7 @@ def all_reduce_coefficients(algorithm: str, world: int) -> tuple[float, float]:
 
 
 def all_reduce_seconds(nbytes: float, world: int, fabric: Fabric, algorithm: str = "ring", calls: float = 1.0) -> float:
-    """Seconds for ``calls`` all-reduces totalling ``nbytes`` over ``world`` ranks of ``fabric`` (each call pays
-    the latency, the bytes are paid once)."""
+    """Seconds for ``calls`` all-reduces totalling ``nbytes`` over ``world`` ranks (latency per call)."""
     check_choice("algorithm", algorithm, ALGORITHMS)
     if nbytes < 0:
         raise ValueError(f"nbytes must be >= 0, got {nbytes!r}")
@@ -224,8 +183,7 @@ class Traffic:
 
 
 def comm_seconds(traffic: Traffic, world: int, fabric: Fabric, algorithm: str = "ring") -> float:
-    """``T_comm(K)`` of one step: every op at ``world`` ranks, all-reduces with ``algorithm``, on the link its
-    ranks span (intra-node up to ``ranks_per_node`` ranks, else inter-node; an op's own link where it has one)."""
+    """``T_comm(K)`` of one step, all-reduces with ``algorithm``, on the link its ranks span (or the op's own)."""
     check_choice("algorithm", algorithm, ALGORITHMS)
     link = fabric.intra if world <= fabric.ranks_per_node else fabric.inter
     total = 0.0
@@ -247,16 +205,14 @@ def step_seconds(compute_s: float, comm_s: float, overlap: bool) -> float:
 
 
 def comm_here(traffic: Traffic, world: int, link: Link, op_links: Mapping[str, Link] | None = None) -> float:
-    """``T_comm(K)`` on this machine: every rank on ``link`` (``op_links`` for the ops with their own), all-reduces
-    as the backend runs them; the links were calibrated under the same time-sharing, so no further factor."""
+    """``T_comm(K)`` on this machine, every rank on ``link`` (or an op's own), calibrated under the same sharing."""
     return comm_seconds(traffic, world, Fabric("here", link, link, max(world, 1), dict(op_links or {})), "ring")
 
 
 def predict_here(
     traffic: Traffic, world: int, compute_s: float, link: Link, op_links: Mapping[str, Link] | None = None
 ) -> float:
-    """Predicted step seconds on this machine: ``compute_s`` (compute under the job's time-sharing) plus
-    :func:`comm_here`, no overlap."""
+    """Predicted step seconds here: ``compute_s`` (under the job's time-sharing) plus :func:`comm_here`."""
     return step_seconds(compute_s, comm_here(traffic, world, link, op_links), overlap=False)
 
 
@@ -269,9 +225,8 @@ def projection_worlds(smallest: int = 8, largest: int = 4096) -> list[int]:
 
 @dataclass
 class Projection:
-    """One projected step: ``step_s`` / ``efficiency`` without overlap, ``step_overlap_s`` /
-    ``efficiency_overlap`` with perfect overlap, ``compute_for_90`` the compute per step that would give
-    0.9 without overlap (``9 T_comm``: what a faster accelerator may not undercut)."""
+    """One projected step without and with perfect overlap; ``compute_for_90``: the compute per step that gives
+    efficiency 0.9 without overlap (``9 T_comm``)."""
 
     world: int
     algorithm: str
@@ -307,8 +262,7 @@ def project(
 
 @dataclass
 class SweepPoint:
-    """One swept op at one size: ``seconds`` is the mean span over the repeats (:mod:`lightning_sync.bench.sweep`),
-    ``median_seconds`` their median, ``rank_seconds`` the median of the slowest rank's own time."""
+    """One swept op at one size: the mean span over repeats, their median and the slowest rank's own time."""
 
     algorithm: str
     world: int
@@ -336,20 +290,12 @@ class Fit:
 
     def median_abs_error(self, world: int | None = None, min_bytes: int = 0) -> float:
         """Median of |error| over the points (of one world size, of at least ``min_bytes``); NaN without any."""
-        errs = sorted(abs(self.error(p)) for p in self.points if world in (None, p.world) and p.bytes >= min_bytes)
-        if not errs:
-            return math.nan
-        mid = len(errs) // 2
-        return errs[mid] if len(errs) % 2 else (errs[mid - 1] + errs[mid]) / 2
+        return median([abs(self.error(p)) for p in self.points if world in (None, p.world) and p.bytes >= min_bytes])
 
 
 def fit_alpha_beta(points: Iterable[SweepPoint], algorithm: str) -> Fit:
-    """Fit ``T = messages(K) a + factor(K) S b`` (:func:`all_reduce_coefficients`) to the points of ``algorithm``.
-
-    Least squares of the *relative* error (each equation divided by its time), so latency-bound small sizes and
-    bandwidth-bound large ones weigh alike; a negative coefficient is clamped to 0 and the other refitted alone.
-    Raises ``ValueError`` with fewer than 2 points of world > 1.
-    """
+    """Fit ``T = messages(K) a + factor(K) S b`` to the points of ``algorithm`` by least squares of the relative
+    error, so small (latency-bound) and large sizes weigh alike; a negative coefficient is clamped to 0."""
     check_choice("algorithm", algorithm, SWEPT)
     pts = [p for p in points if p.algorithm == algorithm and p.world > 1 and p.seconds > 0]
     if len(pts) < 2:
@@ -371,8 +317,10 @@ def fit_alpha_beta(points: Iterable[SweepPoint], algorithm: str) -> Fit:
 
 @dataclass
 class CostParams:
-    """The cost model's parameters (module docstring): per swept op a link pooled over every calibrated K, and
-    per K its own; ``points``, the calibration sweep they were fitted to (empty for the defaults)."""
+    """Per swept op a link pooled over every calibrated K and per K its own; the points they were fitted to.
+
+    JSON: ``{"format": 1, "source", "links": {op: {"alpha_s", "beta_s_per_byte"}}, "links_at": {K: links},
+    "points": [SweepPoint]}``."""
 
     links: dict[str, Link]
     links_at: dict[int, dict[str, Link]] = field(default_factory=dict)
@@ -388,8 +336,6 @@ class CostParams:
         }
 
     def as_json(self) -> dict[str, Any]:
-        """The file format of the module docstring."""
-
         def links(d: Mapping[str, Link]) -> dict[str, dict[str, float]]:
             return {op: {"alpha_s": v.alpha, "beta_s_per_byte": v.beta} for op, v in d.items()}
 

@@ -11,9 +11,23 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-__all__ = ["Measurement", "Row", "figure", "fmt", "label", "median", "node", "save_fig", "schedule", "strategy_class"]
+__all__ = [
+    "QUIET",
+    "Measurement",
+    "Row",
+    "figure",
+    "fmt",
+    "label",
+    "median",
+    "node",
+    "save_fig",
+    "schedule",
+    "strategy_class",
+]
 
 _NAN = math.nan
+#: Trainer arguments of a bench fit: nothing logged, saved or shown.
+QUIET = dict.fromkeys(("logger", "enable_checkpointing", "enable_progress_bar", "enable_model_summary"), False)
 
 
 def median(xs: list[float]) -> float:

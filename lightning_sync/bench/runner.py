@@ -33,7 +33,7 @@ from typing_extensions import override
 
 from lightning_sync import comms
 from lightning_sync.bench.fsdp2 import FullyShardStrategy
-from lightning_sync.bench.rows import Measurement
+from lightning_sync.bench.rows import QUIET, Measurement
 from lightning_sync.sync.compression import CODEC_OP
 
 __all__ = ["IN_STEP", "SINGLE_ROW", "StepProbe", "Trial", "run_trials", "stats_of", "torch_collectives_counted"]
@@ -231,11 +231,8 @@ def _run_one(trial: Trial, world: int, callbacks: tuple[pl.Callback, ...] = ()) 
         max_epochs=-1,
         limit_val_batches=0,
         num_sanity_val_steps=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[*callbacks, probe],
+        **QUIET,
     )
     stats_of(trainer.strategy).reset()
     with torch_collectives_counted(strategy) if isinstance(strategy, FullyShardStrategy) else nullcontext():

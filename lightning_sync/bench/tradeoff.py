@@ -1,22 +1,13 @@
 """The synchronization trade-off, measured: final validation loss against bytes sent and wall time.
 
-Every row trains one model for the same global step budget (``steps`` steps of the global batch
-``K x batch_size``: the same samples for every strategy), from the same seed and data, with and without one
-straggler (``SlowRank(rank=1, factor=slow_factor)``). Each trial is one ``Trainer.fit`` in freshly started
-processes with no process group set up beforehand: the asynchronous parameter server runs without one, the
-other strategies create theirs as under a launcher, and Hogwild starts its own processes from one driver. Rows
-alternate A B C ... C B A over ``pairs`` rounds. Per trial (:class:`TradeoffResult`):
-
-* **val loss:** the trained model evaluated after ``fit`` on rank 0 (Hogwild: the driver, which shares the
-  trained memory), over the whole validation set, in one process. The budget is a multiple of every
-  ``sync_every``, so LocalSGD and DiLoCo end on a sync; the parameter server's workers end holding the final
-  global model.
-* **bytes:** payload bytes through ``lightning_sync.comms`` (collectives and RPC) in training, summed over ranks.
-* **wall:** from the first rank's ``on_train_start`` to the last rank's ``on_train_end``.
-* **throughput:** samples whose gradients entered the model (``steps x K x batch_size``) per second.
-
-The report gives medians over rounds (:class:`TradeoffRow`), and each ratio to the reference row
-(``bucketed_ddp``, same model and straggler setting) is the median of same-round ratios.
+Every row trains one model for the same global step budget (the same samples), seed and data, with and without a
+straggler (``SlowRank(rank=1, factor=slow_factor)``), one ``Trainer.fit`` per trial in fresh processes with no
+process group set up beforehand (the parameter server runs without one, Hogwild starts its own processes), rows
+alternating A B C, C B A over ``pairs`` rounds. Per trial (:class:`TradeoffResult`): the validation loss of the
+trained model on rank 0 (Hogwild: the driver) over the whole validation set (the budget is a multiple of every
+``sync_every``, so every row ends synchronized); payload bytes through ``comms`` summed over ranks; the wall time
+from the first ``on_train_start`` to the last ``on_train_end``; samples that entered the model per second. Rows
+(:class:`TradeoffRow`) are medians over rounds, and ratios to the reference the median of same-round ratios.
 """
 
 from __future__ import annotations
@@ -33,20 +24,18 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from lightning_sync.bench.rows import median, node, pyplot, schedule
+from lightning_sync.bench.rows import QUIET, figure, fmt, median, node, pyplot, save_fig, schedule
 from lightning_sync.bench.runner import stats_of
 
 __all__ = ["TradeoffResult", "TradeoffRow", "run_tradeoff", "tradeoff_markdown", "tradeoff_rows"]
 
 log = logging.getLogger("lightning_sync.bench")
-_QUIET = dict.fromkeys(("logger", "enable_checkpointing", "enable_progress_bar", "enable_model_summary"), False)
 
 
 @dataclass
 class TradeoffTrial:
-    """One fit of one strategy: row ``name`` (a key of the model's ``tradeoff.rows``) on ``model`` (a key of
-    ``tradeoff.models``), the Hydra nodes building strategy, module and data, the global step budget, the ranks,
-    rank 1 made ``slow_factor`` times slower (None: no straggler), the pass of the schedule, and labels."""
+    """One fit: row ``name`` of ``tradeoff.rows`` on ``model``, its Hydra nodes, the global step budget, the
+    ranks, rank 1 made ``slow_factor`` times slower (None: no straggler) and the round of the schedule."""
 
     name: str
     model: str
@@ -96,7 +85,7 @@ def _evaluate(model: pl.LightningModule, data: pl.LightningDataModule) -> dict[s
     """The trained model on the whole validation set, in this one process."""
     if torch.distributed.is_initialized():  # left by the strategy; this evaluation is local
         torch.distributed.destroy_process_group()
-    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy="auto", num_sanity_val_steps=0, **_QUIET)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy="auto", num_sanity_val_steps=0, **QUIET)
     metrics = trainer.validate(model, datamodule=data, verbose=False)[0]
     return {k: float(v) for k, v in metrics.items()}
 
@@ -128,7 +117,7 @@ def _fit(rank: int, world: int, trial: TradeoffTrial, out_dir: str) -> dict[str,
         limit_val_batches=0,
         num_sanity_val_steps=0,
         callbacks=callbacks,
-        **_QUIET,
+        **QUIET,
     )
     trainer.fit(model, datamodule=data)
     return _evaluate(model, data) if rank == 0 else None
@@ -138,27 +127,13 @@ def tradeoff_trials(cfg: Any) -> list[TradeoffTrial]:
     """The alternating schedule of ``cfg.tradeoff`` (a plain dict or DictConfig)."""
     t = cfg.tradeoff
     slow = [None] if t.slow_factor is None else [None, float(t.slow_factor)]
+    steps, world, extra = int(t.steps), int(t.world_size), {"seed": int(t.seed)}
     out = []
     for model, rows in t.rows.items():
         m = t.models[model]
-        names = schedule(list(rows), int(t.pairs))
-        per_round = len(rows)
-        for i, name in enumerate(names):
-            for factor in slow:
-                out.append(
-                    TradeoffTrial(
-                        name=str(name),
-                        model=str(model),
-                        strategy=node(rows[name]),
-                        model_cfg=node(m.model),
-                        data_cfg=node(m.data),
-                        steps=int(t.steps),
-                        world=int(t.world_size),
-                        slow_factor=factor,
-                        round=i // per_round,
-                        extra={"seed": int(t.seed)},
-                    )
-                )
+        for i, name in enumerate(schedule(list(rows), int(t.pairs))):
+            args = (str(name), str(model), node(rows[name]), node(m.model), node(m.data), steps, world)
+            out += [TradeoffTrial(*args, f, i // len(rows), dict(extra)) for f in slow]
     return out
 
 
@@ -215,23 +190,11 @@ def run_tradeoff(cfg: Any, out_dir: Path, meta: dict[str, Any] | None = None) ->
         if len(probes) != trial.world:
             raise RuntimeError(f"tradeoff trial {label}: {len(probes)} of {trial.world} ranks reported")
         wall = max(p["end"] for p in probes) - min(p["start"] for p in probes)
-        samples = trial.steps * trial.world * int(trial.data_cfg.get("batch_size", 1))
+        n = trial.steps * trial.world * int(trial.data_cfg.get("batch_size", 1))
         steps = [p["steps"] for p in sorted(probes, key=lambda p: p["rank"])]
-        bytes_sent = sum(p["bytes"] for p in probes)
+        figures = (metrics["val_loss"], sum(p["bytes"] for p in probes), wall, n, n / wall)
         results.append(
-            TradeoffResult(
-                trial.name,
-                trial.model,
-                trial.slow_factor,
-                trial.round,
-                metrics["val_loss"],
-                bytes_sent,
-                wall,
-                samples,
-                samples / wall,
-                steps,
-                metrics,
-            )
+            TradeoffResult(trial.name, trial.model, trial.slow_factor, trial.round, *figures, steps, metrics)
         )
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "tradeoff.md").write_text(tradeoff_markdown(results, cfg, meta) + "\n")
@@ -266,10 +229,6 @@ TARGETS = [
 ]
 
 
-def _fmt(x: float, spec: str) -> str:
-    return "n/a" if x != x else format(x, spec)
-
-
 def tradeoff_markdown(results: list[TradeoffResult], cfg: Any, meta: dict[str, Any] | None = None) -> str:
     """The trade-off table and the target checks, as Markdown (``meta``: machine, versions, date, command)."""
     t = cfg.tradeoff
@@ -292,9 +251,9 @@ def tradeoff_markdown(results: list[TradeoffResult], cfg: Any, meta: dict[str, A
     for r in rows:
         slow = f"rank 1 x{r.slow:g}" if r.slow else "none"
         lines.append(
-            f"| {r.model} | {r.name} | {slow} | {r.val_loss:.4f} | {_fmt(r.x_loss, '.3f')} | "
-            f"{r.bytes / 2**20:.2f} | {_fmt(r.x_bytes, '.4f')} | {r.wall_s:.1f} | "
-            f"{r.samples_per_s:.0f} | {_fmt(r.x_throughput, '.2f')} | {r.steps_by_rank} |"
+            f"| {r.model} | {r.name} | {slow} | {r.val_loss:.4f} | {fmt(r.x_loss, '.3f')} | "
+            f"{r.bytes / 2**20:.2f} | {fmt(r.x_bytes, '.4f')} | {r.wall_s:.1f} | "
+            f"{r.samples_per_s:.0f} | {fmt(r.x_throughput, '.2f')} | {r.steps_by_rank} |"
         )
     lines += ["", "Targets:", ""]
     for name, slowed, max_bytes, max_loss, min_tp in TARGETS:
@@ -316,7 +275,7 @@ def _plot(results: list[TradeoffResult], path: Path) -> None:
     plt = pyplot()
     models = list(dict.fromkeys(r.model for r in results))
     colors = {n: plt.get_cmap("tab10")(i) for i, n in enumerate(dict.fromkeys(r.name for r in results))}
-    fig, axes = plt.subplots(len(models), 2, figsize=(11, 4 * len(models)), squeeze=False)
+    fig, axes = figure(len(models), 2, 5.5, 4)
     for row, model in enumerate(models):
         for r in (r for r in results if r.model == model):
             c = colors[r.name]
@@ -334,6 +293,4 @@ def _plot(results: list[TradeoffResult], path: Path) -> None:
         plt.Line2D([], [], color="gray", marker="s", markerfacecolor="none", linestyle="", label="rank 1 slowed"),
     ]
     fig.legend(handles=handles, loc="upper center", ncol=min(len(handles), 7))
-    fig.tight_layout(rect=(0, 0, 1, 0.93))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_fig(fig, path, rect=(0, 0, 1, 0.93))
