@@ -1,14 +1,10 @@
 """``lightning-sync bench``: strategies side by side, in one invocation, A/B alternated.
 
-The schedule (:func:`~lightning_sync.bench.rows.schedule`) interleaves every strategy in each of ``pairs``
-rounds, reversing the order every other round, so every strategy sees the same machine drift;
-``run_strategies=[a,b]`` runs a subset (:func:`select_strategies`; the baseline always runs). All trials of one
-world size run inside one spawned process group, one ``Trainer.fit`` each, so start-up cost is paid once.
-Scaling efficiency ``T1(b) / TK(b)`` compares one process with per-rank batch b against K ranks each with batch
-b. Results go to ``report.md`` and PNG plots in the Hydra output directory; the report is printed too.
-
-``mode=calibrate`` runs only the cost model's calibration (:func:`run_calibration`): the all-reduce sweep of
-``cost_model.sweep``, fitted and stored in ``cost_model.params_file``, which every later report reads.
+Every strategy runs in each of ``pairs`` rounds, the order reversed every other round (:func:`schedule`);
+``run_strategies=[a,b]`` runs a subset. All trials of one world size run in one spawned process group, one
+``Trainer.fit`` each. Scaling efficiency ``T1(b) / TK(b)`` compares one process with per-rank batch b against K
+ranks. ``mode=calibrate`` runs only the cost model's calibration sweep and stores its fit
+(``cost_model.params_file``), which every later report reads.
 """
 
 from __future__ import annotations
@@ -44,26 +40,14 @@ Rows = dict[str, tuple[dict[str, Any], dict[str, Any]]]
 
 
 def _trials(cfg: DictConfig, model: str, rows: Rows, label: str | None = None) -> list[Trial]:
-    m = cfg.models[model]
-    return [
-        Trial(
-            name,
-            label or model,
-            rows[name][0],
-            node(m.model),
-            node(m.data),
-            int(cfg.steps),
-            int(cfg.warmup_steps),
-            rows[name][1],
-        )
-        for name in schedule(list(rows), int(cfg.pairs))
-    ]
+    m, names = cfg.models[model], schedule(list(rows), int(cfg.pairs))
+    args = (node(m.model), node(m.data), int(cfg.steps), int(cfg.warmup_steps))
+    return [Trial(n, label or model, rows[n][0], *args, rows[n][1]) for n in names]
 
 
 def with_compute_row(rows: dict[str, Any]) -> dict[str, Any]:
-    """``rows`` with the compute row :data:`COMPUTE_ROW` in the middle: :func:`schedule` reverses every other
-    round, so a row at either end would run twice back to back and two of its samples would see the same minute
-    of this shared machine's load; in the middle its samples lie a round apart, like every strategy's."""
+    """``rows`` with :data:`COMPUTE_ROW` in the middle: at either end, where :func:`schedule` turns round, it would
+    run twice back to back and two of its samples would see the same minute of the machine's load."""
     items = list(rows.items())
     mid = len(items) // 2
     return dict([*items[:mid], (COMPUTE_ROW, ({"_target_": None}, {IN_STEP: True})), *items[mid:]])
@@ -79,11 +63,8 @@ def _bucket_rows(cfg: DictConfig) -> Rows:
 
 
 def select_strategies(cfg: DictConfig) -> dict[str, dict[str, Any]]:
-    """The ``strategies`` rows to run: all of them, or ``run_strategies`` plus the baseline, in config order.
-
-    Raises ``ValueError`` for a name that is not a row, and ``ImportError`` (before any rank starts) for a row
-    whose ``_target_`` cannot be imported, naming the row and suggesting a subset.
-    """
+    """The ``strategies`` rows to run: all, or ``run_strategies`` plus the baseline, in config order; a row whose
+    ``_target_`` does not import raises ``ImportError`` before any rank starts, suggesting a subset."""
     rows = {str(name): node(s) for name, s in cfg.strategies.items()}
     wanted = cfg.get("run_strategies")
     if str(cfg.baseline) not in rows:
@@ -108,11 +89,8 @@ def select_strategies(cfg: DictConfig) -> dict[str, dict[str, Any]]:
 
 
 def host_rows(cfg: DictConfig, selected: dict[str, Any]) -> Rows:
-    """The ``selected`` strategy rows that the cost model also measures at one rank (``cost_model.host_rows``),
-    for the single-process rounds: their step there less T1 is their host work.
-
-    Raises ``ValueError`` for a name that is not a row of ``strategies``.
-    """
+    """The ``selected`` rows the cost model also measures at one rank (``cost_model.host_rows``): their step
+    there less T1 is their host work."""
     names = [str(n) for n in ((cfg.get("cost_model") or {}).get("host_rows") or [])]
     unknown = [n for n in names if n not in cfg.strategies]
     if unknown:
@@ -145,15 +123,11 @@ def _meta(cfg: DictConfig, worlds: list[int]) -> dict[str, Any]:
 
 
 def run_bench(cfg: DictConfig, out_dir: Path) -> Report | None:
-    """Run the configured suite (or, with ``mode=calibrate``, :func:`run_calibration`) and write the reports into
-    ``out_dir``: the strategy rows' ``report.md``, ``report.json`` and plots, every rank's raw measurements in
-    ``raw.json`` (:func:`~lightning_sync.bench.report.load_raw` rebuilds the same report from them), and
-    ``tradeoff.md`` when the trade-off is enabled; returns the strategy rows' report, if any ran.
+    """Run the suite (``mode=calibrate``: :func:`run_calibration`) and write ``report.md``, ``report.json``, the
+    plots, ``raw.json`` (:func:`~lightning_sync.bench.report.load_raw`) and ``tradeoff.md`` into ``out_dir``.
 
-    Order: the strategy rows at every world size (one spawned group per size, the compute row
-    :data:`COMPUTE_ROW` among them when the cost model is enabled; the bucket sweep at the smallest), the
-    single-process rows (T1, and the cost model's :func:`host_rows` alternated with it), then the trade-off. The
-    cost model prices the rows with the stored parameters (:func:`~lightning_sync.bench.model.load_params`).
+    Order: the strategy rows at every world size (one spawned group each, with :data:`COMPUTE_ROW` for the cost
+    model and the bucket sweep at the smallest), the single-process rows (T1 and :func:`host_rows`), the trade-off.
     """
     from lightning_sync.testing import run_distributed
 
@@ -208,9 +182,8 @@ def run_bench(cfg: DictConfig, out_dir: Path) -> Report | None:
 
 
 def run_calibration(cfg: DictConfig, out_dir: Path, meta: dict[str, Any]) -> CostParams:
-    """Sweep (``cost_model.sweep``), fit (:func:`~lightning_sync.bench.model.calibrate`) and store the cost model's
-    parameters in ``cost_model.params_file`` (relative to the working directory), with a copy, ``calibration.md``
-    and ``fit.png`` in ``out_dir``; prints the parameters' table."""
+    """Sweep, fit and store the cost model's parameters in ``cost_model.params_file``, with a copy,
+    ``calibration.md`` and ``fit.png`` in ``out_dir``."""
     cost = cfg.cost_model
     points = run_sweep(cost, int(cfg.threads_per_rank), float(cfg.timeout_s))
     params = calibrate(points, f"calibrated {meta['date']} on {meta['cpu']} with `{meta['command']}`")

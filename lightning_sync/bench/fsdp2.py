@@ -1,22 +1,11 @@
 """The sharding baseline of the benchmark: torch's FSDP2 ``fully_shard`` under Lightning's ModelParallelStrategy.
 
-``ModelParallelStrategy`` leaves parallelization to the LightningModule's ``configure_model`` hook and refuses a
-module without one; the benchmark models are plain modules, so :class:`FullyShardStrategy` installs that hook on
-the instance (removed at teardown). It applies ``fully_shard`` to every submodule of ``shard_classes`` (default
-``torch.nn.Linear``), in post-order, each its own unit (one all-gather and one reduce-scatter group), except one
-holding a parameter tied to a module outside it (FSDP2 refuses a parameter managed by two groups), and then to
-the LightningModule itself, the root unit. Lightning calls the hook at its usual place (after the mesh exists,
-before the optimizer is built). The root's forward hooks run only if ``training_step`` calls ``self(x)``.
-
-What is synchronized, and when (Zhao et al., "PyTorch FSDP", VLDB 2023): each unit all-gathers its parameters
-before its forward, frees them after it (``reshard_after_forward``), gathers them again before its backward,
-and reduce-scatters (averages) its gradients right after; every rank keeps and steps only its shard. Per step a
-rank sends ``3(K-1)/K * S`` bytes (``2(K-1)/K * S`` without resharding), S the parameter bytes. A rank that
-fails leaves its peers blocked in the next collective until the process group's timeout.
-
-Example (``conf/bench.yaml``'s ``fsdp2`` row)::
-
-    FullyShardStrategy(shard_classes=["torch.nn.Linear"])   # data parallel over all ranks
+``ModelParallelStrategy`` refuses a module without a ``configure_model`` hook; the benchmark models are plain
+modules, so :class:`FullyShardStrategy` installs one on the instance (removed at teardown). It applies
+``fully_shard`` to every submodule of ``shard_classes`` in post-order, each its own unit, except one holding a
+parameter tied to a module outside it (FSDP2 refuses a parameter of two groups), and then to the root. Each unit
+all-gathers its parameters before forward and again before backward (unless not ``reshard_after_forward``) and
+reduce-scatters its gradients (Zhao et al., "PyTorch FSDP", VLDB 2023): ``3(K-1)/K * S`` bytes per step and rank.
 """
 
 from __future__ import annotations
@@ -36,10 +25,7 @@ __all__ = ["FullyShardStrategy", "resolve_classes"]
 
 
 def resolve_classes(names: Sequence[str | type]) -> tuple[type[nn.Module], ...]:
-    """Turn dotted class names (``"torch.nn.Linear"``) or classes into ``nn.Module`` subclasses.
-
-    Raises ``ValueError`` naming the entry that does not resolve to an ``nn.Module`` subclass.
-    """
+    """Dotted class names (``"torch.nn.Linear"``) or classes as ``nn.Module`` subclasses, else ``ValueError``."""
     if isinstance(names, (str, type)) or not isinstance(names, Sequence):
         raise ValueError(f"shard_classes must be a list of dotted class names, got {names!r}")
     out = []

@@ -1,19 +1,12 @@
 """Benchmark trials, run inside every rank: one ``Trainer.fit`` per trial, measured by :class:`StepProbe`.
 
-Every rank runs the same trials in the same order (the schedule alternates the strategies, so slow drifts of the
-machine hit all alike) and returns a :class:`~lightning_sync.bench.rows.Measurement` per trial. A step is timed
-from batch start to batch end (forward, backward, communication, optimizer step); bytes, calls and seconds per op
-are deltas of the communication statistics around each timed step (every read goes through :func:`stats_of`),
-with compression arithmetic (``comms`` op ``codec``) kept apart. torch's DDP bypasses ``comms`` (the report shows
-its analytic traffic); FSDP2's all-gathers and reduce-scatters are counted while its trials run
-(:func:`torch_collectives_counted`). ``covered_s`` is the time a rank computed with an async call in flight,
-``exposed_s`` the communication still running after backward (bucketed strategies) and ``comm_s`` the same
-buckets all-reduced alone; ``param_bytes`` is S of the analytic wire bytes, counted before the strategy touched
-the module; ``peak_mib`` is the peak malloc'd memory (glibc ``mallinfo2``, sampled around each backward and after
-each step) above the level before the model was built (``torch.cuda.max_memory_allocated`` on GPU).
-
-A trial marked :data:`IN_STEP` is the cost model's compute row: each rank fits the plain model alone (one device,
-no collective in the step), every step started together by :class:`Lockstep`, in the strategies' rounds.
+Every rank runs the same trials in the same order and returns a :class:`~lightning_sync.bench.rows.Measurement`
+per trial. A step is timed from batch start to batch end; bytes, calls and seconds per op are deltas of the
+strategy's statistics (:func:`stats_of`) around each timed step, compression arithmetic (op ``codec``) apart.
+torch's DDP bypasses ``comms``; FSDP2's collectives are counted while its trials run
+(:func:`torch_collectives_counted`). ``peak_mib`` is malloc'd memory (glibc ``mallinfo2``) above the level
+before the model was built. A trial marked :data:`IN_STEP` is the cost model's compute row: each rank fits the
+plain model alone, every step started together by :class:`Lockstep`.
 """
 
 from __future__ import annotations
@@ -51,10 +44,8 @@ TORCH_OPS = {
 
 
 def stats_of(strategy: Any) -> comms.CommStats:
-    """The communication statistics a strategy's traffic is recorded in: the one place the bench reads them.
-
-    A lightning_sync strategy's context observer; for another strategy (Lightning's, FSDP2) statistics the bench
-    keeps on the strategy object, which :func:`torch_collectives_counted` records its torch collectives into."""
+    """The statistics a strategy's traffic is recorded in: its context's observer, or for a foreign strategy
+    (Lightning's, FSDP2) statistics kept on the strategy object (:func:`torch_collectives_counted`)."""
     comm = getattr(strategy, "comm", None)
     if isinstance(comm, comms.CommContext):
         if not isinstance(comm.observer, comms.CommStats):
@@ -65,10 +56,8 @@ def stats_of(strategy: Any) -> comms.CommStats:
 
 @contextmanager
 def torch_collectives_counted(strategy: Any) -> Iterator[None]:
-    """Count what FSDP2 sends, which bypasses ``comms``: while the block runs, the functions of :data:`TORCH_OPS`
-    record each call into :func:`stats_of`, as ``torch_all_gather`` (payload: this rank's input shard, as
-    ``CommContext.all_gather`` counts it) and ``torch_reduce_scatter`` (payload: the whole input), with the seconds the
-    call took (FSDP2 issues them synchronously on CPU; an async call: its issue only). Restored on exit."""
+    """Count what FSDP2 sends outside ``comms``: while the block runs, each call of :data:`TORCH_OPS` is recorded
+    into :func:`stats_of` with its input's bytes (as ``comms`` counts them) and the seconds it took."""
     import torch.distributed as dist
 
     saved: dict[str, Any] = {}
@@ -99,10 +88,8 @@ def torch_collectives_counted(strategy: Any) -> Iterator[None]:
 
 @dataclass
 class Trial:
-    """One measured fit: row ``name`` (e.g. ``bucketed_ddp`` or ``cap=5``) on ``model``, the Hydra nodes building
-    the strategy (``None`` target: single device), the module and the data, ``steps`` timed optimizer steps after
-    ``warmup`` untimed ones (bucket rebuild, allocator and PowerSGD warm-up), free-form ``extra`` labels carried
-    into the report, and the Trainer's ``devices`` (``None``: every rank of the group; 1: one process per rank)."""
+    """One measured fit: row ``name`` on ``model``, the Hydra nodes (``None`` target: single device), ``steps``
+    timed steps after ``warmup`` untimed ones, ``extra`` labels and the Trainer's ``devices`` (None: the group)."""
 
     name: str
     model: str
@@ -123,8 +110,7 @@ class _MallInfo2(ctypes.Structure):
 
 
 def _allocated_mib() -> float:
-    """MiB allocated through malloc (heap in use + mmapped blocks): unlike RSS it falls when tensors are freed,
-    so trials sharing a process compare. glibc only; elsewhere RSS."""
+    """MiB allocated through malloc: unlike RSS it falls when tensors are freed (glibc only; elsewhere RSS)."""
     try:
         libc = ctypes.CDLL("libc.so.6")
         libc.mallinfo2.restype = _MallInfo2
@@ -197,8 +183,7 @@ class StepProbe(pl.Callback):
 
 
 def _comm_alone(bucketer: Any, repeats: int = 3) -> float:
-    """Seconds to all-reduce the strategy's buckets back to back with no compute (median of repeats); unmeasured,
-    through a bare context, so the strategy's statistics hold only its training traffic."""
+    """Seconds to all-reduce the strategy's buckets with no compute (median of repeats), through a bare context."""
     times, ctx = [], comms.CommContext()
     for _ in range(repeats):
         ctx.barrier()
@@ -268,9 +253,8 @@ def _run_one(trial: Trial, world: int, callbacks: tuple[pl.Callback, ...] = ()) 
 
 
 class Lockstep(pl.Callback):
-    """Holds every training step until all ranks reached it (a barrier, through a bare context: it is no traffic of
-    the row), so K single-process fits, one per rank, compute in step as a synchronous job's ranks do; it runs
-    before :class:`StepProbe`'s timer."""
+    """Holds every step until all ranks reached it (a barrier through a bare context, no traffic of the row), so
+    K single-process fits compute in step as a synchronous job's ranks do."""
 
     def __init__(self) -> None:
         self._ctx = comms.CommContext()
@@ -285,8 +269,7 @@ _RANK_ENV = "RANK LOCAL_RANK NODE_RANK WORLD_SIZE LOCAL_WORLD_SIZE MASTER_ADDR M
 
 
 def _run_in_step(trial: Trial, world: int) -> Measurement:
-    """The trial as a single-process fit on this rank, in step with the other ranks' (:class:`Lockstep`): compute
-    under a ``world``-rank job's time-sharing with no collective in the step (the cost model's ``c(K) T_comp``)."""
+    """The trial as a single-process fit on this rank in step with the others': ``c(K) T_comp`` of the cost model."""
     saved = {name: os.environ.pop(name) for name in _RANK_ENV.split() if name in os.environ}
     try:
         out = _run_one(replace(trial, devices=1), 1, (Lockstep(),))

@@ -1,14 +1,10 @@
 """The calibration sweep of the cost model: timed collectives per payload size and swept op (:data:`OPS`).
 
-:func:`sweep_all_reduce` runs inside every rank. Per size and op it times ``repeats`` calls, each started by a
-barrier, and reports the mean of the collective's *span*, from the moment its last rank entered it to the moment
-its last rank left it (``max(end) - max(start)`` on the one host's monotonic clock): what a synchronous step pays,
-since its compute term already ends with its slowest rank. The mean, not the median: a step pays the sum of its
-calls and on a time-shared CPU the span is heavy tailed (2026-11-24, 2 cores: gloo's 1 MiB all-gather at K=2
-spanned 0.64-0.83 ms median, 1.58-1.82 ms mean; FSDP2's 24 calls per step on deep_mlp spanned 43-50 ms where the
-medians priced 33 ms). The median is kept as ``median_seconds``, the slowest rank's own time as
-``rank_seconds``. Each repeat passes over every size, the ops alternating (A B C, C B A, ...), so a burst of load
-hits one repeat of several sizes rather than every repeat of one size.
+Per size and op :func:`sweep_all_reduce` times ``repeats`` calls, each after a barrier, and reports the mean
+*span*, from the last rank's entry to the last rank's exit (what a synchronous step pays). The mean, not the
+median: a step pays the sum of its calls and on a time-shared CPU the span is heavy tailed (FSDP2's 24 calls per
+step on deep_mlp spanned 43-50 ms where medians priced 33 ms). Each repeat passes over every size, the ops
+alternating, so a burst of load hits one repeat of several sizes rather than every repeat of one size.
 """
 
 from __future__ import annotations
@@ -69,9 +65,8 @@ def _repeats_for(nbytes: int, repeats: int) -> int:
 def sweep_all_reduce(
     rank: int, world: int, sizes: list[int], algorithms: list[str], repeats: int = 7, threads: int = 1
 ) -> list[SweepPoint]:
-    """Time every size with every op; one point per (size, op), the same on every rank (the times are
-    all-reduced). The ranks must share one host: the span compares their clocks. One untimed call per
-    (size, op) warms the buffers and the connections first."""
+    """One point per (size, op), the same on every rank, after one untimed call each. The ranks must share one
+    host: the span compares their clocks."""
     for a in algorithms:
         check_choice("algorithm", a, OPS)
     check_int("repeats", repeats, 1)
@@ -105,8 +100,7 @@ def sweep_all_reduce(
 
 
 def price(spans: list[float], own: list[float]) -> dict[str, float]:
-    """One point's times from its repeats: ``seconds``, the mean span (a step pays the sum of its calls);
-    ``median_seconds``; ``rank_seconds``, the median slowest-rank time."""
+    """One point's ``seconds`` (mean span), ``median_seconds`` and ``rank_seconds`` (median slowest-rank time)."""
     return {
         "seconds": statistics.fmean(spans),
         "median_seconds": statistics.median(spans),
