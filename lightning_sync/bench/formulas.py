@@ -15,14 +15,8 @@ from __future__ import annotations
 
 import math
 
-__all__ = [
-    "overlapped_step_time",
-    "ring_allreduce_bytes",
-    "ring_allreduce_time",
-    "ring_shard_bytes",
-    "tree_allreduce_time",
-    "tree_depth",
-]
+__all__ = ["overlapped_step_time", "ring_allreduce_bytes", "ring_allreduce_time", "ring_shard_bytes"]
+__all__ += ["tree_allreduce_time", "tree_depth"]
 
 
 def _check(world_size: int, nbytes: float) -> None:

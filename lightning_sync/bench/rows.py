@@ -11,23 +11,13 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-__all__ = [
-    "QUIET",
-    "Measurement",
-    "Row",
-    "figure",
-    "fmt",
-    "label",
-    "median",
-    "node",
-    "save_fig",
-    "schedule",
-    "strategy_class",
-]
+__all__ = ["FIT", "QUIET", "Measurement", "Row", "figure", "fmt", "label", "median", "node", "save_fig"]
+__all__ += ["schedule", "strategy_class"]
 
 _NAN = math.nan
-#: Trainer arguments of a bench fit: nothing logged, saved or shown.
+#: Trainer arguments of a bench fit: nothing logged, saved or shown; ``FIT``: a step budget, no validation.
 QUIET = dict.fromkeys(("logger", "enable_checkpointing", "enable_progress_bar", "enable_model_summary"), False)
+FIT = {**QUIET, "max_epochs": -1, "limit_val_batches": 0, "num_sanity_val_steps": 0}
 
 
 def median(xs: list[float]) -> float:

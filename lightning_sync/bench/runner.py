@@ -26,7 +26,7 @@ from typing_extensions import override
 
 from lightning_sync import comms
 from lightning_sync.bench.fsdp2 import FullyShardStrategy
-from lightning_sync.bench.rows import QUIET, Measurement
+from lightning_sync.bench.rows import FIT, Measurement
 from lightning_sync.sync.compression import CODEC_OP
 
 __all__ = ["IN_STEP", "SINGLE_ROW", "StepProbe", "Trial", "run_trials", "stats_of", "torch_collectives_counted"]
@@ -125,18 +125,11 @@ class StepProbe(pl.Callback):
     """Times each step and samples bytes, exposed communication and memory (see module docstring)."""
 
     def __init__(self, warmup: int) -> None:
-        self.warmup = warmup
-        self.step_s: list[float] = []
-        self.exposed_s: list[float] = []
-        self.codec_s: list[float] = []
-        self.covered_s: list[float] = []
-        self.blocked_s: list[float] = []
-        self.bytes: list[int] = []
-        self.step_calls: list[int] = []
-        self.op_bytes: dict[str, int] = {}  # summed over the timed steps
-        self.op_calls: dict[str, int] = {}
-        self.op_seconds: dict[str, float] = {}
-        self.peak_rss = 0.0
+        self.warmup, self.peak_rss = warmup, 0.0
+        # per timed step: seconds, and bytes and calls through comms; per op: summed over the timed steps
+        self.step_s, self.exposed_s, self.codec_s, self.covered_s, self.blocked_s = [], [], [], [], []
+        self.bytes, self.step_calls = [], []
+        self.op_bytes, self.op_calls, self.op_seconds = {}, {}, {}
         self.bucketer: Any = None  # kept past teardown, for the communication-alone measurement
         self._t0 = self._covered0 = self._blocked0 = 0.0
         self._snap0: dict[str, comms.OpStats] = {}
@@ -213,11 +206,8 @@ def _run_one(trial: Trial, world: int, callbacks: tuple[pl.Callback, ...] = ()) 
         devices=trial.devices or world,
         strategy=strategy,
         max_steps=trial.warmup + trial.steps,
-        max_epochs=-1,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
         callbacks=[*callbacks, probe],
-        **QUIET,
+        **FIT,
     )
     stats_of(trainer.strategy).reset()
     with torch_collectives_counted(strategy) if isinstance(strategy, FullyShardStrategy) else nullcontext():

@@ -24,7 +24,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from lightning_sync.bench.rows import QUIET, figure, fmt, median, node, pyplot, save_fig, schedule
+from lightning_sync.bench.rows import FIT, QUIET, figure, fmt, median, node, pyplot, save_fig, schedule
 from lightning_sync.bench.runner import stats_of
 
 __all__ = ["TradeoffResult", "TradeoffRow", "run_tradeoff", "tradeoff_markdown", "tradeoff_rows"]
@@ -113,11 +113,8 @@ def _fit(rank: int, world: int, trial: TradeoffTrial, out_dir: str) -> dict[str,
         devices=trial.world,
         strategy=instantiate(trial.strategy),
         max_steps=trial.steps,
-        max_epochs=-1,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
         callbacks=callbacks,
-        **QUIET,
+        **FIT,
     )
     trainer.fit(model, datamodule=data)
     return _evaluate(model, data) if rank == 0 else None
@@ -234,15 +231,11 @@ def tradeoff_markdown(results: list[TradeoffResult], cfg: Any, meta: dict[str, A
     t = cfg.tradeoff
     rows = tradeoff_rows(results, str(t.reference))
     lines = [f"## Trade-off: {int(t.steps)} global steps of {int(t.world_size)} ranks, {int(t.pairs)} rounds", ""]
-    if meta:
-        lines += [
-            f"Measured {meta['date']} on {meta['cpu']}; Python {meta['python']}, torch {meta['torch']}, "
-            f"lightning {meta['lightning']}. Command: `{meta['command']}`",
-            "",
-        ]
+    if m := meta:
+        versions = f"Python {m['python']}, torch {m['torch']}, lightning {m['lightning']}"
+        lines += [f"Measured {m['date']} on {m['cpu']}; {versions}. Command: `{m['command']}`", ""]
     lines += [
-        f"Ratios are to `{t.reference}` on the same model and straggler setting (median of same-round "
-        "ratios); `steps/rank` are each rank's own optimizer steps in the first round.",
+        f"Ratios: median of same-round ratios to `{t.reference}` (same model and straggler); `steps/rank`: round 0.",
         "",
         "| model | strategy | straggler | val loss | x loss | MiB sent | x bytes | wall s | samples/s | "
         "x throughput | steps/rank |",
@@ -258,16 +251,16 @@ def tradeoff_markdown(results: list[TradeoffResult], cfg: Any, meta: dict[str, A
     lines += ["", "Targets:", ""]
     for name, slowed, max_bytes, max_loss, min_tp in TARGETS:
         for r in (r for r in rows if r.name == name and bool(r.slow) == slowed):
-            checks = []
-            if max_bytes is not None:
-                met = "met" if r.x_bytes <= max_bytes else "MISSED"
-                checks.append(f"bytes x{r.x_bytes:.4f} <= {max_bytes:.4f}: {met}")
+            checks = [f"bytes x{r.x_bytes:.4f} <= {max_bytes:.4f}: {_met(r.x_bytes <= max_bytes)}"] if max_bytes else []
             if min_tp is not None:
-                met = "met" if r.x_throughput >= min_tp else "MISSED"
-                checks.append(f"throughput x{r.x_throughput:.2f} >= {min_tp}: {met}")
-            checks.append(f"loss x{r.x_loss:.3f} <= {max_loss}: {'met' if r.x_loss <= max_loss else 'MISSED'}")
+                checks.append(f"throughput x{r.x_throughput:.2f} >= {min_tp}: {_met(r.x_throughput >= min_tp)}")
+            checks.append(f"loss x{r.x_loss:.3f} <= {max_loss}: {_met(r.x_loss <= max_loss)}")
             lines.append(f"- {r.model} {name}" + (" with the straggler" if slowed else "") + ": " + "; ".join(checks))
     return "\n".join(lines)
+
+
+def _met(ok: bool) -> str:
+    return "met" if ok else "MISSED"
 
 
 def _plot(results: list[TradeoffResult], path: Path) -> None:
