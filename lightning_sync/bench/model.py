@@ -47,11 +47,8 @@ ALGORITHMS = ("backend", "ring", "tree", "hierarchical")
 OP_COST: dict[str, Callable[[int], tuple[float, float]]] = {
     "all_reduce": lambda k: (2 * (k - 1), 2 * (k - 1) / k),
     "reduce_scatter": lambda k: (k - 1, (k - 1) / k),
-    "all_gather": lambda k: (k - 1, k - 1),
+    **dict.fromkeys(("all_gather", "gather", "scatter", "metadata"), lambda k: (k - 1, k - 1)),
     "broadcast": lambda k: (tree_depth(k), tree_depth(k)),
-    "gather": lambda k: (k - 1, k - 1),
-    "scatter": lambda k: (k - 1, k - 1),
-    "metadata": lambda k: (k - 1, k - 1),
     "send": lambda k: (1, 1),
     "recv": lambda k: (0, 0),
     "barrier": lambda k: (tree_depth(k), 0),
@@ -376,21 +373,10 @@ def calibrate(points: Iterable[SweepPoint], source: str) -> CostParams:
 
 _SOURCE = "defaults: pooled fits of 2026-11-24, 2-core AMD EPYC, K=2-4 (docs/benchmarks)"
 #: Used where no calibration file exists: per op (latency in s, bandwidth in bytes/s).
-DEFAULT_PARAMS = CostParams(
-    {
-        op: Link(alpha, 1 / bandwidth, _SOURCE)
-        for op, (alpha, bandwidth) in {
-            "backend": (571e-6, 1.43e9),
-            "ring": (1228e-6, 0.715e9),
-            "tree": (325e-6, 2.34e9),
-            "all_gather": (858e-6, 0.889e9),
-            "reduce_scatter": (1428e-6, 0.652e9),
-            "torch_all_gather": (875e-6, 0.526e9),
-            "torch_reduce_scatter": (1429e-6, 0.445e9),
-        }.items()
-    },
-    source=_SOURCE,
-)
+_DEFAULTS = dict(backend=(571e-6, 1.43e9), ring=(1228e-6, 0.715e9), tree=(325e-6, 2.34e9))
+_DEFAULTS.update(all_gather=(858e-6, 0.889e9), reduce_scatter=(1428e-6, 0.652e9))
+_DEFAULTS.update(torch_all_gather=(875e-6, 0.526e9), torch_reduce_scatter=(1429e-6, 0.445e9))
+DEFAULT_PARAMS = CostParams({op: Link(a, 1 / bw, _SOURCE) for op, (a, bw) in _DEFAULTS.items()}, source=_SOURCE)
 
 
 def load_params(path: str | Path | None) -> CostParams:

@@ -114,30 +114,23 @@ class Report:
         self.reference = str((node or {}).get("reference", "fsdp2"))
         by_world = results if isinstance(results, Mapping) else {results[0][0].world if results[0] else 0: results}
         self._trials: dict[tuple[str, str, int], list[Measurement]] = defaultdict(list)
-        self._in_step: dict[tuple[str, int], list[list[list[float]]]] = defaultdict(list)
-        """Per (model, K), per round, every in-step rank's compute step times."""
+        self._in_step: dict[tuple[str, int], list[list[list[float]]]] = defaultdict(list)  # per round, per rank
         for world, ranks in by_world.items():
             for i, rank0 in enumerate(ranks[0]):
                 mine = [r[i] for r in ranks]
                 if rank0.extra.get(IN_STEP):
                     self._in_step[(rank0.model, int(world))].append([list(m.step_s) for m in mine])
                     continue
-                peak = max(m.peak_mib for m in mine)
                 wire = max(wire_bytes(m.op_bytes_per_step, m.world) for m in mine)
-                self._trials[(rank0.model, rank0.name, int(world))].append(
-                    replace(rank0, peak_mib=peak, wire_bytes=wire)
-                )
+                key = (rank0.model, rank0.name, int(world))
+                self._trials[key].append(replace(rank0, peak_mib=max(m.peak_mib for m in mine), wire_bytes=wire))
         solo: dict[tuple[str, str], list[float]] = defaultdict(list)
         for m in single:
             solo[(m.model, m.name)].append(median(m.step_s))
-        self._single = {model: median(v) for (model, n), v in solo.items() if n == SINGLE_ROW}
-        """T1 per model: the median over rounds of the single-process trials' median step."""
-        self.host = {
-            k: median(v) - self._single[k[0]] for k, v in solo.items() if k[1] != SINGLE_ROW and k[0] in self._single
-        }
-        """Per (model, strategy row): the row's step at one rank less T1 (the cost model's host rows)."""
-        self.compute = {key: self.compute_every(*key, 1) for key in self._in_step}
-        """Compute step time per (model, K) under K-way time-sharing (K = 1: T1)."""
+        self._single = {model: median(v) for (model, n), v in solo.items() if n == SINGLE_ROW}  # T1 per model
+        hosts = [(k, v) for k, v in solo.items() if k[1] != SINGLE_ROW and k[0] in self._single]
+        self.host = {k: median(v) - self._single[k[0]] for k, v in hosts}  # per (model, row): one-rank step less T1
+        self.compute = {key: self.compute_every(*key, 1) for key in self._in_step}  # per (model, K); K = 1: T1
         for model, t1 in self._single.items():
             self.compute.setdefault((model, 1), t1)
         self._rows = {key: self._row(*key) for key in self._trials}
@@ -153,11 +146,8 @@ class Report:
         return median(window_means(list(t.step_s), sync_every(t.step_calls)))
 
     def _ratio(self, model: str, name: str, reference: str, world: int) -> float:
-        if name == reference:
-            return 1.0
-        if (model, reference, world) not in self._trials:
-            return math.nan
-        base = self._trials[(model, reference, world)]
+        if name == reference or (base := self._trials.get((model, reference, world))) is None:
+            return 1.0 if name == reference else math.nan
         return median([self._step(t) / self._step(b) for t, b in zip(self._trials[(model, name, world)], base)])
 
     def _row(self, model: str, name: str, world: int) -> Row:
@@ -217,16 +207,10 @@ class Report:
             return None
         proj = ((self.cfg.get("cost_model") if hasattr(self.cfg, "get") else None) or {}).get("projection") or {}
         every = {(r.model, r.world, r.sync_every) for r in self.rows() if r.sync_every > 1}
-        return CostModel(
-            self.rows(),
-            self.compute,
-            self.params,
-            compute_every={key: self.compute_every(*key) for key in every if key[:2] in self._in_step},
-            host=self.host,
-            cores=self.meta.get("cores"),
-            threads_per_rank=int(self.meta.get("threads_per_rank", 1)),
-            projection=(int(proj.get("smallest", 8)), int(proj.get("largest", 4096))),
-        )
+        compute_every = {key: self.compute_every(*key) for key in every if key[:2] in self._in_step}
+        ks = (int(proj.get("smallest", 8)), int(proj.get("largest", 4096)))
+        args = (self.meta.get("cores"), int(self.meta.get("threads_per_rank", 1)), ks, compute_every, self.host)
+        return CostModel(self.rows(), self.compute, self.params, *args)
 
     def _worlds(self) -> list[int]:
         return sorted({k for _, _, k in self._trials})
@@ -305,9 +289,8 @@ class Report:
             "|---|---|" + "---:|" * len(worlds),
         ]
         for model, name in names:
-            cells = [
-                f"{self._rows[(model, name, k)].scaling:.2f}" if (model, name, k) in self._rows else "-" for k in worlds
-            ]
+            rows = [self._rows.get((model, name, k)) for k in worlds]
+            cells = [f"{r.scaling:.2f}" if r else "-" for r in rows]
             lines.append(f"| {model} | {name} | " + " | ".join(cells) + " |")
         return [*lines, ""]
 
