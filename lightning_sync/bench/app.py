@@ -141,15 +141,13 @@ def run_bench(cfg: DictConfig, out_dir: Path) -> Report | None:
     strategies: Rows = {name: (s, {}) for name, s in selected.items()}
     cost = cfg.get("cost_model") or {}
     hosts = host_rows(cfg, selected) if cost.get("enabled") else {}
-    if cost.get("enabled"):  # compute alone under the same time-sharing, in the same rounds (runner.IN_STEP)
-        strategies = with_compute_row(strategies)
+    strategies = with_compute_row(strategies) if cost.get("enabled") else strategies  # compute alone, same rounds
     timeout = float(cfg.timeout_s)
     results: dict[int, list[list[Measurement]]] = {}
     for world in worlds:
         trials = [t for model in cfg.run_models for t in _trials(cfg, model, strategies)]
         if cfg.bucket_sweep.enabled and world == worlds[0]:
-            sweep_model = cfg.bucket_sweep.model
-            trials += _trials(cfg, sweep_model, _bucket_rows(cfg), f"{sweep_model} (bucket sweep)")
+            trials += _trials(cfg, (m := cfg.bucket_sweep.model), _bucket_rows(cfg), f"{m} (bucket sweep)")
         if trials:
             log.info(
                 "bench: %d trials on %d ranks (%d pairs, %d timed steps each)", len(trials), world, cfg.pairs, cfg.steps

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from lightning_sync.bench import model as M
-from lightning_sync.bench.rows import Row, figure, label, median, save_fig, strategy_class
+from lightning_sync.bench.rows import Row, figure, fmt, label, median, save_fig, strategy_class
 
 __all__ = ["CostModel", "Validation", "params_markdown", "plot_fit", "traffic_of"]
 
@@ -164,8 +165,7 @@ class CostModel:
         ]
         val = self.validation()
         for v in val:
-            comp = "n/a" if v.compute_s is None else f"{v.compute_s * 1e3:.1f}"
-            pred = "n/a" if v.predicted_s is None else f"{v.predicted_s * 1e3:.1f}"
+            comp, pred = (fmt(math.nan if s is None else s * 1e3, ".1f") for s in (v.compute_s, v.predicted_s))
             err = "n/a" if v.error is None else f"{v.error:+.0%}"
             lines.append(
                 f"| {v.model} | {v.strategy} | {v.world} | {v.sync_every} | {v.measured_s * 1e3:.1f} | {comp} | "
@@ -214,7 +214,7 @@ class CostModel:
             lines += [
                 f"**{fabric}**",
                 "",
-                "| model | strategy | " + " | ".join(f"K={k}" for k in show) + f" | compute for 0.9 at K={show[-1]} |",
+                f"| model | strategy | {_ks(show)} | compute for 0.9 at K={show[-1]} |",
                 "|---|---|" + "---:|" * (len(show) + 1),
             ]
             mine = [p for p in proj if p.fabric == fabric]
@@ -245,10 +245,9 @@ class CostModel:
             for j, model in enumerate(models):
                 mine = [p for p in proj if p.fabric == fabric and p.model == model]
                 for name in dict.fromkeys(p.strategy for p in mine):
-                    best: dict[int, float] = {}
-                    for p in (p for p in mine if p.strategy == name):
-                        best[p.world] = max(best.get(p.world, -1.0), p.efficiency)
-                    axes[i][j].plot(list(best), list(best.values()), "o-", ms=3, label=name)
+                    ks = list(dict.fromkeys(p.world for p in mine if p.strategy == name))
+                    best = [max(p.efficiency for p in mine if (p.strategy, p.world) == (name, k)) for k in ks]
+                    axes[i][j].plot(ks, best, "o-", ms=3, label=name)
                 axes[i][j].set_xscale("log", base=2)
                 axes[i][j].set_ylim(0, 1.05)
                 label(axes[i][j], "ranks K", "efficiency (best algorithm, no overlap)", f"{model}\n{fabric}")
@@ -267,9 +266,7 @@ def params_markdown(params: M.CostParams) -> list[str]:
         "2 ceil(log2 K)(a + S b) (tree), (K-1) a + (K-1)/K S b (all-gather, reduce-scatter); formulas in "
         "`lightning_sync/bench/model.py`. Errors are against the mean span of each calibration point.",
         "",
-        "| algorithm | a (us) | bandwidth (GB/s) | points | median abs error | error >= 1 MiB | "
-        + " | ".join(f"K={k}" for k in worlds)
-        + " |",
+        f"| algorithm | a (us) | bandwidth (GB/s) | points | median abs error | error >= 1 MiB | {_ks(worlds)} |",
         "|---|---:|---:|---:|---:|---:|" + "---:|" * len(worlds),
     ]
     for a, fit in fits.items():
@@ -284,7 +281,7 @@ def params_markdown(params: M.CostParams) -> list[str]:
             "",
             "Calibrated at each K alone (the validation's links), a (us) / bandwidth (GB/s) (median abs error):",
             "",
-            "| algorithm | " + " | ".join(f"K={k}" for k in at) + " |",
+            f"| algorithm | {_ks(at)} |",
             "|---|" + "---:|" * len(at),
         ]
         for a in fits:
@@ -334,6 +331,10 @@ def plot_fit(params: M.CostParams, path: Path) -> None:
 def _op_links(links: dict[str, M.Link]) -> dict[str, M.Link]:
     """The links of the ops that have their own cost entry (the all-gathers and reduce-scatters)."""
     return {op: link for op, link in links.items() if op in M.OP_COST}
+
+
+def _ks(worlds: Iterable[int]) -> str:
+    return " | ".join(f"K={k}" for k in worlds)
 
 
 def _fmt_s(seconds: float) -> str:

@@ -63,12 +63,8 @@ class FullyShardStrategy(ModelParallelStrategy):
         data_parallel_size: int | None = None,
         **kwargs: Any,
     ) -> None:
-        if "tensor_parallel_size" in kwargs and kwargs["tensor_parallel_size"] not in (1, "auto"):
-            raise ValueError(
-                f"tensor_parallel_size must be 1 (this strategy only shards data-parallel), "
-                f"got {kwargs['tensor_parallel_size']!r}"
-            )
-        kwargs.pop("tensor_parallel_size", None)
+        if (tp := kwargs.pop("tensor_parallel_size", 1)) not in (1, "auto"):
+            raise ValueError(f"tensor_parallel_size must be 1 (this strategy only shards data-parallel), got {tp!r}")
         if not isinstance(reshard_after_forward, bool):
             raise ValueError(f"reshard_after_forward must be True or False, got {reshard_after_forward!r}")
         super().__init__(data_parallel_size=data_parallel_size or "auto", tensor_parallel_size=1, **kwargs)

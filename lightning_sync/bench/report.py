@@ -195,10 +195,6 @@ class Report:
             extra=first.extra,
         )
 
-    def row(self, model: str, name: str, world: int) -> Row:
-        """Aggregated figures of one strategy on one model at one world size."""
-        return self._rows[(model, name, world)]
-
     def rows(self) -> list[Row]:
         return list(self._rows.values())
 

@@ -57,15 +57,13 @@ class Measurement:
     op_bytes_per_step: dict[str, float] = field(default_factory=dict)
     op_calls_per_step: dict[str, float] = field(default_factory=dict)
     op_seconds_per_step: dict[str, float] = field(default_factory=dict)
-    comm_calls: int = 0
-    """Collectives issued through ``comms`` in the timed steps (0: the strategy bypasses it)."""
+    comm_calls: int = 0  # collectives through ``comms`` in the timed steps (0: the strategy bypasses it)
     step_calls: list[int] = field(default_factory=list)
     exposed_s: list[float] = field(default_factory=list)
     codec_s: list[float] = field(default_factory=list)
     covered_s: list[float] = field(default_factory=list)
     blocked_s: list[float] = field(default_factory=list)
-    comm_s: float | None = None
-    """The strategy's gradient buckets all-reduced alone, without compute (bucketed strategies only)."""
+    comm_s: float | None = None  # the strategy's buckets all-reduced alone, without compute (bucketed only)
     param_bytes: int = 0
     n_linear: int = 0
     strategy: dict[str, Any] = field(default_factory=dict)
@@ -73,8 +71,7 @@ class Measurement:
     extra: dict[str, Any] = field(default_factory=dict)
     rank: int = 0
     trial: int = 0
-    wire_bytes: float = _NAN
-    """Ring-model wire bytes per step, the largest over ranks (set by the report)."""
+    wire_bytes: float = _NAN  # ring-model wire bytes per step, the largest over ranks (set by the report)
 
 
 @dataclass
@@ -86,14 +83,11 @@ class Row:
     strategy: str
     world: int
     step_ms: float = _NAN
-    ratio: float = _NAN
-    """Same-pair step-time ratio to the baseline."""
-    ratio_ref: float = _NAN
-    """Same-pair step-time ratio to ``sharding_table.reference``."""
+    ratio: float = _NAN  # same-pair step-time ratio to the baseline
+    ratio_ref: float = _NAN  # and to ``sharding_table.reference``
     bytes_mib: float = 0.0
     x_grad: float = _NAN
-    measured: bool = True
-    """Whether the traffic went through ``comms`` (else wire bytes are n/a and the cost model's are analytic)."""
+    measured: bool = True  # the traffic went through ``comms`` (else wire bytes are n/a, the cost model's analytic)
     wire_measured_mib: float = _NAN
     wire_analytic_mib: float = _NAN
     wire_x_analytic: float = _NAN

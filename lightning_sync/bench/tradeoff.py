@@ -58,9 +58,7 @@ class _Probe(pl.Callback):
     """Per rank: the training interval (wall clock), optimizer steps and comms bytes, written as JSON."""
 
     def __init__(self, out_dir: str) -> None:
-        self.out_dir = out_dir
-        self._start = 0.0
-        self._bytes0 = 0
+        self.out_dir, self._start, self._bytes0 = out_dir, 0.0, 0
 
     @staticmethod
     def _bytes(trainer: pl.Trainer) -> int:
@@ -70,13 +68,8 @@ class _Probe(pl.Callback):
         self._bytes0, self._start = self._bytes(trainer), time.time()
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        record = {
-            "rank": trainer.global_rank,
-            "start": self._start,
-            "end": time.time(),
-            "steps": trainer.global_step,
-            "bytes": self._bytes(trainer) - self._bytes0,
-        }
+        record = dict(rank=trainer.global_rank, start=self._start, end=time.time(), steps=trainer.global_step)
+        record["bytes"] = self._bytes(trainer) - self._bytes0
         with open(os.path.join(self.out_dir, f"rank{trainer.global_rank}.json"), "w") as f:
             json.dump(record, f)
 
