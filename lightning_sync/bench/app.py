@@ -1,10 +1,7 @@
-"""``lightning-sync bench``: strategies side by side, in one invocation, A/B alternated.
-
-Every strategy runs in each of ``pairs`` rounds, the order reversed every other round (:func:`schedule`);
-``run_strategies=[a,b]`` runs a subset. All trials of one world size run in one spawned process group, one
-``Trainer.fit`` each. Scaling efficiency ``T1(b) / TK(b)`` compares one process with per-rank batch b against K
-ranks. ``mode=calibrate`` runs only the cost model's calibration sweep and stores its fit
-(``cost_model.params_file``), which every later report reads.
+"""``lightning-sync bench``: strategies side by side in one invocation, each of ``pairs`` rounds running every
+strategy, the order reversed every other round (:func:`schedule`); one spawned process group per world size.
+Scaling efficiency ``T1(b) / TK(b)`` compares one process with per-rank batch b against K ranks.
+``mode=calibrate`` runs only the cost model's calibration and stores its fit in ``cost_model.params_file``.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
-"""The report's cost-model sections (formulas and parameters: :mod:`lightning_sync.bench.model`): the stored
-parameters against their calibration points; validation, each row's step predicted from compute measured under the
-same time-sharing, its codec and host work and T_comm of its traffic on the links calibrated at its K (and again
-with ``c(K) T1``); the projection of every strategy at the largest K to K = 8 ... 4096 on this machine and on
-:data:`~lightning_sync.bench.model.H100_NDR400`.
+"""The report's cost-model sections (:mod:`lightning_sync.bench.model`): the stored parameters against their
+calibration points, each row's step predicted against its measured one, and every strategy projected from the
+largest measured K to K = 8 ... 4096 on this machine and on :data:`~lightning_sync.bench.model.H100_NDR400`.
 """
 
 from __future__ import annotations

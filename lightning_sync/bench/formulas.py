@@ -1,14 +1,7 @@
-"""Closed-form communication costs; :mod:`lightning_sync.bench.model` fits and projects with them.
-
-Cost model (Patarasuk & Yuan 2009; Thakur et al. 2005), for K ranks, S payload bytes, link
-bandwidth BW (bytes/s) and per-message latency alpha (s):
-
-* ring all-reduce: each rank sends ``2(K-1)/K * S`` bytes in ``2(K-1)`` messages;
-  ``T_ring = 2(K-1) * alpha + 2(K-1) * S / (K * BW)``.
-* ring reduce-scatter or all-gather: half of that, ``(K-1)/K * S`` in ``K-1`` messages.
-* binary-tree all-reduce (reduce to the root, then broadcast): ``2 * ceil(log2 K)`` steps each
-  moving ``S``: ``T_tree = 2 * ceil(log2 K) * (alpha + S / BW)``.
-* with backward overlap: ``T_step = max(T_comp, T_comm) + T_exposed``.
+"""Closed-form communication costs (Patarasuk & Yuan 2009; Thakur et al. 2005) for K ranks, S payload bytes,
+bandwidth BW (bytes/s) and per-message latency alpha (s); :mod:`lightning_sync.bench.model` fits and projects with
+them. Ring all-reduce sends ``2(K-1)/K * S`` per rank in ``2(K-1)`` messages, a ring reduce-scatter or
+all-gather half that; a binary-tree all-reduce takes ``2 ceil(log2 K)`` steps each moving S.
 """
 
 from __future__ import annotations

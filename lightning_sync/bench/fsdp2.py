@@ -1,11 +1,9 @@
 """The sharding baseline of the benchmark: torch's FSDP2 ``fully_shard`` under Lightning's ModelParallelStrategy.
 
-``ModelParallelStrategy`` refuses a module without a ``configure_model`` hook; the benchmark models are plain
-modules, so :class:`FullyShardStrategy` installs one on the instance (removed at teardown). It applies
-``fully_shard`` to every submodule of ``shard_classes`` in post-order, each its own unit, except one holding a
-parameter tied to a module outside it (FSDP2 refuses a parameter of two groups), and then to the root. Each unit
-all-gathers its parameters before forward and again before backward (unless not ``reshard_after_forward``) and
-reduce-scatters its gradients (Zhao et al., "PyTorch FSDP", VLDB 2023): ``3(K-1)/K * S`` bytes per step and rank.
+:class:`FullyShardStrategy` installs the ``configure_model`` hook that ModelParallelStrategy requires on a plain
+module (removed at teardown) and applies ``fully_shard`` to every submodule of ``shard_classes`` in post-order,
+except one holding a parameter tied outside it (FSDP2 refuses a parameter of two groups), then to the root. Per
+step a rank sends ``3(K-1)/K * S`` bytes (Zhao et al., "PyTorch FSDP", VLDB 2023; ``2(K-1)/K`` without resharding).
 """
 
 from __future__ import annotations

@@ -15,13 +15,10 @@ Every other op costs :data:`OP_COST` (messages, wire bytes per payload byte P as
     T_comm(K) = sum over ops of  calls * messages(K) * a + wire(K) * P(K) * b
     T_step(K) = c(K) T_comp + T_comm(K),   c(K) = max(1, K threads / cores)
 
-No overlap is priced: compute and communication compete for the same cores (crediting the measured in-flight
-time put fewer rows within 25 % in a 36-row run of 2026-11-24). :class:`CostParams` holds per swept op
-(:data:`SWEPT`) one link fitted to every K of the calibration together, and one per K alone (``links_at``: with
-more ranks than cores time-sharing changes a link with K). :func:`calibrate` fits them (``lightning-sync bench
-mode=calibrate`` stores them in ``cost_model.params_file``); a report loads that file and never refits, else uses
-:data:`DEFAULT_PARAMS` (docs/benchmarks/amd-epyc-2core-2026-11-24.md). The projection (:func:`project`) runs a
-flat ring or tree over several nodes at the inter-node link; :data:`H100_NDR400` is fixed from data sheets.
+No overlap is priced: compute and communication compete for the same cores. :class:`CostParams` holds per
+swept op one link fitted to every calibrated K together and one per K alone (time-sharing changes a link with
+K); ``bench mode=calibrate`` stores them, a report reads them (else :data:`DEFAULT_PARAMS`) and never refits.
+The projection runs a flat ring or tree over several nodes at the inter-node link.
 """
 
 from __future__ import annotations
@@ -97,8 +94,7 @@ class Fabric:
     intra: Link
     inter: Link
     ranks_per_node: int
-    op_links: Mapping[str, Link] = field(default_factory=dict)
-    """Links that replace ``intra`` and ``inter`` for one op (gloo runs its all-gather unlike its all-reduce)."""
+    op_links: Mapping[str, Link] = field(default_factory=dict)  # one op's own link (gloo's all-gather differs)
 
     def __post_init__(self) -> None:
         check_int("ranks_per_node", self.ranks_per_node, 1)
@@ -162,8 +158,7 @@ class Traffic:
 
     ops: dict[str, tuple[float, float]]
     world: int
-    source: str = "measured"
-    """``measured`` (``CommStats``) or ``analytic`` (a strategy that bypasses ``comms``)."""
+    source: str = "measured"  # or ``analytic`` (a strategy that bypasses ``comms``)
 
     def __post_init__(self) -> None:
         check_int("world", self.world, 1)

@@ -1,9 +1,6 @@
-"""Measurements to medians, same-pair ratios, a Markdown report and PNG plots.
-
-The machine is noisy, so only medians and same-run ratios are reported. A trial's step time is the median of its
-timed steps on rank 0; for a strategy that communicates once in H steps (:func:`sync_every`) the median of the
-means of H-step windows, so every window holds one synchronization. A ratio is the median over pairs of the two
-trials of one pair, which ran back to back. Wire bytes apply the ring model to each op's payload.
+"""Measurements to medians, same-pair ratios, a Markdown report and PNG plots. The machine is noisy, so only
+medians and same-run ratios are reported: a ratio is the median over pairs of two trials run back to back, and a
+row that synchronizes once in H steps (:func:`sync_every`) is timed per H-step window.
 """
 
 from __future__ import annotations
@@ -217,8 +214,7 @@ class Report:
             f"# lightning-sync bench ({m['date']})",
             "",
             f"- machine: {m['cpu']}; {', '.join(map(str, self._worlds()))} ranks x {m['threads_per_rank']} thread(s)",
-            f"- torch {m['torch']}, lightning {m['lightning']}, python {m['python']}",
-            f"- command: `{m['command']}`",
+            f"- torch {m['torch']}, lightning {m['lightning']}, python {m['python']}; command: `{m['command']}`",
             f"- {self.cfg.pairs} alternating pairs x {self.cfg.steps} timed steps (after {self.cfg.warmup_steps} "
             f"warm-up steps); medians; ratios are to `{base}` and to `{ref}` in the same pair and world size",
             "",

@@ -1,8 +1,7 @@
 """Benchmark trials, run inside every rank: one ``Trainer.fit`` per trial, measured by :class:`StepProbe`.
 
-Every rank runs the same trials in the same order and returns a :class:`~lightning_sync.bench.rows.Measurement`
-per trial. A step is timed from batch start to batch end; bytes, calls and seconds per op are deltas of the
-strategy's statistics (:func:`stats_of`) around each timed step, compression arithmetic (op ``codec``) apart.
+Every rank runs the same trials in the same order, each timed from batch start to batch end; bytes, calls and
+seconds per op are deltas of the strategy's statistics (:func:`stats_of`), compression (op ``codec``) apart.
 torch's DDP bypasses ``comms``; FSDP2's collectives are counted while its trials run
 (:func:`torch_collectives_counted`). ``peak_mib`` is malloc'd memory (glibc ``mallinfo2``) above the level
 before the model was built. A trial marked :data:`IN_STEP` is the cost model's compute row: each rank fits the

@@ -1,10 +1,7 @@
-"""The calibration sweep of the cost model: timed collectives per payload size and swept op (:data:`OPS`).
-
-Per size and op :func:`sweep_all_reduce` times ``repeats`` calls, each after a barrier, and reports the mean
-*span*, from the last rank's entry to the last rank's exit (what a synchronous step pays). The mean, not the
-median: a step pays the sum of its calls and on a time-shared CPU the span is heavy tailed (FSDP2's 24 calls per
-step on deep_mlp spanned 43-50 ms where medians priced 33 ms). Each repeat passes over every size, the ops
-alternating, so a burst of load hits one repeat of several sizes rather than every repeat of one size.
+"""The cost model's calibration sweep: per payload size and op (:data:`OPS`) the mean *span* of ``repeats``
+calls, from the last rank's entry to its exit, what a synchronous step pays. The mean, not the median: a step pays
+the sum of its calls and the span is heavy tailed on a time-shared CPU (FSDP2's 24 calls per step on deep_mlp
+spanned 43-50 ms where medians priced 33 ms). Each repeat passes over every size, the ops alternating.
 """
 
 from __future__ import annotations

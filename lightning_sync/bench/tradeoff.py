@@ -1,13 +1,10 @@
 """The synchronization trade-off, measured: final validation loss against bytes sent and wall time.
 
-Every row trains one model for the same global step budget (the same samples), seed and data, with and without a
-straggler (``SlowRank(rank=1, factor=slow_factor)``), one ``Trainer.fit`` per trial in fresh processes with no
-process group set up beforehand (the parameter server runs without one, Hogwild starts its own processes), rows
-alternating A B C, C B A over ``pairs`` rounds. Per trial (:class:`TradeoffResult`): the validation loss of the
-trained model on rank 0 (Hogwild: the driver) over the whole validation set (the budget is a multiple of every
-``sync_every``, so every row ends synchronized); payload bytes through ``comms`` summed over ranks; the wall time
-from the first ``on_train_start`` to the last ``on_train_end``; samples that entered the model per second. Rows
-(:class:`TradeoffRow`) are medians over rounds, and ratios to the reference the median of same-round ratios.
+Every row trains one model for the same global step budget, seed and data, with and without a straggler
+(``SlowRank(rank=1)``), one ``Trainer.fit`` per trial in fresh processes with no process group set up beforehand
+(the parameter server needs none, Hogwild starts its own processes), rows alternating over ``pairs`` rounds. Per
+trial: validation loss on rank 0 after the fit, ``comms`` bytes summed over ranks, wall time from the first
+``on_train_start`` to the last ``on_train_end``, and throughput; rows are medians over rounds and same-round ratios.
 """
 
 from __future__ import annotations
