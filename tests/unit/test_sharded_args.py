@@ -16,7 +16,6 @@ from torch import nn
 
 import lightning_sync  # noqa: F401 - importing the package registers the strategy names
 from lightning_sync import ShardedStrategy
-from lightning_sync.strategies import sharded
 from lightning_sync.sync.communicator import LoopbackCommunicator
 
 __all__: list[str] = []
@@ -167,8 +166,8 @@ class _Net(nn.Module):
 
 def _build_engine(monkeypatch: pytest.MonkeyPatch, wrap_policy: Any) -> Any:
     """The strategy's own engine construction, on a one-rank loopback communicator instead of a process group."""
-    monkeypatch.setattr(sharded, "ProcessGroupCommunicator", lambda ctx: LoopbackCommunicator(world_size=1))
     strategy = ShardedStrategy(stage=3, wrap_policy=wrap_policy)
+    strategy.comm = LoopbackCommunicator(world_size=1)  # the engine's communicator is the strategy's context
     strategy.model = _Net()
     strategy._build_engine(None)
     return strategy.engine
