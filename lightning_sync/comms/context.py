@@ -28,7 +28,6 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch.distributed as dist
 
-from lightning_sync.comms.collectives import Collectives
 from lightning_sync.comms.payload import group_ranks
 from lightning_sync.comms.uneven import UnevenCollectives
 from lightning_sync.comms.work import Observer
@@ -74,7 +73,7 @@ class CommSettings:
         return cls(**data)
 
 
-class CommContext(Collectives, UnevenCollectives):
+class CommContext(UnevenCollectives):
     """The communication state of one job; its methods are the collectives (see the module docstring).
 
     Args:

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_sync.comms.collectives import Collectives
 from lightning_sync.comms.payload import (
     check_rank,
     device_of,
@@ -33,16 +34,8 @@ from lightning_sync.comms.work import Work
 __all__ = ["UnevenCollectives"]
 
 
-class UnevenCollectives:
-    """Uneven and object collectives; every call is issued through the context's ``_issue``."""
-
-    group: dist.ProcessGroup | None
-
-    def _issue(self, *args: Any, **kwargs: Any) -> Any:  # CommContext._issue
-        raise NotImplementedError
-
-    def _g(self, group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
-        return self.group if group is None else group
+class UnevenCollectives(Collectives):
+    """Uneven and object collectives, on the even ones and the ``_issue`` of :class:`Collectives`."""
 
     def _metadata_all_gather(self, row: list[int], group: dist.ProcessGroup | None) -> list[list[int]]:
         """All-gather one small int64 row per rank (sizes, shapes); counted as ``metadata``."""

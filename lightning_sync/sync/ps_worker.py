@@ -159,10 +159,13 @@ class RpcLink:
         self.server_rank = server_rank
         self.observer = observer  # the strategy context's, which counts the requests' and replies' bytes
 
-    def pull(self, worker: int) -> Reply:
+    def _call(self, fn: Any, *args: Any) -> Any:
         from lightning_sync.comms import rpc
 
-        return rpc.rpc_call(self.server_rank, _remote_pull, worker, observer=self.observer)
+        return rpc.rpc_call(self.server_rank, fn, *args, observer=self.observer)
+
+    def pull(self, worker: int) -> Reply:
+        return self._call(_remote_pull, worker)
 
     def push(
         self,
@@ -173,26 +176,16 @@ class RpcLink:
         buffers: list[torch.Tensor],
         clip: tuple[str, float] | None,
     ) -> Reply:
-        from lightning_sync.comms import rpc
-
-        return rpc.rpc_call(
-            self.server_rank, _remote_push, worker, read_version, grads, present, buffers, clip, observer=self.observer
-        )
+        return self._call(_remote_push, worker, read_version, grads, present, buffers, clip)
 
     def finish(self, worker: int) -> Reply:
-        from lightning_sync.comms import rpc
-
-        return rpc.rpc_call(self.server_rank, _remote_finish, worker, observer=self.observer)
+        return self._call(_remote_finish, worker)
 
     def abort(self, worker: int, message: str) -> None:
-        from lightning_sync.comms import rpc
-
-        rpc.rpc_call(self.server_rank, _remote_abort, worker, message, observer=self.observer)
+        self._call(_remote_abort, worker, message)
 
     def snapshot(self) -> dict[str, Any]:
-        from lightning_sync.comms import rpc
-
-        return rpc.rpc_call(self.server_rank, _remote_snapshot, observer=self.observer)
+        return self._call(_remote_snapshot)
 
 
 # ---------------------------------------------------------------------- the worker
