@@ -70,7 +70,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     for item in session.items:
         module = getattr(item, "module", None)
         if module is not None and any(name in vars(module) for name in ("run_distributed", "launch")):
-            from lightning_sync.testing.harness import warm_up
+            from lightning_sync.testing.startup import warm_up
 
             warm_up()
             return

@@ -23,57 +23,40 @@ a client, as under torchrun (``TORCHELASTIC_USE_AGENT_STORE``).
 
 Results travel back through ``torch.save`` bytes, so tensors come back as ordinary CPU tensors.
 
-**Start-up.** Ranks are forked by a ``forkserver`` that has imported torch, Lightning and Hydra once
-(:data:`PRELOAD`), so a rank starts in a fraction of a second instead of importing them again (seconds
-each). Each rank is still a fresh process of its own: it takes the caller's environment, working
-directory, ``sys.path`` and stdout/stderr *at the call* (as a spawned one would), reseeds NumPy's global
-RNG from the OS (Python's ``random`` reseeds itself after a fork) and applies ``OMP_NUM_THREADS`` to
-torch, which the preloaded torch had read at the server's start. The project's own modules are imported
-by each rank, so a run always uses the code on disk. ``LIGHTNING_SYNC_START_METHOD=spawn`` goes back to
-plain ``spawn`` (every rank imports everything itself).
+**Start-up.** Ranks are forked by a preloaded ``forkserver`` (:mod:`~lightning_sync.testing.startup`), each
+still a fresh process that takes the caller's environment and stdout/stderr at the call.
 """
 
 from __future__ import annotations
 
 import faulthandler
 import io
-import multiprocessing as mp
 import os
 import pickle
 import queue
 import signal
 import tempfile
-import threading
 import time
 import traceback
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any
 
+from lightning_sync.testing.startup import (
+    PRELOAD,
+    START_METHOD_ENV,
+    Inherit,
+    Inherited,
+    fresh_process_state,
+    rank_context,
+    wait_until_ready,
+)
+
 __all__ = [
-    "PRELOAD",
-    "START_METHOD_ENV",
     "DistributedRankError",
     "DistributedTimeoutError",
-    "fresh_process_state",
-    "rank_context",
     "run_distributed",
-    "warm_up",
 ]
-
-START_METHOD_ENV = "LIGHTNING_SYNC_START_METHOD"
-"""Names the start method of the harness's ranks: ``forkserver`` (the default) or ``spawn``."""
-PRELOAD = (
-    "torch",
-    "torch.distributed",
-    "numpy",
-    "lightning.pytorch",
-    "hydra",
-    "hydra.utils",
-    "omegaconf",
-    "sklearn.datasets",  # the digits data of the CLI's default model
-)
-"""Third-party modules the forkserver imports once; a module that fails to import is skipped."""
 
 _DUMP_SIGNAL = signal.SIGUSR2  # the parent sends it to a stuck rank, whose faulthandler dumps all stacks
 _GRACE_S = 1.0  # after a first failure, how long to collect other ranks' reports before choosing the cause
@@ -107,126 +90,6 @@ def _decode(data: bytes) -> Any:
     return torch.load(io.BytesIO(data), weights_only=False)
 
 
-_ready = threading.Event()  # the forkserver has forked (and reaped) its first process
-_warming: threading.Thread | None = None
-_warm_lock = threading.Lock()
-
-
-def _noop() -> None:
-    pass
-
-
-def _warm() -> None:
-    from multiprocessing import process
-
-    p = rank_context().Process(target=_noop, name="forkserver-warm-up", daemon=True)
-    try:
-        p.start()
-        process._children.discard(p)  # type: ignore[attr-defined] - not a child of any test (active_children)
-        p.join()
-    finally:
-        _ready.set()  # even when it failed: then the ranks' own start reports the error
-
-
-def warm_up() -> None:
-    """Start the forkserver and its imports (:data:`PRELOAD`) in the background, if ranks are forked by one.
-
-    Returns at once. A test session calls it before its first test, so the imports overlap collection and
-    the other tests instead of counting against the first run's timeout.
-    """
-    global _warming
-    if os.environ.get(START_METHOD_ENV, "forkserver") != "forkserver":
-        return
-    with _warm_lock:
-        if _warming is None:
-            _warming = threading.Thread(target=_warm, name="lightning_sync-forkserver-warm-up", daemon=True)
-            _warming.start()
-
-
-def _wait_until_ready(deadline: float, timeout: float) -> None:
-    """Block until the forkserver forks, within the run's own deadline: the harness must not hang on it."""
-    if os.environ.get(START_METHOD_ENV, "forkserver") != "forkserver":
-        return
-    warm_up()
-    if not _ready.wait(max(0.0, deadline - time.monotonic())):
-        raise DistributedTimeoutError(
-            f"the forkserver that starts the ranks was not ready within {timeout:.0f}s (it imports {list(PRELOAD)} "
-            f"once); set {START_METHOD_ENV}=spawn to start every rank by itself"
-        )
-    assert _warming is not None
-    _warming.join()  # the warm-up process is joined: it is no child of this run
-
-
-def rank_context() -> Any:
-    """The multiprocessing context that starts ranks (see the module docstring's *Start-up*)."""
-    method = os.environ.get(START_METHOD_ENV, "forkserver")
-    if method not in ("forkserver", "spawn"):
-        raise ValueError(f"{START_METHOD_ENV} must be one of ['forkserver', 'spawn'], got {method!r}")
-    ctx = mp.get_context(method)
-    if method == "forkserver":
-        ctx.set_forkserver_preload(list(PRELOAD))  # takes effect when the server first starts
-    return ctx
-
-
-class _Inherit:
-    """What a spawned rank would inherit from its caller at the call: the environment and stdout/stderr.
-
-    Pickled while the rank starts, where the file descriptors travel as ``multiprocessing`` passes
-    descriptors to a child (the forkserver's own stdout/stderr are the caller's at the server's start).
-    """
-
-    def __init__(self) -> None:
-        self.env = dict(os.environ)
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        from multiprocessing import reduction
-
-        fds = []
-        for fd in (1, 2):
-            try:
-                os.fstat(fd)
-            except OSError:
-                fds.append(None)
-            else:
-                fds.append(reduction.DupFd(fd))
-        return (_Inherited, (self.env, fds))
-
-
-class _Inherited:
-    def __init__(self, env: dict[str, str], fds: list[Any]) -> None:
-        self.env, self.fds = env, fds
-
-    def apply(self) -> None:
-        """In the rank: take the caller's environment and stdout/stderr, as a freshly started process would."""
-        for target, fd in zip((1, 2), self.fds, strict=True):
-            if fd is not None:
-                import sys
-
-                for stream in (sys.stdout, sys.stderr):
-                    if stream is not None:
-                        stream.flush()
-                os.dup2(fd.detach(), target)
-        os.environ.clear()
-        os.environ.update(self.env)
-
-
-def fresh_process_state() -> None:
-    """After a fork from a preloaded server: what a fresh interpreter would have done at its own imports.
-
-    NumPy's global RNG is reseeded from the OS (a fork copies the server's), and torch takes
-    ``OMP_NUM_THREADS`` (the preloaded torch read the server's at import).
-    """
-    import sys
-
-    if "numpy" in sys.modules:
-        sys.modules["numpy"].random.seed()
-    threads = os.environ.get("OMP_NUM_THREADS", "")
-    if threads.isdigit() and int(threads) > 0 and "torch" in sys.modules:
-        torch = sys.modules["torch"]
-        if torch.get_num_threads() != int(threads):
-            torch.set_num_threads(int(threads))
-
-
 def _child(
     job: bytes,
     rank: int,
@@ -238,7 +101,7 @@ def _child(
     env: Mapping[str, str],
     results: Any,
     process_group: bool = True,
-    inherit: _Inherited | None = None,
+    inherit: Inherited | None = None,
 ) -> None:
     if inherit is not None:
         inherit.apply()
@@ -347,7 +210,11 @@ def run_distributed(
     import torch.distributed as dist
 
     deadline = time.monotonic() + timeout  # bounds the whole run: the forkserver's start, the ranks' start-up
-    _wait_until_ready(deadline, timeout)
+    if not wait_until_ready(deadline):
+        raise DistributedTimeoutError(
+            f"the forkserver that starts the ranks was not ready within {timeout:.0f}s (it imports {list(PRELOAD)} "
+            f"once); set {START_METHOD_ENV}=spawn to start every rank by itself"
+        )
     job = pickle.dumps((fn, args, kwargs))  # unpickled in the child after its stack-dump handler is set
     ctx = rank_context()
     results = ctx.Queue()
@@ -370,7 +237,7 @@ def run_distributed(
                 dict(env or {}),
                 results,
                 process_group,
-                _Inherit(),
+                Inherit(),
             ),
             name=f"lightning_sync-rank{r}",
             # not daemonic: a rank may start processes of its own (DataLoader workers, Hogwild); every

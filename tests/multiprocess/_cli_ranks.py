@@ -2,7 +2,7 @@
 in each one's environment, every rank in a session of its own (so a test can kill it with its children).
 
 Each rank is ``python -m lightning_sync train ...``. By default it is forked by the test harness's forkserver
-(:func:`lightning_sync.testing.harness.rank_context`), which has imported torch, Lightning and Hydra once, and
+(:func:`lightning_sync.testing.startup.rank_context`), which has imported torch, Lightning and Hydra once, and
 then runs ``lightning_sync``'s ``__main__`` as ``python -m`` would (``sys.argv``, the environment, stdout and
 stderr into one file, a session of its own; exit code, or minus the signal that killed it): a rank starts in
 a fraction of a second instead of importing those again. ``LIGHTNING_SYNC_START_METHOD=spawn`` starts every
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from lightning_sync.testing.harness import START_METHOD_ENV, fresh_process_state, rank_context
+from lightning_sync.testing.startup import START_METHOD_ENV, fresh_process_state, rank_context
 
 __all__ = ["Rank", "finish", "launch", "weights"]
 
