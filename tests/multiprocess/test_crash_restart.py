@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from _cli_ranks import Rank, finish, launch, weights
+
+from lightning_sync.testing.cli_ranks import Rank, finish, launch, weights
 
 WORLD = 2
 EPOCHS = 3

@@ -32,7 +32,8 @@ from typing import Any
 
 import pytest
 import torch
-from _cli_ranks import Rank, finish, launch, weights
+
+from lightning_sync.testing.cli_ranks import Rank, finish, launch, weights
 
 WORLD, STEPS, KILL_STEP = 2, 10, 7
 CHECKPOINT_EVERY = 2  # so the newest complete checkpoint before the kill is step 6's

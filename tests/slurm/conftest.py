@@ -2,7 +2,11 @@
 
 Skipped, with the reason, only where the Slurm/munge binaries are missing (``.ci/run`` installs them) or
 where the daemons cannot run as root. Every test is marked ``slurm`` and has a hard timeout; a failing
-job's error carries the daemons' logs."""
+job's error carries the daemons' logs.
+
+A Slurm job must equal the same job on local ranks. Those local runs start from the harness's preloaded
+forkserver (:mod:`lightning_sync.testing.cli_ranks`) and run once per session for each world size and set
+of overrides (:class:`_local_runs.LocalRuns`), so several tests compare against one run."""
 
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ import os
 from collections.abc import Iterator
 
 import pytest
+from _local_runs import LocalRuns
 
 from lightning_sync.testing.slurm_cluster import SlurmCluster, missing_binaries
 
@@ -18,6 +23,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "tests/slurm/" in item.nodeid.replace("\\", "/"):
             item.add_marker(pytest.mark.slurm)
+            # one Slurm per session: under pytest-xdist every slurm test runs on the worker that started it
+            item.add_marker(pytest.mark.xdist_group("slurm"))
 
 
 @pytest.fixture(scope="session")
@@ -33,3 +40,8 @@ def slurm() -> Iterator[SlurmCluster]:
         yield cluster
     finally:
         cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def local_runs(tmp_path_factory: pytest.TempPathFactory) -> LocalRuns:
+    return LocalRuns(tmp_path_factory.mktemp("local_runs"))

@@ -20,8 +20,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from _local_runs import LocalRuns
 from test_train_on_slurm import _cli, submit_rendered
 
+from lightning_sync.testing.cli_ranks import weights
 from lightning_sync.testing.slurm_cluster import SlurmCluster
 
 STEPS = 300
@@ -65,35 +67,14 @@ def _release(slurm: SlurmCluster, job: str, timeout: float = 60.0) -> None:
     )
 
 
-def _weights(path: Path) -> dict[str, torch.Tensor]:
-    return torch.load(path, map_location="cpu", weights_only=True)["state_dict"]
-
-
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+def uninterrupted(local_runs: LocalRuns) -> dict[str, torch.Tensor]:
     """Final weights of the same job on 2 local ranks, never interrupted (no SlowRank: it only sleeps)."""
-    tmp = tmp_path_factory.mktemp("uninterrupted")
-    local = subprocess.run(
-        [
-            _cli(),
-            "train",
-            *TRAIN,
-            "trainer.devices=2",
-            f"hydra.run.dir={tmp / 'run'}",
-            f"final_checkpoint={tmp / 'final.ckpt'}",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=tmp,
-        check=False,
-    )
-    assert local.returncode == 0, local.stderr[-3000:]
-    return _weights(tmp / "final.ckpt")
+    return local_runs.run(2, TRAIN).weights
 
 
 @pytest.mark.timeout(600)
-def test_usr1_mid_run_requeues_and_the_resumed_job_ends_with_the_uninterrupted_weights(
+def test_usr1_mid_run_requeues_and_the_resumed_job_ends_with_the_uninterruptedweights(
     slurm: SlurmCluster, tmp_path: Path, uninterrupted: dict[str, torch.Tensor]
 ) -> None:
     run_dir = tmp_path / "run"
@@ -136,7 +117,7 @@ def test_usr1_mid_run_requeues_and_the_resumed_job_ends_with_the_uninterrupted_w
     ), text[-4000:]
     assert f"`Trainer.fit` stopped: `max_steps={STEPS}` reached." in text, text[-4000:]
 
-    _assert_bitwise_equal(_weights(tmp_path / "slurm-final.ckpt"), uninterrupted)
+    _assert_bitwise_equal(weights(tmp_path / "slurm-final.ckpt"), uninterrupted)
     print(f"preempted at step {stop_step}; signal to completion of the requeued job: {requeue_s:.1f} s")
 
 
@@ -193,7 +174,7 @@ def test_the_hydra_submitit_route_requeues_and_resumes_too(
     ]
     assert re.search(r"resume: epoch \d+ continues at sample \d+ of its global order", text), text[-4000:]
     assert f"final metrics (2 ranks, {STEPS} steps)" in text, text[-4000:]
-    _assert_bitwise_equal(_weights(tmp_path / "slurm-final.ckpt"), uninterrupted)
+    _assert_bitwise_equal(weights(tmp_path / "slurm-final.ckpt"), uninterrupted)
 
 
 def _assert_bitwise_equal(resumed: dict[str, torch.Tensor], whole: dict[str, torch.Tensor]) -> None:

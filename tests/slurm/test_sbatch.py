@@ -8,13 +8,16 @@ import re
 from pathlib import Path
 
 import pytest
-from test_train_on_slurm import TRAIN, _metrics, assert_same_metrics, submit_rendered, train_locally
+from _local_runs import LocalRuns
+from test_train_on_slurm import TRAIN, _metrics, assert_same_metrics, submit_rendered
 
 from lightning_sync.testing.slurm_cluster import SlurmCluster
 
 
 @pytest.mark.timeout(480)
-def test_rendered_script_trains_two_by_two_and_shell_syntax_stays_literal(slurm: SlurmCluster, tmp_path: Path) -> None:
+def test_rendered_script_trains_two_by_two_and_shell_syntax_stays_literal(
+    slurm: SlurmCluster, tmp_path: Path, local_runs: LocalRuns
+) -> None:
     marker = tmp_path / "pwned"
     hostile = f"launch.job_name='x$(touch {marker}); `touch {marker}` \"q'"
     job, script = submit_rendered(
@@ -29,4 +32,4 @@ def test_rendered_script_trains_two_by_two_and_shell_syntax_stays_literal(slurm:
     assert f'JobName=x$(touch {marker}); `touch {marker}` "q' in name, name  # the literal name
     assert not marker.exists(), "a command inside the job name ran"
     on_slurm = _metrics(log, ranks=4)
-    assert_same_metrics(on_slurm, _metrics(train_locally(tmp_path, 4, TRAIN), ranks=4))
+    assert_same_metrics(on_slurm, _metrics(local_runs.run(4, TRAIN).text, ranks=4))

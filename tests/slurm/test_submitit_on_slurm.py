@@ -14,8 +14,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from _local_runs import LocalRuns
+from test_train_on_slurm import TRAIN as LOCAL_TRAIN
 from test_train_on_slurm import _cli
 
+from lightning_sync.testing.cli_ranks import weights
 from lightning_sync.testing.slurm_cluster import SlurmCluster
 
 TRAIN = [
@@ -30,14 +33,10 @@ TRAIN = [
 ]
 
 
-def _weights(path: Path) -> dict[str, torch.Tensor]:
-    return torch.load(path, map_location="cpu", weights_only=True)["state_dict"]
-
-
 @pytest.mark.timeout(560)
 @pytest.mark.parametrize("tasks", [1, 2])
 def test_hydra_submitit_job_has_slurm_ranks_and_trains_like_local_ranks(
-    slurm: SlurmCluster, tmp_path: Path, tasks: int
+    slurm: SlurmCluster, tmp_path: Path, local_runs: LocalRuns, tasks: int
 ) -> None:
     world = 2 * tasks
     sweep = tmp_path / "multirun"
@@ -72,23 +71,8 @@ def test_hydra_submitit_job_has_slurm_ranks_and_trains_like_local_ranks(
     )
     assert sorted(banners) == [("0", "0"), ("1", str(tasks))], logs[-4000:]
     assert f"final metrics ({world} ranks, 20 steps)" in logs, logs[-4000:]
-    local = subprocess.run(
-        [
-            _cli(),
-            "train",
-            *TRAIN,
-            f"trainer.devices={world}",
-            f"hydra.run.dir={tmp_path / 'local'}",
-            f"final_checkpoint={tmp_path / 'local.ckpt'}",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=tmp_path,
-        check=False,
-    )
-    assert local.returncode == 0, local.stderr[-3000:]
-    on_slurm, expected = _weights(tmp_path / "slurm.ckpt"), _weights(tmp_path / "local.ckpt")
+    # the local job with final validation: the weights are saved before it, so they are the same job's
+    on_slurm, expected = weights(tmp_path / "slurm.ckpt"), local_runs.run(world, LOCAL_TRAIN).weights
     assert on_slurm.keys() == expected.keys()
     for key in expected:
         assert torch.equal(on_slurm[key], expected[key]), (key, (on_slurm[key] - expected[key]).abs().max().item())

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _local_runs import LocalRuns
 
 from lightning_sync.testing.slurm_cluster import SlurmCluster
 
@@ -45,20 +46,6 @@ def _metrics(text: str, ranks: int = 2) -> dict[str, float]:
     return {k: float(v) for k, v in (kv.split("=") for kv in match.group(3).split())}
 
 
-def train_locally(tmp_path: Path, devices: int, args: list[str], name: str = "local") -> str:
-    """``lightning-sync train <args> trainer.devices=<devices>`` on this machine; its output (it must succeed)."""
-    local = subprocess.run(
-        [_cli(), "train", *args, f"trainer.devices={devices}", f"hydra.run.dir={tmp_path / name}"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=tmp_path,
-        check=False,
-    )
-    assert local.returncode == 0, local.stderr[-3000:]
-    return local.stdout + local.stderr
-
-
 def submit_rendered(slurm: SlurmCluster, tmp_path: Path, overrides: list[str]) -> tuple[str, str]:
     """Render ``lightning-sync sbatch <overrides>`` into ``tmp_path/job.sh`` and submit it as it is.
 
@@ -79,7 +66,9 @@ def assert_same_metrics(on_slurm: dict[str, float], expected: dict[str, float]) 
 
 
 @pytest.mark.timeout(420)
-def test_two_nodes_one_task_each_train_like_two_local_ranks(slurm: SlurmCluster, tmp_path: Path) -> None:
+def test_two_nodes_one_task_each_train_like_two_local_ranks(
+    slurm: SlurmCluster, tmp_path: Path, local_runs: LocalRuns
+) -> None:
     out_dir = tmp_path / "run"
     script = tmp_path / "job.sh"
     script.write_text(
@@ -110,4 +99,4 @@ def test_two_nodes_one_task_each_train_like_two_local_ranks(slurm: SlurmCluster,
         log[-4000:]
     )
     on_slurm = _metrics(log)
-    assert_same_metrics(on_slurm, _metrics(train_locally(tmp_path, 2, TRAIN)))
+    assert_same_metrics(on_slurm, _metrics(local_runs.run(2, TRAIN).text))

@@ -2,14 +2,14 @@
 in each one's environment, every rank in a session of its own (so a test can kill it with its children).
 
 Each rank is ``python -m lightning_sync train ...``. By default it is forked by the test harness's forkserver
-(:func:`lightning_sync.testing.startup.rank_context`), which has imported torch, Lightning and Hydra once, and
+(:func:`~lightning_sync.testing.startup.rank_context`), which has imported torch, Lightning and Hydra once, and
 then runs ``lightning_sync``'s ``__main__`` as ``python -m`` would (``sys.argv``, the environment, stdout and
 stderr into one file, a session of its own; exit code, or minus the signal that killed it): a rank starts in
 a fraction of a second instead of importing those again. ``LIGHTNING_SYNC_START_METHOD=spawn`` starts every
 rank as a real ``python -m lightning_sync`` subprocess instead. (``tests/test_cli.py`` runs the installed
 console script itself.)
 
-Used by ``test_crash_restart.py`` and ``test_fault_matrix.py``; not a test module itself.
+The crash, fault-matrix and Slurm tiers use it: the last for the local runs a Slurm job must equal.
 """
 
 from __future__ import annotations
