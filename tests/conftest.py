@@ -25,6 +25,12 @@ _DIST_ENV = (
 )
 
 
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """``-n auto``: many tests start 2-4 ranks of their own, so one worker per core would oversubscribe a large
+    machine; two workers still overlap one test's waiting (timeouts, Slurm scheduling) with another's work."""
+    return min(4, max(2, (os.cpu_count() or 1) // 2))
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if torch.cuda.is_available():
         return
