@@ -19,6 +19,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,7 @@ from lightning_sync import BucketedDDPStrategy, ShardedStrategy
 from lightning_sync.launch import AtomicCheckpointIO
 from lightning_sync.launch.atomic import recover_dir, recover_path
 from lightning_sync.sync import LoopbackCommunicator, ZeroEngine, consolidate_checkpoint
+from lightning_sync.testing.startup import rank_context
 
 _CHILD = textwrap.dedent("""
     import sys, time, pathlib, torch
@@ -167,19 +169,37 @@ _SHARDED_CHILD = (
 )
 
 
+def _exec_script(code: str, argv: list[str], stderr_path: str) -> None:
+    """What ``python -c code *argv`` does, in a process forked from the harness's preloaded forkserver (so
+    each of the many kills below costs no fresh import of torch), its stderr into ``stderr_path``."""
+    fd = os.open(stderr_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.dup2(fd, 2)
+    sys.argv = ["-c", *argv]
+    code_ = 0
+    try:
+        exec(compile(code, "<string>", "exec"), {"__name__": "__main__"})
+    except BaseException:  # what the interpreter prints for an uncaught exception, and its exit code
+        traceback.print_exc()
+        code_ = 1
+    sys.stderr.flush()
+    os._exit(code_)
+
+
 def _killed_save(directory: Path, kill_at: int) -> list[str]:
     """Run the child on ``directory/last.ckpt``; the steps of its second save it logged (random parts of
     names as ``*``). With ``kill_at`` it must have died of SIGKILL at that step."""
-    log = directory.with_suffix(".log")
-    child = subprocess.run(
-        [sys.executable, "-c", _SHARDED_CHILD, str(directory / "last.ckpt"), str(log), str(kill_at)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    log, stderr = directory.with_suffix(".log"), directory.with_suffix(".stderr")
+    argv = [str(directory / "last.ckpt"), str(log), str(kill_at)]
+    child = rank_context().Process(target=_exec_script, args=(_SHARDED_CHILD, argv, str(stderr)), name="killed-save")
+    child.start()
+    child.join(120)
+    if child.exitcode is None:
+        child.kill()
+        child.join()
+        pytest.fail(f"kill_at={kill_at}: the save did not end within 120 s")
     want = -signal.SIGKILL if kill_at else 0
-    assert child.returncode == want, f"kill_at={kill_at}: exit {child.returncode}\n{child.stderr[-3000:]}"
+    said = stderr.read_text()[-3000:] if stderr.exists() else "(no stderr: the process never started the script)"
+    assert child.exitcode == want, f"kill_at={kill_at}: exit {child.exitcode}\n{said}"
     steps = [re.sub(r"-[0-9a-f]{8,}$", "-*", line) for line in log.read_text().splitlines()] if log.exists() else []
     assert not kill_at or len(steps) == kill_at, steps
     return steps

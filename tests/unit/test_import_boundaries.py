@@ -1,7 +1,7 @@
 """Import boundaries of the package.
 
 - ``lightning_sync``, ``lightning_sync.comms`` and ``lightning_sync.sync`` (and every module under the last
-  two) import no Lightning: checked in a fresh interpreter per module, from its ``sys.modules``.
+  two) import no Lightning: checked in a fresh interpreter, from its ``sys.modules`` after each import.
 - The package root exports its public names lazily, and the strategy names still reach Lightning's
   ``StrategyRegistry`` whichever of Lightning and lightning_sync is imported first.
 - No import cycles among lightning_sync's modules (:func:`test_no_import_cycles`).
@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import ast
+import json
 import os
 import subprocess
 import sys
@@ -42,23 +43,30 @@ def _run(code: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def _imported_after(modules: list[str]) -> subprocess.CompletedProcess[str]:
-    return _run(
+def _imported_in_turn(steps: dict[str, list[str]]) -> dict[str, tuple[list[str], list[str]]]:
+    """In one fresh interpreter, import each step's modules in turn; after each step, the Lightning modules and
+    the ``lightning_sync`` modules loaded so far."""
+    result = _run(
         f"""
-        import importlib, sys
-        for module in {modules!r}:
-            importlib.import_module(module)
-        roots = {LIGHTNING_ROOTS!r}
-        print("\\n".join(sorted(n for n in sys.modules if n.split(".")[0] in roots)))
-        print("--")
-        print("\\n".join(sorted(n for n in sys.modules if n.startswith("lightning_sync"))))
+        import importlib, json, sys
+        roots, seen = {LIGHTNING_ROOTS!r}, {{}}
+        for label, modules in {steps!r}.items():
+            for module in modules:
+                importlib.import_module(module)
+            seen[label] = (
+                sorted(n for n in sys.modules if n.split(".")[0] in roots),
+                sorted(n for n in sys.modules if n.startswith("lightning_sync")),
+            )
+        print(json.dumps(seen))
         """
     )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-# a fresh interpreter each: the three packages alone, then every module under comms/ and sync/ together (what
-# they import together is the union of what each imports, so a module that pulls Lightning in shows there too;
-# the static test below names it)
+# one fresh interpreter imports the three packages, then every module under comms/ and sync/, checking after each
+# step: a step that pulls Lightning in is named (what they import together is the union of what each imports, so
+# a module that pulls Lightning in shows in the last step; the static test below names it)
 FRESH_IMPORTS = {
     "lightning_sync": ["lightning_sync"],
     "lightning_sync.comms": ["lightning_sync.comms"],
@@ -67,17 +75,14 @@ FRESH_IMPORTS = {
 }
 
 
-@pytest.mark.parametrize("modules", list(FRESH_IMPORTS.values()), ids=list(FRESH_IMPORTS))
-def test_lightning_free_modules_import_no_lightning(modules: list[str]) -> None:
+def test_lightning_free_modules_import_no_lightning() -> None:
     """Nothing of Lightning, and none of the adapter layers (strategies, diagnostics, launch, models, bench,
     cli) that would pull it in."""
-    result = _imported_after(modules)
-    assert result.returncode == 0, result.stderr[-3000:]
-    lightning, ours = (part.split() for part in result.stdout.split("--\n"))
-    assert not lightning, f"importing {modules} imports Lightning: {lightning[:8]}"
     allowed = {"lightning_sync", "lightning_sync._checks", "lightning_sync._registration"}
-    adapters = [n for n in ours if n not in allowed and n.split(".")[1] not in ("comms", "sync")]
-    assert not adapters, f"importing {modules} imports lightning_sync modules outside comms/sync: {adapters}"
+    for label, (lightning, ours) in _imported_in_turn(FRESH_IMPORTS).items():
+        assert not lightning, f"importing {label} (after the steps before it) imports Lightning: {lightning[:8]}"
+        adapters = [n for n in ours if n not in allowed and n.split(".")[1] not in ("comms", "sync")]
+        assert not adapters, f"importing {label} imports lightning_sync modules outside comms/sync: {adapters}"
 
 
 def test_lightning_free_modules_name_no_lightning_anywhere() -> None:
