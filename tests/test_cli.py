@@ -1,4 +1,9 @@
-"""The ``lightning-sync`` console script, run as a user would: real processes, real Hydra, real gloo ranks."""
+"""The ``lightning-sync`` console script, run as a user would: real processes, real Hydra, real gloo ranks.
+
+The default job, multirun and the examples go through the console script and Lightning's own launcher (rank 0
+starts rank 1 as a fresh process). Jobs that test a model, a strategy or resume rather than the launch run their
+two ranks as torchrun would (:mod:`lightning_sync.testing.cli_ranks`: ``python -m lightning_sync`` per rank,
+forked from the harness's preloaded forkserver), which spares two fresh imports of torch and Lightning each."""
 
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ from hydra.errors import MissingConfigException
 from omegaconf import OmegaConf
 
 from lightning_sync import cli
+from lightning_sync.testing.cli_ranks import finish, launch
 
 # Rank variables must not reach the CLI from the test process: the CLI would think it is a child rank.
 _SCRUB = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "PL_GLOBAL_SEED")
@@ -45,6 +51,15 @@ def run_example(name: str, args: list[str], cwd: Path) -> subprocess.CompletedPr
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc
+
+
+def run_ranks(args: list[str], run_dir: Path, world: int = 2, timeout: float = 240) -> str:
+    """``lightning-sync train <args>`` on ``world`` ranks launched as torchrun would, in ``run_dir``; rank 0's
+    output. Every rank must succeed."""
+    outputs = finish(launch(world, run_dir, args), timeout=timeout)
+    for rank, (code, text) in enumerate(outputs):
+        assert code == 0, f"rank {rank} of {world} exited {code}:\n{text[-4000:]}"
+    return outputs[0][1]
 
 
 def final_metrics(out: str) -> tuple[int, int, dict[str, float]]:
@@ -191,9 +206,7 @@ def test_train_digits_two_ranks_reaches_90_percent(tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_train_zero3_twenty_steps(tmp_path: Path) -> None:
-    proc = run_cli(["train", "strategy=zero3", "trainer.max_steps=20", "trainer.enable_progress_bar=false"], tmp_path)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    out = proc.stdout + proc.stderr
+    out = run_ranks(["strategy=zero3", "trainer.max_steps=20", "final_validate=true"], tmp_path / "run")
     assert "ShardedStrategy: ZeRO stage 3" in out, out[-3000:]
     ranks, steps, metrics = final_metrics(out)
     assert (ranks, steps) == (2, 20)
@@ -227,23 +240,14 @@ def test_multirun_two_values_one_directory_per_job(tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_train_char_gpt_50_steps_reports_bpc_and_sample(tmp_path: Path) -> None:
-    proc = run_cli(
-        [
-            "train",
-            "trainer.devices=2",
-            "trainer.max_steps=50",
-            "model=char_gpt",
-            "trainer.enable_progress_bar=false",
-            "sample_chars=40",
-        ],
-        tmp_path,
+    out = run_ranks(
+        ["trainer.max_steps=50", "model=char_gpt", "final_validate=true", "sample_chars=40"], tmp_path / "run"
     )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    ranks, steps, metrics = final_metrics(proc.stdout + proc.stderr)
+    ranks, steps, metrics = final_metrics(out)
     assert (ranks, steps) == (2, 50)
     # Uniform guessing over the 128-symbol vocabulary is 7 bits/char; 50 steps must already beat it clearly.
     assert metrics["val_bpc"] < 5.0, metrics
-    assert "sample:" in proc.stdout + proc.stderr
+    assert "sample:" in out
 
 
 @pytest.mark.slow
@@ -284,15 +288,11 @@ def test_resume_takes_the_newest_complete_checkpoint_not_the_preemption_one(tmp_
     run_dir = tmp_path / "run"
     # checkpoint.every_n_train_steps is documented to save "as well" as at epoch ends (digits: 23 steps an epoch)
     common = [
-        f"hydra.run.dir={run_dir}",
-        "trainer.enable_progress_bar=false",
-        "final_validate=false",
         "checkpoint.every_n_train_steps=3",
         "+checkpoint.save_top_k=-1",
         "launch.signal=USR1",
     ]
-    first = run_cli(["train", "trainer.max_steps=30", *common], tmp_path)
-    assert first.returncode == 0, first.stderr[-4000:]
+    run_ranks(["trainer.max_steps=30", *common], run_dir)
     ckpts = run_dir / "checkpoints"
     written = sorted(p.name for p in ckpts.iterdir())
     steps = [f"epoch={s // 23}-step={s}.ckpt" for s in range(3, 31, 3)]
@@ -306,9 +306,7 @@ def test_resume_takes_the_newest_complete_checkpoint_not_the_preemption_one(tmp_
         run_dir / "requeue", tmp_path / ".preempted.tmp", "requeue-step000000003.ckpt", {"global_step": 3}
     )
 
-    extended = run_cli(["train", "trainer.max_steps=32", "ckpt_path=last", *common], tmp_path)
-    assert extended.returncode == 0, extended.stderr[-4000:]
-    out = extended.stdout + extended.stderr
+    out = run_ranks(["trainer.max_steps=32", "ckpt_path=last", *common], run_dir)
     match = _RESUMED.search(out)
     assert match and match.group(1) == str(ckpts / "last.ckpt") and match.group(2) == "30", out[-3000:]
     assert final_metrics(out)[1] == 32
