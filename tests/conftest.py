@@ -25,10 +25,28 @@ _DIST_ENV = (
 )
 
 
+@pytest.hookimpl(optionalhook=True)
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     """``-n auto``: many tests start 2-4 ranks of their own, so one worker per core would oversubscribe a large
     machine; two workers still overlap one test's waiting (timeouts, Slurm scheduling) with another's work."""
     return min(4, max(2, (os.cpu_count() or 1) // 2))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """Tests go to the workers one by one, except the slurm tier, which runs whole on one worker: a worker
+    starts its own Slurm, and two would hand out the same job ids (so the same rendezvous ports).
+
+    A scheduler rather than ``xdist_group`` marks, which pytest-xdist 3.8 cannot read under pytest 9."""
+    if config.getvalue("dist") not in ("load", "loadgroup"):
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class SlurmTierTogether(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return "tests/slurm" if nodeid.startswith("tests/slurm/") else nodeid
+
+    return SlurmTierTogether(config, log)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

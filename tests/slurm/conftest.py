@@ -23,8 +23,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "tests/slurm/" in item.nodeid.replace("\\", "/"):
             item.add_marker(pytest.mark.slurm)
-            # one Slurm per session: under pytest-xdist every slurm test runs on the worker that started it
-            item.add_marker(pytest.mark.xdist_group("slurm"))
 
 
 @pytest.fixture(scope="session")
