@@ -34,19 +34,21 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
-    """Tests go to the workers one by one, except the slurm tier, which runs whole on one worker: a worker
-    starts its own Slurm, and two would hand out the same job ids (so the same rendezvous ports).
+    """Each test module runs whole on one worker, so its module-scoped fixtures (an uninterrupted reference run,
+    a built wheel) are built once and never by two workers at the same time; the slurm tier runs whole on one
+    worker too: a worker starts its own Slurm, and two would hand out the same job ids (so the same rendezvous
+    ports).
 
     A scheduler rather than ``xdist_group`` marks, which pytest-xdist 3.8 cannot read under pytest 9."""
-    if config.getvalue("dist") not in ("load", "loadgroup"):
+    if config.getvalue("dist") not in ("load", "loadgroup", "loadfile"):
         return None
     from xdist.scheduler import LoadScopeScheduling
 
-    class SlurmTierTogether(LoadScopeScheduling):
+    class ByModuleSlurmTogether(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return "tests/slurm" if nodeid.startswith("tests/slurm/") else nodeid
+            return "tests/slurm" if nodeid.startswith("tests/slurm/") else nodeid.split("::", 1)[0]
 
-    return SlurmTierTogether(config, log)
+    return ByModuleSlurmTogether(config, log)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
