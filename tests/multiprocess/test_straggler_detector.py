@@ -45,13 +45,12 @@ def _worker(rank: int, world: int) -> tuple[list[str], int]:
                 sleep <= times[1] <= 1.6 * sleep + 2e-3,
                 (times[1], sleep),
             )
-    quiet = StragglerDetector(every_n_steps=EVERY, threshold=2.0)
-    _trainer(world, BucketedDDPStrategy(), max_steps=STEPS, callbacks=[quiet]).fit(_TiedModule("sgd"))
-    ck.true(
-        "no straggler, no flag",
-        quiet.flags == [] and len(quiet.windows) == STEPS // EVERY,
-        (quiet.flags, quiet.windows),
-    )
+    # Without a straggler, one window of 24 steps: a step here takes ~3 ms, so one time slice lost to another
+    # process on a busy machine (10-20 ms) would make a 4-step window look 3x slow (seen with the suite's
+    # workers sharing 2 cores), but not 24 steps (~1.3x).
+    quiet = StragglerDetector(every_n_steps=2 * STEPS, threshold=2.0)
+    _trainer(world, BucketedDDPStrategy(), max_steps=2 * STEPS, callbacks=[quiet]).fit(_TiedModule("sgd"))
+    ck.true("no straggler, no flag", quiet.flags == [] and len(quiet.windows) == 1, (quiet.flags, quiet.windows))
     return ck.result()
 
 
