@@ -27,7 +27,7 @@ import torch
 
 from lightning_sync.testing.startup import START_METHOD_ENV, fresh_process_state, rank_context
 
-__all__ = ["Rank", "finish", "launch", "weights"]
+__all__ = ["Rank", "finish", "launch", "run", "weights"]
 
 
 def _run_module_as_main(argv: list[str], env: dict[str, str], output: str) -> None:
@@ -187,6 +187,14 @@ def finish(procs: list[Rank | subprocess.Popen[str]], timeout: float) -> list[tu
             if isinstance(p, Rank):
                 p.communicate()  # removes its output file
     return out
+
+
+def run(world: int, run_dir: Path, overrides: Sequence[str], timeout: float = 300) -> list[str]:
+    """:func:`launch`, then :func:`finish`: every rank's output, after checking that every rank exited 0."""
+    outputs = finish(launch(world, run_dir, overrides), timeout=timeout)
+    for rank, (code, text) in enumerate(outputs):
+        assert code == 0, f"rank {rank} of {world} exited {code}:\n{text[-4000:]}"
+    return [text for _, text in outputs]
 
 
 def weights(path: Path) -> dict[str, torch.Tensor]:

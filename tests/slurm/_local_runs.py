@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from lightning_sync.testing.cli_ranks import finish, launch, weights
+from lightning_sync.testing.cli_ranks import run, weights
 
 
 @dataclass(frozen=True)
@@ -28,8 +28,6 @@ class LocalRuns:
         key = (ranks, tuple(overrides))
         if key not in self._done:
             run_dir = self.root / f"local{len(self._done)}"
-            outputs = finish(launch(ranks, run_dir, [*overrides, "final_validate=true"]), timeout=300)
-            for rank, (code, text) in enumerate(outputs):
-                assert code == 0, f"local rank {rank} of {ranks} exited {code}:\n{text[-3000:]}"
-            self._done[key] = LocalRun(outputs[0][1], weights(run_dir / "final.ckpt"))
+            texts = run(ranks, run_dir, [*overrides, "final_validate=true"])
+            self._done[key] = LocalRun(texts[0], weights(run_dir / "final.ckpt"))
         return self._done[key]
