@@ -15,7 +15,11 @@ does), then takes one optimizer step.
 
 from __future__ import annotations
 
+import ast
+import inspect
 import os
+import re
+import textwrap
 import time
 from typing import Any
 
@@ -35,6 +39,7 @@ from _lightning_reference import (
     _trainer,
 )
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
@@ -238,14 +243,26 @@ def _check_overlap(ck: Checks, world: int) -> None:
         ck.true(f"[overlap step {step}] launched in index order", launched == sorted(launched), launched)
 
 
+def _lightning_unused_sentence() -> str:
+    """The first sentence of the message Lightning's ``strategy="ddp"`` raises for unused parameters, read from
+    Lightning's source (``DDPStrategy.on_exception`` passes it as a literal, not a constant we could import)."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(DDPStrategy.on_exception)))
+    (text,) = [k.value.value for k in ast.walk(tree) if isinstance(k, ast.keyword) and k.arg == "new_message"]
+    sentence = text[: text.index(". ") + 1]
+    assert sentence.startswith("It looks like your LightningModule has parameters"), sentence
+    return sentence
+
+
 def _check_unused(ck: Checks, world: int) -> None:
     ds = _token_data()
-    # find_unused_parameters=False: every rank's fit raises, naming both parameters of the unused layer
+    # find_unused_parameters=False: every rank's fit raises with Lightning's own sentence (what users search
+    # for), then naming both parameters of the unused layer
     module = _TiedModule("sgd", ds, unused=True)
     strategy = BucketedDDPStrategy(bucket_cap_mb=TINY_MB, first_bucket_mb=TINY_MB)
     ck.raises(
         "[unused=False] fit raises naming the parameters",
         lambda: _trainer(world, strategy, max_steps=2).fit(module),
+        "^" + re.escape(_lightning_unused_sentence()),
         r"net\.unused\.weight",
         r"net\.unused\.bias",
         r"find_unused_parameters=True",
