@@ -121,9 +121,10 @@ def pyplot() -> Any:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-    except ImportError as err:  # pragma: no cover - matplotlib ships with the dev/bench extras
+    except ImportError as err:  # matplotlib is the bench extra; lightning-sync bench calls this before any trial
         raise ImportError(
-            "lightning-sync bench draws its plots with matplotlib: pip install 'lightning-sync[bench]'"
+            "lightning-sync bench draws its plots with matplotlib, which is not installed: "
+            'pip install "lightning-sync[bench]"'
         ) from err
     return plt
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import abc
 import math
 from collections.abc import Iterable
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -34,11 +35,12 @@ __all__ = [
     "he_init",
     "make_loader",
     "make_mlp",
+    "require_optimizer",
     "seeded_split",
 ]
 
 #: Optimizer names accepted by :func:`build_optimizer`. ``lamb`` and ``lars`` come from the
-#: ``pytorch-optimizer`` package: ``pip install lightning-sync[optim]``.
+#: ``pytorch-optimizer`` package: ``pip install "lightning-sync[optim]"`` (:func:`require_optimizer`).
 OPTIMIZERS: tuple[str, ...] = ("adam", "sgd", "lamb", "lars")
 
 
@@ -169,16 +171,29 @@ def build_optimizer(
         return torch.optim.Adam(params, lr=lr, weight_decay=weight_decay)
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=weight_decay)
+    pytorch_optimizer = require_optimizer(name)
+    if name == "lamb":
+        return pytorch_optimizer.Lamb(params, lr=lr, weight_decay=weight_decay)
+    return pytorch_optimizer.LARS(params, lr=lr, momentum=0.9, weight_decay=weight_decay)
+
+
+def require_optimizer(name: str) -> Any:
+    """The ``pytorch_optimizer`` module for ``"lamb"`` / ``"lars"`` (None for torch's own optimizers), or an
+    ``ImportError`` naming the package and the extra to install.
+
+    The models call it when they are built, so a missing extra fails before the Trainer starts any rank, not
+    in ``configure_optimizers`` once every rank has launched and loaded its data.
+    """
+    if name not in ("lamb", "lars"):
+        return None
     try:
         import pytorch_optimizer
     except ImportError as err:
         raise ImportError(
-            f"optimizer={name!r} needs the pytorch-optimizer package: "
-            f"pip install lightning-sync[optim] (or pip install pytorch-optimizer)"
+            f"optimizer={name!r} needs the pytorch-optimizer package, which is not installed: "
+            'pip install "lightning-sync[optim]"'
         ) from err
-    if name == "lamb":
-        return pytorch_optimizer.Lamb(params, lr=lr, weight_decay=weight_decay)
-    return pytorch_optimizer.LARS(params, lr=lr, momentum=0.9, weight_decay=weight_decay)
+    return pytorch_optimizer
 
 
 def make_loader(dataset: Dataset, batch_size: int, shuffle: bool, num_workers: int) -> DataLoader:
@@ -221,6 +236,7 @@ class ClassifierModule(pl.LightningModule):
         check_num_classes(num_classes)
         self._lr = check_positive_float("lr", lr)
         self._optimizer_name = check_choice("optimizer", optimizer, OPTIMIZERS)
+        require_optimizer(self._optimizer_name)  # a missing extra fails here, before any rank starts
         self._weight_decay = check_non_negative_float("weight_decay", weight_decay)
         self.net = net
         self.val_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")

@@ -44,7 +44,7 @@ def test_build_optimizer_names_and_classes() -> None:
 
 def test_missing_package_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "pytorch_optimizer", None)  # import pytorch_optimizer -> ImportError
-    with pytest.raises(ImportError, match=r"optimizer='lamb' needs .*pip install lightning-sync\[optim\]"):
+    with pytest.raises(ImportError, match=r"optimizer='lamb' needs .*pip install \"lightning-sync\[optim\]\""):
         build_optimizer(nn.Linear(3, 2).parameters(), "lamb", 0.01)
 
 
