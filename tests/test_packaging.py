@@ -41,6 +41,20 @@ def test_wheel_contains_every_package_and_config(wheel: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+def test_wheel_ships_py_typed_and_the_license(wheel: Path) -> None:
+    """py.typed (PEP 561) marks the package as typed for type checkers; the license text and its SPDX expression
+    travel with every copy (PEP 639: dist-info/licenses/, License-Expression)."""
+    whl = zipfile.ZipFile(wheel)
+    names = set(whl.namelist())
+    assert "lightning_sync/py.typed" in names, "py.typed missing: add it to pyproject's package-data"
+    (dist_info,) = {n.split("/")[0] for n in names if n.split("/")[0].endswith(".dist-info")}
+    assert whl.read(f"{dist_info}/licenses/LICENSE") == (ROOT / "LICENSE").read_bytes()
+    metadata = whl.read(f"{dist_info}/METADATA").decode().split("\n\n")[0].splitlines()
+    assert "License-Expression: Apache-2.0" in metadata and "License-File: LICENSE" in metadata, metadata
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_installed_wheel_finds_its_config_from_any_directory(wheel: Path, tmp_path: Path) -> None:
     target = tmp_path / "site"
     subprocess.run(
