@@ -28,6 +28,7 @@ from lightning_sync.models._common import (
     check_non_negative_int,
     check_positive_float,
     check_positive_int,
+    require_optimizer,
 )
 
 __all__ = ["CHAR_GPT_OPTIMIZERS", "VOCAB_SIZE", "CharDataModule", "CharGPT", "decode", "encode", "load_corpus"]
@@ -223,6 +224,7 @@ class CharGPT(pl.LightningModule):
         if not isinstance(tie_weights, bool):
             raise ValueError(f"tie_weights must be True or False, got {tie_weights!r}")
         self._optimizer_name = check_choice("optimizer", optimizer, CHAR_GPT_OPTIMIZERS)
+        require_optimizer(self._optimizer_name)
         self.save_hyperparameters()
         self._block_size = block_size
         # synced as (weighted sum, weight): the mean over every validation token, however the ranks' shares differ

@@ -68,12 +68,14 @@ def test_bench_that_draws_nothing_does_not_need_matplotlib(monkeypatch: pytest.M
     assert run_bench(_compose("bench", overrides), tmp_path) is None
 
 
+@pytest.mark.parametrize("model", ["digits_mlp", "char_gpt"])
 @pytest.mark.parametrize("optim", ["lamb", "lars"])
 def test_train_without_pytorch_optimizer_fails_before_fit(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, optim: str
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, optim: str, model: str
 ) -> None:
     # the run-time paths Hydra fills in a real run; trainer.devices=1 keeps a wrongly reached fit in this process
     overrides = [
+        f"model={model}",
         f"optim={optim}",
         "trainer.devices=1",
         f"trainer.default_root_dir={tmp_path}",
