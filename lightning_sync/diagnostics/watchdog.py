@@ -28,7 +28,7 @@ import lightning.pytorch as pl
 import torch.distributed as dist
 
 from lightning_sync._checks import check_int
-from lightning_sync.comms import watchdog
+from lightning_sync.comms import CommContext, watchdog
 
 __all__ = ["HangWatchdog"]
 
@@ -62,15 +62,15 @@ class HangWatchdog(pl.Callback):
         self.verify_every = check_int("verify_every", verify_every, 0)
         self._verified_step = -1
         self._comm: Any = None
+        self._verifies = False
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._comm = getattr(trainer.strategy, "comm", None)
+        # Another strategy (Lightning's own ddp) issues its collectives outside our layer: a context of the
+        # watchdog's own still runs the heartbeats, so a lost rank is named, and nothing is there to verify.
+        self._verifies = self._comm is not None
         if self._comm is None:
-            raise ValueError(
-                f"HangWatchdog watches the collectives of a lightning_sync strategy, whose communication context "
-                f"it runs in; got {type(trainer.strategy).__name__}. Allowed: the strategies of lightning_sync "
-                f"(e.g. strategy='bucketed_ddp')"
-            )
+            self._comm = CommContext()
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             self._comm.start_watchdog(self.collective_timeout, self.interval, self.exit_after)
 
@@ -78,16 +78,20 @@ class HangWatchdog(pl.Callback):
         step = trainer.global_step  # with gradient accumulation, several batches end one step
         if self.verify_every and step % self.verify_every == 0 and step != self._verified_step:
             self._verified_step = step
-            self._comm.verify()
+            self._verify()
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._comm.verify()  # after the last epoch's logged values were synced
+        self._verify()  # after the last epoch's logged values were synced
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._comm.verify()
+        self._verify()
 
     def on_test_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._comm.verify()
+        self._verify()
+
+    def _verify(self) -> None:
+        if self._verifies:
+            self._comm.verify()
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self._comm is not None:

@@ -8,6 +8,7 @@ fails the hung request as "failed (...)" if the watchdog has not declared it fir
 
 from __future__ import annotations
 
+import datetime
 import re
 import time
 from typing import Any
@@ -18,10 +19,12 @@ import torch
 from _lightning_reference import (
     ENV,
     EQ_TOL,
+    _check_against,
     _quiet_rank,
     _reference,
     _state,
     _TiedModule,
+    _token_data,
     _trainer,
 )
 
@@ -305,3 +308,35 @@ def test_collectives_that_pair_up_with_other_shapes_are_named_on_every_rank() ->
             "all_reduce (24 B, float32[3, 2], sum) on ranks [2]; "
             "all_reduce (24 B, float32[2, 3], sum) on ranks [0, 1] (nothing hung"
         ), f"rank {rank}: {message!r}"
+
+
+def _lightning_ddp_watched(rank: int, k: int) -> tuple[list[str], int]:
+    """Lightning's own ``ddp`` under the HangWatchdog: its collectives do not go through our layer, so the
+    watchdog can only watch the ranks' heartbeats; the run must train exactly as without it."""
+    from lightning.pytorch.strategies import DDPStrategy
+
+    _quiet_rank()
+    ck = Checks()
+    ds = _token_data()
+    init = _state(_TiedModule("sgd", ds))
+    ref = _reference(_TiedModule("sgd", ds), ds, k, 3)["state"]
+    watchdog = HangWatchdog(TIMEOUT, interval=INTERVAL, verify_every=1)
+    running: list[bool] = []
+
+    class _Running(pl.Callback):  # whether the heartbeats run while the ranks train
+        def on_train_batch_end(self, *args: Any) -> None:
+            running.append(watchdog._comm.watchdog is not None)
+
+    module = _TiedModule("sgd", ds)
+    _trainer(
+        k, DDPStrategy(timeout=datetime.timedelta(seconds=PG_TIMEOUT)), max_steps=3, callbacks=[watchdog, _Running()]
+    ).fit(module)
+    # Lightning's DDP averages the same per-rank gradients as the reference: float32 rounding order only
+    _check_against(ck, "[lightning ddp watched]", module, ref, init)
+    ck.true("the heartbeats ran at every step", running == [True] * 3, running)
+    return ck.result()
+
+
+@pytest.mark.timeout(90)
+def test_the_watchdog_lets_lightning_ddp_train() -> None:
+    assert_all_ranks_passed(run_distributed(_lightning_ddp_watched, 2, timeout=60, env=ENV), min_checks=5)
