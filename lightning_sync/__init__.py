@@ -6,6 +6,9 @@ stay usable without Lightning. The strategy names still reach Lightning's ``Stra
 (``Trainer(strategy="bucketed_ddp")``, ``"zero1"``, ``"zero2"``, ``"zero3"``, ``"local_sgd"``, ``"diloco"``,
 ``"async_ps"``, ``"hogwild"``) once both this package and Lightning are imported, in either order
 (:mod:`lightning_sync._registration`).
+
+``consolidate_checkpoint(directory)`` turns a ZeRO sharded checkpoint directory into a plain full ``state_dict``
+in one process (``lightning-sync consolidate`` writes it as a Lightning checkpoint file); it needs no Lightning.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ if TYPE_CHECKING:
         LocalSGDStrategy,
         ShardedStrategy,
     )
+    from lightning_sync.sync.zero_consolidate import consolidate_checkpoint
 
 __all__ = [
     "AsyncParameterServerStrategy",
@@ -34,11 +38,13 @@ __all__ = [
     "LocalSGDStrategy",
     "ShardedStrategy",
     "comms",
+    "consolidate_checkpoint",
 ]
 __version__ = "0.1.0"
 
 # each public name, and the module it is imported from on first access (PEP 562)
 _LAZY = {name: "lightning_sync.strategies" for name in __all__ if name.endswith("Strategy")}
+_LAZY["consolidate_checkpoint"] = "lightning_sync.sync.zero_consolidate"
 _SUBMODULES = {"comms"}
 
 

@@ -1,7 +1,13 @@
-"""``lightning-sync`` console script: Hydra apps over the shipped ``conf/``.
+"""``lightning-sync`` console script: Hydra apps over the shipped ``conf/``, and two plain commands.
+
+``lightning-sync --help`` lists the subcommands, the config groups of each app and the common overrides
+(:mod:`lightning_sync.cli_help`); each subcommand's ``--help`` its own.
 
 ``lightning-sync sbatch [overrides...]`` prints the SLURM job of the same config as an sbatch script
 (:mod:`lightning_sync.launch.sbatch`).
+
+``lightning-sync consolidate CHECKPOINT_DIR OUTPUT_FILE`` writes one plain Lightning checkpoint file from a
+ZeRO sharded checkpoint directory (:mod:`lightning_sync.consolidate`).
 
 ``lightning-sync train [hydra overrides...]`` composes ``conf/train.yaml`` and builds the strategy,
 model, data module and Trainer with :func:`hydra.utils.instantiate`. Every Hydra flag works
@@ -29,7 +35,7 @@ from lightning_sync._config import config_dir
 __all__ = ["SUBCOMMANDS", "config_dir", "main", "run_train"]
 
 log = logging.getLogger("lightning_sync")
-SUBCOMMANDS = ("train", "bench", "sbatch")
+SUBCOMMANDS = ("train", "bench", "sbatch", "consolidate")
 _CONFIG_FLAGS = ("--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd")
 
 
@@ -301,24 +307,35 @@ def _bench_app(cfg: Any) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """Entry point: ``lightning-sync <subcommand> [hydra args...]``."""
-    import hydra
+    """Entry point: ``lightning-sync <subcommand> [args...]``."""
+    from lightning_sync import cli_help
 
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help"):
-        print(
-            f"usage: lightning-sync {{{','.join(SUBCOMMANDS)}}} [hydra overrides and flags...]\n"
-            f"       lightning-sync train --help   (Hydra's help: config groups and options)"
-        )
+        sys.stdout.write(cli_help.top_level_help())
         return
     sub = args.pop(0)
     if sub not in SUBCOMMANDS:
         raise SystemExit(f"lightning-sync: unknown subcommand {sub!r}; allowed: {list(SUBCOMMANDS)}")
+    wants_help = any(arg in ("-h", "--help") for arg in args)
     if sub == "sbatch":  # renders a script from the composed config; not a Hydra run (no output directory)
         from lightning_sync.launch.sbatch import main as sbatch_main
 
         sbatch_main(args)
+        if wants_help:  # sbatch composes train's config: its groups and overrides are train's
+            groups = cli_help.groups_text(cli_help.APPS[sub])
+            sys.stdout.write(f"\nConfig groups (group=option; * marks the default):\n{groups}\n\n")
+            sys.stdout.write(f"{cli_help.overrides_text()}\n")
         return
+    if sub == "consolidate":  # reads a checkpoint directory and writes a file; no config
+        from lightning_sync.consolidate import main as consolidate_main
+
+        consolidate_main(args)
+        return
+    if wants_help:  # Hydra's help, listing this app's own config groups (cli_help.use_app_help)
+        args.insert(0, cli_help.use_app_help(sub))  # before every override: argparse takes one run of them
+    import hydra
+
     sys.argv = [sys.argv[0], *args]  # Hydra parses sys.argv
     task = {"train": _train_app, "bench": _bench_app}[sub]
     app = hydra.main(config_path=config_dir(), config_name=sub, version_base="1.3")(task)
