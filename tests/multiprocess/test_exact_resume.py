@@ -101,11 +101,16 @@ def _fit(
     return trainer, module
 
 
-def _same_run(ck: Checks, tag: str, whole: _Recorded, first: _Recorded, resumed: _Recorded, steps: int) -> None:
-    """The stopped run's and the resumed run's batches and draws, joined, are the uninterrupted run's."""
+def _same_run(ck: Checks, tag: str, whole: _Recorded, first: _Recorded | None, resumed: _Recorded, steps: int) -> None:
+    """The stopped run's and the resumed run's batches and draws, joined, are the uninterrupted run's
+    (``first`` None: the checkpoint was written by the uninterrupted run itself, which went on)."""
     done = steps * ACCUMULATE  # micro-batches trained before the stop
-    ck.true(f"{tag} stopped run trained {done} micro-batches", len(first.seen) == done, len(first.seen))
-    joined = first.seen + resumed.seen
+    if first is None:
+        first_seen = whole.seen[:done]
+    else:
+        first_seen = first.seen
+        ck.true(f"{tag} stopped run trained {done} micro-batches", len(first_seen) == done, len(first_seen))
+    joined = first_seen + resumed.seen
     diverged = next((i for i, (a, b) in enumerate(zip(joined, whole.seen)) if a != b), None)
     ck.true(
         f"{tag} sample indices of every batch equal the uninterrupted run's",
@@ -145,8 +150,12 @@ def _worker(rank: int, world: int, tmpdir: str, strategy: str, loaders: list[str
     for name in loaders:
         loader = LOADERS[name]
         # the uninterrupted run of this loader (a persistent one draws its workers' base seed from torch's
-        # RNG once, not at every epoch, so each loader has its own stream of draws)
-        _, whole = _fit(make(), loader, [])
+        # RNG once, not at every epoch, so each loader has its own stream of draws); it also writes the
+        # step-interval checkpoint the checkpoint path resumes from below, and goes on past it, as a run
+        # that checkpoints every n steps and is then lost does
+        dirpath = Path(tmpdir) / strategy / name / "checkpoints"
+        saver = ModelCheckpoint(dirpath=dirpath, every_n_train_steps=CKPT_STEP, save_top_k=-1)
+        _, whole = _fit(make(), loader, [saver], enable_checkpointing=True)
         _check_against(ck, f"[{name} uninterrupted]", whole, ref["state"], init)
 
         # the preemption path: a signal on one rank, a stop at the next step boundary, a fresh Trainer
@@ -160,10 +169,7 @@ def _worker(rank: int, world: int, tmpdir: str, strategy: str, loaders: list[str
         )
         _same_run(ck, f"[{name} signal]", whole, first, resumed, PREEMPT_STEP)
 
-        # the checkpoint path: a step-interval ModelCheckpoint, the run ends there, ckpt_path resumes it
-        dirpath = Path(tmpdir) / strategy / name / "checkpoints"
-        saver = ModelCheckpoint(dirpath=dirpath, every_n_train_steps=CKPT_STEP, save_top_k=-1)
-        _, first = _fit(make(), loader, [saver], max_steps=CKPT_STEP, enable_checkpointing=True)
+        # the checkpoint path: the uninterrupted run's step-interval checkpoint, resumed with ckpt_path
         written = sorted(dirpath.iterdir())
         ck.true(
             f"[{name} checkpoint] one written, at step {CKPT_STEP} of epoch 1",
@@ -172,7 +178,7 @@ def _worker(rank: int, world: int, tmpdir: str, strategy: str, loaders: list[str
         )
         ckpt = written[-1]
         _, resumed = _fit(make(), loader, [], ckpt=ckpt)
-        _same_run(ck, f"[{name} checkpoint]", whole, first, resumed, CKPT_STEP)
+        _same_run(ck, f"[{name} checkpoint]", whole, None, resumed, CKPT_STEP)
     return ck.result()
 
 
