@@ -1,4 +1,5 @@
-"""LAMB and LARS (conf/optim, pytorch-optimizer) train digits_mlp to >= 90% through the real CLI."""
+"""LAMB and LARS (conf/optim, pytorch-optimizer) train digits_mlp to >= 90% through the real CLI, its ranks
+launched as torchrun would (:mod:`lightning_sync.testing.cli_ranks`; test_cli runs the console script itself)."""
 
 from __future__ import annotations
 
@@ -6,9 +7,10 @@ from pathlib import Path
 
 import pytest
 from omegaconf import DictConfig, OmegaConf
-from test_cli import final_metrics, run_cli
+from test_cli import final_metrics
 
 from lightning_sync.cli import config_dir
+from lightning_sync.testing.cli_ranks import run
 
 pytest.importorskip("pytorch_optimizer", reason="the optim extra: pip install -e .[optim]")
 
@@ -28,22 +30,20 @@ def test_large_batch_optimizer_trains_digits_to_90_percent(
 ) -> None:
     """Global batch 64 either way (2 ranks x 32, or 1 x 64), 10 epochs, the option's lr (LAMB 0.02, LARS 2.0).
     Measured through this CLI with seeds 0-2: LAMB 0.94-0.96 on 1 and on 2 ranks; LARS 0.96 on 1 and on 2."""
-    proc = run_cli(
+    run_dir = tmp_path / "run"
+    texts = run(
+        devices,
+        run_dir,
         [
-            "train",
             _optim(option),
-            f"trainer.devices={devices}",
             f"data.batch_size={batch}",
             "trainer.max_epochs=10",
-            "trainer.enable_progress_bar=false",
             "trainer.enable_checkpointing=false",
+            "final_validate=true",
         ],
-        tmp_path,
+        timeout=240,
     )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    out = proc.stdout + proc.stderr
-    ranks, steps, metrics = final_metrics(out)
+    ranks, steps, metrics = final_metrics(texts[0])
     assert ranks == devices and steps > 0
-    config = next((tmp_path / "outputs").glob("*/*/.hydra/config.yaml"))
-    assert OmegaConf.load(config).model.optimizer == option
+    assert OmegaConf.load(run_dir / ".hydra" / "config.yaml").model.optimizer == option
     assert metrics["val_acc"] >= 0.90, metrics
