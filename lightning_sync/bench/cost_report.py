@@ -10,11 +10,13 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from lightning_sync.bench import model as M
-from lightning_sync.bench.rows import Row, figure, fmt, label, median, save_fig, strategy_class
+from lightning_sync.bench.rows import Row, fmt, median, pyplot, strategy_class
+from lightning_sync.bench.style import figure, label, legend_below, save_fig
 
-__all__ = ["CostModel", "Validation", "params_markdown", "plot_fit", "traffic_of"]
+__all__ = ["FIT_PANELS", "CostModel", "Validation", "params_markdown", "plot_fit", "traffic_of"]
 
 _MIB = 2**20
 _DDP_FIRST_BUCKET, _DDP_BUCKET = 1 * _MIB, 25 * _MIB  # torch DDP's first bucket and bucket_cap_mb
@@ -231,26 +233,6 @@ class CostModel:
         )
         return lines
 
-    def plots(self, out_dir: Path) -> None:
-        """``fit.png`` (the parameters against their calibration points) and ``projection.png``."""
-        plot_fit(self.params, out_dir / "fit.png")
-        if not (proj := self.projection()):
-            return
-        fabrics = list(dict.fromkeys(p.fabric for p in proj))
-        models = list(dict.fromkeys(p.model for p in proj))
-        fig, axes = figure(len(fabrics), len(models), 5, 4)
-        for i, fabric in enumerate(fabrics):
-            for j, model in enumerate(models):
-                mine = [p for p in proj if p.fabric == fabric and p.model == model]
-                for name in dict.fromkeys(p.strategy for p in mine):
-                    ks = list(dict.fromkeys(p.world for p in mine if p.strategy == name))
-                    best = [max(p.efficiency for p in mine if (p.strategy, p.world) == (name, k)) for k in ks]
-                    axes[i][j].plot(ks, best, "o-", ms=3, label=name)
-                axes[i][j].set_xscale("log", base=2)
-                axes[i][j].set_ylim(0, 1.05)
-                label(axes[i][j], "ranks K", "efficiency (best algorithm, no overlap)", f"{model}\n{fabric}")
-        save_fig(fig, out_dir / "projection.png")
-
 
 def params_markdown(params: M.CostParams) -> list[str]:
     """Every op's pooled link with its errors against the calibration's points, the links of each K alone, and
@@ -304,26 +286,49 @@ def params_markdown(params: M.CostParams) -> list[str]:
     return lines
 
 
-def plot_fit(params: M.CostParams, path: Path) -> None:
-    """One panel per op: the calibration's points against the link's prediction per K (K=2 without points)."""
+#: The panels of ``fit.png``: the swept ops by what they do (an op not named here gets a panel of its own).
+FIT_PANELS = {
+    "all-reduce": ("backend", "ring", "tree"),
+    "all-gather": ("all_gather", "torch_all_gather"),
+    "reduce-scatter": ("reduce_scatter", "torch_reduce_scatter"),
+}
+_MARKERS = "os^Dv<>p"
+
+
+def plot_fit(params: M.CostParams, path: Path) -> Any:
+    """``fit.png``: the calibration's points (markers by K) against each op's pooled link (lines), one panel per
+    kind of op (:data:`FIT_PANELS`), one colour per op; returns the figure, closed. A point is the mean span of
+    its repeats, which is all the sweep keeps: no spread to show."""
     from lightning_sync.bench.sweep import DEFAULT_SIZES
 
     fits = params.fits()
-    fig, axes = figure(1, len(fits), 5, 4)
-    for ax, (a, fit) in zip(axes[0], fits.items()):
-        for k in sorted({p.world for p in fit.points}) or [2]:
-            pts = sorted((p for p in fit.points if p.world == k), key=lambda p: p.bytes)
-            sizes = [p.bytes for p in pts] or DEFAULT_SIZES
-            line = ax.plot(
-                sizes, [p.seconds * 1e3 for p in pts] or [math.nan] * len(sizes), "o", ms=4, label=f"K={k} measured"
-            )
-            grid = [M.SweepPoint(a, k, s, 1.0) for s in sizes]
-            ax.plot(sizes, [fit.predict(p) * 1e3 for p in grid], "-", color=line[0].get_color(), label=f"K={k} model")
+    named = {op for ops in FIT_PANELS.values() for op in ops}
+    groups = {title: [op for op in ops if op in fits] for title, ops in FIT_PANELS.items()}
+    groups.update({op: [op] for op in fits if op not in named})
+    groups = {t: ops for t, ops in groups.items() if ops}
+    worlds = sorted({p.world for p in params.points}) or [2]
+    cmap = pyplot().get_cmap("tab10")
+    fig, axes = figure(1, len(groups), 4.8, 3.8)
+    for ax, (title, ops) in zip(axes[0], groups.items()):
+        for i, op in enumerate(ops):  # the ops of a panel in tab10's first, most distinct colours
+            fit, c = fits[op], cmap(i % 10)
+            link = f"{op}: a={fit.link.alpha * 1e6:.0f} us, {fit.link.bandwidth / 1e9:.2f} GB/s"
+            for n, k in enumerate(worlds):
+                pts = sorted((p for p in fit.points if p.world == k), key=lambda p: p.bytes)
+                sizes = [p.bytes for p in pts] or DEFAULT_SIZES
+                if pts:
+                    ax.plot(sizes, [p.seconds * 1e3 for p in pts], _MARKERS[n % len(_MARKERS)], ms=3, color=c)
+                grid = [M.SweepPoint(op, k, s, 1.0) for s in sizes]
+                ax.plot(sizes, [fit.predict(p) * 1e3 for p in grid], "-", lw=1, color=c, label=link if n == 0 else None)
         ax.set_xscale("log")
         ax.set_yscale("log")
-        title = f"{a}: a={fit.link.alpha * 1e6:.0f} us, {fit.link.bandwidth / 1e9:.2f} GB/s"
-        label(ax, "payload, the whole tensor (bytes)", "ms", title)
-    save_fig(fig, path)
+        label(ax, "payload, the whole tensor (bytes)", "ms (points: mean span of the repeats)", title, legend=6)
+    line = pyplot().Line2D
+    marks = [
+        line([], [], color="0.3", marker=_MARKERS[n % len(_MARKERS)], ls="", label=f"K={k} measured")
+        for n, k in enumerate(worlds)
+    ]
+    return save_fig(fig, path, rect=legend_below(fig, [*marks, line([], [], color="0.3", label="fitted link")], 6))
 
 
 def _op_links(links: dict[str, M.Link]) -> dict[str, M.Link]:

@@ -16,7 +16,8 @@ from typing import Any
 from lightning_sync._checks import check_int
 from lightning_sync.bench.cost_report import CostModel
 from lightning_sync.bench.model import TORCH_TWINS, WIRE_FACTORS, CostParams
-from lightning_sync.bench.rows import Measurement, Row, figure, fmt, label, median, save_fig, strategy_class
+from lightning_sync.bench.plots import write_plots
+from lightning_sync.bench.rows import Measurement, Row, fmt, median, strategy_class
 from lightning_sync.bench.runner import IN_STEP, SINGLE_ROW
 
 __all__ = ["Report", "analytic_wire_bytes", "load_raw", "save_raw", "sync_every", "wire_bytes"]
@@ -139,13 +140,21 @@ class Report:
         return median([w for ranks in self._in_step.get((model, world), []) for w in slowest_per_step(ranks, every)])
 
     @staticmethod
-    def _step(t: Measurement) -> float:
+    def step_seconds(t: Measurement) -> float:
+        """One trial's step time: the median over its windows of H steps (:func:`sync_every`)."""
         return median(window_means(list(t.step_s), sync_every(t.step_calls)))
+
+    def trials(self, row: Row) -> list[Measurement]:
+        """The trials a row aggregates, one per round (each with the largest rank's peak memory), for a figure
+        that shows their spread."""
+        return list(self._trials.get((row.model, row.strategy, row.world), []))
 
     def _ratio(self, model: str, name: str, reference: str, world: int) -> float:
         if name == reference or (base := self._trials.get((model, reference, world))) is None:
             return 1.0 if name == reference else math.nan
-        return median([self._step(t) / self._step(b) for t, b in zip(self._trials[(model, name, world)], base)])
+        return median(
+            [self.step_seconds(t) / self.step_seconds(b) for t, b in zip(self._trials[(model, name, world)], base)]
+        )
 
     def _row(self, model: str, name: str, world: int) -> Row:
         trials = self._trials[(model, name, world)]
@@ -154,7 +163,7 @@ class Report:
         sent = median([t.bytes_per_step for t in trials])
         exposed = median([median(t.exposed_s) for t in trials if t.exposed_s])
         comm = median([t.comm_s for t in trials if t.comm_s])
-        step = median([self._step(t) for t in trials])
+        step = median([self.step_seconds(t) for t in trials])
         single = self._single.get(model)
         measured = any(t.comm_calls for t in trials)  # else the strategy bypasses comms
         wire = median([t.wire_bytes for t in trials]) if measured else math.nan
@@ -319,75 +328,11 @@ class Report:
         return [*lines, ""]
 
     def write(self, out_dir: Path) -> None:
-        """Write ``report.md``, ``report.json`` and the plots into ``out_dir`` and print the report."""
+        """Write ``report.md``, ``report.json`` and the figures (:mod:`~lightning_sync.bench.plots`) into
+        ``out_dir`` and print the report."""
         out_dir.mkdir(parents=True, exist_ok=True)
         text = self.markdown()
         (out_dir / "report.md").write_text(text)
         (out_dir / "report.json").write_text(json.dumps(self.as_json(), indent=1, default=str))
         print(text)
-        rows = self.rows()
-        panels = list(dict.fromkeys((r.model, r.world) for r in rows))
-        cols = min(len(panels), 3)
-        fig, axes = figure(math.ceil(len(panels) / cols), cols, 5.5, 4)
-        for ax in axes.flat[len(panels) :]:
-            ax.axis("off")
-        for ax, (model, world) in zip(axes.flat, panels):
-            self._bars(ax, [r for r in rows if (r.model, r.world) == (model, world)], model, world)
-        save_fig(fig, out_dir / "step_time.png")
-        if sweep := sorted((r for r in rows if "cap_mb" in r.extra), key=lambda r: r.extra["cap_mb"]):
-            fig, ((ax,),) = figure(1, 1, 6, 4)
-            caps = [r.extra["cap_mb"] for r in sweep]
-            ax.plot(caps, [r.step_ms for r in sweep], "o-", label="step time (ms)")
-            ax.plot(caps, [r.exposed_ms for r in sweep], "s--", label="exposed comm (ms)")
-            ax.set_xscale("log")
-            label(ax, "bucket_cap_mb (largest = one bucket)", "", f"bucket size sweep ({sweep[0].model})", 12, 10)
-            save_fig(fig, out_dir / "bucket_sweep.png")
-        self._sharding_plot(out_dir)
-        self._scaling_plot(out_dir)
-        if self.cost_model is not None:
-            self.cost_model.plots(out_dir)
-
-    def _bars(self, ax: Any, rows: list[Row], model: str, world: int) -> None:
-        """Median step time per strategy, each bar labelled with its ratio to the baseline."""
-        ax.bar(range(len(rows)), [r.step_ms for r in rows], color="tab:blue")
-        for i, r in enumerate(rows):
-            ax.text(i, r.step_ms, f"{r.ratio:.2f}x", ha="center", va="bottom", fontsize=8)
-        ax.set_xticks(range(len(rows)), [r.strategy for r in rows], rotation=30, fontsize=8)
-        label(ax, "", "ms / step", f"{model}, K={world}: median step time (x {self.baseline})", 9, None)
-
-    def _scaling_plot(self, out_dir: Path) -> None:
-        """``scaling.png``: T1/TK against K per strategy, one panel per model (only with 2+ world sizes)."""
-        worlds = self._worlds()
-        models = [m for m in dict.fromkeys(m for m, _, _ in self._trials) if m in self._single]
-        if len(worlds) < 2 or not models:
-            return
-        fig, axes = figure(1, len(models), 5, 4)
-        for ax, model in zip(axes[0], models):
-            for name in dict.fromkeys(n for m, n, _ in self._trials if m == model):
-                ks = [k for k in worlds if (model, name, k) in self._rows]
-                ax.plot([1, *ks], [1.0, *(self._rows[(model, name, k)].scaling for k in ks)], "o-", label=name, ms=3)
-            ax.set_xticks([1, *worlds])
-            ax.set_ylim(0, 1.05)
-            label(ax, "ranks K (fixed per-rank batch)", "T1 / TK", f"{model}: scaling efficiency", 12)
-        save_fig(fig, out_dir / "scaling.png")
-
-    def _sharding_plot(self, out_dir: Path) -> None:
-        """``sharding.png``: per model, step time (top) and wire MiB measured vs analytic (bottom)."""
-        rows = self.sharding_rows()
-        panels = list(dict.fromkeys((r.model, r.world) for r in rows))
-        if not rows:
-            return
-        fig, axes = figure(2, len(panels), 5, 3.5)
-        for col, (model, world) in enumerate(panels):
-            mine = [r for r in rows if (r.model, r.world) == (model, world)]
-            xs, bottom = range(len(mine)), axes[1][col]
-            self._bars(axes[0][col], mine, model, world)
-            measured = [r.wire_measured_mib if r.measured else 0.0 for r in mine]
-            bottom.bar([x - 0.2 for x in xs], measured, width=0.4, color="tab:orange", label="measured (comms)")
-            analytic = [r.wire_analytic_mib for r in mine]
-            bottom.bar([x + 0.2 for x in xs], analytic, width=0.4, color="tab:gray", label="analytic")
-            for i in (i for i, r in enumerate(mine) if not r.measured):
-                bottom.text(i - 0.2, 0, "n/a", ha="center", va="bottom", fontsize=8)
-            bottom.set_xticks(xs, [r.strategy for r in mine], rotation=30, fontsize=8)
-            label(bottom, "", "MiB", f"{model}, K={world}: wire MiB / step / rank", 9, 8)
-        save_fig(fig, out_dir / "sharding.png")
+        write_plots(self, out_dir)

@@ -1,18 +1,17 @@
-"""The bench's typed rows, the schedule and the plot helpers every runner and report shares; it imports nothing
-else of the bench, so the app, the runners and the reports all use it without importing each other."""
+"""The bench's typed rows, the schedule and the table helpers every runner and report shares; it imports nothing
+else of the bench, so the app, the runners and the reports all use it without importing each other (how figures
+look is :mod:`lightning_sync.bench.style`)."""
 
 from __future__ import annotations
 
 import math
 import statistics
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-__all__ = ["FIT", "QUIET", "Measurement", "Row", "figure", "fmt", "label", "median", "node", "save_fig"]
-__all__ += ["schedule", "strategy_class"]
+__all__ = ["FIT", "QUIET", "Measurement", "Row", "fmt", "median", "node", "pyplot", "schedule", "strategy_class"]
 
 _NAN = math.nan
 #: Trainer arguments of a bench fit: nothing logged, saved or shown; ``FIT``: a step budget, no validation.
@@ -127,22 +126,3 @@ def pyplot() -> Any:
             'pip install "lightning-sync[bench]"'
         ) from err
     return plt
-
-
-def figure(nrows: int, ncols: int, width: float, height: float) -> tuple[Any, Any]:
-    """``(fig, axes)``: a grid of panels of ``width`` x ``height`` inches each; ``axes`` is always 2-D."""
-    return pyplot().subplots(nrows, ncols, figsize=(width * ncols, height * nrows), squeeze=False)
-
-
-def label(ax: Any, xlabel: str, ylabel: str, title: str, size: float = 8, legend: float | None = 6) -> None:
-    """Axis labels, a title of font ``size`` and (unless ``legend`` is None) a legend of that font size."""
-    ax.set(xlabel=xlabel, ylabel=ylabel)
-    ax.set_title(title, fontsize=size)
-    if legend is not None:
-        ax.legend(fontsize=legend)
-
-
-def save_fig(fig: Any, path: Path, rect: tuple[float, ...] | None = None) -> None:
-    fig.tight_layout(rect=rect)
-    fig.savefig(path, dpi=110)
-    pyplot().close(fig)

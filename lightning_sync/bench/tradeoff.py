@@ -21,10 +21,24 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from lightning_sync.bench.rows import FIT, QUIET, figure, fmt, median, node, pyplot, save_fig, schedule
+from lightning_sync.bench.rows import FIT, QUIET, fmt, median, node, pyplot, schedule
 from lightning_sync.bench.runner import stats_of
+from lightning_sync.bench.style import (
+    MAX_PANELS,
+    colour,
+    figure,
+    label,
+    legend_below,
+    log_axis,
+    look,
+    page_path,
+    pages,
+    save_fig,
+    whisker,
+)
 
-__all__ = ["TradeoffResult", "TradeoffRow", "run_tradeoff", "tradeoff_markdown", "tradeoff_rows"]
+__all__ = ["BYTES_LOSS", "TradeoffResult", "TradeoffRow", "plot_bytes_loss", "plot_tradeoff", "run_tradeoff"]
+__all__ += ["tradeoff_markdown", "tradeoff_rows"]
 
 log = logging.getLogger("lightning_sync.bench")
 
@@ -160,7 +174,8 @@ class TradeoffRow:
 
 
 def run_tradeoff(cfg: Any, out_dir: Path, meta: dict[str, Any] | None = None) -> list[TradeoffResult]:
-    """Run every trial (each in fresh processes), write ``tradeoff.md`` and ``tradeoff.png``; return the results."""
+    """Run every trial (each in fresh processes), write ``tradeoff.md``, ``tradeoff.json``, ``tradeoff.png`` and
+    :data:`BYTES_LOSS`; return the results."""
     from lightning_sync.testing import run_distributed
 
     trials = tradeoff_trials(cfg)
@@ -186,7 +201,8 @@ def run_tradeoff(cfg: Any, out_dir: Path, meta: dict[str, Any] | None = None) ->
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "tradeoff.md").write_text(tradeoff_markdown(results, cfg, meta) + "\n")
     (out_dir / "tradeoff.json").write_text(json.dumps([asdict(r) for r in results], indent=1))
-    _plot(results, out_dir / "tradeoff.png")
+    plot_tradeoff(results, out_dir / "tradeoff.png")
+    plot_bytes_loss(results, out_dir / BYTES_LOSS)
     return results
 
 
@@ -253,27 +269,88 @@ def _met(ok: bool) -> str:
     return "met" if ok else "MISSED"
 
 
-def _plot(results: list[TradeoffResult], path: Path) -> None:
-    """Validation loss against MiB sent (log) and against wall time, one row of panels per model."""
-    plt = pyplot()
-    models = list(dict.fromkeys(r.model for r in results))
-    colors = {n: plt.get_cmap("tab10")(i) for i, n in enumerate(dict.fromkeys(r.name for r in results))}
-    fig, axes = figure(len(models), 2, 5.5, 4)
-    for row, model in enumerate(models):
-        for r in (r for r in results if r.model == model):
-            c = colors[r.name]
-            style = {"color": c, "s": 45, "marker": "s" if r.slow else "o", "facecolors": "none" if r.slow else c}
-            axes[row][0].scatter(max(r.bytes / 2**20, 1e-3), r.val_loss, **style)
-            axes[row][1].scatter(r.wall_s, r.val_loss, **style)
-        axes[row][0].set_xscale("log")
-        axes[row][0].set(xlabel="MiB sent (all ranks, log; 0 plotted at 1e-3)", ylabel=f"{model} val loss")
-        axes[row][1].set(xlabel="wall time of training (s)", ylabel=f"{model} val loss")
-        for ax in axes[row]:
-            ax.grid(alpha=0.3)
-    handles = [plt.Line2D([], [], color=c, marker="o", linestyle="", label=n) for n, c in colors.items()]
-    handles += [
-        plt.Line2D([], [], color="gray", marker="o", linestyle="", label="no straggler"),
-        plt.Line2D([], [], color="gray", marker="s", markerfacecolor="none", linestyle="", label="rank 1 slowed"),
+#: Per model, loss against bytes (the trade-off in one picture); ``tradeoff.png`` adds wall time.
+BYTES_LOSS = "bytes_loss.png"
+_FLOOR_MIB = 1e-3  # where a row that sent nothing sits on the log axis
+
+
+def _spread(trials: list[TradeoffResult], key: str, scale: float = 1.0) -> tuple[float, list[list[float]] | None]:
+    values = [getattr(t, key) * scale for t in trials]
+    mid = median(values)
+    return mid, whisker(mid, values)
+
+
+def _points(ax: Any, results: list[TradeoffResult], model: str, x_key: str, annotate: bool = False) -> None:
+    """Each (strategy, straggler) of ``model``: median validation loss against the median of ``x_key`` (MiB sent or
+    wall seconds), whiskers from the smallest to the largest round on both axes; hollow squares: rank 1 slowed."""
+    for name, slow in dict.fromkeys((r.name, r.slow) for r in results if r.model == model):
+        trials = [r for r in results if (r.model, r.name, r.slow) == (model, name, slow)]
+        scale = 1 / 2**20 if x_key == "bytes" else 1.0
+        x, xerr = _spread(trials, x_key, scale)
+        if x_key == "bytes" and x < _FLOOR_MIB:
+            x, xerr = _FLOOR_MIB, None
+        y, yerr = _spread(trials, "val_loss")
+        face = "none" if slow else colour(name)
+        ax.errorbar(
+            [x],
+            [y],
+            xerr=xerr,
+            yerr=yerr,
+            fmt="s" if slow else "o",
+            ms=6,
+            mfc=face,
+            elinewidth=0.8,
+            capsize=2,
+            **look(name),
+        )
+        if annotate and not slow:
+            ax.annotate(name, (x, y), fontsize=7, xytext=(4, 3), textcoords="offset points", color=colour(name))
+    ax.grid(alpha=0.3)
+
+
+def _handles(results: list[TradeoffResult]) -> list[Any]:
+    line = pyplot().Line2D
+    handles = [line([], [], marker="o", ls="", label=n, **look(n)) for n in dict.fromkeys(r.name for r in results)]
+    rounds = {r.round for r in results}
+    note = f"median, whiskers min-max of {len(rounds)} rounds" if len(rounds) > 1 else "1 round: no spread"
+    return handles + [
+        line([], [], color="gray", marker="o", ls="", label=f"no straggler ({note})"),
+        line([], [], color="gray", marker="s", mfc="none", ls="", label="rank 1 slowed"),
     ]
-    fig.legend(handles=handles, loc="upper center", ncol=min(len(handles), 7))
-    save_fig(fig, path, rect=(0, 0, 1, 0.93))
+
+
+_BYTES = "MiB sent, all ranks (log; accounted, 0 at 1e-3)"
+
+
+def plot_tradeoff(results: list[TradeoffResult], path: Path) -> list[Any]:
+    """``tradeoff.png``: validation loss against MiB sent and against wall time, a row of two panels per model,
+    three models to a page; returns the figures, closed."""
+    out = []
+    for page, models in enumerate(pages(list(dict.fromkeys(r.model for r in results)), MAX_PANELS // 2)):
+        fig, axes = figure(len(models), 2, 5.5, 3.6)
+        for row, model in enumerate(models):
+            _points(axes[row][0], results, model, "bytes")
+            _points(axes[row][1], results, model, "wall_s")
+            log_axis(axes[row][0])
+            label(axes[row][0], _BYTES, f"{model} val loss", model, legend=None)
+            label(axes[row][1], "wall time of training (s)", f"{model} val loss", model, legend=None)
+        out.append(save_fig(fig, page_path(path, page), rect=legend_below(fig, _handles(results), 4)))
+    return out
+
+
+def plot_bytes_loss(results: list[TradeoffResult], path: Path) -> list[Any]:
+    """:data:`BYTES_LOSS`: one panel per model, validation loss against MiB sent, every strategy named beside its
+    point; returns the figures, closed."""
+    out = []
+    for page, models in enumerate(pages(list(dict.fromkeys(r.model for r in results)), MAX_PANELS)):
+        cols = min(len(models), 3)
+        fig, axes = figure(-(-len(models) // cols), cols, 5, 3.8)
+        cells = list(axes.flat)
+        for ax in cells[len(models) :]:
+            fig.delaxes(ax)
+        for ax, model in zip(cells, models):
+            _points(ax, results, model, "bytes", annotate=True)
+            log_axis(ax)
+            label(ax, _BYTES, "validation loss after the step budget", f"{model}: loss against bytes", legend=None)
+        out.append(save_fig(fig, page_path(path, page), rect=legend_below(fig, _handles(results), 4)))
+    return out
