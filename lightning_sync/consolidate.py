@@ -18,7 +18,7 @@ the model". Resume from the sharded directory itself, at any world size and stag
 The directory is read as every sharded load reads it (:mod:`lightning_sync.sync.safe_load`): weights-only
 unless ``weights_only=False`` (``--trust-pickles``), and, whatever the trust, refused when it has no
 ``.metadata`` or would read a file outside itself. The output is written to a hidden temporary file beside
-it and renamed into place (:func:`~lightning_sync.launch.atomic.write_atomically`), so a refused or failed
+it and renamed into place (:func:`~lightning_sync.sync.atomic_files.write_atomically`), so a refused or failed
 consolidation leaves no file, and an existing one is replaced whole or not at all.
 """
 
@@ -54,11 +54,10 @@ def consolidate_to_file(
     ``.metadata``) or :class:`~lightning_sync.sync.safe_load.UntrustedCheckpointError` before writing anything."""
     import torch
 
-    from lightning_sync.launch.atomic import write_atomically
-    from lightning_sync.strategies.sharded import LIGHTNING_STATE
+    from lightning_sync.sync.atomic_files import write_atomically
     from lightning_sync.sync.safe_load import contained_path, load_file, read_dcp_metadata
     from lightning_sync.sync.zero_consolidate import consolidate_checkpoint
-    from lightning_sync.sync.zero_format import read_meta
+    from lightning_sync.sync.zero_format import LIGHTNING_STATE, read_meta
 
     source, output = Path(checkpoint_dir), Path(output_file)
     if not source.is_dir():
@@ -82,19 +81,41 @@ def consolidate_to_file(
 def _resume_only(key: str) -> bool:
     """A key only resuming training reads (``RESUME_ONLY_KEYS``, our strategies' ``lightning_sync/*`` state,
     or a precision plugin's state, which Lightning stores under the plugin's class name)."""
+    if key in RESUME_ONLY_KEYS or key.startswith("lightning_sync/"):
+        return True
+    if key in _LIGHTNING_KEPT:
+        return False
+    # a key of the user's (on_save_checkpoint) or a precision plugin's: only then is Lightning imported, so the
+    # usual directory consolidates without its import (seconds of start-up)
     from lightning.pytorch.plugins import precision
 
-    return (
-        key in RESUME_ONLY_KEYS or key.startswith("lightning_sync/") or isinstance(getattr(precision, key, None), type)
+    return isinstance(getattr(precision, key, None), type)
+
+
+# what Lightning's own weights-only file keeps besides the user's keys (trainer/connectors/checkpoint_connector.py)
+_LIGHTNING_KEPT = frozenset(
+    (
+        "epoch",
+        "global_step",
+        "pytorch-lightning_version",
+        "state_dict",
+        "loops",
+        "hparams_name",
+        "hyper_parameters",
+        "hparams_type",
+        "datamodule_hparams_name",
+        "datamodule_hyper_parameters",
+        "datamodule_hparams_type",
     )
+)
 
 
 def _lightning_version() -> str:
     """For a directory without Lightning's state (an engine's own save): Lightning migrates a checkpoint
-    without a version as one of 0.0.0."""
-    import lightning.pytorch as pl
+    without a version as one of 0.0.0. The installed distribution's version, without importing it."""
+    from importlib.metadata import version
 
-    return pl.__version__
+    return version("lightning")
 
 
 def main(argv: Sequence[str]) -> None:

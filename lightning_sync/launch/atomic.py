@@ -13,28 +13,27 @@ Every lightning_sync strategy uses it unless a ``checkpoint_io`` is passed; for 
 ``Trainer(plugins=[AtomicCheckpointIO()])``. Sharded directory checkpoints are made atomic by
 :class:`~lightning_sync.strategies.ShardedStrategy` itself (completion marker, then :func:`publish_path`).
 
-A directory cannot replace a non-empty one in one rename, so :func:`publish_path` takes three: the old
-checkpoint moves aside to ``.<name>.old``, the new one takes the name, and the old one moves on to a
-``.<name>.del-<random>`` name before it is deleted. A kill between the first two leaves no checkpoint under the
-name, only the whole old one aside: :func:`recover_path` (a start that loads a checkpoint) renames it back,
-and :func:`recover_dir` does so for a whole checkpoint directory before ``ckpt_path="last"`` looks for one.
-``.old`` only ever comes and goes by a rename, so it is always a whole checkpoint; a deletion killed partway
-leaves a ``.del-`` name, never restored and cleared by the next save of that name.
+The mechanism, files and directories alike, is :mod:`lightning_sync.sync.atomic_files`.
 """
 
 from __future__ import annotations
 
-import glob
-import os
-import shutil
-import uuid
-from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import torch
 from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+from lightning_sync.sync.atomic_files import (
+    fsync_dir,
+    fsync_path,
+    publish_path,
+    recover_dir,
+    recover_path,
+    remove_path,
+    write_atomically,
+)
 
 __all__ = [
     "AtomicCheckpointIO",
@@ -46,117 +45,6 @@ __all__ = [
     "remove_path",
     "write_atomically",
 ]
-
-
-def fsync_dir(directory: Path) -> None:
-    """fsync a directory, so the names created or renamed in it survive a crash."""
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_path(path: Path) -> None:
-    """fsync a file, or every file and directory under a directory (sharded checkpoints), then its parent."""
-    paths = [path] if path.is_file() else [*sorted(p for p in path.rglob("*")), path]
-    for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    fsync_dir(path.parent)
-
-
-def remove_path(path: Path) -> None:
-    """Remove a file, link or directory tree; nothing to do when there is nothing there."""
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)
-    elif path.exists() or path.is_symlink():
-        path.unlink()
-
-
-def write_atomically(path: Path, write: Callable[[IO[bytes]], Any]) -> None:
-    """Write ``path`` through the hidden temporary file ``.<name>.tmp-<pid>`` beside it: ``write(f)``,
-    flush, fsync, ``os.replace`` onto ``path``, fsync the directory. A kill at any moment leaves the old
-    file or the new one (and at worst the stray temporary file, which the next write of ``path`` replaces)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    fsync_dir(path.parent)
-
-
-def _aside(final: Path) -> Path:
-    return final.with_name(f".{final.name}.old")
-
-
-def _discard(aside: Path, final: Path) -> None:
-    """Delete the old checkpoint ``aside`` of ``final``: first out of the ``.old`` name in one rename (so a kill
-    during the deletion never leaves a part of it there), then its tree. Nothing to do when another process
-    took it first."""
-    trash = final.with_name(f".{final.name}.del-{uuid.uuid4().hex}")
-    try:
-        os.replace(aside, trash)
-    except FileNotFoundError:
-        return
-    fsync_dir(final.parent)
-    remove_path(trash)
-
-
-def recover_path(final: str | os.PathLike[str]) -> None:
-    """Finish what a :func:`publish_path` of ``final`` killed midway left (module docstring): with ``final``
-    missing, its old copy ``.<name>.old`` is renamed back; with both there, the old copy is deleted.
-
-    Call it before loading ``final``. Safe in every rank of a job at once: each outcome is one rename of
-    ``.old``, which only one process can make, and a loser finds the winner's result."""
-    final = Path(final)
-    aside = _aside(final)
-    if not aside.exists():
-        return
-    if final.exists() or final.is_symlink():
-        _discard(aside, final)
-        return
-    try:
-        os.replace(aside, final)
-    except FileNotFoundError:  # another process of the job renamed it back first
-        return
-    fsync_dir(final.parent)
-
-
-def recover_dir(directory: str | os.PathLike[str]) -> None:
-    """:func:`recover_path` for every checkpoint of ``directory`` with an old copy there: what a start must do
-    before looking for one by listing the directory (Lightning's ``ckpt_path="last"``)."""
-    for aside in Path(directory).glob(".?*.old"):
-        recover_path(aside.with_name(aside.name[1:].removesuffix(".old")))
-
-
-def publish_path(tmp: Path, final: Path) -> None:
-    """Make the complete file or directory ``tmp`` the one at ``final``: fsync it, then rename it.
-
-    A file replaces ``final`` in one ``os.replace``. A directory cannot replace a non-empty one, so an
-    existing ``final`` directory is first renamed aside (``.<name>.old``), then deleted (module docstring).
-    A publish killed earlier is finished first (:func:`recover_path`)."""
-    fsync_path(tmp)
-    recover_path(final)
-    for trash in final.parent.glob(f".{glob.escape(final.name)}.del-*"):  # deletions killed partway
-        remove_path(trash)
-    aside = _aside(final)
-    move_aside = final.is_dir() and not final.is_symlink()
-    if move_aside:
-        os.replace(final, aside)
-    os.replace(tmp, final)
-    fsync_dir(final.parent)
-    if move_aside:
-        _discard(aside, final)
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):

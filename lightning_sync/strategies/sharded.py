@@ -80,11 +80,9 @@ from lightning_sync.sync.sharding import (
     resolve_dtype,
     resolve_wrap_policy,
 )
+from lightning_sync.sync.zero_format import COMPLETE_MARKER, LIGHTNING_STATE
 
 __all__ = ["ShardedStrategy"]
-
-LIGHTNING_STATE = "lightning.pt"  # Lightning's own state in a sharded directory (rank 0 writes it)
-COMPLETE_MARKER = "COMPLETE"  # rank 0 writes it after every shard and Lightning's state
 
 
 class ShardedStrategy(CommsCollectivesMixin, DDPStrategy):

@@ -23,10 +23,22 @@ import torch
 from lightning_sync.sync.flat import OwnedSlice
 from lightning_sync.sync.safe_load import contained_path
 
-__all__ = ["FORMAT", "META", "chunk_index", "fill", "placeholder", "read_meta", "state_keys"]
+__all__ = [
+    "COMPLETE_MARKER",
+    "FORMAT",
+    "LIGHTNING_STATE",
+    "META",
+    "chunk_index",
+    "fill",
+    "placeholder",
+    "read_meta",
+    "state_keys",
+]
 
 FORMAT = "lightning_sync.zero/1"
 META = "lightning_sync_meta.json"
+LIGHTNING_STATE = "lightning.pt"  # Lightning's own state in a sharded directory (rank 0 writes it)
+COMPLETE_MARKER = "COMPLETE"  # rank 0 writes it after every shard and Lightning's state
 
 
 def read_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
