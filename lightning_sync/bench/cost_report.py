@@ -324,9 +324,10 @@ def plot_fit(params: M.CostParams, path: Path) -> Any:
         ax.set_yscale("log")
         label(ax, "payload, the whole tensor (bytes)", "ms (points: mean span of the repeats)", title, legend=6)
     line = pyplot().Line2D
-    marks = [
+    marks = [  # the default parameters come without points
         line([], [], color="0.3", marker=_MARKERS[n % len(_MARKERS)], ls="", label=f"K={k} measured")
         for n, k in enumerate(worlds)
+        if params.points
     ]
     return save_fig(fig, path, rect=legend_below(fig, [*marks, line([], [], color="0.3", label="fitted link")], 6))
 

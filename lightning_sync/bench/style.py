@@ -91,8 +91,9 @@ def label(ax: Any, xlabel: str, ylabel: str, title: str, size: float = 9, legend
 
 
 def legend_below(fig: Any, handles: Sequence[Any], ncol: int = 5) -> tuple[float, ...]:
-    """One legend for the whole figure below its panels; the ``rect`` for :func:`save_fig` that leaves it room."""
-    ncol = max(1, min(len(handles), ncol))
+    """One legend for the whole figure below its panels, at most ``ncol`` columns and as many as fit its width;
+    the ``rect`` for :func:`save_fig` that leaves it room."""
+    ncol = max(1, min(len(handles), ncol, int(fig.get_figwidth() / 1.6)))  # a column: a 7-point name, ~1.5 in
     fig.legend(handles=list(handles), loc="lower center", ncol=ncol, fontsize=7, frameon=False)
     return (0, min(0.45, 0.2 * -(-len(handles) // ncol) / fig.get_figheight()), 1, 1)
 
