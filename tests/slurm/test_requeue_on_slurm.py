@@ -180,6 +180,15 @@ def test_the_hydra_submitit_route_requeues_and_resumes_too(
     assert re.search(r"resume: epoch \d+ continues at sample \d+ of its global order", text), text[-4000:]
     assert f"final metrics (2 ranks, {STEPS} steps)" in text, text[-4000:]
     _assert_bitwise_equal(weights(tmp_path / "slurm-final.ckpt"), uninterrupted)
+    # what the launcher wrote and Slurm made of it, 2 nodes x 1 task (test_submitit_on_slurm has 2 x 2)
+    script = next(sweep.glob(".submitit/*/*_submission.sh")).read_text()
+    assert "#SBATCH --nodes=2" in script and "#SBATCH --ntasks-per-node=1" in script, script
+    assert "#SBATCH --signal=USR1@90" in script and "#SBATCH --requeue" in script, script  # ours, not USR2
+    every_log = "\n".join(p.read_text(errors="replace") for p in sorted(sweep.glob(".submitit/*/*_log.*")))
+    banners = re.findall(
+        r"node (\d) of 2 on host \S+: local rank 0, global rank (\d), world size 2, backend gloo", every_log
+    )
+    assert set(banners) == {("0", "0"), ("1", "1")}, every_log[-4000:]  # each attempt prints its own
 
 
 def _assert_bitwise_equal(resumed: dict[str, torch.Tensor], whole: dict[str, torch.Tensor]) -> None:

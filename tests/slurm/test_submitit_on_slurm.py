@@ -1,7 +1,8 @@
 """Submission through Hydra on real Slurm: ``lightning-sync train -m launch=slurm ...`` hands the job to
 hydra-submitit-launcher, which writes its own sbatch script, submits it and waits for the result. Checked
-for 2 nodes x 1 task and 2 nodes x 2 tasks: Slurm's ranks (node, local, global, world size) in the banners,
-and final weights equal to the same job on 2 and 4 local ranks (itself checked against a single process by
+for 2 nodes x 2 tasks (2 x 1 is the requeue test's, test_requeue_on_slurm, which checks the same through a
+requeue): Slurm's ranks (node, local, global, world size) in the banners, and final weights equal to the same
+job on 4 local ranks (itself checked against a single process by
 the multi-process tier). Both runs use one intra-op thread per rank (the launch config exports
 OMP_NUM_THREADS=cpus_per_task; Lightning's local launcher does the same on 2 cores), so the same batches go
 through the same ops in the same order: bitwise equal."""
@@ -34,10 +35,10 @@ TRAIN = [
 
 
 @pytest.mark.timeout(560)
-@pytest.mark.parametrize("tasks", [1, 2])
 def test_hydra_submitit_job_has_slurm_ranks_and_trains_like_local_ranks(
-    slurm: SlurmCluster, tmp_path: Path, local_runs: LocalRuns, tasks: int
+    slurm: SlurmCluster, tmp_path: Path, local_runs: LocalRuns
 ) -> None:
+    tasks = 2
     world = 2 * tasks
     sweep = tmp_path / "multirun"
     submit = subprocess.run(
