@@ -14,6 +14,7 @@ from lightning_sync import comms
 from lightning_sync._checks import check_bool
 from lightning_sync._lightning import calling_metric_key, explicit_checkpoint_io, set_checkpoint_io, trainer_of
 from lightning_sync.strategies._exact_data import ExactDataHooks
+from lightning_sync.strategies._telemetry import CommTelemetryHooks
 
 __all__ = [
     "AtomicCheckpoints",
@@ -99,8 +100,9 @@ class AtomicCheckpoints:
         set_checkpoint_io(self, io)
 
 
-class OwnsCommContext:
-    """A strategy's own :class:`~lightning_sync.comms.CommContext` (:attr:`comm`), created on first use."""
+class OwnsCommContext(CommTelemetryHooks):
+    """A strategy's own :class:`~lightning_sync.comms.CommContext` (:attr:`comm`), created on first use, and the
+    per-step communication telemetry read from it (:mod:`lightning_sync.strategies._telemetry`)."""
 
     @property
     def comm(self) -> comms.CommContext:

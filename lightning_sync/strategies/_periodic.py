@@ -109,11 +109,9 @@ class PeriodicStrategy(ProcessGroupStrategy):
             self._pending_averager = None
 
     @override
-    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        out = super().optimizer_step(optimizer, closure, model, **kwargs)
+    def _after_optimizer_step(self) -> None:
         if self.averager is not None:
             self._after_step()
-        return out
 
     # ------------------------------------------------------------------ evaluation on the synchronized model
     def _average_for_evaluation(self) -> None:

@@ -66,10 +66,11 @@ Checkpoints
     * with another number of workers, the global clock is kept (pushes are rescaled to it), but the
       pushes per worker start again.
 
-Logged on rank 0, every ``log_every_n_steps`` of its steps: ``ps/global_step``, ``ps/version``,
-``ps/staleness_mean``, ``ps/staleness_max``; at the end of fit the staleness histogram
-(``ps/staleness_count/<s>``, and a TensorBoard histogram when that logger is used; see
-:mod:`lightning_sync.strategies._ps_metrics`).
+Logged on rank 0 after its steps, with every strategy's communication telemetry (bytes and time of its
+requests, the push counting as time blocked in communication; :mod:`lightning_sync.strategies._telemetry`):
+``comm/staleness`` (its own push's), ``ps/global_step``, ``ps/version``, ``ps/staleness_mean``,
+``ps/staleness_max``; at the end of fit the staleness histogram (``ps/staleness_count/<s>``, and a TensorBoard
+histogram when that logger is used; see :mod:`lightning_sync.strategies._ps_metrics`).
 
 Failure
     A worker that raises, or the server's own update (its optimizer step, clipping, a scheduler on the
@@ -91,8 +92,9 @@ from typing_extensions import override
 from lightning_sync.comms import rpc
 from lightning_sync.strategies._common import as_timedelta, check_launch_args
 from lightning_sync.strategies._no_process_group import NoProcessGroupStrategy
-from lightning_sync.strategies._ps_metrics import StalenessLog
+from lightning_sync.strategies._ps_metrics import log_final, step_metrics
 from lightning_sync.strategies._ps_routing import PushingOptimizer, route_clipping, route_schedulers
+from lightning_sync.strategies._telemetry import blocked
 from lightning_sync.sync.parameter_server import ParameterServer, Reply, check_lr_scaling, check_staleness
 from lightning_sync.sync.ps_worker import LocalLink, PSWorker, RpcLink, check_compensation, host
 from lightning_sync.sync.safe_load import guarded_load
@@ -148,10 +150,10 @@ class AsyncParameterServerStrategy(NoProcessGroupStrategy):
         self._clip: tuple[str, float] | None = None
         self._pending_state: dict[str, Any] | None = None
         self._lifted_max_steps: int | None = None
-        self._log = StalenessLog()  # rank 0's logging of the server's clock and staleness
         self._failed = False
         self._finished = False
         self._last: Reply | None = None  # the latest reply (kept after teardown)
+        self._push_staleness: int | None = None  # of the latest push (None: discarded)
         self._final: dict[str, Any] | None = None  # rank 0: the server's state at the end of fit
 
     # ------------------------------------------------------------------ setup
@@ -231,6 +233,7 @@ class AsyncParameterServerStrategy(NoProcessGroupStrategy):
         """The server applies the pushes that waited for the restore (Lightning has restored everything it
         restores by now). ``max_steps`` is the global budget: the server stops every worker, so lift the
         per-worker limit."""
+        super().on_train_start()
         if self.server is not None:
             self.server.restored()
         trainer = self.lightning_module.trainer
@@ -240,15 +243,21 @@ class AsyncParameterServerStrategy(NoProcessGroupStrategy):
 
     def _push(self) -> None:
         assert self.worker is not None
-        reply = self._last = self.worker.push(self._clip)
+        read = self.worker.version
+        with blocked(self.comm.observer):  # the worker waits for the server: exposed communication
+            reply = self._last = self.worker.push(self._clip)
+        # the server's staleness of a gradient applied in the step that made reply.version
+        self._push_staleness = reply.version - 1 - read if reply.applied else None
         self._clip = None
         for group, lr in zip(self.optimizers[0].param_groups, reply.lrs):
             group["lr"] = lr  # every worker reports the global learning rate
         trainer = self.lightning_module.trainer
         if reply.stop:
             trainer.should_stop = True
-        if self.global_rank == 0:
-            self._log.progress(trainer, self.worker.steps, reply)
+
+    @override
+    def _comm_gauges(self) -> dict[str, float]:
+        return step_metrics(self._last, self._push_staleness) if self._last is not None else {}
 
     @property
     def global_step(self) -> int:
@@ -334,7 +343,7 @@ class AsyncParameterServerStrategy(NoProcessGroupStrategy):
         """Every worker ends with the final global model; rank 0 logs the final staleness histogram."""
         self._finish()
         if self.global_rank == 0:
-            self._log.final(self.lightning_module.trainer, self.staleness_histogram, type(self).__name__)
+            log_final(self.lightning_module.trainer, self.staleness_histogram, type(self).__name__)
 
     @override
     def on_exception(self, exception: BaseException) -> None:

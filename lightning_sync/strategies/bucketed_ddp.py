@@ -46,6 +46,7 @@ from lightning_sync.strategies._common import (
     check_launch_args,
     no_sync_of,
 )
+from lightning_sync.strategies._telemetry import BUCKETS
 from lightning_sync.sync.bucketing import GradBucketer, check_mib
 from lightning_sync.sync.communicator import ProcessGroupCommunicator
 from lightning_sync.sync.compression import COMPRESSIONS, make_compressor
@@ -212,6 +213,10 @@ class BucketedDDPStrategy(CommsCollectivesMixin, DDPStrategy):
         """Accumulation micro-steps: gradients accumulate locally, no collective is issued."""
         with no_sync_of(self.bucketer):
             yield None
+
+    @override
+    def _comm_gauges(self) -> dict[str, float]:
+        return {BUCKETS: float(len(self.bucketer.buckets))} if self.bucketer is not None else {}
 
     # ------------------------------------------------------------------ checkpoints
     @override

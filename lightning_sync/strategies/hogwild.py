@@ -36,6 +36,9 @@ What is synchronized, and when:
   each process's own clock and set that process's learning rate. Lightning 2.6 broadcasts a flag on
   the process group before every training step, so processes stay within a step of each other.
 * **After fit** the main process's module holds the trained weights (it shares their memory).
+* **Staleness** (logged as ``comm/staleness`` when a logger is attached): each process counts its own updates
+  in a shared tensor, one slot per process (one writer each, so no lock); rank 0 logs how many updates the
+  others made during each of its steps (:mod:`lightning_sync.strategies._telemetry`).
 
 If a process fails, the others raise at the next barrier or collective (or at ``timeout``).
 """
@@ -54,6 +57,7 @@ from typing_extensions import override
 from lightning_sync._lightning import MultiProcessingLauncher, ddp_start_method, set_launcher
 from lightning_sync.strategies._base import ProcessGroupStrategy
 from lightning_sync.strategies._common import as_timedelta, check_bool, check_launch_args
+from lightning_sync.strategies._telemetry import STALENESS
 
 __all__ = ["HogwildStrategy"]
 
@@ -131,10 +135,32 @@ class HogwildStrategy(ProcessGroupStrategy):
             process_group_backend="gloo", timeout=as_timedelta(timeout), start_method=start_method, **kwargs
         )
         self.num_processes_requested, self.oversubscribe = num_processes, oversubscribe
+        self._updates: torch.Tensor | None = None  # shared: optimizer steps taken, one slot per process
+        self._count_updates = False  # a logger is attached: count them (for the staleness figure)
 
     @override
     def _configure_launcher(self) -> None:
+        # before the processes start, so that they all share it
+        self._updates = torch.zeros(max(self.num_processes, 1), dtype=torch.int64).share_memory_()
         set_launcher(self, _SharedMemoryLauncher(self, start_method=ddp_start_method(self)))
+
+    @override
+    def on_train_start(self) -> None:
+        trainer = self.lightning_module.trainer
+        self._count_updates = self._updates is not None and bool(trainer.loggers)
+        super().on_train_start()  # builds the telemetry, which reads the counts from the start
+
+    @override
+    def _after_optimizer_step(self) -> None:
+        if self._count_updates:
+            self._updates[self.global_rank] += 1  # type: ignore[index]
+
+    @override
+    def _comm_counters(self) -> dict[str, float]:
+        if not self._count_updates:
+            return {}
+        assert self._updates is not None
+        return {STALENESS: float(self._updates.sum() - self._updates[self.global_rank])}
 
     @override
     def setup_environment(self) -> None:

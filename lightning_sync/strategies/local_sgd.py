@@ -58,6 +58,7 @@ from typing_extensions import override
 from lightning_sync.resume import RANK_STATES
 from lightning_sync.strategies._common import check_bool, no_sync_of
 from lightning_sync.strategies._periodic import PeriodicStrategy
+from lightning_sync.strategies._telemetry import BUCKETS
 from lightning_sync.sync.bucketing import GradBucketer, check_mib
 from lightning_sync.sync.communicator import ProcessGroupCommunicator
 from lightning_sync.sync.periodic import PeriodicAverager, average_tensors, check_int
@@ -166,6 +167,10 @@ class LocalSGDStrategy(PeriodicStrategy):
         """Accumulation micro-steps: gradients accumulate locally, no collective is issued."""
         with no_sync_of(self.bucketer):
             yield None
+
+    @override
+    def _comm_gauges(self) -> dict[str, float]:
+        return {BUCKETS: float(len(self.bucketer.buckets))} if self.bucketer is not None else {}
 
     # ------------------------------------------------------------------ the periodic average
     @override

@@ -70,6 +70,7 @@ from lightning_sync.strategies._common import (
     check_launch_args,
     no_sync_of,
 )
+from lightning_sync.strategies._telemetry import BUCKETS
 from lightning_sync.sync.bucketing import check_mib
 from lightning_sync.sync.safe_load import contained_path, load_file
 from lightning_sync.sync.sharding import (
@@ -266,6 +267,10 @@ class ShardedStrategy(CommsCollectivesMixin, DDPStrategy):
         """Accumulation micro-steps: unsharded gradients accumulate locally, no collective is issued."""
         with no_sync_of(self.engine):
             yield None
+
+    @override
+    def _comm_gauges(self) -> dict[str, float]:
+        return {BUCKETS: float(sum(1 for u in self.engine.units if u.numel))} if self.engine is not None else {}
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The consolidated full ``state_dict`` on rank 0 (``{}`` on the others): the module's keys, shapes and
