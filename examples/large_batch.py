@@ -337,7 +337,9 @@ def render_png(data: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     models = data["models"]
-    fig, axes = plt.subplots(1, len(models), figsize=(min(6.5 * len(models), 12.0), 4.6), squeeze=False)  # <= 1560 px at 130 dpi
+    fig, axes = plt.subplots(
+        1, len(models), figsize=(min(6.5 * len(models), 12.0), 4.6), squeeze=False
+    )  # <= 1560 px at 130 dpi
     colors = {BASE_BATCH: "#4c72b0", LARGE_BATCH: "#dd8452"}
     width = 0.38
     for ax, model in zip(axes[0], models):
