@@ -301,6 +301,9 @@ def _train_app(cfg: Any) -> float | None:
 def _bench_app(cfg: Any) -> None:
     from hydra.core.hydra_config import HydraConfig
 
+    from lightning_sync.bench.rows import require_plots
+
+    require_plots(cfg)  # before the runners' imports (Lightning), so a missing extra is named at once
     from lightning_sync.bench.app import run_bench
 
     run_bench(cfg, Path(HydraConfig.get().runtime.output_dir))

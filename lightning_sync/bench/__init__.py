@@ -1,9 +1,36 @@
-"""Benchmarks: strategies side by side in one run, A/B alternated, medians and ratios, report + plots."""
+"""Benchmarks: strategies side by side in one run, A/B alternated, medians and ratios, report + plots.
 
-from lightning_sync.bench.app import run_bench
-from lightning_sync.bench.model import CostParams, load_params
-from lightning_sync.bench.report import Report
-from lightning_sync.bench.rows import Measurement, Row, schedule
-from lightning_sync.bench.runner import Trial, stats_of
+The names below load on first use (PEP 562): a runner imports Lightning, and ``lightning-sync bench`` must be
+able to check its optional dependencies (matplotlib) before paying for that import.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __all__ = ["CostParams", "Measurement", "Report", "Row", "Trial", "load_params", "run_bench", "schedule", "stats_of"]
+
+_LAZY = {
+    "run_bench": "app",
+    "CostParams": "model",
+    "load_params": "model",
+    "Report": "report",
+    "Measurement": "rows",
+    "Row": "rows",
+    "schedule": "rows",
+    "Trial": "runner",
+    "stats_of": "runner",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -22,7 +22,7 @@ from lightning_sync._checks import check_choice
 from lightning_sync.bench.cost_report import params_markdown, plot_fit
 from lightning_sync.bench.model import CostParams, SweepPoint, calibrate, load_params
 from lightning_sync.bench.report import Report, save_raw
-from lightning_sync.bench.rows import Measurement, node, pyplot, schedule
+from lightning_sync.bench.rows import Measurement, node, require_plots, schedule
 from lightning_sync.bench.runner import IN_STEP, SINGLE_ROW, Trial, run_trials
 from lightning_sync.bench.sweep import sweep_all_reduce, sweep_sizes
 
@@ -131,8 +131,7 @@ def run_bench(cfg: DictConfig, out_dir: Path) -> Report | None:
     worlds, threads = world_sizes(cfg), int(cfg.threads_per_rank)
     meta = _meta(cfg, worlds)
     mode = check_choice("mode", str(cfg.get("mode", "run")), ("run", "calibrate"))
-    if _draws_figures(cfg, mode):
-        pyplot()  # matplotlib is an extra: a missing one must fail now, not after minutes of trials
+    require_plots(cfg)  # matplotlib is an extra: a missing one must fail now, not after minutes of trials
     if mode == "calibrate":
         run_calibration(cfg, out_dir, meta)
         return None
@@ -177,12 +176,6 @@ def run_bench(cfg: DictConfig, out_dir: Path) -> Report | None:
             with open(out_dir / "report.md", "a") as f:
                 f.write("\n\n" + (out_dir / "tradeoff.md").read_text())
     return report
-
-
-def _draws_figures(cfg: DictConfig, mode: str) -> bool:
-    """Whether the run will plot: the calibration (``fit.png``), the report of any strategy row or bucket sweep, and
-    the trade-off all do."""
-    return mode == "calibrate" or bool(cfg.run_models) or bool(cfg.bucket_sweep.enabled) or bool(cfg.tradeoff.enabled)
 
 
 def run_calibration(cfg: DictConfig, out_dir: Path, meta: dict[str, Any]) -> CostParams:

@@ -113,6 +113,16 @@ def strategy_class(strategy: dict[str, Any]) -> str:
     return str(strategy.get("_target_") or "").rpartition(".")[2]
 
 
+def require_plots(cfg: DictConfig) -> None:
+    """Fail now, naming the extra, if the run will plot and matplotlib is missing: the calibration (``fit.png``),
+    the report of any strategy row or bucket sweep, and the trade-off all plot. ``lightning-sync bench`` calls it
+    before it imports the runners (Lightning: seconds), :func:`~lightning_sync.bench.app.run_bench` before any
+    trial."""
+    mode = str(cfg.get("mode", "run"))
+    if mode == "calibrate" or bool(cfg.run_models) or bool(cfg.bucket_sweep.enabled) or bool(cfg.tradeoff.enabled):
+        pyplot()
+
+
 def pyplot() -> Any:
     """matplotlib's pyplot on the Agg backend (files only)."""
     try:

@@ -10,6 +10,7 @@ the test if the work starts first.
 from __future__ import annotations
 
 import re
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -96,3 +97,19 @@ def test_train_without_pytorch_optimizer_fails_before_fit(
     expected = f"optimizer='{optim}' needs the pytorch-optimizer package, which is not installed: "
     assert str(cause) == expected + 'pip install "lightning-sync[optim]"'
     assert "pytorch-optimizer package" in str(info.value) and "lightning-sync[optim]" in str(info.value)
+
+
+def test_the_bench_command_names_the_missing_extra_before_importing_lightning(tmp_path: Path) -> None:
+    """``lightning-sync bench`` checks before it imports its runners, which import Lightning (seconds of start-up
+    in a fresh interpreter): the missing extra is named first, and Lightning was never imported."""
+    code = (
+        "import atexit, sys\n"
+        "sys.modules['matplotlib'] = None\n"  # as if not installed
+        "atexit.register(lambda: print('lightning imported:', 'lightning' in sys.modules))\n"
+        "from lightning_sync.cli import main\n"
+        f"main(['bench', 'suite=quick', 'hydra.run.dir={tmp_path / 'run'}'])\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode != 0, done.stdout[-2000:]
+    assert 'pip install "lightning-sync[bench]"' in done.stderr, done.stderr[-2000:]
+    assert "lightning imported: False" in done.stdout, (done.stdout[-2000:], done.stderr[-2000:])
