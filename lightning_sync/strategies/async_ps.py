@@ -26,7 +26,9 @@ What is synchronized, and when
       records rank 0's figures. ``sync_dist``, ``all_gather``, ``broadcast`` and ``barrier`` are local
       (no process group exists); torchmetrics metrics compute on the rank's own data.
     * **End of fit:** each worker waits for all the others to finish and takes the final global
-      model, so every rank's module holds the same trained weights after ``fit``.
+      model, so every rank's module holds the same trained weights after ``fit``; rank 0 then takes the
+      server's final state (for a checkpoint after fit), and the server's rank serves until every rank has
+      left RPC.
 
 Clocks
     ``trainer.global_step`` is *this worker's* optimizer steps (its pushes; they differ between
@@ -365,12 +367,20 @@ class AsyncParameterServerStrategy(NoProcessGroupStrategy):
         if self._lifted_max_steps is not None and trainer is not None:
             trainer.fit_loop.epoch_loop.max_steps = self._lifted_max_steps
             self._lifted_max_steps = None
-        if self.server is not None:
-            if self.server.error is not None:  # keep answering until every worker has heard why training stopped
-                self.server.wait_stopped(self._timeout.total_seconds())
-            host(None)
+        hosting = self.server is not None
+        if self.server is not None and self.server.error is not None:
+            # keep answering until every worker has heard why training stopped
+            self.server.wait_stopped(self._timeout.total_seconds())
         self.server, self.worker = None, None
-        rpc.shutdown(graceful=not self._failed)  # after a failure, peers may never arrive
+        try:
+            # Rank 0 asks the server for its final state after every worker has finished (see _finish), so
+            # with the server on another rank that request can still be on its way now. A graceful shutdown
+            # returns only once every rank has reached it, and a rank reaches it only after its own requests
+            # were answered: serving until then answers every last request, with no handshake of our own.
+            rpc.shutdown(graceful=not self._failed)  # after a failure, peers may never arrive
+        finally:
+            if hosting:
+                host(None)  # the next fit's requests must wait for the next fit's server
         self._failed = self._finished = False
         super().teardown()
 
