@@ -264,6 +264,11 @@ def run_train(cfg: Any) -> dict[str, float]:
 
 
 def _train_app(cfg: Any) -> float | None:
+    from omegaconf import OmegaConf
+
+    from lightning_sync._extras import require_optimizer
+
+    require_optimizer(OmegaConf.select(cfg, "model.optimizer"))  # before Lightning's import: a missing extra at once
     import torch.distributed as dist
 
     from lightning_sync.comms.watchdog import CollectiveError

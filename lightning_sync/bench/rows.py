@@ -11,6 +11,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from lightning_sync._extras import require
+
 __all__ = ["FIT", "QUIET", "Measurement", "Row", "fmt", "median", "node", "pyplot", "schedule", "strategy_class"]
 
 _NAN = math.nan
@@ -124,15 +126,9 @@ def require_plots(cfg: DictConfig) -> None:
 
 
 def pyplot() -> Any:
-    """matplotlib's pyplot on the Agg backend (files only)."""
-    try:
-        import matplotlib
+    """matplotlib's pyplot on the Agg backend (files only); matplotlib is the bench extra."""
+    matplotlib = require("matplotlib", "bench", "lightning-sync bench draws its plots with matplotlib")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as err:  # matplotlib is the bench extra; lightning-sync bench calls this before any trial
-        raise ImportError(
-            "lightning-sync bench draws its plots with matplotlib, which is not installed: "
-            'pip install "lightning-sync[bench]"'
-        ) from err
     return plt

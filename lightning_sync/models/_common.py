@@ -9,7 +9,6 @@ from __future__ import annotations
 import abc
 import math
 from collections.abc import Iterable
-from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -17,6 +16,8 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
+
+from lightning_sync._extras import require_optimizer
 
 __all__ = [
     "OPTIMIZERS",
@@ -175,25 +176,6 @@ def build_optimizer(
     if name == "lamb":
         return pytorch_optimizer.Lamb(params, lr=lr, weight_decay=weight_decay)
     return pytorch_optimizer.LARS(params, lr=lr, momentum=0.9, weight_decay=weight_decay)
-
-
-def require_optimizer(name: str) -> Any:
-    """The ``pytorch_optimizer`` module for ``"lamb"`` / ``"lars"`` (None for torch's own optimizers), or an
-    ``ImportError`` naming the package and the extra to install.
-
-    The models call it when they are built, so a missing extra fails before the Trainer starts any rank, not
-    in ``configure_optimizers`` once every rank has launched and loaded its data.
-    """
-    if name not in ("lamb", "lars"):
-        return None
-    try:
-        import pytorch_optimizer
-    except ImportError as err:
-        raise ImportError(
-            f"optimizer={name!r} needs the pytorch-optimizer package, which is not installed: "
-            'pip install "lightning-sync[optim]"'
-        ) from err
-    return pytorch_optimizer
 
 
 def make_loader(dataset: Dataset, batch_size: int, shuffle: bool, num_workers: int) -> DataLoader:

@@ -113,3 +113,19 @@ def test_the_bench_command_names_the_missing_extra_before_importing_lightning(tm
     assert done.returncode != 0, done.stdout[-2000:]
     assert 'pip install "lightning-sync[bench]"' in done.stderr, done.stderr[-2000:]
     assert "lightning imported: False" in done.stdout, (done.stdout[-2000:], done.stderr[-2000:])
+
+
+def test_the_train_command_names_the_missing_extra_before_importing_lightning(tmp_path: Path) -> None:
+    """``lightning-sync train optim=lamb`` checks for pytorch-optimizer before it imports Lightning."""
+    code = (
+        "import atexit, sys\n"
+        "sys.modules['pytorch_optimizer'] = None\n"  # as if not installed
+        "atexit.register(lambda: print('lightning imported:', 'lightning' in sys.modules))\n"
+        "from lightning_sync.cli import main\n"
+        f"main(['train', 'optim=lamb', 'hydra.run.dir={tmp_path / 'run'}'])\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode != 0, done.stdout[-2000:]
+    assert "optimizer='lamb' needs the pytorch-optimizer package" in done.stderr, done.stderr[-2000:]
+    assert 'pip install "lightning-sync[optim]"' in done.stderr, done.stderr[-2000:]
+    assert "lightning imported: False" in done.stdout, (done.stdout[-2000:], done.stderr[-2000:])
