@@ -14,7 +14,7 @@ from typing import Any
 
 from lightning_sync.bench import model as M
 from lightning_sync.bench.rows import Row, fmt, median, pyplot, strategy_class
-from lightning_sync.bench.style import figure, label, legend_below, save_fig
+from lightning_sync.bench.style import figure, label, legend_below, save_fig, whisker
 
 __all__ = ["FIT_PANELS", "CostModel", "Validation", "params_markdown", "plot_fit", "traffic_of"]
 
@@ -297,8 +297,9 @@ _MARKERS = "os^Dv<>p"
 
 def plot_fit(params: M.CostParams, path: Path) -> Any:
     """``fit.png``: the calibration's points (markers by K) against each op's pooled link (lines), one panel per
-    kind of op (:data:`FIT_PANELS`), one colour per op; returns the figure, closed. A point is the mean span of
-    its repeats, which is all the sweep keeps: no spread to show."""
+    kind of op (:data:`FIT_PANELS`), one colour per op; returns the figure, closed. A point is the median span of
+    its repeats with whiskers to the fastest and slowest; points stored without their spread are drawn at their
+    mean span, and the axis says the spread is missing."""
     from lightning_sync.bench.sweep import DEFAULT_SIZES
 
     fits = params.fits()
@@ -307,6 +308,7 @@ def plot_fit(params: M.CostParams, path: Path) -> Any:
     groups.update({op: [op] for op in fits if op not in named})
     groups = {t: ops for t, ops in groups.items() if ops}
     worlds = sorted({p.world for p in params.points}) or [2]
+    spread = any(_has_spread(p) for p in params.points)
     cmap = pyplot().get_cmap("tab10")
     fig, axes = figure(1, len(groups), 4.8, 3.8)
     for ax, (title, ops) in zip(axes[0], groups.items()):
@@ -316,13 +318,12 @@ def plot_fit(params: M.CostParams, path: Path) -> Any:
             for n, k in enumerate(worlds):
                 pts = sorted((p for p in fit.points if p.world == k), key=lambda p: p.bytes)
                 sizes = [p.bytes for p in pts] or DEFAULT_SIZES
-                if pts:
-                    ax.plot(sizes, [p.seconds * 1e3 for p in pts], _MARKERS[n % len(_MARKERS)], ms=3, color=c)
+                _plot_points(ax, pts, _MARKERS[n % len(_MARKERS)], c)
                 grid = [M.SweepPoint(op, k, s, 1.0) for s in sizes]
                 ax.plot(sizes, [fit.predict(p) * 1e3 for p in grid], "-", lw=1, color=c, label=link if n == 0 else None)
         ax.set_xscale("log")
         ax.set_yscale("log")
-        label(ax, "payload, the whole tensor (bytes)", "ms (points: mean span of the repeats)", title, legend=6)
+        label(ax, "payload, the whole tensor (bytes)", f"ms (points: {_points_note(spread)})", title, legend=6)
     line = pyplot().Line2D
     marks = [  # the default parameters come without points
         line([], [], color="0.3", marker=_MARKERS[n % len(_MARKERS)], ls="", label=f"K={k} measured")
@@ -330,6 +331,27 @@ def plot_fit(params: M.CostParams, path: Path) -> Any:
         if params.points
     ]
     return save_fig(fig, path, rect=legend_below(fig, [*marks, line([], [], color="0.3", label="fitted link")], 6))
+
+
+def _has_spread(p: M.SweepPoint) -> bool:
+    return not any(math.isnan(v) for v in (p.median_seconds, p.min_seconds, p.max_seconds))
+
+
+def _plot_points(ax: Any, pts: list[M.SweepPoint], marker: str, colour: Any) -> None:
+    """Each point at its median span with whiskers from the fastest to the slowest repeat; a point without its
+    spread at its mean span (the only figure it kept)."""
+    for p in pts:
+        if _has_spread(p):
+            err = whisker(p.median_seconds * 1e3, (p.min_seconds * 1e3, p.max_seconds * 1e3))
+            ax.errorbar([p.bytes], [p.median_seconds * 1e3], yerr=err, fmt=marker, ms=3, color=colour, capsize=2)
+        else:
+            ax.plot([p.bytes], [p.seconds * 1e3], marker, ms=3, color=colour)
+
+
+def _points_note(spread: bool) -> str:
+    if spread:
+        return "median, whiskers min-max of the repeats"
+    return "mean span of the repeats; their spread was not stored"
 
 
 def _op_links(links: dict[str, M.Link]) -> dict[str, M.Link]:

@@ -254,7 +254,9 @@ def project(
 
 @dataclass
 class SweepPoint:
-    """One swept op at one size: the mean span over repeats, their median and the slowest rank's own time."""
+    """One swept op at one size: the mean span over repeats (what a step pays, and what the links are fitted to),
+    their median, the slowest rank's own time, and the fastest and slowest span (the spread a figure draws). A
+    point stored before the spread was kept has NaN there."""
 
     algorithm: str
     world: int
@@ -262,6 +264,8 @@ class SweepPoint:
     seconds: float
     median_seconds: float = math.nan
     rank_seconds: float = math.nan
+    min_seconds: float = math.nan
+    max_seconds: float = math.nan
 
 
 @dataclass

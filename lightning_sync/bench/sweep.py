@@ -97,9 +97,12 @@ def sweep_all_reduce(
 
 
 def price(spans: list[float], own: list[float]) -> dict[str, float]:
-    """One point's ``seconds`` (mean span), ``median_seconds`` and ``rank_seconds`` (median slowest-rank time)."""
+    """One point's ``seconds`` (mean span), ``median_seconds``, ``rank_seconds`` (median slowest-rank time) and
+    the spread of its spans (``min_seconds``, ``max_seconds``)."""
     return {
         "seconds": statistics.fmean(spans),
         "median_seconds": statistics.median(spans),
         "rank_seconds": statistics.median(own),
+        "min_seconds": min(spans),
+        "max_seconds": max(spans),
     }

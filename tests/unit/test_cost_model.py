@@ -338,7 +338,13 @@ def test_a_sweep_point_is_priced_at_its_mean_span_and_keeps_the_median() -> None
     # a step pays the sum of its calls, so one slow repeat of three (a call that waited a scheduler slice)
     # moves the price by a third of its delay; the median, kept beside it, does not see it
     point = price([0.001, 0.002, 0.300], [0.002, 0.003, 0.301])
-    assert point == {"seconds": pytest.approx(0.101), "median_seconds": 0.002, "rank_seconds": 0.003}
+    assert point == {
+        "seconds": pytest.approx(0.101),
+        "median_seconds": 0.002,
+        "rank_seconds": 0.003,
+        "min_seconds": 0.001,  # the spread the fit figure draws around the median
+        "max_seconds": 0.300,
+    }
 
 
 def test_calibration_writes_the_parameters_and_a_report_reads_the_same_numbers(
@@ -357,7 +363,8 @@ def test_calibration_writes_the_parameters_and_a_report_reads_the_same_numbers(
             for k in (2, 3):
                 msgs, factor = M.all_reduce_coefficients(a, k)
                 out += [
-                    M.SweepPoint(a, k, s, msgs * 3e-4 * k + factor * s * 1e-9, 0.9, 1.0) for s in (10**3, 10**6, 10**8)
+                    M.SweepPoint(a, k, s, msgs * 3e-4 * k + factor * s * 1e-9, 0.9, 1.0, 0.8, 1.2)
+                    for s in (10**3, 10**6, 10**8)
                 ]
         return out
 
