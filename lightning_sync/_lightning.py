@@ -27,8 +27,10 @@ __all__ = [
     "SubprocessScriptLauncher",
     "calling_metric_key",
     "ddp_start_method",
+    "epoch_batches",
     "explicit_checkpoint_io",
     "set_checkpoint_io",
+    "set_epoch_batches",
     "set_every_n_epochs",
     "set_launcher",
     "should_accumulate",
@@ -50,6 +52,8 @@ INTERNALS: dict[str, str] = {
     "LightningOptimizer._optimizer": "the optimizer a LightningOptimizer wraps",
     "ModelCheckpoint._every_n_epochs": "the epoch interval ModelCheckpoint's epoch-end saves read",
     "_TrainingEpochLoop._should_accumulate": "does this batch end with an optimizer step or an accumulation step",
+    "_TrainingEpochLoop.batch_progress (.current, .total)": "the batches trained in this epoch, shifted when a "
+    "resume counts the same samples in batches of another size",
     "_ResultMetric.meta (.fx, .name)": "which logged key a strategy.reduce call syncs (the caller's frame)",
 }
 
@@ -61,6 +65,26 @@ SubprocessScriptLauncher = _SubprocessScriptLauncher
 def should_accumulate(trainer: Any) -> bool:
     """In ``on_train_batch_end``: is this batch an accumulation micro-step (no optimizer step after it)?"""
     return bool(trainer.fit_loop.epoch_loop._should_accumulate())
+
+
+#: The counters of a batch progress tracker, in the order a batch passes them.
+_BATCH_COUNTERS = ("ready", "started", "processed", "completed")
+
+
+def epoch_batches(trainer: Any) -> int:
+    """The batches of the current epoch whose training step ran (counted before ``on_train_batch_end``)."""
+    return int(trainer.fit_loop.epoch_loop.batch_progress.current.processed)
+
+
+def set_epoch_batches(trainer: Any, batches: int) -> None:
+    """Shift every batch counter of the training loop (this epoch's and the total) by the same amount, so that
+    this epoch has trained ``batches``; their differences (a batch saved between processed and completed)
+    stay as Lightning left them."""
+    progress = trainer.fit_loop.epoch_loop.batch_progress
+    delta = batches - progress.current.processed
+    for tracker in (progress.current, progress.total):
+        for counter in _BATCH_COUNTERS:
+            setattr(tracker, counter, getattr(tracker, counter) + delta)
 
 
 def trainer_of(module: Any) -> Any | None:

@@ -28,15 +28,24 @@ dataset keeps Lightning's behaviour: it restarts the epoch, and Lightning warns.
 exactly if the loader is itself stateful (e.g. torchdata's ``StatefulDataLoader`` over a sampler with
 ``state_dict``/``load_state_dict``), which is left alone. Randomness drawn
 inside ``DataLoader`` worker processes is seeded per epoch by the loader, not continued: a worker's stream
-restarts at a resume. A mid-epoch position resumes only at the checkpoint's world size, dataset and seed.
+restarts at a resume. A mid-epoch position needs the checkpoint's dataset and seed, and at another world size
+or per-rank batch the checkpoint's global batch (see :meth:`GlobalOrderSampler.resume`).
+
+**Another world size.** The position is in samples of the one global order, so it re-splits: ranks r of the
+new run take entries r, r + W', ... from it, Lightning's batch counters are shifted to count the same samples
+in the new batches (:class:`TrainingLoop`), and every later global batch holds the samples it would have held
+in an uninterrupted run. Rank r continues rank r's RNG streams where the checkpoint has them; a strategy's
+own per-rank entry is not carried to another world size (the strategy maps its state itself). A checkpoint
+written inside an accumulation window counts only the whole windows before it: the window's gradients are
+not saved, so its batches are trained again.
 """
 
 from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -54,8 +63,19 @@ log = logging.getLogger("lightning_sync")
 RANK_STATES = "lightning_sync/rank_states"
 """The checkpoint key of the per-rank states: a list, one entry per rank, each ``{"rng": ..., ...}``."""
 
-Progress = Callable[[], tuple[int, bool]]
-"""Batches of the current epoch trained so far on each rank, and whether the epoch is done."""
+
+class TrainingLoop(Protocol):
+    """What the data position needs from the training loop that consumes the loader."""
+
+    def trained(self) -> tuple[int, bool]:
+        """Batches of the current epoch trained so far on each rank, and whether the epoch is done."""
+
+    def accumulate(self) -> int:
+        """Micro-batches per optimizer step."""
+
+    def restart_at(self, batches: int) -> None:
+        """Count ``batches`` of the current epoch as trained on each rank: a checkpoint of another world size
+        or batch counted the same samples in batches of another size."""
 
 
 def host_rng_state() -> torch.Tensor:
@@ -113,7 +133,7 @@ class ExactResume:
 
     # ------------------------------------------------------------------ the data position
     @staticmethod
-    def install(loader: Any, progress: Progress) -> Any:
+    def install(loader: Any, loop: TrainingLoop) -> Any:
         """Make a training ``loader`` resumable in place (see the module docstring); returns it. Loaders it
         cannot resume exactly, and loaders that carry state of their own, are returned untouched."""
         batch_sampler = getattr(loader, "batch_sampler", None)
@@ -130,18 +150,24 @@ class ExactResume:
         batch_sampler.sampler = ordered
 
         def state_dict() -> dict[str, Any]:
-            batches, epoch_done = progress()
-            return ordered.state(batches, batch_size, epoch_done)
+            batches, epoch_done = loop.trained()
+            return ordered.state(batches, batch_size, epoch_done, loop.accumulate())
 
         def load_state_dict(state: dict[str, Any]) -> None:
-            ordered.resume(state)
-            if state["position"] and rank_zero_only.rank == 0:
+            batches = ordered.resume(state, batch_size, loop.accumulate())
+            if not state["position"]:
+                return
+            loop.restart_at(batches)
+            if rank_zero_only.rank == 0:
                 log.info(
-                    "resume: epoch %d continues at sample %d of its global order of %d; the batches already "
-                    "trained are skipped",
+                    "resume: epoch %d continues at sample %d of its global order of %d (%d batches of %d on "
+                    "each of %d ranks already trained are skipped)",
                     state["epoch"],
                     state["position"],
                     ordered.total,
+                    batches,
+                    batch_size,
+                    ordered.world_size,
                 )
 
         # instance attributes: the user's DataLoader class stays what it is, and Lightning's ``_Stateful``
@@ -165,23 +191,31 @@ class ExactResume:
         return comm.gather_object(mine, dst=0)
 
     def take(self, states: Sequence[dict[str, Any]] | None, rank: int, world_size: int) -> dict[str, Any] | None:
-        """This rank's entry of the checkpoint's ``states`` (its RNG states are kept for
-        :meth:`restore_rng`); None for a checkpoint without them, or from another world size (logged once)."""
+        """This rank's entry of the checkpoint's ``states`` (its RNG states are kept for :meth:`restore_rng`);
+        None for a checkpoint without them.
+
+        From another world size the entry is None too (what a strategy kept per rank belongs to a rank of
+        the other run), but the RNG streams go on where they can: rank r continues rank r's streams for every
+        r both runs have, and a rank the checkpoint had no entry for keeps its own seeding (logged once)."""
         self._rng = None
         if states is None:
             return None
-        if len(states) != world_size:
-            if rank == 0:
-                log.warning(
-                    "resume: the checkpoint holds the RNG states of %d ranks, this run has %d: each rank's "
-                    "generators keep their seeding",
-                    len(states),
-                    world_size,
-                )
-            return None
-        mine = states[rank]
-        self._rng = mine.get("rng")
-        return mine
+        if rank < len(states):
+            self._rng = states[rank].get("rng")
+        if len(states) == world_size:
+            return states[rank]
+        if rank == 0:
+            log.warning(
+                "resume: the checkpoint holds the RNG states of %d ranks, this run has %d: ranks 0-%d continue "
+                "their streams, %s",
+                len(states),
+                world_size,
+                min(len(states), world_size) - 1,
+                f"ranks {len(states)}-{world_size - 1} keep their seeding"
+                if world_size > len(states)
+                else "the others' end there",
+            )
+        return None
 
     def restore_rng(self, device: torch.device) -> None:
         """Set the generators to the taken RNG states, once (at the start of training)."""

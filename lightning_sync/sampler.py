@@ -4,7 +4,11 @@ Lightning gives each training rank a ``DistributedSampler(shuffle=True, seed=PL_
 order is one permutation of the dataset, seeded by ``seed + epoch`` and extended cyclically to a multiple of
 the world size W; rank r takes entries r, r + W, r + 2W, ... So after every rank has trained b batches of B
 samples, exactly the first ``b * B * W`` entries of that order have been trained on, whatever the rank: the
-state of the whole data pipeline is one number, the position in the epoch's global order.
+state of the whole data pipeline is one number, the position in the epoch's global order. That number means
+the same samples at any world size: a run of W' ranks resumes from it by dealing out the rest of the order
+the same way, and as long as the global batch (per-rank batch x W x accumulation) is held, each later
+optimizer step trains on the same set of samples as it would have in the interrupted run. The order is the
+same permutation at every world size; only the padding at the epoch's end (to a multiple of W) differs.
 
 :class:`GlobalOrderSampler` wraps the ``DistributedSampler`` (Lightning keeps calling ``set_epoch`` on it)
 and yields exactly what it yields, except in the one epoch it was told to resume, where it starts at the
@@ -91,9 +95,10 @@ class GlobalOrderSampler(Sampler[int]):
         """The global position after every rank trained ``batches`` batches of ``batch_size`` samples."""
         return min(batches * batch_size * self.world_size, self.total)
 
-    def state(self, batches: int, batch_size: int, epoch_done: bool) -> dict[str, Any]:
+    def state(self, batches: int, batch_size: int, epoch_done: bool, accumulate: int = 1) -> dict[str, Any]:
         """What a checkpoint carries: the epoch to continue and the position in its global order (the next
-        epoch at 0 when this one is done), and what must match for the position to mean the same samples."""
+        epoch at 0 when this one is done), what must match for the position to mean the same samples, and
+        the shape of a global batch (``batch_size`` per rank x world size x ``accumulate`` micro-batches)."""
         epoch, position = (self.epoch + 1, 0) if epoch_done else (self.epoch, self.position(batches, batch_size))
         return {
             "epoch": epoch,
@@ -101,31 +106,73 @@ class GlobalOrderSampler(Sampler[int]):
             "world_size": self.world_size,
             "dataset_size": len(self.base.dataset),
             "seed": int(self.base.seed),
+            "batch_size": batch_size,
+            "global_batch": batch_size * self.world_size * accumulate,
         }
 
-    def resume(self, state: Mapping[str, Any]) -> None:
+    def resume(self, state: Mapping[str, Any], batch_size: int | None = None, accumulate: int = 1) -> int:
         """Start epoch ``state["epoch"]`` at ``state["position"]``, and make it the current epoch now, before
-        any iterator is created. An epoch's start fits any dataset and world size; a position inside an epoch
-        must be the checkpoint's dataset, seed and world size (else ``ValueError``, naming both): other
-        samples would follow it than in the interrupted run."""
+        any iterator is created; returns the batches of ``batch_size`` that each rank of this run has already
+        trained in that epoch (0 at an epoch's start, or without ``batch_size``).
+
+        An epoch's start fits any dataset, world size and batch. A position inside an epoch needs the
+        checkpoint's dataset and seed (else the samples left would not be the interrupted run's). At another
+        world size or per-rank batch it also needs the checkpoint's global batch (``batch_size`` x world x
+        ``accumulate``): the position is then a whole number of global batches, so the rest of the epoch
+        falls into the same global batches as in an uninterrupted run. Anything else raises ``ValueError``
+        naming both sides."""
         epoch, position = int(state["epoch"]), int(state["position"])
+        batches = 0
         if position:
-            saved = {k: state.get(k) for k in ("dataset_size", "seed", "world_size")}
-            here = {"dataset_size": len(self.base.dataset), "seed": int(self.base.seed), "world_size": self.world_size}
-            if saved != here:
+            here = {
+                "world_size": self.world_size,
+                "batch_size": batch_size,
+                "global_batch": None if batch_size is None else batch_size * self.world_size * accumulate,
+                "dataset_size": len(self.base.dataset),
+                "seed": int(self.base.seed),
+            }
+            keys = ["dataset_size", "seed"]
+            if (state.get("world_size"), state.get("batch_size", batch_size)) != (self.world_size, batch_size):
+                keys.append("global_batch")  # reshaped: the global batch must hold
+            if any(state.get(k) != here[k] for k in keys):
                 raise ValueError(
-                    f"the checkpoint stopped inside epoch {epoch} at sample {position} of its global "
-                    f"order with {saved}; this run has {here}, so the rest of that epoch would not be "
-                    f"the samples the interrupted run had left. Resume with the checkpoint's "
-                    f"settings, or from a checkpoint saved at an epoch's end"
+                    f"the checkpoint stopped inside epoch {epoch} at sample {position} of its global order with "
+                    f"{_describe(state)}; this run has {_describe(here)}, so the rest of that epoch would not "
+                    f"be the samples, or the global batches, the interrupted run had left. "
+                    f"{_advice(state, self.world_size, batch_size)}"
                 )
-            if not 0 < position <= self.total or position % self.world_size:
+            grid = self.world_size * (batch_size or 1)
+            if not 0 < position <= self.total or position % grid:
                 raise ValueError(
-                    f"position {position} is not a multiple of the world size {self.world_size} "
-                    f"within the epoch's {self.total} samples"
+                    f"position {position} is not a multiple of the world size {self.world_size} x batch "
+                    f"{batch_size or 1} within the epoch's {self.total} samples"
                 )
+            batches = position // grid if batch_size else 0
         self.base.set_epoch(epoch)
         self._resume = (epoch, position)
+        return batches
+
+
+def _describe(state: Mapping[str, Any]) -> str:
+    """``world 2 x batch 8 (global batch 48), 1437 samples, seed 3`` for a message; unknowns say so."""
+    g = state.get("global_batch")
+    return (
+        f"world {state.get('world_size')} x batch {state.get('batch_size', '?')} "
+        f"(global batch {g if g else '?'}), {state.get('dataset_size')} samples, seed {state.get('seed')}"
+    )
+
+
+def _advice(state: Mapping[str, Any], world: int, batch_size: int | None) -> str:
+    """What would make a refused resume work: the accumulation that holds the checkpoint's global batch at
+    this world size and batch, where there is one; else a checkpoint saved at an epoch's end."""
+    g = state.get("global_batch")
+    if g and batch_size and g % (batch_size * world) == 0:
+        return (
+            f"Keep the global batch {g}: accumulate {g // (batch_size * world)} micro-batches of {batch_size} "
+            f"on {world} ranks (Trainer(accumulate_grad_batches=...), or lightning-sync train "
+            f"batch.global_size={g} batch.per_device={batch_size})."
+        )
+    return "Resume with the checkpoint's settings, or from a checkpoint saved at an epoch's end."
 
 
 class EvaluationShardSampler(Sampler[int]):

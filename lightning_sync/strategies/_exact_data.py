@@ -16,13 +16,13 @@ and evaluation counts every sample once.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 
-from lightning_sync._lightning import trainer_of
+from lightning_sync._lightning import epoch_batches, set_epoch_batches, trainer_of
 from lightning_sync.resume import RANK_STATES, ExactResume
 from lightning_sync.sampler import shard_for_evaluation
 
@@ -33,18 +33,32 @@ __all__ = ["ExactDataHooks"]
 _REPEATS_WARNING = r"Using `DistributedSampler` with the dataloaders\. During `trainer\.(validate|test)\(\)`"
 
 
-def _training_progress(trainer: Any) -> Callable[[], tuple[int, bool]]:
-    """The trained batches of the current epoch and whether it is done, read when a checkpoint is written.
+class _FitLoop:
+    """Lightning's training loop as the data position sees it (:class:`~lightning_sync.resume.TrainingLoop`)."""
 
-    ``processed`` counts a batch once its step ran, before ``on_train_batch_end`` (where step-interval and
-    preemption checkpoints are saved); the loader's own count runs ahead by what it prefetched."""
-    loop = trainer.fit_loop.epoch_loop
+    def __init__(self, trainer: Any) -> None:
+        self.trainer = trainer
 
-    def progress() -> tuple[int, bool]:
-        done = loop.batch_progress.current.processed
-        return done, done >= trainer.num_training_batches
+    def trained(self) -> tuple[int, bool]:
+        """Read when a checkpoint is written. In ``on_train_batch_end`` (step-interval and preemption
+        checkpoints) the batch counts as processed; the loader's own count runs ahead by what it prefetched.
+        Inside an accumulation window only the whole windows count: the window's gradients are not in the
+        checkpoint, so a resume trains its batches again, from the weights they started from (Lightning's
+        ModelCheckpoint saves there when a run resumed with accumulation: its last saved step is not restored,
+        and the first micro-batch ends at the same global step)."""
+        done = epoch_batches(self.trainer)
+        if done >= self.trainer.num_training_batches:
+            return done, True
+        return done - done % self.accumulate(), False
 
-    return progress
+    def accumulate(self) -> int:
+        return int(self.trainer.accumulate_grad_batches)
+
+    def restart_at(self, batches: int) -> None:
+        """Called while the loader is set up, after Lightning restored the loop and before the epoch starts:
+        accumulation windows, the epoch's last batch and step-interval checks then fall where they would had
+        the run trained in this run's batches all along."""
+        set_epoch_batches(self.trainer, batches)
 
 
 class ExactDataHooks:
@@ -81,7 +95,7 @@ class ExactDataHooks:
         if trainer is None:
             return dataloader
         if trainer.training:
-            return self._exact_resume.install(dataloader, _training_progress(trainer))
+            return self._exact_resume.install(dataloader, _FitLoop(trainer))
         if not (trainer.validating or trainer.testing or trainer.sanity_checking):
             return dataloader  # prediction: Lightning's own unrepeated sampler already
         repeated = shard_for_evaluation(dataloader)

@@ -119,6 +119,21 @@ def _should_accumulate() -> None:
     assert compat.should_accumulate(trainer) is False  # the epoch's last batch always steps
 
 
+def _batch_progress() -> None:
+    trainer = Trainer(accelerator="cpu", devices=1, logger=False, accumulate_grad_batches=2, barebones=True)
+    progress = trainer.fit_loop.epoch_loop.batch_progress
+    # a checkpoint saved in on_train_batch_end of this epoch's 6th batch, the 16th of the run
+    for tracker, n in ((progress.current, 6), (progress.total, 16)):
+        tracker.ready = tracker.started = tracker.processed = n
+        tracker.completed = n - 1
+    assert compat.epoch_batches(trainer) == 6
+    compat.set_epoch_batches(trainer, 9)  # the same samples in smaller batches
+    assert (progress.current.ready, progress.current.processed, progress.current.completed) == (9, 9, 8)
+    assert (progress.total.ready, progress.total.processed, progress.total.completed) == (19, 19, 18)
+    progress.reset_on_restart()  # what the epoch loop does next on a restart: ready falls back to completed
+    assert progress.current.ready == 8
+
+
 def _metric_key() -> None:
     """Lightning's result collection calls the sync function from a method of the metric whose ``meta``
     names the logged key, as ``strategy.reduce`` would be called for ``self.log(..., sync_dist=True)``."""
@@ -149,6 +164,7 @@ _CHECKS: dict[str, Callable[[], None]] = {
     "LightningOptimizer._optimizer": _unwrap_optimizer,
     "ModelCheckpoint._every_n_epochs": _every_n_epochs,
     "_TrainingEpochLoop._should_accumulate": _should_accumulate,
+    "_TrainingEpochLoop.batch_progress (.current, .total)": _batch_progress,
     "_ResultMetric.meta (.fx, .name)": _metric_key,
 }
 

@@ -22,6 +22,24 @@ def _distributed(n: int, world: int, rank: int, **kw: object) -> DistributedSamp
     return DistributedSampler(range(n), num_replicas=world, rank=rank, **kw)  # type: ignore[arg-type]
 
 
+class _Loop:
+    """A training loop as the data position sees it (the TrainingLoop protocol): ``batches`` of this epoch
+    trained on each rank, ``accumulate`` micro-batches per step; records what a resume asks it to count."""
+
+    def __init__(self, batches: int = 0, done: bool = False, accumulate: int = 1) -> None:
+        self.batches, self.done, self.micro = batches, done, accumulate
+        self.restarted: list[int] = []
+
+    def trained(self) -> tuple[int, bool]:
+        return self.batches, self.done
+
+    def accumulate(self) -> int:
+        return self.micro
+
+    def restart_at(self, batches: int) -> None:
+        self.restarted.append(batches)
+
+
 @pytest.mark.parametrize("n", [23, 24, 25])
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 @pytest.mark.parametrize(("shuffle", "drop_last"), [(True, False), (False, False), (True, True)])
@@ -46,10 +64,18 @@ def test_a_resume_position_skips_a_prefix_of_the_global_order_in_that_epoch_only
         full.append(list(s))
     # 3 batches of 2 trained on every rank: the first 18 entries of the epoch's order are consumed
     state = samplers[0].state(batches=3, batch_size=batch, epoch_done=False)
-    assert state == {"epoch": 4, "position": 18, "world_size": 3, "dataset_size": 40, "seed": 1}
+    assert state == {
+        "epoch": 4,
+        "position": 18,
+        "world_size": 3,
+        "dataset_size": 40,
+        "seed": 1,
+        "batch_size": 2,
+        "global_batch": 6,
+    }
     for r, s in enumerate(samplers):
         fresh = GlobalOrderSampler(_distributed(40, world, r, shuffle=True, seed=1))
-        fresh.resume(state)
+        assert fresh.resume(state, batch) == 3
         assert fresh.epoch == 4  # set before any iterator exists: workers prefetch at creation
         assert list(fresh) == full[r][3 * batch :]
         assert len(fresh) == len(full[r])  # Lightning counts the resumed epoch's batches from the whole
@@ -69,24 +95,64 @@ def test_a_finished_epoch_resumes_at_the_start_of_the_next_at_any_world_size() -
     assert list(other) == list(base)
 
 
+def _global_batches(world: int, batch: int, accumulate: int, state: dict | None, steps: int) -> list[list[int]]:
+    """The sample ids of ``steps`` global batches trained by ``world`` ranks of ``batch`` x ``accumulate``
+    micro-batches from ``state`` (None: the epoch's start), each sorted: a global batch is a set."""
+    ranks = []
+    for r in range(world):
+        s = GlobalOrderSampler(_distributed(50, world, r, shuffle=True, seed=3))
+        if state is not None:
+            s.resume(state, batch, accumulate)
+        ranks.append(list(s))
+    per_step = batch * accumulate
+    return [sorted(i for order in ranks for i in order[n * per_step : (n + 1) * per_step]) for n in range(steps)]
+
+
+def test_a_mid_epoch_position_resplits_to_another_world_size_with_the_same_global_batch() -> None:
+    # global batch 12 = 2 x world 2 x accumulate 3 = 2 x 3 x 2 = 2 x 1 x 6 = 3 x 2 x 2: after 2 steps at
+    # world 2 every later global batch is the same set of samples as in the uninterrupted world-2 run
+    whole = _global_batches(2, 2, 3, None, 4)
+    state = GlobalOrderSampler(_distributed(50, 2, 0, shuffle=True, seed=3)).state(6, 2, False, accumulate=3)
+    assert (state["position"], state["global_batch"]) == (24, 12)
+    for world, batch, accumulate in ((3, 2, 2), (1, 2, 6), (2, 3, 2), (2, 2, 3)):
+        assert _global_batches(world, batch, accumulate, state, 2) == whole[2:], (world, batch, accumulate)
+        # the trained batches each rank of the new shape counts: 24 samples in batches of batch x world
+        s = GlobalOrderSampler(_distributed(50, world, 0, shuffle=True, seed=3))
+        assert s.resume(state, batch, accumulate) == 24 // (batch * world)
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"world_size": 3}, r"'world_size': 2}; this run has .*'world_size': 3}"),
-        ({"dataset_size": 30}, r"'dataset_size': 24.*this run has \{'dataset_size': 30"),
-        ({"seed": 4}, r"'seed': 3.*'seed': 4"),
+        ({"dataset_size": 30}, r"24 samples, seed 3; this run has world 2 x batch 2 \(global batch 8\), 30 samples"),
+        ({"seed": 4}, r"seed 3; this run has .* seed 4"),
+        # another world size must hold the global batch; the accumulation that would is named
+        ({"world_size": 4}, r"\(global batch 8\), 24 samples.*\(global batch 16\).*accumulate 1 micro-batches"),
+        ({"world_size": 3}, r"global batch 12.*Resume with the checkpoint's settings, or from .* an epoch's end"),
+        ({"batch_size": 4}, r"world 2 x batch 4 \(global batch 16\).*accumulate 1 micro-batches of 4 on 2"),
     ],
 )
-def test_a_mid_epoch_position_needs_the_same_world_dataset_and_seed(change: dict[str, int], message: str) -> None:
-    state = GlobalOrderSampler(_distributed(24, 2, 0, seed=3)).state(batches=2, batch_size=2, epoch_done=False)
+def test_a_mid_epoch_position_needs_the_same_data_and_global_batch(change: dict[str, int], message: str) -> None:
+    sampler = GlobalOrderSampler(_distributed(24, 2, 0, seed=3))
+    state = sampler.state(batches=2, batch_size=2, epoch_done=False, accumulate=2)
+    assert state["global_batch"] == 8
     n, world, seed = change.get("dataset_size", 24), change.get("world_size", 2), change.get("seed", 3)
+    batch = change.get("batch_size", 2)
     with pytest.raises(ValueError, match=r"stopped inside epoch 0 at sample 8 .*" + message):
-        GlobalOrderSampler(_distributed(n, world, 0, seed=seed)).resume(state)
+        GlobalOrderSampler(_distributed(n, world, 0, seed=seed)).resume(state, batch, accumulate=2)
+
+
+def test_a_position_saved_without_its_global_batch_resumes_at_its_own_world_size_only() -> None:
+    # what a checkpoint of an earlier version holds: no batch shape
+    state = {"epoch": 0, "position": 8, "world_size": 2, "dataset_size": 24, "seed": 3}
+    assert GlobalOrderSampler(_distributed(24, 2, 1, seed=3)).resume(state, 2) == 2
+    with pytest.raises(ValueError, match=r"world 2 x batch \? \(global batch \?\).*Resume with the checkpoint"):
+        GlobalOrderSampler(_distributed(24, 4, 1, seed=3)).resume(state, 2)
 
 
 def test_a_position_that_is_no_whole_global_batch_is_refused() -> None:
     state = {"epoch": 0, "position": 5, "world_size": 2, "dataset_size": 24, "seed": 0}
-    with pytest.raises(ValueError, match="position 5 is not a multiple of the world size 2 within the epoch's 24"):
+    with pytest.raises(ValueError, match="position 5 is not a multiple of the world size 2 x batch 1 within the ep"):
         GlobalOrderSampler(_distributed(24, 2, 0)).resume(state)
 
 
@@ -96,18 +162,19 @@ def _loader(**kw: object) -> DataLoader:
 
 
 def test_install_makes_a_training_loader_stateful_and_resumes_it() -> None:
-    trained = {"batches": 3, "done": False}
-    loader = ExactResume.install(_loader(), lambda: (trained["batches"], trained["done"]))
+    loop = _Loop(batches=3)
+    loader = ExactResume.install(_loader(), loop)
     assert isinstance(loader, _Stateful) and isinstance(loader, DataLoader)
     assert isinstance(loader.batch_sampler.sampler, GlobalOrderSampler)
     loader.sampler.set_epoch(2)  # what Lightning calls: the DistributedSampler, which the new sampler reads
     whole = [b[0].tolist() for b in loader]
     state = loader.state_dict()
     assert state["epoch"] == 2 and state["position"] == 3 * 4 * 2
-    resumed = ExactResume.install(_loader(), lambda: (0, False))
+    again = _Loop()
+    resumed = ExactResume.install(_loader(), again)
     resumed.load_state_dict(state)
-    assert [b[0].tolist() for b in resumed] == whole[3:]
-    trained["done"] = True
+    assert [b[0].tolist() for b in resumed] == whole[3:] and again.restarted == [3]
+    loop.done = True
     assert loader.state_dict()["epoch"] == 3 and loader.state_dict()["position"] == 0
 
 
@@ -126,12 +193,12 @@ def test_install_leaves_loaders_it_cannot_resume_exactly_untouched() -> None:
     own = Stateful(ds, batch_size=2, sampler=_distributed(8, 2, 0))
     for loader in (custom, own, [1, 2]):
         sampler = getattr(getattr(loader, "batch_sampler", None), "sampler", None)
-        assert ExactResume.install(loader, lambda: (0, False)) is loader
+        assert ExactResume.install(loader, _Loop()) is loader
         assert getattr(getattr(loader, "batch_sampler", None), "sampler", None) is sampler
     assert own.state_dict() == {"mine": 1} and not isinstance(custom, _Stateful)
     # a DistributedSampler behind a user's BatchSampler (batch_size None on the loader) is resumed too: the
     # batch sampler's own batch size counts
-    assert isinstance(ExactResume.install(batch_sampler, lambda: (0, False)), _Stateful)
+    assert isinstance(ExactResume.install(batch_sampler, _Loop()), _Stateful)
 
 
 def test_host_rng_state_round_trips_python_and_numpy_with_cached_gaussians() -> None:
@@ -167,14 +234,32 @@ def test_rng_states_restore_torch_python_and_numpy_and_cuda_on_cuda_only(caplog:
     assert "holds a CUDA RNG state but this run is on cpu: not restored" in caplog.text
 
 
-def test_rank_states_are_taken_per_rank_and_dropped_for_another_world_size(caplog: pytest.LogCaptureFixture) -> None:
+def test_rank_states_are_taken_per_rank_and_another_world_size_continues_the_rng_of_the_ranks_both_have(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     states = ExactResume.gather(comms.CommContext(), {"mine": 1})  # no process group: this process alone
     assert states is not None and len(states) == 1 and states[0]["mine"] == 1
     resume = ExactResume()
     assert resume.take(states, rank=0, world_size=1) == states[0]
+    torch.manual_seed(0)
+    two = [{"rng": rng_state(torch.device("cpu")), "mine": r} for r in range(2)]
+    first = float(torch.rand(()))
     caplog.set_level(logging.INFO, logger="lightning_sync")
-    assert resume.take(states * 2, rank=0, world_size=3) is None
-    assert "holds the RNG states of 2 ranks, this run has 3" in caplog.text
+    # a strategy's own entry belongs to a rank of the other run: none; rank 1's RNG streams go on
+    assert resume.take(two, rank=0, world_size=3) is None  # rank 0 says so
+    assert resume.take(two, rank=1, world_size=3) is None
+    assert "holds the RNG states of 2 ranks, this run has 3: ranks 0-1 continue their streams, ranks 2-2 keep" in (
+        caplog.text
+    )
+    torch.manual_seed(9)
+    resume.restore_rng(torch.device("cpu"))
+    assert float(torch.rand(())) == first
+    assert resume.take(two, rank=2, world_size=3) is None
+    torch.manual_seed(9)
+    expected = float(torch.rand(()))
+    torch.manual_seed(9)
+    resume.restore_rng(torch.device("cpu"))  # nothing taken for rank 2: its own seeding stands
+    assert float(torch.rand(())) == expected
     assert resume.take(None, rank=0, world_size=1) is None
 
 
@@ -188,5 +273,5 @@ def test_a_distributed_sampler_subclass_keeps_its_own_order_in_training_and_eval
     ds = TensorDataset(torch.arange(9))
     loader = DataLoader(ds, batch_size=2, sampler=Reversed(ds, num_replicas=2, rank=0, shuffle=False))
     sampler = loader.batch_sampler.sampler
-    assert ExactResume.install(loader, lambda: (0, False)) is loader and not isinstance(loader, _Stateful)
+    assert ExactResume.install(loader, _Loop()) is loader and not isinstance(loader, _Stateful)
     assert shard_for_evaluation(loader) == 0 and loader.batch_sampler.sampler is sampler

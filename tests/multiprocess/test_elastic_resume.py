@@ -1,0 +1,181 @@
+"""Elastic resume on real gloo ranks: one run of 12 optimizer steps with a global batch of 48 samples, trained
+4 steps at world 2 (8 per rank x 2 ranks x accumulate 3), continued from its checkpoint for 4 steps at world 3
+(8 x 3 x 2), then for 4 more at world 1 (8 x 1 x 6).
+
+Every global batch must hold exactly the samples of the same step of an uninterrupted world-2 run, and the
+final weights must equal the single-process reference of that run (the same global batches, averaged the same
+way) within the tolerance below, for bucketed DDP and ZeRO-3, SGD with momentum and AdamW, a per-step LR
+schedule, tied and frozen parameters. The world-3 part crosses an epoch boundary (288 samples: 6 steps per
+epoch), and the AdamW runs load with two DataLoader workers.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from _lightning_reference import (
+    ENV,
+    MIN_MOVE,
+    _quiet_rank,
+    _rank_batches,
+    _reference,
+    _state,
+    _TiedModule,
+    _token_data,
+    _trainer,
+)
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_sync import BucketedDDPStrategy, ShardedStrategy
+from lightning_sync.sync.zero_format import LIGHTNING_STATE
+from lightning_sync.testing import run_distributed
+
+N, BATCH, GLOBAL = 288, 8, 48
+#: (world size, the global step it trains to): each part resumes from the checkpoint the one before wrote.
+PARTS = ((2, 4), (3, 8), (1, 12))
+#: Final weights against the reference. The same samples per step, but summed in another order (per rank and
+#: micro-batch, then across ranks), so float32 rounding differs: 12 steps of SGD move it by ~1e-6; AdamW divides
+#: by sqrt(v) of small gradients, which magnifies rounding in the first steps, hence the wider bound.
+TOL = {"sgd": 2e-5, "adamw": 5e-5}
+LOADER = {"sgd": {}, "adamw": {"num_workers": 2}}
+STRATEGIES = ("bucketed_ddp", "zero3")
+
+
+def _make(strategy: str) -> Any:
+    if strategy == "bucketed_ddp":
+        return BucketedDDPStrategy(bucket_cap_mb=0.001)  # several buckets
+    return ShardedStrategy(stage=3, bucket_cap_mb=0.001)
+
+
+class _Recorded(_TiedModule):
+    """``_TiedModule`` with batches of ``BATCH`` that carry their sample indices, recorded per micro-batch."""
+
+    def __init__(self, optimizer: str) -> None:
+        super().__init__(optimizer, _data(), scheduler=True)
+        ids, y = self.ds.tensors
+        self.indexed = TensorDataset(ids, y, torch.arange(len(y)))
+        self.seen: list[list[int]] = []
+
+    def training_step(self, batch: tuple[torch.Tensor, ...], batch_idx: int) -> torch.Tensor:
+        ids, y, idx = batch
+        self.seen.append(idx.tolist())
+        return super().training_step((ids, y), batch_idx)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.indexed, batch_size=BATCH, shuffle=True, **LOADER[self.optimizer_name])
+
+
+def _data() -> TensorDataset:
+    return _token_data(N)
+
+
+def _checkpoints(tmpdir: str, strategy: str, optimizer: str, world: int) -> Path:
+    return Path(tmpdir) / strategy / optimizer / f"world{world}"
+
+
+def _part(rank: int, world: int, tmpdir: str, steps: int, previous: tuple[int, int] | None) -> dict[str, Any]:
+    """Every strategy and optimizer trains to global step ``steps`` at this world size, from the checkpoint
+    the part before wrote (``previous``: its world size and last step; None: from the start). Returns, per
+    run, this rank's sample indices of every micro-batch, and on rank 0 the final weights."""
+    _quiet_rank()
+    out = {}
+    for strategy in STRATEGIES:
+        for optimizer in TOL:
+            ckpt = None
+            if previous is not None:
+                # a resumed ModelCheckpoint writes the resumed step again (its last save is not restored)
+                (ckpt,) = _checkpoints(tmpdir, strategy, optimizer, previous[0]).glob(f"*-step={previous[1]}.ckpt")
+            saver = ModelCheckpoint(
+                dirpath=_checkpoints(tmpdir, strategy, optimizer, world), every_n_train_steps=4, save_top_k=-1
+            )
+            module = _Recorded(optimizer)
+            trainer = _trainer(
+                world,
+                _make(strategy),
+                max_steps=steps,
+                accumulate_grad_batches=GLOBAL // (BATCH * world),
+                callbacks=[saver],
+                enable_checkpointing=True,
+            )
+            trainer.fit(module, ckpt_path=ckpt)
+            assert trainer.global_step == steps, (strategy, optimizer, trainer.global_step)
+            if rank == 0:
+                _check_positions(_checkpoints(tmpdir, strategy, optimizer, world))
+            out[f"{strategy}/{optimizer}"] = (module.seen, _state(module) if rank == 0 else None)
+    return out
+
+
+def _check_positions(directory: Path) -> None:
+    """Every checkpoint's data position is its last optimizer step's: whole global batches into its epoch.
+    Resumed with accumulation, Lightning's ModelCheckpoint saves again at the resumed step after the first
+    micro-batch (it does not restore its last saved step); that window's gradients are not in the file, so
+    its samples must not count as trained."""
+    saved = sorted(directory.glob("*.ckpt"))
+    assert saved, directory
+    for path in saved:
+        file = path / LIGHTNING_STATE if path.is_dir() else path  # ZeRO's sharded directory: Lightning's part
+        ckpt = torch.load(file, map_location="cpu", weights_only=True)
+        (state,) = ckpt["loops"]["fit_loop"]["state_dict"]["combined_loader"]
+        into_epoch = ckpt["global_step"] - state["epoch"] * (N // GLOBAL)
+        assert state["position"] == into_epoch * GLOBAL, (path.name, state, ckpt["global_step"])
+
+
+def _global_batches(seen: list[list[list[int]]], world: int) -> list[list[int]]:
+    """Each optimizer step's samples over all ranks and micro-batches (``seen[rank][micro-batch]``), sorted."""
+    accumulate = GLOBAL // (BATCH * world)
+    steps = len(seen[0]) // accumulate
+    return [
+        sorted(i for ranks in seen for micro in ranks[s * accumulate : (s + 1) * accumulate] for i in micro)
+        for s in range(steps)
+    ]
+
+
+def _reference_batches(steps: int) -> list[list[int]]:
+    """The uninterrupted world-2 run's global batches (8 per rank x 2 x accumulate 3), from Lightning's own
+    DistributedSampler order (an epoch is 36 batches per rank: 12 steps cover two epochs of 6 steps)."""
+    out: list[list[int]] = []
+    for epoch in range(2):
+        ranks = _rank_batches(N, 2, epoch, BATCH)
+        for s in range(len(ranks[0]) // 3):
+            out.append(sorted(i for r in ranks for micro in r[3 * s : 3 * s + 3] for i in micro))
+    return out[:steps]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_resume_at_another_world_size_keeps_the_global_batches_and_ends_with_the_same_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    batches: dict[str, list[list[int]]] = {}
+    final: dict[str, dict[str, torch.Tensor]] = {}
+    previous = None
+    for world, steps in PARTS:
+        results = _run_part(world, str(tmp_path), steps, previous)
+        for key in results[0]:
+            seen = [r[key][0] for r in results]
+            batches.setdefault(key, []).extend(_global_batches(seen, world))
+            final[key] = results[0][key][1]
+        previous = (world, steps)
+    monkeypatch.setenv("PL_GLOBAL_SEED", ENV["PL_GLOBAL_SEED"])  # the ranks' seed, for the reference's sampler
+    expected = _reference_batches(12)
+    ds = _data()
+    for optimizer, tol in TOL.items():
+        init = _state(_TiedModule(optimizer, ds, scheduler=True))
+        module = _TiedModule(optimizer, ds, scheduler=True)
+        ref = _reference(module, ds, world=2, steps=12, accumulate=3, batch=BATCH)["state"]
+        moved = max((ref[k] - init[k]).abs().max().item() for k in ref)
+        assert moved > MIN_MOVE, f"the reference did not train: max |ref - init| = {moved}"
+        for strategy in STRATEGIES:
+            key = f"{strategy}/{optimizer}"
+            assert batches[key] == expected, f"{key}: the global batches differ from an uninterrupted run's"
+            for name, value in final[key].items():
+                err = (value - ref[name]).abs().max().item()
+                assert err <= tol, f"{key} {name}: max |resized - reference| = {err:.3g} > {tol}"
+
+
+def _run_part(world: int, tmpdir: str, steps: int, previous: tuple[int, int] | None) -> list[dict[str, Any]]:
+    return run_distributed(_part, world, tmpdir, steps, previous, timeout=240, env=ENV)
