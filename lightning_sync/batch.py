@@ -94,11 +94,25 @@ def derive_batch(
         assert accumulate is not None
         divisor, what = world_size * accumulate, f"world {world_size} x accumulate {accumulate}"
     if global_size % divisor:
-        raise ValueError(f"global {global_size} is not divisible by {what} (= {divisor})")
+        fixed = divisor // world_size  # per_device or accumulate: what does not scale with the world size
+        holding = _worlds_holding(global_size, fixed, world_size)
+        raise ValueError(f"global {global_size} is not divisible by {what} (= {divisor}); {holding}")
     derived = global_size // divisor
     if per_device is not None:
         return BatchPlan(global_size, per_device, derived, world_size)
     return BatchPlan(global_size, derived, accumulate, world_size)
+
+
+def _worlds_holding(global_size: int, fixed: int, world_size: int) -> str:
+    """Which world sizes near ``world_size`` would hold ``global_size`` with the other given number
+    (``fixed``), for a refusal: a run resized to one of them derives the rest."""
+    if global_size % fixed:
+        return f"no world size does: {global_size} is not a multiple of {fixed}"
+    quotient = global_size // fixed
+    below = max((w for w in range(1, world_size) if quotient % w == 0), default=None)
+    above = next((w for w in range(world_size + 1, quotient + 1) if quotient % w == 0), None)
+    near = [str(w) for w in (below, above) if w is not None]
+    return f"the nearest world sizes that hold it: {' and '.join(near)}"
 
 
 def world_size_of(devices: object, num_nodes: object = 1) -> int:

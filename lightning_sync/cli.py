@@ -111,10 +111,14 @@ def _apply_batch(cfg: Any) -> Any:
     ``trainer.accumulate_grad_batches`` (not 1, or given on the command line) that differs is refused, naming
     both. Logs the arithmetic on rank 0 and warns (once, rank 0) above 32k without LARS/LAMB. Returns the
     :class:`~lightning_sync.batch.BatchPlan`, or None when every ``batch`` key is null (nothing changes).
+    ``global_size`` alone takes ``trainer.accumulate_grad_batches`` as the accumulation and derives the per-device
+    batch. Every launch derives again, so a run resumed at another world size keeps its global batch.
     """
     keys = {k: v for k, v in (cfg.get("batch") or {}).items() if v is not None}
     if not keys:
         return None
+    if set(keys) == {"global_size"}:  # the per-device batch follows the world size at the Trainer's accumulation
+        keys["accumulate"] = cfg.trainer.get("accumulate_grad_batches", 1)
     from hydra.core.hydra_config import HydraConfig
     from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
     from omegaconf import open_dict

@@ -75,10 +75,28 @@ def test_plan_is_frozen() -> None:
 @pytest.mark.parametrize(
     ("world", "kw", "message"),
     [
-        (2, {"global_size": 1000, "per_device": 64}, "global 1000 is not divisible by per_device 64 x world 2 (= 128)"),
-        (2, {"global_size": 32, "per_device": 32}, "global 32 is not divisible by per_device 32 x world 2 (= 64)"),
-        (3, {"global_size": 10, "accumulate": 4}, "global 10 is not divisible by world 3 x accumulate 4 (= 12)"),
-        (3, {"global_size": 256, "per_device": 32}, "global 256 is not divisible by per_device 32 x world 3 (= 96)"),
+        (
+            2,
+            {"global_size": 1000, "per_device": 64},
+            "global 1000 is not divisible by per_device 64 x world 2 (= 128); "
+            "no world size does: 1000 is not a multiple of 64",
+        ),
+        (
+            2,
+            {"global_size": 32, "per_device": 32},
+            "global 32 is not divisible by per_device 32 x world 2 (= 64); the nearest world sizes that hold it: 1",
+        ),
+        (
+            3,
+            {"global_size": 10, "accumulate": 4},
+            "global 10 is not divisible by world 3 x accumulate 4 (= 12); no world size does",
+        ),
+        (
+            3,
+            {"global_size": 256, "per_device": 32},
+            "global 256 is not divisible by per_device 32 x world 3 (= 96); "
+            "the nearest world sizes that hold it: 2 and 4",
+        ),
         (
             2,
             {"global_size": 1000, "per_device": 64, "accumulate": 4},
@@ -238,9 +256,21 @@ def test_bad_batch_config_fails_naming_the_numbers(composer) -> None:
         ),
     ):
         cli._apply_batch(cfg)
-    cfg = composer(["batch.global_size=256", "trainer.devices=2"])
-    with pytest.raises(ValueError, match="give at least two of"):
+    cfg = composer(["batch.global_size=48", "batch.per_device=8", "trainer.devices=5"])
+    with pytest.raises(ValueError, match=re.escape("(= 40); the nearest world sizes that hold it: 3 and 6")):
         cli._apply_batch(cfg)
+
+
+@pytest.mark.parametrize(("devices", "per_device"), [(1, 48), (2, 24), (3, 16)])
+def test_a_global_size_alone_derives_the_per_device_batch_at_the_trainers_accumulation(
+    composer, devices: int, per_device: int
+) -> None:
+    cfg = composer(["batch.global_size=48", f"trainer.devices={devices}"])
+    plan = cli._apply_batch(cfg)
+    assert (plan.per_device, plan.accumulate) == (per_device, 1)
+    assert cfg.data.batch_size == per_device and cfg.trainer.accumulate_grad_batches == 1
+    cfg = composer(["batch.global_size=48", f"trainer.devices={devices}", "trainer.accumulate_grad_batches=2"])
+    assert cli._apply_batch(cfg).per_device == per_device // 2
 
 
 def test_devices_auto_is_refused(composer) -> None:
