@@ -7,6 +7,10 @@ final weights must equal the single-process reference of that run (the same glob
 way) within the tolerance below, for bucketed DDP and ZeRO-3, SGD with momentum and AdamW, a per-step LR
 schedule, tied and frozen parameters. The world-3 part crosses an epoch boundary (288 samples: 6 steps per
 epoch), and the AdamW runs load with two DataLoader workers.
+
+The CLI does the same with ``batch.global_size`` and ``batch.per_device``: the same command, relaunched in the
+same run directory with another ``trainer.num_nodes`` and ``ckpt_path=last``, derives the accumulation again
+and ends where an uninterrupted run does.
 """
 
 from __future__ import annotations
@@ -33,13 +37,16 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_sync import BucketedDDPStrategy, ShardedStrategy
 from lightning_sync.sync.zero_format import LIGHTNING_STATE
 from lightning_sync.testing import run_distributed
+from lightning_sync.testing.cli_ranks import run as cli_run
+from lightning_sync.testing.cli_ranks import weights
 
 N, BATCH, GLOBAL = 288, 8, 48
 #: (world size, the global step it trains to): each part resumes from the checkpoint the one before wrote.
 PARTS = ((2, 4), (3, 8), (1, 12))
 #: Final weights against the reference. The same samples per step, but summed in another order (per rank and
-#: micro-batch, then across ranks), so float32 rounding differs: 12 steps of SGD move it by ~1e-6; AdamW divides
-#: by sqrt(v) of small gradients, which magnifies rounding in the first steps, hence the wider bound.
+#: micro-batch, then across ranks), so float32 rounding differs: measured here 6e-8 (SGD) and 1.2e-7 (AdamW,
+#: whose division by sqrt(v) magnifies rounding in the first steps) after 12 steps; the bounds leave room for
+#: other CPUs' kernels.
 TOL = {"sgd": 2e-5, "adamw": 5e-5}
 LOADER = {"sgd": {}, "adamw": {"num_workers": 2}}
 STRATEGIES = ("bucketed_ddp", "zero3")
@@ -179,3 +186,43 @@ def test_resume_at_another_world_size_keeps_the_global_batches_and_ends_with_the
 
 def _run_part(world: int, tmpdir: str, steps: int, previous: tuple[int, int] | None) -> list[dict[str, Any]]:
     return run_distributed(_part, world, tmpdir, steps, previous, timeout=240, env=ENV)
+
+
+#: The CLI's runs: the digits MLP with Adam (its default), a global batch of 48 = 8 per rank x world x the
+#: accumulation that ``batch.global_size`` and ``batch.per_device`` derive at each launch.
+CLI = [
+    "batch.global_size=48",
+    "batch.per_device=8",
+    "checkpoint.every_n_train_steps=4",
+    "checkpoint.every_n_epochs=null",
+    "+checkpoint.save_top_k=-1",  # keep every step's: the uninterrupted run's step 4 shows the later steps train
+]
+#: Final weights of the resized CLI run against the uninterrupted one: the same samples per step summed in
+#: another order (Adam on a 2-layer MLP, 12 steps); measured 6e-8 here, bound as the Trainer test's AdamW.
+CLI_TOL = 5e-5
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_the_cli_resumes_at_another_device_count_deriving_the_accumulation(tmp_path: Path) -> None:
+    """``lightning-sync train ... ckpt_path=last`` in the same run directory, on 2, then 3, then 1 ranks."""
+    resized = tmp_path / "resized"
+    for world, steps, accumulate in ((2, 4, 3), (3, 8, 2), (1, 12, 6)):
+        resume = [] if steps == 4 else ["ckpt_path=last"]
+        out = cli_run(world, resized, [*CLI, f"trainer.max_steps={steps}", *resume], timeout=240)
+        plan = f"global batch 48 = per_device 8 x world {world} x accumulate {accumulate}"
+        assert plan in out[0], f"world {world} did not derive {plan!r}:\n{out[0][-3000:]}"
+        if resume:
+            where = f"resume: epoch 0 continues at sample {(steps - 4) * 48} of its global order"
+            assert where in out[0], f"world {world} did not resume mid-epoch:\n{out[0][-3000:]}"
+    straight = tmp_path / "uninterrupted"
+    cli_run(2, straight, [*CLI, "trainer.max_steps=12"], timeout=240)
+    got, want = weights(resized / "final.ckpt"), weights(straight / "final.ckpt")
+    assert got.keys() == want.keys()
+    moved = max(
+        (want[k] - weights(straight / "checkpoints" / "epoch=0-step=4.ckpt")[k]).abs().max().item() for k in want
+    )
+    assert moved > MIN_MOVE, f"steps 5-12 did not train: {moved}"
+    for name in want:
+        err = (got[name] - want[name]).abs().max().item()
+        assert err <= CLI_TOL, f"{name}: max |resized - uninterrupted| = {err:.3g} > {CLI_TOL}"
