@@ -36,6 +36,22 @@ from lightning_sync.sync.periodic import check_int
 __all__ = ["PeriodicStrategy"]
 
 
+def mean_replica(states: list[dict[str, Any]], saved: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The mean over the checkpoint's ranks of every tensor some rank's replica holds (a rank that does not
+    hold it had the saved value); integer tensors (step counters of buffers) are rank 0's."""
+    keys = {k for s in states for k in s.get("replica", {})}
+    out = {}
+    for key in sorted(keys):
+        values = [s.get("replica", {}).get(key, saved.get(key)) for s in states]
+        if any(v is None for v in values):
+            raise ValueError(f"the checkpoint's replicas hold {key!r}, but not every rank's nor its state_dict")
+        if values[0].is_floating_point():
+            out[key] = torch.stack([v.to(torch.float64) for v in values]).mean(0).to(values[0].dtype)
+        else:
+            out[key] = values[0].clone()
+    return out
+
+
 class PeriodicStrategy(ProcessGroupStrategy):
     """Replicas trained apart and synchronized every ``sync_every`` optimizer steps (see the module docstring).
 
@@ -214,10 +230,13 @@ class PeriodicStrategy(ProcessGroupStrategy):
         self._own_pending = mine if mine is not None and "replica" in mine else None
         states = checkpoint.get(RANK_STATES) or []
         if mine is None and any("replica" in s for s in states):
+            # another world size: no replica maps to a rank one to one, but their mean is the model the next
+            # sync would average, so the period's progress is kept (LocalSGD's saved model is that mean)
+            self._own_pending = {"replica": mean_replica(states, checkpoint.get("state_dict", {}))}
             rank_zero_info(
                 f"{type(self).__name__}: the checkpoint holds the replicas of {len(states)} ranks, this "
-                f"run has {self.world_size}: every replica starts from the saved synchronized model with "
-                f"rank 0's optimizer state; the period's counters continue"
+                f"run has {self.world_size}: every replica starts from their mean with rank 0's optimizer "
+                f"state; the period's counters continue"
             )
 
     @override

@@ -22,9 +22,10 @@ when:
   (its inner progress since the last outer step) and, on ranks other than 0, its inner optimizer
   state, both put back on resume. Size, K ranks, Ψ values per model, an inner Adam: inside a period
   (K + 3)Ψ + 2KΨ (the global model twice, the outer momentum, K replicas), right after an outer step
-  3Ψ + 2KΨ. At another world size every replica starts from the global model with rank 0's inner
-  optimizer state; the outer state and the counter continue, so the next outer step comes on schedule,
-  averaging the new ranks' pseudo-gradients.
+  3Ψ + 2KΨ. At another world size every replica starts from the mean of the checkpoint's replicas (the
+  inner progress since the last outer step is kept, as the next outer step would have averaged it) with
+  rank 0's inner optimizer state; the outer state and the counter continue, so the next outer step comes
+  on schedule, averaging the new ranks' pseudo-gradients.
 * **Failure:** if a rank fails, its peers raise in the next outer step's all-reduce once the process
   group notices (connection closed, or ``timeout``).
 """

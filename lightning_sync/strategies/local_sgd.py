@@ -34,9 +34,10 @@ What is synchronized, and when:
     has loaded the average and rank 0's optimizer state (``load_optimizer_state_dict``).
 
   Size, K ranks, Ψ values per model, Adam's 2Ψ of state: inside a period (K + 1)Ψ + 2KΨ, right after
-  a sync Ψ + 2KΨ, against Ψ + 2Ψ for the average and rank 0's state alone. At another world size,
-  or from a checkpoint without per-rank states, every replica starts from the average with rank 0's
-  optimizer state, and the counters continue. A weights-only checkpoint holds the average alone.
+  a sync Ψ + 2KΨ, against Ψ + 2Ψ for the average and rank 0's state alone. At another world size
+  every replica starts from the mean of the checkpoint's replicas (the saved average), from a checkpoint
+  without per-rank states from the saved average, with rank 0's optimizer state, and the counters
+  continue. A weights-only checkpoint holds the average alone.
 * **Metrics:** ``reduce``/``all_gather``/``broadcast``/``barrier`` go through ``lightning_sync.comms``.
 * **Failure:** if a rank fails, its peers raise in the next collective (a warm-up gradient bucket, or the
   next sync's all-reduce) once the process group notices (connection closed, or ``timeout``).
