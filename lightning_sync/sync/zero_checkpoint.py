@@ -13,14 +13,23 @@ import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.distributed.checkpoint as dcp
 
 from lightning_sync.sync.flat_param import FlatParam
 from lightning_sync.sync.safe_load import dcp_load, read_dcp_metadata
-from lightning_sync.sync.zero_format import FORMAT, META, chunk_index, fill, placeholder, read_meta, state_keys
+from lightning_sync.sync.zero_format import (
+    FORMAT,
+    META,
+    Reads,
+    chunk_index,
+    pieces,
+    placeholder,
+    read_meta,
+    state_keys,
+)
 
 if TYPE_CHECKING:
     from lightning_sync.sync.zero_engine import ZeroEngine
@@ -85,12 +94,15 @@ def save_sharded(engine: ZeroEngine, path: str | os.PathLike[str]) -> None:
         master = f.master.detach()
         state = engine.optimizer.state.get(f.master, {}) if engine.optimizer is not None else {}
         for s in f.layout.owned_slices():
-            name, lo, hi = f.names[s.index], s.shard_offset, s.shard_offset + s.length
-            out[f"model/{name}@{s.param_offset}"] = master[lo:hi].clone()
+            name = f.names[s.index]
+            for offset, length in pieces(s):
+                lo = s.shard_offset + offset - s.param_offset
+                out[f"model/{name}@{offset}"] = master[lo : lo + length].clone()
+                for key, value in state.items():
+                    if elementwise(value, f):
+                        out[f"optim/{name}/{key}@{offset}"] = value.detach()[lo : lo + length].clone()
             for key, value in state.items():
-                if elementwise(value, f):
-                    out[f"optim/{name}/{key}@{s.param_offset}"] = value.detach()[lo:hi].clone()
-                elif s.param_offset == 0:
+                if not elementwise(value, f) and s.param_offset == 0:
                     out[f"optim/{name}/{key}"] = value.detach().clone() if isinstance(value, torch.Tensor) else value
     keys, replicated = replicated_state(engine)
     if engine.comm.rank == 0:
@@ -131,6 +143,12 @@ def check_compatible(engine: ZeroEngine, meta: Mapping[str, Any]) -> None:
         )
 
 
+class _Scalar(NamedTuple):
+    """A scalar optimizer state to take from the read checkpoint entry ``key``."""
+
+    key: str
+
+
 def load_sharded(engine: ZeroEngine, path: str | os.PathLike[str], weights_only: bool | None = None) -> None:
     """Load a :meth:`save_sharded` checkpoint written at any world size and stage; a collective.
     Weights-only (see :mod:`lightning_sync.sync.safe_load`) unless ``weights_only=False``; a directory that
@@ -141,46 +159,44 @@ def load_sharded(engine: ZeroEngine, path: str | os.PathLike[str], weights_only:
     metadata = read_dcp_metadata(path, weights_only)
     saved = metadata.state_dict_metadata
     chunks = chunk_index(saved)
-    want: dict[str, Any] = {}
+    reads = Reads()
+    states: list[dict[str, Any]] = []
     for f in engine.flats:
+        # the optimizer's state is filled in place where it exists (a run that already stepped); a resuming
+        # run's fresh optimizer has none, and gets this rank's shard of it, once
+        old = engine.optimizer.state.get(f.master, {}) if engine.optimizer is not None else {}
+        state: dict[str, Any] = {}
         for s in f.layout.owned_slices():
             name = f.names[s.index]
-            for prefix in [f"model/{name}"] + [f"optim/{name}/{k}" for k in state_keys(saved, name)]:
-                for lo, size in chunks.get(prefix, []):
-                    if lo < s.param_offset + s.length and s.param_offset < lo + size:
-                        want.setdefault(
-                            f"{prefix}@{lo}", torch.empty(size, dtype=saved[f"{prefix}@{lo}"].properties.dtype)
-                        )
+            reads.add(f.master.data, f"model/{name}", chunks, saved, s)
+            for k in state_keys(saved, name):
+                dtype = saved[f"optim/{name}/{k}@{chunks[f'optim/{name}/{k}'][0][0]}"].properties.dtype
+                if k not in state:
+                    mine = old.get(k)
+                    fits = isinstance(mine, torch.Tensor) and elementwise(mine, f) and mine.dtype == dtype
+                    state[k] = mine if fits else torch.zeros(f.layout.shard_numel, dtype=dtype, device=f.device)
+                reads.add(state[k], f"optim/{name}/{k}", chunks, saved, s)
             for k in state_keys(saved, name, scalar=True):
-                want[f"optim/{name}/{k}"] = placeholder(saved[f"optim/{name}/{k}"])
+                reads.want[f"optim/{name}/{k}"] = placeholder(saved[f"optim/{name}/{k}"])
+                state.setdefault(k, _Scalar(f"optim/{name}/{k}"))  # its value once read
+        states.append(state)
     _, replicated = replicated_state(engine)
     for key, tensor in replicated.items():
-        want[f"full/{key}"] = tensor
-    dcp_load(want, path, weights_only, metadata=metadata, process_group=getattr(engine.comm, "group", None))
+        reads.want[f"full/{key}"] = tensor
     with torch.no_grad():
-        for f in engine.flats:
-            state: dict[str, Any] = {}
-            for s in f.layout.owned_slices():
-                name = f.names[s.index]
-                fill(f.master.data, f"model/{name}", chunks, want, s)
-                for k in state_keys(saved, name):
-                    buf = state.setdefault(
-                        k,
-                        torch.zeros(
-                            f.layout.shard_numel,
-                            dtype=saved[f"optim/{name}/{k}@{chunks[f'optim/{name}/{k}'][0][0]}"].properties.dtype,
-                            device=f.device,
-                        ),
-                    )
-                    fill(buf, f"optim/{name}/{k}", chunks, want, s)
-                for k in state_keys(saved, name, scalar=True):
-                    value = want[f"optim/{name}/{k}"]
-                    state.setdefault(k, value.to(f.device) if isinstance(value, torch.Tensor) else value)
-            if engine.optimizer is not None:
-                if state:
-                    engine.optimizer.state[f.master] = state
-                else:
-                    engine.optimizer.state.pop(f.master, None)
+        dcp_load(reads.want, path, weights_only, metadata=metadata, process_group=getattr(engine.comm, "group", None))
+        scalars = {k: v for k, v in reads.want.items() if k.startswith("optim/") and "@" not in k}
+        reads.finish()
+    for f, state in zip(engine.flats, states):
+        for k, value in state.items():
+            if isinstance(value, _Scalar):
+                scalar = scalars[value.key]
+                state[k] = scalar.to(f.device) if isinstance(scalar, torch.Tensor) else scalar
+        if engine.optimizer is not None:
+            if state:
+                engine.optimizer.state[f.master] = state
+            else:
+                engine.optimizer.state.pop(f.master, None)
     engine.after_load()
 
 

@@ -1,0 +1,160 @@
+"""Loading a ZeRO-3 checkpoint at another world size: the time against a same-size load, and the peak memory.
+
+A sharded checkpoint stores every rank's elements keyed by parameter and offset, so K' ranks read it back by
+taking, for each element range they own, the saved chunks it overlaps (:mod:`lightning_sync.sync.zero_checkpoint`).
+This measures that on the bench's wide model (``WideMLP``, 8.4M values, with AdamW's two moments), on
+``--world`` gloo ranks:
+
+* ``same``: a checkpoint written at the same world size;
+* ``reshard``: one written at ``--from-world`` ranks (its chunk boundaries fall inside this run's ranges).
+
+The two loads alternate in rounds (same, reshard, same, ...), so a noisy machine's drift falls on both; a
+load's time is the slowest rank's. Its memory is the largest rise of a rank's resident set during the load,
+above what it held before (freed heap returned to the system first, ``malloc_trim``, and the kernel's peak
+reset, ``/proc/self/clear_refs``). Each load starts, as a resuming process does, with the model's shard in
+place and no optimizer state, so the rise includes this rank's shard of the AdamW moments it allocates.
+
+Run it::
+
+    python -m lightning_sync.bench.reshard --world 3 --from-world 2 --rounds 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import statistics
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["ReshardRow", "measure", "report"]
+
+
+@dataclass(frozen=True)
+class ReshardRow:
+    """One kind of load over the rounds: seconds (median, min, max) and the largest peak rise of a rank."""
+
+    load: str
+    saved_world: int
+    median_s: float
+    min_s: float
+    max_s: float
+    peak_mib: float
+
+
+def _engine(world: int, in_features: int) -> tuple[torch.optim.Optimizer, object]:
+    from lightning_sync import comms
+    from lightning_sync.models.synthetic import WideMLP
+    from lightning_sync.sync.communicator import ProcessGroupCommunicator
+    from lightning_sync.sync.zero_engine import ZeroEngine
+
+    torch.manual_seed(0)
+    net = WideMLP(in_features=in_features).net
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    engine = ZeroEngine(net, opt, ProcessGroupCommunicator(comms.CommContext()), stage=3)
+    engine.gather_root()
+    net(torch.randn(4, in_features)).sum().backward()
+    opt.step()  # the moments exist: a checkpoint holds them
+    return opt, engine
+
+
+def _save(rank: int, world: int, path: str, in_features: int) -> None:
+    _, engine = _engine(world, in_features)
+    engine.save_sharded(path)  # type: ignore[attr-defined]
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return int(next(ln for ln in f if ln.startswith(f"{field}:")).split()[1]) * 1024
+
+
+def _load(rank: int, world: int, paths: dict[str, str], rounds: int, in_features: int) -> dict[str, list[float]]:
+    torch.set_num_threads(1)
+    opt, engine = _engine(world, in_features)
+    libc = ctypes.CDLL("libc.so.6")
+    engine.load_sharded(paths["same"])  # type: ignore[attr-defined]  # DCP's first-call imports, outside
+    out: dict[str, list[float]] = {f"{k}/{m}": [] for k in paths for m in ("s", "peak")}
+    for _ in range(rounds):
+        for kind, path in paths.items():
+            opt.state.clear()  # as in a resuming process: the load allocates this rank's optimizer state
+            libc.malloc_trim(0)
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # the resident-set peak (VmHWM) starts again from now
+            before = _status("VmRSS")
+            torch.distributed.barrier()
+            start = time.perf_counter()
+            engine.load_sharded(path)  # type: ignore[attr-defined]
+            seconds = time.perf_counter() - start
+            out[f"{kind}/s"].append(seconds)
+            out[f"{kind}/peak"].append(float(_status("VmHWM") - before))
+    return out
+
+
+def measure(world: int = 3, from_world: int = 2, rounds: int = 5, in_features: int = 1024) -> list[ReshardRow]:
+    """Save the wide model's ZeRO-3 state at ``world`` and at ``from_world`` ranks, then load each back at
+    ``world`` ranks ``rounds`` times, alternating; rows for the two loads."""
+    from lightning_sync.testing.harness import run_distributed
+
+    warnings.filterwarnings("ignore")
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = {"same": f"{tmp}/world{world}", "reshard": f"{tmp}/world{from_world}"}
+        for w, path in ((world, paths["same"]), (from_world, paths["reshard"])):
+            run_distributed(_save, w, path, in_features, timeout=300)
+        per_rank = run_distributed(_load, world, paths, rounds, in_features, timeout=300 + 60 * rounds)
+    rows = []
+    for kind, saved in (("same", world), ("reshard", from_world)):
+        # a load is done when its slowest rank is: the round's time is the maximum over ranks
+        times = [max(r[f"{kind}/s"][i] for r in per_rank) for i in range(rounds)]
+        peak = max(max(r[f"{kind}/peak"]) for r in per_rank) / 2**20
+        rows.append(ReshardRow(kind, saved, statistics.median(times), min(times), max(times), peak))
+    return rows
+
+
+def report(rows: list[ReshardRow], world: int, in_features: int) -> str:
+    """A Markdown table of the rows, with what the model, its optimizer state and a rank's shard weigh."""
+    values = sum(p.numel() for p in _sizes(in_features))
+    model, shard = values * 4 / 2**20, 3 * values * 4 / world / 2**20  # fp32 weights; weights + AdamW moments
+    lines = [
+        f"wide model: {values / 1e6:.1f}M values, {model:.1f} MiB of fp32 weights; one rank's shard of weights "
+        f"and AdamW moments at {world} ranks: {shard:.1f} MiB",
+        "",
+        "| load | written at | median s | min - max | / same | peak rise MiB |",
+        "|---|---|---|---|---|---|",
+    ]
+    same = next(r.median_s for r in rows if r.load == "same")
+    for r in rows:
+        lines.append(
+            f"| {r.load} | {r.saved_world} ranks | {r.median_s:.3f} | {r.min_s:.3f} - {r.max_s:.3f} | "
+            f"{r.median_s / same:.2f} | {r.peak_mib:.1f} |"
+        )
+    return "\n".join(lines)
+
+
+def _sizes(in_features: int) -> list[torch.Tensor]:
+    from lightning_sync.models.synthetic import WideMLP
+
+    with torch.device("meta"):
+        return list(WideMLP(in_features=in_features).parameters())
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--world", type=int, default=3, help="ranks that load (default 3)")
+    parser.add_argument("--from-world", type=int, default=2, help="ranks that wrote the resharded one (default 2)")
+    parser.add_argument("--rounds", type=int, default=5, help="alternating rounds (default 5)")
+    parser.add_argument("--in-features", type=int, default=1024, help="WideMLP's width (default 1024, the bench's)")
+    args = parser.parse_args(argv)
+    for name in ("world", "from_world", "rounds", "in_features"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.world == args.from_world:
+        parser.error(f"--from-world must differ from --world ({args.world}): that load is the 'same' row")
+    print(report(measure(args.world, args.from_world, args.rounds, args.in_features), args.world, args.in_features))
+
+
+if __name__ == "__main__":
+    main()
