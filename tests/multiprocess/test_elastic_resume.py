@@ -90,6 +90,8 @@ def _part(rank: int, world: int, tmpdir: str, steps: int, previous: tuple[int, i
     run, this rank's sample indices of every micro-batch, and on rank 0 the final weights."""
     _quiet_rank()
     out = {}
+    if previous is not None and world == 3:
+        _refused(tmpdir, previous)
     for strategy in STRATEGIES:
         for optimizer in TOL:
             ckpt = None
@@ -114,6 +116,20 @@ def _part(rank: int, world: int, tmpdir: str, steps: int, previous: tuple[int, i
                 _check_positions(_checkpoints(tmpdir, strategy, optimizer, world))
             out[f"{strategy}/{optimizer}"] = (module.seen, _state(module) if rank == 0 else None)
     return out
+
+
+def _refused(tmpdir: str, previous: tuple[int, int]) -> None:
+    """A resume that would change the global batch (48 -> 8 x 3 x 1 = 24) is refused before any step,
+    naming both shapes and the accumulation that keeps 48."""
+    (ckpt,) = _checkpoints(tmpdir, "bucketed_ddp", "sgd", previous[0]).glob(f"*-step={previous[1]}.ckpt")
+    module = _Recorded("sgd")
+    trainer = _trainer(3, _make("bucketed_ddp"), max_steps=previous[1] + 1, accumulate_grad_batches=1)
+    with pytest.raises(ValueError) as refusal:
+        trainer.fit(module, ckpt_path=ckpt)
+    message = str(refusal.value)
+    for said in ("world 2 x batch 8 (global batch 48)", "world 3 x batch 8 (global batch 24)", "accumulate 2"):
+        assert said in message, (said, message)
+    assert module.seen == [], "a step ran before the refusal"
 
 
 def _check_positions(directory: Path) -> None:
