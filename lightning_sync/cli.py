@@ -179,7 +179,15 @@ def _resume_from(ckpt_path: str | None, requeue: Any, trainer: Any) -> str | Non
     newest = newest_checkpoint(candidates)
     if newest is None:
         if ckpt_path == "last" and trainer.is_global_zero:
-            log.info("ckpt_path=last: no complete checkpoint found, training from scratch")
+            if not any(isinstance(cb, ModelCheckpoint) for cb in trainer.checkpoint_callbacks):
+                # a run directory's checkpoints/last.ckpt goes unseen: easy to miss when the fresh run trains well
+                log.warning(
+                    "ckpt_path=last looks for last.ckpt where the ModelCheckpoint writes, and this run has none "
+                    "(trainer.enable_checkpointing=false)%s: training from scratch",
+                    ", nor a preemption checkpoint" if requeue is not None else "",
+                )
+            else:
+                log.info("ckpt_path=last: no complete checkpoint found, training from scratch")
         return None if ckpt_path == "last" else ckpt_path
     if trainer.is_global_zero:
         log.info(
@@ -245,7 +253,10 @@ def run_train(cfg: Any) -> dict[str, float]:
     resume = _resume_from(cfg.get("ckpt_path"), requeue, trainer)
     trainer.fit(model, datamodule=datamodule, ckpt_path=resume)
     if requeue is not None and requeue.preempted:
-        said = "job requeued" if requeue.requeued else "job NOT requeued (see above)"
+        if not requeue.requeue:
+            said = "requeue off (launch.requeue=false): rerun the command to resume"
+        else:
+            said = "job requeued" if requeue.requeued else "job NOT requeued (see above)"
         # only rank 0 (which ran scontrol) has a message; the app logs a non-empty one
         raise Preempted(
             f"preempted at global step {trainer.global_step}: checkpoint {requeue.checkpoint}, {said}"

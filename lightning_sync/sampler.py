@@ -8,7 +8,9 @@ state of the whole data pipeline is one number, the position in the epoch's glob
 the same samples at any world size: a run of W' ranks resumes from it by dealing out the rest of the order
 the same way, and as long as the global batch (per-rank batch x W x accumulation) is held, each later
 optimizer step trains on the same set of samples as it would have in the interrupted run. The order is the
-same permutation at every world size; only the padding at the epoch's end (to a multiple of W) differs.
+same permutation at every world size; only the padding at the epoch's end (to a multiple of W) differs, and
+a short last global batch is weighted by its micro-batches (Lightning's accumulation averages their means),
+so its update depends on the split.
 
 :class:`GlobalOrderSampler` wraps the ``DistributedSampler`` (Lightning keeps calling ``set_epoch`` on it)
 and yields exactly what it yields, except in the one epoch it was told to resume, where it starts at the

@@ -100,6 +100,7 @@ def test_a_job_preempted_on_two_nodes_resumes_on_one_with_the_uninterrupted_weig
     assert "batch: global batch 32 = per_device 16 x world 2 x accumulate 1" in text, text[-4000:]
     assert "ckpt_path=last: no complete checkpoint found, training from scratch" in text, text[-4000:]
     assert f"preempted at global step {stop}: checkpoint " in text, text[-4000:]
+    assert "requeue off (launch.requeue=false): rerun the command to resume" in text, text[-4000:]
 
     second, _ = submit_rendered(
         slurm, tmp_path, ["launch.nodes=1", *same, f"final_checkpoint={tmp_path / 'slurm-final.ckpt'}"]

@@ -184,3 +184,23 @@ def test_slurms_sigterm_during_the_requeue_neither_fails_it_nor_runs_the_handler
         "handler SIGTERM",
         "quiet block",
     ]
+
+
+def test_ckpt_path_last_without_a_model_checkpoint_warns_that_it_trains_from_scratch(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # a run directory's checkpoints/last.ckpt is not looked at when checkpointing is off: say so loudly
+    from types import SimpleNamespace
+
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_sync.cli import _resume_from
+
+    caplog.set_level(logging.INFO, logger="lightning_sync")
+    off = SimpleNamespace(checkpoint_callbacks=[], is_global_zero=True)
+    assert _resume_from("last", None, off) is None
+    assert "ckpt_path=last looks for last.ckpt where the ModelCheckpoint writes, and this run has none" in caplog.text
+    caplog.clear()
+    on = SimpleNamespace(checkpoint_callbacks=[ModelCheckpoint(dirpath=tmp_path)], is_global_zero=True)
+    assert _resume_from("last", None, on) is None
+    assert "no complete checkpoint found" in caplog.text and "WARNING" not in caplog.text
