@@ -1,26 +1,15 @@
 """Per-call overhead of the collectives layer: a 4-byte all-reduce, raw against ``comms`` with and without observer.
 
-Three ways to all-reduce one float32 on every rank, in one run, alternating in rounds (A, B, C, A, B, C, ...) so
-that drift of a noisy machine falls on all three alike:
-
-* ``raw``: ``torch.distributed.all_reduce``;
-* ``bare``: :meth:`CommContext.all_reduce <lightning_sync.comms.CommContext.all_reduce>` with no observer (what a
-  strategy costs whose user turned measurement off: a sequence number and the argument checks);
-* ``observed``: the same with a :class:`~lightning_sync.comms.CommStats` observer (a strategy's default).
-
-A 4-byte message is all latency, so the differences are the layer's own cost per call. The report gives the
-median over rounds of the mean microseconds per call, the spread (min and max over rounds), and each mode's
-median over ``raw``'s.
-
-Run it::
+A 4-byte message is all latency, so the differences between ``raw`` (``torch.distributed.all_reduce``), ``bare``
+(``CommContext.all_reduce`` with no observer: a sequence number and the argument checks) and ``observed`` (with
+a ``CommStats`` observer, a strategy's default) are the layer's own cost per call. The modes alternate in
+rounds so that a noisy machine's drift falls on all three alike::
 
     python -m lightning_sync.bench.overhead --world 2 --calls 2000 --rounds 15
 """
 
 from __future__ import annotations
 
-import argparse
-import statistics
 import time
 from dataclasses import dataclass
 
@@ -28,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_sync import comms
+from lightning_sync.bench.rows import counts_cli, spread
 
 __all__ = ["MODES", "OverheadRow", "measure", "report"]
 
@@ -76,10 +66,8 @@ def measure(world: int = 2, calls: int = 2000, rounds: int = 15, warmup: int = 2
     # start-up (importing torch and this package in every rank) plus 2 ms a call, 20x what a call should take
     timeout = 300.0 + rounds * calls * len(MODES) * 2e-3
     per_call = run_distributed(_rank, world, calls, rounds, warmup, timeout=timeout)[0]
-    raw = statistics.median(per_call["raw"])
-    return [
-        OverheadRow(m, statistics.median(v), min(v), max(v), statistics.median(v) / raw) for m, v in per_call.items()
-    ]
+    raw = spread(per_call["raw"])[0]
+    return [OverheadRow(m, *spread(v), spread(v)[0] / raw) for m, v in per_call.items()]
 
 
 def report(rows: list[OverheadRow]) -> str:
@@ -91,14 +79,9 @@ def report(rows: list[OverheadRow]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--world", type=int, default=2, help="gloo ranks (default 2)")
-    parser.add_argument("--calls", type=int, default=2000, help="calls per mode and round (default 2000)")
-    parser.add_argument("--rounds", type=int, default=15, help="alternating rounds (default 15)")
-    args = parser.parse_args(argv)
-    for name in ("world", "calls", "rounds"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    options = {"world": (2, "gloo ranks"), "calls": (2000, "calls per mode and round")}
+    options["rounds"] = (15, "alternating rounds")
+    args = counts_cli(__doc__, argv, **options)
     print(report(measure(args.world, args.calls, args.rounds)))
 
 

@@ -1,35 +1,26 @@
 """Loading a ZeRO-3 checkpoint at another world size: the time against a same-size load, and the peak memory.
 
-A sharded checkpoint stores every rank's elements keyed by parameter and offset, so K' ranks read it back by
-taking, for each element range they own, the saved chunks it overlaps (:mod:`lightning_sync.sync.zero_checkpoint`).
-This measures that on the bench's wide model (``WideMLP``, 8.4M values, with AdamW's two moments), on
-``--world`` gloo ranks:
-
-* ``same``: a checkpoint written at the same world size;
-* ``reshard``: one written at ``--from-world`` ranks (its chunk boundaries fall inside this run's ranges).
-
-The two loads alternate in rounds (same, reshard, same, ...), so a noisy machine's drift falls on both; a
-load's time is the slowest rank's. Its memory is the largest rise of a rank's resident set during the load,
-above what it held before (freed heap returned to the system first, ``malloc_trim``, and the kernel's peak
-reset, ``/proc/self/clear_refs``). Each load starts, as a resuming process does, with the model's shard in
-place and no optimizer state, so the rise includes this rank's shard of the AdamW moments it allocates.
-
-Run it::
+The bench's wide model (``WideMLP``, 8.4M values, with AdamW's two moments) is saved at ``--world`` and at
+``--from-world`` ranks, then loaded at ``--world`` ranks from each (``same``, ``reshard``: its saved chunks
+straddle this run's ranges), alternating in rounds so that a noisy machine's drift falls on both. A load's time
+is its slowest rank's; its memory is the largest rise of a rank's resident set above what it held before (freed
+heap returned first, ``malloc_trim``, and the kernel's peak reset, ``/proc/self/clear_refs``). Each load starts
+as in a resuming process, with no optimizer state, so the rise includes the moments it allocates::
 
     python -m lightning_sync.bench.reshard --world 3 --from-world 2 --rounds 5
 """
 
 from __future__ import annotations
 
-import argparse
 import ctypes
-import statistics
 import tempfile
 import time
 import warnings
 from dataclasses import dataclass
 
 import torch
+
+from lightning_sync.bench.rows import counts_cli, spread
 
 __all__ = ["ReshardRow", "measure", "report"]
 
@@ -110,7 +101,7 @@ def measure(world: int = 3, from_world: int = 2, rounds: int = 5, in_features: i
         # a load is done when its slowest rank is: the round's time is the maximum over ranks
         times = [max(r[f"{kind}/s"][i] for r in per_rank) for i in range(rounds)]
         peak = max(max(r[f"{kind}/peak"]) for r in per_rank) / 2**20
-        rows.append(ReshardRow(kind, saved, statistics.median(times), min(times), max(times), peak))
+        rows.append(ReshardRow(kind, saved, *spread(times), peak))
     return rows
 
 
@@ -142,17 +133,10 @@ def _sizes(in_features: int) -> list[torch.Tensor]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--world", type=int, default=3, help="ranks that load (default 3)")
-    parser.add_argument("--from-world", type=int, default=2, help="ranks that wrote the resharded one (default 2)")
-    parser.add_argument("--rounds", type=int, default=5, help="alternating rounds (default 5)")
-    parser.add_argument("--in-features", type=int, default=1024, help="WideMLP's width (default 1024, the bench's)")
-    args = parser.parse_args(argv)
-    for name in ("world", "from_world", "rounds", "in_features"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.world == args.from_world:
-        parser.error(f"--from-world must differ from --world ({args.world}): that load is the 'same' row")
+    options = {"world": (3, "ranks that load"), "from_world": (2, "ranks that wrote the resharded one")}
+    options |= {"rounds": (5, "alternating rounds"), "in_features": (1024, "WideMLP's width, the bench's")}
+    same = "--from-world must differ from --world ({}): that load is the 'same' row"
+    args = counts_cli(__doc__, argv, lambda a: same.format(a.world) if a.world == a.from_world else None, **options)
     print(report(measure(args.world, args.from_world, args.rounds, args.in_features), args.world, args.in_features))
 
 

@@ -4,8 +4,10 @@ look is :mod:`lightning_sync.bench.style`)."""
 
 from __future__ import annotations
 
+import argparse
 import math
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,7 +15,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from lightning_sync._extras import require
 
-__all__ = ["FIT", "QUIET", "Measurement", "Row", "fmt", "median", "node", "pyplot", "schedule", "strategy_class"]
+__all__ = ["FIT", "QUIET", "Measurement", "Row", "counts_cli", "fmt", "median", "node", "pyplot", "schedule"]
+__all__ += ["spread", "strategy_class"]
 
 _NAN = math.nan
 #: Trainer arguments of a bench fit: nothing logged, saved or shown; ``FIT``: a step budget, no validation.
@@ -24,6 +27,11 @@ FIT = {**QUIET, "max_epochs": -1, "limit_val_batches": 0, "num_sanity_val_steps"
 def median(xs: list[float]) -> float:
     """The median, NaN for no values (a figure that was not measured)."""
     return statistics.median(xs) if xs else _NAN
+
+
+def spread(values: list[float]) -> tuple[float, float, float]:
+    """``(median, min, max)`` of a figure measured in alternating rounds."""
+    return statistics.median(values), min(values), max(values)
 
 
 def fmt(x: float, spec: str) -> str:
@@ -132,3 +140,20 @@ def pyplot() -> Any:
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def counts_cli(
+    doc: str, argv: list[str] | None, check: Callable[[Any], str | None] = lambda _: None, **options: tuple[int, str]
+) -> argparse.Namespace:
+    """A micro-benchmark's command line, described by ``doc``'s first line: per ``name=(default, help)`` a whole
+    number ``--name`` >= 1; ``check`` says what is wrong with the parsed whole, if anything."""
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
+    for name, (default, text) in options.items():
+        parser.add_argument(
+            f"--{name}".replace("_", "-"), type=int, default=default, help=f"{text} (default {default})"
+        )
+    args = parser.parse_args(argv)
+    small = [f"--{n} must be >= 1, got {getattr(args, n)}".replace("_", "-") for n in options if getattr(args, n) < 1]
+    if wrong := next(iter(small), None) or check(args):
+        parser.error(wrong)
+    return args
