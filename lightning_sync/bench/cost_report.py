@@ -14,7 +14,7 @@ from typing import Any
 
 from lightning_sync.bench import model as M
 from lightning_sync.bench.rows import Row, fmt, median, pyplot, strategy_class
-from lightning_sync.bench.style import figure, label, legend_below, save_fig, whisker
+from lightning_sync.bench.style import WHISKER, figure, label, legend_below, save_fig, whisker
 
 __all__ = ["FIT_PANELS", "CostModel", "Validation", "params_markdown", "plot_fit", "traffic_of"]
 
@@ -343,7 +343,7 @@ def _plot_points(ax: Any, pts: list[M.SweepPoint], marker: str, colour: Any) -> 
     for p in pts:
         if _has_spread(p):
             err = whisker(p.median_seconds * 1e3, (p.min_seconds * 1e3, p.max_seconds * 1e3))
-            ax.errorbar([p.bytes], [p.median_seconds * 1e3], yerr=err, fmt=marker, ms=3, color=colour, capsize=2)
+            ax.errorbar([p.bytes], [p.median_seconds * 1e3], yerr=err, fmt=marker, ms=3, color=colour, **WHISKER)
         else:
             ax.plot([p.bytes], [p.seconds * 1e3], marker, ms=3, color=colour)
 

@@ -1,19 +1,6 @@
-"""The figures of a bench report (:class:`~lightning_sync.bench.report.Report`), for readers who would rather look
-than read its tables. A figure that was measured once per round is drawn as its median over the rounds with
-whiskers (or a band) from the smallest to the largest round; bytes come from accounting and are the same in
-every round, and the cost model's figures are computed from medians: their labels say they have no spread.
-
-- ``step_time.png``: step time per strategy, one panel per model, bars grouped by K.
-- ``memory.png``: peak memory per rank (the largest rank) per strategy, laid out like the step time.
-- ``predicted_vs_measured.png``: measured step time against the cost model's prediction at each K.
-- ``scaling.png``: T1 / TK against K (with two or more world sizes).
-- ``sharding.png``: the sharding rows' step time, and their wire bytes against the analytic figure.
-- ``bucket_sweep.png``: step time and exposed communication against ``bucket_cap_mb``.
-- ``projection.png`` and ``fit.png``: the cost model projected to many ranks, and its links against their
-  calibration points (:func:`~lightning_sync.bench.cost_report.plot_fit`).
-
-A figure with more models than :data:`~lightning_sync.bench.style.MAX_PANELS` allows continues in
-``<name>_2.png``.
+"""The figures of a bench report (:class:`~lightning_sync.bench.report.Report`), one function per file. A figure
+measured once per round is drawn as its median with whiskers (or a band) over the rounds; bytes are accounted,
+the same every round, and the cost model's figures are computed from medians: their labels say so.
 """
 
 from __future__ import annotations
@@ -23,24 +10,11 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from lightning_sync.bench import style
 from lightning_sync.bench.cost_report import Validation, plot_fit
 from lightning_sync.bench.model import Projection
 from lightning_sync.bench.rows import Row, median, pyplot
-from lightning_sync.bench.style import (
-    HATCHES,
-    MAX_PANELS,
-    colour,
-    figure,
-    label,
-    legend_below,
-    log_axis,
-    look,
-    page_path,
-    pages,
-    repeats_note,
-    save_fig,
-    whisker,
-)
+from lightning_sync.bench.style import WHISKER, label, legend_below, look, paged, repeats_note, save_fig, whisker
 
 if TYPE_CHECKING:
     from lightning_sync.bench.report import Report
@@ -97,16 +71,6 @@ def strategy_rows(report: Report) -> list[Row]:
     return [r for r in report.rows() if r.model not in sweep]
 
 
-def _grid(n: int, height: float = HEIGHT) -> tuple[Any, list[Any]]:
-    """A figure of ``n`` (1 to 6) panels, :data:`COLUMNS` to a row, no empty cells."""
-    cols = min(n, COLUMNS)
-    fig, axes = figure(-(-n // cols), cols, WIDTH, height)
-    cells = list(axes.flat)
-    for ax in cells[n:]:
-        fig.delaxes(ax)
-    return fig, cells[:n]
-
-
 def _bars(
     ax: Any,
     rows: list[Row],
@@ -120,16 +84,17 @@ def _bars(
     worlds = sorted({r.world for r in rows})
     width, at, xs = 0.8 / len(worlds), {(r.strategy, r.world): r for r in rows}, {}
     for j, k in enumerate(worlds):
+        hatch = style.HATCHES[j % len(style.HATCHES)]
         for i, name in enumerate(names):
             if (r := at.get((name, k))) is None:
                 continue
             x = xs[(name, k)] = i + (j - (len(worlds) - 1) / 2) * width
             if math.isnan(y := value(r)):
                 continue
-            ax.bar(x, y, width, hatch=HATCHES[j % len(HATCHES)], edgecolor="white", linewidth=0, **look(name))
+            ax.bar(x, y, width, hatch=hatch, edgecolor="white", linewidth=0, **look(name))
             top = y
             if (err := whisker(y, rounds(r))) is not None:
-                ax.errorbar([x], [y], yerr=err, fmt="none", ecolor="black", elinewidth=0.8, capsize=2)
+                ax.errorbar([x], [y], yerr=err, fmt="none", ecolor="black", **WHISKER)
                 top += err[1][0]
             if note is not None:
                 ax.annotate(note(r), (x, top), ha="center", va="bottom", fontsize=6, xytext=(0, 1), **_PT)
@@ -146,7 +111,7 @@ def _hatch_key(rows: list[Row]) -> list[Any]:
     worlds, patch = sorted({r.world for r in rows}), pyplot().Rectangle
     if len(worlds) < 2:
         return []
-    hatch = {k: HATCHES[j % len(HATCHES)] for j, k in enumerate(worlds)}
+    hatch = {k: style.HATCHES[j % len(style.HATCHES)] for j, k in enumerate(worlds)}
     return [patch((0, 0), 1, 1, facecolor="0.6", edgecolor="white", hatch=hatch[k], label=f"K={k}") for k in worlds]
 
 
@@ -160,16 +125,13 @@ def _per_model(
     note: Callable[[Row], str] | None = None,
 ) -> Figures:
     """One panel of :func:`_bars` per model, six to a page."""
-    out = []
-    for page, models in enumerate(pages(list(dict.fromkeys(r.model for r in rows)), MAX_PANELS)):
-        if not models:
-            return []
-        fig, axes = _grid(len(models))
+    out, key = [], _hatch_key(rows)
+    for file, models in paged(path, dict.fromkeys(r.model for r in rows), style.MAX_PANELS):
+        fig, axes = style.grid(len(models), WIDTH, HEIGHT, COLUMNS)
         for ax, model in zip(axes, models):
             _bars(ax, [r for r in rows if r.model == model], value, rounds, note)
             label(ax, "", ylabel, f"{model}: {title}", legend=None)
-        key = _hatch_key(rows)
-        out.append(save_fig(fig, page_path(path, page), rect=_legend(fig, [], key) if key else None))
+        out.append(save_fig(fig, file, rect=legend_below(fig, key) if key else None))
     return out
 
 
@@ -196,15 +158,9 @@ def _line(ax: Any, xs: list[float], ys: list[float], rounds: list[list[float]], 
     errs = [whisker(y, r) or [[0.0], [0.0]] for y, r in zip(ys, rounds)]
     if any(whisker(y, r) for y, r in zip(ys, rounds)):
         yerr = [[e[0][0] for e in errs], [e[1][0] for e in errs]]
-        ax.errorbar(xs, ys, yerr=yerr, fmt=fmt, ms=3, lw=1, elinewidth=0.8, capsize=2, label=name, **look(name))
+        ax.errorbar(xs, ys, yerr=yerr, fmt=fmt, ms=3, lw=1, label=name, **WHISKER, **look(name))
     else:
         ax.plot(xs, ys, fmt, ms=3, lw=1, label=name, **look(name))
-
-
-def _legend(fig: Any, names: Sequence[str], extra: Sequence[Any] = ()) -> tuple[float, ...]:
-    """A legend of the strategies' colours (and ``extra`` handles) below the panels (:func:`legend_below`)."""
-    patch = pyplot().Rectangle
-    return legend_below(fig, [patch((0, 0), 1, 1, color=colour(n), label=n) for n in names] + list(extra))
 
 
 def scaling(report: Report, path: Path) -> Figures:
@@ -215,9 +171,9 @@ def scaling(report: Report, path: Path) -> Figures:
     models = [m for m in dict.fromkeys(r.model for r in rows) if (m, 1) in report.compute]
     if len(worlds) < 2 or not models:
         return []
-    out = []
-    for page, chunk in enumerate(pages(models, MAX_PANELS)):
-        fig, axes = _grid(len(chunk))
+    out, names = [], list(dict.fromkeys(r.strategy for r in rows))
+    for file, chunk in paged(path, models, style.MAX_PANELS):
+        fig, axes = style.grid(len(chunk), WIDTH, HEIGHT, COLUMNS)
         for ax, model in zip(axes, chunk):
             t1, mine = report.compute[(model, 1)], [r for r in rows if r.model == model]
             for name in dict.fromkeys(r.strategy for r in mine):
@@ -226,13 +182,9 @@ def scaling(report: Report, path: Path) -> Figures:
                 _line(ax, [1, *(r.world for r in rs)], [1.0, *(r.scaling for r in rs)], rounds, name)
             ax.set_xticks([1, *worlds])
             ax.set_ylim(0, 1.05)
-            note = repeats_note(r.pairs for r in mine)
-            label(
-                ax, "ranks K (fixed per-rank batch)", f"T1 / TK ({note})", f"{model}: scaling efficiency", legend=None
-            )
-        out.append(
-            save_fig(fig, page_path(path, page), rect=_legend(fig, list(dict.fromkeys(r.strategy for r in rows))))
-        )
+            ylabel = f"T1 / TK ({repeats_note(r.pairs for r in mine)})"
+            label(ax, "ranks K (fixed per-rank batch)", ylabel, f"{model}: scaling efficiency", legend=None)
+        out.append(save_fig(fig, file, rect=legend_below(fig, names=names)))
     return out
 
 
@@ -240,11 +192,9 @@ def sharding(report: Report, path: Path) -> Figures:
     """``sharding.png``: per model, the sharding rows' step time (top) and wire MiB per step and rank through
     ``comms`` with the analytic figure marked (bottom); three models to a page."""
     rows = report.sharding_rows()
-    out = []
-    for page, models in enumerate(pages(list(dict.fromkeys(r.model for r in rows)), MAX_PANELS // 2)):
-        if not models:
-            return []
-        fig, axes = figure(2, len(models), WIDTH, HEIGHT)
+    out, key = [], _hatch_key(rows)
+    for file, models in paged(path, dict.fromkeys(r.model for r in rows), style.MAX_PANELS // 2):
+        fig, axes = style.figure(2, len(models), WIDTH, HEIGHT)
         for col, model in enumerate(models):
             mine = [r for r in rows if r.model == model]
             one_k = len({r.world for r in mine}) == 1
@@ -261,8 +211,7 @@ def sharding(report: Report, path: Path) -> Figures:
                     bottom.annotate("n/a", (x, 0), ha="center", va="bottom", fontsize=6, xytext=(0, 1), **_PT)
             ylabel = "wire MiB / step / rank\n(accounted: same every round)"
             label(bottom, "", ylabel, f"{model}: wire bytes, measured (bar) vs analytic (-)", legend=None)
-        key = _hatch_key(rows)
-        out.append(save_fig(fig, page_path(path, page), rect=_legend(fig, [], key) if key else None))
+        out.append(save_fig(fig, file, rect=legend_below(fig, key) if key else None))
     return out
 
 
@@ -276,7 +225,7 @@ def bucket_sweep(report: Report, path: Path) -> Figures:
     name, model = str((cfg or {}).get("strategy", "bucketed_ddp")), sweep[0].model
     shown = str((cfg or {}).get("model", model))
     caps = [r.extra["cap_mb"] for r in sweep]
-    fig, ((ax,),) = figure(1, 1, 6, 4)
+    fig, ((ax,),) = style.figure(1, 1, 6, 4)
 
     def exposed(r: Row) -> list[float]:
         return [1e3 * median(t.exposed_s) for t in report.trials(r) if t.exposed_s]
@@ -314,43 +263,33 @@ def predicted_vs_measured(
     rows = [v for v in validation if v.predicted_s is not None]
     worlds = sorted({v.world for v in rows})
     out = []
-    for page, chunk in enumerate(pages(list(dict.fromkeys(v.model for v in rows)), MAX_PANELS)):
-        if not chunk:
-            return []
-        fig, axes = _grid(len(chunk), 4.4)
+    for file, chunk in paged(path, dict.fromkeys(v.model for v in rows), style.MAX_PANELS):
+        fig, axes = style.grid(len(chunk), WIDTH, 4.4, COLUMNS)
         for ax, model in zip(axes, chunk):
             mine = [v for v in rows if v.model == model]
             for v in mine:
                 x, y = 1e3 * v.predicted_s, 1e3 * v.measured_s
                 err = whisker(y, measured.get((model, v.strategy, v.world), []))
                 mark = MARKERS[worlds.index(v.world) % len(MARKERS)]
-                ax.errorbar([x], [y], yerr=err, fmt=mark, ms=4, elinewidth=0.8, capsize=2, **look(v.strategy))
+                ax.errorbar([x], [y], yerr=err, fmt=mark, ms=4, **WHISKER, **look(v.strategy))
             span = [1e3 * t for v in mine for t in (v.predicted_s, v.measured_s)]
             lo, hi = min(span) / 1.4, max(span) * 1.4
             ax.fill_between([lo, hi], [lo / 1.25, hi / 1.25], [lo / 0.75, hi / 0.75], color="0.88", linewidth=0)
             ax.plot([lo, hi], [lo, hi], color="0.4", lw=0.8)
             ax.set_xlim(lo, hi)
             ax.set_ylim(lo, hi)
-            log_axis(ax, "xy")
+            style.log_axis(ax, "xy")
             note = repeats_note(len(measured.get((model, v.strategy, v.world), [])) for v in mine)
-            label(
-                ax,
-                "predicted ms / step (cost model, from medians)",
-                f"measured ms / step\n({note})",
-                model,
-                legend=None,
-            )
+            ylabel = f"measured ms / step\n({note})"
+            label(ax, "predicted ms / step (cost model, from medians)", ylabel, model, legend=None)
         line = pyplot().Line2D
         keys = [
             line([], [], color="0.3", marker=MARKERS[i % len(MARKERS)], ls="", label=f"K={k}")
             for i, k in enumerate(worlds)
         ]
-        keys += [
-            line([], [], color="0.4", lw=0.8, label="measured = predicted"),
-            pyplot().Rectangle((0, 0), 1, 1, color="0.88", label="within 25 %"),
-        ]
-        names = list(dict.fromkeys(v.strategy for v in rows))
-        out.append(save_fig(fig, page_path(path, page), rect=_legend(fig, names, keys)))
+        keys += [line([], [], color="0.4", lw=0.8, label="measured = predicted")]
+        keys += [pyplot().Rectangle((0, 0), 1, 1, color="0.88", label="within 25 %")]
+        out.append(save_fig(fig, file, rect=legend_below(fig, keys, names=dict.fromkeys(v.strategy for v in rows))))
     return out
 
 
@@ -359,11 +298,9 @@ def projection(projected: Sequence[Projection], path: Path) -> Figures:
     the best algorithm; a projection, not a measurement, so without spread."""
     fabrics = list(dict.fromkeys(p.fabric for p in projected))
     models = list(dict.fromkeys(p.model for p in projected))
-    out = []
-    for page, chunk in enumerate(pages(models, max(1, MAX_PANELS // max(1, len(fabrics))))):
-        if not chunk:
-            return []
-        fig, axes = figure(len(fabrics), len(chunk), WIDTH, HEIGHT)
+    out, names = [], list(dict.fromkeys(p.strategy for p in projected))
+    for file, chunk in paged(path, models, max(1, style.MAX_PANELS // max(1, len(fabrics)))):
+        fig, axes = style.figure(len(fabrics), len(chunk), WIDTH, HEIGHT)
         for i, fabric in enumerate(fabrics):
             for j, model in enumerate(chunk):
                 mine = [p for p in projected if p.fabric == fabric and p.model == model]
@@ -375,6 +312,5 @@ def projection(projected: Sequence[Projection], path: Path) -> Figures:
                 axes[i][j].set_ylim(0, 1.05)
                 ylabel = "efficiency, best algorithm\n(projected: no spread)"
                 label(axes[i][j], "ranks K", ylabel, f"{model}\n{fabric}", size=7, legend=None)
-        names = list(dict.fromkeys(p.strategy for p in projected))
-        out.append(save_fig(fig, page_path(path, page), rect=_legend(fig, names)))
+        out.append(save_fig(fig, file, rect=legend_below(fig, names=names)))
     return out

@@ -12,14 +12,15 @@ from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
 from lightning_sync.bench.rows import pyplot
 
-__all__ = ["DPI", "HATCHES", "MAX_PANELS", "MAX_WIDTH_PX", "PALETTE", "colour", "figure", "label", "look"]
-__all__ += ["legend_below", "log_axis", "page_path", "pages", "repeats_note", "save_fig", "whisker"]
+__all__ = ["DPI", "HATCHES", "MAX_PANELS", "MAX_WIDTH_PX", "PALETTE", "WHISKER", "colour", "figure", "grid"]
+__all__ += ["label", "legend_below", "log_axis", "look", "page_path", "paged", "pages", "repeats_note", "save_fig"]
+__all__ += ["whisker"]
 
 T = TypeVar("T")
 
@@ -47,6 +48,8 @@ HATCHES = ("", "//", "xx", "..", "\\\\", "oo")
 MAX_PANELS = 6
 MAX_WIDTH_PX = 1600
 DPI = 110
+#: How every whisker is drawn (``errorbar`` keywords).
+WHISKER = {"elinewidth": 0.8, "capsize": 2}
 
 
 def colour(name: str) -> str:
@@ -72,12 +75,29 @@ def page_path(path: Path, page: int) -> Path:
     return path if page == 0 else path.with_name(f"{path.stem}_{page + 1}{path.suffix}")
 
 
+def paged(path: Path, items: Iterable[T], per_page: int) -> Iterator[tuple[Path, list[T]]]:
+    """Each page of ``items`` with the file it goes to (:func:`pages`, :func:`page_path`); none for no items."""
+    for page, chunk in enumerate(pages(list(items), per_page)):
+        if chunk:
+            yield page_path(path, page), chunk
+
+
 def figure(nrows: int, ncols: int, width: float, height: float) -> tuple[Any, Any]:
     """``(fig, axes)``: a grid of panels of ``width`` x ``height`` inches each; ``axes`` is always 2-D. More than
     :data:`MAX_PANELS` panels raise ``ValueError``: page them (:func:`pages`)."""
     if nrows * ncols > MAX_PANELS or nrows < 1 or ncols < 1:
         raise ValueError(f"a bench figure has 1 to {MAX_PANELS} panels, got {nrows} x {ncols}")
     return pyplot().subplots(nrows, ncols, figsize=(width * ncols, height * nrows), squeeze=False)
+
+
+def grid(n: int, width: float, height: float, columns: int = 3) -> tuple[Any, list[Any]]:
+    """``(fig, axes)``: ``n`` panels (:func:`figure`), ``columns`` to a row, no empty cells."""
+    cols = min(n, columns)
+    fig, axes = figure(-(-n // cols), cols, width, height)
+    cells = list(axes.flat)
+    for ax in cells[n:]:
+        fig.delaxes(ax)
+    return fig, cells[:n]
 
 
 def label(ax: Any, xlabel: str, ylabel: str, title: str, size: float = 9, legend: float | None = 7) -> None:
@@ -90,11 +110,13 @@ def label(ax: Any, xlabel: str, ylabel: str, title: str, size: float = 9, legend
         ax.legend(fontsize=legend)
 
 
-def legend_below(fig: Any, handles: Sequence[Any], ncol: int = 5) -> tuple[float, ...]:
-    """One legend for the whole figure below its panels, at most ``ncol`` columns and as many as fit its width;
-    the ``rect`` for :func:`save_fig` that leaves it room."""
+def legend_below(fig: Any, handles: Sequence[Any] = (), ncol: int = 5, names: Sequence[str] = ()) -> tuple[float, ...]:
+    """One legend for the whole figure below its panels (a patch in each strategy's colour for ``names``, then
+    ``handles``), at most ``ncol`` columns and as many as fit its width; the ``rect`` for :func:`save_fig` that
+    leaves it room."""
+    handles = [*(pyplot().Rectangle((0, 0), 1, 1, color=colour(n), label=n) for n in names), *handles]
     ncol = max(1, min(len(handles), ncol, int(fig.get_figwidth() / 1.6)))  # a column: a 7-point name, ~1.5 in
-    fig.legend(handles=list(handles), loc="lower center", ncol=ncol, fontsize=7, frameon=False)
+    fig.legend(handles=handles, loc="lower center", ncol=ncol, fontsize=7, frameon=False)
     return (0, min(0.45, 0.2 * -(-len(handles) // ncol) / fig.get_figheight()), 1, 1)
 
 

@@ -21,21 +21,10 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
+from lightning_sync.bench import style
 from lightning_sync.bench.rows import FIT, QUIET, fmt, median, node, pyplot, schedule
 from lightning_sync.bench.runner import stats_of
-from lightning_sync.bench.style import (
-    MAX_PANELS,
-    colour,
-    figure,
-    label,
-    legend_below,
-    log_axis,
-    look,
-    page_path,
-    pages,
-    save_fig,
-    whisker,
-)
+from lightning_sync.bench.style import WHISKER, colour, label, legend_below, log_axis, look, paged, save_fig, whisker
 
 __all__ = ["BYTES_LOSS", "TradeoffResult", "TradeoffRow", "plot_bytes_loss", "plot_tradeoff", "run_tradeoff"]
 __all__ += ["tradeoff_markdown", "tradeoff_rows"]
@@ -291,18 +280,7 @@ def _points(ax: Any, results: list[TradeoffResult], model: str, x_key: str, anno
             x, xerr = _FLOOR_MIB, None
         y, yerr = _spread(trials, "val_loss")
         face = "none" if slow else colour(name)
-        ax.errorbar(
-            [x],
-            [y],
-            xerr=xerr,
-            yerr=yerr,
-            fmt="s" if slow else "o",
-            ms=6,
-            mfc=face,
-            elinewidth=0.8,
-            capsize=2,
-            **look(name),
-        )
+        ax.errorbar([x], [y], xerr=xerr, yerr=yerr, fmt="s" if slow else "o", ms=6, mfc=face, **WHISKER, **look(name))
         if annotate and not slow:
             ax.annotate(name, (x, y), fontsize=7, xytext=(4, 3), textcoords="offset points", color=colour(name))
     ax.grid(alpha=0.3)
@@ -311,8 +289,7 @@ def _points(ax: Any, results: list[TradeoffResult], model: str, x_key: str, anno
 def _handles(results: list[TradeoffResult]) -> list[Any]:
     line = pyplot().Line2D
     handles = [line([], [], marker="o", ls="", label=n, **look(n)) for n in dict.fromkeys(r.name for r in results)]
-    rounds = {r.round for r in results}
-    note = f"median, whiskers min-max of {len(rounds)} rounds" if len(rounds) > 1 else "1 round: no spread"
+    note = style.repeats_note([len({r.round for r in results})])
     return handles + [
         line([], [], color="gray", marker="o", ls="", label=f"no straggler ({note})"),
         line([], [], color="gray", marker="s", mfc="none", ls="", label="rank 1 slowed"),
@@ -326,15 +303,15 @@ def plot_tradeoff(results: list[TradeoffResult], path: Path) -> list[Any]:
     """``tradeoff.png``: validation loss against MiB sent and against wall time, a row of two panels per model,
     three models to a page; returns the figures, closed."""
     out = []
-    for page, models in enumerate(pages(list(dict.fromkeys(r.model for r in results)), MAX_PANELS // 2)):
-        fig, axes = figure(len(models), 2, 5.5, 3.6)
+    for file, models in paged(path, dict.fromkeys(r.model for r in results), style.MAX_PANELS // 2):
+        fig, axes = style.figure(len(models), 2, 5.5, 3.6)
         for row, model in enumerate(models):
             _points(axes[row][0], results, model, "bytes")
             _points(axes[row][1], results, model, "wall_s")
             log_axis(axes[row][0])
             label(axes[row][0], _BYTES, f"{model} val loss", model, legend=None)
             label(axes[row][1], "wall time of training (s)", f"{model} val loss", model, legend=None)
-        out.append(save_fig(fig, page_path(path, page), rect=legend_below(fig, _handles(results), 4)))
+        out.append(save_fig(fig, file, rect=legend_below(fig, _handles(results), 4)))
     return out
 
 
@@ -342,15 +319,11 @@ def plot_bytes_loss(results: list[TradeoffResult], path: Path) -> list[Any]:
     """:data:`BYTES_LOSS`: one panel per model, validation loss against MiB sent, every strategy named beside its
     point; returns the figures, closed."""
     out = []
-    for page, models in enumerate(pages(list(dict.fromkeys(r.model for r in results)), MAX_PANELS)):
-        cols = min(len(models), 3)
-        fig, axes = figure(-(-len(models) // cols), cols, 5, 3.8)
-        cells = list(axes.flat)
-        for ax in cells[len(models) :]:
-            fig.delaxes(ax)
-        for ax, model in zip(cells, models):
+    for file, models in paged(path, dict.fromkeys(r.model for r in results), style.MAX_PANELS):
+        fig, axes = style.grid(len(models), 5, 3.8)
+        for ax, model in zip(axes, models):
             _points(ax, results, model, "bytes", annotate=True)
             log_axis(ax)
             label(ax, _BYTES, "validation loss after the step budget", f"{model}: loss against bytes", legend=None)
-        out.append(save_fig(fig, page_path(path, page), rect=legend_below(fig, _handles(results), 4)))
+        out.append(save_fig(fig, file, rect=legend_below(fig, _handles(results), 4)))
     return out
