@@ -29,6 +29,7 @@ __all__ = [
     "ddp_start_method",
     "epoch_batches",
     "explicit_checkpoint_io",
+    "restored_at_epoch_end",
     "set_checkpoint_io",
     "set_epoch_batches",
     "set_every_n_epochs",
@@ -52,8 +53,8 @@ INTERNALS: dict[str, str] = {
     "LightningOptimizer._optimizer": "the optimizer a LightningOptimizer wraps",
     "ModelCheckpoint._every_n_epochs": "the epoch interval ModelCheckpoint's epoch-end saves read",
     "_TrainingEpochLoop._should_accumulate": "does this batch end with an optimizer step or an accumulation step",
-    "_TrainingEpochLoop.batch_progress (.current, .total)": "the batches trained in this epoch, shifted when a "
-    "resume counts the same samples in batches of another size",
+    "_TrainingEpochLoop.batch_progress (.current, .total, .is_last_batch)": "the batches trained in this epoch, "
+    "shifted when a resume counts the same samples in batches of another size; whether the last was the epoch's",
     "_ResultMetric.meta (.fx, .name)": "which logged key a strategy.reduce call syncs (the caller's frame)",
 }
 
@@ -85,6 +86,13 @@ def set_epoch_batches(trainer: Any, batches: int) -> None:
     for tracker in (progress.current, progress.total):
         for counter in _BATCH_COUNTERS:
             setattr(tracker, counter, getattr(tracker, counter) + delta)
+
+
+def restored_at_epoch_end(trainer: Any) -> bool:
+    """Whether the training loop was restored from a checkpoint written at its epoch's last batch (read before
+    the epoch loop restarts: in ``on_train_start``)."""
+    loop = trainer.fit_loop.epoch_loop
+    return bool(loop.restarting and loop.batch_progress.is_last_batch)
 
 
 def trainer_of(module: Any) -> Any | None:

@@ -64,9 +64,14 @@ Checkpoints
       state, which rank 0 alone writes, so every worker resumes with rank 0's. At s = 0 they are every
       worker's own; at s > 0 a worker that was ahead of or behind rank 0 resumes at rank 0's;
     * the lookahead compensation restarts as at the start of training: its running staleness estimate
-      from 0, its reference model from V. It does nothing with one worker or at s = 0 (never stale);
-    * with another number of workers, the global clock is kept (pushes are rescaled to it), but the
-      pushes per worker start again.
+      from 0, its reference model from V. It does nothing with one worker or at s = 0 (never stale).
+
+    At another world size (K' ranks from a checkpoint of K; the server may be on another rank: nothing saved
+    is tied to it) all of the server's state above continues. Its pushes count on at K' per global step (the
+    saved ones rescaled to the same global steps' worth, rounded down); the pushes per worker, counts of
+    workers that K' does not have one to one, start again from 0 (logged). A checkpoint of an epoch's last
+    step (``every_n_train_steps``) resumes at the next epoch's first batch however many batches an epoch has
+    now, so at s = 0 the resumed run is synchronous SGD of K' ranks from the checkpoint.
 
 Logged on rank 0 after its steps, with every strategy's communication telemetry (bytes and time of its
 requests, the push counting as time blocked in communication; :mod:`lightning_sync.strategies._telemetry`):
@@ -83,6 +88,7 @@ Failure
 
 from __future__ import annotations
 
+import math
 from datetime import timedelta
 from typing import Any
 
@@ -91,6 +97,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from lightning_sync._lightning import epoch_batches, restored_at_epoch_end, set_epoch_batches
 from lightning_sync.comms import rpc
 from lightning_sync.strategies._common import as_timedelta, check_launch_args
 from lightning_sync.strategies._no_process_group import NoProcessGroupStrategy
@@ -239,6 +246,10 @@ class AsyncParameterServerStrategy(NoProcessGroupStrategy):
         if self.server is not None:
             self.server.restored()
         trainer = self.lightning_module.trainer
+        if restored_at_epoch_end(trainer) and epoch_batches(trainer) < trainer.num_training_batches < math.inf:
+            # the saved epoch ended after fewer batches (more ranks, or larger batches); Lightning would take that
+            # count as a place inside this epoch and, the loader restarting, train only its first batches
+            set_epoch_batches(trainer, int(trainer.num_training_batches))
         if trainer.fit_loop.max_steps >= 0:
             self._lifted_max_steps = trainer.fit_loop.max_steps
             trainer.fit_loop.epoch_loop.max_steps = -1
@@ -318,7 +329,17 @@ class AsyncParameterServerStrategy(NoProcessGroupStrategy):
             checkpoint_path,
             weights_only,
         )
-        self._pending_state = checkpoint.get(_CKPT_KEY)
+        state = self._pending_state = checkpoint.get(_CKPT_KEY)
+        saved = int(state.get("num_workers", self.world_size)) if state is not None else self.world_size
+        if state is not None and saved != self.world_size:
+            pushes = ParameterServer.rescaled_pushes(int(state["pushes"]), saved, self.world_size)
+            rank_zero_info(
+                f"{type(self).__name__}: the checkpoint is of {saved} workers, this run has {self.world_size}: the "
+                f"server continues from version {state['version']}, global step {state['global_step']} ("
+                f"{state['pushes']} pushes of {saved} workers count as {pushes} of {self.world_size}), its model, "
+                f"optimizer, schedulers and staleness histogram; the pushes per worker "
+                f"{state.get('pushes_by_worker')} start again from 0"
+            )
         return checkpoint
 
     @override

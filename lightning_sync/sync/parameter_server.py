@@ -387,16 +387,23 @@ class ParameterServer:
             "num_workers": self.num_workers,
         }
 
+    @staticmethod
+    def rescaled_pushes(pushes: int, saved_workers: int, workers: int) -> int:
+        """``pushes`` of ``saved_workers`` as pushes of ``workers``: the same global steps' worth, rounded down
+        (the global clock ``pushes // K`` is kept, and the part of a global step done since its last tick)."""
+        return pushes * workers // saved_workers
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the counters of :meth:`state_dict` (the model and optimizer are restored separately).
 
-        Every worker restarts on the restored version. The pushes are rescaled if the number of workers
-        changed, so the global step is kept."""
+        Every worker restarts on the restored version. With another number of workers the pushes are rescaled
+        (:meth:`rescaled_pushes`) and the pushes per worker start again from 0."""
         with self.lock:
             self.version = int(state["version"])
             self.global_step = int(state["global_step"])
-            same = int(state.get("num_workers", self.num_workers)) == self.num_workers
-            self.pushes = int(state["pushes"]) if same else self.global_step * self.num_workers
+            saved_workers = int(state.get("num_workers", self.num_workers))
+            same = saved_workers == self.num_workers
+            self.pushes = self.rescaled_pushes(int(state["pushes"]), saved_workers, self.num_workers)
             self.discarded = int(state.get("discarded", 0))
             self.staleness = Counter({int(k): int(v) for k, v in state.get("staleness", {}).items()})
             if same:

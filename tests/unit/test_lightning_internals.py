@@ -132,6 +132,9 @@ def _batch_progress() -> None:
     assert (progress.total.ready, progress.total.processed, progress.total.completed) == (19, 19, 18)
     progress.reset_on_restart()  # what the epoch loop does next on a restart: ready falls back to completed
     assert progress.current.ready == 8
+    assert not compat.restored_at_epoch_end(trainer)
+    trainer.fit_loop.epoch_loop.restarting, progress.is_last_batch = True, True  # what loading an epoch-end checkpoint sets
+    assert compat.restored_at_epoch_end(trainer)
 
 
 def _metric_key() -> None:
@@ -164,7 +167,7 @@ _CHECKS: dict[str, Callable[[], None]] = {
     "LightningOptimizer._optimizer": _unwrap_optimizer,
     "ModelCheckpoint._every_n_epochs": _every_n_epochs,
     "_TrainingEpochLoop._should_accumulate": _should_accumulate,
-    "_TrainingEpochLoop.batch_progress (.current, .total)": _batch_progress,
+    "_TrainingEpochLoop.batch_progress (.current, .total, .is_last_batch)": _batch_progress,
     "_ResultMetric.meta (.fx, .name)": _metric_key,
 }
 

@@ -402,14 +402,18 @@ def test_a_snapshot_holds_no_push_the_server_has_not_applied() -> None:
 
 
 def test_another_number_of_workers_keeps_the_global_clock_and_restarts_the_pushes_per_worker() -> None:
-    """A K = 2 checkpoint after 5 pushes (global step 2) resumed with K = 3: global step 2 = 6 pushes,
-    the staleness histogram kept, every worker reading the saved version, pushes per worker from 0."""
+    """A K = 2 checkpoint after 5 pushes (2.5 global steps' worth) resumed with K = 3: 7 pushes (7.5 rounded
+    down: global step 2, a third of the next one done, so two more pushes reach step 3), the staleness histogram kept, every worker reading the
+    saved version, pushes per worker from 0."""
     server, _ = _server(2, math.inf)
     for i in range(5):
         _push(server, i % 2, seed=i).wait()
     saved = server.snapshot()["state"]
     resumed, _ = _server(3, math.inf)
     resumed.load_state_dict(saved)
-    assert (resumed.version, resumed.global_step, resumed.pushes) == (5, 2, 6)
+    assert (resumed.version, resumed.global_step, resumed.pushes) == (5, 2, 7)
     assert resumed.staleness == server.staleness and resumed.pushes_by_worker == [0, 0, 0]
     assert resumed._read == [5, 5, 5]
+    for w in (0, 1):  # two more pushes of K = 3 complete the third global step (the uninterrupted run: one)
+        _push(resumed, w, seed=10 + w).wait()
+    assert (resumed.pushes, resumed.global_step) == (9, 3)
