@@ -28,9 +28,14 @@ What is synchronized, and when:
   reproduced is the order in which the processes' updates reach the shared tensors, after a resume as
   between any two Hogwild runs. So it equals the uninterrupted run bit for bit where that order cannot
   matter (one process, or processes that never write the same element, e.g. disjoint rows of a sparse
-  embedding), and otherwise differs from it only as two uninterrupted runs differ from each other. At
-  another number of processes every process starts from rank 0's optimizer state (and, as for every
-  strategy, only a checkpoint from an epoch's end resumes).
+  embedding), and otherwise differs from it only as two uninterrupted runs differ from each other.
+  **At another number of processes** K' (a checkpoint of K): process r < min(K, K') continues process r's
+  own optimizer state; a process the checkpoint has none for (r >= K) starts with a fresh one (no momentum,
+  moments or step count) at the saved learning rate, since a copy of another process's state would apply
+  that process's past gradients to the one shared model a second time; the states of processes K'..K-1
+  are dropped. A log line says which. The shared model, LR schedulers and loop counters continue as
+  above, rank r continues rank r's RNG streams, and the place in the data re-splits for K' processes
+  (mid-epoch too, where the global batch, processes x per-process batch, is kept: :mod:`lightning_sync.resume`).
 * **Clocks:** each process counts its own steps (``trainer.global_step``); the model receives N
   updates per step of the clock, each from a batch of the per-process size. LR schedulers step on
   each process's own clock and set that process's learning rate. Lightning 2.6 broadcasts a flag on
@@ -55,6 +60,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_sync._lightning import MultiProcessingLauncher, ddp_start_method, set_launcher
+from lightning_sync.resume import RANK_STATES
 from lightning_sync.strategies._base import ProcessGroupStrategy
 from lightning_sync.strategies._common import as_timedelta, check_bool, check_launch_args
 from lightning_sync.strategies._telemetry import STALENESS
@@ -137,6 +143,7 @@ class HogwildStrategy(ProcessGroupStrategy):
         self.num_processes_requested, self.oversubscribe = num_processes, oversubscribe
         self._updates: torch.Tensor | None = None  # shared: optimizer steps taken, one slot per process
         self._count_updates = False  # a logger is attached: count them (for the staleness figure)
+        self._mapped_optimizer_states: list[dict[str, Any]] | None = None  # from a checkpoint of another size
 
     @override
     def _configure_launcher(self) -> None:
@@ -233,6 +240,37 @@ class HogwildStrategy(ProcessGroupStrategy):
         }
         self.barrier()
         return state
+
+    @override
+    def _restore_rank_state(self, mine: dict[str, Any] | None, checkpoint: dict[str, Any]) -> None:
+        """From a checkpoint of another number of processes: the optimizer state this process continues
+        (module docstring). At the checkpoint's own number every process loads its own (ExactDataHooks)."""
+        self._mapped_optimizer_states = None
+        states, saved = checkpoint.get(RANK_STATES), checkpoint.get("optimizer_states")
+        if mine is not None or not states or saved is None:
+            return
+        rank, before, after = self.global_rank, len(states), self.world_size
+        if rank == 0:
+            own = saved  # Lightning's optimizer_states are process 0's
+        elif rank < before:
+            own = states[rank].get("optimizer_states", saved)  # (a checkpoint without them: process 0's)
+        else:
+            own = [{"state": {}, "param_groups": s["param_groups"]} for s in saved]  # the learning rate only
+        self._mapped_optimizer_states = own
+        change = (
+            f"processes {before}-{after - 1} start with a fresh optimizer state at the saved learning rate"
+            if after > before
+            else f"the states of processes {after}-{before - 1} are dropped"
+        )
+        rank_zero_info(
+            f"{type(self).__name__}: the checkpoint holds the optimizer states of {before} processes, this run "
+            f"has {after}: processes 0-{min(before, after) - 1} continue their own, {change}"
+        )
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        mapped, self._mapped_optimizer_states = self._mapped_optimizer_states, None
+        super().load_optimizer_state_dict(checkpoint if mapped is None else {"optimizer_states": mapped})
 
     @override
     def teardown(self) -> None:
