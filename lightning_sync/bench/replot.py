@@ -17,18 +17,16 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
-from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 from lightning_sync.bench.cost_report import Validation, plot_fit
 from lightning_sync.bench.model import CostParams, Link, Projection, SweepPoint
 from lightning_sync.bench.plots import write_plots
-from lightning_sync.bench.report import Report
-from lightning_sync.bench.rows import Measurement
+from lightning_sync.bench.report import Report, measurements
 from lightning_sync.bench.tradeoff import BYTES_LOSS, TradeoffResult, plot_bytes_loss, plot_tradeoff
 
-__all__ = ["load_measurements", "main", "recorded_params", "replot", "run_config"]
+__all__ = ["main", "recorded_params", "replot", "run_config"]
 
 
 def run_config(command: str, overrides: list[str] | None = None) -> Any:
@@ -61,18 +59,6 @@ def recorded_params(raw: dict[str, Any], report: dict[str, Any]) -> CostParams |
     return CostParams(links, {}, points, source)
 
 
-def load_measurements(raw: dict[str, Any]) -> tuple[dict[int, list[list[Measurement]]], list[Measurement]]:
-    """``(results, single)`` of a ``raw.json`` as :func:`~lightning_sync.bench.report.load_raw` reads them, keys
-    that :class:`Measurement` no longer has (an older run's ``grad_bytes``) left out."""
-    known = {f.name for f in fields(Measurement)}
-
-    def one(m: dict[str, Any]) -> Measurement:
-        return Measurement(**{k: v for k, v in m.items() if k in known})
-
-    results = {int(k): [[one(m) for m in rank] for rank in v] for k, v in raw["results"].items()}
-    return results, [one(m) for m in raw["single"]]
-
-
 def _read(path: Path) -> Any:
     return json.loads(path.read_text()) if path.exists() else None
 
@@ -85,7 +71,7 @@ def replot(run_dir: Path, out_dir: Path | None = None, overrides: list[str] | No
     raw, recorded = _read(run_dir / "raw.json") or {}, _read(run_dir / "report.json") or {}
     params = recorded_params(raw, recorded)
     if raw:
-        (results, single), meta = load_measurements(raw), raw.get("meta", {})
+        (results, single), meta = measurements(raw), raw.get("meta", {})
         report = Report(results, single, run_config(str(meta.get("command", "")), overrides), meta, params)
         validation = [Validation(**v) for v in recorded.get("validation", [])] or None
         projected = [Projection(**p) for p in recorded.get("projection", [])] or None

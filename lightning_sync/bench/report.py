@@ -9,7 +9,7 @@ import json
 import math
 from collections import defaultdict
 from collections.abc import Mapping
-from dataclasses import asdict, replace
+from dataclasses import asdict, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +20,7 @@ from lightning_sync.bench.plots import write_plots
 from lightning_sync.bench.rows import Measurement, Row, fmt, median, strategy_class
 from lightning_sync.bench.runner import IN_STEP, SINGLE_ROW
 
-__all__ = ["Report", "analytic_wire_bytes", "load_raw", "save_raw", "sync_every", "wire_bytes"]
+__all__ = ["Report", "analytic_wire_bytes", "load_raw", "measurements", "save_raw", "sync_every", "wire_bytes"]
 
 Results = Mapping[int, list[list[Measurement]]]
 
@@ -36,15 +36,11 @@ def analytic_wire_factor(strategy: Mapping[str, Any], world: int) -> float:
     (all-gather for forward and backward, reduce-scatter; ``2(K-1)/K`` without ``reshard_after_forward``), else
     ``2(K-1)/K`` (one all-reduce, or ZeRO-1/2's reduce-scatter and all-gather; compression is not modelled)."""
     check_int("world size", world, 1)
-    cls, rounds = strategy_class(dict(strategy)), 2
-    if cls == "ShardedStrategy":
-        stage = int(strategy.get("stage", 3))
-        if stage not in (1, 2, 3):
-            raise ValueError(f"ShardedStrategy stage must be one of [1, 2, 3], got {stage!r}")
-        rounds = 3 if stage == 3 and strategy.get("reshard_after_forward", True) else 2
-    elif cls == "FullyShardStrategy":
-        rounds = 3 if strategy.get("reshard_after_forward", True) else 2
-    return rounds * (world - 1) / world
+    cls, stage = strategy_class(dict(strategy)), int(strategy.get("stage", 3))
+    if cls == "ShardedStrategy" and stage not in (1, 2, 3):
+        raise ValueError(f"ShardedStrategy stage must be one of [1, 2, 3], got {stage!r}")
+    sharded = cls == "FullyShardStrategy" or (cls == "ShardedStrategy" and stage == 3)
+    return (3 if sharded and strategy.get("reshard_after_forward", True) else 2) * (world - 1) / world
 
 
 def analytic_wire_bytes(strategy: Mapping[str, Any], param_bytes: float, world: int) -> float:
@@ -87,9 +83,20 @@ def load_raw(path: Path) -> tuple[dict[int, list[list[Measurement]]], list[Measu
     """``(results, single, params, meta)`` as :func:`save_raw` wrote them: ``Report(results, single, cfg, meta,
     params)`` with the run's config rebuilds its report."""
     raw = json.loads(path.read_text())
-    results = {int(k): [[Measurement(**m) for m in rank] for rank in v] for k, v in raw["results"].items()}
     params = CostParams.from_json(raw["params"], str(path)) if raw.get("params") else None
-    return results, [Measurement(**m) for m in raw["single"]], params, raw["meta"]
+    return *measurements(raw), params, raw["meta"]
+
+
+def measurements(raw: dict[str, Any]) -> tuple[dict[int, list[list[Measurement]]], list[Measurement]]:
+    """``(results, single)`` of a ``raw.json``'s contents, keys :class:`Measurement` no longer has (an older
+    run's ``grad_bytes``) left out."""
+    known = {f.name for f in fields(Measurement)}
+
+    def one(m: dict[str, Any]) -> Measurement:
+        return Measurement(**{k: v for k, v in m.items() if k in known})
+
+    results = {int(k): [[one(m) for m in rank] for rank in v] for k, v in raw["results"].items()}
+    return results, [one(m) for m in raw["single"]]
 
 
 class Report:

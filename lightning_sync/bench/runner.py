@@ -1,19 +1,18 @@
-"""Benchmark trials, run inside every rank: one ``Trainer.fit`` per trial, measured by :class:`StepProbe`.
-
-Every rank runs the same trials in the same order, each timed from batch start to batch end; bytes, calls and
-seconds per op are deltas of the strategy's statistics (:func:`stats_of`), compression (op ``codec``) apart.
-torch's DDP bypasses ``comms``; FSDP2's collectives are counted while its trials run
-(:func:`torch_collectives_counted`). ``peak_mib`` is malloc'd memory (glibc ``mallinfo2``) above the level
-before the model was built. A trial marked :data:`IN_STEP` is the cost model's compute row: each rank fits the
-plain model alone, every step started together by :class:`Lockstep`.
+"""Benchmark trials, run inside every rank in the same order: one ``Trainer.fit`` per trial, each step timed from
+batch start to batch end, its traffic the delta of the strategy's statistics (:func:`stats_of`; compression,
+op ``codec``, apart), ``peak_mib`` the malloc'd memory above the level before the model was built (it falls when
+tensors are freed, unlike RSS). A trial marked :data:`IN_STEP` is the cost model's compute row: each rank fits
+the plain model alone, every step started together by :class:`Lockstep`.
 """
 
 from __future__ import annotations
 
 import ctypes
 import gc
+import logging
 import os
 import time
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
@@ -28,7 +27,16 @@ from lightning_sync.bench.fsdp2 import FullyShardStrategy
 from lightning_sync.bench.rows import FIT, Measurement
 from lightning_sync.sync.compression import CODEC_OP
 
-__all__ = ["IN_STEP", "SINGLE_ROW", "StepProbe", "Trial", "run_trials", "stats_of", "torch_collectives_counted"]
+__all__ = [
+    "IN_STEP",
+    "SINGLE_ROW",
+    "StepProbe",
+    "Trial",
+    "quiet",
+    "run_trials",
+    "stats_of",
+    "torch_collectives_counted",
+]
 
 #: ``Trial.extra`` key of the rows that measure compute alone under a K-rank job's time-sharing.
 IN_STEP = "in_step"
@@ -59,13 +67,11 @@ def torch_collectives_counted(strategy: Any) -> Iterator[None]:
     into :func:`stats_of` with its input's bytes (as ``comms`` counts them) and the seconds it took."""
     import torch.distributed as dist
 
-    saved: dict[str, Any] = {}
-    stats = stats_of(strategy)
+    saved, stats = {}, stats_of(strategy)
 
     def counted(op: str, fn: Any) -> Any:
         def call(*args: Any, **kwargs: Any) -> Any:
-            source = kwargs.get("input_tensor", kwargs.get("input"))
-            source = args[1] if source is None else source
+            source = kwargs.get("input_tensor", kwargs.get("input", args[1] if len(args) > 1 else None))
             t0 = time.perf_counter()
             out = fn(*args, **kwargs)
             stats.record(op, int(source.numel() * source.element_size()), time.perf_counter() - t0)
@@ -74,8 +80,7 @@ def torch_collectives_counted(strategy: Any) -> Iterator[None]:
         return call
 
     for op, names in TORCH_OPS.items():
-        name = next((n for n in names if hasattr(dist, n)), None)
-        if name is not None:
+        if name := next((n for n in names if hasattr(dist, n)), None):
             saved[name] = getattr(dist, name)
             setattr(dist, name, counted(op, saved[name]))
     try:
@@ -101,15 +106,13 @@ class Trial:
     devices: int | None = None
 
 
-class _MallInfo2(ctypes.Structure):
-    _fields_ = [
-        (n, ctypes.c_size_t)
-        for n in "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()
-    ]
+class _MallInfo2(ctypes.Structure):  # glibc's struct mallinfo2, every field: it is returned by value
+    _fields_ = [(n, ctypes.c_size_t) for n in "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks".split()]
+    _fields_ += [(n, ctypes.c_size_t) for n in ("fordblks", "keepcost")]
 
 
 def _allocated_mib() -> float:
-    """MiB allocated through malloc: unlike RSS it falls when tensors are freed (glibc only; elsewhere RSS)."""
+    """MiB allocated through malloc (glibc's ``mallinfo2``; elsewhere the resident set)."""
     try:
         libc = ctypes.CDLL("libc.so.6")
         libc.mallinfo2.restype = _MallInfo2
@@ -123,12 +126,13 @@ def _allocated_mib() -> float:
 class StepProbe(pl.Callback):
     """Times each step and samples bytes, exposed communication and memory (see module docstring)."""
 
+    #: What it records per timed step (:class:`~lightning_sync.bench.rows.Measurement`'s fields of that name).
+    PER_STEP = ("step_s", "step_calls", "codec_s", "covered_s", "blocked_s")
+
     def __init__(self, warmup: int) -> None:
-        self.warmup, self.peak_rss = warmup, 0.0
-        # per timed step: seconds, and bytes and calls through comms; per op: summed over the timed steps
-        self.step_s, self.exposed_s, self.codec_s, self.covered_s, self.blocked_s = [], [], [], [], []
-        self.bytes, self.step_calls = [], []
-        self.op_bytes, self.op_calls, self.op_seconds = {}, {}, {}
+        self.warmup, self.peak_rss, self.bytes = warmup, 0.0, []
+        self.per_step: dict[str, list[Any]] = {k: [] for k in (*self.PER_STEP, "exposed_s")}
+        self.per_op: dict[str, dict[str, float]] = {"bytes": {}, "calls": {}, "seconds": {}}  # summed over steps
         self.bucketer: Any = None  # kept past teardown, for the communication-alone measurement
         self._t0 = self._covered0 = self._blocked0 = 0.0
         self._snap0: dict[str, comms.OpStats] = {}
@@ -139,39 +143,32 @@ class StepProbe(pl.Callback):
         self._covered0, self._blocked0 = stats.covered_seconds(), stats.blocked_seconds()
         self._t0 = time.perf_counter()
 
-    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Any) -> None:
+    def on_before_backward(self, *args: Any) -> None:
         self.peak_rss = max(self.peak_rss, _allocated_mib())  # activations are alive here
 
-    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.peak_rss = max(self.peak_rss, _allocated_mib())
+    on_after_backward = on_before_backward
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         elapsed = time.perf_counter() - self._t0
         self.peak_rss = max(self.peak_rss, _allocated_mib())
         if trainer.global_step <= self.warmup:
             return
-        self.step_s.append(elapsed)
-        stats = stats_of(trainer.strategy)
-        self.covered_s.append(stats.covered_seconds() - self._covered0)
-        self.blocked_s.append(stats.blocked_seconds() - self._blocked0)
-        step_bytes, codec, calls = 0, 0.0, 0
+        stats, step, codec = stats_of(trainer.strategy), dict.fromkeys(self.per_op, 0), 0.0
         for op, now in stats.snapshot().items():
             before = self._snap0.get(op, comms.OpStats())
             if op == CODEC_OP:
                 codec += now.seconds - before.seconds
                 continue
-            step_bytes += now.bytes - before.bytes
-            calls += now.calls - before.calls
-            self.op_bytes[op] = self.op_bytes.get(op, 0) + now.bytes - before.bytes
-            self.op_calls[op] = self.op_calls.get(op, 0) + now.calls - before.calls
-            self.op_seconds[op] = self.op_seconds.get(op, 0.0) + now.seconds - before.seconds
-        self.step_calls.append(calls)
-        self.bytes.append(step_bytes)
-        self.codec_s.append(codec)
-        bucketer = getattr(trainer.strategy, "bucketer", None)
-        if bucketer is not None:
+            for key, sums in self.per_op.items():
+                delta = getattr(now, key) - getattr(before, key)
+                sums[op], step[key] = sums.get(op, 0) + delta, step[key] + delta
+        self.bytes.append(step["bytes"])
+        covered, blocked = stats.covered_seconds() - self._covered0, stats.blocked_seconds() - self._blocked0
+        for key, value in zip(self.PER_STEP, (elapsed, step["calls"], codec, covered, blocked)):
+            self.per_step[key].append(value)
+        if (bucketer := getattr(trainer.strategy, "bucketer", None)) is not None:
             self.bucketer = bucketer
-            self.exposed_s.append(bucketer.trace.exposed_seconds)
+            self.per_step["exposed_s"].append(bucketer.trace.exposed_seconds)
 
 
 def _comm_alone(bucketer: Any, repeats: int = 3) -> float:
@@ -216,28 +213,22 @@ def _run_one(trial: Trial, world: int, callbacks: tuple[pl.Callback, ...] = ()) 
     peak = torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else probe.peak_rss - base_rss
     if bucketer is not None:
         bucketer.close()
-    n = max(len(probe.step_s), 1)
+    n = max(len(probe.bytes), 1)
+    per_op = {f"op_{key}_per_step": {op: v / n for op, v in sums.items()} for key, sums in probe.per_op.items()}
     return Measurement(
         name=trial.name,
         model=trial.model,
         world=world,
-        step_s=probe.step_s,
-        bytes_per_step=(sum(probe.bytes) / len(probe.bytes)) if probe.bytes else 0.0,
-        op_bytes_per_step={op: b / n for op, b in probe.op_bytes.items()},
-        op_calls_per_step={op: c / n for op, c in probe.op_calls.items()},
-        op_seconds_per_step={op: t / n for op, t in probe.op_seconds.items()},
-        comm_calls=sum(probe.step_calls),
-        step_calls=probe.step_calls,
-        exposed_s=probe.exposed_s,
-        codec_s=probe.codec_s,
-        covered_s=probe.covered_s,
-        blocked_s=probe.blocked_s,
+        bytes_per_step=sum(probe.bytes) / n,
+        comm_calls=sum(probe.per_step["step_calls"]),
         comm_s=comm_s,
         param_bytes=param_bytes,
         n_linear=sum(isinstance(m, torch.nn.Linear) for m in model.modules()),
         strategy=dict(trial.strategy),
         peak_mib=peak,
         extra=trial.extra,
+        **probe.per_step,
+        **per_op,
     )
 
 
@@ -270,14 +261,9 @@ def _run_in_step(trial: Trial, world: int) -> Measurement:
 def run_trials(rank: int, world: int, trials: list[Trial], threads: int = 1, label: str = "") -> list[Measurement]:
     """Run every trial in order on this rank (called by ``run_distributed``); rank 0 shows a progress bar
     (``label``: the group, e.g. ``"K=4"``). A trial whose ``extra`` has :data:`IN_STEP` runs in step."""
-    import logging
-    import warnings
-
     from tqdm import tqdm
 
-    torch.set_num_threads(threads)
-    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
-    warnings.filterwarnings("ignore")
+    quiet(threads)
     bar = tqdm(trials, desc=f"bench {label}".strip(), unit="trial", disable=rank != 0, dynamic_ncols=True)
     out = []
     for i, t in enumerate(bar):
@@ -285,3 +271,12 @@ def run_trials(rank: int, world: int, trials: list[Trial], threads: int = 1, lab
         measured = _run_in_step(t, world) if t.extra.get(IN_STEP) else _run_one(t, world)
         out.append(replace(measured, rank=rank, trial=i))
     return out
+
+
+def quiet(threads: int) -> None:
+    """Set up a benchmark rank: ``threads`` torch threads, and Lightning's errors only and no warnings, which would
+    only interleave with the progress bar."""
+    torch.set_num_threads(threads)
+    for name in ("lightning.pytorch", "lightning.fabric"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore")

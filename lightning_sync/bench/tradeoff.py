@@ -23,7 +23,7 @@ import torch
 
 from lightning_sync.bench import style
 from lightning_sync.bench.rows import FIT, QUIET, fmt, median, node, pyplot, schedule
-from lightning_sync.bench.runner import stats_of
+from lightning_sync.bench.runner import quiet, stats_of
 from lightning_sync.bench.style import WHISKER, colour, label, legend_below, log_axis, look, paged, save_fig, whisker
 
 __all__ = ["BYTES_LOSS", "TradeoffResult", "TradeoffRow", "plot_bytes_loss", "plot_tradeoff", "run_tradeoff"]
@@ -85,17 +85,12 @@ def _evaluate(model: pl.LightningModule, data: pl.LightningDataModule) -> dict[s
 
 def _fit(rank: int, world: int, trial: TradeoffTrial, out_dir: str) -> dict[str, float] | None:
     """One trial on this rank (or, for Hogwild, in the driver); rank 0 returns the validation metrics."""
-    import warnings
-
     from hydra.utils import instantiate
 
     import lightning_sync  # noqa: F401 - registers the strategy names
     from lightning_sync.diagnostics import SlowRank
 
-    torch.set_num_threads(1)
-    for name in ("lightning.pytorch", "lightning.fabric"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-    warnings.filterwarnings("ignore")
+    quiet(1)
     pl.seed_everything(int(trial.extra.get("seed", 0)), verbose=False)
     model, data = instantiate(trial.model_cfg), instantiate(trial.data_cfg)
     callbacks: list[pl.Callback] = [_Probe(out_dir)]
