@@ -72,16 +72,15 @@ def select_strategies(cfg: DictConfig) -> dict[str, dict[str, Any]]:
             raise ValueError(f"run_strategies must name rows of strategies {list(rows)}, got {unknown!r}")
         keep = {str(w) for w in wanted} | {str(cfg.baseline)}  # ratios need the baseline
         rows = {n: s for n, s in rows.items() if n in keep}
-    for name, strategy in rows.items():
-        if target := strategy.get("_target_"):
+    for name, target in ((n, s.get("_target_")) for n, s in rows.items() if s.get("_target_")):
+        try:
             module, _, attr = str(target).rpartition(".")
-            try:
-                getattr(importlib.import_module(module), attr)
-            except (ImportError, AttributeError) as err:
-                raise ImportError(
-                    f"strategy row {name!r}: cannot import {target!r} ({err}); run the others with "
-                    f"run_strategies=[{','.join(n for n in rows if n != name)}]"
-                ) from err
+            getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as err:
+            raise ImportError(
+                f"strategy row {name!r}: cannot import {target!r} ({err}); run the others with "
+                f"run_strategies=[{','.join(n for n in rows if n != name)}]"
+            ) from err
     return rows
 
 
@@ -135,13 +134,11 @@ def run_bench(cfg: DictConfig, out_dir: Path) -> Report | None:
     if mode == "calibrate":
         run_calibration(cfg, out_dir, meta)
         return None
-    env = {"OMP_NUM_THREADS": str(threads), "PL_GLOBAL_SEED": "0"}
-    selected = select_strategies(cfg)
+    env, timeout = {"OMP_NUM_THREADS": str(threads), "PL_GLOBAL_SEED": "0"}, float(cfg.timeout_s)
+    selected, cost = select_strategies(cfg), cfg.get("cost_model") or {}
     strategies: Rows = {name: (s, {}) for name, s in selected.items()}
-    cost = cfg.get("cost_model") or {}
     hosts = host_rows(cfg, selected) if cost.get("enabled") else {}
     strategies = with_compute_row(strategies) if cost.get("enabled") else strategies  # compute alone, same rounds
-    timeout = float(cfg.timeout_s)
     results: dict[int, list[list[Measurement]]] = {}
     for world in worlds:
         trials = [t for model in cfg.run_models for t in _trials(cfg, model, strategies)]
@@ -214,9 +211,7 @@ def run_sweep(cost: Any, threads: int, timeout: float) -> list[SweepPoint]:
 def _cpu_model() -> str:
     try:
         with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip() + f" ({os.cpu_count()} cores)"
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
+            name = next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
+        return f"{name} ({os.cpu_count()} cores)"
+    except (OSError, StopIteration):
+        return platform.processor() or "unknown"

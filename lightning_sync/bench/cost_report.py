@@ -14,7 +14,7 @@ from typing import Any
 
 from lightning_sync.bench import model as M
 from lightning_sync.bench.rows import Row, fmt, median, pyplot, strategy_class
-from lightning_sync.bench.style import WHISKER, figure, label, legend_below, save_fig, whisker
+from lightning_sync.bench.style import MARKERS, WHISKER, figure, label, legend_below, save_fig, whisker
 
 __all__ = ["FIT_PANELS", "CostModel", "Validation", "params_markdown", "plot_fit", "traffic_of"]
 
@@ -123,12 +123,10 @@ class CostModel:
         """Predicted against measured step time for every row whose model has a T1."""
         out = []
         for r in self.rows:
-            k, measured = r.world, r.step_ms / 1e3
-            traffic = traffic_of(r)
+            k, measured, codec, traffic = r.world, r.step_ms / 1e3, r.codec_ms / 1e3, traffic_of(r)
             link, op_links, source = self.links_at(k)
             comm = M.comm_here(traffic, k, link, op_links)
             compute = self.compute_at(r.model, k, r.sync_every)
-            codec = r.codec_ms / 1e3
             host = self.host_at(r.model, r.strategy, k, r.sync_every)
             simple = comm + codec + M.contention(k, self.cores, self.threads) * self.one_rank(r.model, r.strategy)
             pred = None if compute is None else compute + host + codec + comm
@@ -177,22 +175,20 @@ class CostModel:
             errs.setdefault(v.strategy, []).append(abs(v.error))
         if errs:
             flat = sorted(e for es in errs.values() for e in es)
+            worst = ", ".join(f"{n} {max(es):.0%}" for n, es in errs.items())
             lines += [
                 "",
                 f"{sum(e <= 0.25 for e in flat)} of {len(flat)} predictions lie within 25 % of the measured step "
                 f"time; largest error {max(flat):.0%}, median {flat[len(flat) // 2]:.0%}.",
                 "",
-                "Largest |error| per strategy over models and K: "
-                + ", ".join(f"{name} {max(es):.0%}" for name, es in errs.items())
-                + ".",
+                f"Largest |error| per strategy over models and K: {worst}.",
             ]
         if sharing := self.sharing():
+            shared = ", ".join(f"{m} K={k} {r:.2f}" for (m, k), r in sorted(sharing.items(), key=lambda x: x[0][::-1]))
             lines += [
                 "",
                 "Time-sharing check, the compute row over c(K) T1 (about 1.00 where the K ranks had the cores to "
-                "themselves; more where another load shared them during the run): "
-                + ", ".join(f"{m} K={k} {r:.2f}" for (m, k), r in sorted(sharing.items(), key=lambda x: x[0][::-1]))
-                + ".",
+                f"themselves; more where another load shared them during the run): {shared}.",
             ]
         return [*lines, *self._projection_markdown(), ""]
 
@@ -276,12 +272,10 @@ def params_markdown(params: M.CostParams) -> list[str]:
         k: median([p.median_seconds / p.rank_seconds for p in params.points if p.world == k and p.rank_seconds > 0])
         for k in worlds
     }
-    if spans := {k: r for k, r in spans.items() if not math.isnan(r)}:
+    if spans := ", ".join(f"K={k} {r:.2f}" for k, r in spans.items() if not math.isnan(r)):
         lines += [
             "",
-            "Span against the slowest rank's own time (median over the points, at most 1 by construction): "
-            + ", ".join(f"K={k} {r:.2f}" for k, r in spans.items())
-            + ".",
+            f"Span against the slowest rank's own time (median over the points, at most 1 by construction): {spans}.",
         ]
     return lines
 
@@ -292,7 +286,6 @@ FIT_PANELS = {
     "all-gather": ("all_gather", "torch_all_gather"),
     "reduce-scatter": ("reduce_scatter", "torch_reduce_scatter"),
 }
-_MARKERS = "os^Dv<>p"
 
 
 def plot_fit(params: M.CostParams, path: Path) -> Any:
@@ -309,6 +302,8 @@ def plot_fit(params: M.CostParams, path: Path) -> Any:
     groups = {t: ops for t, ops in groups.items() if ops}
     worlds = sorted({p.world for p in params.points}) or [2]
     spread = any(_has_spread(p) for p in params.points)
+    note = "median, whiskers min-max of the repeats" if spread else "mean span of the repeats"
+    note += "" if spread else "; their spread was not stored"
     cmap = pyplot().get_cmap("tab10")
     fig, axes = figure(1, len(groups), 4.8, 3.8)
     for ax, (title, ops) in zip(axes[0], groups.items()):
@@ -318,15 +313,14 @@ def plot_fit(params: M.CostParams, path: Path) -> Any:
             for n, k in enumerate(worlds):
                 pts = sorted((p for p in fit.points if p.world == k), key=lambda p: p.bytes)
                 sizes = [p.bytes for p in pts] or DEFAULT_SIZES
-                _plot_points(ax, pts, _MARKERS[n % len(_MARKERS)], c)
+                _plot_points(ax, pts, MARKERS[n % len(MARKERS)], c)
                 grid = [M.SweepPoint(op, k, s, 1.0) for s in sizes]
                 ax.plot(sizes, [fit.predict(p) * 1e3 for p in grid], "-", lw=1, color=c, label=link if n == 0 else None)
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        label(ax, "payload, the whole tensor (bytes)", f"ms (points: {_points_note(spread)})", title, legend=6)
+        ax.set(xscale="log", yscale="log")
+        label(ax, "payload, the whole tensor (bytes)", f"ms (points: {note})", title, legend=6)
     line = pyplot().Line2D
     marks = [  # the default parameters come without points
-        line([], [], color="0.3", marker=_MARKERS[n % len(_MARKERS)], ls="", label=f"K={k} measured")
+        line([], [], color="0.3", marker=MARKERS[n % len(MARKERS)], ls="", label=f"K={k} measured")
         for n, k in enumerate(worlds)
         if params.points
     ]
@@ -346,12 +340,6 @@ def _plot_points(ax: Any, pts: list[M.SweepPoint], marker: str, colour: Any) -> 
             ax.errorbar([p.bytes], [p.median_seconds * 1e3], yerr=err, fmt=marker, ms=3, color=colour, **WHISKER)
         else:
             ax.plot([p.bytes], [p.seconds * 1e3], marker, ms=3, color=colour)
-
-
-def _points_note(spread: bool) -> str:
-    if spread:
-        return "median, whiskers min-max of the repeats"
-    return "mean span of the repeats; their spread was not stored"
 
 
 def _op_links(links: dict[str, M.Link]) -> dict[str, M.Link]:

@@ -250,10 +250,6 @@ def bucket_sweep(report: Report, path: Path) -> Figures:
     return [save_fig(fig, path)]
 
 
-#: Marker of each world size (by rank among the run's world sizes) where colour already names the strategy.
-MARKERS = "os^Dv<>p"
-
-
 def predicted_vs_measured(
     validation: Sequence[Validation], measured: Mapping[tuple[str, str, int], list[float]], path: Path
 ) -> Figures:
@@ -270,7 +266,7 @@ def predicted_vs_measured(
             for v in mine:
                 x, y = 1e3 * v.predicted_s, 1e3 * v.measured_s
                 err = whisker(y, measured.get((model, v.strategy, v.world), []))
-                mark = MARKERS[worlds.index(v.world) % len(MARKERS)]
+                mark = style.MARKERS[worlds.index(v.world) % len(style.MARKERS)]
                 ax.errorbar([x], [y], yerr=err, fmt=mark, ms=4, **WHISKER, **look(v.strategy))
             span = [1e3 * t for v in mine for t in (v.predicted_s, v.measured_s)]
             lo, hi = min(span) / 1.4, max(span) * 1.4
@@ -284,7 +280,7 @@ def predicted_vs_measured(
             label(ax, "predicted ms / step (cost model, from medians)", ylabel, model, legend=None)
         line = pyplot().Line2D
         keys = [
-            line([], [], color="0.3", marker=MARKERS[i % len(MARKERS)], ls="", label=f"K={k}")
+            line([], [], color="0.3", marker=style.MARKERS[i % len(style.MARKERS)], ls="", label=f"K={k}")
             for i, k in enumerate(worlds)
         ]
         keys += [line([], [], color="0.4", lw=0.8, label="measured = predicted")]

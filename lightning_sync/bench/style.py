@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 from lightning_sync.bench.rows import pyplot
 
-__all__ = ["DPI", "HATCHES", "MAX_PANELS", "MAX_WIDTH_PX", "PALETTE", "WHISKER", "colour", "figure", "grid"]
+__all__ = ["DPI", "HATCHES", "MARKERS", "MAX_PANELS", "MAX_WIDTH_PX", "PALETTE", "WHISKER", "colour", "figure", "grid"]
 __all__ += ["label", "legend_below", "log_axis", "look", "page_path", "paged", "pages", "repeats_note", "save_fig"]
 __all__ += ["whisker"]
 
@@ -43,8 +43,9 @@ PALETTE: dict[str, str] = {
 }
 #: Colours for names :data:`PALETTE` lacks, none of them in it.
 _SPARE = ("#bcbd22", "#393b79", "#637939", "#8c6d31", "#843c39", "#7b4173", "#3182bd", "#31a354", "#756bb1")
-#: One hatch per world size in a group of bars (the colour already names the strategy).
-HATCHES = ("", "//", "xx", "..", "\\\\", "oo")
+#: One hatch per world size in a group of bars, one marker per world size among points (the colour already names
+#: the strategy).
+HATCHES, MARKERS = ("", "//", "xx", "..", "\\\\", "oo"), "os^Dv<>p"
 MAX_PANELS = 6
 MAX_WIDTH_PX = 1600
 DPI = 110
