@@ -1,9 +1,6 @@
-"""The sharding baseline of the benchmark: torch's FSDP2 ``fully_shard`` under Lightning's ModelParallelStrategy.
-
-:class:`FullyShardStrategy` installs the ``configure_model`` hook that ModelParallelStrategy requires on a plain
-module (removed at teardown) and applies ``fully_shard`` to every submodule of ``shard_classes`` in post-order,
-except one holding a parameter tied outside it (FSDP2 refuses a parameter of two groups), then to the root. Per
-step a rank sends ``3(K-1)/K * S`` bytes (Zhao et al., "PyTorch FSDP", VLDB 2023; ``2(K-1)/K`` without resharding).
+"""The sharding baseline of the benchmark: torch's FSDP2 ``fully_shard`` under Lightning's ModelParallelStrategy,
+which needs a ``configure_model`` hook that a plain module lacks. Per step a rank sends ``3(K-1)/K * S`` bytes
+(Zhao et al., "PyTorch FSDP", VLDB 2023; ``2(K-1)/K`` without resharding).
 """
 
 from __future__ import annotations
@@ -43,16 +40,10 @@ def resolve_classes(names: Sequence[str | type]) -> tuple[type[nn.Module], ...]:
 
 
 class FullyShardStrategy(ModelParallelStrategy):
-    """FSDP2 (``fully_shard``) on every module of the given classes plus the root; pure data parallelism.
-
-    Args:
-        shard_classes: dotted names (or classes) of the modules that each become one FSDP2 unit.
-        reshard_after_forward: free each unit's gathered parameters after its forward and gather them
-            again for backward (ZeRO-3 behaviour); ``False`` keeps them until after backward.
-        data_parallel_size: ranks in the data-parallel (sharding) group; ``None`` means all of them
-            (with tensor-parallel size 1).
-        **kwargs: passed on to :class:`~lightning.pytorch.strategies.ModelParallelStrategy`.
-    """
+    """FSDP2 (``fully_shard``) on every module of ``shard_classes`` (dotted names or classes) plus the root; pure
+    data parallelism over ``data_parallel_size`` ranks (None: all of them). ``reshard_after_forward`` frees each
+    unit's gathered parameters after its forward and gathers them again for backward (ZeRO-3); ``False`` keeps
+    them until after backward. Other keywords go to ModelParallelStrategy."""
 
     def __init__(
         self,
@@ -70,11 +61,6 @@ class FullyShardStrategy(ModelParallelStrategy):
         self._shard_classes = resolve_classes(shard_classes)
         self._reshard_after_forward = reshard_after_forward
         self._installed_on: pl.LightningModule | None = None
-
-    @property
-    def shard_classes(self) -> tuple[type[nn.Module], ...]:
-        """The module classes that become FSDP2 units."""
-        return self._shard_classes
 
     @override
     def connect(self, model: pl.LightningModule) -> None:
@@ -95,7 +81,9 @@ class FullyShardStrategy(ModelParallelStrategy):
         super().setup_environment()
 
     def _configure_model(self) -> None:
-        """The ``configure_model`` hook this strategy gives the module: one unit per matching module + root."""
+        """The ``configure_model`` hook this strategy gives the module (removed at teardown): a unit per matching
+        module in post-order, except one holding a parameter tied outside it (FSDP2 refuses a parameter of two
+        groups), then the root."""
         from torch.distributed.fsdp import FSDPModule, fully_shard
 
         root = self.lightning_module

@@ -36,14 +36,9 @@ class OverheadRow:
 
 
 def _rank(rank: int, world: int, calls: int, rounds: int, warmup: int) -> dict[str, list[float]]:
-    t = torch.ones(1)
-    bare = comms.CommContext()
-    observed = comms.CommContext(observer=comms.CommStats())
-    issue = {
-        "raw": lambda: dist.all_reduce(t),
-        "bare": lambda: bare.all_reduce(t),
-        "observed": lambda: observed.all_reduce(t),
-    }
+    t, bare, observed = torch.ones(1), comms.CommContext(), comms.CommContext(observer=comms.CommStats())
+    issue = {"raw": lambda: dist.all_reduce(t), "bare": lambda: bare.all_reduce(t)}
+    issue["observed"] = lambda: observed.all_reduce(t)
     for fn in issue.values():
         for _ in range(warmup):
             fn()

@@ -37,22 +37,15 @@ def write_plots(
     """Every figure of ``report`` into ``out_dir``; per file name, the figures drawn (one per page, none where
     the run has nothing to show). ``validation`` and ``projected``: the cost model's results as recorded by a
     finished run (default: computed from ``report.cost_model``)."""
-    cost = report.cost_model
-    if cost is not None:
+    if (cost := report.cost_model) is not None:
         validation = cost.validation() if validation is None else validation
         projected = cost.projection() if projected is None else projected
-    figs = {
-        "step_time.png": step_time(report, out_dir / "step_time.png"),
-        "memory.png": memory(report, out_dir / "memory.png"),
-        "scaling.png": scaling(report, out_dir / "scaling.png"),
-        "sharding.png": sharding(report, out_dir / "sharding.png"),
-        "bucket_sweep.png": bucket_sweep(report, out_dir / "bucket_sweep.png"),
-    }
+    draw = (step_time, memory, scaling, sharding, bucket_sweep)
+    figs = {f"{f.__name__}.png": f(report, out_dir / f"{f.__name__}.png") for f in draw}
     if validation:
         measured = {(r.model, r.strategy, r.world): step_ms(report, r) for r in report.rows()}
-        figs["predicted_vs_measured.png"] = predicted_vs_measured(
-            validation, measured, out_dir / "predicted_vs_measured.png"
-        )
+        name = "predicted_vs_measured.png"
+        figs[name] = predicted_vs_measured(validation, measured, out_dir / name)
     if projected:
         figs["projection.png"] = projection(projected, out_dir / "projection.png")
     if report.params is not None:
@@ -221,9 +214,8 @@ def bucket_sweep(report: Report, path: Path) -> Figures:
     sweep = sorted((r for r in report.rows() if "cap_mb" in r.extra), key=lambda r: r.extra["cap_mb"])
     if not sweep:
         return []
-    cfg = report.cfg.get("bucket_sweep") if hasattr(report.cfg, "get") else None
-    name, model = str((cfg or {}).get("strategy", "bucketed_ddp")), sweep[0].model
-    shown = str((cfg or {}).get("model", model))
+    cfg, model = report.cfg.get("bucket_sweep") or {}, sweep[0].model
+    name, shown = str(cfg.get("strategy", "bucketed_ddp")), str(cfg.get("model", model))
     caps = [r.extra["cap_mb"] for r in sweep]
     fig, ((ax,),) = style.figure(1, 1, 6, 4)
 

@@ -1,13 +1,9 @@
-"""Redraw a finished bench run's figures from the files it wrote, running nothing (seconds, not the run's minutes):
+"""Redraw a finished bench run's figures from the files it wrote, running nothing (seconds, not the run's minutes).
 
-- ``raw.json`` (every measurement) gives the report's figures (:mod:`~lightning_sync.bench.plots`), with the run's
-  config composed again from the shipped ``bench.yaml`` and the overrides its recorded command named;
-- ``report.json`` gives the cost model's validation and projection exactly as the run computed them, so the
-  figures show the published numbers even where the model's code has changed since, and its parameters where
-  ``raw.json`` has none (an older run);
-- ``tradeoff.json`` gives the trade-off's figures; ``cost_params.json`` alone (``mode=calibrate``) ``fit.png``.
-
-Run it::
+The report's figures come from ``raw.json`` with the config its recorded command composes; the cost model's
+validation and projection from ``report.json`` as the run computed them, so the figures show the published
+numbers even where the model's code has changed since; the trade-off's from ``tradeoff.json``; a calibration's
+``fit.png`` from ``cost_params.json``::
 
     python -m lightning_sync.bench.replot outputs/bench/2026-11-24/04-44-00 [--out DIR]
 """

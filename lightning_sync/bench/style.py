@@ -3,7 +3,7 @@
 - A strategy has one colour in every figure (:data:`PALETTE`; a name it lacks gets a spare colour chosen by a
   stable hash, so it too keeps its colour from figure to figure and run to run).
 - A figure has at most :data:`MAX_PANELS` panels and is at most :data:`MAX_WIDTH_PX` pixels wide: more panels
-  than a reader can compare at a glance go to a second page (:func:`pages`, :func:`page_path`).
+  than a reader can compare at a glance go to a second page (:func:`paged`).
 - A repeated measurement is drawn as its median with whiskers (or a band) from its smallest to its largest
   repeat (:func:`whisker`); a figure that is not repeated says so in its label instead.
 """
@@ -19,8 +19,7 @@ from typing import Any, TypeVar
 from lightning_sync.bench.rows import pyplot
 
 __all__ = ["DPI", "HATCHES", "MARKERS", "MAX_PANELS", "MAX_WIDTH_PX", "PALETTE", "WHISKER", "colour", "figure", "grid"]
-__all__ += ["label", "legend_below", "log_axis", "look", "page_path", "paged", "pages", "repeats_note", "save_fig"]
-__all__ += ["whisker"]
+__all__ += ["label", "legend_below", "log_axis", "look", "paged", "repeats_note", "save_fig", "whisker"]
 
 T = TypeVar("T")
 
@@ -64,28 +63,19 @@ def look(name: str) -> dict[str, str]:
     return {"color": colour(name), "gid": name}
 
 
-def pages(items: Sequence[T], per_page: int) -> list[list[T]]:
-    """``items`` in pages of at most ``per_page`` (one empty page for no items)."""
+def paged(path: Path, items: Iterable[T], per_page: int) -> Iterator[tuple[Path, list[T]]]:
+    """Each page of at most ``per_page`` of ``items`` with the file it goes to: ``path`` for the first page,
+    ``<stem>_<n><suffix>`` beside it for the n-th; none for no items."""
     if per_page < 1:
         raise ValueError(f"per_page must be >= 1, got {per_page!r}")
-    return [list(items[i : i + per_page]) for i in range(0, len(items), per_page)] or [[]]
-
-
-def page_path(path: Path, page: int) -> Path:
-    """``path`` for page 0, ``<stem>_<page + 1><suffix>`` beside it for the next pages."""
-    return path if page == 0 else path.with_name(f"{path.stem}_{page + 1}{path.suffix}")
-
-
-def paged(path: Path, items: Iterable[T], per_page: int) -> Iterator[tuple[Path, list[T]]]:
-    """Each page of ``items`` with the file it goes to (:func:`pages`, :func:`page_path`); none for no items."""
-    for page, chunk in enumerate(pages(list(items), per_page)):
-        if chunk:
-            yield page_path(path, page), chunk
+    seq = list(items)
+    for n, i in enumerate(range(0, len(seq), per_page), 1):
+        yield (path if n == 1 else path.with_name(f"{path.stem}_{n}{path.suffix}")), seq[i : i + per_page]
 
 
 def figure(nrows: int, ncols: int, width: float, height: float) -> tuple[Any, Any]:
     """``(fig, axes)``: a grid of panels of ``width`` x ``height`` inches each; ``axes`` is always 2-D. More than
-    :data:`MAX_PANELS` panels raise ``ValueError``: page them (:func:`pages`)."""
+    :data:`MAX_PANELS` panels raise ``ValueError``: page them (:func:`paged`)."""
     if nrows * ncols > MAX_PANELS or nrows < 1 or ncols < 1:
         raise ValueError(f"a bench figure has 1 to {MAX_PANELS} panels, got {nrows} x {ncols}")
     return pyplot().subplots(nrows, ncols, figsize=(width * ncols, height * nrows), squeeze=False)
