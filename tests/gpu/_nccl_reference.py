@@ -36,7 +36,20 @@ class RegressionModule(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=LR, momentum=self.momentum)
 
 
-def fit(module: pl.LightningModule, strategy: object, world: int, accelerator: str = "gpu") -> None:
+class _TrainedOn(pl.Callback):
+    """The device types of the module's parameters at every training step: where it trained. (After fit,
+    Lightning's ``Strategy.teardown`` moves the module to the CPU, for its own strategies as for ours.)"""
+
+    def __init__(self) -> None:
+        self.devices: set[str] = set()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, *args: object) -> None:
+        self.devices |= {p.device.type for p in module.parameters()}
+
+
+def fit(module: pl.LightningModule, strategy: object, world: int, accelerator: str = "gpu") -> set[str]:
+    """Train ``module`` for ``STEPS`` steps; returns the device types its parameters had during training."""
+    probe = _TrainedOn()
     trainer = pl.Trainer(
         accelerator=accelerator,
         devices=world,
@@ -46,8 +59,10 @@ def fit(module: pl.LightningModule, strategy: object, world: int, accelerator: s
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
+        callbacks=[probe],
     )
     trainer.fit(module, DataLoader(data(), batch_size=BATCH, shuffle=True))
+    return probe.devices
 
 
 def reference(world: int, device: torch.device, hidden: int, momentum: float) -> list[torch.Tensor]:

@@ -20,8 +20,8 @@ HIDDEN = 32
 
 def _train(rank: int, world: int) -> list[torch.Tensor]:
     module = RegressionModule(HIDDEN, momentum=0.9)
-    fit(module, AsyncParameterServerStrategy(max_staleness=0), world)
-    assert all(p.is_cuda for p in module.parameters())
+    trained_on = fit(module, AsyncParameterServerStrategy(max_staleness=0), world)
+    assert trained_on == {"cuda"}, f"the parameters must be on the GPU at every step, got {trained_on}"
     return [p.detach().cpu() for p in module.parameters()]
 
 
@@ -36,15 +36,22 @@ def test_async_ps_on_cuda_with_no_staleness_matches_single_process() -> None:
             torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
-def _hogwild_on_gpu(rank: int, world: int) -> None:
+def _hogwild_on_gpu(rank: int, world: int, num_processes: int | None) -> None:
     from lightning_sync import HogwildStrategy
 
-    fit(RegressionModule(HIDDEN, momentum=0.0), HogwildStrategy(num_processes=1), 1)
+    fit(RegressionModule(HIDDEN, momentum=0.0), HogwildStrategy(num_processes=num_processes), 1)
 
 
 @pytest.mark.timeout(200)
-def test_hogwild_refuses_a_gpu_accelerator_by_name() -> None:
-    with pytest.raises(
-        DistributedRankError, match=r"HogwildStrategy runs on CPU \(shared host memory\), got CUDAAccelerator"
-    ):
-        run_distributed(_hogwild_on_gpu, 1, timeout=150, process_group=False)
+@pytest.mark.parametrize(
+    ("num_processes", "message"),
+    [
+        # the processes from the Trainer's devices: the strategy's own check, when it sets up
+        (None, r"HogwildStrategy runs on CPU \(shared host memory\), got CUDAAccelerator"),
+        # CPU processes named on the strategy: Lightning's connector refuses the pair first, naming the class
+        (1, r"CPU parallel_devices set through HogwildStrategy class, but accelerator set to gpu"),
+    ],
+)
+def test_hogwild_refuses_a_gpu_accelerator_by_name(num_processes: int | None, message: str) -> None:
+    with pytest.raises(DistributedRankError, match=message):
+        run_distributed(_hogwild_on_gpu, 1, num_processes, timeout=150, process_group=False)

@@ -61,8 +61,8 @@ class _SignalAtStep(pl.Callback):
 
 
 def _fit(callbacks: list[pl.Callback], ckpt: Path | None = None, cuda_seed: int = 7) -> tuple[pl.Trainer, dict]:
-    torch.cuda.manual_seed(cuda_seed)
     module = _DropoutRegression()
+    torch.cuda.manual_seed(cuda_seed)  # after the module: its torch.manual_seed seeds every device's generator
     trainer = pl.Trainer(
         accelerator="gpu",
         devices=1,
