@@ -112,11 +112,9 @@ class Report:
     ) -> None:
         """``results``: per world size (or one world size's list), per rank, the trials (compute rows among
         them); ``single``: one-process trials (T1 and host rows); ``params``: None for no cost model."""
-        self.meta, self.cfg, self.params = meta, cfg, params
-        self.baseline = str(cfg.baseline)
-        node = cfg.get("sharding_table") if hasattr(cfg, "get") else None
-        self.shard_names = [str(n) for n in (node or {}).get("rows", [])]
-        self.reference = str((node or {}).get("reference", "fsdp2"))
+        self.meta, self.cfg, self.params, self.baseline = meta, cfg, params, str(cfg.baseline)
+        table = cfg.get("sharding_table") or {}
+        self.shard_names, self.reference = [str(n) for n in table.get("rows", [])], str(table.get("reference", "fsdp2"))
         by_world = results if isinstance(results, Mapping) else {results[0][0].world if results[0] else 0: results}
         self._trials: dict[tuple[str, str, int], list[Measurement]] = defaultdict(list)
         self._in_step: dict[tuple[str, int], list[list[list[float]]]] = defaultdict(list)  # per round, per rank
@@ -159,24 +157,23 @@ class Report:
     def _ratio(self, model: str, name: str, reference: str, world: int) -> float:
         if name == reference or (base := self._trials.get((model, reference, world))) is None:
             return 1.0 if name == reference else math.nan
-        return median(
-            [self.step_seconds(t) / self.step_seconds(b) for t, b in zip(self._trials[(model, name, world)], base)]
-        )
+        pairs = zip(self._trials[(model, name, world)], base)
+        return median([self.step_seconds(t) / self.step_seconds(b) for t, b in pairs])
 
     def _row(self, model: str, name: str, world: int) -> Row:
         trials = self._trials[(model, name, world)]
-        first = trials[0]
-        grad = first.param_bytes
-        sent = median([t.bytes_per_step for t in trials])
+        first, single, step = trials[0], self._single.get(model), median([self.step_seconds(t) for t in trials])
+        grad, sent = first.param_bytes, median([t.bytes_per_step for t in trials])
         exposed = median([median(t.exposed_s) for t in trials if t.exposed_s])
         comm = median([t.comm_s for t in trials if t.comm_s])
-        step = median([self.step_seconds(t) for t in trials])
-        single = self._single.get(model)
         measured = any(t.comm_calls for t in trials)  # else the strategy bypasses comms
         wire = median([t.wire_bytes for t in trials]) if measured else math.nan
         analytic = analytic_wire_bytes(first.strategy, grad, world)
-        ops = dict.fromkeys(op for t in trials for op in t.op_bytes_per_step)
-        calls = dict.fromkeys(op for t in trials for op in t.op_calls_per_step)
+
+        def per_op(key: str) -> dict[str, float]:  # the median over trials of each op's figure
+            ops = dict.fromkeys(op for t in trials for op in getattr(t, key))
+            return {op: median([float(getattr(t, key).get(op, 0.0)) for t in trials]) for op in ops}
+
         return Row(
             model=model,
             strategy=name,
@@ -202,8 +199,8 @@ class Report:
             sync_every=round(median([sync_every(t.step_calls) for t in trials])),
             param_bytes=grad,
             n_linear=first.n_linear,
-            op_bytes_per_step={op: median([float(t.op_bytes_per_step.get(op, 0.0)) for t in trials]) for op in ops},
-            op_calls_per_step={op: median([float(t.op_calls_per_step.get(op, 0.0)) for t in trials]) for op in calls},
+            op_bytes_per_step=per_op("op_bytes_per_step"),
+            op_calls_per_step=per_op("op_calls_per_step"),
             strategy_node=first.strategy,
             extra=first.extra,
         )
@@ -214,7 +211,7 @@ class Report:
     def _cost_model(self) -> CostModel | None:
         if self.params is None:
             return None
-        proj = ((self.cfg.get("cost_model") if hasattr(self.cfg, "get") else None) or {}).get("projection") or {}
+        proj = (self.cfg.get("cost_model") or {}).get("projection") or {}
         every = {(r.model, r.world, r.sync_every) for r in self.rows() if r.sync_every > 1}
         compute_every = {key: self.compute_every(*key) for key in every if key[:2] in self._in_step}
         ks = (int(proj.get("smallest", 8)), int(proj.get("largest", 4096)))

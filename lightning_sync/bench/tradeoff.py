@@ -46,7 +46,7 @@ class TradeoffTrial:
     world: int
     slow_factor: float | None = None
     round: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
+    seed: int = 0
 
     @property
     def self_launching(self) -> bool:
@@ -91,20 +91,13 @@ def _fit(rank: int, world: int, trial: TradeoffTrial, out_dir: str) -> dict[str,
     from lightning_sync.diagnostics import SlowRank
 
     quiet(1)
-    pl.seed_everything(int(trial.extra.get("seed", 0)), verbose=False)
+    pl.seed_everything(trial.seed, verbose=False)
     model, data = instantiate(trial.model_cfg), instantiate(trial.data_cfg)
     callbacks: list[pl.Callback] = [_Probe(out_dir)]
     if trial.slow_factor is not None:
         callbacks.append(SlowRank(rank=1, factor=float(trial.slow_factor)))
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=trial.world,
-        strategy=instantiate(trial.strategy),
-        max_steps=trial.steps,
-        callbacks=callbacks,
-        **FIT,
-    )
-    trainer.fit(model, datamodule=data)
+    kw = {"devices": trial.world, "strategy": instantiate(trial.strategy), "max_steps": trial.steps}
+    pl.Trainer(accelerator="cpu", callbacks=callbacks, **kw, **FIT).fit(model, datamodule=data)
     return _evaluate(model, data) if rank == 0 else None
 
 
@@ -112,13 +105,13 @@ def tradeoff_trials(cfg: Any) -> list[TradeoffTrial]:
     """The alternating schedule of ``cfg.tradeoff`` (a plain dict or DictConfig)."""
     t = cfg.tradeoff
     slow = [None] if t.slow_factor is None else [None, float(t.slow_factor)]
-    steps, world, extra = int(t.steps), int(t.world_size), {"seed": int(t.seed)}
+    steps, world, seed = int(t.steps), int(t.world_size), int(t.seed)
     out = []
     for model, rows in t.rows.items():
         m = t.models[model]
         for i, name in enumerate(schedule(list(rows), int(t.pairs))):
             args = (str(name), str(model), node(rows[name]), node(m.model), node(m.data), steps, world)
-            out += [TradeoffTrial(*args, f, i // len(rows), dict(extra)) for f in slow]
+            out += [TradeoffTrial(*args, f, i // len(rows), seed) for f in slow]
     return out
 
 
@@ -162,14 +155,12 @@ def run_tradeoff(cfg: Any, out_dir: Path, meta: dict[str, Any] | None = None) ->
     :data:`BYTES_LOSS`; return the results."""
     from lightning_sync.testing import run_distributed
 
-    trials = tradeoff_trials(cfg)
-    env = {"OMP_NUM_THREADS": "1", "PL_GLOBAL_SEED": str(int(cfg.tradeoff.seed))}
-    results = []
+    trials, timeout = tradeoff_trials(cfg), float(cfg.tradeoff.timeout_s)
+    env, results = {"OMP_NUM_THREADS": "1", "PL_GLOBAL_SEED": str(int(cfg.tradeoff.seed))}, []
     for i, trial in enumerate(trials, 1):
         ranks = 1 if trial.self_launching else trial.world
         label = f"{trial.model}/{trial.name}" + (f" (rank 1 x{trial.slow_factor:g})" if trial.slow_factor else "")
         log.info("tradeoff %d/%d: %s", i, len(trials), label)
-        timeout = float(cfg.tradeoff.timeout_s)
         with tempfile.TemporaryDirectory(prefix="ls_tradeoff_") as probe_dir:
             metrics = run_distributed(_fit, ranks, trial, probe_dir, timeout=timeout, env=env, process_group=False)[0]
             probes = [json.loads(f.read_text()) for f in sorted(Path(probe_dir).iterdir())]
@@ -178,10 +169,8 @@ def run_tradeoff(cfg: Any, out_dir: Path, meta: dict[str, Any] | None = None) ->
         wall = max(p["end"] for p in probes) - min(p["start"] for p in probes)
         n = trial.steps * trial.world * int(trial.data_cfg.get("batch_size", 1))
         steps = [p["steps"] for p in sorted(probes, key=lambda p: p["rank"])]
-        figures = (metrics["val_loss"], sum(p["bytes"] for p in probes), wall, n, n / wall)
-        results.append(
-            TradeoffResult(trial.name, trial.model, trial.slow_factor, trial.round, *figures, steps, metrics)
-        )
+        figures = (metrics["val_loss"], sum(p["bytes"] for p in probes), wall, n, n / wall, steps, metrics)
+        results.append(TradeoffResult(trial.name, trial.model, trial.slow_factor, trial.round, *figures))
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "tradeoff.md").write_text(tradeoff_markdown(results, cfg, meta) + "\n")
     (out_dir / "tradeoff.json").write_text(json.dumps([asdict(r) for r in results], indent=1))
@@ -259,8 +248,7 @@ _FLOOR_MIB = 1e-3  # where a row that sent nothing sits on the log axis
 
 
 def _spread(trials: list[TradeoffResult], key: str, scale: float = 1.0) -> tuple[float, list[list[float]] | None]:
-    values = [getattr(t, key) * scale for t in trials]
-    mid = median(values)
+    mid = median(values := [getattr(t, key) * scale for t in trials])
     return mid, whisker(mid, values)
 
 
