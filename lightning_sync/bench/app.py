@@ -144,10 +144,8 @@ def run_bench(cfg: DictConfig, out_dir: Path) -> Report | None:
         trials = [t for model in cfg.run_models for t in _trials(cfg, model, strategies)]
         if cfg.bucket_sweep.enabled and world == worlds[0]:
             trials += _trials(cfg, (m := cfg.bucket_sweep.model), _bucket_rows(cfg), f"{m} (bucket sweep)")
-        if trials:
-            log.info(
-                "bench: %d trials on %d ranks (%d pairs, %d timed steps each)", len(trials), world, cfg.pairs, cfg.steps
-            )
+        if n := len(trials):
+            log.info("bench: %d trials on %d ranks (%d pairs, %d timed steps each)", n, world, cfg.pairs, cfg.steps)
             results[world] = run_distributed(run_trials, world, trials, threads, f"K={world}", timeout=timeout, env=env)
     report = None
     if results:

@@ -25,14 +25,12 @@ __all__ += ["write_plots"]
 #: Panels across a figure, and each panel's size in inches (three across: 14.4 in, 1584 px at the style's DPI).
 COLUMNS, WIDTH, HEIGHT = 3, 4.8, 3.5
 Figures = list[Any]
+Of = Callable[[Row], Any]  # a row's figure: its value, its rounds' values or its label
 _PT = {"textcoords": "offset points"}  # an annotation's offset from its point, in points
 
 
 def write_plots(
-    report: Report,
-    out_dir: Path,
-    validation: Sequence[Validation] | None = None,
-    projected: Sequence[Projection] | None = None,
+    report: Report, out_dir: Path, validation: list[Validation] | None = None, projected: list[Projection] | None = None
 ) -> dict[str, Figures]:
     """Every figure of ``report`` into ``out_dir``; per file name, the figures drawn (one per page, none where
     the run has nothing to show). ``validation`` and ``projected``: the cost model's results as recorded by a
@@ -64,13 +62,7 @@ def strategy_rows(report: Report) -> list[Row]:
     return [r for r in report.rows() if r.model not in sweep]
 
 
-def _bars(
-    ax: Any,
-    rows: list[Row],
-    value: Callable[[Row], float],
-    rounds: Callable[[Row], list[float]],
-    note: Callable[[Row], str] | None = None,
-) -> dict[tuple[str, int], float]:
+def _bars(ax: Any, rows: list[Row], value: Of, rounds: Of, note: Of | None = None) -> dict[tuple[str, int], float]:
     """One bar per strategy in its colour, grouped by K (one hatch per K), whiskers over ``rounds`` where a row
     has two or more, ``note`` above each bar; returns each bar's x."""
     names = list(dict.fromkeys(r.strategy for r in rows))
@@ -109,13 +101,7 @@ def _hatch_key(rows: list[Row]) -> list[Any]:
 
 
 def _per_model(
-    rows: list[Row],
-    path: Path,
-    ylabel: str,
-    title: str,
-    value: Callable[[Row], float],
-    rounds: Callable[[Row], list[float]],
-    note: Callable[[Row], str] | None = None,
+    rows: list[Row], path: Path, ylabel: str, title: str, value: Of, rounds: Of, note: Of | None = None
 ) -> Figures:
     """One panel of :func:`_bars` per model, six to a page."""
     out, key = [], _hatch_key(rows)

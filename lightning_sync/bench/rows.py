@@ -148,10 +148,8 @@ def counts_cli(
     """A micro-benchmark's command line, described by ``doc``'s first line: per ``name=(default, help)`` a whole
     number ``--name`` >= 1; ``check`` says what is wrong with the parsed whole, if anything."""
     parser = argparse.ArgumentParser(description=doc.split("\n")[0])
-    for name, (default, text) in options.items():
-        parser.add_argument(
-            f"--{name}".replace("_", "-"), type=int, default=default, help=f"{text} (default {default})"
-        )
+    for name, (value, text) in options.items():
+        parser.add_argument(f"--{name}".replace("_", "-"), type=int, default=value, help=f"{text} (default {value})")
     args = parser.parse_args(argv)
     small = [f"--{n} must be >= 1, got {getattr(args, n)}".replace("_", "-") for n in options if getattr(args, n) < 1]
     if wrong := next(iter(small), None) or check(args):

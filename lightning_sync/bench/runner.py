@@ -27,16 +27,8 @@ from lightning_sync.bench.fsdp2 import FullyShardStrategy
 from lightning_sync.bench.rows import FIT, Measurement
 from lightning_sync.sync.compression import CODEC_OP
 
-__all__ = [
-    "IN_STEP",
-    "SINGLE_ROW",
-    "StepProbe",
-    "Trial",
-    "quiet",
-    "run_trials",
-    "stats_of",
-    "torch_collectives_counted",
-]
+__all__ = ["IN_STEP", "SINGLE_ROW", "StepProbe", "Trial", "quiet", "run_trials", "stats_of"]
+__all__ += ["torch_collectives_counted"]
 
 #: ``Trial.extra`` key of the rows that measure compute alone under a K-rank job's time-sharing.
 IN_STEP = "in_step"
@@ -197,14 +189,8 @@ def _run_one(trial: Trial, world: int, callbacks: tuple[pl.Callback, ...] = ()) 
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     strategy = instantiate(trial.strategy) if trial.strategy.get("_target_") else "auto"
     probe = StepProbe(trial.warmup)
-    trainer = pl.Trainer(
-        accelerator="gpu" if torch.cuda.is_available() else "cpu",
-        devices=trial.devices or world,
-        strategy=strategy,
-        max_steps=trial.warmup + trial.steps,
-        callbacks=[*callbacks, probe],
-        **FIT,
-    )
+    kw = {"devices": trial.devices or world, "max_steps": trial.warmup + trial.steps, "callbacks": [*callbacks, probe]}
+    trainer = pl.Trainer(accelerator="gpu" if torch.cuda.is_available() else "cpu", strategy=strategy, **kw, **FIT)
     stats_of(trainer.strategy).reset()
     with torch_collectives_counted(strategy) if isinstance(strategy, FullyShardStrategy) else nullcontext():
         trainer.fit(model, datamodule=data)
