@@ -105,17 +105,10 @@ def world_sizes(cfg: DictConfig) -> list[int]:
 
 def _meta(cfg: DictConfig, worlds: list[int]) -> dict[str, Any]:
     """The machine, versions, date and command a report names."""
-    return {
-        "date": date.today().isoformat(),
-        "cpu": _cpu_model(),
-        "cores": os.cpu_count() or 1,
-        "python": platform.python_version(),
-        "torch": version("torch"),
-        "lightning": version("lightning"),
-        "world_sizes": worlds,
-        "threads_per_rank": int(cfg.threads_per_rank),
-        "command": " ".join(["lightning-sync", "bench", *sys.argv[1:]]),
-    }
+    meta = dict(date=date.today().isoformat(), cpu=_cpu_model(), cores=os.cpu_count() or 1)
+    meta.update(python=platform.python_version(), torch=version("torch"), lightning=version("lightning"))
+    meta.update(world_sizes=worlds, threads_per_rank=int(cfg.threads_per_rank))
+    return {**meta, "command": " ".join(["lightning-sync", "bench", *sys.argv[1:]])}
 
 
 def run_bench(cfg: DictConfig, out_dir: Path) -> Report | None:

@@ -80,7 +80,7 @@ class CostModel:
         self.rows = [r for r in rows if (r.model, 1) in compute]  # bucket-sweep rows have no compute of their own
         self.compute, self.compute_every, self.host = compute, dict(compute_every or {}), dict(host or {})
         self.cores, self.threads, self.params = cores or os.cpu_count() or 1, threads_per_rank, params
-        self.fits, self.fits_at = params.fits(), {k: params.fits(k) for k in params.links_at}
+        self.fits_at = {k: params.fits(k) for k in params.links_at}
         self.worlds = M.projection_worlds(*projection)
 
     @property
@@ -216,9 +216,7 @@ class CostModel:
             mine = [p for p in proj if p.fabric == fabric]
             for model, name in dict.fromkeys((p.model, p.strategy) for p in mine):
                 at = {(p.world, p.algorithm): p for p in mine if (p.model, p.strategy) == (model, name)}
-                cells = [
-                    " / ".join(f"{at[(k, a)].efficiency:.2f}" for a in ("ring", "tree", "hierarchical")) for k in show
-                ]
+                cells = [" / ".join(f"{at[(k, a)].efficiency:.2f}" for a in M.ALGORITHMS[1:]) for k in show]
                 best = min(p.compute_for_90 for (k, _), p in at.items() if k == show[-1])
                 lines.append(f"| {model} | {name} | " + " | ".join(cells) + f" | {_fmt_s(best)} |")
             lines.append("")

@@ -1,16 +1,10 @@
 r"""The communication cost model: fixed, calibrated link parameters, priced traffic, projection to K ranks.
 
 K ranks, S payload bytes, ``a`` seconds per message, ``b`` seconds per byte of a link, N = K / G nodes of G ranks.
-All-reduce (Thakur, Rabenseifner & Gropp 2005; Patarasuk & Yuan 2009)::
-
-    ring           T = 2(K-1) a + 2(K-1)/K S b
-    tree           T = 2 ceil(log2 K) (a + S b)          reduce up a binary tree, broadcast down
-    hierarchical   T = 2 ceil(log2 G) (a_in + S b_in)    to the node leader and back (comms.algorithms)
-                     + 2(N-1) a_out + 2(N-1)/N S b_out   ring among the N leaders
-    backend        the ring's form, with gloo's or NCCL's effective a and b
-
-Every other op costs :data:`OP_COST` (messages, wire bytes per payload byte P as ``comms`` records it). A step's
-:class:`Traffic` (calls and payload per op, measured at K0; shard payloads scale as K0 / K)::
+All-reduce: ring and tree as in :mod:`~lightning_sync.bench.formulas` (the backend's in the ring's form, with
+gloo's or NCCL's effective a and b); hierarchical, a tree to the node leader and back plus a ring among the N
+leaders. Every other op costs :data:`OP_COST`. A step's :class:`Traffic` (calls and payload P per op, measured at
+K0; shard payloads scale as K0 / K)::
 
     T_comm(K) = sum over ops of  calls * messages(K) * a + wire(K) * P(K) * b
     T_step(K) = c(K) T_comp + T_comm(K),   c(K) = max(1, K threads / cores)
@@ -18,7 +12,6 @@ Every other op costs :data:`OP_COST` (messages, wire bytes per payload byte P as
 No overlap is priced: compute and communication compete for the same cores. :class:`CostParams` holds per
 swept op one link fitted to every calibrated K together and one per K alone (time-sharing changes a link with
 K); ``bench mode=calibrate`` stores them, a report reads them (else :data:`DEFAULT_PARAMS`) and never refits.
-The projection runs a flat ring or tree over several nodes at the inter-node link.
 """
 
 from __future__ import annotations
@@ -37,7 +30,7 @@ from lightning_sync.bench.rows import median
 __all__ = ["CostParams", "DEFAULT_PARAMS", "Fabric", "H100_NDR400", "Link", "SweepPoint", "Traffic"]
 __all__ += ["calibrate", "load_params", "project"]
 
-#: All-reduce algorithms the model knows.
+#: All-reduce algorithms the model knows (a projection prices all but the backend's).
 ALGORITHMS = ("backend", "ring", "tree", "hierarchical")
 
 #: Per op: ``K -> (messages, wire bytes per payload byte)``; an op not listed costs one message and its payload.
@@ -234,11 +227,7 @@ class Projection:
 
 
 def project(
-    traffic: Traffic,
-    compute_s: float,
-    fabric: Fabric,
-    worlds: Iterable[int],
-    algorithms: Iterable[str] = ("ring", "tree", "hierarchical"),
+    traffic: Traffic, compute_s: float, fabric: Fabric, worlds: list[int], algorithms: Iterable[str] = ALGORITHMS[1:]
 ) -> list[Projection]:
     """Predicted step time and efficiency (weak scaling: ``T_comp / T_step``) per world size and algorithm."""
     if compute_s <= 0:
@@ -280,13 +269,11 @@ class Fit:
         msgs, factor = all_reduce_coefficients(self.algorithm, p.world)
         return msgs * self.link.alpha + factor * p.bytes * self.link.beta
 
-    def error(self, p: SweepPoint) -> float:
-        """Predicted / measured - 1."""
-        return self.predict(p) / p.seconds - 1
-
     def median_abs_error(self, world: int | None = None, min_bytes: int = 0) -> float:
-        """Median of |error| over the points (of one world size, of at least ``min_bytes``); NaN without any."""
-        return median([abs(self.error(p)) for p in self.points if world in (None, p.world) and p.bytes >= min_bytes])
+        """Median of |predicted / measured - 1| over the points (of one world size, of at least ``min_bytes``);
+        NaN without any."""
+        pts = [p for p in self.points if world in (None, p.world) and p.bytes >= min_bytes]
+        return median([abs(self.predict(p) / p.seconds - 1) for p in pts])
 
 
 def fit_alpha_beta(points: Iterable[SweepPoint], algorithm: str) -> Fit:

@@ -70,12 +70,8 @@ def sync_every(step_calls: list[int] | None) -> int:
 
 def save_raw(path: Path, results: Results, single: list[Measurement], params: CostParams | None, meta: dict) -> None:
     """A run's measurements, cost-model parameters and metadata as JSON, for :func:`load_raw`."""
-    body = {
-        "meta": meta,
-        "results": {str(k): [[asdict(m) for m in rank] for rank in v] for k, v in results.items()},
-        "single": [asdict(m) for m in single],
-        "params": params.as_json() if params is not None else None,
-    }
+    body = {"meta": meta, "results": {str(k): [[asdict(m) for m in rank] for rank in v] for k, v in results.items()}}
+    body |= {"single": [asdict(m) for m in single], "params": params.as_json() if params is not None else None}
     path.write_text(json.dumps(body, default=str))
 
 
