@@ -1,7 +1,5 @@
 """``lightning-sync bench``: strategies side by side in one invocation, each of ``pairs`` rounds running every
-strategy, the order reversed every other round (:func:`schedule`); one spawned process group per world size.
-Scaling efficiency ``T1(b) / TK(b)`` compares one process with per-rank batch b against K ranks.
-``mode=calibrate`` runs only the cost model's calibration and stores its fit in ``cost_model.params_file``.
+strategy in the alternating order of :func:`schedule`, one spawned process group per world size.
 """
 
 from __future__ import annotations
@@ -112,12 +110,9 @@ def _meta(cfg: DictConfig, worlds: list[int]) -> dict[str, Any]:
 
 
 def run_bench(cfg: DictConfig, out_dir: Path) -> Report | None:
-    """Run the suite (``mode=calibrate``: :func:`run_calibration`) and write ``report.md``, ``report.json``, the
-    plots, ``raw.json`` (:func:`~lightning_sync.bench.report.load_raw`) and ``tradeoff.md`` into ``out_dir``.
-
-    Order: the strategy rows at every world size (one spawned group each, with :data:`COMPUTE_ROW` for the cost
-    model and the bucket sweep at the smallest), the single-process rows (T1 and :func:`host_rows`), the trade-off.
-    """
+    """Run the suite (``mode=calibrate``: :func:`run_calibration`) and write its report, plots and ``raw.json`` into
+    ``out_dir``: the strategy rows at every world size (with :data:`COMPUTE_ROW` for the cost model and the bucket
+    sweep at the smallest), the single-process rows (T1 and :func:`host_rows`), the trade-off."""
     from lightning_sync.testing import run_distributed
 
     worlds, threads = world_sizes(cfg), int(cfg.threads_per_rank)

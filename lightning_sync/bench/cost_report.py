@@ -1,6 +1,5 @@
 """The report's cost-model sections (:mod:`lightning_sync.bench.model`): the stored parameters against their
-calibration points, each row's step predicted against its measured one, and every strategy projected from the
-largest measured K to K = 8 ... 4096 on this machine and on :data:`~lightning_sync.bench.model.H100_NDR400`.
+calibration points, each row's step predicted against its measured one, and every strategy projected to K ranks.
 """
 
 from __future__ import annotations
@@ -136,7 +135,7 @@ class CostModel:
         return out
 
     def projection(self) -> list[M.Projection]:
-        """Every strategy of the largest measured K, projected on both fabrics (module docstring)."""
+        """Every strategy of the largest measured K, projected to each K of ``worlds`` here and on H100_NDR400."""
         top = max((r.world for r in self.rows), default=0)
         here = M.this_machine(self.link, self.cores, self.threads, _op_links(self.params.links))
         out = []

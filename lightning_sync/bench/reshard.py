@@ -79,8 +79,7 @@ def _load(rank: int, world: int, paths: dict[str, str], rounds: int, in_features
             torch.distributed.barrier()
             start = time.perf_counter()
             engine.load_sharded(path)  # type: ignore[attr-defined]
-            seconds = time.perf_counter() - start
-            out[f"{kind}/s"].append(seconds)
+            out[f"{kind}/s"].append(time.perf_counter() - start)
             out[f"{kind}/peak"].append(float(_status("VmHWM") - before))
     return out
 
@@ -107,7 +106,10 @@ def measure(world: int = 3, from_world: int = 2, rounds: int = 5, in_features: i
 
 def report(rows: list[ReshardRow], world: int, in_features: int) -> str:
     """A Markdown table of the rows, with what the model, its optimizer state and a rank's shard weigh."""
-    values = sum(p.numel() for p in _sizes(in_features))
+    from lightning_sync.models.synthetic import WideMLP
+
+    with torch.device("meta"):
+        values = sum(p.numel() for p in WideMLP(in_features=in_features).parameters())
     model, shard = values * 4 / 2**20, 3 * values * 4 / world / 2**20  # fp32 weights; weights + AdamW moments
     lines = [
         f"wide model: {values / 1e6:.1f}M values, {model:.1f} MiB of fp32 weights; one rank's shard of weights "
@@ -123,13 +125,6 @@ def report(rows: list[ReshardRow], world: int, in_features: int) -> str:
             f"{r.median_s / same:.2f} | {r.peak_mib:.1f} |"
         )
     return "\n".join(lines)
-
-
-def _sizes(in_features: int) -> list[torch.Tensor]:
-    from lightning_sync.models.synthetic import WideMLP
-
-    with torch.device("meta"):
-        return list(WideMLP(in_features=in_features).parameters())
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,6 +1,5 @@
-"""The bench's typed rows, the schedule and the table helpers every runner and report shares; it imports nothing
-else of the bench, so the app, the runners and the reports all use it without importing each other (how figures
-look is :mod:`lightning_sync.bench.style`)."""
+"""The bench's typed rows, the schedule and the helpers every runner and report shares; it imports nothing else
+of the bench, so they all use it without importing each other."""
 
 from __future__ import annotations
 
@@ -124,10 +123,8 @@ def strategy_class(strategy: dict[str, Any]) -> str:
 
 
 def require_plots(cfg: DictConfig) -> None:
-    """Fail now, naming the extra, if the run will plot and matplotlib is missing: the calibration (``fit.png``),
-    the report of any strategy row or bucket sweep, and the trade-off all plot. ``lightning-sync bench`` calls it
-    before it imports the runners (Lightning: seconds), :func:`~lightning_sync.bench.app.run_bench` before any
-    trial."""
+    """Fail now, naming the extra, if the run will plot (a calibration, strategy rows, a bucket sweep, the
+    trade-off) and matplotlib is missing: before the runners' Lightning import (seconds) and any trial."""
     mode = str(cfg.get("mode", "run"))
     if mode == "calibrate" or bool(cfg.run_models) or bool(cfg.bucket_sweep.enabled) or bool(cfg.tradeoff.enabled):
         pyplot()

@@ -72,11 +72,11 @@ def sweep_all_reduce(
     torch.set_num_threads(threads)
     ctx = comms.CommContext(observer=comms.CommStats())  # accounted, as a strategy's calls are
     bufs = {n: torch.ones(n // 4 // world * world, dtype=torch.float32) for n in sizes}  # divisible into K shards
-    times: dict[tuple[int, str], list[float]] = {(n, a): [] for n in sizes for a in algorithms}
-    own: dict[tuple[int, str], list[float]] = {(n, a): [] for n in sizes for a in algorithms}
-    for n in sizes:
-        for a in algorithms:  # warm-up
-            _run(ctx, a, bufs[n].clone())
+    points = [(n, a) for n in sizes for a in algorithms]
+    times: dict[tuple[int, str], list[float]] = {p: [] for p in points}  # the span of each repeat
+    own: dict[tuple[int, str], list[float]] = {p: [] for p in points}  # the slowest rank's own time
+    for n, a in points:  # warm-up
+        _run(ctx, a, bufs[n].clone())
     for rep in range(max((_repeats_for(n, repeats) for n in sizes), default=0)):
         for n in (n for n in sizes if rep < _repeats_for(n, repeats)):
             for a in algorithms if rep % 2 == 0 else algorithms[::-1]:
@@ -89,11 +89,7 @@ def sweep_all_reduce(
                 ctx.all_reduce(last, op="max")
                 times[(n, a)].append(float(last[1] - last[0]))
                 own[(n, a)].append(float(last[2]))
-    return [
-        SweepPoint(a, world, bufs[n].numel() * 4, **price(times[(n, a)], own[(n, a)]))
-        for n in sizes
-        for a in algorithms
-    ]
+    return [SweepPoint(a, world, bufs[n].numel() * 4, **price(times[(n, a)], own[(n, a)])) for n, a in points]
 
 
 def price(spans: list[float], own: list[float]) -> dict[str, float]:
