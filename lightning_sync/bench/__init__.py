@@ -9,19 +9,10 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = ["CostParams", "Measurement", "Report", "Row", "Trial", "load_params", "run_bench", "schedule", "stats_of"]
-
-_LAZY = {
-    "run_bench": "app",
-    "CostParams": "model",
-    "load_params": "model",
-    "Report": "report",
-    "Measurement": "rows",
-    "Row": "rows",
-    "schedule": "rows",
-    "Trial": "runner",
-    "stats_of": "runner",
-}
+#: Each public name and the module it lives in.
+_LAZY = {"run_bench": "app", "CostParams": "model", "load_params": "model", "Report": "report", "Trial": "runner"}
+_LAZY |= {"Measurement": "rows", "Row": "rows", "schedule": "rows", "stats_of": "runner"}
+__all__ = sorted(_LAZY)
 
 
 def __getattr__(name: str) -> Any:

@@ -5,6 +5,7 @@ the same every round, and the cost model's figures are computed from medians: th
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -235,7 +236,7 @@ def predicted_vs_measured(
     in ``measured``, ms) against the cost model's prediction, one marker per K; the diagonal is a perfect
     prediction and the band the report's 25 % bound (predicted / measured - 1 within +-0.25)."""
     rows = [v for v in validation if v.predicted_s is not None]
-    worlds = sorted({v.world for v in rows})
+    mark = dict(zip(sorted({v.world for v in rows}), itertools.cycle(style.MARKERS)))  # per K
     out = []
     for file, chunk in paged(path, dict.fromkeys(v.model for v in rows), style.MAX_PANELS):
         fig, axes = style.grid(len(chunk), WIDTH, 4.4, COLUMNS)
@@ -244,23 +245,18 @@ def predicted_vs_measured(
             for v in mine:
                 x, y = 1e3 * v.predicted_s, 1e3 * v.measured_s
                 err = whisker(y, measured.get((model, v.strategy, v.world), []))
-                mark = style.MARKERS[worlds.index(v.world) % len(style.MARKERS)]
-                ax.errorbar([x], [y], yerr=err, fmt=mark, ms=4, **WHISKER, **look(v.strategy))
+                ax.errorbar([x], [y], yerr=err, fmt=mark[v.world], ms=4, **WHISKER, **look(v.strategy))
             span = [1e3 * t for v in mine for t in (v.predicted_s, v.measured_s)]
             lo, hi = min(span) / 1.4, max(span) * 1.4
             ax.fill_between([lo, hi], [lo / 1.25, hi / 1.25], [lo / 0.75, hi / 0.75], color="0.88", linewidth=0)
             ax.plot([lo, hi], [lo, hi], color="0.4", lw=0.8)
-            ax.set_xlim(lo, hi)
-            ax.set_ylim(lo, hi)
+            ax.set(xlim=(lo, hi), ylim=(lo, hi))
             style.log_axis(ax, "xy")
             note = repeats_note(len(measured.get((model, v.strategy, v.world), [])) for v in mine)
             ylabel = f"measured ms / step\n({note})"
             label(ax, "predicted ms / step (cost model, from medians)", ylabel, model, legend=None)
         line = pyplot().Line2D
-        keys = [
-            line([], [], color="0.3", marker=style.MARKERS[i % len(style.MARKERS)], ls="", label=f"K={k}")
-            for i, k in enumerate(worlds)
-        ]
+        keys = [line([], [], color="0.3", marker=m, ls="", label=f"K={k}") for k, m in mark.items()]
         keys += [line([], [], color="0.4", lw=0.8, label="measured = predicted")]
         keys += [pyplot().Rectangle((0, 0), 1, 1, color="0.88", label="within 25 %")]
         out.append(save_fig(fig, file, rect=legend_below(fig, keys, names=dict.fromkeys(v.strategy for v in rows))))
@@ -276,15 +272,15 @@ def projection(projected: Sequence[Projection], path: Path) -> Figures:
     for file, chunk in paged(path, models, max(1, style.MAX_PANELS // max(1, len(fabrics)))):
         fig, axes = style.figure(len(fabrics), len(chunk), WIDTH, HEIGHT)
         for i, fabric in enumerate(fabrics):
-            for j, model in enumerate(chunk):
+            for ax, model in zip(axes[i], chunk):
                 mine = [p for p in projected if p.fabric == fabric and p.model == model]
                 for name in dict.fromkeys(p.strategy for p in mine):
                     ks = list(dict.fromkeys(p.world for p in mine if p.strategy == name))
                     best = [max(p.efficiency for p in mine if (p.strategy, p.world) == (name, k)) for k in ks]
-                    axes[i][j].plot(ks, best, "o-", ms=3, lw=1, **look(name))
-                axes[i][j].set_xscale("log", base=2)
-                axes[i][j].set_ylim(0, 1.05)
+                    ax.plot(ks, best, "o-", ms=3, lw=1, **look(name))
+                ax.set_xscale("log", base=2)
+                ax.set_ylim(0, 1.05)
                 ylabel = "efficiency, best algorithm\n(projected: no spread)"
-                label(axes[i][j], "ranks K", ylabel, f"{model}\n{fabric}", size=7, legend=None)
+                label(ax, "ranks K", ylabel, f"{model}\n{fabric}", size=7, legend=None)
         out.append(save_fig(fig, file, rect=legend_below(fig, names=names)))
     return out
