@@ -4,6 +4,7 @@ calibration points, each row's step predicted against its measured one, and ever
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 from collections.abc import Iterable
@@ -259,21 +260,15 @@ def params_markdown(params: M.CostParams) -> list[str]:
         ]
         for a in fits:
             cells = [
-                f"{f.link.alpha * 1e6:.0f} / {f.link.bandwidth / 1e9:.2f} ({f.median_abs_error():.0%})"
-                if (f := at[k].get(a))
-                else "-"
-                for k in at
+                f"{f.link.alpha * 1e6:.0f} / {f.link.bandwidth / 1e9:.2f} ({f.median_abs_error():.0%})" if f else "-"
+                for f in (at[k].get(a) for k in at)
             ]
             lines.append(f"| {a} | " + " | ".join(cells) + " |")
-    spans = {
-        k: median([p.median_seconds / p.rank_seconds for p in params.points if p.world == k and p.rank_seconds > 0])
-        for k in worlds
-    }
+    timed = [p for p in params.points if p.rank_seconds > 0]
+    spans = {k: median([p.median_seconds / p.rank_seconds for p in timed if p.world == k]) for k in worlds}
     if spans := ", ".join(f"K={k} {r:.2f}" for k, r in spans.items() if not math.isnan(r)):
-        lines += [
-            "",
-            f"Span against the slowest rank's own time (median over the points, at most 1 by construction): {spans}.",
-        ]
+        note = "Span against the slowest rank's own time (median over the points, at most 1 by construction)"
+        lines += ["", f"{note}: {spans}."]
     return lines
 
 
@@ -298,6 +293,7 @@ def plot_fit(params: M.CostParams, path: Path) -> Any:
     groups.update({op: [op] for op in fits if op not in named})
     groups = {t: ops for t, ops in groups.items() if ops}
     worlds = sorted({p.world for p in params.points}) or [2]
+    mark = dict(zip(worlds, itertools.cycle(MARKERS)))
     spread = any(_has_spread(p) for p in params.points)
     note = "median, whiskers min-max of the repeats" if spread else "mean span of the repeats"
     note += "" if spread else "; their spread was not stored"
@@ -310,18 +306,15 @@ def plot_fit(params: M.CostParams, path: Path) -> Any:
             for n, k in enumerate(worlds):
                 pts = sorted((p for p in fit.points if p.world == k), key=lambda p: p.bytes)
                 sizes = [p.bytes for p in pts] or DEFAULT_SIZES
-                _plot_points(ax, pts, MARKERS[n % len(MARKERS)], c)
+                _plot_points(ax, pts, mark[k], c)
                 grid = [M.SweepPoint(op, k, s, 1.0) for s in sizes]
                 ax.plot(sizes, [fit.predict(p) * 1e3 for p in grid], "-", lw=1, color=c, label=link if n == 0 else None)
         ax.set(xscale="log", yscale="log")
         label(ax, "payload, the whole tensor (bytes)", f"ms (points: {note})", title, legend=6)
     line = pyplot().Line2D
-    marks = [  # the default parameters come without points
-        line([], [], color="0.3", marker=MARKERS[n % len(MARKERS)], ls="", label=f"K={k} measured")
-        for n, k in enumerate(worlds)
-        if params.points
-    ]
-    return save_fig(fig, path, rect=legend_below(fig, [*marks, line([], [], color="0.3", label="fitted link")], 6))
+    keys = [line([], [], color="0.3", marker=m, ls="", label=f"K={k} measured") for k, m in mark.items()]
+    keys = keys if params.points else []  # the default parameters come without points
+    return save_fig(fig, path, rect=legend_below(fig, [*keys, line([], [], color="0.3", label="fitted link")], 6))
 
 
 def _has_spread(p: M.SweepPoint) -> bool:
