@@ -88,12 +88,6 @@ class CostModel:
         """The backend all-reduce's link: what every strategy's collectives use here."""
         return self.params.links["backend"]
 
-    def links_at(self, world: int) -> tuple[M.Link, dict[str, M.Link], str]:
-        """The backend's link, the other ops' own links and their source (``K=<world>`` or ``pooled``)."""
-        own = self.params.links_at.get(world, {})
-        links = {**self.params.links, **own}
-        return links["backend"], _op_links(links), f"K={world}" if "backend" in own else "pooled"
-
     def compute_at(self, model: str, world: int, every: int = 1) -> float | None:
         """The compute a ``world``-rank row that synchronizes once in ``every`` steps is priced with."""
         return self.compute_every.get((model, world, every)) if every > 1 else self.compute.get((model, world))
@@ -124,8 +118,9 @@ class CostModel:
         out = []
         for r in self.rows:
             k, measured, codec, traffic = r.world, r.step_ms / 1e3, r.codec_ms / 1e3, traffic_of(r)
-            link, op_links, source = self.links_at(k)
-            comm = M.comm_here(traffic, k, link, op_links)
+            own = self.params.links_at.get(k, {})  # the links calibrated at this K, else the pooled ones
+            links, source = {**self.params.links, **own}, f"K={k}" if "backend" in own else "pooled"
+            comm = M.comm_here(traffic, k, links["backend"], _op_links(links))
             compute = self.compute_at(r.model, k, r.sync_every)
             host = self.host_at(r.model, r.strategy, k, r.sync_every)
             simple = comm + codec + M.contention(k, self.cores, self.threads) * self.one_rank(r.model, r.strategy)
@@ -218,7 +213,8 @@ class CostModel:
                 at = {(p.world, p.algorithm): p for p in mine if (p.model, p.strategy) == (model, name)}
                 cells = [" / ".join(f"{at[(k, a)].efficiency:.2f}" for a in M.ALGORITHMS[1:]) for k in show]
                 best = min(p.compute_for_90 for (k, _), p in at.items() if k == show[-1])
-                lines.append(f"| {model} | {name} | " + " | ".join(cells) + f" | {_fmt_s(best)} |")
+                best_s = f"{best * 1e3:.1f} ms" if best >= 1e-3 else f"{best * 1e6:.0f} us"
+                lines.append(f"| {model} | {name} | " + " | ".join(cells) + f" | {best_s} |")
             lines.append("")
         lines.append(
             f"Fabric links: {M.H100_NDR400.intra.source}; {M.H100_NDR400.inter.source}. This machine: the backend "
@@ -339,7 +335,3 @@ def _op_links(links: dict[str, M.Link]) -> dict[str, M.Link]:
 
 def _ks(worlds: Iterable[int]) -> str:
     return " | ".join(f"K={k}" for k in worlds)
-
-
-def _fmt_s(seconds: float) -> str:
-    return f"{seconds * 1e3:.1f} ms" if seconds >= 1e-3 else f"{seconds * 1e6:.0f} us"

@@ -69,8 +69,7 @@ def _bars(ax: Any, rows: list[Row], value: Of, rounds: Of, note: Of | None = Non
     names = list(dict.fromkeys(r.strategy for r in rows))
     worlds = sorted({r.world for r in rows})
     width, at, xs = 0.8 / len(worlds), {(r.strategy, r.world): r for r in rows}, {}
-    for j, k in enumerate(worlds):
-        hatch = style.HATCHES[j % len(style.HATCHES)]
+    for j, (k, hatch) in enumerate(zip(worlds, itertools.cycle(style.HATCHES))):
         for i, name in enumerate(names):
             if (r := at.get((name, k))) is None:
                 continue
@@ -95,10 +94,11 @@ def _times(ratio: float) -> str:
 def _hatch_key(rows: list[Row]) -> list[Any]:
     """Legend handles naming the hatch of each K in :func:`_bars` (none for a single K)."""
     worlds, patch = sorted({r.world for r in rows}), pyplot().Rectangle
-    if len(worlds) < 2:
-        return []
-    hatch = {k: style.HATCHES[j % len(style.HATCHES)] for j, k in enumerate(worlds)}
-    return [patch((0, 0), 1, 1, facecolor="0.6", edgecolor="white", hatch=hatch[k], label=f"K={k}") for k in worlds]
+    keys = [
+        patch((0, 0), 1, 1, facecolor="0.6", edgecolor="white", hatch=h, label=f"K={k}")
+        for k, h in zip(worlds, itertools.cycle(style.HATCHES))
+    ]
+    return keys if len(worlds) > 1 else []
 
 
 def _per_model(
