@@ -277,10 +277,8 @@ FIT_PANELS = {
 
 
 def plot_fit(params: M.CostParams, path: Path) -> Any:
-    """``fit.png``: the calibration's points (markers by K) against each op's pooled link (lines), one panel per
-    kind of op (:data:`FIT_PANELS`), one colour per op; returns the figure, closed. A point is the median span of
-    its repeats with whiskers to the fastest and slowest; points stored without their spread are drawn at their
-    mean span, and the axis says the spread is missing."""
+    """``fit.png``: the calibration's points (markers by K) against each op's pooled link (lines), a panel per kind
+    of op (:data:`FIT_PANELS`); a point stored without its spread at its mean span. Returns the figure, closed."""
     from lightning_sync.bench.sweep import DEFAULT_SIZES
 
     fits = params.fits()

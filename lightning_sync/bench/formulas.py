@@ -1,7 +1,5 @@
 """Closed-form communication costs (Patarasuk & Yuan 2009; Thakur et al. 2005) for K ranks, S payload bytes,
-bandwidth BW (bytes/s) and per-message latency alpha (s); :mod:`lightning_sync.bench.model` fits and projects with
-them. Ring all-reduce sends ``2(K-1)/K * S`` per rank in ``2(K-1)`` messages, a ring reduce-scatter or
-all-gather half that; a binary-tree all-reduce takes ``2 ceil(log2 K)`` steps each moving S.
+bandwidth BW (bytes/s) and per-message latency alpha (s), which :mod:`lightning_sync.bench.model` prices with.
 """
 
 from __future__ import annotations

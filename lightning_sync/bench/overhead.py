@@ -1,9 +1,8 @@
 """Per-call overhead of the collectives layer: a 4-byte all-reduce, raw against ``comms`` with and without observer.
 
-A 4-byte message is all latency, so the differences between ``raw`` (``torch.distributed.all_reduce``), ``bare``
-(``CommContext.all_reduce`` with no observer: a sequence number and the argument checks) and ``observed`` (with
-a ``CommStats`` observer, a strategy's default) are the layer's own cost per call. The modes alternate in
-rounds so that a noisy machine's drift falls on all three alike::
+A 4-byte message is all latency, so the differences between ``raw`` (``torch.distributed``), ``bare`` (no
+observer) and ``observed`` (a ``CommStats`` observer, a strategy's default) are the layer's own cost per call.
+The modes alternate so that a noisy machine's drift falls on all three alike::
 
     python -m lightning_sync.bench.overhead --world 2 --calls 2000 --rounds 15
 """

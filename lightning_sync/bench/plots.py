@@ -33,9 +33,8 @@ _PT = {"textcoords": "offset points"}  # an annotation's offset from its point, 
 def write_plots(
     report: Report, out_dir: Path, validation: list[Validation] | None = None, projected: list[Projection] | None = None
 ) -> dict[str, Figures]:
-    """Every figure of ``report`` into ``out_dir``; per file name, the figures drawn (one per page, none where
-    the run has nothing to show). ``validation`` and ``projected``: the cost model's results as recorded by a
-    finished run (default: computed from ``report.cost_model``)."""
+    """Every figure of ``report`` into ``out_dir``; per file name, the figures drawn (one a page). ``validation``
+    and ``projected``: the cost model's results as a finished run recorded them (default: computed afresh)."""
     if (cost := report.cost_model) is not None:
         validation = cost.validation() if validation is None else validation
         projected = cost.projection() if projected is None else projected

@@ -1,11 +1,9 @@
 """Loading a ZeRO-3 checkpoint at another world size: the time against a same-size load, and the peak memory.
 
-The bench's wide model (``WideMLP``, 8.4M values, with AdamW's two moments) is saved at ``--world`` and at
-``--from-world`` ranks, then loaded at ``--world`` ranks from each (``same``, ``reshard``: its saved chunks
-straddle this run's ranges), alternating in rounds so that a noisy machine's drift falls on both. A load's time
-is its slowest rank's; its memory is the largest rise of a rank's resident set above what it held before (freed
-heap returned first, ``malloc_trim``, and the kernel's peak reset, ``/proc/self/clear_refs``). Each load starts
-as in a resuming process, with no optimizer state, so the rise includes the moments it allocates::
+The bench's wide model with AdamW, saved at ``--world`` and ``--from-world`` ranks, is loaded at ``--world`` ranks
+from each, alternating so that a noisy machine's drift falls on both. A load's time is its slowest rank's; its
+memory the largest rise of a rank's resident set above what it held before (freed heap returned first, the
+kernel's peak reset). Each load starts as a resuming process does, with no optimizer state::
 
     python -m lightning_sync.bench.reshard --world 3 --from-world 2 --rounds 5
 """

@@ -53,9 +53,8 @@ def schedule(names: list[str], pairs: int) -> list[str]:
 
 @dataclass
 class Measurement:
-    """One trial on one rank (:func:`lightning_sync.bench.runner.run_trials`; its module docstring defines the
-    figures). Per timed step: ``step_s``, ``exposed_s``, ``codec_s``, ``covered_s``, ``blocked_s``, ``step_calls``;
-    per step averaged over the timed steps: ``bytes_per_step`` and the ``op_*_per_step`` maps."""
+    """One trial on one rank (:mod:`lightning_sync.bench.runner` defines the figures): lists per timed step, and
+    per step averaged over the timed steps ``bytes_per_step`` and the ``op_*_per_step`` maps."""
 
     name: str
     model: str

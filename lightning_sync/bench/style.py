@@ -102,9 +102,8 @@ def label(ax: Any, xlabel: str, ylabel: str, title: str, size: float = 9, legend
 
 
 def legend_below(fig: Any, handles: Sequence[Any] = (), ncol: int = 5, names: Sequence[str] = ()) -> tuple[float, ...]:
-    """One legend for the whole figure below its panels (a patch in each strategy's colour for ``names``, then
-    ``handles``), at most ``ncol`` columns and as many as fit its width; the ``rect`` for :func:`save_fig` that
-    leaves it room."""
+    """One legend below the panels (each strategy's colour for ``names``, then ``handles``) in the columns that fit
+    its width; the ``rect`` for :func:`save_fig` that leaves it room."""
     handles = [*(pyplot().Rectangle((0, 0), 1, 1, color=colour(n), label=n) for n in names), *handles]
     ncol = max(1, min(len(handles), ncol, int(fig.get_figwidth() / 1.6)))  # a column: a 7-point name, ~1.5 in
     fig.legend(handles=handles, loc="lower center", ncol=ncol, fontsize=7, frameon=False)
@@ -112,9 +111,8 @@ def legend_below(fig: Any, handles: Sequence[Any] = (), ncol: int = 5, names: Se
 
 
 def log_axis(ax: Any, which: str = "x") -> None:
-    """Make ``ax``'s ``which`` axis (``"x"``, ``"y"`` or ``"xy"``) logarithmic with plain-number labels at 1, 2 and 5
-    times the powers of ten (only at the powers over more than two decades): the default labels a short range in
-    overlapping ``2 x 10^2`` forms."""
+    """Make ``ax``'s ``which`` axes logarithmic with plain-number labels at 1, 2 and 5 times the powers of ten (at
+    the powers alone over more than two decades): the default labels a short range in overlapping ``2 x 10^2``."""
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
     for name in which:

@@ -48,11 +48,6 @@ class TradeoffTrial:
     round: int = 0
     seed: int = 0
 
-    @property
-    def self_launching(self) -> bool:
-        """Hogwild: one driver process, the strategy starts the ranks itself."""
-        return str(self.strategy.get("_target_", "")).endswith("HogwildStrategy")
-
 
 class _Probe(pl.Callback):
     """Per rank: the training interval (wall clock), optimizer steps and comms bytes, written as JSON."""
@@ -158,7 +153,8 @@ def run_tradeoff(cfg: Any, out_dir: Path, meta: dict[str, Any] | None = None) ->
     trials, timeout = tradeoff_trials(cfg), float(cfg.tradeoff.timeout_s)
     env, results = {"OMP_NUM_THREADS": "1", "PL_GLOBAL_SEED": str(int(cfg.tradeoff.seed))}, []
     for i, trial in enumerate(trials, 1):
-        ranks = 1 if trial.self_launching else trial.world
+        hogwild = str(trial.strategy.get("_target_", "")).endswith("HogwildStrategy")
+        ranks = 1 if hogwild else trial.world  # Hogwild's driver process starts the ranks itself
         label = f"{trial.model}/{trial.name}" + (f" (rank 1 x{trial.slow_factor:g})" if trial.slow_factor else "")
         log.info("tradeoff %d/%d: %s", i, len(trials), label)
         with tempfile.TemporaryDirectory(prefix="ls_tradeoff_") as probe_dir:
