@@ -43,8 +43,7 @@ def _trials(cfg: DictConfig, model: str, rows: Rows, label: str | None = None) -
 def with_compute_row(rows: dict[str, Any]) -> dict[str, Any]:
     """``rows`` with :data:`COMPUTE_ROW` in the middle: at either end, where :func:`schedule` turns round, it would
     run twice back to back and two of its samples would see the same minute of the machine's load."""
-    items = list(rows.items())
-    mid = len(items) // 2
+    items, mid = list(rows.items()), len(rows) // 2
     return dict([*items[:mid], (COMPUTE_ROW, ({"_target_": None}, {IN_STEP: True})), *items[mid:]])
 
 
@@ -65,8 +64,7 @@ def select_strategies(cfg: DictConfig) -> dict[str, dict[str, Any]]:
     if str(cfg.baseline) not in rows:
         raise ValueError(f"baseline must be one of {list(rows)}, got {cfg.baseline!r}")
     if wanted is not None:
-        unknown = [str(w) for w in wanted if str(w) not in rows]
-        if unknown:
+        if unknown := [str(w) for w in wanted if str(w) not in rows]:
             raise ValueError(f"run_strategies must name rows of strategies {list(rows)}, got {unknown!r}")
         keep = {str(w) for w in wanted} | {str(cfg.baseline)}  # ratios need the baseline
         rows = {n: s for n, s in rows.items() if n in keep}
@@ -86,8 +84,7 @@ def host_rows(cfg: DictConfig, selected: dict[str, Any]) -> Rows:
     """The ``selected`` rows the cost model also measures at one rank (``cost_model.host_rows``): their step
     there less T1 is their host work."""
     names = [str(n) for n in ((cfg.get("cost_model") or {}).get("host_rows") or [])]
-    unknown = [n for n in names if n not in cfg.strategies]
-    if unknown:
+    if unknown := [n for n in names if n not in cfg.strategies]:
         raise ValueError(f"cost_model.host_rows must name rows of strategies {list(cfg.strategies)}, got {unknown!r}")
     return {n: (selected[n], {}) for n in names if n in selected}
 
@@ -141,8 +138,7 @@ def run_bench(cfg: DictConfig, out_dir: Path) -> Report | None:
         scaled = cfg.scaling.models if cfg.scaling.enabled else []
         solo_models = list(dict.fromkeys([*scaled, *(cfg.run_models if cost.get("enabled") else [])]))
         one = {SINGLE_ROW: ({"_target_": None}, {}), **hosts}  # and the cost model's host rows at one rank
-        solo = [t for model in solo_models for t in _trials(cfg, model, one)]
-        if solo:
+        if solo := [t for model in solo_models for t in _trials(cfg, model, one)]:
             log.info("bench: %d single-process trials (T1%s)", len(solo), "".join(f", {n}" for n in hosts))
             single = run_distributed(run_trials, 1, solo, threads, "K=1", timeout=timeout, env=env)[0]
         params = load_params(cost.get("params_file")) if cost.get("enabled") else None
@@ -182,14 +178,12 @@ def run_sweep(cost: Any, threads: int, timeout: float) -> list[SweepPoint]:
     """The calibration sweep (``cost_model.sweep``) at every world size it names."""
     from lightning_sync.testing import run_distributed
 
-    sweep = cost.sweep
+    sweep, env = cost.sweep, {"OMP_NUM_THREADS": str(threads)}
     sizes = sweep_sizes(int(sweep.smallest), int(sweep.largest), int(sweep.factor))
-    algorithms = [str(a) for a in sweep.algorithms]
+    args = (sizes, [str(a) for a in sweep.algorithms], int(sweep.repeats), threads)
     points: list[SweepPoint] = []
     for world in sweep.worlds:
-        log.info("bench: calibration sweep on %d ranks (%d sizes x %s)", world, len(sizes), algorithms)
-        env = {"OMP_NUM_THREADS": str(threads)}
-        args = (sizes, algorithms, int(sweep.repeats), threads)
+        log.info("bench: calibration sweep on %d ranks (%d sizes x %s)", world, len(sizes), args[1])
         points += run_distributed(sweep_all_reduce, int(world), *args, timeout=timeout, env=env)[0]
     return points
 

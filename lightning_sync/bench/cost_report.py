@@ -188,8 +188,7 @@ class CostModel:
         return [*lines, *self._projection_markdown(), ""]
 
     def _projection_markdown(self) -> list[str]:
-        proj = self.projection()
-        if not proj:
+        if not (proj := self.projection()):
             return []
         show = [k for k in (8, 64, 512, 4096) if k in self.worlds]
         lines = [

@@ -25,12 +25,10 @@ def resolve_classes(names: Sequence[str | type]) -> tuple[type[nn.Module], ...]:
         raise ValueError(f"shard_classes must be a list of dotted class names, got {names!r}")
     out = []
     for name in names:
-        cls: Any = name
-        if isinstance(name, str):
-            try:
-                cls = import_class(name, "shard_classes")
-            except ValueError:
-                cls = None
+        try:
+            cls: Any = import_class(name, "shard_classes") if isinstance(name, str) else name
+        except ValueError:
+            cls = None
         if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
             raise ValueError(
                 f"shard_classes entries must name nn.Module subclasses (e.g. 'torch.nn.Linear'), got {name!r}"

@@ -91,8 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if not args.run_dir.is_dir():
         parser.error(f"run_dir must be a directory, got {str(args.run_dir)!r}")
-    paths = replot(args.run_dir, args.out, args.overrides)
-    if not paths:
+    if not (paths := replot(args.run_dir, args.out, args.overrides)):
         parser.error(f"{args.run_dir} has none of raw.json, tradeoff.json, cost_params.json")
     print("\n".join(str(p) for p in paths))
 

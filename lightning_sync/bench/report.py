@@ -306,8 +306,7 @@ class Report:
 
     def sharding_markdown(self) -> list[str]:
         """The sharding table (empty when no sharded strategy ran)."""
-        rows = self.sharding_rows()
-        if not rows:
+        if not (rows := self.sharding_rows()):
             return []
         lines = [
             "## Sharding",
