@@ -341,10 +341,6 @@ class CostParams:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(self.as_json(), indent=1))
 
-    @classmethod
-    def load(cls, path: Path) -> CostParams:
-        return cls.from_json(json.loads(Path(path).read_text()), str(path))
-
 
 def calibrate(points: Iterable[SweepPoint], source: str) -> CostParams:
     """Fit every swept op with at least 2 points, over every K together and at each K alone."""
@@ -367,4 +363,6 @@ DEFAULT_PARAMS = CostParams({op: Link(a, 1 / bw, _SOURCE) for op, (a, bw) in _DE
 
 def load_params(path: str | Path | None) -> CostParams:
     """The parameters stored at ``path`` by ``lightning-sync bench mode=calibrate``, else :data:`DEFAULT_PARAMS`."""
-    return CostParams.load(Path(path)) if path and Path(path).is_file() else DEFAULT_PARAMS
+    if not path or not Path(path).is_file():
+        return DEFAULT_PARAMS
+    return CostParams.from_json(json.loads(Path(path).read_text()), str(path))

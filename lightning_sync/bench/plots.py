@@ -204,13 +204,10 @@ def bucket_sweep(report: Report, path: Path) -> Figures:
     name, shown = str(cfg.get("strategy", "bucketed_ddp")), str(cfg.get("model", model))
     caps = [r.extra["cap_mb"] for r in sweep]
     fig, ((ax,),) = style.figure(1, 1, 6, 4)
-
-    def exposed(r: Row) -> list[float]:
-        return [1e3 * median(t.exposed_s) for t in report.trials(r) if t.exposed_s]
-
+    exposed = [[1e3 * median(t.exposed_s) for t in report.trials(r) if t.exposed_s] for r in sweep]
     for what, ys, rounds, fmt in (
         ("step time", [r.step_ms for r in sweep], [step_ms(report, r) for r in sweep], "o-"),
-        ("exposed communication", [r.exposed_ms for r in sweep], [exposed(r) for r in sweep], "s--"),
+        ("exposed communication", [r.exposed_ms for r in sweep], exposed, "s--"),
     ):
         ax.plot(caps, ys, fmt, ms=4, label=f"{name}: {what}", **look(name))
         if any(whisker(y, r) for y, r in zip(ys, rounds)):

@@ -42,9 +42,8 @@ def run_config(command: str, overrides: list[str] | None = None) -> Any:
 def recorded_params(raw: dict[str, Any], report: dict[str, Any]) -> CostParams | None:
     """The cost model's parameters a run recorded: ``raw.json``'s, else ``report.json``'s, else an older
     ``report.json``'s pooled links with their points under ``fits``; None for a run without the cost model."""
-    for body in (raw.get("params"), report.get("params")):
-        if body:
-            return CostParams.from_json(body, "recorded")
+    if body := raw.get("params") or report.get("params"):
+        return CostParams.from_json(body, "recorded")
     fits = report.get("fits") or {}
     if not any("points" in f for f in fits.values()):
         return None

@@ -290,8 +290,7 @@ class Report:
             "|---|---|" + "---:|" * len(worlds),
         ]
         for model, name in names:
-            rows = [self._rows.get((model, name, k)) for k in worlds]
-            cells = [f"{r.scaling:.2f}" if r else "-" for r in rows]
+            cells = [f"{r.scaling:.2f}" if (r := self._rows.get((model, name, k))) else "-" for k in worlds]
             lines.append(f"| {model} | {name} | " + " | ".join(cells) + " |")
         return [*lines, ""]
 
@@ -327,8 +326,7 @@ class Report:
         return [*lines, ""]
 
     def write(self, out_dir: Path) -> None:
-        """Write ``report.md``, ``report.json`` and the figures (:mod:`~lightning_sync.bench.plots`) into
-        ``out_dir`` and print the report."""
+        """Write ``report.md``, ``report.json`` and the figures into ``out_dir`` and print the report."""
         out_dir.mkdir(parents=True, exist_ok=True)
         text = self.markdown()
         (out_dir / "report.md").write_text(text)

@@ -182,12 +182,9 @@ def tradeoff_rows(results: list[TradeoffResult], reference: str = "bucketed_ddp"
     for model, name, slow in dict.fromkeys((r.model, r.name, r.slow) for r in results):
         trials = [r for r in results if (r.model, r.name, r.slow) == (model, name, slow)]
         pairs = [(t, ref[(t.model, t.slow, t.round)]) for t in trials if (t.model, t.slow, t.round) in ref]
-
-        def ratio(key: str, pairs: list[tuple[TradeoffResult, TradeoffResult]] = pairs) -> float:
-            return median([getattr(a, key) / getattr(b, key) for a, b in pairs if getattr(b, key)])
-
         medians = [median([getattr(t, k) for t in trials]) for k in ("val_loss", "bytes", "wall_s", "samples_per_s")]
-        ratios = [ratio(k) for k in ("val_loss", "bytes", "samples_per_s")]
+        keys = ("val_loss", "bytes", "samples_per_s")  # the same-round ratios'
+        ratios = [median([getattr(a, k) / getattr(b, k) for a, b in pairs if getattr(b, k)]) for k in keys]
         rows.append(TradeoffRow(model, name, slow, *medians, *ratios, trials[0].steps_by_rank, len(trials)))
     return rows
 
