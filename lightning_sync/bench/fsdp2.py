@@ -79,9 +79,8 @@ class FullyShardStrategy(ModelParallelStrategy):
         super().setup_environment()
 
     def _configure_model(self) -> None:
-        """The ``configure_model`` hook this strategy gives the module (removed at teardown): a unit per matching
-        module in post-order, except one holding a parameter tied outside it (FSDP2 refuses a parameter of two
-        groups), then the root."""
+        """The ``configure_model`` hook given to the module (removed at teardown): a unit per matching module in
+        post-order, bar one holding a parameter tied outside it (FSDP2 refuses a parameter in two), then the root."""
         from torch.distributed.fsdp import FSDPModule, fully_shard
 
         root = self.lightning_module
@@ -98,9 +97,8 @@ class FullyShardStrategy(ModelParallelStrategy):
             inside = {id(m) for m in unit.modules()}
             return any(id(o) not in inside for p in unit.parameters() for o in owners[id(p)])
 
-        units = [
-            m for m in root.modules() if m is not root and isinstance(m, self._shard_classes) and not tied_outside(m)
-        ]
+        units = [m for m in root.modules() if m is not root and isinstance(m, self._shard_classes)]
+        units = [m for m in units if not tied_outside(m)]
         for module in reversed(units):  # post-order: children before their parents
             fully_shard(module, mesh=mesh, reshard_after_forward=self._reshard_after_forward)
         fully_shard(root, mesh=mesh, reshard_after_forward=self._reshard_after_forward)

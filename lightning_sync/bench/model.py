@@ -244,8 +244,7 @@ def project(
 @dataclass
 class SweepPoint:
     """One swept op at one size: the mean span over repeats (what a step pays, and what the links are fitted to),
-    their median, the slowest rank's own time, and the fastest and slowest span (the spread a figure draws). A
-    point stored before the spread was kept has NaN there."""
+    their median, the slowest rank's own time, and their spread (NaN in a point stored before it was kept)."""
 
     algorithm: str
     world: int
@@ -300,10 +299,8 @@ def fit_alpha_beta(points: Iterable[SweepPoint], algorithm: str) -> Fit:
 
 @dataclass
 class CostParams:
-    """Per swept op a link pooled over every calibrated K and per K its own; the points they were fitted to.
-
-    JSON: ``{"format": 1, "source", "links": {op: {"alpha_s", "beta_s_per_byte"}}, "links_at": {K: links},
-    "points": [SweepPoint]}``."""
+    """Per swept op a link pooled over every calibrated K and per K its own; the points they were fitted to. JSON:
+    ``{"format": 1, "source", "links": {op: {"alpha_s", "beta_s_per_byte"}}, "links_at": {K: links}, "points"}``."""
 
     links: dict[str, Link]
     links_at: dict[int, dict[str, Link]] = field(default_factory=dict)

@@ -228,9 +228,8 @@ def bucket_sweep(report: Report, path: Path) -> Figures:
 def predicted_vs_measured(
     validation: Sequence[Validation], measured: Mapping[tuple[str, str, int], list[float]], path: Path
 ) -> Figures:
-    """``predicted_vs_measured.png``: per model, each row's measured step time (median, whiskers over its rounds
-    in ``measured``, ms) against the cost model's prediction, one marker per K; the diagonal is a perfect
-    prediction and the band the report's 25 % bound (predicted / measured - 1 within +-0.25)."""
+    """``predicted_vs_measured.png``: per model, each row's measured step time (its rounds in ``measured``, ms)
+    against the cost model's prediction, a marker per K, the band the report's 25 % bound."""
     rows = [v for v in validation if v.predicted_s is not None]
     mark = dict(zip(sorted({v.world for v in rows}), itertools.cycle(style.MARKERS)))  # per K
     out = []

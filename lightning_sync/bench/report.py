@@ -1,6 +1,6 @@
-"""Measurements to medians, same-pair ratios, a Markdown report and PNG plots. The machine is noisy, so only
-medians and same-run ratios are reported: a ratio is the median over pairs of two trials run back to back, and a
-row that synchronizes once in H steps (:func:`sync_every`) is timed per H-step window.
+"""Measurements to medians, same-pair ratios, a Markdown report and PNG plots. The machine is noisy, so a ratio is
+the median over pairs of two trials run back to back, and a row that synchronizes once in H steps is timed per
+H-step window (:func:`sync_every`).
 """
 
 from __future__ import annotations

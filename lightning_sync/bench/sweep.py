@@ -14,6 +14,7 @@ import torch
 from lightning_sync import comms
 from lightning_sync._checks import check_choice, check_int
 from lightning_sync.bench.model import SweepPoint
+from lightning_sync.bench.rows import spread
 from lightning_sync.comms.algorithms import ALGORITHMS, all_reduce_with
 
 __all__ = ["DEFAULT_SIZES", "OPS", "price", "sweep_all_reduce", "sweep_sizes"]
@@ -95,10 +96,6 @@ def sweep_all_reduce(
 def price(spans: list[float], own: list[float]) -> dict[str, float]:
     """One point's ``seconds`` (mean span), ``median_seconds``, ``rank_seconds`` (median slowest-rank time) and
     the spread of its spans (``min_seconds``, ``max_seconds``)."""
-    return {
-        "seconds": statistics.fmean(spans),
-        "median_seconds": statistics.median(spans),
-        "rank_seconds": statistics.median(own),
-        "min_seconds": min(spans),
-        "max_seconds": max(spans),
-    }
+    mid, fastest, slowest = spread(spans)
+    point = {"seconds": statistics.fmean(spans), "median_seconds": mid, "rank_seconds": statistics.median(own)}
+    return {**point, "min_seconds": fastest, "max_seconds": slowest}

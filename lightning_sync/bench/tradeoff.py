@@ -1,10 +1,8 @@
 """The synchronization trade-off, measured: final validation loss against bytes sent and wall time.
 
-Every row trains one model for the same global step budget, seed and data, with and without a straggler
-(``SlowRank(rank=1)``), one ``Trainer.fit`` per trial in fresh processes with no process group set up beforehand
-(the parameter server needs none, Hogwild starts its own processes), rows alternating over ``pairs`` rounds. Per
-trial: validation loss on rank 0 after the fit, ``comms`` bytes summed over ranks, wall time from the first
-``on_train_start`` to the last ``on_train_end``, and throughput; rows are medians over rounds and same-round ratios.
+A trial is one ``Trainer.fit`` in fresh processes with no process group set up beforehand (the parameter server
+needs none, Hogwild starts its own processes). Per trial: validation loss on rank 0 after the fit, ``comms`` bytes
+summed over ranks, wall time from the first ``on_train_start`` to the last ``on_train_end``, and throughput.
 """
 
 from __future__ import annotations
@@ -266,10 +264,8 @@ def _handles(results: list[TradeoffResult]) -> list[Any]:
     line = pyplot().Line2D
     handles = [line([], [], marker="o", ls="", label=n, **look(n)) for n in dict.fromkeys(r.name for r in results)]
     note = style.repeats_note([len({r.round for r in results})])
-    return handles + [
-        line([], [], color="gray", marker="o", ls="", label=f"no straggler ({note})"),
-        line([], [], color="gray", marker="s", mfc="none", ls="", label="rank 1 slowed"),
-    ]
+    handles.append(line([], [], color="gray", marker="o", ls="", label=f"no straggler ({note})"))
+    return [*handles, line([], [], color="gray", marker="s", mfc="none", ls="", label="rank 1 slowed")]
 
 
 _BYTES = "MiB sent, all ranks (log; accounted, 0 at 1e-3)"
