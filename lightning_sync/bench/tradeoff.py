@@ -67,15 +67,6 @@ class _Probe(pl.Callback):
             json.dump(record, f)
 
 
-def _evaluate(model: pl.LightningModule, data: pl.LightningDataModule) -> dict[str, float]:
-    """The trained model on the whole validation set, in this one process."""
-    if torch.distributed.is_initialized():  # left by the strategy; this evaluation is local
-        torch.distributed.destroy_process_group()
-    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy="auto", num_sanity_val_steps=0, **QUIET)
-    metrics = trainer.validate(model, datamodule=data, verbose=False)[0]
-    return {k: float(v) for k, v in metrics.items()}
-
-
 def _fit(rank: int, world: int, trial: TradeoffTrial, out_dir: str) -> dict[str, float] | None:
     """One trial on this rank (or, for Hogwild, in the driver); rank 0 returns the validation metrics."""
     from hydra.utils import instantiate
@@ -91,7 +82,12 @@ def _fit(rank: int, world: int, trial: TradeoffTrial, out_dir: str) -> dict[str,
         callbacks.append(SlowRank(rank=1, factor=float(trial.slow_factor)))
     kw = {"devices": trial.world, "strategy": instantiate(trial.strategy), "max_steps": trial.steps}
     pl.Trainer(accelerator="cpu", callbacks=callbacks, **kw, **FIT).fit(model, datamodule=data)
-    return _evaluate(model, data) if rank == 0 else None
+    if rank != 0:
+        return None
+    if torch.distributed.is_initialized():  # left by the strategy; rank 0 evaluates on the whole validation set alone
+        torch.distributed.destroy_process_group()
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy="auto", num_sanity_val_steps=0, **QUIET)
+    return {k: float(v) for k, v in trainer.validate(model, datamodule=data, verbose=False)[0].items()}
 
 
 def tradeoff_trials(cfg: Any) -> list[TradeoffTrial]:
