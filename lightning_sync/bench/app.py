@@ -81,8 +81,7 @@ def select_strategies(cfg: DictConfig) -> dict[str, dict[str, Any]]:
 
 
 def host_rows(cfg: DictConfig, selected: dict[str, Any]) -> Rows:
-    """The ``selected`` rows the cost model also measures at one rank (``cost_model.host_rows``): their step
-    there less T1 is their host work."""
+    """``cost_model.host_rows`` of the ``selected``, also run at one rank: their step there less T1 is host work."""
     names = [str(n) for n in ((cfg.get("cost_model") or {}).get("host_rows") or [])]
     if unknown := [n for n in names if n not in cfg.strategies]:
         raise ValueError(f"cost_model.host_rows must name rows of strategies {list(cfg.strategies)}, got {unknown!r}")
@@ -158,8 +157,7 @@ def run_bench(cfg: DictConfig, out_dir: Path) -> Report | None:
 
 
 def run_calibration(cfg: DictConfig, out_dir: Path, meta: dict[str, Any]) -> CostParams:
-    """Sweep, fit and store the cost model's parameters in ``cost_model.params_file``, with a copy,
-    ``calibration.md`` and ``fit.png`` in ``out_dir``."""
+    """Sweep, fit and store the cost model's links in ``cost_model.params_file``, a copy and a figure in ``out_dir``."""
     cost = cfg.cost_model
     points = run_sweep(cost, int(cfg.threads_per_rank), float(cfg.timeout_s))
     params = calibrate(points, f"calibrated {meta['date']} on {meta['cpu']} with `{meta['command']}`")

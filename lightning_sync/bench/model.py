@@ -269,8 +269,7 @@ class Fit:
         return msgs * self.link.alpha + factor * p.bytes * self.link.beta
 
     def median_abs_error(self, world: int | None = None, min_bytes: int = 0) -> float:
-        """Median of |predicted / measured - 1| over the points (of one world size, of at least ``min_bytes``);
-        NaN without any."""
+        """Median |predicted / measured - 1| over the points (of a world size, at least ``min_bytes``), else NaN."""
         pts = [p for p in self.points if world in (None, p.world) and p.bytes >= min_bytes]
         return median([abs(self.predict(p) / p.seconds - 1) for p in pts])
 

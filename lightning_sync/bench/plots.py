@@ -143,8 +143,7 @@ def _line(ax: Any, xs: list[float], ys: list[float], rounds: list[list[float]], 
 
 
 def scaling(report: Report, path: Path) -> Figures:
-    """``scaling.png``: T1 / TK against K per strategy, one panel per model with a T1 (two or more K only); the
-    whiskers span T1 over each round's TK."""
+    """``scaling.png``: T1 / TK against K, a panel per model with a T1 (two or more K), whiskers over rounds' TK."""
     rows = strategy_rows(report)
     worlds = sorted({r.world for r in rows})
     models = [m for m in dict.fromkeys(r.model for r in rows) if (m, 1) in report.compute]

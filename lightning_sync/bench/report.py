@@ -84,8 +84,7 @@ def load_raw(path: Path) -> tuple[dict[int, list[list[Measurement]]], list[Measu
 
 
 def measurements(raw: dict[str, Any]) -> tuple[dict[int, list[list[Measurement]]], list[Measurement]]:
-    """``(results, single)`` of a ``raw.json``'s contents, keys :class:`Measurement` no longer has (an older
-    run's ``grad_bytes``) left out."""
+    """``(results, single)`` of a ``raw.json``'s contents, keys :class:`Measurement` no longer has left out."""
     known = {f.name for f in fields(Measurement)}
 
     def one(m: dict[str, Any]) -> Measurement:
@@ -146,8 +145,7 @@ class Report:
         return median(window_means(list(t.step_s), sync_every(t.step_calls)))
 
     def trials(self, row: Row) -> list[Measurement]:
-        """The trials a row aggregates, one per round (each with the largest rank's peak memory), for a figure
-        that shows their spread."""
+        """The trials a row aggregates, one per round (with the largest rank's peak memory), for their spread."""
         return list(self._trials.get((row.model, row.strategy, row.world), []))
 
     def _ratio(self, model: str, name: str, reference: str, world: int) -> float:

@@ -44,8 +44,7 @@ def node(cfg: Any) -> dict[str, Any]:
 
 
 def schedule(names: list[str], pairs: int) -> list[str]:
-    """Round-robin order over ``pairs`` rounds, reversed every other round (A B C, C B A, ...), so slow drifts
-    of the machine hit every row alike."""
+    """Round-robin over ``pairs`` rounds, reversed every other (A B C, C B A): slow drifts hit every row alike."""
     if pairs < 1:
         raise ValueError(f"pairs must be >= 1, got {pairs!r}")
     return [n for p in range(pairs) for n in (names if p % 2 == 0 else names[::-1])]

@@ -260,8 +260,7 @@ def run_trials(rank: int, world: int, trials: list[Trial], threads: int = 1, lab
 
 
 def quiet(threads: int) -> None:
-    """Set up a benchmark rank: ``threads`` torch threads, and Lightning's errors only and no warnings, which would
-    only interleave with the progress bar."""
+    """A bench rank: ``threads`` torch threads; Lightning's errors only, no warnings (they would split the bar)."""
     torch.set_num_threads(threads)
     for name in ("lightning.pytorch", "lightning.fabric"):
         logging.getLogger(name).setLevel(logging.ERROR)

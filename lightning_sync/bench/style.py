@@ -58,8 +58,7 @@ def colour(name: str) -> str:
 
 
 def look(name: str) -> dict[str, str]:
-    """Keyword arguments that colour an artist for strategy ``name`` and tag it with the name (its ``gid``), so a
-    figure can be searched by strategy."""
+    """Keywords that colour an artist for strategy ``name`` and tag it (``gid``): a figure is searchable by it."""
     return {"color": colour(name), "gid": name}
 
 
@@ -135,8 +134,7 @@ def whisker(median: float, values: Iterable[float]) -> list[list[float]] | None:
 
 
 def repeats_note(counts: Iterable[int]) -> str:
-    """What the whiskers span, for an axis label: ``median, min-max of 5 rounds`` (or ``3-5``), or that a single
-    round has no spread."""
+    """What the whiskers span, for an axis label (``... of 5 rounds``, ``3-5``), or that one round has no spread."""
     counts = sorted(set(counts))
     if not counts or counts[-1] < 2:
         return "1 round: no spread"

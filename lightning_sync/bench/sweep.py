@@ -63,8 +63,7 @@ def _repeats_for(nbytes: int, repeats: int) -> int:
 def sweep_all_reduce(
     rank: int, world: int, sizes: list[int], algorithms: list[str], repeats: int = 7, threads: int = 1
 ) -> list[SweepPoint]:
-    """One point per (size, op), the same on every rank, after one untimed call each. The ranks must share one
-    host: the span compares their clocks."""
+    """One point per (size, op), the same on every rank; the ranks share one host (the span compares clocks)."""
     for a in algorithms:
         check_choice("algorithm", a, OPS)
     check_int("repeats", repeats, 1)

@@ -140,8 +140,7 @@ class TradeoffRow:
 
 
 def run_tradeoff(cfg: Any, out_dir: Path, meta: dict[str, Any] | None = None) -> list[TradeoffResult]:
-    """Run every trial (each in fresh processes), write ``tradeoff.md``, ``tradeoff.json``, ``tradeoff.png`` and
-    :data:`BYTES_LOSS`; return the results."""
+    """Run every trial, write ``tradeoff.md``, ``.json``, ``.png`` and :data:`BYTES_LOSS`; return the results."""
     from lightning_sync.testing import run_distributed
 
     trials, timeout = tradeoff_trials(cfg), float(cfg.tradeoff.timeout_s)
@@ -284,8 +283,7 @@ def plot_tradeoff(results: list[TradeoffResult], path: Path) -> list[Any]:
 
 
 def plot_bytes_loss(results: list[TradeoffResult], path: Path) -> list[Any]:
-    """:data:`BYTES_LOSS`: one panel per model, validation loss against MiB sent, every strategy named beside its
-    point; returns the figures, closed."""
+    """:data:`BYTES_LOSS`: a panel per model, validation loss against MiB sent, each strategy named at its point."""
     out = []
     for file, models in paged(path, dict.fromkeys(r.model for r in results), style.MAX_PANELS):
         fig, axes = style.grid(len(models), 5, 3.8)
