@@ -23,9 +23,8 @@ _DDP_FIRST_BUCKET, _DDP_BUCKET = 1 * _MIB, 25 * _MIB  # torch DDP's first bucket
 
 
 def traffic_of(row: Row) -> M.Traffic:
-    """A row's per-step traffic: measured through ``comms``, else analytic: torch DDP all-reduces the gradients
-    in a 1 MiB then 25 MiB buckets; FSDP2, per ``nn.Linear`` unit, all-gathers its shard twice (once without
-    ``reshard_after_forward``) and reduce-scatters once."""
+    """A row's per-step traffic: measured through ``comms``, else analytic: torch DDP's 1 MiB then 25 MiB buckets;
+    FSDP2 per ``nn.Linear`` unit two all-gathers (one without resharding) and a reduce-scatter."""
     world, s = row.world, float(row.param_bytes)
     if row.measured:
         ops = {op: (float(row.op_calls_per_step.get(op, 0.0)), float(b)) for op, b in row.op_bytes_per_step.items()}

@@ -38,10 +38,9 @@ def resolve_classes(names: Sequence[str | type]) -> tuple[type[nn.Module], ...]:
 
 
 class FullyShardStrategy(ModelParallelStrategy):
-    """FSDP2 (``fully_shard``) on every module of ``shard_classes`` (dotted names or classes) plus the root; pure
-    data parallelism over ``data_parallel_size`` ranks (None: all of them). ``reshard_after_forward`` frees each
-    unit's gathered parameters after its forward and gathers them again for backward (ZeRO-3); ``False`` keeps
-    them until after backward. Other keywords go to ModelParallelStrategy."""
+    """FSDP2 (``fully_shard``) on every module of ``shard_classes`` (dotted names or classes) plus the root, over
+    ``data_parallel_size`` ranks (None: all). ``reshard_after_forward`` frees each unit's gathered parameters after
+    its forward and gathers them again for backward (ZeRO-3). Other keywords go to ModelParallelStrategy."""
 
     def __init__(
         self,

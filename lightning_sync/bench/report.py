@@ -32,9 +32,8 @@ def wire_bytes(op_bytes: Mapping[str, float], world: int) -> float:
 
 
 def analytic_wire_factor(strategy: Mapping[str, Any], world: int) -> float:
-    """Wire bytes per parameter byte and step that the strategy node needs: ``3(K-1)/K`` for ZeRO-3 and FSDP2
-    (all-gather for forward and backward, reduce-scatter; ``2(K-1)/K`` without ``reshard_after_forward``), else
-    ``2(K-1)/K`` (one all-reduce, or ZeRO-1/2's reduce-scatter and all-gather; compression is not modelled)."""
+    """Wire bytes per parameter byte and step: ``3(K-1)/K`` for ZeRO-3 and FSDP2 (two all-gathers, a reduce-scatter;
+    ``2(K-1)/K`` without resharding), else ``2(K-1)/K`` (compression is not modelled)."""
     check_int("world size", world, 1)
     cls, stage = strategy_class(dict(strategy)), int(strategy.get("stage", 3))
     if cls == "ShardedStrategy" and stage not in (1, 2, 3):

@@ -1,7 +1,6 @@
 """How every bench figure looks, decided once so the figures read alike and fit a README.
 
-- A strategy has one colour in every figure (:data:`PALETTE`; a name it lacks gets a spare colour chosen by a
-  stable hash, so it too keeps its colour from figure to figure and run to run).
+- A strategy has one colour in every figure and run (:data:`PALETTE`, else a spare one by a stable hash).
 - A figure has at most :data:`MAX_PANELS` panels and is at most :data:`MAX_WIDTH_PX` pixels wide: more panels
   than a reader can compare at a glance go to a second page (:func:`paged`).
 - A repeated measurement is drawn as its median with whiskers (or a band) from its smallest to its largest
