@@ -133,7 +133,8 @@ def _batch_progress() -> None:
     progress.reset_on_restart()  # what the epoch loop does next on a restart: ready falls back to completed
     assert progress.current.ready == 8
     assert not compat.restored_at_epoch_end(trainer)
-    trainer.fit_loop.epoch_loop.restarting, progress.is_last_batch = True, True  # what loading an epoch-end checkpoint sets
+    # what loading an epoch-end checkpoint sets
+    trainer.fit_loop.epoch_loop.restarting = progress.is_last_batch = True
     assert compat.restored_at_epoch_end(trainer)
 
 

@@ -403,8 +403,8 @@ def test_a_snapshot_holds_no_push_the_server_has_not_applied() -> None:
 
 def test_another_number_of_workers_keeps_the_global_clock_and_restarts_the_pushes_per_worker() -> None:
     """A K = 2 checkpoint after 5 pushes (2.5 global steps' worth) resumed with K = 3: 7 pushes (7.5 rounded
-    down: global step 2, a third of the next one done, so two more pushes reach step 3), the staleness histogram kept, every worker reading the
-    saved version, pushes per worker from 0."""
+    down: global step 2, a third of the next one done, so two more pushes reach step 3), the staleness
+    histogram kept, every worker reading the saved version, pushes per worker from 0."""
     server, _ = _server(2, math.inf)
     for i in range(5):
         _push(server, i % 2, seed=i).wait()
