@@ -116,8 +116,8 @@ def test_usr1_mid_run_requeues_and_the_resumed_job_ends_with_the_uninterruptedwe
         text,
     ), text[-4000:]
     assert re.search(
-        r"resume: epoch \d+ continues at sample \d+ of its global order of \d+; the batches already "
-        r"trained are skipped",
+        r"resume: epoch \d+ continues at sample \d+ of its global order of \d+ \(\d+ batches of \d+ on each of 2 "
+        r"ranks already trained are skipped\)",
         text,
     ), text[-4000:]
     assert f"`Trainer.fit` stopped: `max_steps={STEPS}` reached." in text, text[-4000:]
