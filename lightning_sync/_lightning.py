@@ -29,6 +29,7 @@ __all__ = [
     "ddp_start_method",
     "epoch_batches",
     "explicit_checkpoint_io",
+    "finish_restored_epoch",
     "restored_at_epoch_end",
     "set_checkpoint_io",
     "set_epoch_batches",
@@ -93,6 +94,15 @@ def restored_at_epoch_end(trainer: Any) -> bool:
     the epoch loop restarts: in ``on_train_start``)."""
     loop = trainer.fit_loop.epoch_loop
     return bool(loop.restarting and loop.batch_progress.is_last_batch)
+
+
+def finish_restored_epoch(trainer: Any) -> None:
+    """In ``on_train_start``: a loop restored at its epoch's last batch counts that epoch as finished in this
+    run's batches. An epoch of fewer batches (more ranks, or larger batches, when it was saved) would otherwise
+    read to Lightning as a place inside this run's longer epoch: it would train on to that epoch's end while
+    the loader starts the next, and then start the next epoch over."""
+    if restored_at_epoch_end(trainer) and epoch_batches(trainer) < trainer.num_training_batches < float("inf"):
+        set_epoch_batches(trainer, int(trainer.num_training_batches))
 
 
 def trainer_of(module: Any) -> Any | None:

@@ -155,9 +155,12 @@ class ExactResume:
 
         def load_state_dict(state: dict[str, Any]) -> None:
             batches = ordered.resume(state, batch_size, loop.accumulate())
+            # inside an epoch (at its start too: a checkpoint written within its first accumulation window)
+            # the loop counts what the position says; a finished epoch is the loop's own to close
+            if state["position"] or state.get("epoch_done") is False:
+                loop.restart_at(batches)
             if not state["position"]:
                 return
-            loop.restart_at(batches)
             if rank_zero_only.rank == 0:
                 log.info(
                     "resume: epoch %d continues at sample %d of its global order of %d (%d batches of %d on "

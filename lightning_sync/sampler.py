@@ -110,6 +110,7 @@ class GlobalOrderSampler(Sampler[int]):
             "seed": int(self.base.seed),
             "batch_size": batch_size,
             "global_batch": batch_size * self.world_size * accumulate,
+            "epoch_done": epoch_done,
         }
 
     def resume(self, state: Mapping[str, Any], batch_size: int | None = None, accumulate: int = 1) -> int:

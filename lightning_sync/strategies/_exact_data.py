@@ -22,7 +22,7 @@ from typing import Any
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 
-from lightning_sync._lightning import epoch_batches, set_epoch_batches, trainer_of
+from lightning_sync._lightning import epoch_batches, finish_restored_epoch, set_epoch_batches, trainer_of
 from lightning_sync.resume import RANK_STATES, ExactResume
 from lightning_sync.sampler import shard_for_evaluation
 
@@ -112,6 +112,9 @@ class ExactDataHooks:
 
     def on_train_start(self) -> None:
         super().on_train_start()  # type: ignore[misc]
+        trainer = trainer_of(self.lightning_module)  # type: ignore[attr-defined]
+        if trainer is not None:
+            finish_restored_epoch(trainer)
         self._exact_resume.restore_rng(self.root_device)  # type: ignore[attr-defined]
 
     def _save_rank_states(self, checkpoint: dict[str, Any], extra: dict[str, Any] | None = None) -> None:

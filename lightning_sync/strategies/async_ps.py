@@ -88,7 +88,6 @@ Failure
 
 from __future__ import annotations
 
-import math
 from datetime import timedelta
 from typing import Any
 
@@ -97,7 +96,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_sync._lightning import epoch_batches, restored_at_epoch_end, set_epoch_batches
+from lightning_sync._lightning import finish_restored_epoch
 from lightning_sync.comms import rpc
 from lightning_sync.strategies._common import as_timedelta, check_launch_args
 from lightning_sync.strategies._no_process_group import NoProcessGroupStrategy
@@ -246,10 +245,7 @@ class AsyncParameterServerStrategy(NoProcessGroupStrategy):
         if self.server is not None:
             self.server.restored()
         trainer = self.lightning_module.trainer
-        if restored_at_epoch_end(trainer) and epoch_batches(trainer) < trainer.num_training_batches < math.inf:
-            # the saved epoch ended after fewer batches (more ranks, or larger batches); Lightning would take that
-            # count as a place inside this epoch and, the loader restarting, train only its first batches
-            set_epoch_batches(trainer, int(trainer.num_training_batches))
+        finish_restored_epoch(trainer)
         if trainer.fit_loop.max_steps >= 0:
             self._lifted_max_steps = trainer.fit_loop.max_steps
             trainer.fit_loop.epoch_loop.max_steps = -1

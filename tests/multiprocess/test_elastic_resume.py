@@ -15,6 +15,7 @@ and ends where an uninterrupted run does.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -242,3 +243,48 @@ def test_the_cli_resumes_at_another_device_count_deriving_the_accumulation(tmp_p
     for name in want:
         err = (got[name] - want[name]).abs().max().item()
         assert err <= CLI_TOL, f"{name}: max |resized - uninterrupted| = {err:.3g} > {CLI_TOL}"
+
+
+def _epoch_part(rank: int, world: int, tmpdir: str, steps: int, ckpt: str | None) -> list[list[int]]:
+    """bucketed_ddp with SGD to global step ``steps`` at this world size, checkpointing every 6 steps (an
+    epoch's end), from ``ckpt``; this rank's sample indices of every micro-batch."""
+    _quiet_rank()
+    saver = ModelCheckpoint(dirpath=Path(tmpdir) / f"world{world}", every_n_train_steps=6, save_top_k=-1)
+    module = _Recorded("sgd")
+    accumulate = GLOBAL // (BATCH * world)
+    trainer = _trainer(
+        world,
+        _make("bucketed_ddp"),
+        max_steps=steps,
+        accumulate_grad_batches=accumulate,
+        callbacks=[saver],
+        enable_checkpointing=True,
+    )
+    trainer.fit(module, ckpt_path=ckpt)
+    return module.seen
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_an_epoch_end_and_an_epoch_start_resume_at_another_world_size(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An epoch-end checkpoint of world 2 (18 batches an epoch) resumed at world 1 (36): Lightning must count
+    the epoch as finished, not as a place halfway through the longer one, which trained on into the next epoch
+    and then started it over. The run at world 1 re-saves its resumed step after the next epoch's first
+    micro-batch (ModelCheckpoint); that file, position 0 inside an accumulation window, resumed at world 3
+    must train the window again rather than count its first micro-batch."""
+    run = functools.partial(run_distributed, _epoch_part, timeout=200, env=ENV)
+    first = run(2, str(tmp_path), 6, None)
+    (epoch_end,) = (tmp_path / "world2").glob("*-step=6.ckpt")
+    second = run(1, str(tmp_path), 12, str(epoch_end))
+    resaved = tmp_path / "world1" / "epoch=1-step=6.ckpt"
+    (state,) = torch.load(resaved, map_location="cpu", weights_only=True)["loops"]["fit_loop"]["state_dict"][
+        "combined_loader"
+    ]
+    assert (state["epoch"], state["position"], state["epoch_done"]) == (1, 0, False), state
+    third = run(3, str(tmp_path), 12, str(resaved))
+    monkeypatch.setenv("PL_GLOBAL_SEED", ENV["PL_GLOBAL_SEED"])  # the ranks' seed, for the reference's sampler
+    expected = _reference_batches(12)
+    assert _global_batches(first, 2) + _global_batches(second, 1) == expected, "epoch end, world 2 -> 1"
+    assert _global_batches(third, 3) == expected[6:], "epoch start inside a window, world 1 -> 3"

@@ -72,6 +72,7 @@ def test_a_resume_position_skips_a_prefix_of_the_global_order_in_that_epoch_only
         "seed": 1,
         "batch_size": 2,
         "global_batch": 6,
+        "epoch_done": False,
     }
     for r, s in enumerate(samplers):
         fresh = GlobalOrderSampler(_distributed(40, world, r, shuffle=True, seed=1))
