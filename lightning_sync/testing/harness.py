@@ -126,8 +126,7 @@ def _child(
     if not process_group:
         os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"  # env:// rendezvous: a client of the parent's store
     os.environ.update(env)
-    if inherit is not None:
-        fresh_process_state()
+    fresh_process_state()  # a spawned rank, too, would hand its start method to its DataLoader's workers
     try:
         fn, args, kwargs = pickle.loads(job)
         import torch

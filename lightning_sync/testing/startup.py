@@ -5,9 +5,10 @@ so a rank starts in a fraction of a second instead of importing them again (seco
 still a fresh process of its own: it takes the caller's environment, working directory, ``sys.path`` and
 stdout/stderr *at the call* (:class:`Inherit`, as a spawned one would), reseeds NumPy's global RNG from the
 OS (Python's ``random`` reseeds itself after a fork) and applies ``OMP_NUM_THREADS`` to torch, which the
-preloaded torch had read at the server's start (:func:`fresh_process_state`). The project's own modules are
-imported by each rank, so a run always uses the code on disk. ``LIGHTNING_SYNC_START_METHOD=spawn`` goes
-back to plain ``spawn`` (every rank imports everything itself).
+preloaded torch had read at the server's start (:func:`fresh_process_state`). The server also imports the
+project's modules and warms Hydra's override parser (:mod:`~lightning_sync.testing.preload`), so a rank runs
+the code that was on disk when the server started: its process's first run (a test session, a ``bench``).
+``LIGHTNING_SYNC_START_METHOD=spawn`` goes back to plain ``spawn`` (every rank imports everything itself).
 """
 
 from __future__ import annotations
@@ -39,8 +40,9 @@ PRELOAD = (
     "hydra.utils",
     "omegaconf",
     "sklearn.datasets",  # the digits data of the CLI's default model
+    "lightning_sync.testing.preload",  # the project's modules, and Hydra's parser tables
 )
-"""Third-party modules the forkserver imports once; a module that fails to import is skipped."""
+"""Modules the forkserver imports once; a module that fails to import is skipped (its rank imports it)."""
 
 
 # multiprocessing keeps one forkserver per process, so its warm-up state is per process too
@@ -152,11 +154,17 @@ class Inherited:
 def fresh_process_state() -> None:
     """After a fork from a preloaded server: what a fresh interpreter would have done at its own imports.
 
-    NumPy's global RNG is reseeded from the OS (a fork copies the server's), and torch takes
-    ``OMP_NUM_THREADS`` (the preloaded torch read the server's at import).
+    NumPy's global RNG is reseeded from the OS (a fork copies the server's), torch takes ``OMP_NUM_THREADS``
+    (the preloaded torch read the server's at import), and the processes the rank starts itself (a
+    DataLoader's workers) get the interpreter's default start method again: ``multiprocessing`` hands its
+    children the start method that started them, and a worker started through a forkserver of the rank's own
+    imports everything from scratch (about 2 s per worker, every epoch), where a rank of torchrun or Slurm
+    forks it.
     """
+    import multiprocessing
     import sys
 
+    multiprocessing.set_start_method(None, force=True)  # the default context, as in a fresh interpreter
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed()
     threads = os.environ.get("OMP_NUM_THREADS", "")

@@ -170,6 +170,41 @@ def test_bare_tensor_results_in_rank_order() -> None:
     _assert_no_children()
 
 
+class _WorkerIds(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 2
+
+    def __getitem__(self, i: int) -> int:
+        return torch.utils.data.get_worker_info().id
+
+
+def _start_method_worker(rank: int, world_size: int) -> tuple[str | None, list[int]]:
+    """The start method this rank's own processes get by default, and what a DataLoader with a worker reads."""
+    loader = torch.utils.data.DataLoader(_WorkerIds(), batch_size=1, num_workers=1)
+    return multiprocessing.get_start_method(), [int(b) for b in loader]
+
+
+@pytest.mark.timeout(90)
+def test_a_rank_starts_its_own_processes_as_a_fresh_interpreter_would() -> None:
+    """A rank forked by the harness's forkserver must not pass that start method on: torchrun's and Slurm's
+    ranks are fresh interpreters, whose DataLoader workers fork (Linux, Python < 3.14). Inherited, every
+    worker of every epoch went through a forkserver of the rank's own, started from scratch (2 s each)."""
+    import subprocess
+    import sys
+
+    fresh = subprocess.run(
+        [sys.executable, "-c", "import multiprocessing as m; print(m.get_start_method())"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout.strip()
+    results = run_distributed(_start_method_worker, 2, timeout=60)
+    assert [r[0] for r in results] == [fresh, fresh], (fresh, results)
+    assert [r[1] for r in results] == [[0, 0], [0, 0]]  # both samples from the one worker
+    _assert_no_children()
+
+
 # --------------------------------------------------------------------------- failures name the rank
 
 
