@@ -67,6 +67,7 @@ import torch
 
 from lightning_sync._lightning import should_accumulate
 from lightning_sync.launch.atomic import publish_path, recover_dir, remove_path, write_atomically
+from lightning_sync.launch.signals import resolve_signal
 from lightning_sync.strategies._exact_data import ExactDataHooks
 from lightning_sync.strategies.sharded import COMPLETE_MARKER, LIGHTNING_STATE
 from lightning_sync.sync.safe_load import contained_path
@@ -87,23 +88,6 @@ __all__ = [
 log = logging.getLogger("lightning_sync.launch")
 POINTER = "latest.json"
 _PREFIX = "requeue-step"
-_ALLOWED_SIGNALS = ("USR1", "USR2", "TERM", "INT", "HUP", "CONT", "URG", "XCPU")
-
-
-def resolve_signal(value: Any) -> signal.Signals:
-    """``"USR1"``, ``"SIGUSR1"``, ``10`` or ``signal.SIGUSR1`` -> ``signal.SIGUSR1``; anything else: ValueError."""
-    if isinstance(value, signal.Signals):
-        return value
-    if isinstance(value, int) and not isinstance(value, bool):
-        try:
-            return signal.Signals(value)
-        except ValueError:
-            pass
-    elif isinstance(value, str):
-        name = value.strip().upper().removeprefix("SIG")
-        if name in _ALLOWED_SIGNALS:
-            return signal.Signals[f"SIG{name}"]
-    raise ValueError(f"signal must be one of {list(_ALLOWED_SIGNALS)} (or its number), got {value!r}")
 
 
 class Preempted(Exception):

@@ -29,7 +29,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 
 from lightning_sync._config import config_dir
-from lightning_sync.launch.requeue import resolve_signal
+from lightning_sync.launch.signals import resolve_signal
 
 __all__ = ["SlurmLauncherValues", "compose_job", "render_sbatch"]
 
