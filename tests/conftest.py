@@ -25,6 +25,9 @@ _DIST_ENV = (
 )
 
 
+_SLURM_TIER = "tests/slurm"
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     """``-n auto``: many tests start 2-4 ranks of their own, so one worker per core would oversubscribe a large
@@ -37,7 +40,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
     """Each test module runs whole on one worker, so its module-scoped fixtures (an uninterrupted reference run,
     a built wheel) are built once and never by two workers at the same time; the slurm tier runs whole on one
     worker too: a worker starts its own Slurm, and two would hand out the same job ids (so the same rendezvous
-    ports).
+    ports), and it goes first.
 
     A scheduler rather than ``xdist_group`` marks, which pytest-xdist 3.8 cannot read under pytest 9."""
     if config.getvalue("dist") not in ("load", "loadgroup", "loadfile"):
@@ -46,7 +49,15 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
 
     class ByModuleSlurmTogether(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return "tests/slurm" if nodeid.startswith("tests/slurm/") else nodeid.split("::", 1)[0]
+            return _SLURM_TIER if nodeid.startswith(_SLURM_TIER + "/") else nodeid.split("::", 1)[0]
+
+        def _assign_work_unit(self, node: object) -> None:
+            # The slurm tier is the longest unit by far (about 4 minutes, much of it waiting on Slurm and on
+            # fresh interpreters): handed out first, it overlaps every other module instead of running alone,
+            # on one worker, at the end.
+            if _SLURM_TIER in self.workqueue:
+                self.workqueue.move_to_end(_SLURM_TIER, last=False)
+            super()._assign_work_unit(node)
 
     return ByModuleSlurmTogether(config, log)
 
