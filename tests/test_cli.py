@@ -1,9 +1,10 @@
 """The ``lightning-sync`` console script, run as a user would: real processes, real Hydra, real gloo ranks.
 
-The default job, multirun and the examples go through the console script and Lightning's own launcher (rank 0
-starts rank 1 as a fresh process). Jobs that test a model, a strategy or resume rather than the launch run their
-two ranks as torchrun would (:mod:`lightning_sync.testing.cli_ranks`: ``python -m lightning_sync`` per rank,
-forked from the harness's preloaded forkserver), which spares two fresh imports of torch and Lightning each."""
+The default job and multirun go through the console script and Lightning's own launcher (rank 0 starts rank 1
+as a fresh process). Jobs that test a model, a strategy, resume or an example rather than the launch run their
+ranks as torchrun would (:mod:`lightning_sync.testing.cli_ranks`: ``python -m lightning_sync`` or the example's
+``python <script>`` per rank, forked from the harness's preloaded forkserver), which spares a fresh import of
+torch and Lightning per process."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from hydra.errors import MissingConfigException
 from omegaconf import OmegaConf
 
 from lightning_sync import cli
-from lightning_sync.testing.cli_ranks import run
+from lightning_sync.testing.cli_ranks import run, run_script
 
 # Rank variables must not reach the CLI from the test process: the CLI would think it is a child rank.
 _SCRUB = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "PL_GLOBAL_SEED")
@@ -42,15 +43,10 @@ def run_cli(args: list[str], cwd: Path, timeout: float = 240) -> subprocess.Comp
     return subprocess.run([*_cli(), *args], cwd=cwd, env=env, text=True, capture_output=True, timeout=timeout)
 
 
-def run_example(name: str, args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
-    """Run ``examples/<name>`` with this interpreter; fails the test on a non-zero exit."""
-    example = Path(__file__).resolve().parents[1] / "examples" / name
-    env = {k: v for k, v in os.environ.items() if k not in _SCRUB}
-    proc = subprocess.run(
-        [sys.executable, str(example), *args], cwd=cwd, env=env, text=True, capture_output=True, timeout=240
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return proc
+def run_example(name: str, args: list[str], cwd: Path, world: int = 1) -> str:
+    """``python examples/<name> <args>`` in ``cwd`` on ``world`` processes started as torchrun would (one: a
+    plain run); every process must exit 0. Returns process 0's output."""
+    return run_script(Path(__file__).resolve().parents[1] / "examples" / name, args, cwd, world=world, timeout=240)[0]
 
 
 def run_ranks(args: list[str], run_dir: Path) -> str:
@@ -250,9 +246,9 @@ def test_train_char_gpt_50_steps_reports_bpc_and_sample(tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_plain_trainer_example_trains_on_two_ranks(tmp_path: Path) -> None:
-    proc = run_example("plain_trainer.py", ["--max-steps", "60"], tmp_path)
-    match = re.search(r"final train_mse=([\d.]+) after (\d+) steps on (\d+) ranks", proc.stdout)
-    assert match, proc.stdout[-2000:]
+    out = run_example("plain_trainer.py", ["--max-steps", "60"], tmp_path, world=2)
+    match = re.search(r"final train_mse=([\d.]+) after (\d+) steps on (\d+) ranks", out)
+    assert match, out[-2000:]
     # Targets are standardised, so predicting their mean scores 1.0; a trained net must do clearly better.
     assert float(match.group(1)) < 0.8 and match.group(2) == "60" and match.group(3) == "2"
 
@@ -260,9 +256,9 @@ def test_plain_trainer_example_trains_on_two_ranks(tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_overlap_probe_example_reports_its_measurements(tmp_path: Path) -> None:
-    proc = run_example("overlap_probe.py", ["--caps", "0.5"], tmp_path)
-    match = re.search(r"cap=0.5 MiB: (\{.*\})", proc.stdout)
-    assert match, proc.stdout[-2000:]
+    out = run_example("overlap_probe.py", ["--caps", "0.5"], tmp_path)
+    match = re.search(r"cap=0.5 MiB: (\{.*\})", out)
+    assert match, out[-2000:]
     got = ast.literal_eval(match.group(1))  # the example prints a dict literal
     assert got["buckets"] > 2  # 0.5 MiB caps split deep_mlp's 8 MiB of gradients
     assert all(got[k] > 0 for k in ("compute_ms", "comm_alone_ms", "step_ms", "backward_ms"))

@@ -10,6 +10,7 @@ rank as a real ``python -m lightning_sync`` subprocess instead. (``tests/test_cl
 console script itself.)
 
 The crash, fault-matrix and Slurm tiers use it: the last for the local runs a Slurm job must equal.
+:func:`run_script` starts an example script's processes the same way.
 """
 
 from __future__ import annotations
@@ -27,12 +28,14 @@ import torch
 
 from lightning_sync.testing.startup import START_METHOD_ENV, fresh_process_state, rank_context
 
-__all__ = ["Rank", "finish", "launch", "run", "weights"]
+__all__ = ["Rank", "finish", "launch", "run", "run_script", "weights"]
 
 
-def _run_module_as_main(argv: list[str], env: dict[str, str], output: str) -> None:
-    """In a forked rank: what ``python -m lightning_sync <argv>`` does in a fresh process, with
-    ``start_new_session=True`` and stdout and stderr merged into ``output``."""
+def _run_module_as_main(
+    argv: list[str], env: dict[str, str], output: str, script: str | None = None, cwd: str | None = None
+) -> None:
+    """In a forked rank: what ``python -m lightning_sync <argv>`` (or ``python <script> <argv>``) does in a fresh
+    process, with ``start_new_session=True`` and stdout and stderr merged into ``output``."""
     import atexit
     import runpy
     import threading
@@ -47,11 +50,18 @@ def _run_module_as_main(argv: list[str], env: dict[str, str], output: str) -> No
     os.close(fd)
     os.environ.clear()
     os.environ.update(env)
+    if cwd is not None:
+        os.chdir(cwd)
     fresh_process_state()
     code = 0
     try:
-        sys.argv = ["-m", *argv]  # run_module replaces argv[0] by the module's path, as ``python -m`` does
-        runpy.run_module("lightning_sync", run_name="__main__", alter_sys=True)
+        if script is None:
+            sys.argv = ["-m", *argv]  # run_module replaces argv[0] by the module's path, as ``python -m`` does
+            runpy.run_module("lightning_sync", run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = [script, *argv]
+            sys.path.insert(0, os.path.dirname(os.path.abspath(script)))  # as ``python <script>`` puts it first
+            runpy.run_path(script, run_name="__main__")
     except SystemExit as e:  # the interpreter's own handling of SystemExit
         if isinstance(e.code, int):
             code = e.code
@@ -79,11 +89,13 @@ class Rank:
     process group), ``poll``, ``wait``, ``communicate`` (its merged output) and ``returncode`` (negative: the
     signal that killed it)."""
 
-    def __init__(self, argv: list[str], env: dict[str, str], name: str) -> None:
+    def __init__(
+        self, argv: list[str], env: dict[str, str], name: str, script: str | None = None, cwd: str | None = None
+    ) -> None:
         fd, self._output = tempfile.mkstemp(prefix="ls_cli_rank_", suffix=".log")
         os.close(fd)
         self._process = rank_context().Process(
-            target=_run_module_as_main, args=(argv, env, self._output), name=name, daemon=False
+            target=_run_module_as_main, args=(argv, env, self._output, script, cwd), name=name, daemon=False
         )
         self._process.start()
         self.pid: int = self._process.pid
@@ -128,7 +140,6 @@ def launch(world: int, run_dir: Path, overrides: Sequence[str]) -> list[Rank | s
     ``run_dir`` and their final weights to ``run_dir/final.ckpt``; stdout and stderr are merged.
 
     Returns a :class:`Rank` per rank (a :class:`subprocess.Popen` with ``LIGHTNING_SYNC_START_METHOD=spawn``)."""
-    spawn = os.environ.get(START_METHOD_ENV, "forkserver") == "spawn"
     port = _free_port()
     procs = []
     for rank in range(world):
@@ -153,20 +164,27 @@ def launch(world: int, run_dir: Path, overrides: Sequence[str]) -> list[Rank | s
             f"hydra.run.dir={run_dir}",
             *overrides,
         ]
-        if spawn:
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, "-m", "lightning_sync", *argv],
-                    env=env,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.STDOUT,
-                    text=True,
-                    start_new_session=True,
-                )
-            )
-        else:
-            procs.append(Rank(argv, env, name=f"lightning_sync-cli-rank{rank}"))
+        procs.append(_start(argv, env, f"lightning_sync-cli-rank{rank}"))
     return procs
+
+
+def _start(
+    argv: list[str], env: dict[str, str], name: str, script: str | None = None, cwd: str | None = None
+) -> Rank | subprocess.Popen[str]:
+    """One process of ``python -m lightning_sync <argv>`` (or ``python <script> <argv>``): forked as a
+    :class:`Rank`, or a real subprocess with ``LIGHTNING_SYNC_START_METHOD=spawn``."""
+    if os.environ.get(START_METHOD_ENV, "forkserver") != "spawn":
+        return Rank(argv, env, name=name, script=script, cwd=cwd)
+    command = ["-m", "lightning_sync"] if script is None else [script]
+    return subprocess.Popen(
+        [sys.executable, *command, *argv],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        cwd=cwd,
+    )
 
 
 def finish(procs: list[Rank | subprocess.Popen[str]], timeout: float) -> list[tuple[int, str]]:
@@ -194,6 +212,41 @@ def run(world: int, run_dir: Path, overrides: Sequence[str], timeout: float = 30
     outputs = finish(launch(world, run_dir, overrides), timeout=timeout)
     for rank, (code, text) in enumerate(outputs):
         assert code == 0, f"rank {rank} of {world} exited {code}:\n{text[-4000:]}"
+    return [text for _, text in outputs]
+
+
+def run_script(
+    script: str | os.PathLike[str],
+    args: Sequence[str],
+    cwd: str | os.PathLike[str],
+    world: int = 1,
+    timeout: float = 300,
+) -> list[str]:
+    """``python <script> <args>`` in the directory ``cwd`` on ``world`` processes of one node, as torchrun
+    starts them (``LOCAL_RANK``, ``RANK``, ``WORLD_SIZE``, a rendezvous and ``OMP_NUM_THREADS=1`` in each one's
+    environment; none for a single process, which then runs as a plain ``python <script>``), forked from the
+    harness's forkserver like :func:`launch`'s ranks (``LIGHTNING_SYNC_START_METHOD=spawn``: real
+    subprocesses). Every process must exit 0; returns their merged stdout and stderr."""
+    script = str(script)
+    port = _free_port()
+    procs: list[Rank | subprocess.Popen[str]] = []
+    for rank in range(world):
+        env = dict(os.environ)
+        if world > 1:
+            env.update(
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
+                NODE_RANK="0",
+                LOCAL_RANK=str(rank),
+                RANK=str(rank),
+                WORLD_SIZE=str(world),
+                LOCAL_WORLD_SIZE=str(world),
+            )
+            env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default for more than one process
+        procs.append(_start(list(args), env, f"lightning_sync-script-rank{rank}", script, str(cwd)))
+    outputs = finish(procs, timeout=timeout)
+    for rank, (code, text) in enumerate(outputs):
+        assert code == 0, f"{script} process {rank} of {world} exited {code}:\n{text[-4000:]}"
     return [text for _, text in outputs]
 
 
