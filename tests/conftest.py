@@ -1,9 +1,11 @@
-"""Shared fixtures: process-group teardown, environment-leak check, and the gpu marker's skip."""
+"""Shared fixtures: process-group teardown, environment-leak check, the gpu marker's skip, and the slurm tier as
+a command of its own."""
 
 from __future__ import annotations
 
 import multiprocessing
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -62,7 +64,33 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
     return ByModuleSlurmTogether(config, log)
 
 
+def _runs_the_slurm_tier(config: pytest.Config) -> bool:
+    """The slurm tier starts real Slurm daemons and takes minutes, so it is a command of its own (``pytest
+    tests/slurm``, which CI runs after the default one): it runs when the command line names it, by a path
+    inside ``tests/slurm`` or by a ``-m`` expression on its marker."""
+    if "slurm" in (config.getoption("markexpr", "") or ""):
+        return True
+    tier = (config.rootpath / _SLURM_TIER).resolve()
+    for arg in config.args:
+        path = Path(arg.split("::", 1)[0])
+        path = (path if path.is_absolute() else config.invocation_params.dir / path).resolve()
+        if path == tier or tier in path.parents:
+            return True
+    return False
+
+
+def pytest_report_header(config: pytest.Config) -> str | None:
+    if _runs_the_slurm_tier(config):
+        return None
+    return f"slurm tier: not in this run (real Slurm daemons, about 4 minutes): python -m pytest {_SLURM_TIER}"
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not _runs_the_slurm_tier(config):
+        tier = [item for item in items if item.nodeid.startswith(_SLURM_TIER + "/")]
+        if tier:
+            config.hook.pytest_deselected(items=tier)
+            items[:] = [item for item in items if not item.nodeid.startswith(_SLURM_TIER + "/")]
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA (marker 'gpu'); this machine has none")
