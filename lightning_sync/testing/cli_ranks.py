@@ -209,9 +209,13 @@ def finish(procs: list[Rank | subprocess.Popen[str]], timeout: float) -> list[tu
 
 def run(world: int, run_dir: Path, overrides: Sequence[str], timeout: float = 300) -> list[str]:
     """:func:`launch`, then :func:`finish`: every rank's output, after checking that every rank exited 0."""
-    outputs = finish(launch(world, run_dir, overrides), timeout=timeout)
+    return _succeeded(launch(world, run_dir, overrides), timeout, "rank")
+
+
+def _succeeded(procs: list[Rank | subprocess.Popen[str]], timeout: float, what: str) -> list[str]:
+    outputs = finish(procs, timeout=timeout)
     for rank, (code, text) in enumerate(outputs):
-        assert code == 0, f"rank {rank} of {world} exited {code}:\n{text[-4000:]}"
+        assert code == 0, f"{what} {rank} of {len(procs)} exited {code}:\n{text[-4000:]}"
     return [text for _, text in outputs]
 
 
@@ -244,10 +248,7 @@ def run_script(
             )
             env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default for more than one process
         procs.append(_start(list(args), env, f"lightning_sync-script-rank{rank}", script, str(cwd)))
-    outputs = finish(procs, timeout=timeout)
-    for rank, (code, text) in enumerate(outputs):
-        assert code == 0, f"{script} process {rank} of {world} exited {code}:\n{text[-4000:]}"
-    return [text for _, text in outputs]
+    return _succeeded(procs, timeout, f"{script} process")
 
 
 def weights(path: Path) -> dict[str, torch.Tensor]:
