@@ -54,7 +54,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
             return _SLURM_TIER if nodeid.startswith(_SLURM_TIER + "/") else nodeid.split("::", 1)[0]
 
         def _assign_work_unit(self, node: object) -> None:
-            # The slurm tier is the longest unit by far (about 4 minutes, much of it waiting on Slurm and on
+            # The slurm tier is the longest unit by far (3 to 4 minutes, much of it waiting on Slurm and on
             # fresh interpreters): handed out first, it overlaps every other module instead of running alone,
             # on one worker, at the end.
             if _SLURM_TIER in self.workqueue:
@@ -82,7 +82,7 @@ def _runs_the_slurm_tier(config: pytest.Config) -> bool:
 def pytest_report_header(config: pytest.Config) -> str | None:
     if _runs_the_slurm_tier(config):
         return None
-    return f"slurm tier: not in this run (real Slurm daemons, about 4 minutes): python -m pytest {_SLURM_TIER}"
+    return f"slurm tier: not in this run (real Slurm daemons, about 3 minutes): python -m pytest {_SLURM_TIER}"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
