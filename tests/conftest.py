@@ -30,6 +30,10 @@ _DIST_ENV = (
 _SLURM_TIER = "tests/slurm"
 
 
+def _in_slurm_tier(nodeid: str) -> bool:
+    return nodeid.startswith(_SLURM_TIER + "/")
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     """``-n auto``: many tests start 2-4 ranks of their own, so one worker per core would oversubscribe a large
@@ -51,7 +55,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
 
     class ByModuleSlurmTogether(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return _SLURM_TIER if nodeid.startswith(_SLURM_TIER + "/") else nodeid.split("::", 1)[0]
+            return _SLURM_TIER if _in_slurm_tier(nodeid) else nodeid.split("::", 1)[0]
 
         def _assign_work_unit(self, node: object) -> None:
             # The slurm tier is the longest unit by far (3 to 4 minutes, much of it waiting on Slurm and on
@@ -87,10 +91,10 @@ def pytest_report_header(config: pytest.Config) -> str | None:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if not _runs_the_slurm_tier(config):
-        tier = [item for item in items if item.nodeid.startswith(_SLURM_TIER + "/")]
+        tier = [item for item in items if _in_slurm_tier(item.nodeid)]
         if tier:
             config.hook.pytest_deselected(items=tier)
-            items[:] = [item for item in items if not item.nodeid.startswith(_SLURM_TIER + "/")]
+            items[:] = [item for item in items if not _in_slurm_tier(item.nodeid)]
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA (marker 'gpu'); this machine has none")
