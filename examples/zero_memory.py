@@ -4,11 +4,11 @@
     python examples/zero_memory.py --worlds 1 2    # fewer world sizes
 
 For each world size K and stage, K gloo ranks train two steps of ``WideMLP`` with AdamW through
-:class:`lightning_sync.sync.sharding.ZeroEngine` and report, at the step boundary (after backward,
+:class:`lightning_sync.sync.zero.ZeroEngine` and report, at the step boundary (after backward,
 before ``optimizer.step()``; the optimizer state exists from the first step), the bytes of parameter,
 gradient and optimizer-state storage the rank holds (distinct storages summed: exact). "DDP" is the
 same model unsharded (parameters, gradients, AdamW state). The formula column is
-:func:`~lightning_sync.sync.sharding.zero_memory_bytes` with the byte counts of the run (fp32 AdamW:
+:func:`~lightning_sync.sync.zero.zero_memory_bytes` with the byte counts of the run (fp32 AdamW:
 p=4, g=4, K=8; bf16 compute with fp32 masters: p=2, g=2, K=12); stage 3's bound is DDP/K plus the
 largest unit. Rank 0's figures are printed (all ranks hold the same within padding).
 """
@@ -22,7 +22,7 @@ import torch
 
 from lightning_sync.comms import CommContext
 from lightning_sync.models.synthetic import WideMLP
-from lightning_sync.sync.sharding import ZeroEngine, storage_bytes, zero_memory_bytes
+from lightning_sync.sync.zero import ZeroEngine, storage_bytes, zero_memory_bytes
 from lightning_sync.testing import run_distributed
 
 _MIB = 2**20

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
         LocalSGDStrategy,
         ShardedStrategy,
     )
-    from lightning_sync.sync.zero_consolidate import consolidate_checkpoint
+    from lightning_sync.sync.zero.consolidate import consolidate_checkpoint
 
 __all__ = [
     "AsyncParameterServerStrategy",
@@ -44,7 +44,7 @@ __version__ = "0.1.0"
 
 # each public name, and the module it is imported from on first access (PEP 562)
 _LAZY = {name: "lightning_sync.strategies" for name in __all__ if name.endswith("Strategy")}
-_LAZY["consolidate_checkpoint"] = "lightning_sync.sync.zero_consolidate"
+_LAZY["consolidate_checkpoint"] = "lightning_sync.sync.zero.consolidate"
 _SUBMODULES = {"comms"}
 
 

@@ -3,7 +3,7 @@
 A sharded checkpoint (:class:`~lightning_sync.strategies.ShardedStrategy`) is a directory that only a
 sharded strategy loads. :func:`consolidate_to_file` turns it into the file a plain ``Trainer`` would have
 written with ``save_weights_only=True``: the full ``state_dict`` (streamed from the shards by
-:func:`~lightning_sync.sync.zero_consolidate.consolidate_checkpoint`: peak memory is the model plus one
+:func:`~lightning_sync.sync.zero.consolidate.consolidate_checkpoint`: peak memory is the model plus one
 chunk, and the optimizer state in the shards is never read) and what Lightning keeps in such a file, taken
 from the directory's ``lightning.pt``: ``epoch``, ``global_step``, ``pytorch-lightning_version``, ``loops``,
 ``hyper_parameters`` (so ``MyModule.load_from_checkpoint(file)`` rebuilds the module) and whatever the
@@ -15,10 +15,10 @@ inference, export and fine-tuning (``load_from_checkpoint``, then a fresh ``fit`
 resume: ``trainer.fit(ckpt_path=file)`` stops, as for any weights-only file, with Lightning's "contains only
 the model". Resume from the sharded directory itself, at any world size and stage.
 
-The directory is read as every sharded load reads it (:mod:`lightning_sync.sync.safe_load`): weights-only
+The directory is read as every sharded load reads it (:mod:`lightning_sync.checkpoint.reading`): weights-only
 unless ``weights_only=False`` (``--trust-pickles``), and, whatever the trust, refused when it has no
 ``.metadata`` or would read a file outside itself. The output is written to a hidden temporary file beside
-it and renamed into place (:func:`~lightning_sync.sync.atomic_files.write_atomically`), so a refused or failed
+it and renamed into place (:func:`~lightning_sync.checkpoint.atomic.write_atomically`), so a refused or failed
 consolidation leaves no file, and an existing one is replaced whole or not at all.
 """
 
@@ -51,13 +51,13 @@ def consolidate_to_file(
 ) -> dict[str, Any]:
     """Write the Lightning checkpoint of the sharded ``checkpoint_dir`` to ``output_file`` (see the module
     docstring) and return it. Raises ``ValueError`` (not a sharded checkpoint, an entry outside it, no
-    ``.metadata``) or :class:`~lightning_sync.sync.safe_load.UntrustedCheckpointError` before writing anything."""
+    ``.metadata``) or :class:`~lightning_sync.checkpoint.reading.UntrustedCheckpointError` before writing anything."""
     import torch
 
-    from lightning_sync.sync.atomic_files import write_atomically
-    from lightning_sync.sync.safe_load import contained_path, load_file, read_dcp_metadata
-    from lightning_sync.sync.zero_consolidate import consolidate_checkpoint
-    from lightning_sync.sync.zero_format import LIGHTNING_STATE, read_meta
+    from lightning_sync.checkpoint.atomic import write_atomically
+    from lightning_sync.checkpoint.reading import contained_path, load_file, read_dcp_metadata
+    from lightning_sync.sync.zero.consolidate import consolidate_checkpoint
+    from lightning_sync.sync.zero.format import LIGHTNING_STATE, read_meta
 
     source, output = Path(checkpoint_dir), Path(output_file)
     if not source.is_dir():
@@ -132,7 +132,7 @@ def main(argv: Sequence[str]) -> None:
         "unpickling can run any code the file names",
     )
     args = parser.parse_args(list(argv))
-    from lightning_sync.sync.safe_load import UntrustedCheckpointError
+    from lightning_sync.checkpoint.reading import UntrustedCheckpointError
 
     try:
         checkpoint = consolidate_to_file(args.checkpoint_dir, args.output_file, weights_only=not args.trust_pickles)

@@ -141,5 +141,5 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         if module is not None and any(name in vars(module) for name in ("run_distributed", "launch")):
             from lightning_sync.testing.startup import warm_up
 
-            warm_up()
+            warm_up(extra=("support.preload",))  # Hydra's override parser tables, built once
             return

@@ -2,7 +2,7 @@
 
 The default job and multirun go through the console script and Lightning's own launcher (rank 0 starts rank 1
 as a fresh process). Jobs that test a model, a strategy, resume or an example rather than the launch run their
-ranks as torchrun would (:mod:`lightning_sync.testing.cli_ranks`: ``python -m lightning_sync`` or the example's
+ranks as torchrun would (:mod:`support.cli_ranks`: ``python -m lightning_sync`` or the example's
 ``python <script>`` per rank, forked from the harness's preloaded forkserver), which spares a fresh import of
 torch and Lightning per process."""
 
@@ -22,9 +22,9 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.errors import MissingConfigException
 from omegaconf import OmegaConf
+from support.cli_ranks import run, run_script
 
 from lightning_sync import cli
-from lightning_sync.testing.cli_ranks import run, run_script
 
 # Rank variables must not reach the CLI from the test process: the CLI would think it is a child rank.
 _SCRUB = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "PL_GLOBAL_SEED")

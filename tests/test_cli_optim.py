@@ -1,5 +1,5 @@
 """LAMB and LARS (conf/optim, pytorch-optimizer) train digits_mlp to >= 90% through the real CLI, its ranks
-launched as torchrun would (:mod:`lightning_sync.testing.cli_ranks`; test_cli runs the console script itself)."""
+launched as torchrun would (:mod:`support.cli_ranks`; test_cli runs the console script itself)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 from omegaconf import DictConfig, OmegaConf
+from support.cli_ranks import run
 from test_cli import final_metrics
 
 from lightning_sync.cli import config_dir
-from lightning_sync.testing.cli_ranks import run
 
 pytest.importorskip("pytorch_optimizer", reason="the optim extra: pip install -e .[optim]")
 

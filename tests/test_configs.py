@@ -98,7 +98,7 @@ def test_zero_configs_build_sharded_strategies_of_their_stage(composer, stage: i
     from torch import nn
 
     from lightning_sync import ShardedStrategy
-    from lightning_sync.sync.sharding import resolve_wrap_policy
+    from lightning_sync.sync.zero import resolve_wrap_policy
 
     strategy = instantiate(composer([f"strategy=zero{stage}"]).strategy)
     assert type(strategy) is ShardedStrategy and strategy.stage == stage

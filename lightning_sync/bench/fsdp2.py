@@ -14,7 +14,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 from typing_extensions import override
 
-from lightning_sync.sync.sharding import import_class
+from lightning_sync.sync.zero import import_class
 
 __all__ = ["FullyShardStrategy", "resolve_classes"]
 

@@ -39,7 +39,7 @@ def _engine(world: int, in_features: int) -> tuple[torch.optim.Optimizer, object
     from lightning_sync import comms
     from lightning_sync.models.synthetic import WideMLP
     from lightning_sync.sync.communicator import ProcessGroupCommunicator
-    from lightning_sync.sync.zero_engine import ZeroEngine
+    from lightning_sync.sync.zero.engine import ZeroEngine
 
     torch.manual_seed(0)
     net = WideMLP(in_features=in_features).net

@@ -13,7 +13,7 @@ Every lightning_sync strategy uses it unless a ``checkpoint_io`` is passed; for 
 ``Trainer(plugins=[AtomicCheckpointIO()])``. Sharded directory checkpoints are made atomic by
 :class:`~lightning_sync.strategies.ShardedStrategy` itself (completion marker, then :func:`publish_path`).
 
-The mechanism, files and directories alike, is :mod:`lightning_sync.sync.atomic_files`.
+The mechanism, files and directories alike, is :mod:`lightning_sync.checkpoint.atomic`.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch
 from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
-from lightning_sync.sync.atomic_files import (
+from lightning_sync.checkpoint.atomic import (
     fsync_dir,
     fsync_path,
     publish_path,

@@ -66,11 +66,11 @@ import lightning.pytorch as pl
 import torch
 
 from lightning_sync._lightning import should_accumulate
+from lightning_sync.checkpoint.reading import contained_path
 from lightning_sync.launch.atomic import publish_path, recover_dir, remove_path, write_atomically
 from lightning_sync.launch.signals import resolve_signal
 from lightning_sync.strategies._exact_data import ExactDataHooks
 from lightning_sync.strategies.sharded import COMPLETE_MARKER, LIGHTNING_STATE
-from lightning_sync.sync.safe_load import contained_path
 
 __all__ = [
     "POINTER",

@@ -23,8 +23,8 @@ from lightning.pytorch.strategies import DDPStrategy
 from typing_extensions import override
 
 from lightning_sync import comms
+from lightning_sync.checkpoint.reading import guarded_load
 from lightning_sync.strategies._common import PASSTHROUGH, CommsCollectivesMixin
-from lightning_sync.sync.safe_load import guarded_load
 
 __all__ = ["ProcessGroupStrategy", "broadcast_module_states", "check_own_arguments", "own_arguments"]
 
@@ -90,7 +90,7 @@ class ProcessGroupStrategy(CommsCollectivesMixin, DDPStrategy):
     * **Checkpoints:** every rank's RNG states, its place in the data and what :meth:`_rank_state` adds are
       gathered on rank 0 (a collective, when saving); on resume each rank gets its entry back through
       :meth:`_restore_rank_state` (``None`` from a checkpoint of another world size). Loading is weights-only
-      unless asked otherwise (:mod:`lightning_sync.sync.safe_load`).
+      unless asked otherwise (:mod:`lightning_sync.checkpoint.reading`).
 
     If a rank fails, its peers raise at their next collective once the process group notices (connection
     closed, or ``timeout``).
@@ -129,7 +129,7 @@ class ProcessGroupStrategy(CommsCollectivesMixin, DDPStrategy):
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Weights-only unless ``weights_only=False`` (``trainer.fit(..., weights_only=False)``); a
-        checkpoint that needs more raises :class:`~lightning_sync.sync.safe_load.UntrustedCheckpointError`."""
+        checkpoint that needs more raises :class:`~lightning_sync.checkpoint.reading.UntrustedCheckpointError`."""
         checkpoint = guarded_load(
             lambda wo: super(ProcessGroupStrategy, self).load_checkpoint(checkpoint_path, wo),
             checkpoint_path,

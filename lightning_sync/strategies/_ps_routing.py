@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from lightning_sync.sync.parameter_server import ParameterServer
+from lightning_sync.sync.ps.server import ParameterServer
 
 __all__ = ["GlobalClockScheduler", "PushingOptimizer", "route_clipping", "route_schedulers"]
 

@@ -1,7 +1,7 @@
 """``AsyncParameterServerStrategy``: workers push gradients to a parameter server and pull the global
 model back, with no collective at all; a worker runs at most ``max_staleness`` versions ahead.
 
-The Lightning adapter of :class:`lightning_sync.sync.parameter_server.ParameterServer` (Li et al.,
+The Lightning adapter of :class:`lightning_sync.sync.ps.server.ParameterServer` (Li et al.,
 OSDI 2014; stale-synchronous parallel, Ho et al., NIPS 2013). See that module for the step rule.
 
 Where the server runs
@@ -97,15 +97,15 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_sync._lightning import finish_restored_epoch
+from lightning_sync.checkpoint.reading import guarded_load
 from lightning_sync.comms import rpc
 from lightning_sync.strategies._common import as_timedelta, check_launch_args
 from lightning_sync.strategies._no_process_group import NoProcessGroupStrategy
 from lightning_sync.strategies._ps_metrics import log_final, step_metrics
 from lightning_sync.strategies._ps_routing import PushingOptimizer, route_clipping, route_schedulers
 from lightning_sync.strategies._telemetry import blocked
-from lightning_sync.sync.parameter_server import ParameterServer, Reply, check_lr_scaling, check_staleness
-from lightning_sync.sync.ps_worker import LocalLink, PSWorker, RpcLink, check_compensation, host
-from lightning_sync.sync.safe_load import guarded_load
+from lightning_sync.sync.ps.server import ParameterServer, Reply, check_lr_scaling, check_staleness
+from lightning_sync.sync.ps.worker import LocalLink, PSWorker, RpcLink, check_compensation, host
 
 __all__ = ["AsyncParameterServerStrategy"]
 
@@ -123,11 +123,11 @@ class AsyncParameterServerStrategy(NoProcessGroupStrategy):
         server_rank: the global rank whose process hosts the server (beside its own worker).
         lr_scaling: how a step carrying |S| of the K workers' gradients scales the learning rate:
             ``"linear"`` (|S| / K: exact for SGD) or ``"sqrt"`` (sqrt(|S| / K): the square-root rule for
-            Adam-type optimizers; see :mod:`lightning_sync.sync.parameter_server`).
+            Adam-type optimizers; see :mod:`lightning_sync.sync.ps.server`).
         compensation: how a worker compensates the staleness of its next gradient: ``"lookahead"``
             (compute it where the global model is expected to be when it is applied: the latest model
             extrapolated along the server's recent update by the worker's expected staleness; see
-            :class:`~lightning_sync.sync.ps_worker.PSWorker`) or ``"none"`` (on the latest model as
+            :class:`~lightning_sync.sync.ps.worker.PSWorker`) or ``"none"`` (on the latest model as
             received). Neither changes ``max_staleness=0``, which is never stale.
         timeout: seconds an RPC request may wait (a silent dead peer is noticed after this).
         start_method: ``"popen"`` (re-run the script per rank), ``"spawn"``, ``"fork"`` or ``"forkserver"``.
@@ -319,7 +319,7 @@ class AsyncParameterServerStrategy(NoProcessGroupStrategy):
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Weights-only unless ``weights_only=False`` (``trainer.fit(..., weights_only=False)``); a
-        checkpoint that needs more raises :class:`~lightning_sync.sync.safe_load.UntrustedCheckpointError`."""
+        checkpoint that needs more raises :class:`~lightning_sync.checkpoint.reading.UntrustedCheckpointError`."""
         checkpoint = guarded_load(
             lambda wo: super(AsyncParameterServerStrategy, self).load_checkpoint(checkpoint_path, wo),
             checkpoint_path,

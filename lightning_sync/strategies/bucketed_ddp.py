@@ -37,6 +37,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_sync import comms
+from lightning_sync.checkpoint.reading import guarded_load
 from lightning_sync.comms.algorithms import ALGORITHMS
 from lightning_sync.resume import RANK_STATES
 from lightning_sync.strategies._common import (
@@ -50,7 +51,6 @@ from lightning_sync.strategies._telemetry import BUCKETS
 from lightning_sync.sync.bucketing import GradBucketer, check_mib
 from lightning_sync.sync.communicator import ProcessGroupCommunicator
 from lightning_sync.sync.compression import COMPRESSIONS, make_compressor
-from lightning_sync.sync.safe_load import guarded_load
 
 __all__ = ["BucketedDDPStrategy"]
 
@@ -228,7 +228,7 @@ class BucketedDDPStrategy(CommsCollectivesMixin, DDPStrategy):
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Weights-only unless ``weights_only=False`` (``trainer.fit(..., weights_only=False)``); a
-        checkpoint that needs more raises :class:`~lightning_sync.sync.safe_load.UntrustedCheckpointError`."""
+        checkpoint that needs more raises :class:`~lightning_sync.checkpoint.reading.UntrustedCheckpointError`."""
         checkpoint = guarded_load(
             lambda wo: super(BucketedDDPStrategy, self).load_checkpoint(checkpoint_path, wo),
             checkpoint_path,

@@ -1,6 +1,6 @@
 """``ShardedStrategy``: ZeRO stages 1, 2 and 3 (FSDP-style), every all-gather and reduce-scatter explicit.
 
-The Lightning adapter of :class:`lightning_sync.sync.sharding.ZeroEngine` (Rajbhandari et al., SC 2020;
+The Lightning adapter of :class:`lightning_sync.sync.zero.ZeroEngine` (Rajbhandari et al., SC 2020;
 torch FSDP2 and DeepSpeed ZeRO are the anchors). Like ``BucketedDDPStrategy`` it subclasses Lightning's
 ``DDPStrategy`` only for launching, cluster environments and process-group setup; the model is never
 wrapped.
@@ -30,13 +30,13 @@ What is sharded, and what is synchronized when (K ranks):
 * **Checkpoints** are directories: every rank writes its shards (parameters and optimizer state keyed
   by parameter name and element offset) through ``torch.distributed.checkpoint``, rank 0 the
   replicated tensors, ``lightning_sync_meta.json`` and Lightning's own state (``lightning.pt``). They
-  load at any world size and stage; :func:`~lightning_sync.sync.sharding.consolidate_checkpoint`
+  load at any world size and stage; :func:`~lightning_sync.sync.zero.consolidate_checkpoint`
   turns one into a plain ``state_dict``; :meth:`ShardedStrategy.full_state_dict` consolidates in memory.
   The save is atomic: the shards go into a hidden ``.<name>.tmp`` directory; after all of them, rank 0
   adds ``lightning.pt`` and the ``COMPLETE`` marker, fsyncs, and renames it into place. A directory
   without the marker (a save that was killed) is refused at load.
   Everything is read back weights-only (``lightning.pt``, DCP's pickled ``.metadata`` and entries; see
-  :mod:`lightning_sync.sync.safe_load`) unless ``trainer.fit(..., weights_only=False)`` opts in.
+  :mod:`lightning_sync.checkpoint.reading`) unless ``trainer.fit(..., weights_only=False)`` opts in.
 * **After fit** (teardown; also after ``validate`` and ``test``) every rank's module holds the full
   trained parameters again: ``trainer.save_checkpoint`` then writes a plain full checkpoint file
   (which loads back, sharded), and :meth:`ShardedStrategy.full_state_dict` copies rank 0's module.
@@ -62,6 +62,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_sync._lightning import unwrap_optimizer
+from lightning_sync.checkpoint.reading import contained_path, load_file
 from lightning_sync.launch.atomic import publish_path, recover_path, remove_path
 from lightning_sync.strategies._common import (
     CommsCollectivesMixin,
@@ -72,8 +73,7 @@ from lightning_sync.strategies._common import (
 )
 from lightning_sync.strategies._telemetry import BUCKETS
 from lightning_sync.sync.bucketing import check_mib
-from lightning_sync.sync.safe_load import contained_path, load_file
-from lightning_sync.sync.sharding import (
+from lightning_sync.sync.zero import (
     ZERO_STAGES,
     ZeroEngine,
     check_stage,
@@ -81,7 +81,7 @@ from lightning_sync.sync.sharding import (
     resolve_dtype,
     resolve_wrap_policy,
 )
-from lightning_sync.sync.zero_format import COMPLETE_MARKER, LIGHTNING_STATE
+from lightning_sync.sync.zero.format import COMPLETE_MARKER, LIGHTNING_STATE
 
 __all__ = ["ShardedStrategy"]
 
@@ -348,7 +348,7 @@ class ShardedStrategy(CommsCollectivesMixin, DDPStrategy):
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Weights-only unless ``weights_only=False`` (``trainer.fit(..., weights_only=False)``); a
-        checkpoint that needs more raises :class:`~lightning_sync.sync.safe_load.UntrustedCheckpointError`."""
+        checkpoint that needs more raises :class:`~lightning_sync.checkpoint.reading.UntrustedCheckpointError`."""
         path = Path(self.broadcast(str(checkpoint_path)))
         if self.engine is None:  # Lightning loads a sharded checkpoint after setup (restore_checkpoint_after_setup)
             raise RuntimeError(

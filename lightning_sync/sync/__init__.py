@@ -1,5 +1,6 @@
 """The synchronization algorithms; they import nothing from Lightning and talk to a Communicator."""
 
+from lightning_sync.checkpoint.reading import UntrustedCheckpointError
 from lightning_sync.sync.bucketing import Bucket, GradBucketer, StepTrace, plan_buckets
 from lightning_sync.sync.communicator import (
     Communicator,
@@ -8,13 +9,12 @@ from lightning_sync.sync.communicator import (
 )
 from lightning_sync.sync.compression import COMPRESSIONS, CastCompression, PowerSGD, make_compressor
 from lightning_sync.sync.flat import FlatShard, OwnedSlice
-from lightning_sync.sync.parameter_server import ParameterServer, Reply, check_staleness
 from lightning_sync.sync.periodic import DiLoCoOuter, PeriodicAverager
-from lightning_sync.sync.ps_worker import LocalLink, PSWorker, RpcLink
-from lightning_sync.sync.safe_load import UntrustedCheckpointError
-from lightning_sync.sync.zero_consolidate import consolidate_checkpoint
-from lightning_sync.sync.zero_engine import ZeroEngine
-from lightning_sync.sync.zero_options import ZERO_STAGES, zero_memory_bytes
+from lightning_sync.sync.ps.server import ParameterServer, Reply, check_staleness
+from lightning_sync.sync.ps.worker import LocalLink, PSWorker, RpcLink
+from lightning_sync.sync.zero.consolidate import consolidate_checkpoint
+from lightning_sync.sync.zero.engine import ZeroEngine
+from lightning_sync.sync.zero.options import ZERO_STAGES, zero_memory_bytes
 
 __all__ = [
     "COMPRESSIONS",

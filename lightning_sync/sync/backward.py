@@ -7,7 +7,7 @@ differs:
 
 * :class:`~lightning_sync.sync.bucketing.GradBucketer` (DDP) launches an all-reduce per bucket (or its
   compressor's scheme) and leaves each ``param.grad`` as the averaged bucket view;
-* :class:`~lightning_sync.sync.zero_engine.ZeroEngine` (ZeRO) launches a reduce-scatter per unit into
+* :class:`~lightning_sync.sync.zero.engine.ZeroEngine` (ZeRO) launches a reduce-scatter per unit into
   the fp32 master shards, and frees a stage-3 unit's full parameters once its gradients are in.
 
 The skeleton, per backward:

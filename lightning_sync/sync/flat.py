@@ -6,13 +6,13 @@ packing is written once:
 * **DDP buckets** (:mod:`lightning_sync.sync.bucketing`) lay a bucket's gradients out with
   ``world_size=1`` (no padding) and make each ``param.grad`` a view into the bucket, so all-reducing
   the bucket is all-reducing every gradient in it, with no copy in or out;
-* **ZeRO flat parameters** (:mod:`lightning_sync.sync.flat_param`) lay a unit's parameters out over K
+* **ZeRO flat parameters** (:mod:`lightning_sync.sync.zero.flat_param`) lay a unit's parameters out over K
   ranks: the buffer is padded to ``padded = ceil(total / K) * K`` elements so it splits into K equal
   contiguous shards, and rank r owns ``[r * shard, (r + 1) * shard)``. Equal shards are what makes the
   all-gather and reduce-scatter of sharded training even and metadata-free (gloo has no uneven
   all-gather). Padding sits at the very end, is kept at zero, and is never visible through
   :meth:`FlatShard.views`;
-* **parameter-server messages** (:mod:`lightning_sync.sync.ps_wire`) lay one dtype's tensors out so a
+* **parameter-server messages** (:mod:`lightning_sync.sync.ps.wire`) lay one dtype's tensors out so a
   request is a few tensors however many parameters the model has.
 
 :meth:`FlatShard.owned_slices` says which part of which parameter falls in this rank's shard, so an

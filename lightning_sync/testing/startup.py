@@ -6,8 +6,9 @@ still a fresh process of its own: it takes the caller's environment, working dir
 stdout/stderr *at the call* (:class:`Inherit`, as a spawned one would), reseeds NumPy's global RNG from the
 OS (Python's ``random`` reseeds itself after a fork) and applies ``OMP_NUM_THREADS`` to torch, which the
 preloaded torch had read at the server's start (:func:`fresh_process_state`). The server also imports the
-project's modules and warms Hydra's override parser (:mod:`~lightning_sync.testing.preload`), so a rank runs
-the code that was on disk when the server started: its process's first run (a test session, a ``bench``).
+project's modules (and whatever the caller names, e.g. the test suite's warm-up of Hydra's override parser), so
+a rank runs the code that was on disk when the server started: its process's first run (a test session, a
+``bench``).
 ``LIGHTNING_SYNC_START_METHOD=spawn`` goes back to plain ``spawn`` (every rank imports everything itself).
 """
 
@@ -17,6 +18,7 @@ import multiprocessing as mp
 import os
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
 __all__ = [
@@ -40,7 +42,12 @@ PRELOAD = (
     "hydra.utils",
     "omegaconf",
     "sklearn.datasets",  # the digits data of the CLI's default model
-    "lightning_sync.testing.preload",  # the project's modules, and Hydra's parser tables
+    "lightning_sync.cli",
+    "lightning_sync.diagnostics",
+    "lightning_sync.launch.requeue",
+    "lightning_sync.models",
+    "lightning_sync.strategies",
+    "lightning_sync.sync",
 )
 """Modules the forkserver imports once; a module that fails to import is skipped (its rank imports it)."""
 
@@ -49,6 +56,7 @@ PRELOAD = (
 _ready = threading.Event()  # the forkserver has forked (and reaped) its first process
 _warming: threading.Thread | None = None
 _warm_lock = threading.Lock()
+_preload = list(PRELOAD)  # and the caller's extra modules (warm_up); read when the server starts
 
 
 def _noop() -> None:
@@ -67,17 +75,20 @@ def _warm() -> None:
         _ready.set()  # even when it failed: then the ranks' own start reports the error
 
 
-def warm_up() -> None:
-    """Start the forkserver and its imports (:data:`PRELOAD`) in the background, if ranks are forked by one.
+def warm_up(extra: Sequence[str] = ()) -> None:
+    """Start the forkserver and its imports (:data:`PRELOAD`, then ``extra``) in the background, if ranks are
+    forked by one.
 
     Returns at once. A test session calls it before its first test, so the imports overlap collection and
-    the other tests instead of counting against the first run's timeout.
+    the other tests instead of counting against the first run's timeout. ``extra`` counts only before the
+    server starts: it imports its modules once.
     """
     global _warming
     if os.environ.get(START_METHOD_ENV, "forkserver") != "forkserver":
         return
     with _warm_lock:
         if _warming is None:
+            _preload.extend(name for name in extra if name not in _preload)
             _warming = threading.Thread(target=_warm, name="lightning_sync-forkserver-warm-up", daemon=True)
             _warming.start()
 
@@ -105,7 +116,7 @@ def rank_context() -> Any:
         raise ValueError(f"{START_METHOD_ENV} must be one of ['forkserver', 'spawn'], got {method!r}")
     ctx = mp.get_context(method)
     if method == "forkserver":
-        ctx.set_forkserver_preload(list(PRELOAD))  # takes effect when the server first starts
+        ctx.set_forkserver_preload(list(_preload))  # takes effect when the server first starts
     return ctx
 
 

@@ -37,7 +37,7 @@ from _lightning_reference import (
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from lightning_sync import AsyncParameterServerStrategy
-from lightning_sync.sync.parameter_server import ParameterServer
+from lightning_sync.sync.ps.server import ParameterServer
 from lightning_sync.testing import Checks, assert_all_ranks_passed, run_distributed
 
 EPOCH_SAMPLES = 24  # 2 ranks x batch 4: 3 steps an epoch

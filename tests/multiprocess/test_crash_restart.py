@@ -17,8 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from lightning_sync.testing.cli_ranks import Rank, finish, launch, weights
+from support.cli_ranks import Rank, finish, launch, weights
 
 WORLD = 2
 EPOCHS = 3
@@ -37,7 +36,7 @@ def test_a_killed_rank_is_named_and_the_restart_ends_where_an_uninterrupted_run_
     crashed = tmp_path / "crashed"
     procs = _launch(
         crashed,
-        f"+diagnostics.fault={{_target_: lightning_sync.testing.faults.KillAtStep, rank: 1, step: {KILL_STEP}}}",
+        f"+diagnostics.fault={{_target_: lightning_sync.diagnostics.faults.KillAtStep, rank: 1, step: {KILL_STEP}}}",
     )
     try:
         procs[1].wait(timeout=120)

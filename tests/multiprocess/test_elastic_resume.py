@@ -33,13 +33,13 @@ from _lightning_reference import (
     _trainer,
 )
 from lightning.pytorch.callbacks import ModelCheckpoint
+from support.cli_ranks import run as cli_run
+from support.cli_ranks import weights
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_sync import BucketedDDPStrategy, ShardedStrategy
-from lightning_sync.sync.zero_format import LIGHTNING_STATE
+from lightning_sync.sync.zero.format import LIGHTNING_STATE
 from lightning_sync.testing import run_distributed
-from lightning_sync.testing.cli_ranks import run as cli_run
-from lightning_sync.testing.cli_ranks import weights
 
 N, BATCH, GLOBAL = 288, 8, 48
 #: (world size, the global step it trains to): each part resumes from the checkpoint the one before wrote.

@@ -1,7 +1,7 @@
 """The fault matrix: a rank SIGKILLed at each phase of a step, for each strategy, through the CLI, launched
 the way torchrun or a cluster launches (one process per rank, rank variables in the environment).
 
-For every cell (phase x strategy), rank 1 dies by SIGKILL in optimizer step 7 (``lightning_sync.testing.faults.
+For every cell (phase x strategy), rank 1 dies by SIGKILL in optimizer step 7 (``lightning_sync.diagnostics.faults.
 KillAtStep``; the checkpoint phase at the step-8 checkpoint, the requeue phase in the preemption checkpoint
 that its own SIGUSR1 asks for at the end of step 7):
 
@@ -32,8 +32,7 @@ from typing import Any
 
 import pytest
 import torch
-
-from lightning_sync.testing.cli_ranks import Rank, finish, launch, weights
+from support.cli_ranks import Rank, finish, launch, weights
 
 WORLD, STEPS, KILL_STEP = 2, 10, 7
 CHECKPOINT_EVERY = 2  # so the newest complete checkpoint before the kill is step 6's
@@ -99,7 +98,7 @@ def test_a_rank_killed_at_any_phase_is_named_and_the_relaunch_ends_where_an_unin
     tmp_path: Path, uninterrupted: dict[str, dict[str, torch.Tensor]], strategy: str, phase: str
 ) -> None:
     fault = (
-        f"+diagnostics.fault={{_target_: lightning_sync.testing.faults.KillAtStep, rank: 1, "
+        f"+diagnostics.fault={{_target_: lightning_sync.diagnostics.faults.KillAtStep, rank: 1, "
         f"step: {PHASES[phase]}, phase: {phase}}}"
     )
     procs = _launch(tmp_path, strategy, fault)

@@ -56,7 +56,7 @@ from torchmetrics.aggregation import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
 from lightning_sync import BucketedDDPStrategy, ShardedStrategy
-from lightning_sync.sync.sharding import consolidate_checkpoint
+from lightning_sync.sync.zero import consolidate_checkpoint
 from lightning_sync.testing import Checks, assert_all_ranks_passed, run_distributed
 
 __all__: list[str] = []

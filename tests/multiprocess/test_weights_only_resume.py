@@ -19,10 +19,10 @@ from _lightning_reference import ENV, _quiet_rank, _TiedModule, _trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_sync import BucketedDDPStrategy, DiLoCoStrategy, LocalSGDStrategy, ShardedStrategy
+from lightning_sync.checkpoint.reading import UntrustedCheckpointError
+from lightning_sync.diagnostics.faults import UnpicklePayload
 from lightning_sync.sync import consolidate_checkpoint
-from lightning_sync.sync.safe_load import UntrustedCheckpointError
 from lightning_sync.testing import Checks, assert_all_ranks_passed, run_distributed
-from lightning_sync.testing.faults import UnpicklePayload
 
 _STRATEGIES = {
     "bucketed_ddp": lambda: BucketedDDPStrategy(compression="powersgd", powersgd_rank=1, powersgd_warmup_steps=0),

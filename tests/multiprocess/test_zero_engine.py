@@ -30,7 +30,7 @@ from torch.nn import functional as F
 
 from lightning_sync import comms
 from lightning_sync.sync.communicator import LoopbackCommunicator, ProcessGroupCommunicator
-from lightning_sync.sync.sharding import ZeroEngine, consolidate_checkpoint, zero_memory_bytes
+from lightning_sync.sync.zero import ZeroEngine, consolidate_checkpoint, zero_memory_bytes
 from lightning_sync.testing import run_distributed
 
 # The communication context of this process's checks (a strategy owns one the same way).

@@ -7,8 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-
-from lightning_sync.testing.cli_ranks import run, weights
+from support.cli_ranks import run, weights
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ where the daemons cannot run as root. Every test is marked ``slurm`` and has a h
 job's error carries the daemons' logs.
 
 A Slurm job must equal the same job on local ranks. Those local runs start from the harness's preloaded
-forkserver (:mod:`lightning_sync.testing.cli_ranks`) and run once per session for each world size and set
+forkserver (:mod:`support.cli_ranks`) and run once per session for each world size and set
 of overrides (:class:`_local_runs.LocalRuns`), so several tests compare against one run."""
 
 from __future__ import annotations
@@ -15,8 +15,7 @@ from collections.abc import Iterator
 
 import pytest
 from _local_runs import LocalRuns
-
-from lightning_sync.testing.slurm_cluster import SlurmCluster, missing_binaries
+from support.slurm_cluster import SlurmCluster, missing_binaries
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

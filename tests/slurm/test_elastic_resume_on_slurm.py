@@ -25,11 +25,10 @@ from pathlib import Path
 
 import pytest
 from _local_runs import LocalRuns
+from support.cli_ranks import weights
+from support.slurm_cluster import SlurmCluster
 from test_requeue_on_slurm import _wait_for
 from test_train_on_slurm import submit_rendered
-
-from lightning_sync.testing.cli_ranks import weights
-from lightning_sync.testing.slurm_cluster import SlurmCluster
 
 STEPS = 40  # inside epoch 0 (module docstring)
 EVERY = 4  # a ModelCheckpoint every 4 steps: its first file says the first job is in its training loop

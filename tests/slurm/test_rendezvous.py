@@ -8,8 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from lightning_sync.testing.slurm_cluster import SlurmCluster
+from support.slurm_cluster import SlurmCluster
 
 PROBE = """
 import os

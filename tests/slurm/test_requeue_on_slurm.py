@@ -21,10 +21,9 @@ from pathlib import Path
 import pytest
 import torch
 from _local_runs import LocalRuns
+from support.cli_ranks import weights
+from support.slurm_cluster import SlurmCluster
 from test_train_on_slurm import _cli, submit_rendered
-
-from lightning_sync.testing.cli_ranks import weights
-from lightning_sync.testing.slurm_cluster import SlurmCluster
 
 STEPS = 300
 TRAIN = [

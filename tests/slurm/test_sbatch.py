@@ -12,9 +12,8 @@ from pathlib import Path
 
 import pytest
 from _local_runs import LocalRuns
+from support.slurm_cluster import SlurmCluster
 from test_train_on_slurm import TRAIN, _metrics, assert_same_metrics, submit_rendered
-
-from lightning_sync.testing.slurm_cluster import SlurmCluster
 
 
 @pytest.mark.timeout(480)

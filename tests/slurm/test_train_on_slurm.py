@@ -17,8 +17,7 @@ from pathlib import Path
 
 import pytest
 from _local_runs import LocalRuns
-
-from lightning_sync.testing.slurm_cluster import SlurmCluster
+from support.slurm_cluster import SlurmCluster
 
 TRAIN = [
     "strategy=bucketed_ddp",

@@ -27,6 +27,8 @@ from lightning_sync import (
     LocalSGDStrategy,
     ShardedStrategy,
 )
+from lightning_sync.checkpoint.reading import UntrustedCheckpointError, dcp_load, load_file
+from lightning_sync.diagnostics.faults import UnpicklePayload
 from lightning_sync.strategies.sharded import COMPLETE_MARKER
 from lightning_sync.sync import (
     DiLoCoOuter,
@@ -38,8 +40,6 @@ from lightning_sync.sync import (
     ZeroEngine,
     consolidate_checkpoint,
 )
-from lightning_sync.sync.safe_load import UntrustedCheckpointError, dcp_load, load_file
-from lightning_sync.testing.faults import UnpicklePayload
 
 SYSTEM = f"{os.system.__module__}.system"  # how pickle names os.system ("posix.system" on Linux)
 

@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_sync import AsyncParameterServerStrategy
 from lightning_sync.lr_rules import SCALE_KEY, ScaledWarmup, _scale_optimizer, lr_scale_factor, scale_lr
-from lightning_sync.sync.parameter_server import ParameterServer
+from lightning_sync.sync.ps.server import ParameterServer
 
 LR, LR2 = 0.01, 0.002
 GAMMA, STEP_SIZE = 0.5, 3

@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_sync.sync.parameter_server import ParameterServer
+from lightning_sync.sync.ps.server import ParameterServer
 
 SERVER_ERROR = "FloatingPointError: non-finite update"
 

@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 from lightning_sync import AsyncParameterServerStrategy
-from lightning_sync.sync.parameter_server import FlatLayout, ParameterServer, check_lr_scaling, check_staleness
-from lightning_sync.sync.ps_worker import LOOKAHEAD_EMA, LocalLink, PSWorker, check_compensation
+from lightning_sync.sync.ps.server import FlatLayout, ParameterServer, check_lr_scaling, check_staleness
+from lightning_sync.sync.ps.worker import LOOKAHEAD_EMA, LocalLink, PSWorker, check_compensation
 
 LR = 0.1
 

@@ -27,10 +27,10 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from lightning_sync import ShardedStrategy
+from lightning_sync.checkpoint.reading import dcp_load
+from lightning_sync.diagnostics.faults import UnpicklePayload
 from lightning_sync.strategies.sharded import COMPLETE_MARKER
 from lightning_sync.sync import LoopbackCommunicator, ZeroEngine, consolidate_checkpoint
-from lightning_sync.sync.safe_load import dcp_load
-from lightning_sync.testing.faults import UnpicklePayload
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*torch.distributed.*:UserWarning")  # DCP without a group
 

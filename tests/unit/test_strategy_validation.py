@@ -341,7 +341,7 @@ def test_valid_timeouts_construct(timeout: Any) -> None:
 
 
 def test_module_classes_given_as_one_name_is_that_class_not_its_letters() -> None:
-    from lightning_sync.sync.sharding import resolve_wrap_policy
+    from lightning_sync.sync.zero import resolve_wrap_policy
 
     policy = resolve_wrap_policy({"module_classes": "Linear"})
     assert policy is not None and policy(torch.nn.Linear(2, 2), 0) and not policy(torch.nn.ReLU(), 0)

@@ -20,7 +20,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from lightning_sync.sync.communicator import LoopbackCommunicator
-from lightning_sync.sync.sharding import ZeroEngine, resolve_dtype, resolve_wrap_policy, zero_memory_bytes
+from lightning_sync.sync.zero import ZeroEngine, resolve_dtype, resolve_wrap_policy, zero_memory_bytes
 
 __all__: list[str] = []
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lightning_sync.sync.flat import OwnedSlice
-from lightning_sync.sync.zero_format import PIECE, Reads, chunk_index, pieces
+from lightning_sync.sync.zero.format import PIECE, Reads, chunk_index, pieces
 
 
 def _saved(numel: int, world: int) -> tuple[dict[str, SimpleNamespace], dict[str, torch.Tensor]]:

@@ -5,7 +5,7 @@ policy (FSDP's ``fully_shard`` granularity) whose parameters are gathered just b
 after; in stages 1/2 the full parameters stay resident, so a unit is just a gradient bucket, planned
 like DDP's (:func:`~lightning_sync.sync.bucketing.plan_buckets`, reverse registration order) so
 reduce-scatters overlap backward. Inside a unit, parameters are split by (optimizer group, dtype) into
-:class:`~lightning_sync.sync.flat_param.FlatParam` s, because one flat buffer has one dtype and one
+:class:`~lightning_sync.sync.zero.flat_param.FlatParam` s, because one flat buffer has one dtype and one
 master shard is stepped with one group's hyperparameters.
 """
 
@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from lightning_sync.sync.bucketing import plan_buckets
-from lightning_sync.sync.flat_param import FlatParam
+from lightning_sync.sync.zero.flat_param import FlatParam
 
 __all__ = ["Unit", "bucket_units", "optimizer_groups", "trainable_params", "wrap_units"]
 

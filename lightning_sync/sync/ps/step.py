@@ -1,6 +1,6 @@
 """How the parameter server turns pending gradients into one optimizer step (:func:`apply_step`).
 
-:class:`~lightning_sync.sync.parameter_server.ParameterServer` decides *when* a step happens (the staleness
+:class:`~lightning_sync.sync.ps.server.ParameterServer` decides *when* a step happens (the staleness
 bound, the budget, failures); this module decides *what* the step is, and knows nothing of versions or workers
 beyond the order it sums them in.
 
@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from lightning_sync._checks import check_choice
-from lightning_sync.sync.ps_wire import FlatLayout
+from lightning_sync.sync.ps.wire import FlatLayout
 
 __all__ = ["LR_SCALINGS", "Push", "apply_step", "check_lr_scaling", "clip_gradients"]
 

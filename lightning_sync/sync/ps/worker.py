@@ -1,7 +1,7 @@
 """A worker's side of the parameter server, and how it reaches the server.
 
 :class:`PSWorker` pushes one replica's gradients and takes the global model back. It talks to the
-:class:`~lightning_sync.sync.parameter_server.ParameterServer` through a :class:`ServerLink`:
+:class:`~lightning_sync.sync.ps.server.ParameterServer` through a :class:`ServerLink`:
 
 * :class:`LocalLink`: the server is in this process (direct calls; no bytes on any wire);
 * :class:`RpcLink`: the server is on another rank, reached with ``torch.distributed.rpc`` through
@@ -20,8 +20,8 @@ from typing import Any, Protocol
 import torch
 
 from lightning_sync._checks import check_choice
-from lightning_sync.sync.parameter_server import ParameterServer
-from lightning_sync.sync.ps_wire import FlatLayout, Reply
+from lightning_sync.sync.ps.server import ParameterServer
+from lightning_sync.sync.ps.wire import FlatLayout, Reply
 
 __all__ = ["COMPENSATIONS", "LocalLink", "PSWorker", "RpcLink", "ServerLink", "check_compensation", "host"]
 

@@ -3,7 +3,7 @@
 
 From the command line of a test run::
 
-    lightning-sync train '+diagnostics.fault={_target_: lightning_sync.testing.faults.KillAtStep, rank: 1, step: 5}'
+    lightning-sync train '+diagnostics.fault={_target_: lightning_sync.diagnostics.faults.KillAtStep, rank: 1, step: 5}'
 """
 
 from __future__ import annotations

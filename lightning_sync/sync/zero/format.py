@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
+from lightning_sync.checkpoint.reading import contained_path
 from lightning_sync.sync.flat import OwnedSlice
-from lightning_sync.sync.safe_load import contained_path
 
 __all__ = [
     "COMPLETE_MARKER",

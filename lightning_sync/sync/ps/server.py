@@ -23,7 +23,7 @@ Versions and staleness
 Step rule
     A step applies the *mean* of its pending gradients with the learning rate scaled by the share of the
     global batch they carry, so K pushes are worth one synchronous step; at s = 0 it is exactly synchronous
-    SGD, bit for bit however the pushes are timed. See :mod:`lightning_sync.sync.ps_step`.
+    SGD, bit for bit however the pushes are timed. See :mod:`lightning_sync.sync.ps.step`.
 
 Global clock and budget
     ``pushes // K`` is the *global step*: the number of synchronous steps' worth of samples applied.
@@ -51,10 +51,10 @@ Restoring
     the checkpoint's model and optimizer state.
 
 Transport
-    Workers reach the server through :mod:`lightning_sync.sync.ps_worker`: directly in the server's
+    Workers reach the server through :mod:`lightning_sync.sync.ps.worker`: directly in the server's
     own process, over ``torch.distributed.rpc`` from other ranks (through
     :mod:`lightning_sync.comms.rpc`, which counts the bytes). Payloads are one flat tensor per dtype,
-    staged through host memory (:mod:`lightning_sync.sync.ps_wire`).
+    staged through host memory (:mod:`lightning_sync.sync.ps.wire`).
 """
 
 from __future__ import annotations
@@ -69,8 +69,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_sync.sync.ps_step import LR_SCALINGS, Push, apply_step, check_lr_scaling
-from lightning_sync.sync.ps_wire import FlatLayout, Reply
+from lightning_sync.sync.ps.step import LR_SCALINGS, Push, apply_step, check_lr_scaling
+from lightning_sync.sync.ps.wire import FlatLayout, Reply
 
 # FlatLayout, Reply: from ps_wire; LR_SCALINGS, check_lr_scaling: from ps_step
 __all__ = ["LR_SCALINGS", "FlatLayout", "ParameterServer", "Reply", "check_lr_scaling", "check_staleness"]
@@ -334,7 +334,7 @@ class ParameterServer:
         return out
 
     def _step(self, take: list[Push]) -> None:
-        """Apply ``take`` as one optimizer step (:func:`~lightning_sync.sync.ps_step.apply_step`), then count it."""
+        """Apply ``take`` as one optimizer step (:func:`~lightning_sync.sync.ps.step.apply_step`), then count it."""
         assert self.optimizer is not None
         take = apply_step(take, self.params, self.layout, self.optimizer, self.num_workers, self.lr_scaling)
         self.buffer_layout.copy_into(take[-1].buffers, self.buffers)  # the newest model's push (the last worker's)

@@ -3,8 +3,8 @@
 What is synchronized, and when:
 
 * **Build.** Rank 0's parameters and buffers are broadcast; the trainable parameters are split into
-  units (:mod:`lightning_sync.sync.zero_units`) and each unit's parameters into flat, padded, evenly
-  sharded :class:`~lightning_sync.sync.flat_param.FlatParam` s; the optimizer is rewritten to step the
+  units (:mod:`lightning_sync.sync.zero.units`) and each unit's parameters into flat, padded, evenly
+  sharded :class:`~lightning_sync.sync.zero.flat_param.FlatParam` s; the optimizer is rewritten to step the
   fp32 master shards.
 * **Backward.** The shared backward engine (:class:`~lightning_sync.sync.backward.BackwardEngine`)
   moves each gradient into its unit's flat gradient buffer as it becomes ready and, once a unit is
@@ -29,14 +29,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_sync.sync import zero_checkpoint
 from lightning_sync.sync.backward import BackwardEngine
 from lightning_sync.sync.bucketing import check_mib
 from lightning_sync.sync.communicator import Communicator
-from lightning_sync.sync.flat_param import FlatParam
-from lightning_sync.sync.zero_forward import Stage3Forward
-from lightning_sync.sync.zero_options import check_stage, resolve_dtype, resolve_wrap_policy, storage_bytes
-from lightning_sync.sync.zero_units import Unit, bucket_units, optimizer_groups, trainable_params, wrap_units
+from lightning_sync.sync.zero import checkpoint as zero_checkpoint
+from lightning_sync.sync.zero.flat_param import FlatParam
+from lightning_sync.sync.zero.forward import Stage3Forward
+from lightning_sync.sync.zero.options import check_stage, resolve_dtype, resolve_wrap_policy, storage_bytes
+from lightning_sync.sync.zero.units import Unit, bucket_units, optimizer_groups, trainable_params, wrap_units
 
 __all__ = ["ZeroEngine"]
 
@@ -62,7 +62,7 @@ class ZeroEngine(Stage3Forward, BackwardEngine):
         optimizer: a torch optimizer over (some of) ``module``'s parameters, not yet stepped.
         comm: the :class:`~lightning_sync.sync.communicator.Communicator`.
         stage: 1, 2 or 3.
-        wrap_policy: stage 3 wrap units (see :func:`~lightning_sync.sync.zero_options.resolve_wrap_policy`;
+        wrap_policy: stage 3 wrap units (see :func:`~lightning_sync.sync.zero.options.resolve_wrap_policy`;
             None: the whole model).
         prefetch: stage 3: issue the next unit's all-gather while the current one computes.
         reshard_after_forward: stage 3: free a unit's full parameters after its forward.

@@ -1,7 +1,7 @@
-"""Saving and loading a :class:`~lightning_sync.sync.zero_engine.ZeroEngine`'s state.
+"""Saving and loading a :class:`~lightning_sync.sync.zero.engine.ZeroEngine`'s state.
 
 Two forms: a *sharded* directory (every rank writes only the elements it owns, in the format of
-:mod:`lightning_sync.sync.zero_format`, which reshards on load to any world size and stage), and a
+:mod:`lightning_sync.sync.zero.format`, which reshards on load to any world size and stage), and a
 *full* ``state_dict`` gathered from the shards (what a plain module or DDP would write). Both are
 collectives: every rank calls them. They are functions of the engine, not methods, so the engine
 module stays about training; the engine's methods of the same names call these.
@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 import torch.distributed.checkpoint as dcp
 
-from lightning_sync.sync.flat_param import FlatParam
-from lightning_sync.sync.safe_load import dcp_load, read_dcp_metadata
-from lightning_sync.sync.zero_format import (
+from lightning_sync.checkpoint.reading import dcp_load, read_dcp_metadata
+from lightning_sync.sync.zero.flat_param import FlatParam
+from lightning_sync.sync.zero.format import (
     FORMAT,
     META,
     Reads,
@@ -32,7 +32,7 @@ from lightning_sync.sync.zero_format import (
 )
 
 if TYPE_CHECKING:
-    from lightning_sync.sync.zero_engine import ZeroEngine
+    from lightning_sync.sync.zero.engine import ZeroEngine
 
 __all__ = [
     "check_compatible",
@@ -151,7 +151,7 @@ class _Scalar(NamedTuple):
 
 def load_sharded(engine: ZeroEngine, path: str | os.PathLike[str], weights_only: bool | None = None) -> None:
     """Load a :meth:`save_sharded` checkpoint written at any world size and stage; a collective.
-    Weights-only (see :mod:`lightning_sync.sync.safe_load`) unless ``weights_only=False``; a directory that
+    Weights-only (see :mod:`lightning_sync.checkpoint.reading`) unless ``weights_only=False``; a directory that
     would read files outside itself, or has no DCP ``.metadata``, raises ``ValueError`` whatever the trust."""
     path = Path(path)
     meta = read_meta(path)

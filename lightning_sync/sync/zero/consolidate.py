@@ -1,6 +1,6 @@
 """One full ``state_dict`` from a ZeRO sharded checkpoint, in one process, for inference or export.
 
-It reads the chunks a sharded load reads (see :mod:`lightning_sync.sync.zero_format`), but for every
+It reads the chunks a sharded load reads (see :mod:`lightning_sync.sync.zero.format`), but for every
 element of every parameter, so it needs neither a process group nor the model. It streams: each full
 parameter is allocated once, in its original dtype, and every saved chunk is read straight into its
 slice of it (DCP reads one chunk at a time and copies it into the destination it was handed), so the
@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from lightning_sync.sync.safe_load import dcp_load, read_dcp_metadata
-from lightning_sync.sync.zero_format import chunk_index, placeholder, read_meta
+from lightning_sync.checkpoint.reading import dcp_load, read_dcp_metadata
+from lightning_sync.sync.zero.format import chunk_index, placeholder, read_meta
 
 __all__ = ["consolidate_checkpoint"]
 
@@ -27,7 +27,7 @@ __all__ = ["consolidate_checkpoint"]
 def consolidate_checkpoint(path: str | os.PathLike[str], weights_only: bool = True) -> dict[str, torch.Tensor]:
     """A plain full ``state_dict`` (original keys, order and dtypes; tied parameters under every name)
     from a sharded checkpoint directory, in one process, without a process group. For inference.
-    Weights-only (see :mod:`lightning_sync.sync.safe_load`) unless ``weights_only=False``; a directory that
+    Weights-only (see :mod:`lightning_sync.checkpoint.reading`) unless ``weights_only=False``; a directory that
     would read files outside itself, or has no DCP ``.metadata``, raises ``ValueError`` whatever the trust,
     before anything is read. A parameter whose chunks do not cover it raises ``ValueError`` naming it."""
     meta = read_meta(path)

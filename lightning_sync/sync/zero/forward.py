@@ -8,7 +8,7 @@ whose backward comes next) before autograd needs its parameters. The order units
 in the first step, checked to be the same on every rank after the first backward (the all-gathers are
 matched by order), and from then on drives prefetching and the reduce-scatter order.
 
-This is a mixin of :class:`~lightning_sync.sync.zero_engine.ZeroEngine`, kept apart so the engine
+This is a mixin of :class:`~lightning_sync.sync.zero.engine.ZeroEngine`, kept apart so the engine
 module reads as build / backward / step; it uses the engine's units, flats, options and events.
 """
 
@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from lightning_sync.sync.zero_units import Unit
+from lightning_sync.sync.zero.units import Unit
 
 if TYPE_CHECKING:
     from lightning_sync.sync.communicator import Communicator

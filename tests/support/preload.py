@@ -1,10 +1,10 @@
 """What the harness's forkserver does once, at its start, so that no forked rank repeats it.
 
-Imported by the forkserver (it is the last entry of :data:`~lightning_sync.testing.startup.PRELOAD`), never by
-user code. Besides the project's own modules a rank imports (about 0.3 s each time), it composes the ``train``
-config once with the kind of overrides the tests pass: Hydra's override grammar is an ANTLR parser that builds
-its prediction tables lazily, on the first strings it parses, and keeps them on the parser class. Built here,
-every rank forked afterwards inherits them, and a ``lightning-sync train`` rank composes its config in a
+Imported by the forkserver after :data:`~lightning_sync.testing.startup.PRELOAD` (the test session names it:
+``warm_up(extra=...)`` in ``tests/conftest.py``). It composes the ``train`` config once with the kind of
+overrides the tests pass: Hydra's override grammar is an ANTLR parser that builds its prediction tables lazily,
+on the first strings it parses, and keeps them on the parser class. Built here, every rank forked afterwards
+inherits them, and a ``lightning-sync train`` rank composes its config in a
 fraction of the time (measured: a 2-rank, 10-step CLI run from 1.9 s to 1.4 s of wall time on 2 cores).
 
 Nothing here may raise (the forkserver survives only an ``ImportError`` of a preloaded module); the
@@ -14,12 +14,6 @@ rank starts it as a fresh process would.
 
 from __future__ import annotations
 
-import lightning_sync.cli
-import lightning_sync.diagnostics
-import lightning_sync.launch.requeue
-import lightning_sync.models
-import lightning_sync.strategies
-import lightning_sync.sync  # noqa: F401 - imported for the forked ranks
 from lightning_sync._config import config_dir
 
 #: Overrides of every syntax the tests use: dotted keys, a group choice, a quoted and a nested value, an
@@ -33,7 +27,7 @@ _OVERRIDES = [
     "checkpoint.every_n_train_steps=2",
     "final_checkpoint=/tmp/run/final.ckpt",
     "hydra.run.dir=/tmp/run",
-    "+diagnostics.fault={_target_: lightning_sync.testing.faults.KillAtStep, rank: 1, step: 7, phase: forward}",
+    "+diagnostics.fault={_target_: lightning_sync.diagnostics.faults.KillAtStep, rank: 1, step: 7, phase: forward}",
     "+checkpoint.save_top_k=-1",
     "launch.signal=USR1",
     "ckpt_path=last",

@@ -1,0 +1,52 @@
+"""ZeRO sharding (Rajbhandari et al., SC 2020): the package, and the names importers use.
+
+Sharded data parallelism keeps 1/K of the training state per rank and moves the rest with two even,
+metadata-free collectives: an **all-gather** of the flat parameter shards before they are used, and a
+**reduce-scatter** of the flat gradients into each rank's averaged shard. It is written in parts, one
+concern a module; the package exports their public names:
+
+* :mod:`~lightning_sync.sync.flat` - the flat, padded, evenly sharded layout (:class:`FlatShard`,
+  :class:`OwnedSlice`), shared with DDP bucketing and the parameter-server wire;
+* :mod:`~lightning_sync.sync.zero.flat_param` - one flat parameter's buffers and collectives (:class:`FlatParam`);
+* :mod:`~lightning_sync.sync.zero.units` - which parameters go together (:class:`Unit`);
+* :mod:`~lightning_sync.sync.zero.engine` - :class:`ZeroEngine`, stages 1-3 on the shared backward engine;
+* :mod:`~lightning_sync.sync.zero.checkpoint` / :mod:`~lightning_sync.sync.zero.format` - sharded and
+  full checkpoints, and their on-disk format (:func:`read_meta`);
+* :mod:`~lightning_sync.sync.zero.consolidate` - :func:`consolidate_checkpoint`, one process, no group;
+* :mod:`~lightning_sync.sync.zero.options` - argument checks and the memory model (:func:`zero_memory_bytes`).
+"""
+
+from __future__ import annotations
+
+from lightning_sync.sync.flat import FlatShard, OwnedSlice
+from lightning_sync.sync.zero.consolidate import consolidate_checkpoint
+from lightning_sync.sync.zero.engine import ZeroEngine
+from lightning_sync.sync.zero.flat_param import FlatParam
+from lightning_sync.sync.zero.format import read_meta
+from lightning_sync.sync.zero.options import (
+    ZERO_STAGES,
+    check_stage,
+    import_class,
+    resolve_dtype,
+    resolve_wrap_policy,
+    storage_bytes,
+    zero_memory_bytes,
+)
+from lightning_sync.sync.zero.units import Unit
+
+__all__ = [
+    "FlatParam",
+    "FlatShard",
+    "OwnedSlice",
+    "Unit",
+    "ZERO_STAGES",
+    "ZeroEngine",
+    "check_stage",
+    "consolidate_checkpoint",
+    "import_class",
+    "read_meta",
+    "resolve_dtype",
+    "resolve_wrap_policy",
+    "storage_bytes",
+    "zero_memory_bytes",
+]
