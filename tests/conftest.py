@@ -28,6 +28,26 @@ _DIST_ENV = (
 
 
 _SLURM_TIER = "tests/slurm"
+_TESTS = str(Path(__file__).resolve().parent)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The test-only helpers (``tests/support``) importable in the processes the tests start, not only in this one:
+    the harness's forkserver imports ``support.preload``, and Python 3.11's forkserver ignores the ``sys.path`` it
+    is handed (it inherits only the environment). Set for the session and restored at its end."""
+    config.stash[_PYTHONPATH] = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_TESTS, config.stash[_PYTHONPATH]) if p)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    old = config.stash.get(_PYTHONPATH, None)
+    if old is None:
+        os.environ.pop("PYTHONPATH", None)
+    else:
+        os.environ["PYTHONPATH"] = old
+
+
+_PYTHONPATH = pytest.StashKey[str | None]()
 
 
 def _in_slurm_tier(nodeid: str) -> bool:

@@ -205,6 +205,25 @@ def test_a_rank_starts_its_own_processes_as_a_fresh_interpreter_would() -> None:
     _assert_no_children()
 
 
+def _preloaded_worker(rank: int, world_size: int) -> list[str]:
+    import sys
+
+    return sorted(m for m in ("support.preload", "lightning_sync.strategies", "lightning_sync.cli") if m in sys.modules)
+
+
+def test_forked_ranks_inherit_the_sessions_warm_up() -> None:
+    """The forkserver imports the project's modules and the test suite's Hydra warm-up (``support.preload``, which
+    lives under ``tests/`` and so is importable there only through the session's ``PYTHONPATH``): a forked rank
+    finds them already imported. Had the warm-up failed to import, the forkserver would skip it silently and
+    every CLI rank would build Hydra's parser tables again."""
+    import os
+
+    if os.environ.get("LIGHTNING_SYNC_START_METHOD", "forkserver") != "forkserver":
+        pytest.skip("ranks are spawned (LIGHTNING_SYNC_START_METHOD), not forked from the preloaded server")
+    results = run_distributed(_preloaded_worker, 2, timeout=60)
+    assert results == [["lightning_sync.cli", "lightning_sync.strategies", "support.preload"]] * 2, results
+
+
 # --------------------------------------------------------------------------- failures name the rank
 
 
