@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import zipfile
@@ -37,6 +38,23 @@ def test_wheel_contains_every_package_and_config(wheel: Path) -> None:
         "lightning_sync/conf/" + p.relative_to(ROOT / "conf").as_posix() for p in (ROOT / "conf").rglob("*.yaml")
     }
     assert configs and not configs - names, f"configs missing from the wheel: {sorted(configs - names)}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_wheel_holds_no_test_only_code(wheel: Path) -> None:
+    """What only the test suite uses (the Slurm daemons' fixture, the CLI rank launcher, the Hydra warm-up with its
+    test overrides) lives under ``tests/support`` and stays out of the wheel; what users and the bench use (the
+    N-rank harness, the fault injector) ships, and no shipped module imports the test-only package."""
+    whl = zipfile.ZipFile(wheel)
+    modules = [n for n in whl.namelist() if n.endswith(".py")]
+    assert modules and all(n.startswith("lightning_sync/") for n in modules), sorted(modules)[:5]
+    test_only = {p.name for p in (ROOT / "tests" / "support").glob("*.py")} - {"__init__.py"}
+    shipped = {n.rsplit("/", 1)[1] for n in modules}
+    assert test_only and not test_only & shipped, f"test-only modules in the wheel: {sorted(test_only & shipped)}"
+    assert {"lightning_sync/testing/harness.py", "lightning_sync/diagnostics/faults.py"} <= set(modules)
+    importers = [n for n in modules if re.search(rb"^\s*(from|import) support\b", whl.read(n), re.M)]
+    assert not importers, f"shipped modules import the test-only package: {importers}"
 
 
 @pytest.mark.slow
