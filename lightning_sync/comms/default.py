@@ -50,8 +50,9 @@ __all__ = [
 class DefaultContext:
     """Holds the :class:`CommContext` of the current default process group; one per process (:data:`_DEFAULT`).
 
-    It keeps the group only as a weak reference, and replaces its context whenever
-    ``torch.distributed.group.WORLD`` is another object than the group the context was made for."""
+    Every call compares ``torch.distributed.group.WORLD`` by identity with the group the context was made for (as
+    the context's sequence numbers do), and a different group gets a new context; the holder refers to the group
+    only weakly, so it keeps no destroyed group alive by itself."""
 
     def __init__(self) -> None:
         self._ctx: CommContext | None = None
