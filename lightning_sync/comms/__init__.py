@@ -12,6 +12,16 @@ one (``strategy.comm``). Usage::
 
 from lightning_sync.comms import algorithms, rpc, watchdog
 from lightning_sync.comms.context import CommContext, CommSettings
+from lightning_sync.comms.default import (
+    all_gather,
+    all_reduce,
+    barrier,
+    broadcast,
+    default_context,
+    gather,
+    reduce_scatter,
+    scatter,
+)
 from lightning_sync.comms.payload import REDUCE_OPS, check_reduce, get_rank, get_world_size, group_ranks
 from lightning_sync.comms.stats import CommStats, OpStats
 from lightning_sync.comms.work import Observer, Work
@@ -25,10 +35,18 @@ __all__ = [
     "OpStats",
     "Work",
     "algorithms",
+    "all_gather",
+    "all_reduce",
+    "barrier",
+    "broadcast",
     "check_reduce",
+    "default_context",
+    "gather",
     "get_rank",
     "get_world_size",
     "group_ranks",
+    "reduce_scatter",
     "rpc",
+    "scatter",
     "watchdog",
 ]
