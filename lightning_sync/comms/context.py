@@ -29,11 +29,11 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch.distributed as dist
 
 from lightning_sync.comms.payload import group_ranks
+from lightning_sync.comms.topology import NodeGroups, resolve_ranks_per_node
 from lightning_sync.comms.uneven import UnevenCollectives
 from lightning_sync.comms.work import Observer
 
 if TYPE_CHECKING:
-    from lightning_sync.comms.algorithms import NodeGroups
     from lightning_sync.comms.watchdog import Watchdog
 
 __all__ = ["CommContext", "CommSettings"]
@@ -155,8 +155,6 @@ class CommContext(UnevenCollectives):
     # ------------------------------------------------------------------ hierarchical all-reduce's sub-groups
     def node_groups(self, ranks_per_node: int | None = None) -> NodeGroups:
         """The node and leader sub-groups for ``ranks_per_node`` (built once, collectively, on first use)."""
-        from lightning_sync.comms.algorithms import NodeGroups, resolve_ranks_per_node
-
         ranks_per_node = resolve_ranks_per_node(ranks_per_node)
         if ranks_per_node not in self._node_groups or self._node_groups[ranks_per_node].world is not dist.group.WORLD:
             self._node_groups[ranks_per_node] = NodeGroups(ranks_per_node)
