@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch.distributed as dist
 
+from lightning_sync.comms.bound import BoundContext
 from lightning_sync.comms.payload import group_ranks
 from lightning_sync.comms.topology import NodeGroups, resolve_ranks_per_node
 from lightning_sync.comms.uneven import UnevenCollectives
@@ -109,6 +110,17 @@ class CommContext(UnevenCollectives):
     def world_size(self) -> int:
         """The number of ranks in the context's group."""
         return dist.get_world_size(self.group)
+
+    def bound(
+        self,
+        group: dist.ProcessGroup | None = None,
+        algorithm: str = "backend",
+        ranks_per_node: int | None = None,
+    ) -> BoundContext:
+        """A view of this context whose collectives default to ``group`` and whose ``all_reduce`` runs
+        ``algorithm`` (:class:`~lightning_sync.comms.bound.BoundContext`); its calls are this context's.
+        ``"hierarchical"`` builds its node groups now, collectively."""
+        return BoundContext(self, group=group, algorithm=algorithm, ranks_per_node=ranks_per_node)
 
     # ------------------------------------------------------------------ job lifecycle
     def begin_job(self) -> None:

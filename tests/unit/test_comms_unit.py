@@ -6,6 +6,7 @@ Nothing here spawns a rank; the multi-process behaviour is in tests/multiprocess
 from __future__ import annotations
 
 import math
+import re
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -86,6 +87,14 @@ def test_all_reduce_with_unknown_algorithm_lists_allowed_names() -> None:
     # validated before any communication, so this needs no process group
     with pytest.raises(ValueError, match=r"'butterfly'.*\['backend', 'hierarchical', 'ring', 'tree'\]"):
         A.all_reduce_with(CTX, "butterfly", torch.ones(2))
+
+
+@pytest.mark.parametrize("bad", ["butterfly", "Ring", None])
+def test_bound_view_with_unknown_algorithm_lists_allowed_names(bad: object) -> None:
+    # refused when the view is made, before any collective (hierarchical's would build node groups): no process
+    # group is needed, and a rank with a typo fails at once instead of leaving its peers in a collective
+    with pytest.raises(ValueError, match=rf"{re.escape(repr(bad))}.*\['backend', 'hierarchical', 'ring', 'tree'\]"):
+        CTX.bound(algorithm=bad)  # type: ignore[arg-type]
 
 
 # --------------------------------------------------------------------------- CommStats
