@@ -38,13 +38,12 @@ class ReshardRow:
 def _engine(world: int, in_features: int) -> tuple[torch.optim.Optimizer, object]:
     from lightning_sync import comms
     from lightning_sync.models.synthetic import WideMLP
-    from lightning_sync.sync.communicator import ProcessGroupCommunicator
     from lightning_sync.sync.zero.engine import ZeroEngine
 
     torch.manual_seed(0)
     net = WideMLP(in_features=in_features).net
     opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
-    engine = ZeroEngine(net, opt, ProcessGroupCommunicator(comms.CommContext()), stage=3)
+    engine = ZeroEngine(net, opt, comms.CommContext(), stage=3)
     engine.gather_root()
     net(torch.randn(4, in_features)).sum().backward()
     opt.step()  # the moments exist: a checkpoint holds them

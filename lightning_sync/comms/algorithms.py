@@ -24,7 +24,8 @@ calls and seconds with 0 bytes, so no byte is counted twice.
   all-reduce among the node leaders, broadcast within each node. Only the leaders' step crosses
   nodes: with N nodes of L ranks, the inter-node traffic is one all-reduce among N ranks instead of
   among N*L. Ranks are laid out node by node (global rank = node * L + local rank, as Lightning and
-  SLURM number them); the sub-groups come from :class:`NodeGroups`. Its traffic is recorded under
+  SLURM number them); the sub-groups come from
+  :class:`~lightning_sync.comms.topology.NodeGroups`, which the context holds. Its traffic is recorded under
   ``intra_node/reduce``, ``inter_node/all_reduce`` and ``intra_node/broadcast``
   (:meth:`~lightning_sync.comms.context.CommContext.scope`), so intra- and inter-node bytes are separate.
 
@@ -33,10 +34,10 @@ All ranks in ``group`` must call the same function with tensors of the same shap
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -44,19 +45,57 @@ import torch.distributed as dist
 from lightning_sync.comms import payload as P
 
 if TYPE_CHECKING:
-    from lightning_sync.comms.context import CommContext
+    from lightning_sync.comms.topology import NodeGroups
+    from lightning_sync.comms.work import Observer
 
 __all__ = [
     "ALGORITHMS",
-    "NodeGroups",
+    "AlgorithmContext",
     "all_reduce_with",
     "hierarchical_all_reduce",
-    "resolve_ranks_per_node",
     "ring_all_gather",
     "ring_all_reduce",
     "ring_reduce_scatter",
     "tree_all_reduce",
 ]
+
+
+class AlgorithmContext(Protocol):
+    """What an algorithm uses of its :class:`~lightning_sync.comms.context.CommContext` (which satisfies this as it
+    is): the calls it builds on, the observer its own entry is recorded in, the scopes that name its steps, and the
+    node groups the context holds. Named here as a protocol so that this module does not import the context."""
+
+    observer: Observer | None
+
+    def send(
+        self, tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None, async_op: bool = False
+    ) -> Any: ...
+
+    def recv(
+        self, tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None, async_op: bool = False
+    ) -> Any: ...
+
+    def reduce(
+        self,
+        tensor: torch.Tensor,
+        dst: int,
+        op: str = "sum",
+        group: dist.ProcessGroup | None = None,
+        async_op: bool = False,
+    ) -> Any: ...
+
+    def all_reduce(
+        self, tensor: torch.Tensor, op: str = "sum", group: dist.ProcessGroup | None = None, async_op: bool = False
+    ) -> Any: ...
+
+    def broadcast(
+        self, value: Any, src: int = 0, group: dist.ProcessGroup | None = None, async_op: bool = False
+    ) -> Any: ...
+
+    def scope(self, name: str) -> AbstractContextManager[None]: ...
+
+    def node_groups(self, ranks_per_node: int | None = None) -> NodeGroups: ...
+
 
 _COMBINE: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
     "sum": torch.Tensor.add_,
@@ -72,7 +111,7 @@ def _combine(op: str, tensor: torch.Tensor) -> Callable[[torch.Tensor, torch.Ten
 
 
 def _exchange(
-    ctx: CommContext,
+    ctx: AlgorithmContext,
     send_buf: torch.Tensor,
     dst: int,
     recv_buf: torch.Tensor,
@@ -85,7 +124,7 @@ def _exchange(
         w.wait()
 
 
-def _account(ctx: CommContext, op: str, start: float) -> None:
+def _account(ctx: AlgorithmContext, op: str, start: float) -> None:
     if ctx.observer is not None:  # the algorithm's own entry: calls and seconds, its bytes are in send/recv
         ctx.observer.record(op, 0, time.perf_counter() - start)
 
@@ -105,7 +144,7 @@ def _chunks(tensor: torch.Tensor, world: int, chunk: int) -> torch.Tensor:
 
 
 def _reduce_scatter_steps(
-    ctx: CommContext, buf: torch.Tensor, ranks: list[int], me: int, op: str, group: dist.ProcessGroup | None
+    ctx: AlgorithmContext, buf: torch.Tensor, ranks: list[int], me: int, op: str, group: dist.ProcessGroup | None
 ) -> None:
     world, combine = len(ranks), _COMBINE[op]
     nxt, prv = ranks[(me + 1) % world], ranks[(me - 1) % world]
@@ -116,7 +155,7 @@ def _reduce_scatter_steps(
 
 
 def _all_gather_steps(
-    ctx: CommContext, buf: torch.Tensor, ranks: list[int], me: int, group: dist.ProcessGroup | None
+    ctx: AlgorithmContext, buf: torch.Tensor, ranks: list[int], me: int, group: dist.ProcessGroup | None
 ) -> None:
     world = len(ranks)
     nxt, prv = ranks[(me + 1) % world], ranks[(me - 1) % world]
@@ -125,7 +164,7 @@ def _all_gather_steps(
 
 
 def ring_reduce_scatter(
-    ctx: CommContext, tensor: torch.Tensor, op: str = "sum", group: dist.ProcessGroup | None = None
+    ctx: AlgorithmContext, tensor: torch.Tensor, op: str = "sum", group: dist.ProcessGroup | None = None
 ) -> torch.Tensor:
     """Ring reduce-scatter of the flattened ``tensor``; returns this rank's chunk (``ceil(n/K)``
     elements, trimmed of padding at the end)."""
@@ -142,7 +181,7 @@ def ring_reduce_scatter(
     return mine[:keep]
 
 
-def ring_all_gather(ctx: CommContext, shard: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+def ring_all_gather(ctx: AlgorithmContext, shard: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Ring all-gather of equal-sized flat shards; returns a ``(K, shard.numel())`` tensor."""
     start = time.perf_counter()
     ranks = P.group_ranks(group)
@@ -155,7 +194,7 @@ def ring_all_gather(ctx: CommContext, shard: torch.Tensor, group: dist.ProcessGr
 
 
 def ring_all_reduce(
-    ctx: CommContext, tensor: torch.Tensor, op: str = "sum", group: dist.ProcessGroup | None = None
+    ctx: AlgorithmContext, tensor: torch.Tensor, op: str = "sum", group: dist.ProcessGroup | None = None
 ) -> torch.Tensor:
     """Ring all-reduce of ``tensor`` in place (reduce-scatter, then all-gather); returns it."""
     _combine(op, tensor)
@@ -173,7 +212,7 @@ def ring_all_reduce(
 
 
 def tree_all_reduce(
-    ctx: CommContext, tensor: torch.Tensor, op: str = "sum", group: dist.ProcessGroup | None = None
+    ctx: AlgorithmContext, tensor: torch.Tensor, op: str = "sum", group: dist.ProcessGroup | None = None
 ) -> torch.Tensor:
     """Binary-tree all-reduce of ``tensor`` in place (reduce to group rank 0, broadcast down)."""
     combine = _combine(op, tensor)
@@ -196,58 +235,8 @@ def tree_all_reduce(
     return tensor
 
 
-class NodeGroups:
-    """The sub-groups of a job laid out node by node, ``ranks_per_node`` (L) ranks each: one group per node
-    and one of the node leaders (local rank 0). ``torch.distributed.new_group`` is collective, so every
-    rank builds every group, in the same order; build it outside backward
-    (:meth:`~lightning_sync.comms.context.CommContext.node_groups`)."""
-
-    def __init__(self, ranks_per_node: int) -> None:
-        world = P.get_world_size()
-        if (
-            isinstance(ranks_per_node, bool)
-            or not isinstance(ranks_per_node, int)
-            or ranks_per_node < 1
-            or world % ranks_per_node
-        ):
-            raise ValueError(
-                f"ranks_per_node must be an int >= 1 that divides the world size {world}, got {ranks_per_node!r}"
-            )
-        self.ranks_per_node = ranks_per_node
-        self.nodes = [list(range(n * ranks_per_node, (n + 1) * ranks_per_node)) for n in range(world // ranks_per_node)]
-        self.leaders = [ranks[0] for ranks in self.nodes]
-        groups = [dist.new_group(ranks) for ranks in self.nodes]
-        self.leader_group = dist.new_group(self.leaders)
-        me = P.get_rank()
-        self.node = me // ranks_per_node
-        self.node_group = groups[self.node]
-        self.leader = self.leaders[self.node]
-        self.world = dist.group.WORLD  # the default group these sub-groups belong to
-
-    def destroy(self) -> None:
-        """Destroy this rank's sub-groups (its node's, and the leaders' on a leader); local, not collective."""
-        mine = [self.node_group, *([self.leader_group] if P.get_rank() == self.leader else [])]
-        for group in mine:
-            if dist.is_initialized() and group in dist.distributed_c10d._world.pg_map:
-                dist.destroy_process_group(group)
-
-
-def resolve_ranks_per_node(ranks_per_node: int | None) -> int:
-    """``ranks_per_node``, or from the environment: ``LOCAL_WORLD_SIZE`` (torchrun, Lightning) or
-    ``SLURM_NTASKS_PER_NODE``."""
-    if ranks_per_node is not None:
-        return ranks_per_node
-    value = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("SLURM_NTASKS_PER_NODE", "").split("(")[0]
-    if not value:
-        raise ValueError(
-            "hierarchical all-reduce needs ranks_per_node "
-            "(or LOCAL_WORLD_SIZE / SLURM_NTASKS_PER_NODE in the environment)"
-        )
-    return int(value)
-
-
 def hierarchical_all_reduce(
-    ctx: CommContext,
+    ctx: AlgorithmContext,
     tensor: torch.Tensor,
     op: str = "sum",
     group: dist.ProcessGroup | None = None,
@@ -282,7 +271,7 @@ ALGORITHMS: dict[str, Callable[..., torch.Tensor]] = {
 
 
 def all_reduce_with(
-    ctx: CommContext, algorithm: str, tensor: torch.Tensor, op: str = "sum", group: dist.ProcessGroup | None = None
+    ctx: AlgorithmContext, algorithm: str, tensor: torch.Tensor, op: str = "sum", group: dist.ProcessGroup | None = None
 ) -> torch.Tensor:
     """All-reduce with a named algorithm: one of :data:`ALGORITHMS` (``backend``, ``ring``, ``tree``,
     ``hierarchical``)."""

@@ -28,12 +28,13 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch.distributed as dist
 
+from lightning_sync.comms.bound import BoundContext
 from lightning_sync.comms.payload import group_ranks
+from lightning_sync.comms.topology import NodeGroups, resolve_ranks_per_node
 from lightning_sync.comms.uneven import UnevenCollectives
 from lightning_sync.comms.work import Observer
 
 if TYPE_CHECKING:
-    from lightning_sync.comms.algorithms import NodeGroups
     from lightning_sync.comms.watchdog import Watchdog
 
 __all__ = ["CommContext", "CommSettings"]
@@ -110,6 +111,17 @@ class CommContext(UnevenCollectives):
         """The number of ranks in the context's group."""
         return dist.get_world_size(self.group)
 
+    def bound(
+        self,
+        group: dist.ProcessGroup | None = None,
+        algorithm: str = "backend",
+        ranks_per_node: int | None = None,
+    ) -> BoundContext:
+        """A view of this context whose collectives default to ``group`` and whose ``all_reduce`` runs
+        ``algorithm`` (:class:`~lightning_sync.comms.bound.BoundContext`); its calls are this context's.
+        ``"hierarchical"`` builds its node groups now, collectively."""
+        return BoundContext(self, group=group, algorithm=algorithm, ranks_per_node=ranks_per_node)
+
     # ------------------------------------------------------------------ job lifecycle
     def begin_job(self) -> None:
         """Start a job from clean state: statistics (calls in flight included), sequence numbers, the watchdog's
@@ -155,8 +167,6 @@ class CommContext(UnevenCollectives):
     # ------------------------------------------------------------------ hierarchical all-reduce's sub-groups
     def node_groups(self, ranks_per_node: int | None = None) -> NodeGroups:
         """The node and leader sub-groups for ``ranks_per_node`` (built once, collectively, on first use)."""
-        from lightning_sync.comms.algorithms import NodeGroups, resolve_ranks_per_node
-
         ranks_per_node = resolve_ranks_per_node(ranks_per_node)
         if ranks_per_node not in self._node_groups or self._node_groups[ranks_per_node].world is not dist.group.WORLD:
             self._node_groups[ranks_per_node] = NodeGroups(ranks_per_node)

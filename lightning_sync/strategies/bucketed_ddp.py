@@ -49,7 +49,6 @@ from lightning_sync.strategies._common import (
 )
 from lightning_sync.strategies._telemetry import BUCKETS
 from lightning_sync.sync.bucketing import GradBucketer, check_mib
-from lightning_sync.sync.communicator import ProcessGroupCommunicator
 from lightning_sync.sync.compression import COMPRESSIONS, make_compressor
 
 __all__ = ["BucketedDDPStrategy"]
@@ -138,10 +137,10 @@ class BucketedDDPStrategy(CommsCollectivesMixin, DDPStrategy):
         model = self.model
         assert model is not None
         self._broadcast_module_states(model, self.comm)
-        comm = (  # the context is a Communicator on the backend's own all-reduce; the written-out ones need an adapter
+        comm = (  # the context is a Communicator on the backend's own all-reduce; a written-out one needs a bound view
             self.comm
             if self.comm_algorithm == "backend"
-            else ProcessGroupCommunicator(self.comm, algorithm=self.comm_algorithm, ranks_per_node=self.num_processes)
+            else self.comm.bound(algorithm=self.comm_algorithm, ranks_per_node=self.num_processes)
         )
         self.bucketer = GradBucketer(
             model.named_parameters(),

@@ -39,7 +39,6 @@ import torch
 from typing_extensions import override
 
 from lightning_sync.strategies._periodic import PeriodicStrategy
-from lightning_sync.sync.communicator import ProcessGroupCommunicator
 from lightning_sync.sync.periodic import DiLoCoOuter, average_tensors, check_outer
 
 __all__ = ["DiLoCoStrategy"]
@@ -87,7 +86,7 @@ class DiLoCoStrategy(PeriodicStrategy):
     def _make_syncer(self) -> DiLoCoOuter:
         return DiLoCoOuter(
             self._trainable(),
-            ProcessGroupCommunicator(self.comm),
+            self.comm,
             self.sync_every,
             self.outer_lr,
             self.outer_momentum,
@@ -99,9 +98,7 @@ class DiLoCoStrategy(PeriodicStrategy):
         """Count the inner step; at an outer step, average the floating buffers too."""
         if self.averager.step():
             assert self.model is not None
-            average_tensors(
-                [b for b in self.model.buffers() if b.is_floating_point()], ProcessGroupCommunicator(self.comm)
-            )
+            average_tensors([b for b in self.model.buffers() if b.is_floating_point()], self.comm)
 
     @override
     def _drifted(self) -> bool:
@@ -119,7 +116,7 @@ class DiLoCoStrategy(PeriodicStrategy):
                     t.copy_(global_of[id(live)])
                 elif live.is_floating_point() and not isinstance(live, torch.nn.Parameter):
                     rest.append(t)
-        average_tensors(rest, ProcessGroupCommunicator(self.comm))
+        average_tensors(rest, self.comm)
 
     @classmethod
     @override

@@ -61,7 +61,6 @@ from lightning_sync.strategies._common import check_bool, no_sync_of
 from lightning_sync.strategies._periodic import PeriodicStrategy
 from lightning_sync.strategies._telemetry import BUCKETS
 from lightning_sync.sync.bucketing import GradBucketer, check_mib
-from lightning_sync.sync.communicator import ProcessGroupCommunicator
 from lightning_sync.sync.periodic import PeriodicAverager, average_tensors, check_int
 
 __all__ = ["LocalSGDStrategy"]
@@ -125,7 +124,7 @@ class LocalSGDStrategy(PeriodicStrategy):
         assert self.model is not None
         self.bucketer = GradBucketer(
             self.model.named_parameters(),
-            ProcessGroupCommunicator(self.comm),
+            self.comm,
             self.bucket_cap_mb,
             self.first_bucket_mb,
             self.gradient_as_bucket_view,
@@ -180,7 +179,7 @@ class LocalSGDStrategy(PeriodicStrategy):
             raise ValueError(f"average_optimizer_state=True needs exactly one optimizer, got {len(self.optimizers)}")
         return PeriodicAverager(
             self._averaged_tensors(),
-            ProcessGroupCommunicator(self.comm),
+            self.comm,
             self.sync_every,
             self.warmup_steps,
             self.optimizers[0] if self.optimizers else None,
@@ -195,7 +194,7 @@ class LocalSGDStrategy(PeriodicStrategy):
     @override
     def _synchronize(self, tensors: list[torch.Tensor]) -> None:
         """The average of the replicas (a collective)."""
-        average_tensors(tensors, ProcessGroupCommunicator(self.comm))
+        average_tensors(tensors, self.comm)
 
     # ------------------------------------------------------------------ checkpoints
     @override

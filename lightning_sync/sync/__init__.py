@@ -2,11 +2,7 @@
 
 from lightning_sync.checkpoint.reading import UntrustedCheckpointError
 from lightning_sync.sync.bucketing import Bucket, GradBucketer, StepTrace, plan_buckets
-from lightning_sync.sync.communicator import (
-    Communicator,
-    LoopbackCommunicator,
-    ProcessGroupCommunicator,
-)
+from lightning_sync.sync.communicator import Communicator, LoopbackCommunicator
 from lightning_sync.sync.compression import COMPRESSIONS, CastCompression, PowerSGD, make_compressor
 from lightning_sync.sync.flat import FlatShard, OwnedSlice
 from lightning_sync.sync.periodic import DiLoCoOuter, PeriodicAverager
@@ -32,7 +28,6 @@ __all__ = [
     "ParameterServer",
     "PeriodicAverager",
     "PowerSGD",
-    "ProcessGroupCommunicator",
     "Reply",
     "RpcLink",
     "StepTrace",

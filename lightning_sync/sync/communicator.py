@@ -1,9 +1,10 @@
 """The communicator interface the ``sync`` algorithms talk to (as torchft's LocalSGD/DiLoCo do).
 
-Algorithms never call torch.distributed directly: they get a :class:`Communicator`, so they run
-unchanged on a real process group (:class:`ProcessGroupCommunicator`, which goes through
-:mod:`lightning_sync.comms` and is therefore measured by its context's observer) or, in one-process unit
-tests, on a fake such as :class:`LoopbackCommunicator`.
+Algorithms never call torch.distributed directly: they get a :class:`Communicator`, so they run unchanged on a
+real process group or, in one-process unit tests, on a fake such as :class:`LoopbackCommunicator`. On a process
+group the communicator is the strategy's :class:`~lightning_sync.comms.CommContext` itself (so every call is
+numbered, watched and measured by its observer), or a view of it bound to a sub-group or a written-out all-reduce
+algorithm (:meth:`CommContext.bound() <lightning_sync.comms.CommContext.bound>`).
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ import torch
 import torch.distributed as dist
 
 from lightning_sync import comms
+from lightning_sync.comms.bound import CompletedWork
 
-__all__ = ["Communicator", "CompletedWork", "LoopbackCommunicator", "ProcessGroupCommunicator", "WorkLike"]
+__all__ = ["Communicator", "CompletedWork", "LoopbackCommunicator", "WorkLike"]
 
 
 class WorkLike(Protocol):
@@ -25,7 +27,9 @@ class WorkLike(Protocol):
 
 
 class Communicator(Protocol):
-    """What an algorithm may ask of its peers."""
+    """What an algorithm may ask of its peers: a :class:`~lightning_sync.comms.CommContext`'s own methods, with
+    its parameter names and order, so a context (or its bound view) is a Communicator as it is. ``group`` None
+    is the communicator's own group; with ``async_op=True`` a call returns a :class:`WorkLike`."""
 
     @property
     def rank(self) -> int: ...
@@ -33,111 +37,33 @@ class Communicator(Protocol):
     @property
     def world_size(self) -> int: ...
 
-    def all_reduce(self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False) -> Any: ...
-
-    def broadcast_object(self, obj: Any, src: int = 0) -> Any: ...
-
-    def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False) -> Any: ...
-
-    def all_gather_object(self, obj: Any) -> list[Any]: ...
-
-    def all_gather_into(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> Any: ...
-
-    def reduce_scatter_into(
-        self, output: torch.Tensor, input: torch.Tensor, op: str = "sum", async_op: bool = False, scratch: bool = False
+    def all_reduce(
+        self, tensor: torch.Tensor, op: str = "sum", group: dist.ProcessGroup | None = None, async_op: bool = False
     ) -> Any: ...
 
+    def broadcast_object(
+        self, value: Any, src: int = 0, group: dist.ProcessGroup | None = None, async_op: bool = False
+    ) -> Any: ...
 
-class ProcessGroupCommunicator:
-    """A :class:`Communicator` over a torch process group, through a :class:`~lightning_sync.comms.CommContext`
-    (so every call is numbered, watched, and measured by the context's observer).
+    def broadcast(
+        self, value: Any, src: int = 0, group: dist.ProcessGroup | None = None, async_op: bool = False
+    ) -> Any: ...
 
-    Args:
-        ctx: the communication context of the job (the strategy's ``comm``); its group is the default.
-        algorithm: how ``all_reduce`` runs: ``"backend"`` (the backend's own, asynchronous), or one of
-            :data:`lightning_sync.comms.algorithms.ALGORITHMS` written out in ``comms`` (``"ring"``,
-            ``"tree"``, ``"hierarchical"``), which complete before ``all_reduce`` returns.
-        ranks_per_node: the node layout for ``"hierarchical"`` (its sub-groups are built here, once).
-        group: the process group (None: the context's).
-    """
+    def all_gather_object(self, obj: Any, group: dist.ProcessGroup | None = None, async_op: bool = False) -> Any: ...
 
-    def __init__(
-        self,
-        ctx: comms.CommContext,
-        algorithm: str = "backend",
-        ranks_per_node: int | None = None,
-        group: dist.ProcessGroup | None = None,
-    ) -> None:
-        from lightning_sync.comms import algorithms
-
-        if algorithm not in algorithms.ALGORITHMS:
-            raise ValueError(f"unknown all-reduce algorithm {algorithm!r}; allowed: {sorted(algorithms.ALGORITHMS)}")
-        if algorithm == "hierarchical":
-            ctx.node_groups(ranks_per_node)  # collective: every rank builds the sub-groups now
-        self.ctx = ctx
-        self._group = ctx.group if group is None else group
-        self.algorithm, self.ranks_per_node = algorithm, ranks_per_node
-
-    @property
-    def group(self) -> dist.ProcessGroup | None:
-        """The process group (None: the default group)."""
-        return self._group
-
-    @property
-    def observer(self) -> comms.Observer | None:
-        """The context's observer: what an algorithm's own local work (a codec's arithmetic) is recorded in."""
-        return self.ctx.observer
-
-    @property
-    def rank(self) -> int:
-        return comms.get_rank(self._group)
-
-    @property
-    def world_size(self) -> int:
-        return comms.get_world_size(self._group)
-
-    def all_reduce(self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False) -> Any:
-        if self.algorithm == "backend":
-            return self.ctx.all_reduce(tensor, op=op, group=self._group, async_op=async_op)
-        from lightning_sync.comms import algorithms
-
-        if self.algorithm == "hierarchical":
-            algorithms.hierarchical_all_reduce(
-                self.ctx, tensor, op=op, group=self._group, ranks_per_node=self.ranks_per_node
-            )
-        else:
-            algorithms.all_reduce_with(self.ctx, self.algorithm, tensor, op=op, group=self._group)
-        return CompletedWork(tensor) if async_op else tensor
-
-    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
-        return self.ctx.broadcast_object(obj, src=src, group=self._group)
-
-    def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False) -> Any:
-        return self.ctx.broadcast(tensor, src=src, group=self._group, async_op=async_op)
-
-    def all_gather_object(self, obj: Any) -> list[Any]:
-        return self.ctx.all_gather_object(obj, group=self._group)
-
-    def all_gather_into(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> Any:
-        return self.ctx.all_gather_into(output, input, group=self._group, async_op=async_op)
+    def all_gather_into(
+        self, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None = None, async_op: bool = False
+    ) -> Any: ...
 
     def reduce_scatter_into(
-        self, output: torch.Tensor, input: torch.Tensor, op: str = "sum", async_op: bool = False, scratch: bool = False
-    ) -> Any:
-        return self.ctx.reduce_scatter_into(output, input, op=op, group=self._group, async_op=async_op, scratch=scratch)
-
-
-class CompletedWork:
-    """A :class:`WorkLike` that is already done."""
-
-    def __init__(self, result: Any = None) -> None:
-        self._result = result
-
-    def wait(self) -> Any:
-        return self._result
-
-    def is_completed(self) -> bool:
-        return True
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        op: str = "sum",
+        group: dist.ProcessGroup | None = None,
+        async_op: bool = False,
+        scratch: bool = False,
+    ) -> Any: ...
 
 
 class LoopbackCommunicator:
@@ -145,7 +71,8 @@ class LoopbackCommunicator:
 
     Every rank is assumed to hold the same tensor, so ``sum`` multiplies by ``world_size`` and the
     other ops leave it unchanged. ``calls`` records ``(op, numel)`` for each call so tests can check
-    what an algorithm sent, and when.
+    what an algorithm sent, and when. Its methods take a context's parameters in a context's order; ``group``
+    is ignored, since the loopback has one group, of all its ranks.
     """
 
     def __init__(self, world_size: int = 1, rank: int = 0, observer: comms.Observer | None = None) -> None:
@@ -163,7 +90,9 @@ class LoopbackCommunicator:
     def world_size(self) -> int:
         return self._world
 
-    def all_reduce(self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False) -> Any:
+    def all_reduce(
+        self, tensor: torch.Tensor, op: str = "sum", group: dist.ProcessGroup | None = None, async_op: bool = False
+    ) -> Any:
         if op not in comms.REDUCE_OPS:
             raise ValueError(f"unknown reduce op {op!r}; allowed: {sorted(comms.REDUCE_OPS)}")
         self.calls.append(("all_reduce", tensor.numel()))
@@ -171,19 +100,26 @@ class LoopbackCommunicator:
             tensor.mul_(self._world)
         return CompletedWork(tensor) if async_op else tensor
 
-    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+    def broadcast_object(
+        self, value: Any, src: int = 0, group: dist.ProcessGroup | None = None, async_op: bool = False
+    ) -> Any:
         self.calls.append(("broadcast_object", 0))
-        return obj
+        return CompletedWork(value) if async_op else value
 
-    def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False) -> Any:
-        self.calls.append(("broadcast", tensor.numel()))
-        return CompletedWork(tensor) if async_op else tensor
+    def broadcast(
+        self, value: Any, src: int = 0, group: dist.ProcessGroup | None = None, async_op: bool = False
+    ) -> Any:
+        self.calls.append(("broadcast", value.numel()))
+        return CompletedWork(value) if async_op else value
 
-    def all_gather_object(self, obj: Any) -> list[Any]:
+    def all_gather_object(self, obj: Any, group: dist.ProcessGroup | None = None, async_op: bool = False) -> Any:
         self.calls.append(("all_gather_object", 0))
-        return [obj] * self._world
+        gathered = [obj] * self._world
+        return CompletedWork(gathered) if async_op else gathered
 
-    def all_gather_into(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> Any:
+    def all_gather_into(
+        self, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None = None, async_op: bool = False
+    ) -> Any:
         """Every rank holds ``input``, so the gathered buffer is ``input`` repeated K times."""
         if output.numel() != self._world * input.numel():
             raise ValueError(f"output has {output.numel()} elements, expected {self._world} x {input.numel()}")
@@ -192,7 +128,13 @@ class LoopbackCommunicator:
         return CompletedWork(output) if async_op else output
 
     def reduce_scatter_into(
-        self, output: torch.Tensor, input: torch.Tensor, op: str = "sum", async_op: bool = False, scratch: bool = False
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        op: str = "sum",
+        group: dist.ProcessGroup | None = None,
+        async_op: bool = False,
+        scratch: bool = False,
     ) -> Any:
         """Every rank holds ``input``: this rank's chunk, times K for ``sum``, unchanged otherwise."""
         if op not in comms.REDUCE_OPS:

@@ -44,6 +44,10 @@ _ALGOS: dict[str, Callable[..., torch.Tensor]] = {
     "with(ring)": lambda t, op, group: A.all_reduce_with(CTX, "ring", t, op=op, group=group),
     "with(tree)": lambda t, op, group: A.all_reduce_with(CTX, "tree", t, op=op, group=group),
     "with(backend)": lambda t, op, group: A.all_reduce_with(CTX, "backend", t, op=op, group=group),
+    # the same through a view of the context bound to the group (CommContext.bound): the group is the view's
+    "bound(backend)": lambda t, op, group: CTX.bound(group=group).all_reduce(t, op=op),
+    "bound(ring)": lambda t, op, group: CTX.bound(group=group, algorithm="ring").all_reduce(t, op=op),
+    "bound(tree)": lambda t, op, group: CTX.bound(group=group, algorithm="tree").all_reduce(t, op=op),
 }
 
 
@@ -133,6 +137,61 @@ def _check_tree_traffic(ck: Checks, me: int, members: list[int], group: Any, lab
     return out
 
 
+def _neighbour_seqs(me: int, members: list[int], group: Any) -> tuple[int, int]:
+    """The context's next point-to-point sequence numbers on ``group``: a send to the next member and a receive
+    from the previous one (every member does the same, so they pair up)."""
+    pos = members.index(me)
+    nxt, prv = members[(pos + 1) % len(members)], members[(pos - 1) % len(members)]
+    send = CTX.send(torch.ones(1), nxt, group=group, async_op=True)
+    recv = CTX.recv(torch.empty(1), prv, group=group, async_op=True)
+    send.wait(), recv.wait()
+    return send.seq, recv.seq
+
+
+def _check_bound_view(ck: Checks, me: int, members: list[int], group: Any, label: str, seed: int) -> None:
+    """A bound view is the context's: its calls take the context's sequence numbers and are recorded in its
+    observer; its other collectives default to its group (checked against plain-torch references, exact)."""
+    k, pos = len(members), members.index(me)
+    view = CTX.bound(group=group, algorithm="ring")
+    ck.true(f"{label} bound rank/world_size", (view.rank, view.world_size) == (pos, k), (view.rank, view.world_size))
+    ck.true(f"{label} bound observer is the context's", view.observer is CTX.observer)
+    # the backend's all-reduce through the view takes the next number of the context's counter for the group
+    a = CTX.all_reduce(torch.ones(3), group=group, async_op=True)
+    b = CTX.bound(group=group).all_reduce(torch.ones(3), async_op=True)
+    c = CTX.all_reduce(torch.ones(3), group=group, async_op=True)
+    out = [w.wait() for w in (a, b, c)]
+    ck.true(f"{label} bound backend shares the sequence numbers", (b.seq, c.seq) == (a.seq + 1, a.seq + 2), [a, b, c])
+    ck.close(f"{label} bound backend async result", out[1], torch.full((3,), float(k)), rtol=0.0, atol=0.0)
+    # the ring through the view: 2(K-1) sends and 2(K-1) receives on the context's point-to-point counter, and
+    # its entry and its send bytes in the context's observer (2(K-1) chunks of ceil(n/K) fp32 elements)
+    n = 3 * k + 1
+    before = _neighbour_seqs(me, members, group)
+    CTX.observer.reset()
+    t = exact_input(me, (n,), torch.float32, seed)
+    work = view.all_reduce(t, async_op=True)  # written out: complete when it returns
+    stats = CTX.observer
+    ring_bytes = 2 * (k - 1) * -(-n // k) * 4
+    got = (stats["ring_all_reduce"].calls, stats["send"].bytes, stats["recv"].bytes)
+    ck.true(f"{label} bound ring recorded in the context's observer", got == (1, ring_bytes, ring_bytes), got)
+    ck.true(f"{label} bound ring async is complete", work.is_completed() and work.wait() is t, work)
+    ref = reduce_reference([exact_input(r, (n,), torch.float32, seed) for r in members], "sum")
+    ck.close(f"{label} bound ring vs reference", t, ref, rtol=0.0, atol=0.0)  # exact sums (exact_input)
+    after = _neighbour_seqs(me, members, group)
+    ck.true(
+        f"{label} bound ring shares the point-to-point numbers",
+        after[0] == before[0] + 2 + 4 * (k - 1),
+        (before, after),
+    )
+    CTX.observer.reset()
+    # the other collectives default to the view's group: data movement, exact
+    ck.true(f"{label} bound all_gather_object", view.all_gather_object(me) == members, members)
+    got_src = view.broadcast_object(me if pos == 0 else None, src=members[0])
+    ck.true(f"{label} bound broadcast_object", got_src == members[0], got_src)
+    gathered = view.all_gather_into(torch.empty(k, 2), exact_input(me, (2,), torch.float32, seed + 1))
+    want = torch.stack([exact_input(r, (2,), torch.float32, seed + 1) for r in members])
+    ck.close(f"{label} bound all_gather_into", gathered, want, rtol=0.0, atol=0.0)
+
+
 def _worker(rank: int, k: int) -> tuple[list[str], int, dict[str, Any]]:
     ck = Checks()
     everyone = list(range(k))
@@ -141,6 +200,7 @@ def _worker(rank: int, k: int) -> tuple[list[str], int, dict[str, Any]]:
     seed = _check_all_reduces(ck, rank, everyone, None, f"world{k}", shapes, 0)
     seed = _check_ring_pieces(ck, rank, everyone, None, f"world{k}", sorted({1, k - 1, 4 * k, 4 * k + 1}), seed)
     traffic = {"world": _check_tree_traffic(ck, rank, everyone, None, f"world{k}")}
+    _check_bound_view(ck, rank, everyone, None, f"world{k}", 5_000)
 
     ck.raises(
         "unknown algorithm",
@@ -169,6 +229,7 @@ def _worker(rank: int, k: int) -> tuple[list[str], int, dict[str, Any]]:
         seed = _check_all_reduces(ck, rank, members, group, label, sub_shapes, seed)
         seed = _check_ring_pieces(ck, rank, members, group, label, [1, 5], seed)
         traffic[str(members)] = _check_tree_traffic(ck, rank, members, group, label)
+        _check_bound_view(ck, rank, members, group, label, seed + 1)
     # all ranks still in step after the sub-group work (sum of ones: exact)
     ck.close("final all_reduce", CTX.all_reduce(torch.ones(2)), torch.full((2,), float(k)), rtol=0.0, atol=0.0)
     return ck.failures, ck.count, traffic

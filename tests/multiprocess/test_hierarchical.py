@@ -16,6 +16,37 @@ from lightning_sync.testing import Checks, assert_all_ranks_passed, run_distribu
 CTX = comms.CommContext(observer=comms.CommStats())
 
 
+def _check_bound_view(ck: Checks, rank: int) -> None:
+    """``CTX.bound(algorithm="hierarchical")``: its node groups are built when the view is made (collectively,
+    outside any backward) and are the context's own; its all-reduce equals the flat one exactly (the integer-valued
+    data of the first checks) and records its bytes in the context's observer, split as the function's are."""
+    ck.true("[bound] no node groups before the view", not CTX._node_groups, list(CTX._node_groups))
+    view = CTX.bound(algorithm="hierarchical", ranks_per_node=2)
+    ck.true("[bound] the view built the context's node groups", list(CTX._node_groups) == [2], list(CTX._node_groups))
+    for op in ("sum", "avg", "max", "min"):
+        for dtype in (torch.float32, torch.bfloat16, torch.int64):
+            if op == "avg" and dtype == torch.int64:
+                continue
+            base = (torch.arange(37) * (rank + 1) % 11).to(dtype)
+            flat, mine = base.clone(), base.clone()
+            CTX.all_reduce(flat, op=op)
+            out = view.all_reduce(mine, op=op)
+            ck.close(f"[bound {op} {dtype}] view equals flat", mine.float(), flat.float(), rtol=0.0, atol=0.0)
+            ck.true(f"[bound {op} {dtype}] in place", out is mine, type(out))
+    CTX.observer.reset()
+    payload = torch.ones(1000)
+    work = view.all_reduce(payload, op="sum", async_op=True)  # written out: complete when it returns
+    ck.true("[bound] async is complete", work.is_completed() and work.wait() is payload, work)
+    stats = CTX.observer.snapshot()
+    got = {op: stats[op].bytes for op in stats if op.startswith(("intra_node/", "inter_node/"))}
+    want = {"intra_node/reduce": 4000, "intra_node/broadcast": 4000}
+    if rank in (0, 2):  # the node leaders
+        want["inter_node/all_reduce"] = 4000
+    ck.true(f"[bound bytes] rank {rank}: in the context's observer, intra and inter apart", got == want, got)
+    ck.close("[bound bytes] the sum", payload, torch.full((1000,), 4.0), rtol=0.0, atol=0.0)
+    ck.true("[bound release] the context releases the view's layout", CTX.release_node_groups() == 1)
+
+
 def _worker(rank: int, world: int) -> tuple[list[str], int]:
     _quiet_rank()
     ck = Checks()
@@ -43,6 +74,7 @@ def _worker(rank: int, world: int) -> tuple[list[str], int]:
     ck.true(f"[bytes] rank {rank}: intra-node and inter-node traffic apart", got == want, got)
     ck.close("[bytes] the sum", payload, torch.full((1000,), 4.0), rtol=0.0, atol=0.0)
     ck.true("[release] this context's one layout", CTX.release_node_groups() == 1)
+    _check_bound_view(ck, rank)
     # BucketedDDP selects it: 4 ranks of one Lightning node (devices=4) against the single-process
     # reference; within EQ_TOL for the summation order of a reduce then broadcast
     module = _TiedModule("sgd")
@@ -66,7 +98,8 @@ def _worker(rank: int, world: int) -> tuple[list[str], int]:
 
 @pytest.mark.timeout(200)
 def test_hierarchical_equals_flat_and_splits_its_bytes() -> None:
-    assert_all_ranks_passed(run_distributed(_worker, 4, timeout=160, env=ENV), min_checks=21)
+    bound_checks = 28  # _check_bound_view's
+    assert_all_ranks_passed(run_distributed(_worker, 4, timeout=160, env=ENV), min_checks=21 + bound_checks)
 
 
 @pytest.mark.parametrize("bad", ["butterfly", None, 2])

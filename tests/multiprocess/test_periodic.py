@@ -8,7 +8,6 @@ import torch
 from torch import nn
 
 from lightning_sync import comms
-from lightning_sync.sync import ProcessGroupCommunicator
 from lightning_sync.sync.periodic import DiLoCoOuter, PeriodicAverager
 from lightning_sync.testing import Checks, assert_all_ranks_passed, run_distributed
 
@@ -53,7 +52,7 @@ def _local_sgd(rank: int, world: int, sync_every: int) -> tuple[list[list[torch.
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9 if sync_every > 1 else 0.0)
     avg = PeriodicAverager(
         model.parameters(),
-        ProcessGroupCommunicator(CTX),
+        CTX,
         sync_every,
         optimizer=opt,
         average_optimizer_state=sync_every > 1,
@@ -70,7 +69,7 @@ def _local_sgd(rank: int, world: int, sync_every: int) -> tuple[list[list[torch.
 
 def _worker(rank: int, world: int) -> tuple[list[str], int]:
     torch.set_num_threads(1)
-    ck, comm = Checks(), ProcessGroupCommunicator(CTX)
+    ck, comm = Checks(), CTX
     # LocalSGD with H=1 and plain SGD is DDP: averaging the parameters after a step from equal
     # parameters equals stepping with the averaged gradient (exact up to fp32 rounding of the average)
     snapshots, synced = _local_sgd(rank, world, 1)

@@ -9,7 +9,7 @@ import torch
 
 from lightning_sync import comms
 from lightning_sync.comms import collectives as C
-from lightning_sync.sync import FlatShard, ProcessGroupCommunicator
+from lightning_sync.sync import FlatShard
 from lightning_sync.testing import Checks, assert_all_ranks_passed, exact_input, run_distributed
 
 # The communication context of this process's checks (a strategy owns one the same way).
@@ -19,7 +19,7 @@ SHAPES = [(3, 5), (7,), (2, 2, 2), (1,)]  # 31 elements, not divisible by 2 or 3
 
 
 def _worker(rank: int, world: int) -> tuple[list[str], int]:
-    ck, comm = Checks(), ProcessGroupCommunicator(CTX)
+    ck, comm = Checks(), CTX
     fs = FlatShard(SHAPES, world, rank)
     params = {r: [exact_input(r, s, torch.float32, seed=i + 1) for i, s in enumerate(SHAPES)] for r in range(world)}
     flats = {r: fs.flatten(params[r]) for r in range(world)}

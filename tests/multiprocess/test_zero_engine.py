@@ -29,7 +29,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from lightning_sync import comms
-from lightning_sync.sync.communicator import LoopbackCommunicator, ProcessGroupCommunicator
+from lightning_sync.sync.communicator import LoopbackCommunicator
 from lightning_sync.sync.zero import ZeroEngine, consolidate_checkpoint, zero_memory_bytes
 from lightning_sync.testing import run_distributed
 
@@ -229,7 +229,7 @@ def build(
     model = make_model(seed, **model_kw)
     perturb(model, rank)
     opt, sched = make_optimizer(model, kind)  # built before the engine, as a Lightning Strategy sees it
-    engine = ZeroEngine(model, opt, ProcessGroupCommunicator(CTX), stage=stage, wrap_policy=policy, **engine_kw)
+    engine = ZeroEngine(model, opt, CTX, stage=stage, wrap_policy=policy, **engine_kw)
     return model, opt, sched, engine
 
 

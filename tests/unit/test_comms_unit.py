@@ -5,7 +5,9 @@ Nothing here spawns a rank; the multi-process behaviour is in tests/multiprocess
 
 from __future__ import annotations
 
+import inspect
 import math
+import re
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -23,7 +25,9 @@ from lightning_sync.bench.formulas import (
     tree_allreduce_time,
 )
 from lightning_sync.comms import algorithms as A
+from lightning_sync.comms.bound import BoundContext
 from lightning_sync.comms.stats import CommStats, OpStats
+from lightning_sync.sync.communicator import Communicator, LoopbackCommunicator
 
 __all__: list[str] = []
 
@@ -86,6 +90,40 @@ def test_all_reduce_with_unknown_algorithm_lists_allowed_names() -> None:
     # validated before any communication, so this needs no process group
     with pytest.raises(ValueError, match=r"'butterfly'.*\['backend', 'hierarchical', 'ring', 'tree'\]"):
         A.all_reduce_with(CTX, "butterfly", torch.ones(2))
+
+
+@pytest.mark.parametrize("bad", ["butterfly", "Ring", None])
+def test_bound_view_with_unknown_algorithm_lists_allowed_names(bad: object) -> None:
+    # refused when the view is made, before any collective (hierarchical's would build node groups): no process
+    # group is needed, and a rank with a typo fails at once instead of leaving its peers in a collective
+    with pytest.raises(ValueError, match=rf"{re.escape(repr(bad))}.*\['backend', 'hierarchical', 'ring', 'tree'\]"):
+        CTX.bound(algorithm=bad)  # type: ignore[arg-type]
+
+
+def _parameters(fn: Callable[..., Any]) -> list[tuple[str, Any]]:
+    return [(p.name, p.default) for p in inspect.signature(fn).parameters.values()]
+
+
+@pytest.mark.parametrize("impl", [comms.CommContext, BoundContext, LoopbackCommunicator], ids=lambda c: c.__name__)
+def test_communicators_take_the_protocols_parameters_in_its_order(impl: type) -> None:
+    """One vocabulary: the context, its bound view and the one-process fake all take the Communicator protocol's
+    parameters, with its names, order and defaults (a trailing extra, such as all_reduce's ``label``, is allowed), so
+    a call written against one runs on the others."""
+    methods = [n for n, v in vars(Communicator).items() if callable(v) and not n.startswith("_")]
+    assert {"all_reduce", "broadcast", "reduce_scatter_into"} <= set(methods), methods
+    for name in methods:
+        want, got = _parameters(getattr(Communicator, name)), _parameters(getattr(impl, name))
+        assert got[: len(want)] == want, (name, got)
+    for name in ("rank", "world_size"):
+        assert isinstance(getattr(impl, name), property), name
+
+
+def test_bound_view_takes_the_contexts_parameters_for_every_collective() -> None:
+    """Every method of the view is the context's method of the same name, with the same parameters."""
+    methods = [n for n, v in vars(BoundContext).items() if callable(v) and not n.startswith("_")]
+    assert len(methods) >= 15, methods  # every collective of the context, and scope()
+    for name in methods:
+        assert _parameters(getattr(BoundContext, name)) == _parameters(getattr(comms.CommContext, name)), name
 
 
 # --------------------------------------------------------------------------- CommStats

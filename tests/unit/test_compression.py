@@ -37,9 +37,9 @@ class RecordingLoopback(LoopbackCommunicator):
         super().__init__(world_size)
         self.reduced: list[tuple[torch.dtype, str, int]] = []
 
-    def all_reduce(self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False) -> Any:
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum", group: Any = None, async_op: bool = False) -> Any:
         self.reduced.append((tensor.dtype, op, tensor.numel()))
-        return super().all_reduce(tensor, op=op, async_op=async_op)
+        return super().all_reduce(tensor, op=op, group=group, async_op=async_op)
 
 
 class Params(nn.Module):

@@ -298,6 +298,27 @@ def test_cycle_graph_reads_imports(tmp_path: Path) -> None:
     assert find_cycles(graph) == [["pkg.b", "pkg.c", "pkg.b"]]
 
 
+def _imported_anywhere(path: Path) -> set[str]:
+    """Every module an ``import`` statement of ``path`` names, at any level (functions, ``TYPE_CHECKING``)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return names
+
+
+def test_context_and_algorithms_do_not_import_each_other() -> None:
+    """The context holds the node groups the algorithms use, and the algorithms take a context: both depend on
+    ``comms/topology.py`` instead, so neither names the other even where the cycle test does not look (inside a
+    function, under ``TYPE_CHECKING``)."""
+    context, algorithms = "lightning_sync.comms.context", "lightning_sync.comms.algorithms"
+    assert context not in _imported_anywhere(MODULES[algorithms])
+    assert algorithms not in _imported_anywhere(MODULES[context])
+
+
 def test_no_import_cycles() -> None:
     """No cycle among lightning_sync's import-time imports (see :func:`module_import_graph` for what counts:
     imports inside functions are excluded)."""

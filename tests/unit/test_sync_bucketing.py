@@ -36,9 +36,9 @@ class RecordingLoopback(LoopbackCommunicator):
         super().__init__(world_size)
         self.reduced: list[tuple[int, torch.dtype, str]] = []  # (storage data_ptr, dtype, op)
 
-    def all_reduce(self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False) -> Any:
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum", group: Any = None, async_op: bool = False) -> Any:
         self.reduced.append((tensor.untyped_storage().data_ptr(), tensor.dtype, op))
-        return super().all_reduce(tensor, op=op, async_op=async_op)
+        return super().all_reduce(tensor, op=op, group=group, async_op=async_op)
 
 
 def _mlp(seed: int = 0, width: int = 16, depth: int = 4) -> nn.Sequential:
