@@ -63,7 +63,8 @@ class _Packer:
         raise TypeError(
             f"the per-rank state's entry {where} is a {kind.__module__}.{kind.__qualname__}; a checkpoint's per-rank "
             f"states travel as JSON and tensors, so they may hold only None, bool, int, float, str, list, tuple, "
-            f"dict and plain dense torch.Tensor values (convert it, e.g. with float() or torch.as_tensor())"
+            f"dict and plain torch.Tensor values, dense or sparse COO (convert it, e.g. with float() or "
+            f"torch.as_tensor())"
         )
 
     def key(self, key: Any, where: str) -> Any:
