@@ -21,6 +21,13 @@ is set before the loader's iterator is created (workers prefetch at creation).
 :class:`EvaluationShardSampler` is the evaluation counterpart: the same order cut to the dataset (no
 sample repeated), rank r taking entries r, r + W, ...; the shards differ by at most one sample.
 
+Both are ``DistributedSampler`` subclasses, because user code, libraries and Lightning itself test
+``isinstance(sampler, DistributedSampler)`` before they call ``set_epoch`` or read ``num_replicas``, ``rank``,
+``epoch``, ``shuffle``, ``seed``, ``drop_last``, ``num_samples`` or ``total_size``. Those attributes are the
+wrapped sampler's, read (and written) through, so they keep their meaning: ``num_samples`` is what this rank
+yields in an epoch and ``total_size`` what all ranks share out (for the evaluation shards, as in Lightning's
+``UnrepeatedDistributedSampler``, the dataset itself).
+
 Imports nothing from Lightning.
 """
 
@@ -30,7 +37,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, DistributedSampler, Sampler
+from torch.utils.data import DataLoader, DistributedSampler
 
 __all__ = ["EvaluationShardSampler", "GlobalOrderSampler", "global_order", "shard_for_evaluation"]
 
@@ -49,7 +56,44 @@ def global_order(size: int, epoch: int, seed: int, shuffle: bool, total: int) ->
     return (order * -(-total // len(order)))[:total]
 
 
-class GlobalOrderSampler(Sampler[int]):
+class _FromBase:
+    """An attribute of the wrapped ``DistributedSampler`` (``self.base``), read and written through it: the
+    wrapper never holds a copy that could fall out of step with what it yields."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, sampler: Any, owner: type | None = None) -> Any:
+        return self if sampler is None else getattr(sampler.base, self.name)
+
+    def __set__(self, sampler: Any, value: Any) -> None:
+        setattr(sampler.base, self.name, value)
+
+
+class _ShardOf(DistributedSampler):
+    """What both samplers share: a ``DistributedSampler`` whose every attribute is that of ``base``, the
+    sampler Lightning installed, which they replace.
+
+    ``DistributedSampler.__init__`` is not called: it would build a second set of attributes (and ask the
+    default process group for the ones not given), where these are ``base``'s.
+    """
+
+    dataset = _FromBase()
+    num_replicas = _FromBase()
+    rank = _FromBase()
+    epoch = _FromBase()
+    shuffle = _FromBase()
+    seed = _FromBase()
+    drop_last = _FromBase()
+
+    def __init__(self, base: DistributedSampler) -> None:
+        self.base = base
+
+    def set_epoch(self, epoch: int) -> None:
+        self.base.set_epoch(epoch)
+
+
+class GlobalOrderSampler(_ShardOf):
     """This rank's share of the epoch's global order, from a resume position (see the module docstring).
 
     Args:
@@ -57,17 +101,16 @@ class GlobalOrderSampler(Sampler[int]):
             are read from it, so ``base.set_epoch`` (what Lightning calls) moves this sampler too.
     """
 
+    num_samples = _FromBase()
+    total_size = _FromBase()
+
     def __init__(self, base: DistributedSampler) -> None:
-        self.base = base
+        super().__init__(base)
         self._resume: tuple[int, int] | None = None  # (epoch, position): where that epoch starts, once
 
     @property
     def world_size(self) -> int:
         return int(self.base.num_replicas)
-
-    @property
-    def epoch(self) -> int:
-        return int(self.base.epoch)
 
     @property
     def total(self) -> int:
@@ -78,20 +121,17 @@ class GlobalOrderSampler(Sampler[int]):
         start = 0
         if self._resume is not None:
             epoch, position = self._resume
-            if epoch == self.epoch:
+            if epoch == int(self.epoch):
                 start = position
             else:  # Lightning moved on to another epoch: the saved position no longer applies
                 self._resume = None
         order = global_order(
-            len(self.base.dataset), self.epoch, int(self.base.seed), bool(self.base.shuffle), self.total
+            len(self.base.dataset), int(self.epoch), int(self.base.seed), bool(self.base.shuffle), self.total
         )
         return iter(order[start + int(self.base.rank) : self.total : self.world_size])
 
     def __len__(self) -> int:
         return int(self.base.num_samples)  # the whole epoch: Lightning counts the resumed epoch's batches
-
-    def set_epoch(self, epoch: int) -> None:
-        self.base.set_epoch(epoch)
 
     def position(self, batches: int, batch_size: int) -> int:
         """The global position after every rank trained ``batches`` batches of ``batch_size`` samples."""
@@ -101,7 +141,8 @@ class GlobalOrderSampler(Sampler[int]):
         """What a checkpoint carries: the epoch to continue and the position in its global order (the next
         epoch at 0 when this one is done), what must match for the position to mean the same samples, and
         the shape of a global batch (``batch_size`` per rank x world size x ``accumulate`` micro-batches)."""
-        epoch, position = (self.epoch + 1, 0) if epoch_done else (self.epoch, self.position(batches, batch_size))
+        here = int(self.epoch)
+        epoch, position = (here + 1, 0) if epoch_done else (here, self.position(batches, batch_size))
         return {
             "epoch": epoch,
             "position": position,
@@ -178,7 +219,7 @@ def _advice(state: Mapping[str, Any], world: int, batch_size: int | None) -> str
     return "Resume with the checkpoint's settings, or from a checkpoint saved at an epoch's end."
 
 
-class EvaluationShardSampler(Sampler[int]):
+class EvaluationShardSampler(_ShardOf):
     """This rank's share of the dataset for evaluation, with no sample repeated.
 
     ``DistributedSampler`` pads the dataset to a multiple of the world size by repeating samples, so a synced
@@ -191,8 +232,15 @@ class EvaluationShardSampler(Sampler[int]):
         base: the ``DistributedSampler`` it replaces (its epoch, seed, shuffle, world size and rank are read).
     """
 
-    def __init__(self, base: DistributedSampler) -> None:
-        self.base = base
+    @property
+    def num_samples(self) -> int:
+        """The samples this rank evaluates (Lightning's ``UnrepeatedDistributedSampler`` means the same)."""
+        return len(range(int(self.base.rank), len(self.base.dataset), int(self.base.num_replicas)))
+
+    @property
+    def total_size(self) -> int:
+        """The samples all ranks evaluate together: the dataset, none repeated."""
+        return len(self.base.dataset)
 
     def __iter__(self) -> Iterator[int]:
         size = len(self.base.dataset)
@@ -200,10 +248,7 @@ class EvaluationShardSampler(Sampler[int]):
         return iter(order[int(self.base.rank) :: int(self.base.num_replicas)])
 
     def __len__(self) -> int:
-        return len(range(int(self.base.rank), len(self.base.dataset), int(self.base.num_replicas)))
-
-    def set_epoch(self, epoch: int) -> None:
-        self.base.set_epoch(epoch)
+        return self.num_samples
 
     def batches(self, batch_size: int, drop_last: bool) -> list[int]:
         """Every rank's number of batches of ``batch_size`` (the same computation on every rank)."""
@@ -222,7 +267,8 @@ def shard_for_evaluation(loader: Any) -> int:
     batch_sampler = getattr(loader, "batch_sampler", None)
     base = getattr(batch_sampler, "sampler", None)
     batch_size = getattr(batch_sampler, "batch_size", None)
-    # a DistributedSampler subclass (Lightning's unrepeated one for prediction, or a user's) is left alone
+    # a DistributedSampler subclass (ours, once in place; Lightning's unrepeated one for prediction; a user's)
+    # is left alone: only the exact type is known to order samples the way the shards assume
     if not isinstance(loader, DataLoader) or type(base) is not DistributedSampler or not isinstance(batch_size, int):
         return 0
     shards = EvaluationShardSampler(base)

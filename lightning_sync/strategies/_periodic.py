@@ -221,7 +221,7 @@ class PeriodicStrategy(ProcessGroupStrategy):
                 continue
             seen.add(id(value))
             if not (key in saved and torch.equal(value, saved[key])):
-                # no copy: the entry is pickled for the gather at once (one process has nothing to add)
+                # no copy: the gather packs the entry into its own buffer at once (one process alone too)
                 replica[key] = value.detach()
         return {"replica": replica}
 

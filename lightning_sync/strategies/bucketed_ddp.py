@@ -17,7 +17,7 @@ What is synchronized, and when:
 * **Metrics:** ``reduce``/``all_gather``/``broadcast``/``barrier`` go through ``lightning_sync.comms``.
 * **Checkpoints:** the model and optimizer are identical on every rank and saved by rank 0; each rank's
   bucketer state (step count, recorded bucket order, and the compressor state: PowerSGD's error
-  feedback differs per rank) is gathered on rank 0 with the rank's RNG states (one ``gather_object``,
+  feedback differs per rank) is gathered on rank 0 with the rank's RNG states (one tensor gather,
   :mod:`lightning_sync.resume`) and handed back to each rank on resume (the compressor state is reset if
   the world size changed). The training loader resumes at its position in the epoch.
 

@@ -276,3 +276,60 @@ def test_a_distributed_sampler_subclass_keeps_its_own_order_in_training_and_eval
     sampler = loader.batch_sampler.sampler
     assert ExactResume.install(loader, _Loop()) is loader and not isinstance(loader, _Stateful)
     assert shard_for_evaluation(loader) == 0 and loader.batch_sampler.sampler is sampler
+
+
+_ATTRIBUTES = ("dataset", "num_replicas", "rank", "epoch", "shuffle", "seed", "drop_last", "num_samples", "total_size")
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+@pytest.mark.parametrize("rank", [0, 2])
+def test_both_samplers_are_distributed_samplers_with_the_attributes_of_lightnings(rank: int, drop_last: bool) -> None:
+    """``isinstance(sampler, DistributedSampler)`` holds, and every attribute means what it means on the
+    sampler each one stands for: torch's in training, Lightning's unrepeated one in evaluation."""
+    from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
+
+    from lightning_sync.sampler import EvaluationShardSampler
+
+    base = _distributed(25, 3, rank, shuffle=True, seed=7, drop_last=drop_last)
+    training = GlobalOrderSampler(base)
+    # Lightning's unrepeated sampler shuffles by the epoch alone, ours by seed + epoch (the training order's
+    # permutation): at seed 0 both orders are one (Lightning evaluates unshuffled anyway)
+    unrepeated = UnrepeatedDistributedSampler(
+        range(25),  # type: ignore[arg-type]
+        num_replicas=3,
+        rank=rank,
+        shuffle=True,
+        seed=0,
+        drop_last=drop_last,  # kept as an attribute; its sizes are the unrepeated shard's either way
+    )
+    evaluation = EvaluationShardSampler(_distributed(25, 3, rank, shuffle=True, seed=0, drop_last=drop_last))
+    for ours, theirs in ((training, base), (evaluation, unrepeated)):
+        assert isinstance(ours, DistributedSampler)
+        for epoch in (0, 3):
+            ours.set_epoch(epoch)  # what Lightning and user code call, through the isinstance check
+            theirs.set_epoch(epoch)
+            assert {a: getattr(ours, a) for a in _ATTRIBUTES} == {a: getattr(theirs, a) for a in _ATTRIBUTES}
+            assert (len(ours), list(ours)) == (len(theirs), list(theirs))
+    # attributes are the wrapped sampler's, written through too: the order follows what a user sets
+    training.epoch = 5
+    assert base.epoch == 5 and list(training) == list(base.__iter__())
+    training.shuffle = False
+    assert list(training) == list(DistributedSampler.__iter__(base))
+
+
+def test_our_samplers_are_not_replaced_again() -> None:
+    """Once in place they are DistributedSampler subclasses, which evaluation sharding and resume leave alone
+    (they wrap only the plain ``DistributedSampler``): a second pass changes nothing."""
+    from lightning_sync.sampler import shard_for_evaluation
+
+    ds = TensorDataset(torch.arange(32))
+    loader = DataLoader(ds, batch_size=4, sampler=_distributed(32, 2, 1, seed=5))
+    assert shard_for_evaluation(loader) == 0
+    shards = loader.batch_sampler.sampler
+    assert shard_for_evaluation(loader) == 0 and loader.batch_sampler.sampler is shards
+    assert ExactResume.install(loader, _Loop()) is loader and loader.batch_sampler.sampler is shards
+    training = DataLoader(ds, batch_size=4, sampler=_distributed(32, 2, 1, seed=5))
+    ExactResume.install(training, _Loop())
+    ordered = training.batch_sampler.sampler
+    assert isinstance(ordered, GlobalOrderSampler)
+    assert shard_for_evaluation(training) == 0 and training.batch_sampler.sampler is ordered
