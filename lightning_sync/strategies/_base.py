@@ -18,17 +18,15 @@ from collections.abc import Generator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
-import torch
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from typing_extensions import override
 
-from lightning_sync import comms
 from lightning_sync.checkpoint.reading import guarded_load
 from lightning_sync.strategies._common import PASSTHROUGH, CommsCollectivesMixin
+from lightning_sync.sync.replicas import broadcast_module_states
 
 __all__ = [
     "ProcessGroupStrategy",
-    "broadcast_module_states",
     "check_own_arguments",
     "own_arguments",
     "registered_strategies",
@@ -82,13 +80,6 @@ def check_own_arguments(cls: type, kwargs: Mapping[str, Any]) -> None:
     raise ValueError(
         f"{cls.__name__} does not take {foreign} ({where}); it accepts {[*own_arguments(cls), *PASSTHROUGH]}"
     )
-
-
-def broadcast_module_states(model: torch.nn.Module, comm: comms.CommContext) -> None:
-    """Rank 0's parameters and buffers to every rank, in place (a collective): every replica starts equal."""
-    with torch.no_grad():
-        for t in list(model.parameters()) + list(model.buffers()):
-            comm.broadcast(t.data, src=0)
 
 
 class ProcessGroupStrategy(CommsCollectivesMixin, DDPStrategy):

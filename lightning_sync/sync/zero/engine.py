@@ -30,6 +30,7 @@ from torch import nn
 from lightning_sync.sync.backward import BackwardEngine
 from lightning_sync.sync.bucketing import check_mib
 from lightning_sync.sync.communicator import Communicator
+from lightning_sync.sync.replicas import broadcast_module_states
 from lightning_sync.sync.zero.flat_param import FlatParam
 from lightning_sync.sync.zero.forward import Stage3Forward
 from lightning_sync.sync.zero.options import check_stage, resolve_dtype, resolve_wrap_policy, storage_bytes
@@ -99,9 +100,7 @@ class ZeroEngine(Stage3Forward, BackwardEngine):
         self._policy = resolve_wrap_policy(wrap_policy)
         self._cap = max(1, int(bucket_cap_mb * _MB))
         if broadcast and comm.world_size > 1:
-            with torch.no_grad():
-                for t in [*module.parameters(), *module.buffers()]:
-                    comm.broadcast(t.data, src=0)
+            broadcast_module_states(module, comm)
         self._window_open = False
         self._forward_order: list[int] | None = None
         self._recording: list[int] = []
