@@ -24,7 +24,16 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_sync._checks import check_choice, check_int
 
-__all__ = ["LR_SCALINGS", "SCALE_KEY", "WARMUP_STARTS", "ScaledWarmup", "lr_scale_factor", "scale_lr", "warmup_factor"]
+__all__ = [
+    "LR_SCALINGS",
+    "SCALE_KEY",
+    "WARMUP_STARTS",
+    "LrTargets",
+    "ScaledWarmup",
+    "lr_scale_factor",
+    "scale_lr",
+    "warmup_factor",
+]
 
 #: Rules accepted by :func:`scale_lr`: f(r) = 1, r or sqrt(r) for r = global batch / base batch.
 LR_SCALINGS: tuple[str, ...] = ("none", "linear", "sqrt")
@@ -34,6 +43,9 @@ WARMUP_STARTS: tuple[str, ...] = ("base", "zero")
 #: optimizer's state, so a resumed optimizer is never scaled twice (and is rescaled by k_new / k_old
 #: when the global batch changed between runs).
 SCALE_KEY = "lr_scale_applied"
+#: Where an LR rule applies: the optimizers that update the model, their LR schedulers, the step clock, and a
+#: lock to scale under (what a strategy's ``lr_targets(schedulers)`` returns, see :class:`ScaledWarmup`).
+LrTargets = tuple[list[torch.optim.Optimizer], list[Any], Callable[[], int], AbstractContextManager[Any]]
 # Absolute learning rates a param group or a scheduler may hold (OneCycleLR keeps max_lr / min_lr in
 # the groups; CyclicLR max_lrs; ReduceLROnPlateau min_lrs; cosine schedules eta_min). Scaling all of
 # them by k makes the user's schedule exactly k times the schedule it would follow unscaled.
@@ -228,20 +240,14 @@ class ScaledWarmup(pl.Callback):
         return lr_scale_factor(self.global_batch_size, self.base_batch_size, self.lr_scaling)
 
     @staticmethod
-    def _targets(
-        trainer: pl.Trainer,
-    ) -> tuple[list[torch.optim.Optimizer], list[Any], Callable[[], int], AbstractContextManager[Any]]:
-        """(optimizers that update the model, their schedulers, the step clock, a lock to scale under)."""
-        from lightning_sync.strategies.async_ps import AsyncParameterServerStrategy
-
+    def _targets(trainer: pl.Trainer) -> LrTargets:
+        """(optimizers that update the model, their schedulers, the step clock, a lock to scale under). A
+        strategy whose optimizer steps somewhere else (``async_ps``: in the parameter server) says where through
+        its ``lr_targets(schedulers)`` method; the others step ``trainer.optimizers`` on ``trainer.global_step``."""
         schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
-        strategy = trainer.strategy
-        if isinstance(strategy, AsyncParameterServerStrategy):
-            server = strategy.server
-            if server is None or server.optimizer is None:  # a worker: the server's LR reaches it with each reply
-                return [], [], lambda: 0, nullcontext()
-            unwrapped = [getattr(s, "_scheduler", s) for s in schedulers]  # its _GlobalClockScheduler wrappers
-            return [server.optimizer], unwrapped, lambda: server.global_step, server.lock
+        elsewhere = getattr(trainer.strategy, "lr_targets", None)
+        if elsewhere is not None:
+            return elsewhere(schedulers)
         return list(trainer.optimizers), schedulers, lambda: trainer.global_step, nullcontext()
 
     def _attach(self, trainer: pl.Trainer, infer: bool) -> None:

@@ -1,6 +1,9 @@
 """The figures of a bench report (:class:`~lightning_sync.bench.report.Report`), one function per file. A figure
 measured once per round is drawn as its median with whiskers (or a band) over the rounds; bytes are accounted,
 the same every round, and the cost model's figures are computed from medians: their labels say so.
+
+The figures read a report through :class:`PlottedReport`, what they need of one, so that this module imports no
+report: the report draws its figures with :func:`write_plots`, and the two modules import in one direction only.
 """
 
 from __future__ import annotations
@@ -9,19 +12,16 @@ import itertools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from lightning_sync.bench import style
-from lightning_sync.bench.cost_report import Validation, plot_fit
-from lightning_sync.bench.model import Projection
-from lightning_sync.bench.rows import Row, median, pyplot
+from lightning_sync.bench.cost_report import CostModel, Validation, plot_fit
+from lightning_sync.bench.model import CostParams, Projection
+from lightning_sync.bench.rows import Measurement, Row, median, pyplot
 from lightning_sync.bench.style import WHISKER, label, legend_below, look, paged, repeats_note, save_fig, whisker
 
-if TYPE_CHECKING:
-    from lightning_sync.bench.report import Report
-
 __all__ = ["bucket_sweep", "memory", "predicted_vs_measured", "projection", "scaling", "sharding", "step_time"]
-__all__ += ["write_plots"]
+__all__ += ["PlottedReport", "write_plots"]
 
 #: Panels across a figure, and each panel's size in inches (three across: 14.4 in, 1584 px at the style's DPI).
 COLUMNS, WIDTH, HEIGHT = 3, 4.8, 3.5
@@ -30,8 +30,36 @@ Of = Callable[[Row], Any]  # a row's figure: its value, its rounds' values or it
 _PT = {"textcoords": "offset points"}  # an annotation's offset from its point, in points
 
 
+class PlottedReport(Protocol):
+    """What the figures read of a bench report (:class:`~lightning_sync.bench.report.Report` is one)."""
+
+    cfg: Any
+    """The bench config (``bucket_sweep`` and the like)."""
+    baseline: str
+    """The strategy the step-time labels are ratios to."""
+    reference: str
+    """The strategy the sharding figure's labels are ratios to."""
+    params: CostParams | None
+    """The cost model's calibrated constants (None: no cost model)."""
+    cost_model: CostModel | None
+    """The cost model built on them."""
+    compute: dict[tuple[str, int], float]
+    """Compute step time (seconds) per (model, world size)."""
+
+    def rows(self) -> list[Row]: ...
+
+    def sharding_rows(self) -> list[Row]: ...
+
+    def trials(self, row: Row) -> list[Measurement]: ...
+
+    def step_seconds(self, t: Measurement) -> float: ...
+
+
 def write_plots(
-    report: Report, out_dir: Path, validation: list[Validation] | None = None, projected: list[Projection] | None = None
+    report: PlottedReport,
+    out_dir: Path,
+    validation: list[Validation] | None = None,
+    projected: list[Projection] | None = None,
 ) -> dict[str, Figures]:
     """Every figure of ``report`` into ``out_dir``; per file name, the figures drawn (one a page). ``validation``
     and ``projected``: the cost model's results as a finished run recorded them (default: computed afresh)."""
@@ -51,12 +79,12 @@ def write_plots(
     return figs
 
 
-def step_ms(report: Report, row: Row) -> list[float]:
+def step_ms(report: PlottedReport, row: Row) -> list[float]:
     """The row's step time in each round (ms), as its median is taken."""
     return [1e3 * report.step_seconds(t) for t in report.trials(row)]
 
 
-def strategy_rows(report: Report) -> list[Row]:
+def strategy_rows(report: PlottedReport) -> list[Row]:
     """The rows of the strategies (the bucket sweep's model apart: it has its own figure)."""
     sweep = {r.model for r in report.rows() if "cap_mb" in r.extra}
     return [r for r in report.rows() if r.model not in sweep]
@@ -114,7 +142,7 @@ def _per_model(
     return out
 
 
-def step_time(report: Report, path: Path) -> Figures:
+def step_time(report: PlottedReport, path: Path) -> Figures:
     """``step_time.png``; with one K each bar is labelled with its same-pair ratio to the baseline."""
     rows = strategy_rows(report)
     one_k = len({r.world for r in rows}) == 1
@@ -124,7 +152,7 @@ def step_time(report: Report, path: Path) -> Figures:
     return _per_model(rows, path, ylabel, title, lambda r: r.step_ms, lambda r: step_ms(report, r), note)
 
 
-def memory(report: Report, path: Path) -> Figures:
+def memory(report: PlottedReport, path: Path) -> Figures:
     """``memory.png``: peak memory above the level before the model was built, of the largest rank."""
     rows = strategy_rows(report)
     ylabel = f"peak MiB, the largest rank\n({repeats_note(r.pairs for r in rows)})"
@@ -142,7 +170,7 @@ def _line(ax: Any, xs: list[float], ys: list[float], rounds: list[list[float]], 
         ax.plot(xs, ys, fmt, ms=3, lw=1, label=name, **look(name))
 
 
-def scaling(report: Report, path: Path) -> Figures:
+def scaling(report: PlottedReport, path: Path) -> Figures:
     """``scaling.png``: T1 / TK against K, a panel per model with a T1 (two or more K), whiskers over rounds' TK."""
     rows = strategy_rows(report)
     worlds = sorted({r.world for r in rows})
@@ -166,7 +194,7 @@ def scaling(report: Report, path: Path) -> Figures:
     return out
 
 
-def sharding(report: Report, path: Path) -> Figures:
+def sharding(report: PlottedReport, path: Path) -> Figures:
     """``sharding.png``: per model, the sharding rows' step time (top) and wire MiB per step and rank through
     ``comms`` with the analytic figure marked (bottom); three models to a page."""
     rows = report.sharding_rows()
@@ -193,7 +221,7 @@ def sharding(report: Report, path: Path) -> Figures:
     return out
 
 
-def bucket_sweep(report: Report, path: Path) -> Figures:
+def bucket_sweep(report: PlottedReport, path: Path) -> Figures:
     """``bucket_sweep.png``: step time and exposed communication against the bucket cap (bands: min to max
     over the rounds), the baseline's step time as a line."""
     sweep = sorted((r for r in report.rows() if "cap_mb" in r.extra), key=lambda r: r.extra["cap_mb"])

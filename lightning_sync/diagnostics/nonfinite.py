@@ -5,9 +5,9 @@ has usually reached all of them) every rank checks its gradients and the ranks a
 ``strategy.reduce_boolean_decision(any, all=False)``: if any rank saw a non-finite value, every rank sets
 every gradient to ``None``, so the optimizer leaves every parameter, its state and its weight decay alone
 (the step is skipped; a step-interval LR scheduler still ticks, as in Lightning's AMP skip). Skips are
-counted (:attr:`NonFiniteGuard.skipped`, the metric ``nonfinite/skipped``) and each is logged once with
-the global step. ``max_consecutive`` skips in a row raise a ``RuntimeError`` on every rank, naming the
-steps.
+counted (:attr:`NonFiniteGuard.skipped`, the metric ``nonfinite/skipped``, and ``comm/nonfinite_skipped`` in
+the strategy's per-step telemetry) and each is logged once with the global step. ``max_consecutive`` skips
+in a row raise a ``RuntimeError`` on every rank, naming the steps.
 
 It works where ``param.grad`` holds the synchronized gradient before the step: ``bucketed_ddp``, Lightning's
 ``ddp``, ``local_sgd``/``diloco`` (local gradients) and single-device runs. ZeRO/FSDP-style strategies keep
@@ -22,6 +22,7 @@ import lightning.pytorch as pl
 import torch
 
 from lightning_sync._checks import check_int
+from lightning_sync.strategies._telemetry import NONFINITE
 
 __all__ = ["NonFiniteGuard"]
 
@@ -40,6 +41,11 @@ class NonFiniteGuard(pl.Callback):
         self.skipped = 0
         self.skipped_steps: list[int] = []
         self._run = 0
+
+    def comm_gauges(self) -> dict[str, float]:
+        """The skips so far, for the strategy's per-step telemetry
+        (:class:`~lightning_sync.strategies._telemetry.GaugeSource`)."""
+        return {NONFINITE: float(self.skipped)}
 
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer

@@ -1,29 +1,10 @@
-"""``AtomicCheckpointIO``: a checkpoint file is either the whole previous one or the whole new one.
-
-Lightning's ``TorchCheckpointIO`` serializes into memory and then writes the target path in place: a
-process killed during that write (preemption, OOM killer, a node failure) leaves a truncated file under
-the final name, and ``ckpt_path="last"`` then picks it and fails to load, or the previous good checkpoint
-was already overwritten. Here the bytes go to a hidden temporary file beside the target
-(``.<name>.tmp-<pid>``: not a ``*.ckpt`` name, so ModelCheckpoint never lists it as "last" or top-k), are
-fsynced, and replace the target with one ``os.replace`` (atomic on POSIX), after which the directory entry
-is fsynced too. A kill at any moment leaves either the old file or the new one, plus at worst a stray
-temporary file that the next save of the same name removes.
-
-Every lightning_sync strategy uses it unless a ``checkpoint_io`` is passed; for another strategy pass
-``Trainer(plugins=[AtomicCheckpointIO()])``. Sharded directory checkpoints are made atomic by
-:class:`~lightning_sync.strategies.ShardedStrategy` itself (completion marker, then :func:`publish_path`).
-
-The mechanism, files and directories alike, is :mod:`lightning_sync.checkpoint.atomic`.
+"""Atomic checkpoints for launching and requeueing: :class:`AtomicCheckpointIO` (Lightning's face of them, kept
+beside the strategies in :mod:`lightning_sync.strategies._checkpoint_io`, which every strategy uses by default) and
+the atomic file and directory replacement of :mod:`lightning_sync.checkpoint.atomic`, under the names the launch
+code and users import them by.
 """
 
 from __future__ import annotations
-
-from pathlib import Path
-from typing import Any
-
-import torch
-from lightning.fabric.utilities.cloud_io import get_filesystem
-from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from lightning_sync.checkpoint.atomic import (
     fsync_dir,
@@ -34,6 +15,7 @@ from lightning_sync.checkpoint.atomic import (
     remove_path,
     write_atomically,
 )
+from lightning_sync.strategies._checkpoint_io import AtomicCheckpointIO
 
 __all__ = [
     "AtomicCheckpointIO",
@@ -45,19 +27,3 @@ __all__ = [
     "remove_path",
     "write_atomically",
 ]
-
-
-class AtomicCheckpointIO(TorchCheckpointIO):
-    """``TorchCheckpointIO`` whose saves are atomic (:func:`write_atomically`).
-
-    Remote filesystems (``s3://`` and the like, through fsspec) fall back to Lightning's own write.
-    """
-
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
-        if storage_options is not None:
-            raise TypeError(f"{type(self).__name__}.save_checkpoint takes no storage_options, got {storage_options!r}")
-        protocol = get_filesystem(path).protocol
-        if "file" not in ((protocol,) if isinstance(protocol, str) else tuple(protocol)):
-            super().save_checkpoint(checkpoint, path)
-            return
-        write_atomically(Path(path), lambda f: torch.save(checkpoint, f))

@@ -18,15 +18,19 @@ from collections.abc import Generator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
-import torch
-from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from typing_extensions import override
 
-from lightning_sync import comms
 from lightning_sync.checkpoint.reading import guarded_load
 from lightning_sync.strategies._common import PASSTHROUGH, CommsCollectivesMixin
+from lightning_sync.sync.replicas import broadcast_module_states
 
-__all__ = ["ProcessGroupStrategy", "broadcast_module_states", "check_own_arguments", "own_arguments"]
+__all__ = [
+    "ProcessGroupStrategy",
+    "check_own_arguments",
+    "own_arguments",
+    "registered_strategies",
+]
 
 
 def own_arguments(cls: type) -> list[str]:
@@ -45,6 +49,16 @@ def _join(words: list[str]) -> str:
     return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} and {words[-1]}"
 
 
+def registered_strategies() -> list[type]:
+    """Every lightning_sync strategy class, by name: those registered in Lightning's ``StrategyRegistry``
+    (importing :mod:`lightning_sync.strategies` registers each of them, so they are all there by the time one
+    is constructed). Read from the registry rather than imported, because the strategies package imports this
+    module."""
+    registered = {entry["strategy"] for entry in StrategyRegistry.values()}
+    ours = [c for c in registered if isinstance(c, type) and c.__module__.startswith("lightning_sync.")]
+    return sorted(ours, key=lambda c: c.__name__)
+
+
 def check_own_arguments(cls: type, kwargs: Mapping[str, Any]) -> None:
     """Raise a ``ValueError`` for every keyword argument in ``kwargs`` that ``cls`` does not take (Lightning's
     components, :data:`PASSTHROUGH`, excepted): it names them, says which lightning_sync strategies take them,
@@ -52,9 +66,7 @@ def check_own_arguments(cls: type, kwargs: Mapping[str, Any]) -> None:
     foreign = sorted(set(kwargs) - set(PASSTHROUGH))
     if not foreign:
         return
-    from lightning_sync import strategies  # every strategy class, imported by the time one is constructed
-
-    others = [getattr(strategies, name) for name in strategies.__all__]
+    others = registered_strategies()
     takers: dict[tuple[str, ...], list[str]] = {}
     for name in foreign:
         who = tuple(c.__name__ for c in others if c is not cls and name in own_arguments(c))
@@ -68,13 +80,6 @@ def check_own_arguments(cls: type, kwargs: Mapping[str, Any]) -> None:
     raise ValueError(
         f"{cls.__name__} does not take {foreign} ({where}); it accepts {[*own_arguments(cls), *PASSTHROUGH]}"
     )
-
-
-def broadcast_module_states(model: torch.nn.Module, comm: comms.CommContext) -> None:
-    """Rank 0's parameters and buffers to every rank, in place (a collective): every replica starts equal."""
-    with torch.no_grad():
-        for t in list(model.parameters()) + list(model.buffers()):
-            comm.broadcast(t.data, src=0)
 
 
 class ProcessGroupStrategy(CommsCollectivesMixin, DDPStrategy):

@@ -13,6 +13,7 @@ import torch
 from lightning_sync import comms
 from lightning_sync._checks import check_bool
 from lightning_sync._lightning import calling_metric_key, explicit_checkpoint_io, set_checkpoint_io, trainer_of
+from lightning_sync.strategies._checkpoint_io import AtomicCheckpointIO
 from lightning_sync.strategies._exact_data import ExactDataHooks
 from lightning_sync.strategies._telemetry import CommTelemetryHooks
 
@@ -90,8 +91,6 @@ class AtomicCheckpoints:
     @property
     def checkpoint_io(self) -> Any:
         if explicit_checkpoint_io(self) is None:
-            from lightning_sync.launch.atomic import AtomicCheckpointIO
-
             set_checkpoint_io(self, AtomicCheckpointIO())
         return super().checkpoint_io  # type: ignore[misc]
 

@@ -9,13 +9,14 @@ clips the mean gradient of each step. These adapters keep Lightning's calls and 
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
 
 from lightning_sync.sync.ps.server import ParameterServer
 
-__all__ = ["GlobalClockScheduler", "PushingOptimizer", "route_clipping", "route_schedulers"]
+__all__ = ["GlobalClockScheduler", "PushingOptimizer", "lr_targets", "route_clipping", "route_schedulers"]
 
 
 class PushingOptimizer(torch.optim.Optimizer):
@@ -95,3 +96,15 @@ def route_clipping(plugin: Any, set_clip: Callable[[tuple[str, float]], None]) -
 
     plugin.clip_grad_by_norm = clip_by_norm
     plugin.clip_grad_by_value = clip_by_value
+
+
+def lr_targets(
+    server: ParameterServer | None, schedulers: list[Any]
+) -> tuple[list[torch.optim.Optimizer], list[Any], Callable[[], int], AbstractContextManager[Any]]:
+    """Where an LR rule (:class:`~lightning_sync.lr_rules.ScaledWarmup`) scales and warms up: the server's
+    optimizer and the ``schedulers`` Lightning holds, out of their :class:`GlobalClockScheduler`, on the global
+    clock, under the server's lock. Nothing on a worker without the server: its LR comes with each reply."""
+    if server is None or server.optimizer is None:
+        return [], [], lambda: 0, nullcontext()
+    unwrapped = [getattr(s, "_scheduler", s) for s in schedulers]
+    return [server.optimizer], unwrapped, lambda: server.global_step, server.lock

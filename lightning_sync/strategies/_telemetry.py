@@ -16,7 +16,8 @@ reach TensorBoard, the CSV logger and any other logger at ``log_every_n_steps``)
 ``comm/buckets``           strategies that bucket: ``bucketed_ddp``'s buckets, ZeRO's units (stage 1/2 buckets,
                            stage 3 wrap units), ``local_sgd``'s warm-up buckets
 ``comm/nonfinite_skipped`` optimizer steps skipped so far for a NaN or Inf gradient, when a
-                           :class:`~lightning_sync.diagnostics.NonFiniteGuard` is among the callbacks
+                           :class:`~lightning_sync.diagnostics.NonFiniteGuard` is among the callbacks (a
+                           callback's own figures: see :class:`GaugeSource`)
 ``comm/staleness``         ``async_ps``: versions the server applied between this worker's pull and its push
                            being applied (the server's own definition; NaN for a push discarded because the
                            budget was spent); ``hogwild``: updates the other processes made to the shared model
@@ -46,7 +47,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -54,13 +55,24 @@ from lightning_sync._lightning import trainer_of
 from lightning_sync.comms import CommStats
 from lightning_sync.comms.work import Observer
 
-__all__ = ["BUCKETS", "STALENESS", "CommTelemetryHooks", "StepTelemetry", "blocked"]
+__all__ = ["BUCKETS", "NONFINITE", "STALENESS", "CommTelemetryHooks", "GaugeSource", "StepTelemetry", "blocked"]
 
 BYTES, MB, SECONDS, EXPOSED = "comm/bytes_per_step", "comm/MB_per_step", "comm/seconds_per_step", "comm/exposed_pct"
 BUCKETS, NONFINITE, STALENESS = "comm/buckets", "comm/nonfinite_skipped", "comm/staleness"
 PROGRESS_BAR = (MB,)  # the only telemetry figure shown on the progress bar
 
 Values = Callable[[], dict[str, float]]
+
+
+@runtime_checkable
+class GaugeSource(Protocol):
+    """A Trainer callback with figures of its own to log with each step's telemetry (the
+    :class:`~lightning_sync.diagnostics.NonFiniteGuard`'s count of skipped steps). The strategies find such
+    callbacks by this method alone, so they need not import the callbacks (which are built on the strategies)."""
+
+    def comm_gauges(self) -> dict[str, float]:
+        """Values logged as they are after each step; the same names at every step."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -175,16 +187,13 @@ class CommTelemetryHooks:
         trainer = trainer_of(self.lightning_module)  # type: ignore[attr-defined]
         if trainer is None or not trainer.loggers or not self.is_global_zero:  # type: ignore[attr-defined]
             return None  # nothing would be written: measure nothing
-        # imported here: the diagnostics package imports the strategies
-        from lightning_sync.diagnostics.nonfinite import NonFiniteGuard
-
         observer = self.comm.observer  # type: ignore[attr-defined]
-        guard = next((cb for cb in trainer.callbacks if isinstance(cb, NonFiniteGuard)), None)
+        sources = [cb for cb in trainer.callbacks if isinstance(cb, GaugeSource)]
 
         def gauges() -> dict[str, float]:
             out = self._comm_gauges()
-            if guard is not None:
-                out[NONFINITE] = float(guard.skipped)
+            for source in sources:
+                out.update(source.comm_gauges())
             return out
 
         stats = observer if isinstance(observer, CommStats) else None

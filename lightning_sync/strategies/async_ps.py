@@ -102,7 +102,7 @@ from lightning_sync.comms import rpc
 from lightning_sync.strategies._common import as_timedelta, check_launch_args
 from lightning_sync.strategies._no_process_group import NoProcessGroupStrategy
 from lightning_sync.strategies._ps_metrics import log_final, step_metrics
-from lightning_sync.strategies._ps_routing import PushingOptimizer, route_clipping, route_schedulers
+from lightning_sync.strategies._ps_routing import PushingOptimizer, lr_targets, route_clipping, route_schedulers
 from lightning_sync.strategies._telemetry import blocked
 from lightning_sync.sync.ps.server import ParameterServer, Reply, check_lr_scaling, check_staleness
 from lightning_sync.sync.ps.worker import LocalLink, PSWorker, RpcLink, check_compensation, host
@@ -272,6 +272,11 @@ class AsyncParameterServerStrategy(NoProcessGroupStrategy):
     def global_step(self) -> int:
         """The global clock: pushes applied // K, as of this worker's last reply."""
         return self._last.global_step if self._last is not None else 0
+
+    def lr_targets(self, schedulers: list[Any]) -> Any:
+        """What :class:`~lightning_sync.lr_rules.ScaledWarmup` scales: the server's optimizer, on the global clock
+        (:func:`~lightning_sync.strategies._ps_routing.lr_targets`)."""
+        return lr_targets(self.server, schedulers)
 
     @property
     def staleness_histogram(self) -> dict[int, int]:

@@ -36,7 +36,6 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from lightning_sync import comms
 from lightning_sync.checkpoint.reading import guarded_load
 from lightning_sync.comms.algorithms import ALGORITHMS
 from lightning_sync.resume import RANK_STATES
@@ -50,6 +49,7 @@ from lightning_sync.strategies._common import (
 from lightning_sync.strategies._telemetry import BUCKETS
 from lightning_sync.sync.bucketing import GradBucketer, check_mib
 from lightning_sync.sync.compression import COMPRESSIONS, make_compressor
+from lightning_sync.sync.replicas import broadcast_buffers, broadcast_module_states
 
 __all__ = ["BucketedDDPStrategy"]
 
@@ -136,7 +136,7 @@ class BucketedDDPStrategy(CommsCollectivesMixin, DDPStrategy):
         """Broadcast rank 0's parameters and buffers, then bucket the gradients (no DDP wrapper)."""
         model = self.model
         assert model is not None
-        self._broadcast_module_states(model, self.comm)
+        broadcast_module_states(model, self.comm)
         comm = (  # the context is a Communicator on the backend's own all-reduce; a written-out one needs a bound view
             self.comm
             if self.comm_algorithm == "backend"
@@ -160,12 +160,6 @@ class BucketedDDPStrategy(CommsCollectivesMixin, DDPStrategy):
             f"{self.first_bucket_mb} MiB), compression={self.compression}, all-reduce: {self.comm_algorithm}"
         )
 
-    @staticmethod
-    def _broadcast_module_states(model: torch.nn.Module, comm: comms.CommContext) -> None:
-        with torch.no_grad():
-            for t in list(model.parameters()) + list(model.buffers()):
-                comm.broadcast(t.data, src=0)
-
     @override
     def teardown(self) -> None:
         if self.bucketer is not None:
@@ -179,23 +173,8 @@ class BucketedDDPStrategy(CommsCollectivesMixin, DDPStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self.broadcast_buffers and self.model is not None:
-            self._broadcast_buffers(self.model, self.comm)
+            broadcast_buffers(self.model, self.comm)
         return super().training_step(*args, **kwargs)
-
-    @staticmethod
-    def _broadcast_buffers(model: torch.nn.Module, comm: comms.CommContext) -> None:
-        """Rank 0's buffers to every rank: one flat broadcast per dtype (none without buffers)."""
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for b in model.buffers():
-            if b.numel():
-                by_dtype.setdefault(b.dtype, []).append(b)
-        for buffers in by_dtype.values():
-            flat = torch.cat([b.detach().reshape(-1) for b in buffers])
-            comm.broadcast(flat, src=0)
-            offset = 0
-            for b in buffers:
-                b.data.copy_(flat[offset : offset + b.numel()].view_as(b))
-                offset += b.numel()
 
     @override
     def pre_backward(self, closure_loss: torch.Tensor) -> None:

@@ -62,8 +62,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_sync._lightning import unwrap_optimizer
+from lightning_sync.checkpoint.atomic import publish_path, recover_path, remove_path
 from lightning_sync.checkpoint.reading import contained_path, load_file
-from lightning_sync.launch.atomic import publish_path, recover_path, remove_path
 from lightning_sync.strategies._common import (
     CommsCollectivesMixin,
     as_timedelta,
@@ -72,6 +72,7 @@ from lightning_sync.strategies._common import (
     no_sync_of,
 )
 from lightning_sync.strategies._telemetry import BUCKETS
+from lightning_sync.sync import zero
 from lightning_sync.sync.bucketing import check_mib
 from lightning_sync.sync.zero import (
     ZERO_STAGES,
@@ -278,7 +279,7 @@ class ShardedStrategy(CommsCollectivesMixin, DDPStrategy):
         the master shards, a collective every rank must call; after them teardown has left every rank's module
         whole, so it is a copy of rank 0's. Raises ``RuntimeError`` before the strategy was ever set up."""
         if self.engine is not None:
-            state = self.engine.full_state_dict()
+            state = zero.full_state_dict(self.engine)
             return state if self.global_rank == 0 else {}
         module = self.lightning_module
         if module is None or not self._unsharded:
@@ -337,7 +338,7 @@ class ShardedStrategy(CommsCollectivesMixin, DDPStrategy):
             remove_path(tmp)  # a save killed earlier
         self.barrier()
         checkpoint = {k: v for k, v in checkpoint.items() if k != "state_dict"}
-        self.engine.save_sharded(tmp)
+        zero.save_sharded(self.engine, tmp)
         self.barrier()  # every shard is written
         if self.global_rank == 0:
             torch.save(checkpoint, tmp / LIGHTNING_STATE)
@@ -365,13 +366,13 @@ class ShardedStrategy(CommsCollectivesMixin, DDPStrategy):
                 )
             # the shards first: their .metadata is checked (no reads outside, nothing unrestricted) before
             # anything in the directory is unpickled
-            self.engine.load_sharded(path, weights_only)
+            zero.load_sharded(self.engine, path, weights_only)
             checkpoint = load_file(contained_path(path, LIGHTNING_STATE, "Lightning state file"), weights_only)
             self._take_rank_state(checkpoint)
             return checkpoint
         checkpoint = load_file(path, weights_only)
         self._take_rank_state(checkpoint)
-        self.engine.load_full_state_dict(checkpoint["state_dict"])
+        zero.load_full_state_dict(self.engine, checkpoint["state_dict"])
         if checkpoint.get("optimizer_states"):
             rank_zero_warn(
                 f"{path} is a full (unsharded) checkpoint: its weights were loaded and sharded; its "

@@ -98,7 +98,6 @@ class Bucket:
     buffer: torch.Tensor
     views: list[torch.Tensor]
     work: WorkLike | None = None
-    launched_at: float | None = None
     layout: FlatShard | None = None
     """How ``buffer`` is cut into ``views`` (one shard: buckets are all-reduced, never split)."""
 
@@ -222,10 +221,6 @@ class GradBucketer(BackwardEngine):
         """The synchronized parameters, each once, in registration order."""
         return list(self._params)
 
-    def param_index(self, p: nn.Parameter) -> int:
-        """Index of ``p`` in :attr:`params`."""
-        return self._index[id(p)]
-
     # ------------------------------------------------------------------ the backward engine's steps
     def _view(self, i: int) -> torch.Tensor:
         b, pos = self._where[i]
@@ -241,11 +236,11 @@ class GradBucketer(BackwardEngine):
     def _on_begin_backward(self) -> None:
         self.trace = StepTrace(launched_at=[None] * len(self.buckets))
         for bucket in self.buckets:
-            bucket.work, bucket.launched_at = None, None
+            bucket.work = None
 
     def _launch(self, b: int) -> None:
         bucket = self.buckets[b]
-        bucket.launched_at = self.trace.launched_at[b] = time.perf_counter()
+        self.trace.launched_at[b] = time.perf_counter()
         if self._compressor is None:
             bucket.work = self._comm.all_reduce(bucket.buffer, op="avg", async_op=True)
         else:

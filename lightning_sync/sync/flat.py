@@ -12,8 +12,11 @@ packing is written once:
   all-gather and reduce-scatter of sharded training even and metadata-free (gloo has no uneven
   all-gather). Padding sits at the very end, is kept at zero, and is never visible through
   :meth:`FlatShard.views`;
-* **parameter-server messages** (:mod:`lightning_sync.sync.ps.wire`) lay one dtype's tensors out so a
-  request is a few tensors however many parameters the model has.
+* **messages of many tensors** (:class:`FlatLayout`: one flat tensor per dtype) - the parameter server's
+  requests and replies (:mod:`lightning_sync.sync.ps.wire`), LocalSGD's and DiLoCo's averages
+  (:mod:`lightning_sync.sync.periodic`), PowerSGD's two messages (:mod:`lightning_sync.sync.compression`) and
+  the broadcast of rank 0's buffers (:mod:`lightning_sync.sync.replicas`) - so a message is a few tensors
+  however many it carries.
 
 :meth:`FlatShard.owned_slices` says which part of which parameter falls in this rank's shard, so an
 optimizer can step exactly the owned elements and a checkpoint can name them by parameter and offset.
@@ -22,16 +25,12 @@ optimizer can step exactly the owned elements and a checkpoint can name them by 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:
-    from lightning_sync.sync.communicator import Communicator
-
-__all__ = ["FlatShard", "OwnedSlice"]
+__all__ = ["FlatLayout", "FlatShard", "OwnedSlice"]
 
 
 @dataclass(frozen=True)
@@ -95,17 +94,21 @@ class FlatShard:
         leaves zeros). Dtype and device are the first tensor's unless given."""
         if len(tensors) != len(self.shapes):
             raise ValueError(f"expected {len(self.shapes)} tensors, got {len(tensors)}")
+        for t, shape in zip(tensors, self.shapes):
+            if t is not None and t.shape != shape:
+                raise ValueError(f"tensor of shape {tuple(t.shape)} where {tuple(shape)} was planned")
         ref = next((t for t in tensors if t is not None), None)
         if ref is None:
-            flat = torch.zeros(self.padded, dtype=dtype or torch.get_default_dtype(), device=device)
-        else:
-            flat = ref.new_zeros(self.padded, dtype=dtype, device=device)
-        for t, shape, off, n in zip(tensors, self.shapes, self.offsets, self.numels):
-            if t is None:
-                continue
-            if t.shape != shape:
-                raise ValueError(f"tensor of shape {tuple(t.shape)} where {tuple(shape)} was planned")
-            flat[off : off + n] = t.reshape(-1)
+            return torch.zeros(self.padded, dtype=dtype or torch.get_default_dtype(), device=device)
+        dtype = dtype or ref.dtype
+        where = ref.device if device is None else torch.device(device)
+        if not self.padding and all(t is not None and t.dtype == dtype and t.device == where for t in tensors):
+            # every element is a tensor's, in its own dtype and place: one concatenation, nothing to zero or cast
+            return torch.cat([t.reshape(-1) for t in tensors])  # type: ignore[union-attr]
+        flat = ref.new_zeros(self.padded, dtype=dtype, device=where)
+        for t, off, n in zip(tensors, self.offsets, self.numels):
+            if t is not None:
+                flat[off : off + n] = t.reshape(-1)
         return flat
 
     def view(self, flat: torch.Tensor, index: int) -> torch.Tensor:
@@ -116,7 +119,12 @@ class FlatShard:
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Views of a full flat buffer shaped like the parameters (padding excluded)."""
         self._check_full(flat)
-        return [flat[off : off + n].view(shape) for off, n, shape in zip(self.offsets, self.numels, self.shapes)]
+        views = []
+        for off, n, shape in zip(self.offsets, self.numels, self.shapes):
+            piece = flat[off : off + n]  # a slice: one view of ``flat`` each (no multi-output view, as split's)
+            # a piece is 1-D already; view(*sizes) parses faster than view(torch.Size), which a 0-d shape needs
+            views.append(piece if len(shape) == 1 else piece.view(*shape) if shape else piece.view(shape))
+        return views
 
     def shard(self, flat: torch.Tensor) -> torch.Tensor:
         """This rank's shard of a full flat buffer (a view)."""
@@ -132,19 +140,59 @@ class FlatShard:
                 out.append(OwnedSlice(i, lo - off, lo - self.start, hi - lo))
         return out
 
-    def all_gather(self, shard: torch.Tensor, comm: Communicator, async_op: bool = False) -> object:
-        """Gather every rank's shard into a new full flat buffer (a Work if ``async_op``)."""
-        if shard.numel() != self.shard_numel:
-            raise ValueError(f"shard has {shard.numel()} elements, the plan has {self.shard_numel}")
-        full = shard.new_empty(self.padded)
-        return comm.all_gather_into(full, shard, async_op=async_op)
-
-    def reduce_scatter(self, flat: torch.Tensor, comm: Communicator, op: str = "avg", async_op: bool = False) -> object:
-        """Reduce a full flat buffer over the ranks into a new shard (a Work if ``async_op``)."""
-        self._check_full(flat)
-        out = flat.new_empty(self.shard_numel)
-        return comm.reduce_scatter_into(out, flat, op=op, async_op=async_op)
-
     def _check_full(self, flat: torch.Tensor) -> None:
         if flat.dim() != 1 or flat.numel() != self.padded:
             raise ValueError(f"expected a flat buffer of {self.padded} elements, got shape {tuple(flat.shape)}")
+
+
+class FlatLayout:
+    """A fixed list of tensors packed as one flat tensor per dtype (per dtype and device with ``by_device``),
+    groups in first-seen order; each group's packing is a :class:`FlatShard` (one shard, no padding). Both
+    ends of a message build it from the same tensors in the same order, so nothing describing it is sent.
+
+    Args:
+        tensors: the tensors (or any with their shapes, dtypes and devices), in packing order.
+        by_device: also keep tensors on different devices in different groups.
+        device: where :meth:`flatten` builds the flat tensors (None: on their tensors' device).
+    """
+
+    def __init__(
+        self, tensors: Sequence[torch.Tensor], by_device: bool = False, device: torch.device | str | None = None
+    ) -> None:
+        self.device = device
+        self.shapes = [t.shape for t in tensors]
+        groups: dict[Hashable, list[int]] = {}
+        for i, t in enumerate(tensors):
+            groups.setdefault((t.dtype, t.device) if by_device else t.dtype, []).append(i)
+        self.dtypes = [tensors[idx[0]].dtype for idx in groups.values()]
+        self.groups = list(groups.values())
+        """Per flat tensor, the indices of the tensors it holds."""
+        self._layouts = [FlatShard([self.shapes[i] for i in idx]) for idx in self.groups]
+
+    def flatten(self, tensors: Sequence[torch.Tensor | None], fill_missing: bool = False) -> list[torch.Tensor]:
+        """One new flat tensor per group (on :attr:`device`); ``None`` entries become zeros when
+        ``fill_missing``."""
+        out = []
+        for dtype, idx, layout in zip(self.dtypes, self.groups, self._layouts):
+            parts = []
+            for i in idx:
+                t = tensors[i]
+                if t is None and not fill_missing:
+                    raise ValueError(f"tensor {i} is None")
+                parts.append(t.detach() if t is not None and t.requires_grad else t)
+            out.append(layout.flatten(parts, dtype=dtype, device=self.device))
+        return out
+
+    def views(self, flats: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The tensors as views into ``flats`` (in the original order)."""
+        out: list[torch.Tensor | None] = [None] * len(self.shapes)
+        for flat, idx, layout in zip(flats, self.groups, self._layouts):
+            for i, view in zip(idx, layout.views(flat)):
+                out[i] = view
+        return out  # type: ignore[return-value]
+
+    def copy_into(self, flats: Sequence[torch.Tensor], tensors: Sequence[torch.Tensor]) -> None:
+        """Copy ``flats`` into ``tensors`` in place (any device)."""
+        with torch.no_grad():
+            for t, v in zip(tensors, self.views(flats)):
+                t.copy_(v)

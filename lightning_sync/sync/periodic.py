@@ -33,6 +33,7 @@ from torch import nn
 
 from lightning_sync._checks import check_int
 from lightning_sync.sync.communicator import Communicator
+from lightning_sync.sync.flat import FlatLayout
 
 __all__ = ["DiLoCoOuter", "PeriodicAverager", "average_tensors", "check_int", "check_outer"]
 
@@ -61,19 +62,13 @@ def _distinct(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def average_tensors(tensors: list[torch.Tensor], comm: Communicator) -> None:
-    """All-reduce-average ``tensors`` in place: one flat message per (dtype, device)."""
-    groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-    for t in tensors:
-        if t.numel():
-            groups.setdefault((t.dtype, t.device), []).append(t)
-    with torch.no_grad():
-        for members in groups.values():
-            flat = torch.cat([t.detach().reshape(-1) for t in members])
-            comm.all_reduce(flat, op="avg")
-            offset = 0
-            for t in members:
-                t.copy_(flat[offset : offset + t.numel()].view_as(t))
-                offset += t.numel()
+    """All-reduce-average ``tensors`` in place: one flat message per (dtype, device); empty ones are left out."""
+    members = [t for t in tensors if t.numel()]
+    layout = FlatLayout(members, by_device=True)
+    flats = layout.flatten(members)
+    for flat in flats:
+        comm.all_reduce(flat, op="avg")
+    layout.copy_into(flats, members)
 
 
 class PeriodicAverager:

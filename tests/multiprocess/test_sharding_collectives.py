@@ -1,4 +1,4 @@
-"""FlatShard's all-gather and reduce-scatter over real gloo ranks, against a plain-torch reference."""
+"""All-gather and reduce-scatter of FlatShard buffers over real gloo ranks, against a plain-torch reference."""
 
 from __future__ import annotations
 
@@ -24,18 +24,20 @@ def _worker(rank: int, world: int) -> tuple[list[str], int]:
     params = {r: [exact_input(r, s, torch.float32, seed=i + 1) for i, s in enumerate(SHAPES)] for r in range(world)}
     flats = {r: fs.flatten(params[r]) for r in range(world)}
     # all-gather of every rank's shard of its own flat: the full buffer is made of the K shards
-    full = fs.all_gather(fs.shard(flats[rank]), comm)
+    full = comm.all_gather_into(fs.new_buffer(torch.float32), fs.shard(flats[rank]))
     want = torch.cat([FlatShard(SHAPES, world, r).shard(flats[r]) for r in range(world)])
     ck.close("all_gather of shards", full, want)  # exact: data movement
     # async variant returns a Work whose result is the same buffer
-    ck.close("all_gather async", fs.all_gather(fs.shard(flats[rank]), comm, async_op=True).wait(), want)
+    gathered = comm.all_gather_into(fs.new_buffer(torch.float32), fs.shard(flats[rank]), async_op=True)
+    ck.close("all_gather async", gathered.wait(), want)
     # reduce-scatter: rank r gets the sum (or average) of every rank's flat over its shard
     total = sum(flats.values())
-    ck.close("reduce_scatter sum", fs.reduce_scatter(flats[rank], comm, op="sum"), total[fs.start : fs.end])
+    shard = torch.empty(fs.shard_numel)
+    ck.close("reduce_scatter sum", comm.reduce_scatter_into(shard, flats[rank], op="sum"), total[fs.start : fs.end])
     # avg: one fp32 rounding of an exact sum divided by K
     ck.close(
         "reduce_scatter avg",
-        fs.reduce_scatter(flats[rank], comm, op="avg"),
+        comm.reduce_scatter_into(torch.empty(fs.shard_numel), flats[rank], op="avg"),
         total[fs.start : fs.end] / world,
         rtol=1e-6,
         atol=1e-7,

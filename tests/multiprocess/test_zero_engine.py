@@ -30,7 +30,15 @@ from torch.nn import functional as F
 
 from lightning_sync import comms
 from lightning_sync.sync.communicator import LoopbackCommunicator
-from lightning_sync.sync.zero import ZeroEngine, consolidate_checkpoint, zero_memory_bytes
+from lightning_sync.sync.zero import (
+    ZeroEngine,
+    consolidate_checkpoint,
+    full_state_dict,
+    load_full_state_dict,
+    load_sharded,
+    save_sharded,
+    zero_memory_bytes,
+)
 from lightning_sync.testing import run_distributed
 
 # The communication context of this process's checks (a strategy owns one the same way).
@@ -260,7 +268,7 @@ def _equivalence(rank: int, world: int) -> dict[str, Any]:
         model, opt, sched, eng = build(rank, kind, stage, kw.pop("wrap_policy", None), **kw)
         norms = sharded_steps(eng, model, opt, sched, kind, data, rank, world)
         out[name] = {
-            "sd": eng.full_state_dict(),
+            "sd": full_state_dict(eng),
             "units": [u.name for u in eng.units],
             "norms": norms,
             "flat_total": sum(f.layout.total for f in eng.flats),
@@ -278,7 +286,7 @@ def _accumulation(rank: int, world: int) -> dict[str, Any]:
         model, opt, sched, eng = build(rank, "adamw", stage, policy)
         micro: list[dict[str, Any]] = []
         sharded_steps(eng, model, opt, sched, "adamw", data, rank, world, accum=2, micro_stats=micro)
-        out[name] = {"sd": eng.full_state_dict(), "micro": micro}
+        out[name] = {"sd": full_state_dict(eng), "micro": micro}
     return out
 
 
@@ -384,15 +392,15 @@ def _save_checkpoints(rank: int, world: int, dirs: dict[int, str]) -> dict[str, 
     for stage, policy in CKPT_STAGES.items():
         model, opt, sched, eng = build(rank, "adamw", stage, policy)
         sharded_steps(eng, model, opt, sched, "adamw", data[:2], rank, world)
-        eng.save_sharded(dirs[stage])
-        sd2 = eng.full_state_dict()
+        save_sharded(eng, dirs[stage])
+        sd2 = full_state_dict(eng)
         sharded_steps(eng, model, opt, sched, "adamw", data[2:], rank, world)
-        sd4 = eng.full_state_dict()
+        sd4 = full_state_dict(eng)
         model, opt, sched, eng = build(rank, "adamw", stage, policy, seed=123)  # other weights: the load must win
-        eng.load_sharded(dirs[stage])
-        loaded = eng.full_state_dict()
+        load_sharded(eng, dirs[stage])
+        loaded = full_state_dict(eng)
         sharded_steps(eng, model, opt, sched, "adamw", data[2:], rank, world)
-        out[stage] = {"sd2": sd2, "sd4": sd4, "loaded": loaded, "resumed": eng.full_state_dict()}
+        out[stage] = {"sd2": sd2, "sd4": sd4, "loaded": loaded, "resumed": full_state_dict(eng)}
     return out
 
 
@@ -406,14 +414,14 @@ def _load_checkpoints(
     data, out = batches(STEPS, seed=3), {}
     for saved, stage in LOADS:
         model, opt, sched, eng = build(rank, "adamw", stage, CKPT_STAGES.get(stage), seed=123)
-        eng.load_sharded(dirs[saved])
-        loaded = eng.full_state_dict()
+        load_sharded(eng, dirs[saved])
+        loaded = full_state_dict(eng)
         sharded_steps(eng, model, opt, sched, "adamw", data[2:], rank, world)
-        out[(saved, stage)] = {"loaded": loaded, "resumed": eng.full_state_dict()}
+        out[(saved, stage)] = {"loaded": loaded, "resumed": full_state_dict(eng)}
     if full is not None:  # a plain full state_dict (consolidated) into a stage-3 engine
         model, opt, sched, eng = build(rank, "adamw", 3, nn.Linear, seed=123)
-        eng.load_full_state_dict(full)
-        out["full"] = eng.full_state_dict()
+        load_full_state_dict(eng, full)
+        out["full"] = full_state_dict(eng)
     return out
 
 
@@ -442,7 +450,7 @@ def _mixed(rank: int, world: int) -> dict[str, Any]:
         out[name] = {
             "stats": stats,
             "master_dtypes": sorted({str(f.master.dtype) for f in eng.flats}),
-            "sd": eng.full_state_dict(),
+            "sd": full_state_dict(eng),
         }
     return out
 
@@ -457,7 +465,7 @@ def _mixed_with_frozen(rank: int, world: int) -> dict[str, Any]:
                 rank, "sgd", stage, nn.Linear if stage == 3 else None, param_dtype=torch.bfloat16
             )
             sharded_steps(eng, model, opt, sched, "sgd", data, rank, world)
-            out[stage] = {"error": None, "dtypes": {k: str(v.dtype) for k, v in eng.full_state_dict().items()}}
+            out[stage] = {"error": None, "dtypes": {k: str(v.dtype) for k, v in full_state_dict(eng).items()}}
         except Exception as err:  # noqa: BLE001 - every rank fails at the same point; reported to the parent
             out[stage] = {"error": f"{type(err).__name__}: {err}"}
     return out
@@ -790,11 +798,11 @@ def test_checkpoint_from_2_ranks_loads_in_one_process(world2: list[dict[str, Any
     ref4, _ = reference("adamw", data)
     for saved, stage in LOADS:
         model, opt, sched, eng = _local_engine("adamw", stage)
-        eng.load_sharded(ckpt_dirs[saved])
+        load_sharded(eng, ckpt_dirs[saved])
         want = world2[0]["ckpt"][saved]
-        assert_state_close(eng.full_state_dict(), want["sd2"], f"{saved}->{stage} at 1", rtol=0, atol=0)
+        assert_state_close(full_state_dict(eng), want["sd2"], f"{saved}->{stage} at 1", rtol=0, atol=0)
         sharded_steps(eng, model, opt, sched, "adamw", data[2:], 0, 1)
-        assert_state_close(eng.full_state_dict(), ref4, f"{saved}->{stage} resumed at 1", **EQ_TOL)
+        assert_state_close(full_state_dict(eng), ref4, f"{saved}->{stage} resumed at 1", **EQ_TOL)
 
 
 @pytest.mark.slow
@@ -819,7 +827,7 @@ def test_loading_another_models_checkpoint_names_the_first_mismatched_key(
     for stage in (1, 3):
         _, _, _, eng = _local_engine("adamw", stage, hidden=HIDDEN + 1)  # l1.weight (14, 8) instead of (13, 8)
         with pytest.raises(ValueError, match=r"first mismatched key 'l1\.weight'"):
-            eng.load_sharded(ckpt_dirs[2])
+            load_sharded(eng, ckpt_dirs[2])
     renamed = make_model(0)
     renamed.l3 = renamed.l2  # a different model: l2 also registered as l3, before frozen/head
     del renamed.l2
@@ -829,11 +837,11 @@ def test_loading_another_models_checkpoint_names_the_first_mismatched_key(
     with pytest.raises(
         ValueError, match=r"first mismatched key 'frozen\.weight' \(checkpoint has 'l2\.weight' there\)"
     ):
-        eng.load_sharded(ckpt_dirs[3])
+        load_sharded(eng, ckpt_dirs[3])
     with pytest.raises(ValueError, match=r"first mismatched key 'l3\.weight'"):
-        eng.load_full_state_dict(make_model(0).state_dict())
+        load_full_state_dict(eng, make_model(0).state_dict())
     with pytest.raises(ValueError, match="not a lightning_sync sharded checkpoint"):
-        eng.load_sharded(Path(ckpt_dirs[2]).parent)
+        load_sharded(eng, Path(ckpt_dirs[2]).parent)
 
 
 # ====================================================================== 7. mixed precision

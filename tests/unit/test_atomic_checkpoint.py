@@ -32,6 +32,7 @@ from lightning_sync import BucketedDDPStrategy, ShardedStrategy
 from lightning_sync.launch import AtomicCheckpointIO
 from lightning_sync.launch.atomic import recover_dir, recover_path
 from lightning_sync.sync import LoopbackCommunicator, ZeroEngine, consolidate_checkpoint
+from lightning_sync.sync.zero import full_state_dict
 from lightning_sync.testing.startup import rank_context
 
 _CHILD = textwrap.dedent("""
@@ -210,7 +211,7 @@ def _loaded_step(final: Path) -> int:
     into a model of other values; the global step it holds, checked against its parameters."""
     strategy = _sharded_strategy(0.0)
     step = strategy.load_checkpoint(final)["global_step"]
-    for key, value in strategy.engine.full_state_dict().items():
+    for key, value in full_state_dict(strategy.engine).items():
         assert torch.equal(value, torch.full_like(value, float(step))), f"{key} is not global step {step}'s"
     return step
 

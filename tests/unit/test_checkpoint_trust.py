@@ -40,6 +40,7 @@ from lightning_sync.sync import (
     ZeroEngine,
     consolidate_checkpoint,
 )
+from lightning_sync.sync.zero import save_sharded
 
 SYSTEM = f"{os.system.__module__}.system"  # how pickle names os.system ("posix.system" on Linux)
 
@@ -165,7 +166,7 @@ def _sharded_dir(tmp_path: Path) -> tuple[Path, nn.Module, ZeroEngine]:
     path = tmp_path / "sharded.ckpt"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # DCP without a process group says it runs without one
-        engine.save_sharded(path)
+        save_sharded(engine, path)
     torch.save({"global_step": 1, "optimizer_states": [{"param_groups": [{"lr": 0.01}]}]}, path / "lightning.pt")
     (path / COMPLETE_MARKER).write_text('{"world_size": 1}')  # as ShardedStrategy.save_checkpoint finishes one
     return path, net, engine

@@ -28,6 +28,7 @@ from lightning_sync.diagnostics.faults import UnpicklePayload
 from lightning_sync.resume import RANK_STATES
 from lightning_sync.strategies.sharded import COMPLETE_MARKER, LIGHTNING_STATE
 from lightning_sync.sync import LoopbackCommunicator, ZeroEngine
+from lightning_sync.sync.zero import full_state_dict, save_sharded
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*torch.distributed.*:UserWarning")  # DCP without a group
 
@@ -60,7 +61,7 @@ def _save(path: Path, lightning_state: bool = True, fill: float | None = None) -
     opt.step()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        engine.save_sharded(path)
+        save_sharded(engine, path)
     if lightning_state:
         state = {
             "epoch": 0,
@@ -73,7 +74,7 @@ def _save(path: Path, lightning_state: bool = True, fill: float | None = None) -
         }
         torch.save(state, path / LIGHTNING_STATE)
         (path / COMPLETE_MARKER).write_text('{"world_size": 1}')
-    return engine.full_state_dict()
+    return full_state_dict(engine)
 
 
 def _consolidate(source: Path, output: Path, *flags: str) -> None:

@@ -4,7 +4,9 @@
   two) import no Lightning: checked in a fresh interpreter, from its ``sys.modules`` after each import.
 - The package root exports its public names lazily, and the strategy names still reach Lightning's
   ``StrategyRegistry`` whichever of Lightning and lightning_sync is imported first.
-- No import cycles among lightning_sync's modules (:func:`test_no_import_cycles`).
+- No import cycles among lightning_sync's modules, counting the imports inside functions too
+  (:func:`test_no_import_cycles`), and every import points down the layers of :data:`LAYERS`
+  (:func:`test_imports_point_down_the_layers`).
 """
 
 from __future__ import annotations
@@ -180,48 +182,55 @@ def test_placeholder_names_are_the_registered_names() -> None:
         assert isinstance(StrategyRegistry[name]["strategy"], type), name
 
 
-# ---------------------------------------------------------------------------------------------- import cycles
+# ---------------------------------------------------------------------------------------------- import graph
 def _is_type_checking(test: ast.expr) -> bool:
     return "TYPE_CHECKING" in ast.unparse(test)
 
 
-def module_import_graph(modules: dict[str, Path] = MODULES) -> dict[str, set[str]]:
-    """``module -> the lightning_sync modules it imports when it is imported``.
+def import_statements(modules: dict[str, Path] = MODULES) -> list[tuple[str, str, int]]:
+    """``(importer, imported, line)`` for every import statement of one lightning_sync module by another.
 
-    Counted: ``import``/``from ... import`` statements that run at import time (module level, class bodies,
-    ``try``/``if`` blocks), relative ones resolved. Not counted: imports inside functions (they run at call
-    time, after every module involved is complete, so they cannot deadlock an import; that is what they are
-    for) and ``if TYPE_CHECKING:`` blocks (never run). ``from pkg import name`` is an edge to ``pkg.name``
-    when that is a module, else to ``pkg``. Parent packages are not edges: Python completes a package's
-    ``__init__`` before its submodules run, and a package re-exporting its submodules is no cycle.
+    Counted: every ``import``/``from ... import`` statement wherever it stands (module level, class bodies,
+    ``try``/``if`` blocks, and inside functions: an import that runs at call time is still a dependency, and a
+    circle through it is still a circle), relative ones resolved. Not counted: ``if TYPE_CHECKING:`` blocks
+    (never run) and names loaded through ``importlib`` (the package root's and ``launch``'s lazy PEP 562
+    exports). ``from pkg import name`` points to ``pkg.name`` when that is a module, else to ``pkg``. Parent
+    packages are not targets: Python completes a package's ``__init__`` before its submodules run, and a
+    package re-exporting its submodules is no cycle.
     """
-    graph: dict[str, set[str]] = {name: set() for name in modules}
+    found: list[tuple[str, str, int]] = []
     for name, path in modules.items():
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
 
-        def visit(nodes: list[ast.stmt], name: str = name, package: str = package) -> None:
-            for node in nodes:
-                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                    continue
-                if isinstance(node, ast.If) and _is_type_checking(node.test):
-                    visit(node.orelse)
-                    continue
-                if isinstance(node, ast.Import):
-                    graph[name].update(alias.name for alias in node.names if alias.name in modules)
-                elif isinstance(node, ast.ImportFrom):
-                    base = node.module or ""
-                    if node.level:
-                        parts = package.split(".")[: len(package.split(".")) - (node.level - 1)]
-                        base = ".".join(parts + ([node.module] if node.module else []))
-                    for alias in node.names:
-                        if f"{base}.{alias.name}" in modules:
-                            graph[name].add(f"{base}.{alias.name}")
-                        elif base in modules:
-                            graph[name].add(base)
-                for field in ("body", "orelse", "finalbody", "handlers"):
-                    visit(getattr(node, field, []))
+        def visit(node: ast.AST, name: str = name, package: str = package) -> None:
+            if isinstance(node, ast.If) and _is_type_checking(node.test):
+                for child in node.orelse:
+                    visit(child)
+                return
+            if isinstance(node, ast.Import):
+                found.extend((name, alias.name, node.lineno) for alias in node.names if alias.name in modules)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                    base = ".".join(parts + ([node.module] if node.module else []))
+                for alias in node.names:
+                    if f"{base}.{alias.name}" in modules:
+                        found.append((name, f"{base}.{alias.name}", node.lineno))
+                    elif base in modules:
+                        found.append((name, base, node.lineno))
+            for child in ast.iter_child_nodes(node):
+                visit(child)
 
-        visit(ast.parse(path.read_text()).body)
+        visit(ast.parse(path.read_text()))
+    return list(dict.fromkeys(found))  # ``from m import a, b`` is one statement
+
+
+def module_import_graph(modules: dict[str, Path] = MODULES) -> dict[str, set[str]]:
+    """``module -> the lightning_sync modules it imports`` (:func:`import_statements` says what counts)."""
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for importer, imported, _ in import_statements(modules):
+        graph[importer].add(imported)
     return graph
 
 
@@ -282,20 +291,28 @@ def test_cycle_finder_finds_a_cycle() -> None:
     assert find_cycles({"a": {"b"}, "b": set()}) == []
 
 
-def test_cycle_graph_reads_imports(tmp_path: Path) -> None:
+def test_import_graph_reads_imports_inside_functions_too(tmp_path: Path) -> None:
     package = tmp_path / "pkg"
     package.mkdir()
     (package / "__init__.py").write_text("from pkg.a import A\n")
     (package / "a.py").write_text("from . import b\nA = 1\n")
     (package / "b.py").write_text(
         "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import pkg.c\n"
-        "def late():\n    from pkg import a\nclass K:\n    from pkg.c import C\n"
+        "def late():\n    from pkg import d\nclass K:\n    from pkg.c import C\n"
     )
     (package / "c.py").write_text("import pkg.b\nC = 1\n")
-    modules = {"pkg": package / "__init__.py", **{f"pkg.{m}": package / f"{m}.py" for m in "abc"}}
+    (package / "d.py").write_text("def later():\n    if True:\n        import pkg.b\n")
+    modules = {"pkg": package / "__init__.py", **{f"pkg.{m}": package / f"{m}.py" for m in "abcd"}}
+    assert ("pkg.d", "pkg.b", 3) in import_statements(modules)
     graph = module_import_graph(modules)
-    assert graph == {"pkg": {"pkg.a"}, "pkg.a": {"pkg.b"}, "pkg.b": {"pkg.c"}, "pkg.c": {"pkg.b"}}
-    assert find_cycles(graph) == [["pkg.b", "pkg.c", "pkg.b"]]
+    assert graph == {
+        "pkg": {"pkg.a"},
+        "pkg.a": {"pkg.b"},
+        "pkg.b": {"pkg.c", "pkg.d"},
+        "pkg.c": {"pkg.b"},
+        "pkg.d": {"pkg.b"},
+    }
+    assert find_cycles(graph) == [["pkg.b", "pkg.c", "pkg.b"]]  # one cycle through each circle of modules
 
 
 def _imported_anywhere(path: Path) -> set[str]:
@@ -320,7 +337,77 @@ def test_context_and_algorithms_do_not_import_each_other() -> None:
 
 
 def test_no_import_cycles() -> None:
-    """No cycle among lightning_sync's import-time imports (see :func:`module_import_graph` for what counts:
-    imports inside functions are excluded)."""
+    """No cycle among lightning_sync's imports, those inside functions included (:func:`import_statements`)."""
     cycles = find_cycles(module_import_graph())
     assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(cycle) for cycle in cycles)
+
+
+# ---------------------------------------------------------------------------------------------- layers
+#: Every top-level part of the package (a subpackage, or a module directly under ``lightning_sync/``; the
+#: package's own ``__init__`` is ``lightning_sync``), lowest layer first. A module may import its own layer and
+#: the layers below it, never one above (:func:`test_imports_point_down_the_layers`). The order:
+#:
+#: 1. leaf helpers: argument checks, the config's location, the optional dependencies, and the global batch
+#:    arithmetic; they import nothing of the package but each other;
+#: 2. ``comms``, the collectives layer every byte goes through;
+#: 3. ``sync`` (the algorithms) and ``checkpoint`` (reading and atomic writing of files), both free of
+#:    Lightning; ``sync`` talks to ``comms`` and reads its checkpoints through ``checkpoint``;
+#: 4. the Lightning glue the strategies are built from: Lightning's private internals (``_lightning``), the
+#:    global sample order and exact resume;
+#: 5. ``strategies``, one Lightning ``Strategy`` per synchronization method, composed of the layers below;
+#: 6. the package's front: its ``__init__`` and ``_registration`` name the strategies for ``import
+#:    lightning_sync`` and Lightning's ``StrategyRegistry`` (lazily, so that importing it stays cheap);
+#: 7. what is used beside a strategy: callbacks (``diagnostics``, ``lr_rules``), cluster launching, the models;
+#: 8. the applications: the command line, benchmarks, consolidation, and the multi-process test harness.
+LAYERS: list[tuple[str, ...]] = [
+    ("_checks", "_config", "_extras", "batch"),
+    ("comms",),
+    ("sync", "checkpoint"),
+    ("_lightning", "sampler", "resume"),
+    ("strategies",),
+    ("lightning_sync", "_registration"),
+    ("diagnostics", "launch", "lr_rules", "models"),
+    ("bench", "cli", "cli_help", "consolidate", "testing", "__main__"),
+]
+
+
+def part_of(module: str) -> str:
+    """``lightning_sync.sync.zero.engine`` -> ``sync``; the package itself is ``lightning_sync``."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def layer_violations(
+    statements: list[tuple[str, str, int]], layers: list[tuple[str, ...]], files: dict[str, Path]
+) -> list[str]:
+    """``file:line importer -> imported`` for each import that points to a higher layer than its importer's."""
+    layer = {part: i for i, members in enumerate(layers) for part in members}
+    return [
+        f"{files[importer].relative_to(PACKAGE.parent)}:{line} {importer} (layer {layer[part_of(importer)] + 1}) "
+        f"imports {imported} (layer {layer[part_of(imported)] + 1})"
+        for importer, imported, line in statements
+        if layer[part_of(imported)] > layer[part_of(importer)]
+    ]
+
+
+def test_every_part_of_the_package_has_one_layer() -> None:
+    placed = [part for members in LAYERS for part in members]
+    assert len(placed) == len(set(placed)), f"a part is in two layers: {placed}"
+    assert {part_of(m) for m in MODULES} == set(placed), "give each part of the package one layer in LAYERS"
+
+
+def test_layer_check_names_an_upward_import() -> None:
+    files = {"lightning_sync.comms.x": PACKAGE / "comms" / "x.py", "lightning_sync.sync.y": PACKAGE / "sync" / "y.py"}
+    statements = [
+        ("lightning_sync.comms.x", "lightning_sync.sync.y", 7),
+        ("lightning_sync.sync.y", "lightning_sync.comms.x", 3),
+    ]
+    assert layer_violations(statements, LAYERS, files) == [
+        "lightning_sync/comms/x.py:7 lightning_sync.comms.x (layer 2) imports lightning_sync.sync.y (layer 3)"
+    ]
+
+
+def test_imports_point_down_the_layers() -> None:
+    """No import statement, at module level or inside a function, reaches a higher layer (:data:`LAYERS`)."""
+    offenders = layer_violations(import_statements(), LAYERS, MODULES)
+    assert not offenders, "imports that point up a layer:\n" + "\n".join(offenders)

@@ -31,6 +31,7 @@ from lightning_sync.checkpoint.reading import dcp_load
 from lightning_sync.diagnostics.faults import UnpicklePayload
 from lightning_sync.strategies.sharded import COMPLETE_MARKER
 from lightning_sync.sync import LoopbackCommunicator, ZeroEngine, consolidate_checkpoint
+from lightning_sync.sync.zero import full_state_dict, load_sharded, save_sharded
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*torch.distributed.*:UserWarning")  # DCP without a group
 
@@ -60,7 +61,7 @@ def _engine(fill: float | None = None) -> ZeroEngine:
 def _save(path: Path, fill: float | None = None) -> ZeroEngine:
     """A complete sharded checkpoint, as ShardedStrategy.save_checkpoint leaves one."""
     engine = _engine(fill)
-    engine.save_sharded(path)
+    save_sharded(engine, path)
     torch.save({"global_step": 1, "optimizer_states": [{"param_groups": [{"lr": 0.01}]}]}, path / "lightning.pt")
     (path / COMPLETE_MARKER).write_text('{"world_size": 1}')
     return engine
@@ -76,7 +77,7 @@ def _loaders(path: Path) -> dict[str, Callable[[bool | None], Any]]:
     """Every way lightning_sync reads a sharded directory, each on a fresh engine."""
     return {
         "consolidate_checkpoint": lambda wo: consolidate_checkpoint(path, weights_only=wo is not False),
-        "ZeroEngine.load_sharded": lambda wo: _engine().load_sharded(path, wo),
+        "ZeroEngine.load_sharded": lambda wo: load_sharded(_engine(), path, wo),
         "ShardedStrategy.load_checkpoint": lambda wo: _strategy_on(_engine()).load_checkpoint(path, wo),
     }
 
@@ -186,13 +187,13 @@ def test_a_symlink_leading_outside_is_refused(tmp_path: Path, name: str) -> None
 def test_a_checked_directory_still_loads(tmp_path: Path) -> None:
     """Control: the checks refuse only what they should (the same loaders, an untouched directory)."""
     path = tmp_path / "sharded.ckpt"
-    want = _save(path, fill=3.0).full_state_dict()
+    want = full_state_dict(_save(path, fill=3.0))
     got = consolidate_checkpoint(path)
     assert want.keys() == got.keys()
     for key in want:
         torch.testing.assert_close(got[key], want[key], rtol=0, atol=0)
     engine = _engine()
     assert _strategy_on(engine).load_checkpoint(path)["global_step"] == 1
-    for key, value in engine.full_state_dict().items():
+    for key, value in full_state_dict(engine).items():
         torch.testing.assert_close(value, want[key], rtol=0, atol=0)
     assert os.path.isfile(path / ".metadata")

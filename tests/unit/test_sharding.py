@@ -60,12 +60,12 @@ def test_collectives_on_the_loopback_communicator() -> None:
     fs = FlatShard(SHAPES, 3, 1)
     comm = LoopbackCommunicator(world_size=3, rank=1)
     shard = torch.arange(fs.shard_numel, dtype=torch.float32)
-    full = fs.all_gather(shard, comm)
+    full = comm.all_gather_into(fs.new_buffer(torch.float32), shard)
     assert torch.equal(full, shard.repeat(3))  # every (identical) rank contributed this shard
     flat = torch.arange(fs.padded, dtype=torch.float32)
-    got = fs.reduce_scatter(flat, comm, op="sum")
+    got = comm.reduce_scatter_into(torch.empty(fs.shard_numel), flat, op="sum")
     assert torch.equal(got, 3 * flat[fs.start : fs.end])  # K identical ranks summed
-    assert torch.equal(fs.reduce_scatter(flat, comm, op="avg"), flat[fs.start : fs.end])
+    assert torch.equal(comm.reduce_scatter_into(torch.empty(fs.shard_numel), flat, op="avg"), flat[fs.start : fs.end])
     assert comm.calls == [
         ("all_gather_into", fs.shard_numel),
         ("reduce_scatter_into", fs.padded),
@@ -81,8 +81,8 @@ def test_bad_input_names_the_value() -> None:
     fs = FlatShard(SHAPES, 2, 0)
     with pytest.raises(ValueError, match="expected a flat buffer of 32 elements"):
         fs.views(torch.zeros(31))
-    with pytest.raises(ValueError, match="shard has 3 elements, the plan has 16"):
-        fs.all_gather(torch.zeros(3), LoopbackCommunicator(2))
+    with pytest.raises(ValueError, match="output has 32 elements, expected 2 x 3"):  # a shard of the wrong size
+        LoopbackCommunicator(2).all_gather_into(fs.new_buffer(torch.float32), torch.zeros(3))
     with pytest.raises(ValueError, match=r"tensor of shape \(5, 3\) where \(3, 5\) was planned"):
         fs.flatten([torch.zeros(5, 3), torch.zeros(7), torch.zeros(2, 2, 2), torch.zeros(1)])
     with pytest.raises(ValueError, match=r"stage must be one of \[0, 1, 2, 3\].*got 4"):

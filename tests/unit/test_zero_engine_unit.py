@@ -20,7 +20,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from lightning_sync.sync.communicator import LoopbackCommunicator
-from lightning_sync.sync.zero import ZeroEngine, resolve_dtype, resolve_wrap_policy, zero_memory_bytes
+from lightning_sync.sync.zero import ZeroEngine, full_state_dict, resolve_dtype, resolve_wrap_policy, zero_memory_bytes
 
 __all__: list[str] = []
 
@@ -275,9 +275,7 @@ def test_padding_is_invisible_and_stays_zero(stage: int, world: int) -> None:
         assert flat.master.detach()[-pad:].eq(0).all()  # ... so AdamW (with weight decay) keeps padding at 0
     hook.remove()
     assert seen == shapes  # inside forward every parameter has its own shape, padding excluded
-    assert {k: v.shape for k, v in eng.full_state_dict().items()} == {
-        k: v.shape for k, v in make().state_dict().items()
-    }
+    assert {k: v.shape for k, v in full_state_dict(eng).items()} == {k: v.shape for k, v in make().state_dict().items()}
     if stage < 3:  # stages 1/2: the module's parameters are views of the full buffer, which ends in padding
         views = {p.data_ptr() for p in model.parameters() if p.requires_grad}
         assert len(views) == 7 and all(p.shape == shapes[n] for n, p in model.named_parameters())
@@ -314,7 +312,7 @@ def test_one_rank_trains_exactly_like_plain_torch(kind: str, stage: int, policy:
     for x, y in data():
         step(ref_model, ref_opt, x, y)
         step(model, opt, x, y)
-    got, want = eng.full_state_dict(), ref_model.state_dict()
+    got, want = full_state_dict(eng), ref_model.state_dict()
     assert list(got) == list(want)
     for k in want:
         assert torch.equal(got[k], want[k]), k

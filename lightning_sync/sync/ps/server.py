@@ -70,7 +70,7 @@ import torch
 from torch import nn
 
 from lightning_sync.sync.ps.step import LR_SCALINGS, Push, apply_step, check_lr_scaling
-from lightning_sync.sync.ps.wire import FlatLayout, Reply
+from lightning_sync.sync.ps.wire import WIRE_DEVICE, FlatLayout, Reply
 
 # FlatLayout, Reply: from ps_wire; LR_SCALINGS, check_lr_scaling: from ps_step
 __all__ = ["LR_SCALINGS", "FlatLayout", "ParameterServer", "Reply", "check_lr_scaling", "check_staleness"]
@@ -129,7 +129,8 @@ class ParameterServer:
         self.num_workers, self.budget = num_workers, budget
         self.params = [nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad) for p in params]
         self.buffers = [b.detach().clone() for b in buffers]
-        self.layout, self.buffer_layout = FlatLayout(self.params), FlatLayout(self.buffers)
+        self.layout = FlatLayout(self.params, device=WIRE_DEVICE)
+        self.buffer_layout = FlatLayout(self.buffers, device=WIRE_DEVICE)
         self.optimizer = optimizer
         if optimizer is not None:
             self._repoint(optimizer, params)

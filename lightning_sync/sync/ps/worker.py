@@ -21,7 +21,7 @@ import torch
 
 from lightning_sync._checks import check_choice
 from lightning_sync.sync.ps.server import ParameterServer
-from lightning_sync.sync.ps.wire import FlatLayout, Reply
+from lightning_sync.sync.ps.wire import WIRE_DEVICE, FlatLayout, Reply
 
 __all__ = ["COMPENSATIONS", "LocalLink", "PSWorker", "RpcLink", "ServerLink", "check_compensation", "host"]
 
@@ -228,7 +228,8 @@ class PSWorker:
         lookahead: bool = False,
     ) -> None:
         self.worker, self.params, self.buffers, self.link = worker, list(params), list(buffers), link
-        self.layout, self.buffer_layout = FlatLayout(self.params), FlatLayout(self.buffers)
+        self.layout = FlatLayout(self.params, device=WIRE_DEVICE)
+        self.buffer_layout = FlatLayout(self.buffers, device=WIRE_DEVICE)
         self.lookahead = lookahead
         self.version = 0
         self.steps = 0

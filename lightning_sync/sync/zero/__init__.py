@@ -11,7 +11,8 @@ concern a module; the package exports their public names:
 * :mod:`~lightning_sync.sync.zero.units` - which parameters go together (:class:`Unit`);
 * :mod:`~lightning_sync.sync.zero.engine` - :class:`ZeroEngine`, stages 1-3 on the shared backward engine;
 * :mod:`~lightning_sync.sync.zero.checkpoint` / :mod:`~lightning_sync.sync.zero.format` - sharded and
-  full checkpoints, and their on-disk format (:func:`read_meta`);
+  full checkpoints of an engine (:func:`save_sharded`, :func:`load_sharded`, :func:`full_state_dict`,
+  :func:`load_full_state_dict`), and their on-disk format (:func:`read_meta`);
 * :mod:`~lightning_sync.sync.zero.consolidate` - :func:`consolidate_checkpoint`, one process, no group;
 * :mod:`~lightning_sync.sync.zero.options` - argument checks and the memory model (:func:`zero_memory_bytes`).
 """
@@ -19,6 +20,7 @@ concern a module; the package exports their public names:
 from __future__ import annotations
 
 from lightning_sync.sync.flat import FlatShard, OwnedSlice
+from lightning_sync.sync.zero.checkpoint import full_state_dict, load_full_state_dict, load_sharded, save_sharded
 from lightning_sync.sync.zero.consolidate import consolidate_checkpoint
 from lightning_sync.sync.zero.engine import ZeroEngine
 from lightning_sync.sync.zero.flat_param import FlatParam
@@ -43,10 +45,14 @@ __all__ = [
     "ZeroEngine",
     "check_stage",
     "consolidate_checkpoint",
+    "full_state_dict",
     "import_class",
+    "load_full_state_dict",
+    "load_sharded",
     "read_meta",
     "resolve_dtype",
     "resolve_wrap_policy",
+    "save_sharded",
     "storage_bytes",
     "zero_memory_bytes",
 ]

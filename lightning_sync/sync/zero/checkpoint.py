@@ -4,7 +4,8 @@ Two forms: a *sharded* directory (every rank writes only the elements it owns, i
 :mod:`lightning_sync.sync.zero.format`, which reshards on load to any world size and stage), and a
 *full* ``state_dict`` gathered from the shards (what a plain module or DDP would write). Both are
 collectives: every rank calls them. They are functions of the engine, not methods, so the engine
-module stays about training; the engine's methods of the same names call these.
+module stays about training: this module imports the engine, never the other way round (the strategies,
+the benchmarks and the tests call these with the engine; :mod:`lightning_sync.sync.zero` exports them).
 """
 
 from __future__ import annotations
@@ -36,7 +37,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "check_compatible",
-    "full_params",
     "full_state_dict",
     "load_full_state_dict",
     "load_sharded",
@@ -45,25 +45,10 @@ __all__ = [
 ]
 
 
-def full_params(engine: ZeroEngine) -> dict[str, torch.Tensor]:
-    """Canonical name -> full parameter in its original dtype, gathered from the master shards
-    (full precision whatever ``param_dtype`` is); a collective."""
-    issued = []
-    for f in engine.flats:
-        buffer = torch.empty(f.layout.padded, dtype=f.master_dtype, device=f.device)
-        issued.append((f, buffer, engine.comm.all_gather_into(buffer, f.master.detach(), async_op=True)))
-    out: dict[str, torch.Tensor] = {}
-    for f, buffer, work in issued:
-        work.wait()
-        for name, view in zip(f.names, f.layout.views(buffer)):
-            out[name] = view.to(f.orig_dtype, copy=True)
-    return out
-
-
 def full_state_dict(engine: ZeroEngine) -> dict[str, torch.Tensor]:
     """The module's full ``state_dict`` (copies, original dtypes, gathered from the fp32 master
     shards; tied parameters under each name); a collective."""
-    params = full_params(engine)
+    params = engine.full_params()
     keys, replicated = replicated_state(engine)
     return {k: params[c] if c is not None else replicated[k].clone() for k, c in keys}
 
@@ -150,7 +135,7 @@ class _Scalar(NamedTuple):
 
 
 def load_sharded(engine: ZeroEngine, path: str | os.PathLike[str], weights_only: bool | None = None) -> None:
-    """Load a :meth:`save_sharded` checkpoint written at any world size and stage; a collective.
+    """Load a :func:`save_sharded` checkpoint written at any world size and stage; a collective.
     Weights-only (see :mod:`lightning_sync.checkpoint.reading`) unless ``weights_only=False``; a directory that
     would read files outside itself, or has no DCP ``.metadata``, raises ``ValueError`` whatever the trust."""
     path = Path(path)
@@ -201,7 +186,7 @@ def load_sharded(engine: ZeroEngine, path: str | os.PathLike[str], weights_only:
 
 
 def load_full_state_dict(engine: ZeroEngine, state_dict: Mapping[str, torch.Tensor]) -> None:
-    """Load a plain full ``state_dict`` (e.g. one :meth:`full_state_dict` or DDP wrote): every rank
+    """Load a plain full ``state_dict`` (e.g. one :func:`full_state_dict` or DDP wrote): every rank
     takes its shards from it. Names the first missing key."""
     keys, replicated = replicated_state(engine)
     for key, _ in keys:

@@ -22,8 +22,6 @@ the process group times out or notices the dead peer; nothing here retries.
 
 from __future__ import annotations
 
-import os
-from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -32,7 +30,7 @@ from torch import nn
 from lightning_sync.sync.backward import BackwardEngine
 from lightning_sync.sync.bucketing import check_mib
 from lightning_sync.sync.communicator import Communicator
-from lightning_sync.sync.zero import checkpoint as zero_checkpoint
+from lightning_sync.sync.replicas import broadcast_module_states
 from lightning_sync.sync.zero.flat_param import FlatParam
 from lightning_sync.sync.zero.forward import Stage3Forward
 from lightning_sync.sync.zero.options import check_stage, resolve_dtype, resolve_wrap_policy, storage_bytes
@@ -102,9 +100,7 @@ class ZeroEngine(Stage3Forward, BackwardEngine):
         self._policy = resolve_wrap_policy(wrap_policy)
         self._cap = max(1, int(bucket_cap_mb * _MB))
         if broadcast and comm.world_size > 1:
-            with torch.no_grad():
-                for t in [*module.parameters(), *module.buffers()]:
-                    comm.broadcast(t.data, src=0)
+            broadcast_module_states(module, comm)
         self._window_open = False
         self._forward_order: list[int] | None = None
         self._recording: list[int] = []
@@ -165,7 +161,7 @@ class ZeroEngine(Stage3Forward, BackwardEngine):
 
     def _cast_frozen(self) -> None:
         """With ``param_dtype``, frozen floating parameters compute in it too; their own data is kept
-        (for checkpoints, :meth:`full_state_dict` and :meth:`unshard`)."""
+        (for checkpoints, :func:`~lightning_sync.sync.zero.checkpoint.full_state_dict` and :meth:`unshard`)."""
         if self.param_dtype is None:
             return
         for p in self.module.parameters():
@@ -278,31 +274,25 @@ class ZeroEngine(Stage3Forward, BackwardEngine):
         ``param_dtype`` gave it a compute copy, else ``t`` itself."""
         return self._frozen_orig.get(id(t), t)
 
-    # ------------------------------------------------------------------ checkpoints (zero_checkpoint)
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The module's full ``state_dict`` gathered from the master shards; a collective."""
-        return zero_checkpoint.full_state_dict(self)
-
-    def save_sharded(self, path: str | os.PathLike[str]) -> None:
-        """Write this rank's shards to the directory ``path``, loadable at any world size; a collective."""
-        zero_checkpoint.save_sharded(self, path)
-
-    def check_compatible(self, meta: Mapping[str, Any]) -> None:
-        """Raise ``ValueError`` naming the first key where the checkpoint and this module differ."""
-        zero_checkpoint.check_compatible(self, meta)
-
-    def load_sharded(self, path: str | os.PathLike[str], weights_only: bool | None = None) -> None:
-        """Load a :meth:`save_sharded` directory written at any world size and stage; a collective."""
-        zero_checkpoint.load_sharded(self, path, weights_only)
-
-    def load_full_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
-        """Load a plain full ``state_dict``: every rank takes its shards from it."""
-        zero_checkpoint.load_full_state_dict(self, state_dict)
+    def full_params(self) -> dict[str, torch.Tensor]:
+        """Canonical name -> full parameter in its original dtype, gathered from the master shards (full
+        precision whatever ``param_dtype`` is); a collective. What :meth:`unshard` puts back into the module
+        and what the checkpoints of :mod:`lightning_sync.sync.zero.checkpoint` write."""
+        issued = []
+        for f in self.flats:
+            buffer = torch.empty(f.layout.padded, dtype=f.master_dtype, device=f.device)
+            issued.append((f, buffer, self.comm.all_gather_into(buffer, f.master.detach(), async_op=True)))
+        out: dict[str, torch.Tensor] = {}
+        for f, buffer, work in issued:
+            work.wait()
+            for name, view in zip(f.names, f.layout.views(buffer)):
+                out[name] = view.to(f.orig_dtype, copy=True)
+        return out
 
     def unshard(self) -> None:
         """Leave the module with its full parameters (stage 3 gathers every unit) and remove the hooks:
         after training the module is an ordinary module with the trained weights on every rank."""
-        params = zero_checkpoint.full_params(self)
+        params = self.full_params()
         self.reshard()
         with torch.no_grad():
             for f in self.flats:
