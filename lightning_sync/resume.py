@@ -16,7 +16,7 @@ the run it continues:
   dropout), and Python's ``random`` and NumPy's global generator (augmentations and sampling in user code).
   Each rank's differ, so :meth:`ExactResume.gather` collects them on rank 0 into the checkpoint with any
   per-rank state of the strategy (one tensor gather of JSON and tensor bytes,
-  :mod:`lightning_sync.rank_states`: no rank pickles, calls ``torch.save`` or unpickles what a peer sent;
+  :mod:`lightning_sync.checkpoint.rank_states`: no rank pickles, calls ``torch.save`` or unpickles what a peer sent;
   the checkpoint holds the same list of per-rank dicts as ever), :meth:`ExactResume.take` picks this rank's entry
   on load, and :meth:`ExactResume.restore_rng` sets the generators at the start of training, after the
   loaders have drawn their base seeds, so training steps draw exactly what the interrupted run drew next.
@@ -56,7 +56,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_sync import comms
 from lightning_sync._lightning import Stateful
-from lightning_sync.rank_states import gather_states
+from lightning_sync.checkpoint.rank_states import gather_states
 from lightning_sync.sampler import GlobalOrderSampler
 
 __all__ = ["RANK_STATES", "ExactResume", "host_rng_state", "rng_state", "set_host_rng_state", "set_rng_state"]
@@ -190,7 +190,7 @@ class ExactResume:
         device: torch.device | None = None,
     ) -> list[dict[str, Any]] | None:
         """Every rank's RNG states and ``extra`` (its own state of the strategy), collected on rank 0 for the
-        checkpoint in one tensor gather through ``comm`` (:func:`~lightning_sync.rank_states.gather_states`);
+        checkpoint in one tensor gather through ``comm`` (:func:`~lightning_sync.checkpoint.rank_states.gather_states`);
         None on the other ranks. Every rank must call it. ``extra`` may hold tensors, None, bools, ints,
         floats, strings and lists, tuples and dicts of them; anything else raises ``TypeError``."""
         mine = {"rng": rng_state(device or torch.device("cpu")), **(extra or {})}

@@ -3,7 +3,9 @@
 * :mod:`~lightning_sync.checkpoint.reading` - every read of a checkpoint (files and sharded directories) is
   ``weights_only`` unless the caller opts in, and stays inside its directory;
 * :mod:`~lightning_sync.checkpoint.atomic` - files and directories replaced atomically, and recovered after a
-  kill mid-replacement.
+  kill mid-replacement;
+* :mod:`~lightning_sync.checkpoint.rank_states` - every rank's own state gathered to the writing rank as
+  tensors with a JSON header, never pickled.
 
 The Lightning plugin that writes through it is :class:`~lightning_sync.launch.atomic.AtomicCheckpointIO`; the
 ZeRO sharded format is :mod:`lightning_sync.sync.zero.format`.

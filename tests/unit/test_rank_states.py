@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from lightning_sync import comms
-from lightning_sync.rank_states import gather_states, pack, unpack
+from lightning_sync.checkpoint.rank_states import gather_states, pack, unpack
 from lightning_sync.resume import rng_state
 
 
