@@ -47,6 +47,10 @@ class Communicator(Protocol):
         self, output: torch.Tensor, input: torch.Tensor, op: str = "sum", async_op: bool = False, scratch: bool = False
     ) -> Any: ...
 
+    def record(self, op: str, nbytes: int, seconds: float = 0.0, calls: int = 1) -> None:
+        """Record an algorithm's own local work (a codec's arithmetic) where its calls are measured."""
+        ...
+
 
 class ProcessGroupCommunicator:
     """A :class:`Communicator` over a torch process group, through a :class:`~lightning_sync.comms.CommContext`
@@ -83,10 +87,9 @@ class ProcessGroupCommunicator:
         """The process group (None: the default group)."""
         return self._group
 
-    @property
-    def observer(self) -> comms.Observer | None:
-        """The context's observer: what an algorithm's own local work (a codec's arithmetic) is recorded in."""
-        return self.ctx.observer
+    def record(self, op: str, nbytes: int, seconds: float = 0.0, calls: int = 1) -> None:
+        """To the context's hooks: an algorithm's own local work (a codec's arithmetic)."""
+        self.ctx.record(op, nbytes, seconds, calls)
 
     @property
     def rank(self) -> int:
@@ -148,7 +151,7 @@ class LoopbackCommunicator:
     what an algorithm sent, and when.
     """
 
-    def __init__(self, world_size: int = 1, rank: int = 0, observer: comms.Observer | None = None) -> None:
+    def __init__(self, world_size: int = 1, rank: int = 0, observer: comms.CallHook | None = None) -> None:
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"need world_size >= 1 and 0 <= rank < world_size, got {world_size=}, {rank=}")
         self._world, self._rank = world_size, rank
@@ -158,6 +161,10 @@ class LoopbackCommunicator:
     @property
     def rank(self) -> int:
         return self._rank
+
+    def record(self, op: str, nbytes: int, seconds: float = 0.0, calls: int = 1) -> None:
+        if self.observer is not None:
+            self.observer.record(op, nbytes, seconds, calls)
 
     @property
     def world_size(self) -> int:
