@@ -72,16 +72,17 @@ class CommStats(CallHook):
         """Count the call and its bytes; the caller is blocked from now on. The token: ``[issued at, blocked
         since, in flight]``."""
         now = self._clock()
-        with self._lock:
-            entry = self._ops.get(call.op)
-            if entry is None:
-                entry = self._ops[call.op] = OpStats()
-            entry.calls += 1
-            entry.bytes += call.nbytes
-            if self._outstanding > 0 and self._blocking == 0:  # _tick_at(now), written out: it runs on every call
-                self._covered += now - self._mark
-            self._mark = now
-            self._blocking += 1
+        self._lock.acquire()  # not `with`: this runs on every call, and nothing below can raise
+        entry = self._ops.get(call.op)
+        if entry is None:
+            entry = self._ops[call.op] = OpStats()
+        entry.calls += 1
+        entry.bytes += call.nbytes
+        if self._outstanding > 0 and self._blocking == 0:  # _tick_at(now), written out
+            self._covered += now - self._mark
+        self._mark = now
+        self._blocking += 1
+        self._lock.release()
         return [now, now, False]
 
     def on_launched(self, call: Call, token: Any, handles: Any) -> None:
@@ -107,19 +108,20 @@ class CommStats(CallHook):
     def on_complete(self, call: Call, token: Any, ok: bool) -> None:
         """The caller is released; a completed call adds its seconds since issue to its op."""
         now = self._clock()
-        with self._lock:
-            if self._outstanding > 0 and self._blocking == 0:  # _tick_at(now), written out
-                self._covered += now - self._mark
-            self._mark = now
-            self._blocking = max(0, self._blocking - 1)
-            self._blocked += now - token[1]
-            if token[2]:
-                self._outstanding = max(0, self._outstanding - 1)
-            if ok:
-                entry = self._ops.get(call.op)
-                if entry is None:  # reset while the call was in flight
-                    entry = self._ops[call.op] = OpStats()
-                entry.seconds += now - token[0]
+        self._lock.acquire()  # as in on_issue
+        if self._outstanding > 0 and self._blocking == 0:  # _tick_at(now), written out
+            self._covered += now - self._mark
+        self._mark = now
+        self._blocking = max(0, self._blocking - 1)
+        self._blocked += now - token[1]
+        if token[2]:
+            self._outstanding = max(0, self._outstanding - 1)
+        if ok:
+            entry = self._ops.get(call.op)
+            if entry is None:  # reset while the call was in flight
+                entry = self._ops[call.op] = OpStats()
+            entry.seconds += now - token[0]
+        self._lock.release()
 
     def begin_job(self) -> None:
         """A new job: forget everything, calls in flight included (:meth:`reset`)."""
