@@ -150,10 +150,21 @@ class Collectives:
         red = REDUCE_OPS.get(op) if op != "avg" or tensor.is_floating_point() else None
         if red is None:
             red = check_reduce(op, tensor)  # raises for a bad op or dtype, naming the allowed ones (complex avg: fine)
-        if not async_op and not self._hooks and not self._scopes:
-            # the hot path of _issue's bare case, written out: no handle, no closure, one backend call
-            self._next_seq(group, None)
-            dist.all_reduce(tensor, op=red, group=group)
+        if not async_op and not self._hook_waits and not self._scopes:
+            # the hot path of _issue's synchronous case, written out: no handle, no closure, one backend call
+            seq, name = self._next_seq(group, None)
+            hooks = self._hooks
+            if not hooks:
+                dist.all_reduce(tensor, op=red, group=group)
+                return tensor
+            call = Call(hooks, "all_reduce", seq, name, group, None, nbytes(tensor), tensor, op, label, False)
+            call.issue()
+            try:
+                dist.all_reduce(tensor, op=red, group=group)
+            except BaseException:
+                call.complete(ok=False)
+                raise
+            call.complete(ok=True)
             return tensor
         return self._issue(
             "all_reduce",
