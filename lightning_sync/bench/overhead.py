@@ -1,14 +1,17 @@
-"""Per-call overhead of the collectives layer: a 4-byte all-reduce, raw against ``comms`` with and without observer.
+"""Per-call overhead of the collectives layer: a 4-byte all-reduce, raw against ``comms`` without and with hooks.
 
-A 4-byte message is all latency, so the differences between ``raw`` (``torch.distributed``), ``bare`` (no
-observer) and ``observed`` (a ``CommStats`` observer, a strategy's default) are the layer's own cost per call.
-The modes alternate so that a noisy machine's drift falls on all three alike::
+A 4-byte message is all latency, so the differences between ``raw`` (``torch.distributed``), ``bare`` (a context
+without hooks) and ``observed`` (a ``CommStats`` observer, a strategy's default) are the layer's own cost per call.
+The modes alternate in short blocks, in an order that rotates from round to round, so that a shared machine's
+load falls on all three alike; each mode's ratio to raw is taken within each round (against the raw block beside
+it) and its median over the rounds reported, which drift between rounds does not move::
 
-    python -m lightning_sync.bench.overhead --world 2 --calls 2000 --rounds 15
+    python -m lightning_sync.bench.overhead --world 2 --calls 250 --rounds 120
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import dataclass
 
@@ -25,7 +28,8 @@ MODES = ("raw", "bare", "observed")
 
 @dataclass(frozen=True)
 class OverheadRow:
-    """One mode's microseconds per call over the rounds, as rank 0 measured them."""
+    """One mode's microseconds per call over the rounds, as rank 0 measured them, and its ratio to raw (the median
+    over the rounds of the ratio to that round's raw block)."""
 
     mode: str
     median_us: float
@@ -42,10 +46,10 @@ def _rank(rank: int, world: int, calls: int, rounds: int, warmup: int) -> dict[s
         for _ in range(warmup):
             fn()
     per_call: dict[str, list[float]] = {m: [] for m in MODES}
-    for _ in range(rounds):
-        for mode in MODES:
+    for r in range(rounds):
+        for mode in MODES[r % len(MODES) :] + MODES[: r % len(MODES)]:  # no mode always goes first
             fn = issue[mode]
-            dist.barrier()  # every rank starts the mode's round together
+            dist.barrier()  # every rank starts the mode's block together
             start = time.perf_counter()
             for _ in range(calls):
                 fn()
@@ -53,15 +57,19 @@ def _rank(rank: int, world: int, calls: int, rounds: int, warmup: int) -> dict[s
     return per_call
 
 
-def measure(world: int = 2, calls: int = 2000, rounds: int = 15, warmup: int = 200) -> list[OverheadRow]:
+def _summarize(per_call: dict[str, list[float]]) -> list[OverheadRow]:
+    """Rows from each mode's microseconds per call, round by round."""
+    raw = per_call["raw"]
+    return [OverheadRow(m, *spread(v), statistics.median(x / r for x, r in zip(v, raw))) for m, v in per_call.items()]
+
+
+def measure(world: int = 2, calls: int = 250, rounds: int = 120, warmup: int = 200) -> list[OverheadRow]:
     """Spawn ``world`` gloo ranks and measure the three modes; rows as rank 0 saw them."""
     from lightning_sync.testing.harness import run_distributed
 
     # start-up (importing torch and this package in every rank) plus 2 ms a call, 20x what a call should take
     timeout = 300.0 + rounds * calls * len(MODES) * 2e-3
-    per_call = run_distributed(_rank, world, calls, rounds, warmup, timeout=timeout)[0]
-    raw = spread(per_call["raw"])[0]
-    return [OverheadRow(m, *spread(v), spread(v)[0] / raw) for m, v in per_call.items()]
+    return _summarize(run_distributed(_rank, world, calls, rounds, warmup, timeout=timeout)[0])
 
 
 def report(rows: list[OverheadRow]) -> str:
@@ -73,8 +81,8 @@ def report(rows: list[OverheadRow]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    options = {"world": (2, "gloo ranks"), "calls": (2000, "calls per mode and round")}
-    options["rounds"] = (15, "alternating rounds")
+    options = {"world": (2, "gloo ranks"), "calls": (250, "calls per mode and round")}
+    options["rounds"] = (120, "alternating rounds")
     args = counts_cli(__doc__, argv, **options)
     print(report(measure(args.world, args.calls, args.rounds)))
 

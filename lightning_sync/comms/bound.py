@@ -13,19 +13,39 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
 
-from lightning_sync.comms.algorithms import ALGORITHMS, all_reduce_with, hierarchical_all_reduce
+from lightning_sync.comms.algorithms import ALGORITHMS, AlgorithmContext, all_reduce_with, hierarchical_all_reduce
 from lightning_sync.comms.payload import get_rank, get_world_size
 
 if TYPE_CHECKING:
-    from lightning_sync.comms.context import CommContext
-    from lightning_sync.comms.work import Observer
+    from lightning_sync.comms.hooks import CallHook
 
 __all__ = ["BoundContext", "CompletedWork"]
+
+
+class _Context(AlgorithmContext, Protocol):
+    """What the view forwards to: a :class:`~lightning_sync.comms.context.CommContext` (which satisfies this as it
+    is), named as a protocol so that the context, which makes views, and the view do not import each other. The
+    view's own methods carry the exact signatures."""
+
+    group: dist.ProcessGroup | None
+    observer: CallHook | None
+
+    def barrier(self, *args: Any, **kwargs: Any) -> Any: ...
+    def broadcast(self, *args: Any, **kwargs: Any) -> Any: ...
+    def broadcast_object(self, *args: Any, **kwargs: Any) -> Any: ...
+    def all_gather(self, *args: Any, **kwargs: Any) -> Any: ...
+    def all_gather_into(self, *args: Any, **kwargs: Any) -> Any: ...
+    def all_gather_object(self, *args: Any, **kwargs: Any) -> Any: ...
+    def gather(self, *args: Any, **kwargs: Any) -> Any: ...
+    def gather_object(self, *args: Any, **kwargs: Any) -> Any: ...
+    def scatter(self, *args: Any, **kwargs: Any) -> Any: ...
+    def reduce_scatter(self, *args: Any, **kwargs: Any) -> Any: ...
+    def reduce_scatter_into(self, *args: Any, **kwargs: Any) -> Any: ...
 
 
 class CompletedWork:
@@ -60,7 +80,7 @@ class BoundContext:
 
     def __init__(
         self,
-        ctx: CommContext,
+        ctx: _Context,
         group: dist.ProcessGroup | None = None,
         algorithm: str = "backend",
         ranks_per_node: int | None = None,
@@ -77,9 +97,13 @@ class BoundContext:
         return self.group if group is None else group
 
     @property
-    def observer(self) -> Observer | None:
+    def observer(self) -> CallHook | None:
         """The context's observer: what an algorithm's own local work (a codec's arithmetic) is recorded in."""
         return self.ctx.observer
+
+    def record(self, op: str, nbytes: int, seconds: float = 0.0, calls: int = 1) -> None:
+        """The context's :meth:`~lightning_sync.comms.context.CommContext.record`: an algorithm's own local work."""
+        self.ctx.record(op, nbytes, seconds, calls)
 
     @property
     def rank(self) -> int:

@@ -1,9 +1,9 @@
 """The collectives of equal-sized tensors, as methods of a :class:`~lightning_sync.comms.context.CommContext`.
 
 Every byte a strategy sends goes through :meth:`Collectives._issue`, in this file; uneven tensors and picklable
-objects are in :mod:`lightning_sync.comms.uneven`. Without an observer and a watchdog, ``_issue`` takes no lock,
-reads no clock and builds no handle for a synchronous call: it costs what the raw ``torch.distributed`` call costs,
-plus a sequence number.
+objects are in :mod:`lightning_sync.comms.uneven`. Without call hooks (:mod:`lightning_sync.comms.hooks`),
+``_issue`` takes no lock, reads no clock and builds no handle for a synchronous call: it costs what the raw
+``torch.distributed`` call costs, plus a sequence number.
 
 Each collective follows torch.distributed's semantics with four differences that make it safe to
 build strategies on:
@@ -13,8 +13,8 @@ build strategies on:
   dtypes raise a ``ValueError`` on *every* rank instead of hanging.
 * **Objects are first-class.** ``broadcast``/``scatter``/``gather_object``/``all_gather_object``
   pickle into a uint8 tensor, so the object payload is counted in bytes and can run async.
-* **Every call is accounted.** ``_issue`` gives each call a sequence number, tells its
-  observer (if any) the payload bytes and seconds, and returns a :class:`Work` when ``async_op=True``.
+* **Every call is accounted.** ``_issue`` gives each call a sequence number, shows it to the context's
+  call hooks (statistics, the hang watchdog), and returns a :class:`Work` when ``async_op=True``.
 * **Bad input says what is allowed.** Unknown ``op``, out-of-range ``src``/``dst``, wrong chunk
   counts and calls before ``init_process_group`` raise with the bad value and the allowed ones.
 """
@@ -22,13 +22,13 @@ build strategies on:
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
+from lightning_sync.comms.hooks import Call, CallHook
 from lightning_sync.comms.payload import (
     ALL_GATHER_SINGLE,
     REDUCE_OPS,
@@ -36,7 +36,6 @@ from lightning_sync.comms.payload import (
     check_even,
     check_rank,
     check_reduce,
-    device_of,
     get_rank,
     get_world_size,
     group_ranks,
@@ -46,7 +45,7 @@ from lightning_sync.comms.payload import (
     padded,
     require_init,
 )
-from lightning_sync.comms.work import Observer, Work
+from lightning_sync.comms.work import Work
 
 __all__ = ["Collectives"]
 
@@ -60,8 +59,8 @@ class Collectives:
     # the state a CommContext holds (comms/context.py)
     group: dist.ProcessGroup | None
     settings: Any
-    observer: Observer | None
-    watchdog: Any
+    _hooks: tuple[CallHook, ...]  # the call hooks, the one that waits (if any) first
+    _hook_waits: bool  # whether one of them waits for the backend requests itself
     _scopes: dict[int, tuple[str, ...]]
 
     def _next_seq(self, group: dist.ProcessGroup | None, peer: int | None) -> tuple[int, str]:
@@ -80,51 +79,40 @@ class Collectives:
         detail: str = "",
         label: str | None = None,
     ) -> Any:
-        """The one place every collective goes through: sequence number, observer, watchdog, async handle.
+        """The one place every collective goes through: sequence number, call hooks, async handle.
 
-        ``peer`` marks a point-to-point op with that global rank (its sequence numbers count apart). ``like``
-        (the tensor whose dtype and shape every rank passes alike), ``detail`` (reduce op, root rank) and
-        ``label`` (what the caller reduces, e.g. a logged key) complete the call's signature, which the hang
-        watchdog compares across ranks; they are read only while a watchdog runs.
+        ``peer`` marks a point-to-point op with that global rank (its sequence numbers count apart). ``like``,
+        ``detail`` and ``label`` complete the call's signature (:class:`~lightning_sync.comms.hooks.Call`); they are
+        read only by hooks.
 
         ``launch(blocking)`` issues the backend call(s) and returns their handles; with ``blocking`` (a synchronous
-        call that no watchdog has to interrupt) a single backend call may run synchronously and return none, which
+        call that no hook has to wait for) a single backend call may run synchronously and return none, which
         spares torch's asynchronous work object and its wait."""
         if self._scopes:
             names = self._scopes.get(threading.get_ident())
             if names:
                 op = "/".join([*names, op])
         seq, name = self._next_seq(group, peer)
-        obs, wd = self.observer, self.watchdog
-        blocking = not async_op and wd is None
-        if obs is None and wd is None:  # the bare path: what torch.distributed costs
-            handles = launch(blocking)
+        hooks = self._hooks
+        if not hooks:  # the bare path: what torch.distributed costs
+            handles = launch(not async_op)
             if async_op:
-                return Work(op, seq, handles, finish, 0.0, in_flight=True)
+                return Work(op, seq, handles, finish)
             for h in handles:
                 h.wait()
             return finish()
-        tracked = None
-        if wd is not None:
-            device = like.device if like is not None else device_of(group)
-            signature = _signature(like, detail, label)
-            tracked = wd.issued(
-                op, seq, name, group_ranks(group), nbytes, peer, on_cpu=device.type == "cpu", detail=signature
-            )
-        start, launched = time.perf_counter(), False
-        if obs is not None:
-            obs.record(op, nbytes)
-            obs.block_begin()
+        call = Call(hooks, op, seq, name, group, peer, nbytes, like, detail, label, async_op)
+        call.issue()
         try:
-            handles = launch(blocking)
-            launched = True
-        finally:  # a synchronous backend call blocks in launch; a failed launch leaves nothing in flight
-            if obs is not None:
-                obs.block_end(time.perf_counter() - start, issued_async=async_op and launched)
-        if tracked is not None:
-            wd.launched(tracked, handles)
-        work = Work(op, seq, handles, finish, start, observer=obs, watchdog=wd, tracked=tracked, in_flight=async_op)
-        return work if async_op else work.wait()
+            handles = launch(not async_op and not self._hook_waits)
+        except BaseException:  # nothing is in flight
+            call.complete(ok=False)
+            raise
+        if handles or async_op:  # else a synchronous call ran within its launch: its hooks hear of its end only
+            call.launched(handles)
+            if async_op:
+                return Work(op, seq, handles, finish, call)
+        return call.settle(handles, finish)
 
     def _g(self, group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
         return self.group if group is None else group
@@ -162,10 +150,21 @@ class Collectives:
         red = REDUCE_OPS.get(op) if op != "avg" or tensor.is_floating_point() else None
         if red is None:
             red = check_reduce(op, tensor)  # raises for a bad op or dtype, naming the allowed ones (complex avg: fine)
-        if not async_op and self.observer is None and self.watchdog is None and not self._scopes:
-            # the hot path of _issue's bare case, written out: no handle, no closure, one backend call
-            self._next_seq(group, None)
-            dist.all_reduce(tensor, op=red, group=group)
+        if not async_op and not self._hook_waits and not self._scopes:
+            # the hot path of _issue's synchronous case, written out: no handle, no closure, one backend call
+            seq, name = self._next_seq(group, None)
+            hooks = self._hooks
+            if not hooks:
+                dist.all_reduce(tensor, op=red, group=group)
+                return tensor
+            call = Call(hooks, "all_reduce", seq, name, group, None, nbytes(tensor), tensor, op, label, False)
+            call.issue()
+            try:
+                dist.all_reduce(tensor, op=red, group=group)
+            except BaseException:
+                call.complete(ok=False)
+                raise
+            call.complete(ok=True)
             return tensor
         return self._issue(
             "all_reduce",
@@ -237,9 +236,9 @@ class Collectives:
         """Fast even all-gather: ``output`` (world_size x input.numel()) gets every rank's flat ``input``.
 
         No metadata exchange; every rank must pass the same ``input.numel()``. On gloo it is issued as K
-        asynchronous broadcasts, one per source chunk, straight into ``output``: gloo's own
-        ``all_gather_into_tensor`` measured 4.8x slower here (72 ms against 15 ms for 32 MiB on 2 ranks),
-        for the same bytes on the wire (each rank sends its chunk to the K-1 others).
+        asynchronous broadcasts, one per source chunk, straight into ``output``, for the same bytes on the wire
+        (each rank sends its chunk to the K-1 others): gloo's own ``all_gather_into_tensor`` is several times
+        slower (the measurement is in ``docs/comms.md``, "gloo fast paths").
         """
         group = self._g(group)
         check_even("all_gather_into", "output", output, "input", input, group)
@@ -305,8 +304,8 @@ class Collectives:
 
         With ``scratch=True`` the caller gives ``input`` up as scratch space (its contents are undefined
         afterwards): on gloo, when each rank's chunk has at least the context's
-        :attr:`~lightning_sync.comms.context.CommSettings.scratch_reduces_min_chunk_bytes` (where the measured
-        trade-off is documented), the op is issued as K asynchronous reduces, one to each chunk's owner, for the
+        :attr:`~lightning_sync.comms.context.CommSettings.scratch_reduces_min_chunk_bytes` (whose docstring says
+        why there is a threshold), the op is issued as K asynchronous reduces, one to each chunk's owner, for the
         same bytes on the wire; below it gloo's own ``reduce_scatter_tensor`` runs.
         """
         group = self._g(group)
@@ -382,8 +381,3 @@ class Collectives:
             peer=src,
             like=tensor,
         )
-
-
-def _signature(like: torch.Tensor | None, detail: str, label: str | None) -> str:
-    parts = [] if like is None else [f"{str(like.dtype).removeprefix('torch.')}{list(like.shape)}"]
-    return ", ".join([*parts, *([detail] if detail else []), *([repr(label)] if label is not None else [])])

@@ -6,8 +6,8 @@ A strategy owns one context. It holds everything that used to be process-wide, s
 * the process group its collectives default to;
 * the sequence numbers of its calls (per group, point-to-point apart), which the hang watchdog matches across
   ranks;
-* an optional observer (:class:`~lightning_sync.comms.stats.CommStats`) that measures every call;
-* its hang watchdog, once started;
+* its call hooks (:mod:`lightning_sync.comms.hooks`), shown every call: the optional observer
+  (:class:`~lightning_sync.comms.stats.CommStats`) that measures them, and the hang watchdog, once started;
 * the node sub-groups of the hierarchical all-reduce;
 * :class:`CommSettings`, the machine-dependent choices, as data.
 
@@ -29,10 +29,10 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch.distributed as dist
 
 from lightning_sync.comms.bound import BoundContext
+from lightning_sync.comms.hooks import CallHook
 from lightning_sync.comms.payload import group_ranks
 from lightning_sync.comms.topology import NodeGroups, resolve_ranks_per_node
 from lightning_sync.comms.uneven import UnevenCollectives
-from lightning_sync.comms.work import Observer
 
 if TYPE_CHECKING:
     from lightning_sync.comms.watchdog import Watchdog
@@ -51,10 +51,10 @@ class CommSettings:
 
     scratch_reduces_min_chunk_bytes: int = 2 * 2**20
     """On gloo, ``reduce_scatter_into(..., scratch=True)`` issues K reduces, one to each chunk's owner, when each
-    rank's chunk has at least this many bytes, and gloo's own ``reduce_scatter_tensor`` below it. K reduces
-    measured 1.5x faster than gloo's op at 32 MiB on 2 ranks (2.4x on 3); each costs several latency-bound steps,
-    so below about 1-8 MiB (by world size) gloo's single op wins. Set it to 0 for always, or a huge number for
-    never; NCCL ignores it."""
+    rank's chunk has at least this many bytes, and gloo's own ``reduce_scatter_tensor`` below it. The K reduces
+    win on large chunks, but each costs several latency-bound steps, so on small ones gloo's single op wins; where
+    they cross depends on the world size and the machine (``docs/comms.md``, "gloo fast paths"). Set it to 0 for
+    always, or a huge number for never; NCCL ignores it."""
 
     def save(self, path: str | Path) -> None:
         """Write these settings as JSON."""
@@ -79,21 +79,24 @@ class CommContext(UnevenCollectives):
 
     Args:
         group: the process group a collective uses when it is given none (None: the default group).
-        observer: measures every call (e.g. a :class:`~lightning_sync.comms.stats.CommStats`); None measures
-            nothing and costs nothing.
+        observer: the call hook that measures every call (e.g. a :class:`~lightning_sync.comms.stats.CommStats`);
+            None measures nothing and costs nothing. More hooks: :meth:`add_hook`.
         settings: the machine-dependent choices (:class:`CommSettings`).
     """
 
     def __init__(
         self,
         group: dist.ProcessGroup | None = None,
-        observer: Observer | None = None,
+        observer: CallHook | None = None,
         settings: CommSettings | None = None,
     ) -> None:
         self.group = group
-        self.observer = observer
         self.settings = settings or CommSettings()
-        self.watchdog: Watchdog | None = None
+        self._hooks: tuple[CallHook, ...] = ()  # replaced, never changed in place: a call keeps the ones it saw
+        self._hook_waits = False
+        self._observer: CallHook | None = None
+        self._watchdog: Watchdog | None = None
+        self.observer = observer
         self._seq: dict[str, Iterator[int]] = {}
         self._seq_world: Any = None  # the default process group the sequence numbers belong to
         # op-name prefixes of the scopes each thread is in, by thread id (see scope()); empty, it costs one test
@@ -124,14 +127,12 @@ class CommContext(UnevenCollectives):
 
     # ------------------------------------------------------------------ job lifecycle
     def begin_job(self) -> None:
-        """Start a job from clean state: statistics (calls in flight included), sequence numbers, the watchdog's
-        records, and node groups (destroyed). Every rank calls it alike when a fit starts; a collective of the
-        previous job still in flight must be waited for first."""
-        if self.observer is not None:
-            self.observer.reset(in_flight=True)
+        """Start a job from clean state: what every hook keeps (statistics, calls in flight included; the
+        watchdog's records), sequence numbers, and node groups (destroyed). Every rank calls it alike when a fit
+        starts; a collective of the previous job still in flight must be waited for first."""
+        for hook in self._hooks:
+            hook.begin_job()
         self._seq.clear()
-        if self.watchdog is not None:
-            self.watchdog.forget()
         self.release_node_groups()
 
     def close(self) -> None:
@@ -139,7 +140,61 @@ class CommContext(UnevenCollectives):
         self.stop_watchdog(clean=True)
         self.release_node_groups()
 
+    # ------------------------------------------------------------------ call hooks
+    @property
+    def hooks(self) -> tuple[CallHook, ...]:
+        """The call hooks every collective of this context is shown (:mod:`lightning_sync.comms.hooks`), the one
+        that waits for backend requests (the hang watchdog) first, so that it may refuse a call before the others
+        count it."""
+        return self._hooks
+
+    def add_hook(self, hook: CallHook) -> CallHook:
+        """Show every later call to ``hook`` too; returns it. At most one hook may wait for backend requests."""
+        if not isinstance(hook, CallHook):
+            raise ValueError(f"a call hook must be a lightning_sync.comms.hooks.CallHook, got {hook!r}")
+        if any(h is hook for h in self._hooks):
+            raise ValueError(f"{hook!r} is already a hook of this context")
+        if hook.waits and self._hook_waits:
+            raise ValueError(f"{hook!r} waits for backend requests, and so does another hook of this context")
+        self._hooks = (hook, *self._hooks) if hook.waits else (*self._hooks, hook)
+        self._hook_waits = self._hook_waits or hook.waits
+        return hook
+
+    def remove_hook(self, hook: CallHook) -> None:
+        """Stop showing calls to ``hook`` (calls already issued still tell it how they end)."""
+        if not any(h is hook for h in self._hooks):
+            raise ValueError(f"{hook!r} is not a hook of this context; its hooks: {list(self._hooks)}")
+        self._hooks = tuple(h for h in self._hooks if h is not hook)
+        self._hook_waits = any(h.waits for h in self._hooks)
+
+    @property
+    def observer(self) -> CallHook | None:
+        """The hook that measures this context's calls (a strategy's default: a
+        :class:`~lightning_sync.comms.stats.CommStats`), or None; assigning replaces it among the hooks."""
+        return self._observer
+
+    @observer.setter
+    def observer(self, observer: CallHook | None) -> None:
+        if observer is self._observer:
+            return
+        if observer is not None:
+            self.add_hook(observer)
+        old, self._observer = self._observer, observer
+        if old is not None:
+            self.remove_hook(old)
+
+    def record(self, op: str, nbytes: int, seconds: float = 0.0, calls: int = 1) -> None:
+        """Tell every hook of ``calls`` entries of ``op`` that are not backend calls (a codec's arithmetic, a
+        written-out algorithm's own entry, a remote call): ``nbytes`` counted, ``seconds`` of local work."""
+        for hook in self._hooks:
+            hook.record(op, nbytes, seconds, calls)
+
     # ------------------------------------------------------------------ hang watchdog
+    @property
+    def watchdog(self) -> Watchdog | None:
+        """The running hang watchdog (:meth:`start_watchdog`), one of the hooks, or None."""
+        return self._watchdog
+
     def start_watchdog(
         self, timeout: float, interval: float | None = None, exit_after: float | None = None
     ) -> Watchdog:
@@ -148,21 +203,24 @@ class CommContext(UnevenCollectives):
         from lightning_sync.comms.watchdog import Watchdog
 
         self.stop_watchdog(clean=True)
-        self.watchdog = Watchdog(timeout, interval=interval, exit_after=exit_after)
-        self.watchdog.start()
-        return self.watchdog
+        wd = Watchdog(timeout, interval=interval, exit_after=exit_after)
+        self.add_hook(wd)
+        wd.start()
+        self._watchdog = wd
+        return wd
 
     def stop_watchdog(self, clean: bool = True) -> None:
         """Stop the watchdog, if one runs; ``clean`` tells the peers this rank left on purpose."""
-        wd, self.watchdog = self.watchdog, None
+        wd, self._watchdog = self._watchdog, None
         if wd is not None:
+            self.remove_hook(wd)
             wd.stop(clean=clean)
 
     def verify(self) -> None:
         """Check that every rank issued the same collectives so far (collective over the default group); nothing
         without a running watchdog."""
-        if self.watchdog is not None:
-            self.watchdog.verify(self)
+        if self._watchdog is not None:
+            self._watchdog.verify(self)
 
     # ------------------------------------------------------------------ hierarchical all-reduce's sub-groups
     def node_groups(self, ranks_per_node: int | None = None) -> NodeGroups:

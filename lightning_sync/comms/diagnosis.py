@@ -25,6 +25,7 @@ __all__ = [
     "explain",
     "mismatch",
     "sequence_key",
+    "signature",
     "size",
 ]
 
@@ -61,6 +62,13 @@ def size(nbytes: int) -> str:
 def describe(op: str, nbytes: int, detail: str = "") -> str:
     """A collective's signature for a message: ``"all_reduce (12 B, float32[3], sum)"``, ``"barrier (0 B)"``."""
     return f"{op} ({size(nbytes)}{', ' + detail if detail else ''})"
+
+
+def signature(like: Any, detail: str = "", label: str | None = None) -> str:
+    """The ``detail`` of a call's signature for :func:`describe`: the dtype and shape of ``like`` (the tensor every
+    rank passes alike, if any), the reduce op or root rank, and the logged key: ``"float32[], avg, 'loss'"``."""
+    parts = [] if like is None else [f"{str(like.dtype).removeprefix('torch.')}{list(like.shape)}"]
+    return ", ".join([*parts, *([detail] if detail else []), *([repr(label)] if label is not None else [])])
 
 
 @dataclass

@@ -2,8 +2,8 @@
 
 The asynchronous parameter server needs point-to-point requests that a peer answers whenever it is
 ready, without any group-wide collective: exactly what RPC provides. This module is the one place
-such calls go through, so they land in the same :class:`~lightning_sync.comms.stats.CommStats` as
-the collectives:
+such calls go through, and it records them through the caller's context (``ctx.record``), so they land in the same
+:class:`~lightning_sync.comms.stats.CommStats` as the collectives:
 
 * ``rpc_send``: the bytes of every tensor in a request's arguments (nested lists, tuples and dicts
   included), counted on the caller when the request is issued;
@@ -25,12 +25,15 @@ import itertools
 import time
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed.rpc as rpc
 
-from lightning_sync.comms.work import Observer, Work
+from lightning_sync.comms.work import Work
+
+if TYPE_CHECKING:
+    from lightning_sync.comms.context import CommContext
 
 __all__ = ["init", "is_initialized", "rpc_call", "shutdown", "tensor_bytes", "worker_name"]
 
@@ -107,13 +110,12 @@ class _FutureHandle:
 
 
 def rpc_call(
-    to: int, fn: Callable[..., Any], *args: Any, async_op: bool = False, observer: Observer | None = None
+    to: int, fn: Callable[..., Any], *args: Any, async_op: bool = False, ctx: CommContext | None = None
 ) -> Any:
     """Run ``fn(*args)`` on global rank ``to`` and return its result (a :class:`Work` if ``async_op``).
 
-    ``fn`` must be a module-level function importable on the callee. The ``observer`` (the caller's
-    context's, if any) counts the request's tensor bytes as ``rpc_send``, the reply's as ``rpc_recv`` (with the
-    round-trip time).
+    ``fn`` must be a module-level function importable on the callee. The caller's context ``ctx`` (if any) records
+    the request's tensor bytes as ``rpc_send``, the reply's as ``rpc_recv`` (with the round-trip time).
     """
     if not is_initialized():
         raise RuntimeError(
@@ -125,16 +127,16 @@ def rpc_call(
         raise ValueError(f"to must be a rank in [0, {world - 1}], got {to!r}")
     if to == me:
         raise ValueError(f"rpc_call to this process itself (rank {me}); call {getattr(fn, '__name__', fn)} directly")
-    if observer is not None:
-        observer.record("rpc_send", tensor_bytes(args))
+    if ctx is not None and ctx.hooks:
+        ctx.record("rpc_send", tensor_bytes(args))
     start = time.perf_counter()
     future = rpc.rpc_async(worker_name(to), fn, args=args)
 
     def finish() -> Any:
         value = future.wait()
-        if observer is not None:
-            observer.record("rpc_recv", tensor_bytes(value), time.perf_counter() - start)
+        if ctx is not None and ctx.hooks:
+            ctx.record("rpc_recv", tensor_bytes(value), time.perf_counter() - start)
         return value
 
-    work = Work("rpc_recv", next(_STATE["calls"]), [_FutureHandle(future)], finish, start, account=False)
+    work = Work("rpc_recv", next(_STATE["calls"]), [_FutureHandle(future)], finish)
     return work if async_op else work.wait()

@@ -1,7 +1,8 @@
 """Communication accounting: :class:`CommStats`, what each op's bytes mean.
 
-Every collective in :mod:`lightning_sync.comms` is issued through one dispatch point that calls
-:meth:`CommStats.record` once per call with the op name, the payload bytes and the seconds taken.
+:class:`CommStats` is a call hook (:mod:`lightning_sync.comms.hooks`): every collective of a context it is
+attached to counts once, with its op name and payload bytes, when it is issued, and its seconds when it completes;
+entries that are not backend calls (a codec's arithmetic, a remote call) come through :meth:`CommStats.record`.
 
 What "bytes" means, per op (always *this rank's* buffer as handed to the backend, padding included):
 
@@ -29,6 +30,9 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
+
+from lightning_sync.comms.hooks import Call, CallHook
 
 __all__ = ["CommStats", "OpStats"]
 
@@ -45,11 +49,16 @@ class OpStats:
     """Wall seconds from issue to completion (for async ops: to the end of ``wait()``)."""
 
 
-class CommStats:
-    """Per-op calls, payload bytes and seconds. Thread-safe; read with :meth:`snapshot`."""
+class CommStats(CallHook):
+    """Per-op calls, payload bytes and seconds, as a call hook. Thread-safe; read with :meth:`snapshot`.
+
+    Besides the totals per op it keeps the seconds callers spent blocked in collectives
+    (:meth:`blocked_seconds`) and the seconds an async call ran under the caller's own work
+    (:meth:`covered_seconds`). A call costs two clock reads and two short holds of one lock when it is synchronous
+    (issue, completion), four when it is asynchronous (launch and wait apart), and no object beyond its token."""
 
     def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
-        self._clock = clock  # for :meth:`covered_seconds`
+        self._clock = clock
         self._ops: dict[str, OpStats] = {}
         self._lock = threading.Lock()
         self._blocked = 0.0
@@ -58,6 +67,67 @@ class CommStats:
         self._covered = 0.0
         self._mark = clock()
 
+    # ------------------------------------------------------------------ as a call hook
+    def on_issue(self, call: Call) -> list[Any]:
+        """Count the call and its bytes; the caller is blocked from now on. The token: ``[issued at, blocked
+        since, in flight]``."""
+        now = self._clock()
+        self._lock.acquire()  # not `with`: this runs on every call, and nothing below can raise
+        entry = self._ops.get(call.op)
+        if entry is None:
+            entry = self._ops[call.op] = OpStats()
+        entry.calls += 1
+        entry.bytes += call.nbytes
+        if self._outstanding > 0 and self._blocking == 0:  # _tick_at(now), written out
+            self._covered += now - self._mark
+        self._mark = now
+        self._blocking += 1
+        self._lock.release()
+        return [now, now, False]
+
+    def on_launched(self, call: Call, token: Any, handles: Any) -> None:
+        """An async call leaves the caller, in flight; a synchronous one keeps it blocked until it completes."""
+        if call.async_op:
+            now = self._clock()
+            with self._lock:
+                if self._outstanding > 0 and self._blocking == 0:  # _tick_at(now), written out
+                    self._covered += now - self._mark
+                self._mark = now
+                self._blocking = max(0, self._blocking - 1)
+                self._blocked += now - token[1]
+                self._outstanding += 1
+            token[2] = True
+
+    def on_wait(self, call: Call, token: Any) -> None:
+        """The caller waits for an async call: blocked again."""
+        token[1] = self._clock()
+        with self._lock:
+            self._tick_at(token[1])
+            self._blocking += 1
+
+    def on_complete(self, call: Call, token: Any, ok: bool) -> None:
+        """The caller is released; a completed call adds its seconds since issue to its op."""
+        now = self._clock()
+        self._lock.acquire()  # as in on_issue
+        if self._outstanding > 0 and self._blocking == 0:  # _tick_at(now), written out
+            self._covered += now - self._mark
+        self._mark = now
+        self._blocking = max(0, self._blocking - 1)
+        self._blocked += now - token[1]
+        if token[2]:
+            self._outstanding = max(0, self._outstanding - 1)
+        if ok:
+            entry = self._ops.get(call.op)
+            if entry is None:  # reset while the call was in flight
+                entry = self._ops[call.op] = OpStats()
+            entry.seconds += now - token[0]
+        self._lock.release()
+
+    def begin_job(self) -> None:
+        """A new job: forget everything, calls in flight included (:meth:`reset`)."""
+        self.reset(in_flight=True)
+
+    # ------------------------------------------------------------------ entries and readings
     def record(self, op: str, nbytes: int, seconds: float = 0.0, calls: int = 1) -> None:
         """Add one (or ``calls``) call(s) of ``op`` moving ``nbytes`` in ``seconds``."""
         with self._lock:
@@ -78,7 +148,9 @@ class CommStats:
             return self._blocked
 
     def _tick(self) -> None:  # under the lock
-        now = self._clock()
+        self._tick_at(self._clock())
+
+    def _tick_at(self, now: float) -> None:  # under the lock
         if self._outstanding > 0 and self._blocking == 0:
             self._covered += now - self._mark
         self._mark = now

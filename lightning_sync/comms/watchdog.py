@@ -1,7 +1,8 @@
 """Hang watchdog for the collectives layer: a hang becomes an error, on every live rank, that names the culprit.
 
 With a :class:`Watchdog` started (:meth:`~lightning_sync.comms.context.CommContext.start_watchdog`, or the
-Lightning callback :class:`lightning_sync.diagnostics.HangWatchdog`), every collective issued through its context
+Lightning callback :class:`lightning_sync.diagnostics.HangWatchdog`), it is a call hook of its context
+(:mod:`lightning_sync.comms.hooks`, the one that waits for backend requests), so every collective issued there
 is tracked by group, sequence number and signature (op name, byte size, dtype and shape, reduce op, root rank,
 the logged key of a Lightning ``sync_dist`` reduction: :mod:`lightning_sync.comms.diagnosis`), and:
 
@@ -74,7 +75,10 @@ from lightning_sync.comms.diagnosis import (
     explain,
     mismatch,
     sequence_key,
+    signature,
 )
+from lightning_sync.comms.hooks import Call, CallHook
+from lightning_sync.comms.payload import device_of, group_ranks
 from lightning_sync.comms.waiting import Waiter
 
 __all__ = [
@@ -105,7 +109,7 @@ def check_args(timeout: Any, interval: Any = None, exit_after: Any = None) -> tu
     return float(timeout), float(interval), float(exit_after)
 
 
-class Watchdog:
+class Watchdog(CallHook):
     """Turns hung or failed collectives of :mod:`lightning_sync.comms` into errors naming the culprit ranks.
 
     Args:
@@ -140,60 +144,63 @@ class Watchdog:
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="lightning_sync-watchdog", daemon=True)
 
-    # ------------------------------------------------------------------ called by comms (main thread)
+    # ------------------------------------------------------------------ as a call hook (the issuing thread)
 
-    def issued(
-        self,
-        op: str,
-        seq: int,
-        group: str,
-        ranks: Sequence[int],
-        nbytes: int,
-        peer: int | None = None,
-        on_cpu: bool = False,
-        detail: str = "",
-    ) -> Pending:
-        """Record a collective about to be launched; raises the pending abort instead, if there is one.
-        ``detail``: the rest of its signature (:func:`~lightning_sync.comms.diagnosis.describe`)."""
+    waits = True  # it waits for the backend requests itself, in slices that an abort interrupts
+
+    def on_issue(self, call: Call) -> Pending:
+        """Record a collective about to be launched; raises the pending abort instead, if there is one. The token
+        is the call as the watchdog tracks it."""
         self.check()
-        p = Pending(op, seq, group, list(ranks), nbytes, peer, on_cpu, detail)
-        key = p.key
+        like, ranks = call.like, list(group_ranks(call.group))
+        on_cpu = (like.device if like is not None else device_of(call.group)).type == "cpu"
+        detail = signature(like, call.detail, call.label)
+        p = Pending(call.op, call.seq, call.group_name, ranks, call.nbytes, call.peer, on_cpu, detail)
+        key, op, nbytes = p.key, p.op, p.nbytes
         with self._lock:
-            self._last[key] = seq
+            self._last[key] = p.seq
             running = 0
-            if peer is None:  # point-to-point sequence numbers do not pair up across ranks: nothing to compare
+            if p.peer is None:  # point-to-point sequence numbers do not pair up across ranks: nothing to compare
                 running = zlib.crc32(f"{op}|{nbytes}|{detail}".encode(), self._hash.get(key, (0,))[0])
                 self._hash[key] = (running, p.ranks)
-            self._issued.setdefault(key, deque(maxlen=_KEPT)).append((seq, op, nbytes, detail, running))
+            self._issued.setdefault(key, deque(maxlen=_KEPT)).append((p.seq, op, nbytes, detail, running))
             self._pending[id(p)] = p
         return p
 
-    def launched(self, p: Pending, handles: Sequence[Any]) -> None:
-        p.handles = list(handles)
+    def on_launched(self, call: Call, token: Pending, handles: Sequence[Any]) -> None:
+        token.handles = list(handles)
 
-    def wait(self, p: Pending, handle: Any) -> None:
-        """Wait for one backend request of ``p`` (never with a timeout); raise the diagnosis if it hangs or fails."""
+    def wait(self, token: Pending, handle: Any) -> None:
+        """Wait for one backend request of ``token`` (never with a timeout); raise the diagnosis if it hangs or
+        fails."""
         self.check()
-        self._waiting = p
+        self._waiting = token
         try:
-            failure = self._waiter.wait(handle, p.on_cpu)
+            failure = self._waiter.wait(handle, token.on_cpu)
         finally:
             self._waiting = None
         if isinstance(failure, RuntimeError):
             cause = str(failure).strip().splitlines()[-1][:300] if str(failure).strip() else type(failure).__name__
-            raise self._fail(RankLost, p, f"failed ({cause})") from failure
+            raise self._fail(RankLost, token, f"failed ({cause})") from failure
         if failure is not None:
             raise failure
+
+    def on_complete(self, call: Call, token: Pending, ok: bool) -> None:
+        """A completed call is no longer pending. One that failed stays pending: past the timeout the watchdog
+        aborts the peers still waiting in it, naming what this rank did instead."""
+        if ok:
+            with self._lock:
+                self._pending.pop(id(token), None)
+
+    def begin_job(self) -> None:
+        """A new job on this group: forget the collectives issued so far (:meth:`forget`)."""
+        self.forget()
 
     def forget(self) -> None:
         """Forget the collectives issued so far: their sequence numbers start again (a new job on this group)."""
         with self._lock:
             for records in (self._last, self._issued, self._hash, self._verified):
                 records.clear()
-
-    def finished(self, p: Pending) -> None:
-        with self._lock:
-            self._pending.pop(id(p), None)
 
     def check(self) -> None:
         """Raise the abort of this or another rank, if one happened."""

@@ -1,40 +1,16 @@
-"""The handle of an issued collective, and the observer protocol that measurement plugs into."""
+"""The handle of an issued collective: :class:`Work`."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 if TYPE_CHECKING:
-    from lightning_sync.comms.diagnosis import Pending
-    from lightning_sync.comms.watchdog import Watchdog
+    from lightning_sync.comms.hooks import Call
 
-__all__ = ["Observer", "Work"]
+__all__ = ["Work"]
 
 T = TypeVar("T")
-
-
-class Observer(Protocol):
-    """What a collective tells whoever measures it (:class:`~lightning_sync.comms.stats.CommStats` is one).
-
-    A context without an observer skips every call below, and the clock reads around them, so measurement
-    costs nothing when nobody reads it."""
-
-    def record(self, op: str, nbytes: int, seconds: float = 0.0, calls: int = 1) -> None:
-        """One call of ``op`` with ``nbytes`` of payload was issued (or ``seconds`` of local work, bytes 0)."""
-
-    def add_seconds(self, op: str, seconds: float) -> None:
-        """A call of ``op`` completed ``seconds`` after it was issued."""
-
-    def block_begin(self) -> None:
-        """The caller enters a launch or a wait."""
-
-    def block_end(self, seconds: float, issued_async: bool = False, completed_async: bool = False) -> None:
-        """The caller leaves it after ``seconds``; an async call was left in flight or ended."""
-
-    def reset(self, in_flight: bool = False) -> None:
-        """Forget what was recorded (a new job)."""
 
 
 class Work(Generic[T]):
@@ -42,36 +18,20 @@ class Work(Generic[T]):
 
     ``op`` and ``seq`` name the call: ``seq`` counts the collectives its context issued on the call's group in
     this job (point-to-point ops count apart), so ranks in lockstep agree on it, and the hang watchdog names a
-    hung call by it. Waiting twice is allowed and returns the same result.
+    hung call by it. ``call`` carries the hooks to notify (:mod:`lightning_sync.comms.hooks`); without it the
+    handle waits for its backend requests and nobody is told. Waiting twice is allowed and returns the same result.
     """
 
     def __init__(
-        self,
-        op: str,
-        seq: int,
-        handles: Sequence[Any],
-        finish: Callable[[], T],
-        start: float,
-        observer: Observer | None = None,
-        watchdog: Watchdog | None = None,
-        tracked: Pending | None = None,
-        account: bool = True,
-        in_flight: bool = False,
-        blocks: bool = True,
+        self, op: str, seq: int, handles: Sequence[Any], finish: Callable[[], T], call: Call | None = None
     ) -> None:
         self.op = op
         self.seq = seq
-        self._handles = list(handles)
+        self._handles = handles
         self._finish = finish
-        self._start = start
+        self._call = call
         self._done = False
         self._result: T | None = None
-        self._observer = observer
-        self._watchdog = watchdog if tracked is not None else None
-        self._tracked = tracked
-        self._account = account
-        self._in_flight = in_flight  # counted by the observer as an async call in flight until waited for
-        self._blocks = blocks  # False: a wrapper whose inner Work accounts the blocked time
 
     def is_completed(self) -> bool:
         """True once every underlying backend request has completed (does not run ``finish``)."""
@@ -81,49 +41,30 @@ class Work(Generic[T]):
         """Block until the collective completes; returns its result (tensor, list or object)."""
         if self._done:
             return self._result  # type: ignore[return-value]
-        obs, wd = self._observer, self._watchdog
-        if obs is None:
-            self._complete(wd)
-            return self._result  # type: ignore[return-value]
-        if self._blocks:
-            obs.block_begin()
-        blocked = time.perf_counter()
-        try:
-            self._complete(wd)
-        finally:  # done or failed, the call is no longer in flight for the caller
-            now = time.perf_counter()
-            if self._blocks:
-                obs.block_end(now - blocked, completed_async=self._in_flight)
-                self._in_flight = False
-        if self._account:
-            obs.add_seconds(self.op, now - self._start)
-        return self._result  # type: ignore[return-value]
-
-    def _complete(self, wd: Watchdog | None) -> None:
-        for h in self._handles:
-            if wd is None:
+        call, self._call = self._call, None  # a wait retried after a failure tells the hooks nothing more
+        if call is None:
+            for h in self._handles:
                 h.wait()
-            else:  # in slices: a hang or a lost peer becomes an error naming the culprit
-                wd.wait(self._tracked, h)
-        if wd is not None:
-            wd.finished(self._tracked)
-        self._result = self._finish()
+            self._result = self._finish()
+        else:
+            self._result = call.settle(self._handles, self._finish)
         self._done = True
+        return self._result
 
     def then(self, fn: Callable[[Any], Any]) -> Work[Any]:
-        """A handle whose ``wait()`` returns ``fn(self.wait())``; this one accounts the call's seconds."""
-        return Work(
-            self.op,
-            self.seq,
-            self._handles,
-            lambda: fn(self.wait()),
-            self._start,
-            observer=self._observer,
-            watchdog=self._watchdog,
-            tracked=self._tracked,
-            account=False,
-            blocks=False,
-        )
+        """A handle whose ``wait()`` returns ``fn(self.wait())``; the hooks hear of the call once, through this one."""
+        return _Chained(self, fn)
 
     def __repr__(self) -> str:
         return f"Work({self.op} #{self.seq}, done={self._done})"
+
+
+class _Chained(Work[Any]):
+    """``fn`` applied to an inner handle's result; it has no backend request and no hook of its own."""
+
+    def __init__(self, inner: Work[Any], fn: Callable[[Any], Any]) -> None:
+        super().__init__(inner.op, inner.seq, (), lambda: fn(inner.wait()))
+        self._inner = inner
+
+    def is_completed(self) -> bool:
+        return self._done or self._inner.is_completed()

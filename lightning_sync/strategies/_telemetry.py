@@ -52,8 +52,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from lightning_sync._lightning import trainer_of
-from lightning_sync.comms import CommStats
-from lightning_sync.comms.work import Observer
+from lightning_sync.comms import CallHook, CommStats
 
 __all__ = ["BUCKETS", "NONFINITE", "STALENESS", "CommTelemetryHooks", "GaugeSource", "StepTelemetry", "blocked"]
 
@@ -142,10 +141,11 @@ class StepTelemetry:
 
 
 @contextmanager
-def blocked(observer: Observer | None) -> Iterator[None]:
+def blocked(observer: CallHook | None) -> Iterator[None]:
     """Account the block as time the caller is blocked in communication (a request that is not a collective:
-    the parameter server's push), so it counts in ``blocked_seconds`` and the exposed percentage."""
-    if observer is None:
+    the parameter server's push), so it counts in ``blocked_seconds`` and the exposed percentage; only a
+    :class:`~lightning_sync.comms.CommStats` observer keeps that figure."""
+    if not isinstance(observer, CommStats):
         yield
         return
     observer.block_begin()

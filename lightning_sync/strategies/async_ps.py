@@ -220,7 +220,7 @@ class AsyncParameterServerStrategy(NoProcessGroupStrategy):
             host(self.server)
             link: Any = LocalLink(self.server)
         else:
-            link = RpcLink(self.server_rank, observer=self.comm.observer)
+            link = RpcLink(self.server_rank, ctx=self.comm)
         if fitting:
             route_schedulers(self.lr_scheduler_configs, self.server)
             route_clipping(self.precision_plugin, self._set_clip)

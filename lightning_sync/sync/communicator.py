@@ -45,6 +45,10 @@ class Communicator(Protocol):
         self, value: Any, src: int = 0, group: dist.ProcessGroup | None = None, async_op: bool = False
     ) -> Any: ...
 
+    def record(self, op: str, nbytes: int, seconds: float = 0.0, calls: int = 1) -> None:
+        """Record an algorithm's own local work (a codec's arithmetic) where its calls are measured."""
+        ...
+
     def broadcast(
         self, value: Any, src: int = 0, group: dist.ProcessGroup | None = None, async_op: bool = False
     ) -> Any: ...
@@ -75,7 +79,7 @@ class LoopbackCommunicator:
     is ignored, since the loopback has one group, of all its ranks.
     """
 
-    def __init__(self, world_size: int = 1, rank: int = 0, observer: comms.Observer | None = None) -> None:
+    def __init__(self, world_size: int = 1, rank: int = 0, observer: comms.CallHook | None = None) -> None:
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"need world_size >= 1 and 0 <= rank < world_size, got {world_size=}, {rank=}")
         self._world, self._rank = world_size, rank
@@ -85,6 +89,10 @@ class LoopbackCommunicator:
     @property
     def rank(self) -> int:
         return self._rank
+
+    def record(self, op: str, nbytes: int, seconds: float = 0.0, calls: int = 1) -> None:
+        if self.observer is not None:
+            self.observer.record(op, nbytes, seconds, calls)
 
     @property
     def world_size(self) -> int:

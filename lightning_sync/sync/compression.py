@@ -19,7 +19,7 @@ returns a handle whose ``wait()`` leaves the *average* gradient in ``bucket.buff
   buckets keeps it. Q is identical on every rank; the error is each rank's own.
 
 Codec time. The arithmetic of compressing and decompressing (casts, the products and the
-orthonormalization, error feedback) is recorded by the communicator's observer as op :data:`CODEC_OP`, with
+orthonormalization, error feedback) is recorded through the communicator (``comm.record``) as op :data:`CODEC_OP`, with
 its seconds and zero bytes, one call per bucket; the time spent waiting for communication is not in it.
 """
 
@@ -37,13 +37,11 @@ from lightning_sync.sync.flat import FlatLayout
 __all__ = ["CODEC_OP", "COMPRESSIONS", "CastCompression", "PowerSGD", "make_compressor"]
 
 CODEC_OP = "codec"
-"""The observer's entry of compression arithmetic: seconds, no bytes, a call per bucket."""
+"""The statistics' entry of compression arithmetic: seconds, no bytes, a call per bucket."""
 
 
 def _codec(comm: Communicator, seconds: float, calls: int = 0) -> None:
-    observer = getattr(comm, "observer", None)  # the communicator's context's, if it measures
-    if observer is not None:
-        observer.record(CODEC_OP, 0, seconds, calls=calls)
+    comm.record(CODEC_OP, 0, seconds, calls=calls)  # to the communicator's context's hooks
 
 
 class _Deferred:

@@ -2,7 +2,7 @@
 
 Spawning ranks costs seconds (every child imports torch and Lightning), so each world size is spawned
 once, by a module-scoped fixture whose job runs every scenario in sequence on fresh models and returns
-raw results (state dicts, CommStats deltas, event lists, byte counts); the tests below only assert on
+raw results (state dicts, CommStats deltas, event lists from a call hook, byte counts); the tests below only assert on
 them. World 2 runs equivalence, accumulation, memory, prefetch, checkpoint saving and mixed precision;
 world 3 runs equivalence, accumulation and loading the world-2 checkpoints; world 4 measures memory;
 world 1 (loading, consolidation, mismatches) runs in this process on a ``LoopbackCommunicator``.
@@ -343,15 +343,51 @@ def loss_fn_v(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tenso
 PREFETCH = [("prefetch", {}), ("no_prefetch", {"prefetch": False}), ("keep", {"reshard_after_forward": False})]
 
 
+class _UnitEvents(comms.CallHook):
+    """A call hook that records the stage-3 schedule as ``(event, unit name)`` in order, beside the events the
+    test's own module and tensor hooks add: ``gather_issue`` / ``gather_wait`` when a unit's all-gather is issued /
+    completes, ``reduce_issue`` when its reduce-scatter is issued. The unit a call serves is the one whose master
+    shard (all-gather) or full flat gradient (reduce-scatter) is the call's tensor."""
+
+    def __init__(self, engine: ZeroEngine, events: list[tuple[str, str]]) -> None:
+        self.engine, self.events = engine, events
+
+    def _unit(self, tensor: torch.Tensor | None) -> str | None:
+        if tensor is None:
+            return None
+        ptr = tensor.untyped_storage().data_ptr()
+        for unit in self.engine.units:
+            for f in unit.flats:
+                mine = [f.master] if f.grad_full is None else [f.master, f.grad_full]
+                if any(ptr == t.untyped_storage().data_ptr() for t in mine):
+                    return unit.name
+        return None
+
+    def on_issue(self, call: comms.Call) -> str | None:
+        unit = self._unit(call.like)
+        event = {"all_gather": "gather_issue", "reduce_scatter": "reduce_issue"}.get(call.op)
+        if unit is not None and event is not None:
+            self.events.append((event, unit))
+        return unit
+
+    def on_complete(self, call: comms.Call, token: str | None, ok: bool) -> None:
+        if token is not None and call.op == "all_gather":
+            self.events.append(("gather_wait", token))
+
+
 def _prefetch(rank: int, world: int) -> dict[str, Any]:
     """Stage 3 with one unit per Linear: events and all-gather stats of the second step."""
     data, out = batches(2, seed=9), {}
     for name, kw in PREFETCH:
         model, opt, sched, eng = build(rank, "sgd", 3, nn.Linear, **kw)
+        # one flat a unit (one dtype, one parameter group): each gather or reduce-scatter call is a whole unit's
+        assert all(len(u.flats) == 1 for u in eng.units), {u.name: len(u.flats) for u in eng.units}
         gathered_at: list[tuple[str, list[str], list[str]]] = []  # (unit, materialised, in flight)
-        units = {u.index: u.name for u in eng.units}
+        events: list[tuple[str, str]] = []
+        recording = [False]
         for mname in ("l1", "l2", "head"):  # runs after the engine's own (prepended) pre-hook
-            getattr(model, mname).register_forward_pre_hook(
+            mod = getattr(model, mname)
+            mod.register_forward_pre_hook(
                 lambda mod, args, mname=mname, gathered_at=gathered_at, eng=eng: gathered_at.append(
                     (
                         mname,
@@ -360,20 +396,47 @@ def _prefetch(rank: int, world: int) -> dict[str, Any]:
                     )
                 )
             )
+
+            # the unit's forward ends: before the engine's forward hook frees it (prepended, as its pre-hook is)
+            def ends(
+                mod: Any, args: Any, output: Any, mname: str = mname, events: Any = events, on: Any = recording
+            ) -> None:
+                if on[0]:
+                    events.append(("forward_end", mname))
+
+            mod.register_forward_hook(ends, prepend=True)
+
+            # its backward begins: the gradient reaches the output the engine wrapped (after the engine's forward
+            # hook), just before that wrapper's backward re-gathers the unit
+            def on_output(
+                mod: Any, args: Any, output: Any, mname: str = mname, events: Any = events, on: Any = recording
+            ) -> None:
+                def begins(grad: torch.Tensor) -> None:
+                    events.append(("backward_begin", mname))
+
+                if on[0] and output.requires_grad:
+                    output.register_hook(begins)
+
+            mod.register_forward_hook(on_output)
         stats = None
-        for step, (x, y) in enumerate(data):
-            if step == 1:
-                eng.record_events = True
-                eng.events.clear()
-                gathered_at.clear()
-                before = CTX.observer.snapshot()
-            opt.zero_grad()
-            loss_fn(model, rows(x, rank, world), rows(y, rank, world)).backward()
-            if step == 1:
-                stats = _delta(before, CTX.observer.snapshot())
-            opt.step()
+        hook = _UnitEvents(eng, events)
+        try:
+            for step, (x, y) in enumerate(data):
+                if step == 1:
+                    recording[0] = True
+                    CTX.add_hook(hook)
+                    gathered_at.clear()
+                    before = CTX.observer.snapshot()
+                opt.zero_grad()
+                loss_fn(model, rows(x, rank, world), rows(y, rank, world)).backward()
+                if step == 1:
+                    stats = _delta(before, CTX.observer.snapshot())
+                opt.step()
+        finally:
+            if hook in CTX.hooks:
+                CTX.remove_hook(hook)
         out[name] = {
-            "events": [(e, units[i]) for e, i in eng.events],
+            "events": events,
             "stats": stats,
             "gathered_at": gathered_at,
             "units": [u.name for u in eng.units],

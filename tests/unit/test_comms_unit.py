@@ -197,29 +197,32 @@ def test_comm_stats_is_thread_safe() -> None:
     assert s["send"] == OpStats(calls=16000, bytes=48000, seconds=0.0)  # no lost update
 
 
-def test_context_stats_reset_and_work_without_handles(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_context_stats_reset_and_work_without_handles() -> None:
     CTX.observer.reset()
     assert CTX.observer.snapshot() == {}
     other = comms.CommContext(observer=comms.CommStats())
     assert other.observer is not CTX.observer  # every context measures into its own observer
     calls = []
     # a fixed clock, so no wall time is read: issued at 900 s, completed at 1000 s
-    from lightning_sync.comms import work as work_module
-
-    monkeypatch.setattr(work_module.time, "perf_counter", lambda: 1000.0)
-    work = comms.Work("unit_op", 7, [], lambda: calls.append(1) or "result", 900.0, observer=CTX.observer)
+    now = [900.0]
+    ctx = comms.CommContext(observer=comms.CommStats(clock=lambda: now[0]))
+    call = comms.Call(ctx.hooks, "unit_op", 7, "world", None, None, 0, None, "", None, True)
+    call.issue()
+    assert ctx.observer["unit_op"].calls == 1  # counted once, when issued
+    now[0] = 1000.0
+    work = comms.Work("unit_op", 7, [], lambda: calls.append(1) or "result", call)
     assert work.is_completed()  # no backend request outstanding
     assert "unit_op #7" in repr(work) and "done=False" in repr(work)
     assert work.wait() == "result"
     assert work.wait() == "result"  # waiting twice returns the same result ...
     assert calls == [1]  # ... without running finish again
     assert "done=True" in repr(work)
-    stats = CTX.observer["unit_op"]
-    assert stats.calls == 0 and stats.seconds == 100.0  # wait() adds the seconds since issue, never a call
-    assert "unit_op" in CTX.observer.snapshot()
-    assert other.observer.snapshot() == {}  # nothing of it reached the other context
-    CTX.observer.reset()
-    assert CTX.observer.snapshot() == {}
+    stats = ctx.observer["unit_op"]
+    assert stats.calls == 1 and stats.seconds == 100.0  # wait() adds the seconds since issue, never a call
+    assert "unit_op" in ctx.observer.snapshot()
+    assert other.observer.snapshot() == {} and CTX.observer.snapshot() == {}  # nothing reached another context
+    ctx.observer.reset()
+    assert ctx.observer.snapshot() == {}
 
 
 # --------------------------------------------------------------------------- cost model

@@ -155,14 +155,14 @@ _remote_finish = _async_execution(_remote_finish)
 class RpcLink:
     """The server is on rank ``server_rank``: requests over ``torch.distributed.rpc`` (counted bytes)."""
 
-    def __init__(self, server_rank: int, observer: Any = None) -> None:
+    def __init__(self, server_rank: int, ctx: Any = None) -> None:
         self.server_rank = server_rank
-        self.observer = observer  # the strategy context's, which counts the requests' and replies' bytes
+        self.ctx = ctx  # the strategy's context, whose hooks count the requests' and replies' bytes
 
     def _call(self, fn: Any, *args: Any) -> Any:
         from lightning_sync.comms import rpc
 
-        return rpc.rpc_call(self.server_rank, fn, *args, observer=self.observer)
+        return rpc.rpc_call(self.server_rank, fn, *args, ctx=self.ctx)
 
     def pull(self, worker: int) -> Reply:
         return self._call(_remote_pull, worker)

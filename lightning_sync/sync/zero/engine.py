@@ -106,10 +106,6 @@ class ZeroEngine(Stage3Forward, BackwardEngine):
         self._recording: list[int] = []
         self._order_checked = False
         self._frozen_orig: dict[int, torch.Tensor] = {}  # frozen parameters' own data (param_dtype set)
-        self.events: list[tuple[str, int]] = []
-        """``(event, unit index)`` in order: gather_issue, gather_wait, forward_begin, forward_end,
-        backward_begin, reduce_issue, free; appended while :attr:`record_events` is True (tests clear it)."""
-        self.record_events = False
         self._build()
 
     # ------------------------------------------------------------------ layout
@@ -198,12 +194,9 @@ class ZeroEngine(Stage3Forward, BackwardEngine):
         if self.stage == 3 and not unit.is_root:
             for f in unit.flats:
                 f.free()
-            self._log("free", unit)
 
     def _launch(self, bucket: int) -> None:
-        unit = self.units[bucket]
-        self._log("reduce_issue", unit)
-        for f in unit.flats:
+        for f in self.units[bucket].flats:
             f.launch_reduce()
 
     def _wait(self, bucket: int) -> None:

@@ -9,7 +9,7 @@ in the first step, checked to be the same on every rank after the first backward
 matched by order), and from then on drives prefetching and the reduce-scatter order.
 
 This is a mixin of :class:`~lightning_sync.sync.zero.engine.ZeroEngine`, kept apart so the engine
-module reads as build / backward / step; it uses the engine's units, flats, options and events.
+module reads as build / backward / step; it uses the engine's units, flats and options.
 """
 
 from __future__ import annotations
@@ -55,8 +55,6 @@ class Stage3Forward:
     prefetch: bool
     reshard_after_forward: bool
     param_dtype: torch.dtype | None
-    events: list[tuple[str, int]]
-    record_events: bool
     _handles: list[Any]
     _forward_order: list[int] | None
     _recording: list[int]
@@ -85,20 +83,13 @@ class Stage3Forward:
         return list(reversed(forward)) + ([self.root.index] if self.root is not None else [])
 
     # ------------------------------------------------------------------ stage 3: forward
-    def _log(self, event: str, unit: Unit) -> None:
-        if self.record_events:
-            self.events.append((event, unit.index))
-
     def _gather(self, unit: Unit, wait: bool) -> None:
         if not unit.gathered:
-            if any(f._gather_work is None and f.full is None for f in unit.flats):
-                self._log("gather_issue", unit)
             for f in unit.flats:
                 f.start_gather()
         if wait and any(f._gather_work is not None for f in unit.flats):
             for f in unit.flats:
                 f.finish_gather()
-            self._log("gather_wait", unit)
 
     def gather_root(self) -> None:
         """Stage 3: gather the root unit (the parameters no wrapped submodule owns). Call before a
@@ -118,7 +109,6 @@ class Stage3Forward:
         if not unit.is_root:
             if self._forward_order is None and unit.index not in self._recording:
                 self._recording.append(unit.index)
-            self._log("forward_begin", unit)
         self._gather(unit, wait=True)
         if self.prefetch and not unit.is_root and self._forward_order is not None:
             nxt = self._neighbour(unit, +1)
@@ -139,11 +129,9 @@ class Stage3Forward:
         return self.units[order[j]] if 0 <= j < len(order) else None
 
     def _post_forward(self, unit: Unit, module: nn.Module, args: Any, output: Any) -> Any:
-        self._log("forward_end", unit)
         if self.reshard_after_forward:
             for f in unit.flats:
                 f.free()
-            self._log("free", unit)
         if not torch.is_grad_enabled():
             return None
         leaves, spec = tree_flatten(output)
@@ -157,7 +145,6 @@ class Stage3Forward:
         return tree_unflatten(leaves, spec)
 
     def _pre_backward(self, unit: Unit) -> None:
-        self._log("backward_begin", unit)
         self._gather(unit, wait=True)
         if self.prefetch:
             prev = self._neighbour(unit, -1)
