@@ -165,7 +165,7 @@ class PowerSGD:
             for t in rest:
                 t.div_(world)
             ps_orth = [_orthonormalize(p) for p in ps]
-            # Q = M^T P computed as (P^T M)^T: the same numbers, ~40x faster for row-major M on CPU
+            # Q = M^T P computed as (P^T M)^T: the same numbers, but the product reads row-major M along its rows
             qs = [(p.t() @ m).t().contiguous() for (_, m, _), p in zip(mats, ps_orth)]
             if qs:  # message 2: every Q = M^T P
                 layout2 = FlatLayout(qs)
@@ -221,8 +221,9 @@ class PowerSGD:
 
 
 def _orthonormalize(p: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
-    """Gram-Schmidt on the r columns of the tall matrix ``p``, in place (LAPACK QR is ~100x slower
-    for n x 2 here). ``eps`` keeps an all-zero column (an unused parameter) finite."""
+    """Gram-Schmidt on the r columns of the tall matrix ``p``, in place: for the few columns of a low rank it is
+    a handful of vector operations, where LAPACK's QR pays a general factorization's set-up on every call. ``eps``
+    keeps an all-zero column (an unused parameter) finite."""
     for i in range(p.shape[1]):
         col = p[:, i : i + 1]
         col.div_(col.norm() + eps)
