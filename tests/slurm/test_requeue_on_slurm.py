@@ -8,11 +8,12 @@ multi-process tier).
 
 SlowRank (factor 20 on rank 0, in the first attempt) stretches the run so the signal lands mid-run; it only
 sleeps, so it does not change any weight. Slurm holds a requeued job back for about two minutes (BeginTime);
-the test releases it at once with ``scontrol update StartTime=now``, as an operator would.
+the test releases it after two seconds with ``scontrol update StartTime=now``, as an operator would (:func:`_release`).
 """
 
 from __future__ import annotations
 
+import math
 import re
 import subprocess
 import time
@@ -59,10 +60,16 @@ def _wait_for(path: Path, pattern: str, timeout: float, slurm: SlurmCluster, job
 
 
 def _release(slurm: SlurmCluster, job: str, timeout: float = 60.0) -> None:
-    """Start the requeued job now instead of after Slurm's requeue hold (it must be PENDING again first)."""
+    """Start the requeued job now instead of after Slurm's requeue hold (it must be PENDING again first).
+
+    Not within the second its previous run was killed in: slurmd revokes a killed job's credential with a
+    timestamp in whole seconds and refuses a launch whose new credential is no younger ("Job N already killed, do
+    not launch batch job"; the job then ends FAILED), which is what Slurm's own requeue hold waits out. Releasing
+    two whole seconds after the job is PENDING again (the kill came before that) leaves that second behind."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if slurm.job_state(job) == "PENDING":
+            time.sleep(math.floor(time.time()) + 2 - time.time())
             slurm.run("scontrol", "update", f"JobId={job}", "StartTime=now")
             return
         time.sleep(0.2)
