@@ -15,6 +15,11 @@ the synchronized model. The rest is here, once:
   model (every optimizer's state of a rank other than 0 is added by the strategy's ``exact_data``), and each
   rank puts both back on resume once Lightning has loaded the synchronized model and rank 0's optimizer state.
 * **Export:** :meth:`PeriodicStrategy.full_state_dict`.
+
+What it holds: ``self.averager``, the subclass's syncer (built at ``setup_optimizers``), besides the
+``comm``, ``telemetry`` and ``exact_data`` of :class:`~lightning_sync.strategies._base.SyncStrategy`. The
+syncer counts a step from :meth:`PeriodicStrategy._after_optimizer_step`, which ``SyncStrategy.optimizer_step``
+calls inside the step, so the telemetry counts the sync's bytes.
 """
 
 from __future__ import annotations
