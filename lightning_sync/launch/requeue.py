@@ -69,7 +69,7 @@ from lightning_sync._lightning import should_accumulate
 from lightning_sync.checkpoint.reading import contained_path
 from lightning_sync.launch.atomic import publish_path, recover_dir, remove_path, write_atomically
 from lightning_sync.launch.signals import resolve_signal
-from lightning_sync.strategies._exact_data import ExactDataHooks
+from lightning_sync.strategies._exact_data import ExactData
 from lightning_sync.strategies.sharded import COMPLETE_MARKER, LIGHTNING_STATE
 
 __all__ = [
@@ -292,7 +292,7 @@ class RequeueOnSignal(pl.Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit" or self._installed:
             return
-        if not isinstance(trainer.strategy, ExactDataHooks) and trainer.is_global_zero:
+        if not isinstance(getattr(trainer.strategy, "exact_data", None), ExactData) and trainer.is_global_zero:
             log.warning(
                 "requeue: %s is not a lightning_sync strategy, so a preemption checkpoint holds Lightning's "
                 "state only: a resume restarts the epoch from its first batch and the RNG streams keep "

@@ -1,11 +1,20 @@
-"""What the lightning_sync strategies on a process group share when no gradient bucketing is involved, and the
-check that each strategy takes only the arguments it uses.
+"""The one base of the lightning_sync strategies on a process group, and the check that each strategy takes
+only the arguments it uses.
 
-:class:`ProcessGroupStrategy` keeps Lightning's ``DDPStrategy`` for what is not about synchronization
-(launchers, cluster environments, process-group setup, device placement) and never wraps the model in torch's
-``DistributedDataParallel``: a subclass decides what crosses the wire, and when. Every rank's per-rank
-checkpoint state (RNG streams, place in the data, and whatever the subclass adds) goes through one pair of
-hooks, so a subclass never gathers or loads it by hand.
+:class:`SyncStrategy` keeps Lightning's ``DDPStrategy`` for what is not about synchronization (launchers,
+cluster environments, process-group setup, device placement), never wraps the model in torch's
+``DistributedDataParallel``, and holds the pieces every such strategy uses, each an object of its own:
+
+* ``comm``: its :class:`~lightning_sync.comms.CommContext`, through which Lightning's own collectives
+  (``reduce``/``all_gather``/``broadcast``/``barrier``: synced metrics, ``self.all_gather``, checkpoint-path
+  broadcasts) go, so that they are counted and watched like everything else;
+* ``telemetry``: the per-step communication figures (:class:`~lightning_sync.strategies._telemetry.CommTelemetry`);
+* ``exact_data``: exact resume and exact evaluation (:class:`~lightning_sync.strategies._exact_data.ExactData`);
+* its ``checkpoint_io``: atomic files unless the user passes another
+  (:class:`~lightning_sync.strategies._checkpoint_io.AtomicCheckpointIO`).
+
+Its Lightning hooks call them, explicitly, in one place. :class:`ProcessGroupStrategy` adds what the strategies
+that bucket no gradients share: the start-up broadcast and one pair of per-rank checkpoint state hooks.
 
 :func:`check_own_arguments` turns an argument a strategy would silently ignore into a ``ValueError`` that
 names it, says which strategies take it and lists the ones this strategy accepts.
@@ -18,19 +27,34 @@ from collections.abc import Generator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
+import torch
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from typing_extensions import override
 
+from lightning_sync import comms
+from lightning_sync._lightning import calling_metric_key, set_checkpoint_io, trainer_of
 from lightning_sync.checkpoint.reading import guarded_load
-from lightning_sync.strategies._common import PASSTHROUGH, CommsCollectivesMixin
+from lightning_sync.strategies._checkpoint_io import atomic_unless_set
+from lightning_sync.strategies._common import PASSTHROUGH, new_comm
+from lightning_sync.strategies._exact_data import ExactData
+from lightning_sync.strategies._telemetry import CommTelemetry
 from lightning_sync.sync.replicas import broadcast_module_states
 
 __all__ = [
     "ProcessGroupStrategy",
+    "SyncStrategy",
     "check_own_arguments",
     "own_arguments",
     "registered_strategies",
 ]
+
+_REDUCE_OPS = {"mean": "avg", "avg": "avg", "sum": "sum", "max": "max", "min": "min"}
+_TORCH_OPS = {
+    torch.distributed.ReduceOp.SUM: "sum",
+    torch.distributed.ReduceOp.MAX: "max",
+    torch.distributed.ReduceOp.MIN: "min",
+    torch.distributed.ReduceOp.AVG: "avg",
+}
 
 
 def own_arguments(cls: type) -> list[str]:
@@ -82,7 +106,161 @@ def check_own_arguments(cls: type, kwargs: Mapping[str, Any]) -> None:
     )
 
 
-class ProcessGroupStrategy(CommsCollectivesMixin, DDPStrategy):
+class _AllGatherWithGrad(torch.autograd.Function):
+    """``CommContext.all_gather`` whose backward sends each rank the gradient of its own slice."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, comm: comms.CommContext) -> torch.Tensor:
+        ctx.comm = comm
+        return torch.stack(comm.all_gather(tensor.contiguous()))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.contiguous()
+        ctx.comm.all_reduce(grad, op="sum")
+        return grad[comms.get_rank()], None
+
+
+class SyncStrategy(DDPStrategy):
+    """What every lightning_sync strategy on a process group holds and does (module docstring).
+
+    A subclass says what it adds to a step through three methods, read by the objects it holds:
+
+    * :meth:`_after_optimizer_step`: what it synchronizes once the optimizer has stepped (inside the step,
+      so the telemetry counts it);
+    * :meth:`_comm_counters` and :meth:`_comm_gauges`: its own telemetry figures.
+    """
+
+    #: True where every rank steps an optimizer of its own (see :class:`ExactData`)
+    _per_rank_optimizer_state = False
+
+    def __init__(self, **kwargs: Any) -> None:
+        #: this strategy's collectives, sequence numbers, hang watchdog and node groups, and a
+        #: :class:`~lightning_sync.comms.CommStats` observer that measures them (``comm.observer = None``
+        #: measures nothing); nothing of it is shared with another strategy
+        self.comm: comms.CommContext = new_comm()
+        self.telemetry = CommTelemetry(self, self._comm_counters, self._comm_gauges)
+        self.exact_data = ExactData(self, self._per_rank_optimizer_state)
+        super().__init__(**kwargs)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A context lives in one process (it holds locks): a pickled strategy (the spawn launcher's) takes
+        none along, and the new process gets a fresh one."""
+        state = super().__getstate__()
+        state.pop("comm", None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self.comm = new_comm()
+
+    @property
+    def is_distributed(self) -> bool:
+        """Always True: Lightning then adds the DistributedSampler and turns ``sync_dist`` on (without the
+        deprecation warning ``DDPStrategy``'s own property emits)."""
+        return True
+
+    @property
+    def checkpoint_io(self) -> Any:
+        atomic_unless_set(self)
+        return super().checkpoint_io
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: Any) -> None:
+        set_checkpoint_io(self, io)
+
+    # ------------------------------------------------------------------ what a subclass adds to a step
+    def _after_optimizer_step(self) -> None:
+        """Synchronize what follows an optimizer step (nothing here)."""
+
+    def _comm_counters(self) -> dict[str, float]:
+        """Cumulative counts whose per-step increase is logged (none here)."""
+        return {}
+
+    def _comm_gauges(self) -> dict[str, float]:
+        """Values logged as they are after each step (none here)."""
+        return {}
+
+    # ------------------------------------------------------------------ Lightning's hooks
+    @override
+    def setup_environment(self) -> None:
+        """Every fit starts from clean communication state (a second fit of this strategy too)."""
+        trainer = trainer_of(self.lightning_module)
+        if trainer is not None and trainer.state.fn == "fit":
+            self.comm.begin_job()
+        self.exact_data.install_warnings_filter()
+        super().setup_environment()
+
+    @override
+    def teardown(self) -> None:
+        self.exact_data.remove_warnings_filter()
+        super().teardown()
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        return self.exact_data.process_dataloader(super().process_dataloader(dataloader))
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        self.exact_data.on_train_start()
+        self.telemetry.start()
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        self.telemetry.batch_start()
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        out = super().optimizer_step(optimizer, closure, model, **kwargs)
+        self._after_optimizer_step()
+        self.telemetry.step_end()
+        return out
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        """This rank's own optimizer state where the checkpoint has it, else Lightning's (rank 0's)."""
+        super().load_optimizer_state_dict(self.exact_data.optimizer_checkpoint(checkpoint))
+
+    # ------------------------------------------------------------------ Lightning's collectives, through comm
+    @override
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
+        if not isinstance(tensor, torch.Tensor) or not torch.distributed.is_initialized():
+            return tensor
+        name = _TORCH_OPS.get(reduce_op, reduce_op) if reduce_op is not None else "mean"
+        if not isinstance(name, str) or name.lower() not in _REDUCE_OPS:
+            raise ValueError(f"reduce_op {reduce_op!r} is not supported; allowed: {sorted(_REDUCE_OPS)}")
+        op = _REDUCE_OPS[name.lower()]
+        out = tensor.detach().clone()
+        if op == "avg" and not out.is_floating_point():
+            out = out.float()
+        # Lightning's result collection passes the tensor alone; the key it syncs is on the caller's metadata. As
+        # the all-reduce's label, it lets the hang watchdog tell apart ranks that sync different keys of one shape.
+        label = calling_metric_key()
+        return self.comm.all_reduce(out, op=op, group=group, label=label)
+
+    @override
+    def all_gather(self, tensor: torch.Tensor, group: Any | None = None, sync_grads: bool = False) -> torch.Tensor:
+        if not torch.distributed.is_initialized():
+            return tensor
+        if sync_grads:
+            return _AllGatherWithGrad.apply(tensor, self.comm)
+        return torch.stack(self.comm.all_gather(tensor.detach().contiguous(), group=group))
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not torch.distributed.is_initialized():
+            return obj
+        return self.comm.broadcast_object(obj, src=src)
+
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if torch.distributed.is_initialized():
+            self.comm.barrier()
+
+
+class ProcessGroupStrategy(SyncStrategy):
     """A ``DDPStrategy`` that never wraps the model: the subclass synchronizes explicitly (module docstring).
 
     What it synchronizes itself:
@@ -91,7 +269,7 @@ class ProcessGroupStrategy(CommsCollectivesMixin, DDPStrategy):
       starts equal. A subclass whose processes share one model (Hogwild) skips that.
     * **Backward:** nothing; ``block_backward_sync`` (Lightning's accumulation micro-steps) has nothing to
       hold back. A subclass that averages gradients overrides both.
-    * **Metrics:** ``reduce``/``all_gather``/``broadcast``/``barrier`` go through ``lightning_sync.comms``.
+    * **Metrics, telemetry, exact data, atomic files:** :class:`SyncStrategy`'s.
     * **Checkpoints:** every rank's RNG states, its place in the data and what :meth:`_rank_state` adds are
       gathered on rank 0 (a collective, when saving); on resume each rank gets its entry back through
       :meth:`_restore_rank_state` (``None`` from a checkpoint of another world size). Loading is weights-only
@@ -100,12 +278,6 @@ class ProcessGroupStrategy(CommsCollectivesMixin, DDPStrategy):
     If a rank fails, its peers raise at their next collective once the process group notices (connection
     closed, or ``timeout``).
     """
-
-    @property
-    def is_distributed(self) -> bool:
-        """Always True: Lightning then adds the DistributedSampler and turns ``sync_dist`` on (without the
-        deprecation warning ``DDPStrategy``'s own property emits)."""
-        return True
 
     @override
     def configure_ddp(self) -> None:
@@ -128,7 +300,7 @@ class ProcessGroupStrategy(CommsCollectivesMixin, DDPStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        self._save_rank_states(checkpoint, self._rank_state(checkpoint))
+        self.exact_data.save_rank_states(checkpoint, self._rank_state(checkpoint))
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override
@@ -140,5 +312,5 @@ class ProcessGroupStrategy(CommsCollectivesMixin, DDPStrategy):
             checkpoint_path,
             weights_only,
         )
-        self._restore_rank_state(self._take_rank_state(checkpoint), checkpoint)
+        self._restore_rank_state(self.exact_data.take_rank_state(checkpoint), checkpoint)
         return checkpoint

@@ -27,9 +27,10 @@ import torch
 from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
+from lightning_sync._lightning import explicit_checkpoint_io, set_checkpoint_io
 from lightning_sync.checkpoint.atomic import write_atomically
 
-__all__ = ["AtomicCheckpointIO"]
+__all__ = ["AtomicCheckpointIO", "atomic_unless_set"]
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -46,3 +47,10 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             super().save_checkpoint(checkpoint, path)
             return
         write_atomically(Path(path), lambda f: torch.save(checkpoint, f))
+
+
+def atomic_unless_set(strategy: Any) -> None:
+    """Give ``strategy`` an :class:`AtomicCheckpointIO` where the user set no ``checkpoint_io`` (a strategy's
+    ``checkpoint_io`` property calls it before returning Lightning's)."""
+    if explicit_checkpoint_io(strategy) is None:
+        set_checkpoint_io(strategy, AtomicCheckpointIO())

@@ -1,7 +1,8 @@
 """Every strategy sees exactly the samples it should: a resumed run continues where the interrupted one stopped,
 and evaluation counts every sample once.
 
-:class:`ExactDataHooks` wires two pieces into a strategy's Lightning hooks:
+:class:`ExactData`, an object every strategy on a process group holds (``strategy.exact_data``), does two
+things from the strategy's Lightning hooks:
 
 * **Training:** the strategy's :class:`~lightning_sync.resume.ExactResume` makes the training loader resumable
   (its position in the epoch's global order rides in Lightning's checkpoint), gathers every rank's RNG states
@@ -26,7 +27,7 @@ from lightning_sync._lightning import epoch_batches, finish_restored_epoch, set_
 from lightning_sync.resume import RANK_STATES, ExactResume
 from lightning_sync.sampler import shard_for_evaluation
 
-__all__ = ["ExactDataHooks"]
+__all__ = ["ExactData"]
 
 # Lightning's warning for trainer.validate()/test() with a DistributedSampler: it says samples are repeated,
 # which is no longer true once shard_for_evaluation dealt the set out (and said so itself where it could not)
@@ -61,48 +62,53 @@ class _FitLoop:
         set_epoch_batches(self.trainer, batches)
 
 
-class ExactDataHooks:
-    """Exact resume and exact evaluation for a Lightning strategy (module docstring). The strategy's
-    ``save_checkpoint`` calls :meth:`_save_rank_states` on every rank, and its ``load_checkpoint``
-    :meth:`_take_rank_state`."""
+class ExactData:
+    """Exact resume and exact evaluation for the strategy that owns it (module docstring): the strategy calls
+    each method from the Lightning hook its name says, and its ``save_checkpoint``/``load_checkpoint`` call
+    :meth:`save_rank_states` on every rank and :meth:`take_rank_state`.
 
-    #: True where every rank steps an optimizer of its own whose state drifts from rank 0's (replicas trained
-    #: apart: local SGD, DiLoCo, Hogwild). Lightning saves rank 0's ``optimizer_states`` only, so the other
-    #: ranks' go into their per-rank states and each rank loads its own back.
-    _per_rank_optimizer_state = False
+    Args:
+        owner: the strategy (read for its module, ranks, device, optimizers and communication context).
+        per_rank_optimizer_state: True where every rank steps an optimizer of its own whose state drifts from
+            rank 0's (replicas trained apart: local SGD, DiLoCo, Hogwild). Lightning saves rank 0's
+            ``optimizer_states`` only, so the other ranks' go into their per-rank states and each rank loads
+            its own back.
+    """
 
-    def __init__(self, **kwargs: Any) -> None:
-        self._exact_resume = ExactResume()
+    def __init__(self, owner: Any, per_rank_optimizer_state: bool = False) -> None:
+        self._owner = owner
+        self.per_rank_optimizer_state = per_rank_optimizer_state
+        self.resume = ExactResume()
         self._repeats_filter: tuple[Any, ...] | None = None
         self._own_optimizer_states: list[dict[str, Any]] | None = None  # taken from a checkpoint, loaded next
-        super().__init__(**kwargs)
 
-    def setup_environment(self) -> None:
+    def install_warnings_filter(self) -> None:
+        """At ``setup_environment``: hide Lightning's warning about repeated evaluation samples."""
         warnings.filterwarnings("ignore", message=_REPEATS_WARNING, category=PossibleUserWarning)
         self._repeats_filter = warnings.filters[0]
-        super().setup_environment()  # type: ignore[misc]
 
-    def teardown(self) -> None:
-        if self._repeats_filter in warnings.filters:  # other strategies in this process keep Lightning's warning
+    def remove_warnings_filter(self) -> None:
+        """At ``teardown``: other strategies in this process keep Lightning's warning."""
+        if self._repeats_filter in warnings.filters:
             warnings.filters.remove(self._repeats_filter)
         self._repeats_filter = None
-        super().teardown()  # type: ignore[misc]
 
     def process_dataloader(self, dataloader: object) -> object:
-        dataloader = super().process_dataloader(dataloader)  # type: ignore[misc]
-        module = self.lightning_module  # type: ignore[attr-defined]
-        trainer = trainer_of(module)
+        """After Lightning's ``process_dataloader``: the training loader made resumable, an evaluation set
+        dealt out without repeats where it can be."""
+        owner = self._owner
+        trainer = trainer_of(owner.lightning_module)
         if trainer is None:
             return dataloader
         if trainer.training:
-            return self._exact_resume.install(dataloader, _FitLoop(trainer))
+            return self.resume.install(dataloader, _FitLoop(trainer))
         if not (trainer.validating or trainer.testing or trainer.sanity_checking):
             return dataloader  # prediction: Lightning's own unrepeated sampler already
         repeated = shard_for_evaluation(dataloader)
         if repeated:
-            size, world = len(dataloader.dataset), self.world_size  # type: ignore[attr-defined]
+            size, world = len(dataloader.dataset), owner.world_size  # type: ignore[attr-defined]
             rank_zero_warn(
-                f"{type(self).__name__}: {repeated} sample{'' if repeated == 1 else 's'} of {size} "
+                f"{type(owner).__name__}: {repeated} sample{'' if repeated == 1 else 's'} of {size} "
                 f"{'is' if repeated == 1 else 'are'} evaluated twice, and counted twice by synced metrics: "
                 f"the set cannot be dealt out to {world} ranks without repeats and with the "
                 f"same number of batches on each, which a collective in every evaluation step needs",
@@ -111,37 +117,31 @@ class ExactDataHooks:
         return dataloader
 
     def on_train_start(self) -> None:
-        super().on_train_start()  # type: ignore[misc]
-        trainer = trainer_of(self.lightning_module)  # type: ignore[attr-defined]
+        """After Lightning's ``on_train_start``: the restored epoch's counts, and this rank's RNG streams."""
+        trainer = trainer_of(self._owner.lightning_module)
         if trainer is not None:
             finish_restored_epoch(trainer)
-        self._exact_resume.restore_rng(self.root_device)  # type: ignore[attr-defined]
+        self.resume.restore_rng(self._owner.root_device)
 
-    def _save_rank_states(self, checkpoint: dict[str, Any], extra: dict[str, Any] | None = None) -> None:
+    def save_rank_states(self, checkpoint: dict[str, Any], extra: dict[str, Any] | None = None) -> None:
         """Every rank's RNG states and ``extra`` into ``checkpoint`` (on rank 0; a collective), and, with
-        :attr:`_per_rank_optimizer_state`, the optimizer states of the ranks other than 0 (a weights-only
+        :attr:`per_rank_optimizer_state`, the optimizer states of the ranks other than 0 (a weights-only
         checkpoint holds none: it cannot resume training)."""
+        owner = self._owner
         extra = dict(extra or {})
-        rank = self.global_rank  # type: ignore[attr-defined]
-        if self._per_rank_optimizer_state and rank != 0 and "optimizer_states" in checkpoint:
-            optimizers = self.optimizers  # type: ignore[attr-defined]
-            extra["optimizer_states"] = [self.optimizer_state(o) for o in optimizers]  # type: ignore[attr-defined]
-        checkpoint[RANK_STATES] = self._exact_resume.gather(self.comm, extra, self.root_device)  # type: ignore[attr-defined]
+        if self.per_rank_optimizer_state and owner.global_rank != 0 and "optimizer_states" in checkpoint:
+            extra["optimizer_states"] = [owner.optimizer_state(o) for o in owner.optimizers]
+        checkpoint[RANK_STATES] = self.resume.gather(owner.comm, extra, owner.root_device)
 
-    def _take_rank_state(self, checkpoint: dict[str, Any]) -> dict[str, Any] | None:
+    def take_rank_state(self, checkpoint: dict[str, Any]) -> dict[str, Any] | None:
         """This rank's entry of ``checkpoint``'s per-rank states (None when absent or from another world size);
-        its own optimizer states, if it has them, are kept for :meth:`load_optimizer_state_dict`."""
-        mine = self._exact_resume.take(
-            checkpoint.get(RANK_STATES),
-            self.global_rank,  # type: ignore[attr-defined]
-            self.world_size,
-        )  # type: ignore[attr-defined]
+        its own optimizer states, if it has them, are kept for :meth:`take_own_optimizer_states`."""
+        mine = self.resume.take(checkpoint.get(RANK_STATES), self._owner.global_rank, self._owner.world_size)
         self._own_optimizer_states = mine.get("optimizer_states") if mine is not None else None
         return mine
 
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        """This rank's own optimizer state where the checkpoint has it, else Lightning's (rank 0's)."""
+    def optimizer_checkpoint(self, checkpoint: Mapping[str, Any]) -> Mapping[str, Any]:
+        """What ``load_optimizer_state_dict`` loads: this rank's own optimizer states where the checkpoint had
+        them (taken once), else ``checkpoint`` (Lightning's: rank 0's)."""
         states, self._own_optimizer_states = self._own_optimizer_states, None
-        super().load_optimizer_state_dict(  # type: ignore[misc]
-            checkpoint if states is None else {"optimizer_states": states}
-        )
+        return checkpoint if states is None else {"optimizer_states": states}

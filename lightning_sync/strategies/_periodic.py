@@ -12,9 +12,14 @@ the synchronized model. The rest is here, once:
   ``trainer.validate``/``test`` after a fit that ended inside a period).
 * **Checkpoints:** ``state_dict`` is the synchronized model (a collective when saving); the syncer's state
   rides under the subclass's key; each rank's per-rank state adds its replica where it differs from the saved
-  model (every optimizer's state of a rank other than 0 is added by ``ExactDataHooks``), and each rank puts both
-  back on resume once Lightning has loaded the synchronized model and rank 0's optimizer state.
+  model (every optimizer's state of a rank other than 0 is added by the strategy's ``exact_data``), and each
+  rank puts both back on resume once Lightning has loaded the synchronized model and rank 0's optimizer state.
 * **Export:** :meth:`PeriodicStrategy.full_state_dict`.
+
+What it holds: ``self.averager``, the subclass's syncer (built at ``setup_optimizers``), besides the
+``comm``, ``telemetry`` and ``exact_data`` of :class:`~lightning_sync.strategies._base.SyncStrategy`. The
+syncer counts a step from :meth:`PeriodicStrategy._after_optimizer_step`, which ``SyncStrategy.optimizer_step``
+calls inside the step, so the telemetry counts the sync's bytes.
 """
 
 from __future__ import annotations
@@ -245,7 +250,7 @@ class PeriodicStrategy(ProcessGroupStrategy):
         0's optimizer state: this rank's own optimizer state instead, and its own replica (the last step of
         a resume that touches them)."""
         own, self._own_pending = self._own_pending, None
-        super().load_optimizer_state_dict(checkpoint)  # this rank's own optimizer state (ExactDataHooks)
+        super().load_optimizer_state_dict(checkpoint)  # this rank's own optimizer state (``exact_data``)
         if own is None:
             return
         assert self.lightning_module is not None

@@ -54,7 +54,16 @@ import torch
 from lightning_sync._lightning import trainer_of
 from lightning_sync.comms import CallHook, CommStats
 
-__all__ = ["BUCKETS", "NONFINITE", "STALENESS", "CommTelemetryHooks", "GaugeSource", "StepTelemetry", "blocked"]
+__all__ = [
+    "BUCKETS",
+    "NONFINITE",
+    "STALENESS",
+    "CommTelemetry",
+    "GaugeSource",
+    "StepTelemetry",
+    "TelemetryOwner",
+    "blocked",
+]
 
 BYTES, MB, SECONDS, EXPOSED = "comm/bytes_per_step", "comm/MB_per_step", "comm/seconds_per_step", "comm/exposed_pct"
 BUCKETS, NONFINITE, STALENESS = "comm/buckets", "comm/nonfinite_skipped", "comm/staleness"
@@ -156,65 +165,71 @@ def blocked(observer: CallHook | None) -> Iterator[None]:
         observer.block_end(time.perf_counter() - started)
 
 
-class CommTelemetryHooks:
-    """The Lightning hooks that drive a strategy's :class:`StepTelemetry` (a mixin of every lightning_sync
-    strategy, through :class:`~lightning_sync.strategies._common.OwnsCommContext`), and what a strategy says:
+class TelemetryOwner(Protocol):
+    """What :class:`CommTelemetry` reads of the strategy that owns it."""
 
-    * :meth:`_after_optimizer_step`: what it synchronizes once the optimizer has stepped (inside the step);
-    * :meth:`_comm_counters` and :meth:`_comm_gauges`: its own figures (see :class:`StepTelemetry`). Each must
-      return the same names at every step: a name missing from one step's figures would show the previous
-      step's value there (Lightning keeps a logged value until the epoch ends).
+    lightning_module: Any
+    is_global_zero: bool
+    comm: Any
+
+
+class CommTelemetry:
+    """The per-step communication telemetry a strategy owns (``strategy.telemetry``), called from its
+    Lightning hooks: :meth:`start` after ``on_train_start``, :meth:`batch_start` after
+    ``on_train_batch_start``, :meth:`step_end` once the optimizer step and what the strategy synchronizes
+    with it are done.
+
+    Args:
+        owner: the strategy (its module, whether it is rank 0, and its communication context).
+        counters: the strategy's cumulative counts whose per-step increase is logged.
+        gauges: the strategy's values logged as they are after each step.
+
+    Each of ``counters`` and ``gauges`` must return the same names at every step: a name missing from one
+    step's figures would show the previous step's value there (Lightning keeps a logged value until the epoch
+    ends).
     """
 
-    _telemetry: StepTelemetry | None = None
+    def __init__(self, owner: TelemetryOwner, counters: Values | None = None, gauges: Values | None = None) -> None:
+        self._owner = owner
+        self._counters: Values = counters if counters is not None else dict
+        self._gauges: Values = gauges if gauges is not None else dict
+        self.step: StepTelemetry | None = None  # this fit's, on rank 0 with a logger; None: measure nothing
 
-    def _after_optimizer_step(self) -> None:
-        """Synchronize what follows an optimizer step (nothing here)."""
+    def stats(self) -> CommStats | None:
+        """The context's statistics, where its observer keeps them (the one place the observer is read)."""
+        observer = self._owner.comm.observer
+        return observer if isinstance(observer, CommStats) else None
 
-    def _comm_counters(self) -> dict[str, float]:
-        """Cumulative counts whose per-step increase is logged (none here)."""
-        return {}
-
-    def _comm_gauges(self) -> dict[str, float]:
-        """Values logged as they are after each step (none here)."""
-        return {}
-
-    def on_train_start(self) -> None:
-        super().on_train_start()  # type: ignore[misc]
-        self._telemetry = self._make_telemetry()
-
-    def _make_telemetry(self) -> StepTelemetry | None:
-        trainer = trainer_of(self.lightning_module)  # type: ignore[attr-defined]
-        if trainer is None or not trainer.loggers or not self.is_global_zero:  # type: ignore[attr-defined]
-            return None  # nothing would be written: measure nothing
-        observer = self.comm.observer  # type: ignore[attr-defined]
+    def start(self) -> None:
+        """Training starts: measure from here, if anything will be written."""
+        trainer = trainer_of(self._owner.lightning_module)
+        if trainer is None or not trainer.loggers or not self._owner.is_global_zero:
+            self.step = None  # nothing would be written: measure nothing
+            return
         sources = [cb for cb in trainer.callbacks if isinstance(cb, GaugeSource)]
 
         def gauges() -> dict[str, float]:
-            out = self._comm_gauges()
+            out = self._gauges()
             for source in sources:
                 out.update(source.comm_gauges())
             return out
 
-        stats = observer if isinstance(observer, CommStats) else None
-        return StepTelemetry(stats, self._comm_counters, gauges)
+        self.step = StepTelemetry(self.stats(), self._counters, gauges)
 
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        super().on_train_batch_start(batch, batch_idx)  # type: ignore[misc]
-        if self._telemetry is not None:
-            self._telemetry.begin()
+    def batch_start(self) -> None:
+        """A micro-batch starts."""
+        if self.step is not None:
+            self.step.begin()
 
-    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        out = super().optimizer_step(optimizer, closure, model, **kwargs)  # type: ignore[misc]
-        self._after_optimizer_step()
-        if self._telemetry is not None:
-            self._log_step(self._telemetry.end())
-        return out
+    def step_end(self) -> None:
+        """An optimizer step and what the strategy synchronizes with it are done: log its figures."""
+        if self.step is not None:
+            self._log(self.step.end())
 
-    def _log_step(self, figures: dict[str, float]) -> None:
+    def _log(self, figures: dict[str, float]) -> None:
         """Log the step's figures on the steps Lightning writes to the loggers (``LightningModule.log`` costs
         about as much as a small collective), and the progress bar's figure on every step while a bar is shown."""
-        module = self.lightning_module  # type: ignore[attr-defined]
+        module = self._owner.lightning_module
         trainer = module.trainer
         every = trainer.log_every_n_steps  # Lightning writes when its count of stepping batches, this one
         # included, is a multiple of it; global_step counts the steps before this one, as that count does

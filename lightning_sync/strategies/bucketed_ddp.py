@@ -32,20 +32,14 @@ from datetime import timedelta
 from typing import Any
 
 import torch
-from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_sync.checkpoint.reading import guarded_load
 from lightning_sync.comms.algorithms import ALGORITHMS
 from lightning_sync.resume import RANK_STATES
-from lightning_sync.strategies._common import (
-    CommsCollectivesMixin,
-    as_timedelta,
-    check_bool,
-    check_launch_args,
-    no_sync_of,
-)
+from lightning_sync.strategies._base import SyncStrategy
+from lightning_sync.strategies._common import as_timedelta, check_bool, check_launch_args, no_sync_of
 from lightning_sync.strategies._telemetry import BUCKETS
 from lightning_sync.sync.bucketing import GradBucketer, check_mib
 from lightning_sync.sync.compression import COMPRESSIONS, make_compressor
@@ -54,7 +48,7 @@ from lightning_sync.sync.replicas import broadcast_buffers, broadcast_module_sta
 __all__ = ["BucketedDDPStrategy"]
 
 
-class BucketedDDPStrategy(CommsCollectivesMixin, DDPStrategy):
+class BucketedDDPStrategy(SyncStrategy):
     """Bucketed, overlapped gradient averaging; every collective explicit and counted.
 
     Args:
@@ -124,11 +118,6 @@ class BucketedDDPStrategy(CommsCollectivesMixin, DDPStrategy):
         self.compression, self.broadcast_buffers, self.comm_algorithm = compression, broadcast_buffers, comm_algorithm
         self.bucketer: GradBucketer | None = None
         self._pending_state: dict[str, Any] | None = None  # loaded before configure_ddp built the bucketer
-
-    @property
-    def is_distributed(self) -> bool:
-        """Always True: Lightning then adds the DistributedSampler and turns ``sync_dist`` on."""
-        return True
 
     # ------------------------------------------------------------------ setup / teardown
     @override
@@ -200,7 +189,7 @@ class BucketedDDPStrategy(CommsCollectivesMixin, DDPStrategy):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         extra = {"bucketer": self.bucketer.state_dict()} if self.bucketer is not None else None
-        self._save_rank_states(checkpoint, extra)
+        self.exact_data.save_rank_states(checkpoint, extra)
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override
@@ -212,7 +201,7 @@ class BucketedDDPStrategy(CommsCollectivesMixin, DDPStrategy):
             checkpoint_path,
             weights_only,
         )
-        mine = self._take_rank_state(checkpoint)
+        mine = self.exact_data.take_rank_state(checkpoint)
         if mine is not None:
             state = mine.get("bucketer")
         else:

@@ -2,7 +2,15 @@
 pseudo-gradient (Douillard et al., "DiLoCo", 2023; torchft's ``DiLoCo``).
 
 The Lightning adapter of :class:`lightning_sync.sync.periodic.DiLoCoOuter`, on the plumbing it shares with
-LocalSGD (:mod:`lightning_sync.strategies._periodic`). It never averages gradients, so it holds no gradient
+LocalSGD (:mod:`lightning_sync.strategies._periodic`). Where each piece is:
+
+* the **outer step** (pseudo-gradient average, outer Nesterov SGD, the global parameters copied into the
+  replica) is :meth:`DiLoCoOuter.step <lightning_sync.sync.periodic.DiLoCoOuter.step>`; the strategy holds
+  that object as ``self.averager``, built in :meth:`DiLoCoStrategy._make_syncer` once the optimizers exist;
+* the **buffer averaging** that follows an outer step is :meth:`DiLoCoStrategy._after_step`, here;
+* the **synchronized model** evaluation and checkpoints see is :meth:`DiLoCoStrategy._synchronize`, here;
+* communication context, telemetry, exact data and atomic checkpoint files are the objects
+  :class:`~lightning_sync.strategies._base.SyncStrategy` holds. It never averages gradients, so it holds no gradient
 bucketer and takes none of ``bucketed_ddp``'s arguments (nor LocalSGD's warm-up). What is synchronized, and
 when:
 

@@ -244,7 +244,7 @@ class HogwildStrategy(ProcessGroupStrategy):
     @override
     def _restore_rank_state(self, mine: dict[str, Any] | None, checkpoint: dict[str, Any]) -> None:
         """From a checkpoint of another number of processes: the optimizer state this process continues
-        (module docstring). At the checkpoint's own number every process loads its own (ExactDataHooks)."""
+        (module docstring). At the checkpoint's own number every process loads its own (``exact_data``)."""
         self._mapped_optimizer_states = None
         states, saved = checkpoint.get(RANK_STATES), checkpoint.get("optimizer_states")
         if mine is not None or not states or saved is None:

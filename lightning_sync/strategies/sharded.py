@@ -56,7 +56,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
@@ -64,13 +63,8 @@ from typing_extensions import override
 from lightning_sync._lightning import unwrap_optimizer
 from lightning_sync.checkpoint.atomic import publish_path, recover_path, remove_path
 from lightning_sync.checkpoint.reading import contained_path, load_file
-from lightning_sync.strategies._common import (
-    CommsCollectivesMixin,
-    as_timedelta,
-    check_bool,
-    check_launch_args,
-    no_sync_of,
-)
+from lightning_sync.strategies._base import SyncStrategy
+from lightning_sync.strategies._common import as_timedelta, check_bool, check_launch_args, no_sync_of
 from lightning_sync.strategies._telemetry import BUCKETS
 from lightning_sync.sync import zero
 from lightning_sync.sync.bucketing import check_mib
@@ -87,7 +81,7 @@ from lightning_sync.sync.zero.format import COMPLETE_MARKER, LIGHTNING_STATE
 __all__ = ["ShardedStrategy"]
 
 
-class ShardedStrategy(CommsCollectivesMixin, DDPStrategy):
+class ShardedStrategy(SyncStrategy):
     """ZeRO-1/2/3 data parallelism with explicit all-gather and reduce-scatter (see the module docstring).
 
     Args:
@@ -139,11 +133,6 @@ class ShardedStrategy(CommsCollectivesMixin, DDPStrategy):
         self.reshard_after_forward, self.bucket_cap_mb = reshard_after_forward, bucket_cap_mb
         self.engine: ZeroEngine | None = None
         self._unsharded = False  # a teardown has given the module its full parameters back
-
-    @property
-    def is_distributed(self) -> bool:
-        """Always True: Lightning then adds the DistributedSampler and turns ``sync_dist`` on."""
-        return True
 
     @property
     @override
@@ -326,7 +315,7 @@ class ShardedStrategy(CommsCollectivesMixin, DDPStrategy):
                 f"{type(self).__name__}.save_checkpoint does not take storage_options (it writes "
                 f"a sharded directory through torch.distributed.checkpoint)"
             )
-        self._save_rank_states(checkpoint)
+        self.exact_data.save_rank_states(checkpoint)
         if self.engine is None:  # after fit (teardown unsharded the module): a plain full checkpoint file
             super().save_checkpoint(checkpoint, filepath)
             return
@@ -368,10 +357,10 @@ class ShardedStrategy(CommsCollectivesMixin, DDPStrategy):
             # anything in the directory is unpickled
             zero.load_sharded(self.engine, path, weights_only)
             checkpoint = load_file(contained_path(path, LIGHTNING_STATE, "Lightning state file"), weights_only)
-            self._take_rank_state(checkpoint)
+            self.exact_data.take_rank_state(checkpoint)
             return checkpoint
         checkpoint = load_file(path, weights_only)
-        self._take_rank_state(checkpoint)
+        self.exact_data.take_rank_state(checkpoint)
         zero.load_full_state_dict(self.engine, checkpoint["state_dict"])
         if checkpoint.get("optimizer_states"):
             rank_zero_warn(

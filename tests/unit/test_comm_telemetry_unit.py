@@ -11,7 +11,7 @@ import pytest
 
 from lightning_sync.comms import CommStats
 from lightning_sync.diagnostics import NonFiniteGuard
-from lightning_sync.strategies._telemetry import CommTelemetryHooks, StepTelemetry, blocked
+from lightning_sync.strategies._telemetry import CommTelemetry, StepTelemetry, blocked
 
 BYTES, MB, SECONDS, EXPOSED = "comm/bytes_per_step", "comm/MB_per_step", "comm/seconds_per_step", "comm/exposed_pct"
 
@@ -132,17 +132,33 @@ class _Strategy:
         return "stepped"
 
 
-class _Hooked(CommTelemetryHooks, _Strategy):
+class _Hooked(_Strategy):
+    """Calls the telemetry it owns from its hooks, as ``SyncStrategy`` and ``NoProcessGroupStrategy`` do."""
+
     def __init__(self, loggers: list[Any], rank_zero: bool, comm: Any, module: Any = None) -> None:
         self.lightning_module = module or SimpleNamespace(_trainer=SimpleNamespace(loggers=loggers, callbacks=[]))
         self.is_global_zero, self.comm = rank_zero, comm
+        self.telemetry = CommTelemetry(self)
+
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        self.telemetry.start()
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        self.telemetry.batch_start()
+
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        out = super().optimizer_step(optimizer, closure, model, **kwargs)
+        self.telemetry.step_end()
+        return out
 
 
 @pytest.mark.parametrize(("loggers", "rank_zero"), [([], True), (["a logger"], False)])
 def test_no_logger_or_not_rank_0_measures_nothing(loggers: list[Any], rank_zero: bool) -> None:
     strategy = _Hooked(loggers, rank_zero, comm=_Untouchable())
     strategy.on_train_start()
-    assert strategy._telemetry is None
+    assert strategy.telemetry.step is None
     strategy.lightning_module = _Untouchable()  # from here on the hooks read neither module nor observer
     strategy.on_train_batch_start(None, 0)
     assert strategy.optimizer_step(None, None) == "stepped"
