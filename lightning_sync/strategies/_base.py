@@ -13,8 +13,12 @@ cluster environments, process-group setup, device placement), never wraps the mo
 * its ``checkpoint_io``: atomic files unless the user passes another
   (:class:`~lightning_sync.strategies._checkpoint_io.AtomicCheckpointIO`).
 
-Its Lightning hooks call them, explicitly, in one place. :class:`ProcessGroupStrategy` adds what the strategies
-that bucket no gradients share: the start-up broadcast and one pair of per-rank checkpoint state hooks.
+Its Lightning hooks call them, explicitly, in one place. What of this the strategies without a process group
+share too (``comm``, ``telemetry``, the ``checkpoint_io`` and the hooks that call them) is written once, in
+:class:`~lightning_sync.strategies._parts.StrategyParts`, the first base of both.
+
+:class:`ProcessGroupStrategy` adds what the strategies that bucket no gradients share: the start-up broadcast
+and one pair of per-rank checkpoint state hooks.
 
 :func:`check_own_arguments` turns an argument a strategy would silently ignore into a ``ValueError`` that
 names it, says which strategies take it and lists the ones this strategy accepts.
@@ -32,12 +36,11 @@ from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from typing_extensions import override
 
 from lightning_sync import comms
-from lightning_sync._lightning import calling_metric_key, set_checkpoint_io, trainer_of
+from lightning_sync._lightning import calling_metric_key
 from lightning_sync.checkpoint.reading import guarded_load
-from lightning_sync.strategies._checkpoint_io import atomic_unless_set
-from lightning_sync.strategies._common import PASSTHROUGH, new_comm
+from lightning_sync.strategies._common import PASSTHROUGH
 from lightning_sync.strategies._exact_data import ExactData
-from lightning_sync.strategies._telemetry import CommTelemetry
+from lightning_sync.strategies._parts import StrategyParts
 from lightning_sync.sync.replicas import broadcast_module_states
 
 __all__ = [
@@ -121,73 +124,25 @@ class _AllGatherWithGrad(torch.autograd.Function):
         return grad[comms.get_rank()], None
 
 
-class SyncStrategy(DDPStrategy):
+class SyncStrategy(StrategyParts, DDPStrategy):
     """What every lightning_sync strategy on a process group holds and does (module docstring).
 
-    A subclass says what it adds to a step through three methods, read by the objects it holds:
-
-    * :meth:`_after_optimizer_step`: what it synchronizes once the optimizer has stepped (inside the step,
-      so the telemetry counts it);
-    * :meth:`_comm_counters` and :meth:`_comm_gauges`: its own telemetry figures.
+    ``comm``, ``telemetry``, pickling, the atomic ``checkpoint_io`` and the per-step hooks come from
+    :class:`~lightning_sync.strategies._parts.StrategyParts`, which a subclass tells what it adds to a step
+    (``_after_optimizer_step``, ``_comm_counters``, ``_comm_gauges``). This class adds ``exact_data`` and
+    sends Lightning's collectives through ``comm``.
     """
 
     #: True where every rank steps an optimizer of its own (see :class:`ExactData`)
     _per_rank_optimizer_state = False
 
     def __init__(self, **kwargs: Any) -> None:
-        #: this strategy's collectives, sequence numbers, hang watchdog and node groups, and a
-        #: :class:`~lightning_sync.comms.CommStats` observer that measures them (``comm.observer = None``
-        #: measures nothing); nothing of it is shared with another strategy
-        self.comm: comms.CommContext = new_comm()
-        self.telemetry = CommTelemetry(self, self._comm_counters, self._comm_gauges)
         self.exact_data = ExactData(self, self._per_rank_optimizer_state)
         super().__init__(**kwargs)
-
-    def __getstate__(self) -> dict[str, Any]:
-        """A context lives in one process (it holds locks): a pickled strategy (the spawn launcher's) takes
-        none along, and the new process gets a fresh one."""
-        state = super().__getstate__()
-        state.pop("comm", None)
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        super().__setstate__(state)
-        self.comm = new_comm()
-
-    @property
-    def is_distributed(self) -> bool:
-        """Always True: Lightning then adds the DistributedSampler and turns ``sync_dist`` on (without the
-        deprecation warning ``DDPStrategy``'s own property emits)."""
-        return True
-
-    @property
-    def checkpoint_io(self) -> Any:
-        atomic_unless_set(self)
-        return super().checkpoint_io
-
-    @checkpoint_io.setter
-    def checkpoint_io(self, io: Any) -> None:
-        set_checkpoint_io(self, io)
-
-    # ------------------------------------------------------------------ what a subclass adds to a step
-    def _after_optimizer_step(self) -> None:
-        """Synchronize what follows an optimizer step (nothing here)."""
-
-    def _comm_counters(self) -> dict[str, float]:
-        """Cumulative counts whose per-step increase is logged (none here)."""
-        return {}
-
-    def _comm_gauges(self) -> dict[str, float]:
-        """Values logged as they are after each step (none here)."""
-        return {}
 
     # ------------------------------------------------------------------ Lightning's hooks
     @override
     def setup_environment(self) -> None:
-        """Every fit starts from clean communication state (a second fit of this strategy too)."""
-        trainer = trainer_of(self.lightning_module)
-        if trainer is not None and trainer.state.fn == "fit":
-            self.comm.begin_job()
         self.exact_data.install_warnings_filter()
         super().setup_environment()
 
@@ -204,19 +159,6 @@ class SyncStrategy(DDPStrategy):
     def on_train_start(self) -> None:
         super().on_train_start()
         self.exact_data.on_train_start()
-        self.telemetry.start()
-
-    @override
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        super().on_train_batch_start(batch, batch_idx)
-        self.telemetry.batch_start()
-
-    @override
-    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        out = super().optimizer_step(optimizer, closure, model, **kwargs)
-        self._after_optimizer_step()
-        self.telemetry.step_end()
-        return out
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:

@@ -14,9 +14,11 @@ about synchronization, written here once:
 * Backward never communicates, so accumulation micro-steps need nothing held back.
 * A fit starts from the communication state of a fresh process (a multirun's next job, a second fit).
 
-It holds what it shares with the strategies on a process group, as they do: ``comm`` (its
-:class:`~lightning_sync.comms.CommContext`, for the subclass's own traffic and its statistics), ``telemetry``
-(:class:`~lightning_sync.strategies._telemetry.CommTelemetry`) and an atomic ``checkpoint_io``.
+What it shares with the strategies on a process group comes from their common first base,
+:class:`~lightning_sync.strategies._parts.StrategyParts`: ``comm`` (its :class:`~lightning_sync.comms.CommContext`,
+for the subclass's own traffic and its statistics), ``telemetry``
+(:class:`~lightning_sync.strategies._telemetry.CommTelemetry`), an atomic ``checkpoint_io``, and the hooks
+that call them.
 """
 
 from __future__ import annotations
@@ -32,22 +34,13 @@ from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from typing_extensions import override
 
-from lightning_sync import comms
-from lightning_sync._lightning import (
-    MultiProcessingLauncher,
-    SubprocessScriptLauncher,
-    set_checkpoint_io,
-    set_launcher,
-    trainer_of,
-)
-from lightning_sync.strategies._checkpoint_io import atomic_unless_set
-from lightning_sync.strategies._common import new_comm
-from lightning_sync.strategies._telemetry import CommTelemetry
+from lightning_sync._lightning import MultiProcessingLauncher, SubprocessScriptLauncher, set_launcher, trainer_of
+from lightning_sync.strategies._parts import StrategyParts
 
 __all__ = ["NoProcessGroupStrategy"]
 
 
-class NoProcessGroupStrategy(ParallelStrategy):
+class NoProcessGroupStrategy(StrategyParts, ParallelStrategy):
     """Ranks launched by Lightning that share no process group (see the module docstring).
 
     Args:
@@ -57,65 +50,9 @@ class NoProcessGroupStrategy(ParallelStrategy):
     """
 
     def __init__(self, start_method: str = "popen", **kwargs: Any) -> None:
-        self.comm: comms.CommContext = new_comm()  # this strategy's own; nothing of it is shared
-        self.telemetry = CommTelemetry(self, self._comm_counters, self._comm_gauges)
         super().__init__(**kwargs)
         self._start_method = start_method
         self._num_nodes = 1
-
-    def __getstate__(self) -> dict[str, Any]:
-        """A context lives in one process (it holds locks): a pickled strategy (the spawn launcher's) takes
-        none along, and the new process gets a fresh one."""
-        state = super().__getstate__()
-        state.pop("comm", None)
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        super().__setstate__(state)
-        self.comm = new_comm()
-
-    @property
-    def checkpoint_io(self) -> Any:
-        atomic_unless_set(self)
-        return super().checkpoint_io
-
-    @checkpoint_io.setter
-    def checkpoint_io(self, io: Any) -> None:
-        set_checkpoint_io(self, io)
-
-    # ------------------------------------------------------------------ what a subclass adds to a step
-    def _after_optimizer_step(self) -> None:
-        """Synchronize what follows an optimizer step (nothing here)."""
-
-    def _comm_counters(self) -> dict[str, float]:
-        """Cumulative counts whose per-step increase is logged (none here)."""
-        return {}
-
-    def _comm_gauges(self) -> dict[str, float]:
-        """Values logged as they are after each step (none here)."""
-        return {}
-
-    @override
-    def on_train_start(self) -> None:
-        super().on_train_start()
-        self.telemetry.start()
-
-    @override
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        super().on_train_batch_start(batch, batch_idx)
-        self.telemetry.batch_start()
-
-    @override
-    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        out = super().optimizer_step(optimizer, closure, model, **kwargs)
-        self._after_optimizer_step()
-        self.telemetry.step_end()
-        return out
-
-    @property
-    def is_distributed(self) -> bool:
-        """True: Lightning shards the training data with a DistributedSampler."""
-        return True
 
     @property
     @override
@@ -160,10 +97,7 @@ class NoProcessGroupStrategy(ParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
-        """This rank's place in the job, and, for a fit, the communication state of a fresh process."""
-        trainer = self._trainer()
-        if trainer is not None and trainer.state.fn == "fit":
-            self.comm.begin_job()
+        """This rank's seed and place in the job, once a fit's communication state is clean (:class:`StrategyParts`)."""
         super().setup_environment()
         reset_seed()  # spawned ranks re-seed from PL_GLOBAL_SEED, as Lightning's DDP does
         self.set_world_ranks()

@@ -39,39 +39,11 @@ Clocks
     Epoch-interval and plateau schedulers follow ``server_rank``'s epochs and metrics.
 
 Checkpoints
-    Rank 0 writes the server's state, all of it taken under the server's lock at one version V: the
-    global model (parameters and buffers), the optimizer state, the LR schedulers' states, and the
-    counters (V, pushes applied and discarded, the global clock, the staleness histogram, pushes per
-    worker). A push the server had not applied by then (on its way, or held by the bound) is in none
-    of it. Resuming restores, exactly:
-
-    * the server's version V and global clock, so the budget (``max_steps``) counts on from them;
-    * its parameters, buffers and optimizer state as they were at V;
-    * the LR schedule: the schedulers' states, step-interval ones still stepped on the global clock;
-    * the staleness bookkeeping: every worker computes its first gradient on V (it pulls V first), so
-      the bound holds from the first push on, and the histogram continues from the saved one.
-
-    No push can come between: the server holds pushes that arrive while Lightning is still restoring
-    the optimizer and schedulers (the workers can reach the server before that) and applies them to the
-    restored state. With one worker, or at ``max_staleness=0``, a run resumed at an epoch end equals the
-    uninterrupted run bit for bit (a step sums its gradients in a fixed order). What cannot be exact, or
-    is not restored:
-
-    * the interleaving: at s > 0 with several workers, which pushes share a step and in which order
-      they apply depends on timing, before and after the resume, so a resumed run is one of the runs
-      the bound allows, not the uninterrupted one;
-    * each worker's own step count (``trainer.global_step``) and place in the data: Lightning's loop
-      state, which rank 0 alone writes, so every worker resumes with rank 0's. At s = 0 they are every
-      worker's own; at s > 0 a worker that was ahead of or behind rank 0 resumes at rank 0's;
-    * the lookahead compensation restarts as at the start of training: its running staleness estimate
-      from 0, its reference model from V. It does nothing with one worker or at s = 0 (never stale).
-
-    At another world size (K' ranks from a checkpoint of K; the server may be on another rank: nothing saved
-    is tied to it) all of the server's state above continues. Its pushes count on at K' per global step (the
-    saved ones rescaled to the same global steps' worth, rounded down); the pushes per worker, counts of
-    workers that K' does not have one to one, start again from 0 (logged). A checkpoint of an epoch's last
-    step (``every_n_train_steps``) resumes at the next epoch's first batch however many batches an epoch has
-    now, so at s = 0 the resumed run is synchronous SGD of K' ranks from the checkpoint.
+    Rank 0 writes the server's state, all of it taken at one server version: the global model, the optimizer
+    and LR schedulers, and the server's counters. Resuming restores all of it, at another world size too; with
+    one worker or at ``max_staleness=0`` a run resumed at an epoch end equals the uninterrupted run bit for bit.
+    What a checkpoint holds, what resuming restores and what it cannot:
+    :mod:`lightning_sync.strategies._ps_checkpoint`.
 
 Logged on rank 0 after its steps, with every strategy's communication telemetry (bytes and time of its
 requests, the push counting as time blocked in communication; :mod:`lightning_sync.strategies._telemetry`):
@@ -101,6 +73,7 @@ from lightning_sync.checkpoint.reading import guarded_load
 from lightning_sync.comms import rpc
 from lightning_sync.strategies._common import as_timedelta, check_launch_args
 from lightning_sync.strategies._no_process_group import NoProcessGroupStrategy
+from lightning_sync.strategies._ps_checkpoint import read_server_state, write_snapshot
 from lightning_sync.strategies._ps_metrics import log_final, step_metrics
 from lightning_sync.strategies._ps_routing import PushingOptimizer, lr_targets, route_clipping, route_schedulers
 from lightning_sync.strategies._telemetry import blocked
@@ -108,8 +81,6 @@ from lightning_sync.sync.ps.server import ParameterServer, Reply, check_lr_scali
 from lightning_sync.sync.ps.worker import LocalLink, PSWorker, RpcLink, check_compensation, host
 
 __all__ = ["AsyncParameterServerStrategy"]
-
-_CKPT_KEY = "lightning_sync/async_ps"
 
 
 class AsyncParameterServerStrategy(NoProcessGroupStrategy):
@@ -309,16 +280,7 @@ class AsyncParameterServerStrategy(NoProcessGroupStrategy):
             snap = self.worker.link.snapshot() if self.worker is not None else self._final
         if snap is not None:
             assert self.model is not None
-            live = {id(t): v for t, v in zip([p for p in self.model.parameters() if p.requires_grad], snap["params"])}
-            live.update({id(t): v for t, v in zip(self.model.buffers(), snap["buffers"])})
-            current = self.model.state_dict(keep_vars=True)
-            checkpoint["state_dict"] = {
-                k: live[id(v)].to(v.device) if id(v) in live else v.detach() for k, v in current.items()
-            }
-            if snap["optimizer"] is not None:
-                checkpoint["optimizer_states"] = [snap["optimizer"]]
-                checkpoint["lr_schedulers"] = snap["schedulers"]
-            checkpoint[_CKPT_KEY] = snap["state"]
+            write_snapshot(checkpoint, self.model, snap)
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override
@@ -330,17 +292,7 @@ class AsyncParameterServerStrategy(NoProcessGroupStrategy):
             checkpoint_path,
             weights_only,
         )
-        state = self._pending_state = checkpoint.get(_CKPT_KEY)
-        saved = int(state.get("num_workers", self.world_size)) if state is not None else self.world_size
-        if state is not None and saved != self.world_size:
-            pushes = ParameterServer.rescaled_pushes(int(state["pushes"]), saved, self.world_size)
-            rank_zero_info(
-                f"{type(self).__name__}: the checkpoint is of {saved} workers, this run has {self.world_size}: the "
-                f"server continues from version {state['version']}, global step {state['global_step']} ("
-                f"{state['pushes']} pushes of {saved} workers count as {pushes} of {self.world_size}), its model, "
-                f"optimizer, schedulers and staleness histogram; the pushes per worker "
-                f"{state.get('pushes_by_worker')} start again from 0"
-            )
+        self._pending_state = read_server_state(checkpoint, self.world_size, type(self).__name__)
         return checkpoint
 
     @override

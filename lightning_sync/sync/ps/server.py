@@ -59,7 +59,6 @@ Transport
 
 from __future__ import annotations
 
-import copy
 import math
 import threading
 from collections import Counter
@@ -69,6 +68,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_sync.sync.ps.state import counters_of, restore_counters, snapshot_of
 from lightning_sync.sync.ps.step import LR_SCALINGS, Push, apply_step, check_lr_scaling
 from lightning_sync.sync.ps.wire import WIRE_DEVICE, FlatLayout, Reply
 
@@ -86,7 +86,8 @@ def check_staleness(value: Any) -> int | float:
 
 
 class ParameterServer:
-    """The global model, its optimizer and the staleness bound (see the module docstring).
+    """The global model, its optimizer and the staleness bound (see the module docstring). What of it a
+    checkpoint holds, and how that comes back: :mod:`lightning_sync.sync.ps.state`.
 
     Args:
         params: the trainable parameters as they are now (each tensor once, in a fixed order every
@@ -362,51 +363,22 @@ class ParameterServer:
             dict(self.staleness),
         )
 
-    # ------------------------------------------------------------------ checkpoints
+    # ------------------------------------------------------------------ checkpoints (their form: ps/state.py)
     def snapshot(self) -> dict[str, Any]:
-        """One consistent copy of the global model, optimizer state and counters (taken under the lock)."""
+        """One consistent copy of the global model, optimizer state and counters (taken under the lock;
+        :func:`~lightning_sync.sync.ps.state.snapshot_of`)."""
         with self.lock:
             if self._broken:
                 raise RuntimeError(f"the parameter server's state cannot be checkpointed: {self._error}")
-            return {
-                "params": [p.detach().clone() for p in self.params],
-                "buffers": [b.clone() for b in self.buffers],
-                "optimizer": copy.deepcopy(self.optimizer.state_dict()) if self.optimizer is not None else None,
-                "schedulers": [copy.deepcopy(s.state_dict()) for s in self.schedulers],
-                "state": self.state_dict(),
-            }
+            return snapshot_of(self)
 
     def state_dict(self) -> dict[str, Any]:
         """Counters (version, pushes, global step, staleness histogram); call under the lock or when idle."""
-        return {
-            "version": self.version,
-            "pushes": self.pushes,
-            "discarded": self.discarded,
-            "global_step": self.global_step,
-            "staleness": dict(self.staleness),
-            "pushes_by_worker": list(self.pushes_by_worker),
-            "num_workers": self.num_workers,
-        }
-
-    @staticmethod
-    def rescaled_pushes(pushes: int, saved_workers: int, workers: int) -> int:
-        """``pushes`` of ``saved_workers`` as pushes of ``workers``: the same global steps' worth, rounded down
-        (the global clock ``pushes // K`` is kept, and the part of a global step done since its last tick)."""
-        return pushes * workers // saved_workers
+        return counters_of(self)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore the counters of :meth:`state_dict` (the model and optimizer are restored separately).
-
-        Every worker restarts on the restored version. With another number of workers the pushes are rescaled
-        (:meth:`rescaled_pushes`) and the pushes per worker start again from 0."""
+        """Restore the counters of :meth:`state_dict` (:func:`~lightning_sync.sync.ps.state.restore_counters`;
+        the model and optimizer are restored separately). Every worker restarts on the restored version."""
         with self.lock:
-            self.version = int(state["version"])
-            self.global_step = int(state["global_step"])
-            saved_workers = int(state.get("num_workers", self.num_workers))
-            same = saved_workers == self.num_workers
-            self.pushes = self.rescaled_pushes(int(state["pushes"]), saved_workers, self.num_workers)
-            self.discarded = int(state.get("discarded", 0))
-            self.staleness = Counter({int(k): int(v) for k, v in state.get("staleness", {}).items()})
-            if same:
-                self.pushes_by_worker = [int(x) for x in state.get("pushes_by_worker", self.pushes_by_worker)]
+            restore_counters(self, state)
             self._read = [self.version] * self.num_workers
