@@ -11,6 +11,7 @@ import pytest
 
 from lightning_sync.comms import CommStats
 from lightning_sync.diagnostics import NonFiniteGuard
+from lightning_sync.strategies._parts import StrategyParts
 from lightning_sync.strategies._telemetry import CommTelemetry, StepTelemetry, blocked
 
 BYTES, MB, SECONDS, EXPOSED = "comm/bytes_per_step", "comm/MB_per_step", "comm/seconds_per_step", "comm/exposed_pct"
@@ -132,26 +133,14 @@ class _Strategy:
         return "stepped"
 
 
-class _Hooked(_Strategy):
-    """Calls the telemetry it owns from its hooks, as ``SyncStrategy`` and ``NoProcessGroupStrategy`` do."""
+class _Hooked(StrategyParts, _Strategy):
+    """The real hooks of ``StrategyParts`` (what ``SyncStrategy`` and ``NoProcessGroupStrategy`` run) over a stub
+    Lightning strategy; built without ``StrategyParts.__init__`` so the test picks the comm and the module."""
 
     def __init__(self, loggers: list[Any], rank_zero: bool, comm: Any, module: Any = None) -> None:
         self.lightning_module = module or SimpleNamespace(_trainer=SimpleNamespace(loggers=loggers, callbacks=[]))
         self.is_global_zero, self.comm = rank_zero, comm
-        self.telemetry = CommTelemetry(self)
-
-    def on_train_start(self) -> None:
-        super().on_train_start()
-        self.telemetry.start()
-
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        super().on_train_batch_start(batch, batch_idx)
-        self.telemetry.batch_start()
-
-    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        out = super().optimizer_step(optimizer, closure, model, **kwargs)
-        self.telemetry.step_end()
-        return out
+        self.telemetry = CommTelemetry(self, self._comm_counters, self._comm_gauges)
 
 
 @pytest.mark.parametrize(("loggers", "rank_zero"), [([], True), (["a logger"], False)])
