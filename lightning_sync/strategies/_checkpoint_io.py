@@ -6,8 +6,9 @@ the final name, and ``ckpt_path="last"`` then picks it and fails to load, or the
 was already overwritten. Here the bytes go to a hidden temporary file beside the target
 (``.<name>.tmp-<pid>``: not a ``*.ckpt`` name, so ModelCheckpoint never lists it as "last" or top-k), are
 fsynced, and replace the target with one ``os.replace`` (atomic on POSIX), after which the directory entry
-is fsynced too. A kill at any moment leaves either the old file or the new one, plus at worst a stray
-temporary file that the next save of the same name removes.
+is fsynced too (a sharded checkpoint directory of that name is renamed aside first, then deleted). A kill
+at any moment leaves either the old checkpoint or the new one, plus at worst a stray temporary file that the
+next save of the same name removes.
 
 Every lightning_sync strategy uses it unless a ``checkpoint_io`` is passed; for another strategy pass
 ``Trainer(plugins=[AtomicCheckpointIO()])`` (its public name is ``lightning_sync.launch.AtomicCheckpointIO``; it

@@ -260,6 +260,23 @@ def _checkpoint_dir(path: Path, content: str) -> Path:
     return path
 
 
+@pytest.mark.filterwarnings("ignore:.*torch.distributed.*:UserWarning")  # DCP without a process group
+def test_a_save_replaces_a_checkpoint_of_the_other_kind(tmp_path: Path) -> None:
+    """A file saved where a sharded directory of the same name is (``trainer.save_checkpoint`` after fit over
+    the directory ModelCheckpoint wrote, or a run whose ``state_dict_type`` changed) replaces it, and a sharded
+    directory replaces a file: the old one goes aside first (one rename), so a kill at any moment leaves one
+    whole checkpoint under the name or aside, as between two directories. Nothing else is left behind."""
+    final = tmp_path / "last.ckpt"
+    _save(1, final)
+    assert final.is_dir()
+    AtomicCheckpointIO().save_checkpoint({"global_step": 2}, final)  # a file where the directory was
+    assert final.is_file() and torch.load(final, weights_only=True)["global_step"] == 2
+    assert sorted(os.listdir(tmp_path)) == ["last.ckpt"]
+    _save(3, final)  # a sharded directory where the file was
+    assert final.is_dir() and _loaded_step(final) == 3
+    assert sorted(os.listdir(tmp_path)) == ["last.ckpt"]
+
+
 def test_recover_path_renames_the_old_copy_back_or_deletes_it(tmp_path: Path) -> None:
     missing, both, neither = tmp_path / "missing.ckpt", tmp_path / "both.ckpt", tmp_path / "neither.ckpt"
     _checkpoint_dir(tmp_path / ".missing.ckpt.old", "old")  # killed between the two renames
@@ -271,6 +288,15 @@ def test_recover_path_renames_the_old_copy_back_or_deletes_it(tmp_path: Path) ->
     assert (missing / "shard").read_text() == "old" and (both / "shard").read_text() == "new"
     assert not neither.exists()
     assert sorted(os.listdir(tmp_path)) == [".neither.ckpt.tmp", "both.ckpt", "missing.ckpt"]
+    # a file replacing a directory (or the other way round) was killed between its renames: the old one is a
+    # file aside, or a directory aside with a file under the name
+    (tmp_path / ".file.ckpt.old").write_text("old")
+    _checkpoint_dir(tmp_path / ".mixed.ckpt.old", "old")
+    (tmp_path / "mixed.ckpt").write_text("new")
+    recover_path(tmp_path / "file.ckpt")
+    recover_path(tmp_path / "mixed.ckpt")
+    assert (tmp_path / "file.ckpt").read_text() == "old" and (tmp_path / "mixed.ckpt").read_text() == "new"
+    assert sorted(os.listdir(tmp_path)) == [".neither.ckpt.tmp", "both.ckpt", "file.ckpt", "missing.ckpt", "mixed.ckpt"]
 
 
 def _recover_at_once(directory: str, barrier: Any) -> None:
