@@ -30,6 +30,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from lightning_sync._lightning import explicit_checkpoint_io, set_checkpoint_io
 from lightning_sync.checkpoint.atomic import write_atomically
+from lightning_sync.checkpoint.reading import refuse_directory
 
 __all__ = ["AtomicCheckpointIO", "atomic_unless_set"]
 
@@ -48,6 +49,11 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             super().save_checkpoint(checkpoint, path)
             return
         write_atomically(Path(path), lambda f: torch.save(checkpoint, f))
+
+    def load_checkpoint(self, path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """Lightning's load; a sharded checkpoint directory is refused with what to do instead."""
+        refuse_directory(path)
+        return super().load_checkpoint(path, *args, **kwargs)
 
 
 def atomic_unless_set(strategy: Any) -> None:

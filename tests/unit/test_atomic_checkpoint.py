@@ -25,10 +25,12 @@ from typing import Any
 
 import pytest
 import torch
+from lightning.pytorch import LightningModule
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 
 from lightning_sync import BucketedDDPStrategy, ShardedStrategy
+from lightning_sync.checkpoint.reading import load_file
 from lightning_sync.launch import AtomicCheckpointIO
 from lightning_sync.launch.atomic import recover_dir, recover_path
 from lightning_sync.sync import LoopbackCommunicator, ZeroEngine, consolidate_checkpoint
@@ -275,6 +277,34 @@ def test_a_save_replaces_a_checkpoint_of_the_other_kind(tmp_path: Path) -> None:
     _save(3, final)  # a sharded directory where the file was
     assert final.is_dir() and _loaded_step(final) == 3
     assert sorted(os.listdir(tmp_path)) == ["last.ckpt"]
+
+
+class _Module(LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+
+
+@pytest.mark.filterwarnings("ignore:.*torch.distributed.*:UserWarning")  # DCP without a process group
+def test_a_sharded_directory_where_a_file_is_expected_names_the_consolidate_command(tmp_path: Path) -> None:
+    """Lightning's ``load_from_checkpoint`` opens the path as a file before any hook of ours could run, and stops
+    with the OS's IsADirectoryError (pinned here, so a Lightning that changes it shows up). What we own says what
+    to do: the directory's README, and every load of ours that expects a file (each strategy's through its
+    AtomicCheckpointIO, and load_file)."""
+    final = tmp_path / "last.ckpt"
+    _save(1, final)
+    assert "lightning-sync consolidate <this directory> model.ckpt" in (final / "README.txt").read_text()
+    with pytest.raises(IsADirectoryError, match="Is a directory"):
+        _Module.load_from_checkpoint(final)
+    command = f"lightning-sync consolidate {re.escape(str(final))} model.ckpt"
+    for name, load in (
+        ("AtomicCheckpointIO", AtomicCheckpointIO().load_checkpoint),
+        ("BucketedDDPStrategy", BucketedDDPStrategy().load_checkpoint),
+        ("load_file", load_file),
+    ):
+        with pytest.raises(IsADirectoryError, match=rf"sharded checkpoint .*zero1, zero2 or zero3.*{command}"):
+            load(final)
+            pytest.fail(f"{name} loaded a directory")
 
 
 def test_recover_path_renames_the_old_copy_back_or_deletes_it(tmp_path: Path) -> None:
