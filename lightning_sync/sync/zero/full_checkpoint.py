@@ -159,11 +159,11 @@ def load_full_optimizer_state(engine: ZeroEngine, state_dict: Mapping[str, Any])
         number.update({id(p): i for p, i in zip(mine, saved["params"])})
     saved_state: Mapping[Any, Mapping[str, Any]] = state_dict["state"]
     group_of = {id(p): g for g, mine in zip(opt.param_groups, engine.user_params) for p in mine}
-    shape_of = {number[id(p)]: shape for f in engine.flats for p, shape in zip(f.params, f.layout.shapes)}
+    sharded = {id(p): shape for f in engine.flats for p, shape in zip(f.params, f.layout.shapes)}
+    # the parameters' shapes by their number (a sharded one's from its layout: at stage 3 it holds no data)
+    shape_of = {number[id(p)]: sharded.get(id(p), p.shape) for mine in engine.user_params for p in mine}
     per_element = _per_element_keys(saved_state, shape_of)
-    sharded: set[int] = set()
     for f in engine.flats:
-        sharded.update(id(p) for p in f.params)
         entries = [saved_state.get(number[id(p)]) if id(p) in number else None for p in f.params]
         present = [(p, e) for p, e in zip(f.params, entries) if e]
         if not present:
