@@ -11,7 +11,11 @@ the run it continues:
   loader's iterator exists (``FitLoop.setup_data``): workers, persistent or not, then prefetch from the
   right place. The state is the epoch and the position in its global order, the samples all ranks trained
   on together, taken from the loop's count of trained batches when the checkpoint is written (the loader
-  itself has already prefetched further).
+  itself has already prefetched further). A checkpoint keeps it beside Lightning's state, under
+  :data:`POSITIONS` (:func:`stash_positions`), and a strategy of ours puts it back before Lightning restores
+  its loops (:func:`unstash_positions`): Lightning's restore refuses loader states for loaders that keep none,
+  so a plain Lightning run (``strategy="ddp"``) could not resume from the checkpoint otherwise; it restarts the
+  epoch instead, as it does for any ``DataLoader``.
 * **Every rank's RNG streams.** torch's CPU generator, the rank's CUDA generator on a CUDA device (GPU
   dropout), and Python's ``random`` and NumPy's global generator (augmentations and sampling in user code).
   Each rank's differ, so :meth:`ExactResume.gather` collects them on rank 0 into the checkpoint with any
@@ -59,12 +63,50 @@ from lightning_sync._lightning import Stateful
 from lightning_sync.checkpoint.rank_states import gather_states
 from lightning_sync.sampler import GlobalOrderSampler
 
-__all__ = ["RANK_STATES", "ExactResume", "host_rng_state", "rng_state", "set_host_rng_state", "set_rng_state"]
+__all__ = [
+    "POSITIONS",
+    "RANK_STATES",
+    "ExactResume",
+    "host_rng_state",
+    "rng_state",
+    "set_host_rng_state",
+    "set_rng_state",
+    "stash_positions",
+    "unstash_positions",
+]
 
 log = logging.getLogger("lightning_sync")
 
 RANK_STATES = "lightning_sync/rank_states"
 """The checkpoint key of the per-rank states: a list, one entry per rank, each ``{"rng": ..., ...}``."""
+
+POSITIONS = "lightning_sync/data_positions"
+"""The checkpoint key of the training loaders' positions, out of Lightning's fit-loop state (module docstring)."""
+
+_OURS = "global_order"  # in a loader state ExactResume wrote: a position in the one seeded global order
+
+
+def _fit_loop_state(checkpoint: dict[str, Any]) -> dict[str, Any] | None:
+    state = checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict")
+    return state if isinstance(state, dict) else None
+
+
+def stash_positions(checkpoint: dict[str, Any]) -> None:
+    """Move the training loaders' states from Lightning's fit-loop state to :data:`POSITIONS`, when every one
+    of them is a position :class:`ExactResume` wrote (a loader stateful of its own keeps its state where
+    Lightning restores it)."""
+    loop = _fit_loop_state(checkpoint)
+    states = loop.get("combined_loader") if loop is not None else None
+    if loop is not None and states and all(isinstance(s, dict) and s.get(_OURS) for s in states):
+        checkpoint[POSITIONS] = loop.pop("combined_loader")
+
+
+def unstash_positions(checkpoint: dict[str, Any]) -> None:
+    """Put :data:`POSITIONS` back where Lightning restores the loaders' states from (before it does)."""
+    states = checkpoint.pop(POSITIONS, None)
+    loop = _fit_loop_state(checkpoint)
+    if states is not None and loop is not None:
+        loop["combined_loader"] = states
 
 
 class TrainingLoop(Protocol):
@@ -154,7 +196,7 @@ class ExactResume:
 
         def state_dict() -> dict[str, Any]:
             batches, epoch_done = loop.trained()
-            return ordered.state(batches, batch_size, epoch_done, loop.accumulate())
+            return {**ordered.state(batches, batch_size, epoch_done, loop.accumulate()), _OURS: True}
 
         def load_state_dict(state: dict[str, Any]) -> None:
             batches = ordered.resume(state, batch_size, loop.accumulate())

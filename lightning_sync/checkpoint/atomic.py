@@ -4,8 +4,9 @@ The bytes of a file go to a hidden temporary file beside the target (``.<name>.t
 name, so ModelCheckpoint never lists it as "last" or top-k), are fsynced, and replace the target with one
 ``os.replace`` (atomic on POSIX), after which the directory entry is fsynced too.
 
-A directory cannot replace a non-empty one in one rename, so :func:`publish_path` takes three: the old
-checkpoint moves aside to ``.<name>.old``, the new one takes the name, and the old one moves on to a
+A directory cannot replace a non-empty one in one rename, nor a file a directory or a directory a file (a sharded
+checkpoint saved where a full one of the same name is, or the other way round), so :func:`publish_path` then takes
+three: the old checkpoint moves aside to ``.<name>.old``, the new one takes the name, and the old one moves on to a
 ``.<name>.del-<random>`` name before it is deleted. A kill between the first two leaves no checkpoint under the
 name, only the whole old one aside: :func:`recover_path` (a start that loads a checkpoint) renames it back,
 and :func:`recover_dir` does so for a whole checkpoint directory before ``ckpt_path="last"`` looks for one.
@@ -59,21 +60,19 @@ def remove_path(path: Path) -> None:
 
 
 def write_atomically(path: Path, write: Callable[[IO[bytes]], Any]) -> None:
-    """Write ``path`` through the hidden temporary file ``.<name>.tmp-<pid>`` beside it: ``write(f)``,
-    flush, fsync, ``os.replace`` onto ``path``, fsync the directory. A kill at any moment leaves the old
-    file or the new one (and at worst the stray temporary file, which the next write of ``path`` replaces)."""
+    """Write ``path`` through the hidden temporary file ``.<name>.tmp-<pid>`` beside it: ``write(f)``, then
+    :func:`publish_path` (fsync, and one ``os.replace`` onto an old file; an old directory goes aside first).
+    A kill at any moment leaves the old checkpoint or the new one (and at worst the stray temporary file, which
+    the next write of ``path`` replaces)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         with open(tmp, "wb") as f:
             write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        publish_path(tmp, path)
     finally:
         if tmp.exists():
             tmp.unlink()
-    fsync_dir(path.parent)
 
 
 def _aside(final: Path) -> Path:
@@ -123,15 +122,17 @@ def recover_dir(directory: str | os.PathLike[str]) -> None:
 def publish_path(tmp: Path, final: Path) -> None:
     """Make the complete file or directory ``tmp`` the one at ``final``: fsync it, then rename it.
 
-    A file replaces ``final`` in one ``os.replace``. A directory cannot replace a non-empty one, so an
-    existing ``final`` directory is first renamed aside (``.<name>.old``), then deleted (module docstring).
+    A file replaces a file (or nothing) at ``final`` in one ``os.replace``. A rename cannot replace a non-empty
+    directory, nor put a directory where a file is, so an existing ``final`` directory, or any ``final`` when
+    ``tmp`` is a directory, is first renamed aside (``.<name>.old``), then deleted (module docstring).
     A publish killed earlier is finished first (:func:`recover_path`)."""
     fsync_path(tmp)
     recover_path(final)
     for trash in final.parent.glob(f".{glob.escape(final.name)}.del-*"):  # deletions killed partway
         remove_path(trash)
     aside = _aside(final)
-    move_aside = final.is_dir() and not final.is_symlink()
+    exists = final.exists() or final.is_symlink()
+    move_aside = (final.is_dir() and not final.is_symlink()) or (exists and tmp.is_dir())
     if move_aside:
         os.replace(final, aside)
     os.replace(tmp, final)

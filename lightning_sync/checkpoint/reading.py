@@ -55,6 +55,7 @@ __all__ = [
     "guarded_load",
     "load_file",
     "read_dcp_metadata",
+    "refuse_directory",
     "resolve_weights_only",
 ]
 
@@ -124,8 +125,23 @@ def guarded_load(load: Callable[[bool], T], path: Any, weights_only: bool | None
         raise _refusal(path, error) from None
 
 
+def refuse_directory(path: str | os.PathLike[str]) -> None:
+    """Raise ``IsADirectoryError`` saying what to do when ``path``, where a checkpoint file is expected, is a
+    directory: a sharded checkpoint, which a sharded strategy loads and ``lightning-sync consolidate`` turns
+    into one file (``torch.load`` would only name the errno)."""
+    if os.path.isdir(path):
+        raise IsADirectoryError(
+            f"checkpoint {os.fspath(path)} is a directory, a sharded checkpoint (ShardedStrategy, "
+            f"state_dict_type='sharded'): resume from it with strategy zero1, zero2 or zero3, at any world "
+            f"size and stage, or write one plain Lightning file of its weights, which every strategy, "
+            f"Model.load_from_checkpoint and torch.load read: lightning-sync consolidate {os.fspath(path)} model.ckpt"
+        )
+
+
 def load_file(path: str | os.PathLike[str], weights_only: bool | None = None, map_location: Any = "cpu") -> Any:
-    """``torch.load(path)``, weights-only unless ``weights_only=False`` (see the module docstring)."""
+    """``torch.load(path)``, weights-only unless ``weights_only=False`` (see the module docstring); a directory
+    raises :func:`refuse_directory`'s error."""
+    refuse_directory(path)
     return guarded_load(lambda wo: torch.load(path, map_location=map_location, weights_only=wo), path, weights_only)
 
 

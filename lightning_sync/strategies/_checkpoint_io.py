@@ -6,8 +6,9 @@ the final name, and ``ckpt_path="last"`` then picks it and fails to load, or the
 was already overwritten. Here the bytes go to a hidden temporary file beside the target
 (``.<name>.tmp-<pid>``: not a ``*.ckpt`` name, so ModelCheckpoint never lists it as "last" or top-k), are
 fsynced, and replace the target with one ``os.replace`` (atomic on POSIX), after which the directory entry
-is fsynced too. A kill at any moment leaves either the old file or the new one, plus at worst a stray
-temporary file that the next save of the same name removes.
+is fsynced too (a sharded checkpoint directory of that name is renamed aside first, then deleted). A kill
+at any moment leaves either the old checkpoint or the new one, plus at worst a stray temporary file that the
+next save of the same name removes.
 
 Every lightning_sync strategy uses it unless a ``checkpoint_io`` is passed; for another strategy pass
 ``Trainer(plugins=[AtomicCheckpointIO()])`` (its public name is ``lightning_sync.launch.AtomicCheckpointIO``; it
@@ -29,6 +30,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from lightning_sync._lightning import explicit_checkpoint_io, set_checkpoint_io
 from lightning_sync.checkpoint.atomic import write_atomically
+from lightning_sync.checkpoint.reading import refuse_directory
 
 __all__ = ["AtomicCheckpointIO", "atomic_unless_set"]
 
@@ -47,6 +49,11 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             super().save_checkpoint(checkpoint, path)
             return
         write_atomically(Path(path), lambda f: torch.save(checkpoint, f))
+
+    def load_checkpoint(self, path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """Lightning's load; a sharded checkpoint directory is refused with what to do instead."""
+        refuse_directory(path)
+        return super().load_checkpoint(path, *args, **kwargs)
 
 
 def atomic_unless_set(strategy: Any) -> None:

@@ -24,7 +24,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 
 from lightning_sync._lightning import epoch_batches, finish_restored_epoch, set_epoch_batches, trainer_of
-from lightning_sync.resume import RANK_STATES, ExactResume
+from lightning_sync.resume import RANK_STATES, ExactResume, stash_positions, unstash_positions
 from lightning_sync.sampler import shard_for_evaluation
 
 __all__ = ["ExactData"]
@@ -126,16 +126,20 @@ class ExactData:
     def save_rank_states(self, checkpoint: dict[str, Any], extra: dict[str, Any] | None = None) -> None:
         """Every rank's RNG states and ``extra`` into ``checkpoint`` (on rank 0; a collective), and, with
         :attr:`per_rank_optimizer_state`, the optimizer states of the ranks other than 0 (a weights-only
-        checkpoint holds none: it cannot resume training)."""
+        checkpoint holds none: it cannot resume training). The training loaders' positions move beside
+        Lightning's state (:func:`~lightning_sync.resume.stash_positions`)."""
         owner = self._owner
         extra = dict(extra or {})
         if self.per_rank_optimizer_state and owner.global_rank != 0 and "optimizer_states" in checkpoint:
             extra["optimizer_states"] = [owner.optimizer_state(o) for o in owner.optimizers]
         checkpoint[RANK_STATES] = self.resume.gather(owner.comm, extra, owner.root_device)
+        stash_positions(checkpoint)
 
     def take_rank_state(self, checkpoint: dict[str, Any]) -> dict[str, Any] | None:
         """This rank's entry of ``checkpoint``'s per-rank states (None when absent or from another world size);
-        its own optimizer states, if it has them, are kept for :meth:`take_own_optimizer_states`."""
+        its own optimizer states, if it has them, are kept for :meth:`take_own_optimizer_states`. The training
+        loaders' positions go back where Lightning restores them from."""
+        unstash_positions(checkpoint)
         mine = self.resume.take(checkpoint.get(RANK_STATES), self._owner.global_rank, self._owner.world_size)
         self._own_optimizer_states = mine.get("optimizer_states") if mine is not None else None
         return mine

@@ -27,19 +27,26 @@ What is sharded, and what is synchronized when (K ranks):
 * **Mixed precision:** ``param_dtype`` is what is gathered and computed in (wrapped units cast their
   floating-point inputs to it), ``reduce_dtype`` what gradients are reduced in; master shards are fp32.
 * **Metrics:** ``reduce``/``all_gather``/``broadcast``/``barrier`` go through ``lightning_sync.comms``.
-* **Checkpoints** are directories: every rank writes its shards (parameters and optimizer state keyed
-  by parameter name and element offset) through ``torch.distributed.checkpoint``, rank 0 the
-  replicated tensors, ``lightning_sync_meta.json`` and Lightning's own state (``lightning.pt``). They
-  load at any world size and stage; :func:`~lightning_sync.sync.zero.consolidate_checkpoint`
-  turns one into a plain ``state_dict``; :meth:`ShardedStrategy.full_state_dict` consolidates in memory.
-  The save is atomic: the shards go into a hidden ``.<name>.tmp`` directory; after all of them, rank 0
-  adds ``lightning.pt`` and the ``COMPLETE`` marker, fsyncs, and renames it into place. A directory
-  without the marker (a save that was killed) is refused at load.
-  Everything is read back weights-only (``lightning.pt``, DCP's pickled ``.metadata`` and entries; see
-  :mod:`lightning_sync.checkpoint.reading`) unless ``trainer.fit(..., weights_only=False)`` opts in.
+* **Checkpoints** take one of two forms (``state_dict_type``); both load at any world size and stage, and a
+  save replaces whatever is at its path, file or directory, atomically (:mod:`lightning_sync.checkpoint.atomic`).
+
+  - ``"full"`` (the default at stages 1/2): one file, rank 0's, in Lightning's ``ddp`` format: the module's
+    ``state_dict`` and the unsharded optimizers' ``state_dict()``, gathered one flat parameter at a time
+    (:mod:`lightning_sync.sync.zero.full_checkpoint`). ``torch.load(weights_only=True)``,
+    ``Model.load_from_checkpoint`` and a plain ``ddp`` resume read it; a ``ddp`` file resumes here, resharded.
+  - ``"sharded"`` (the default at stage 3): a directory. Every rank writes its shards (keyed by parameter name
+    and element offset) through ``torch.distributed.checkpoint``, rank 0 the replicated tensors,
+    ``lightning_sync_meta.json``, ``README.txt`` and Lightning's state (``lightning.pt``). Atomic: it is
+    written as a hidden ``.<name>.tmp``, and after every shard rank 0 adds ``lightning.pt`` and the
+    ``COMPLETE`` marker, fsyncs and renames it into place; a directory without the marker is refused.
+    ``lightning-sync consolidate`` makes one plain Lightning file of it (``load_from_checkpoint`` opens a
+    path as a file, and stops at a directory).
+
+  Everything is read back weights-only (see :mod:`lightning_sync.checkpoint.reading`) unless
+  ``trainer.fit(..., weights_only=False)`` opts in. :meth:`ShardedStrategy.full_state_dict` consolidates in memory.
 * **After fit** (teardown; also after ``validate`` and ``test``) every rank's module holds the full
-  trained parameters again: ``trainer.save_checkpoint`` then writes a plain full checkpoint file
-  (which loads back, sharded), and :meth:`ShardedStrategy.full_state_dict` copies rank 0's module.
+  trained parameters again, and :meth:`ShardedStrategy.full_state_dict` copies rank 0's module;
+  ``trainer.save_checkpoint`` writes the form ``state_dict_type`` names, from the shards the fit left.
 
 The model's own ``param.grad`` stay ``None``: gradients live in the engine's buffers and the masters'
 ``.grad``. Gradient clipping by norm uses the global norm over all shards. Buffers (e.g. BatchNorm
@@ -77,6 +84,13 @@ from lightning_sync.sync.zero import (
     resolve_wrap_policy,
 )
 from lightning_sync.sync.zero.format import COMPLETE_MARKER, LIGHTNING_STATE
+from lightning_sync.sync.zero.full_checkpoint import (
+    full_model_state,
+    full_optimizer_state,
+    is_plain_optimizer_state,
+    load_full_optimizer_state,
+    resolve_state_dict_type,
+)
 
 __all__ = ["ShardedStrategy"]
 
@@ -97,6 +111,11 @@ class ShardedStrategy(SyncStrategy):
         process_group_backend: ``"gloo"``, ``"nccl"`` or None (Lightning picks for the accelerator).
         timeout: collective timeout in seconds (or a ``timedelta``).
         start_method: ``"popen"``, ``"spawn"``, ``"fork"`` or ``"forkserver"``.
+        state_dict_type: ``"full"`` (one file, Lightning's format), ``"sharded"`` (a directory of shards) or
+            None: ``"full"`` at stages 1/2, whose ranks hold the full parameters anyway and where every Lightning
+            convention (``best_model_path``, ``load_from_checkpoint``, moving between ``ddp`` and ZeRO) assumes
+            one file; ``"sharded"`` at stage 3, which is chosen when one rank cannot hold the model, so rank 0
+            could not hold a full checkpoint either.
     """
 
     strategy_name = "sharded"
@@ -113,9 +132,11 @@ class ShardedStrategy(SyncStrategy):
         process_group_backend: str | None = None,
         timeout: float | timedelta = 1800.0,
         start_method: str = "popen",
+        state_dict_type: str | None = None,
         **kwargs: Any,
     ) -> None:
         check_stage(stage)
+        self.state_dict_type = resolve_state_dict_type(state_dict_type, stage)
         check_mib("bucket_cap_mb", bucket_cap_mb)
         for name, value in (("prefetch", prefetch), ("reshard_after_forward", reshard_after_forward)):
             check_bool(name, value)
@@ -132,7 +153,9 @@ class ShardedStrategy(SyncStrategy):
         self.stage, self.wrap_policy, self.prefetch = stage, wrap_policy, prefetch
         self.reshard_after_forward, self.bucket_cap_mb = reshard_after_forward, bucket_cap_mb
         self.engine: ZeroEngine | None = None
-        self._unsharded = False  # a teardown has given the module its full parameters back
+        # the engine a teardown closed, once it gave the module its full parameters back: its shards and the
+        # optimizer's state in them, for checkpoints written after fit
+        self._finished: ZeroEngine | None = None
 
     @property
     @override
@@ -213,8 +236,7 @@ class ShardedStrategy(SyncStrategy):
     def teardown(self) -> None:
         if self.engine is not None:
             self.engine.unshard()  # the module holds the full trained parameters again
-            self.engine = None
-            self._unsharded = True
+            self._finished, self.engine = self.engine, None
         super().teardown()
 
     # ------------------------------------------------------------------ step functions
@@ -264,14 +286,14 @@ class ShardedStrategy(SyncStrategy):
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The consolidated full ``state_dict`` on rank 0 (``{}`` on the others): the module's keys, shapes and
-        original dtypes. While the module is sharded (inside ``fit``, ``validate``, ``test``) it is gathered from
-        the master shards, a collective every rank must call; after them teardown has left every rank's module
-        whole, so it is a copy of rank 0's. Raises ``RuntimeError`` before the strategy was ever set up."""
+        original dtypes. While the module is sharded (inside ``fit``, ``validate``, ``test``) it is gathered to
+        rank 0's CPU from the master shards, one flat parameter at a time, a collective every rank must call; after
+        them teardown has left every rank's module whole, so it is a copy of rank 0's. Raises ``RuntimeError``
+        before the strategy was ever set up."""
         if self.engine is not None:
-            state = zero.full_state_dict(self.engine)
-            return state if self.global_rank == 0 else {}
+            return full_model_state(self.engine)
         module = self.lightning_module
-        if module is None or not self._unsharded:
+        if module is None or self._finished is None:
             raise RuntimeError(
                 f"{type(self).__name__}.full_state_dict() was called before the strategy was set up: "
                 f"call it during or after trainer.fit, validate or test"
@@ -281,14 +303,22 @@ class ShardedStrategy(SyncStrategy):
     # ------------------------------------------------------------------ checkpoints
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        if self.engine is None:  # after fit: the module holds its full parameters again
+        """``"full"``: the module's full state, gathered to rank 0 (``{}`` elsewhere; a collective). ``"sharded"``:
+        ``{}``, save_checkpoint writes the shards. After fit: the module's own, whole again."""
+        if self.engine is None:
             return super().lightning_module_state_dict()
-        return {}  # the shards are written by save_checkpoint; full_state_dict() consolidates
+        return full_model_state(self.engine) if self.state_dict_type == "full" else {}
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        """Hyperparameters only (learning rates, betas, ...); the per-element state is in the shards."""
+        """``"full"``: on rank 0 the unsharded optimizer's ``state_dict()``, gathered (a collective). Otherwise the
+        hyperparameters only (learning rates, betas, ...): the per-element state is in the shards."""
         optimizer = unwrap_optimizer(optimizer)
+        engine = self.engine or self._finished
+        if self.state_dict_type == "full" and engine is not None and engine.optimizer is optimizer:
+            full = full_optimizer_state(engine)
+            if full is not None:
+                return full
         return {"param_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]}
 
     @override
@@ -297,8 +327,13 @@ class ShardedStrategy(SyncStrategy):
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        """A full checkpoint's (ours or ``ddp``'s) optimizer states are resharded into this rank's shards; a
+        sharded one's state is in the shards already, and only its hyperparameters are read here."""
         states = checkpoint.get("optimizer_states") or []
         for optimizer, state in zip(self.optimizers, states):
+            if self.engine is not None and self.engine.optimizer is optimizer and is_plain_optimizer_state(state):
+                load_full_optimizer_state(self.engine, state)
+                continue
             groups = state.get("param_groups", [])
             if len(groups) != len(optimizer.param_groups):
                 raise ValueError(
@@ -312,11 +347,12 @@ class ShardedStrategy(SyncStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         if storage_options is not None:
             raise TypeError(
-                f"{type(self).__name__}.save_checkpoint does not take storage_options (it writes "
-                f"a sharded directory through torch.distributed.checkpoint)"
+                f"{type(self).__name__}.save_checkpoint does not take storage_options (it writes a local "
+                f"file, or a sharded directory through torch.distributed.checkpoint), got {storage_options!r}"
             )
         self.exact_data.save_rank_states(checkpoint)
-        if self.engine is None:  # after fit (teardown unsharded the module): a plain full checkpoint file
+        engine = self.engine or self._finished
+        if self.state_dict_type == "full" or engine is None:  # one file, rank 0's (a directory there goes)
             super().save_checkpoint(checkpoint, filepath)
             return
         # atomic: every rank writes its shards into a hidden temporary directory; once all are written,
@@ -327,7 +363,7 @@ class ShardedStrategy(SyncStrategy):
             remove_path(tmp)  # a save killed earlier
         self.barrier()
         checkpoint = {k: v for k, v in checkpoint.items() if k != "state_dict"}
-        zero.save_sharded(self.engine, tmp)
+        zero.save_sharded(engine, tmp)
         self.barrier()  # every shard is written
         if self.global_rank == 0:
             torch.save(checkpoint, tmp / LIGHTNING_STATE)
@@ -362,13 +398,13 @@ class ShardedStrategy(SyncStrategy):
         checkpoint = load_file(path, weights_only)
         self.exact_data.take_rank_state(checkpoint)
         zero.load_full_state_dict(self.engine, checkpoint["state_dict"])
-        if checkpoint.get("optimizer_states"):
+        states = checkpoint.get("optimizer_states") or []
+        if any(not is_plain_optimizer_state(s) for s in states):  # an after-fit file of an older version
             rank_zero_warn(
-                f"{path} is a full (unsharded) checkpoint: its weights were loaded and sharded; its "
-                f"optimizer state is not, training resumes with a fresh optimizer state"
+                f"{path} is a full checkpoint without the optimizers' per-parameter state: its weights were "
+                f"loaded and sharded, and training resumes with a fresh optimizer state"
             )
-            checkpoint["optimizer_states"] = [self.optimizer_state(o) for o in self.optimizers]
-        return checkpoint
+        return checkpoint  # load_optimizer_state_dict reshards the optimizer states
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:

@@ -39,7 +39,8 @@ from lightning_sync.testing import run_distributed
 STEPS = 2
 STAGES = {
     "zero3": lambda: ShardedStrategy(stage=3, wrap_policy=["Linear"]),  # several units; the root holds the tie
-    "zero2": lambda: ShardedStrategy(stage=2, bucket_cap_mb=0.001),  # ~1 KiB buckets: several flat parameters
+    # ~1 KiB buckets: several flat parameters; a directory (stage 2 writes one file by default)
+    "zero2": lambda: ShardedStrategy(stage=2, bucket_cap_mb=0.001, state_dict_type="sharded"),
 }
 
 

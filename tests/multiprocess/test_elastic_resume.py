@@ -38,6 +38,7 @@ from support.cli_ranks import weights
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_sync import BucketedDDPStrategy, ShardedStrategy
+from lightning_sync.resume import POSITIONS
 from lightning_sync.sync.zero.format import LIGHTNING_STATE
 from lightning_sync.testing import run_distributed
 
@@ -143,7 +144,7 @@ def _check_positions(directory: Path) -> None:
     for path in saved:
         file = path / LIGHTNING_STATE if path.is_dir() else path  # ZeRO's sharded directory: Lightning's part
         ckpt = torch.load(file, map_location="cpu", weights_only=True)
-        (state,) = ckpt["loops"]["fit_loop"]["state_dict"]["combined_loader"]
+        (state,) = ckpt[POSITIONS]
         into_epoch = ckpt["global_step"] - state["epoch"] * (N // GLOBAL)
         assert state["position"] == into_epoch * GLOBAL, (path.name, state, ckpt["global_step"])
 
@@ -279,9 +280,7 @@ def test_an_epoch_end_and_an_epoch_start_resume_at_another_world_size(
     (epoch_end,) = (tmp_path / "world2").glob("*-step=6.ckpt")
     second = run(1, str(tmp_path), 12, str(epoch_end))
     resaved = tmp_path / "world1" / "epoch=1-step=6.ckpt"
-    (state,) = torch.load(resaved, map_location="cpu", weights_only=True)["loops"]["fit_loop"]["state_dict"][
-        "combined_loader"
-    ]
+    (state,) = torch.load(resaved, map_location="cpu", weights_only=True)[POSITIONS]
     assert (state["epoch"], state["position"], state["epoch_done"]) == (1, 0, False), state
     third = run(3, str(tmp_path), 12, str(resaved))
     monkeypatch.setenv("PL_GLOBAL_SEED", ENV["PL_GLOBAL_SEED"])  # the ranks' seed, for the reference's sampler

@@ -28,7 +28,7 @@ _STRATEGIES = {
     "bucketed_ddp": lambda: BucketedDDPStrategy(compression="powersgd", powersgd_rank=1, powersgd_warmup_steps=0),
     "local_sgd": lambda: LocalSGDStrategy(sync_every=3),
     "diloco": lambda: DiLoCoStrategy(sync_every=1),
-    "zero2": lambda: ShardedStrategy(stage=2),
+    "zero2": lambda: ShardedStrategy(stage=2, state_dict_type="sharded"),  # the shards (one file by default)
 }
 
 

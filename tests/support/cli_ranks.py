@@ -252,5 +252,9 @@ def run_script(
 
 
 def weights(path: Path) -> dict[str, torch.Tensor]:
-    """The model weights of a checkpoint file."""
+    """The model weights of a checkpoint: a file, or a sharded directory (zero3's, after fit too), consolidated."""
+    if Path(path).is_dir():
+        from lightning_sync.sync.zero import consolidate_checkpoint
+
+        return consolidate_checkpoint(path)
     return torch.load(path, map_location="cpu", weights_only=True)["state_dict"]

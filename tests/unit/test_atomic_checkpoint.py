@@ -25,10 +25,12 @@ from typing import Any
 
 import pytest
 import torch
+from lightning.pytorch import LightningModule
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 
 from lightning_sync import BucketedDDPStrategy, ShardedStrategy
+from lightning_sync.checkpoint.reading import load_file
 from lightning_sync.launch import AtomicCheckpointIO
 from lightning_sync.launch.atomic import recover_dir, recover_path
 from lightning_sync.sync import LoopbackCommunicator, ZeroEngine, consolidate_checkpoint
@@ -260,6 +262,51 @@ def _checkpoint_dir(path: Path, content: str) -> Path:
     return path
 
 
+@pytest.mark.filterwarnings("ignore:.*torch.distributed.*:UserWarning")  # DCP without a process group
+def test_a_save_replaces_a_checkpoint_of_the_other_kind(tmp_path: Path) -> None:
+    """A file saved where a sharded directory of the same name is (``trainer.save_checkpoint`` after fit over
+    the directory ModelCheckpoint wrote, or a run whose ``state_dict_type`` changed) replaces it, and a sharded
+    directory replaces a file: the old one goes aside first (one rename), so a kill at any moment leaves one
+    whole checkpoint under the name or aside, as between two directories. Nothing else is left behind."""
+    final = tmp_path / "last.ckpt"
+    _save(1, final)
+    assert final.is_dir()
+    AtomicCheckpointIO().save_checkpoint({"global_step": 2}, final)  # a file where the directory was
+    assert final.is_file() and torch.load(final, weights_only=True)["global_step"] == 2
+    assert sorted(os.listdir(tmp_path)) == ["last.ckpt"]
+    _save(3, final)  # a sharded directory where the file was
+    assert final.is_dir() and _loaded_step(final) == 3
+    assert sorted(os.listdir(tmp_path)) == ["last.ckpt"]
+
+
+class _Module(LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+
+
+@pytest.mark.filterwarnings("ignore:.*torch.distributed.*:UserWarning")  # DCP without a process group
+def test_a_sharded_directory_where_a_file_is_expected_names_the_consolidate_command(tmp_path: Path) -> None:
+    """Lightning's ``load_from_checkpoint`` opens the path as a file before any hook of ours could run, and stops
+    with the OS's IsADirectoryError (pinned here, so a Lightning that changes it shows up). What we own says what
+    to do: the directory's README, and every load of ours that expects a file (each strategy's through its
+    AtomicCheckpointIO, and load_file)."""
+    final = tmp_path / "last.ckpt"
+    _save(1, final)
+    assert "lightning-sync consolidate <this directory> model.ckpt" in (final / "README.txt").read_text()
+    with pytest.raises(IsADirectoryError, match="Is a directory"):
+        _Module.load_from_checkpoint(final)
+    command = f"lightning-sync consolidate {re.escape(str(final))} model.ckpt"
+    for name, load in (
+        ("AtomicCheckpointIO", AtomicCheckpointIO().load_checkpoint),
+        ("BucketedDDPStrategy", BucketedDDPStrategy().load_checkpoint),
+        ("load_file", load_file),
+    ):
+        with pytest.raises(IsADirectoryError, match=rf"sharded checkpoint .*zero1, zero2 or zero3.*{command}"):
+            load(final)
+            pytest.fail(f"{name} loaded a directory")
+
+
 def test_recover_path_renames_the_old_copy_back_or_deletes_it(tmp_path: Path) -> None:
     missing, both, neither = tmp_path / "missing.ckpt", tmp_path / "both.ckpt", tmp_path / "neither.ckpt"
     _checkpoint_dir(tmp_path / ".missing.ckpt.old", "old")  # killed between the two renames
@@ -271,6 +318,15 @@ def test_recover_path_renames_the_old_copy_back_or_deletes_it(tmp_path: Path) ->
     assert (missing / "shard").read_text() == "old" and (both / "shard").read_text() == "new"
     assert not neither.exists()
     assert sorted(os.listdir(tmp_path)) == [".neither.ckpt.tmp", "both.ckpt", "missing.ckpt"]
+    # a file replacing a directory (or the other way round) was killed between its renames: the old one is a
+    # file aside, or a directory aside with a file under the name
+    (tmp_path / ".file.ckpt.old").write_text("old")
+    _checkpoint_dir(tmp_path / ".mixed.ckpt.old", "old")
+    (tmp_path / "mixed.ckpt").write_text("new")
+    recover_path(tmp_path / "file.ckpt")
+    recover_path(tmp_path / "mixed.ckpt")
+    assert (tmp_path / "file.ckpt").read_text() == "old" and (tmp_path / "mixed.ckpt").read_text() == "new"
+    assert sorted(os.listdir(tmp_path)) == [".neither.ckpt.tmp", "both.ckpt", "file.ckpt", "missing.ckpt", "mixed.ckpt"]
 
 
 def _recover_at_once(directory: str, barrier: Any) -> None:

@@ -14,7 +14,16 @@ from lightning.fabric.utilities.types import _Stateful
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, RandomSampler, TensorDataset
 
 from lightning_sync import comms
-from lightning_sync.resume import ExactResume, host_rng_state, rng_state, set_host_rng_state, set_rng_state
+from lightning_sync.resume import (
+    POSITIONS,
+    ExactResume,
+    host_rng_state,
+    rng_state,
+    set_host_rng_state,
+    set_rng_state,
+    stash_positions,
+    unstash_positions,
+)
 from lightning_sync.sampler import GlobalOrderSampler
 
 
@@ -177,6 +186,26 @@ def test_install_makes_a_training_loader_stateful_and_resumes_it() -> None:
     assert [b[0].tolist() for b in resumed] == whole[3:] and again.restarted == [3]
     loop.done = True
     assert loader.state_dict()["epoch"] == 3 and loader.state_dict()["position"] == 0
+
+
+def _checkpoint(states: list[dict[str, object]]) -> dict[str, object]:
+    return {"loops": {"fit_loop": {"state_dict": {"combined_loader": states}}}, "global_step": 3}
+
+
+def test_positions_travel_beside_lightnings_loop_state_and_come_back() -> None:
+    """Lightning refuses loader states for loaders that keep none (a plain ddp run resuming from our checkpoint),
+    so ours travel under their own key, and go back before Lightning restores the loops."""
+    ours = ExactResume.install(_loader(), _Loop(batches=3)).state_dict()
+    checkpoint = _checkpoint([ours])
+    stash_positions(checkpoint)
+    assert checkpoint[POSITIONS] == [ours] and checkpoint["loops"]["fit_loop"]["state_dict"] == {}
+    unstash_positions(checkpoint)
+    assert checkpoint == _checkpoint([ours])
+    theirs = _checkpoint([{"mine": 1}, ours])  # a stateful loader of the user's: Lightning's to restore, all of it
+    stash_positions(theirs)
+    assert theirs == _checkpoint([{"mine": 1}, ours])
+    unstash_positions(theirs)  # nothing to put back
+    assert theirs == _checkpoint([{"mine": 1}, ours])
 
 
 def test_install_leaves_loaders_it_cannot_resume_exactly_untouched() -> None:

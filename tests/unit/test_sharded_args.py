@@ -33,6 +33,18 @@ def test_stage_outside_1_2_3_lists_the_allowed_stages(stage: Any) -> None:
     assert "[1, 2, 3]" in msg and f"got {stage!r}" in msg
 
 
+@pytest.mark.parametrize("value", ["Full", "dcp", "", 1, True])
+def test_bad_state_dict_type_lists_the_allowed_ones(value: Any) -> None:
+    msg = _message({"state_dict_type": value})
+    assert "state_dict_type must be one of ['full', 'sharded', None]" in msg and f"got {value!r}" in msg
+
+
+def test_state_dict_type_defaults_to_one_file_at_stages_1_2_and_a_directory_at_stage_3() -> None:
+    assert [ShardedStrategy(stage=s).state_dict_type for s in (1, 2, 3)] == ["full", "full", "sharded"]
+    assert ShardedStrategy(stage=3, state_dict_type="full").state_dict_type == "full"
+    assert ShardedStrategy(stage=1, state_dict_type="sharded").state_dict_type == "sharded"
+
+
 @pytest.mark.parametrize(
     ("policy", "named"),
     [

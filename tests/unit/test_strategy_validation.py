@@ -129,6 +129,10 @@ _SHARDED: list[tuple[str, Any, str]] = [
     ],
     *[("bucket_cap_mb", v, got("bucket_cap_mb", _MIB, v)) for v in (0, -1, math.nan, "25", True)],
     *[
+        ("state_dict_type", v, got("state_dict_type", r"one of \['full', 'sharded', None\]", v))
+        for v in ("Full", "dcp", "", 3, True)
+    ],
+    *[
         (arg, v, pattern)
         for arg, v, pattern in _BUCKETED
         if arg in ("process_group_backend", "start_method", "timeout")

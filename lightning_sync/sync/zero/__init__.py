@@ -13,6 +13,8 @@ concern a module; the package exports their public names:
 * :mod:`~lightning_sync.sync.zero.checkpoint` / :mod:`~lightning_sync.sync.zero.format` - sharded and
   full checkpoints of an engine (:func:`save_sharded`, :func:`load_sharded`, :func:`full_state_dict`,
   :func:`load_full_state_dict`), and their on-disk format (:func:`read_meta`);
+* :mod:`~lightning_sync.sync.zero.full_checkpoint` - one-file checkpoints in Lightning's ``ddp`` format: the
+  module's state and the unsharded optimizer's ``state_dict()``, gathered to rank 0 and resharded on load;
 * :mod:`~lightning_sync.sync.zero.consolidate` - :func:`consolidate_checkpoint`, one process, no group;
 * :mod:`~lightning_sync.sync.zero.options` - argument checks and the memory model (:func:`zero_memory_bytes`).
 """

@@ -24,6 +24,8 @@ from lightning_sync.sync.zero.flat_param import FlatParam
 from lightning_sync.sync.zero.format import (
     FORMAT,
     META,
+    README,
+    README_TEXT,
     Reads,
     chunk_index,
     pieces,
@@ -71,7 +73,7 @@ def replicated_state(engine: ZeroEngine) -> tuple[list[tuple[str, str | None]], 
 def save_sharded(engine: ZeroEngine, path: str | os.PathLike[str]) -> None:
     """Write this rank's shards (parameters and optimizer state, keyed by parameter name and element
     offset, so they reshard to any world size) through ``torch.distributed.checkpoint``; rank 0
-    adds the replicated tensors and ``lightning_sync_meta.json``. A collective."""
+    adds the replicated tensors, ``lightning_sync_meta.json`` and ``README.txt``. A collective."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     out: dict[str, Any] = {}
@@ -102,6 +104,7 @@ def save_sharded(engine: ZeroEngine, path: str | os.PathLike[str]) -> None:
             "keys": keys,
         }
         (path / META).write_text(json.dumps(meta, indent=1))
+        (path / README).write_text(README_TEXT)
     dcp.save(out, checkpoint_id=str(path), process_group=getattr(engine.comm, "group", None))
 
 

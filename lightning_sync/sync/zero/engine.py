@@ -166,6 +166,8 @@ class ZeroEngine(Stage3Forward, BackwardEngine):
                 p.data = original.to(self.param_dtype)
 
     def _rewrite_optimizer(self) -> None:
+        # the optimizer's parameter lists as the user built them: a full checkpoint numbers its state by them
+        self.user_params = [list(g["params"]) for g in self.optimizer.param_groups] if self.optimizer else []
         if self.optimizer is None:
             return
         sharded = {id(p) for f in self.flats for p in f.params}

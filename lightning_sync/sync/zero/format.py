@@ -10,7 +10,8 @@ size reads at most two pieces per tensor beyond what it owns, not whole ranges o
 Replicated tensors (frozen parameters, persistent buffers) are saved whole under ``full/<key>``, and
 scalar optimizer state under ``optim/<name>/<key>``. The JSON file records the format version, the
 module's state-dict keys (each a sharded parameter's canonical name or replicated), and each parameter's
-shape and dtype, so a mismatch is reported by key before any tensor is read.
+shape and dtype, so a mismatch is reported by key before any tensor is read. ``README.txt`` says, to whoever
+lists the directory, what it is and how to read it without a sharded strategy (``lightning-sync consolidate``).
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ __all__ = [
     "LIGHTNING_STATE",
     "META",
     "PIECE",
+    "README",
+    "README_TEXT",
     "Reads",
     "chunk_index",
     "pieces",
@@ -43,6 +46,19 @@ FORMAT = "lightning_sync.zero/1"
 META = "lightning_sync_meta.json"
 LIGHTNING_STATE = "lightning.pt"  # Lightning's own state in a sharded directory (rank 0 writes it)
 COMPLETE_MARKER = "COMPLETE"  # rank 0 writes it after every shard and Lightning's state
+README = "README.txt"
+README_TEXT = """\
+This directory is one sharded checkpoint of lightning_sync's ZeRO strategy (ShardedStrategy, strategy=zero1,
+zero2 or zero3, state_dict_type="sharded"): every rank's shards of the parameters and the optimizer state
+(torch.distributed.checkpoint), lightning_sync_meta.json (the layout) and lightning.pt (Lightning's state).
+
+Resume or evaluate it with that strategy, at any world size and stage:
+    trainer.fit(model, ckpt_path="<this directory>")
+
+Model.load_from_checkpoint and torch.load open a file, and stop here with IsADirectoryError. One plain
+Lightning checkpoint file with the full weights (for inference, export or fine-tuning), which both read:
+    lightning-sync consolidate <this directory> model.ckpt
+"""
 #: Elements per saved piece (1 MiB of fp32): what a reader at another world size may read beyond its own range
 #: is at most two pieces per tensor, and a few hundred pieces per 100M elements keep DCP's planning cheap.
 PIECE = 2**18
