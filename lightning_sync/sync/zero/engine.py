@@ -106,6 +106,7 @@ class ZeroEngine(Stage3Forward, BackwardEngine):
         self._recording: list[int] = []
         self._order_checked = False
         self._frozen_orig: dict[int, torch.Tensor] = {}  # frozen parameters' own data (param_dtype set)
+        self._reducing: list[int] = []  # units whose reduce-scatter is issued and not yet finished
         self._build()
 
     # ------------------------------------------------------------------ layout
@@ -196,10 +197,19 @@ class ZeroEngine(Stage3Forward, BackwardEngine):
                 f.free()
 
     def _launch(self, bucket: int) -> None:
+        if self.stage > 1:
+            # one reduce-scatter in flight, as FSDP2 keeps: the previous unit's is finished (its full gradient
+            # freed) before the next is issued, so a rank holds two units' full gradients at most, not all of them
+            for b in self._reducing:
+                self._wait(b)
         for f in self.units[bucket].flats:
             f.launch_reduce()
+        self._reducing.append(bucket)
 
     def _wait(self, bucket: int) -> None:
+        if bucket not in self._reducing:  # finished when the next one was issued
+            return
+        self._reducing.remove(bucket)
         for f in self.units[bucket].flats:
             f.finish_reduce()
 

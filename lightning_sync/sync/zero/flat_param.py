@@ -52,6 +52,11 @@ class FlatParam:
         self._gather_src: torch.Tensor | None = None
         self._reduce: tuple[torch.Tensor, Any] | None = None
         self._touched: set[int] = set()  # parameters whose gradient is in grad_full this window
+        # stage 3: the full buffer last gathered into. While resharded its storage is freed (resized to 0), not
+        # dropped: autograd keeps views of the parameters saved in forward (a Linear saves its weight's
+        # transpose), which would otherwise keep every unit's full parameters alive until backward; the gather
+        # before backward refills the same storage, so those views read the parameters again
+        self._storage: torch.Tensor | None = None
         with torch.no_grad():
             flat = self.layout.flatten([p.detach() for p in params])
             if stage < 3:
@@ -76,6 +81,9 @@ class FlatParam:
 
     def free(self) -> None:
         """Drop the full parameters (stage 3); the module's parameters become empty tensors."""
+        if self.full is not None and self.stage == 3:
+            self._storage = self.full
+            self.full.untyped_storage().resize_(0)
         self.full = None
         with torch.inference_mode(False):  # never an inference tensor, even when freed during validation
             empty = torch.empty(0, dtype=self.compute_dtype, device=self.device)
@@ -89,8 +97,15 @@ class FlatParam:
         with torch.inference_mode(False), torch.no_grad():
             src = self.master.detach()
             self._gather_src = src if src.dtype == self.compute_dtype else src.to(self.compute_dtype)
-            buffer = torch.empty(self.layout.padded, dtype=self.compute_dtype, device=self.device)
-            self._gather_work = (buffer, self.comm.all_gather_into(buffer, self._gather_src, async_op=True))
+            buffer = self._storage
+            if buffer is None:
+                buffer = torch.empty(self.layout.padded, dtype=self.compute_dtype, device=self.device)
+            else:
+                buffer.untyped_storage().resize_(buffer.numel() * buffer.element_size())
+            # autograd's saved views must not see this write as an in-place change: their values are the same
+            with torch.autograd._unsafe_preserve_version_counter(buffer):
+                work = self.comm.all_gather_into(buffer, self._gather_src, async_op=True)
+            self._gather_work = (buffer, work)
 
     def finish_gather(self) -> None:
         """Wait for the all-gather and point the parameters at the full buffer."""
