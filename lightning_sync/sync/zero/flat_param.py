@@ -27,6 +27,10 @@ class FlatParam:
     With ``compute_dtype == master dtype`` in stages 1/2 the master shard *is* this rank's slice of the
     full buffer (no second copy); in stage 1 the master's gradient is likewise this rank's slice of
     the full gradient buffer.
+
+    ``packed``, when given, is the padded flat buffer the parameters already are views of (deferred
+    initialization materializes them there, :mod:`~lightning_sync.sync.zero.materialize`): it is used as it
+    is, where otherwise the parameters are copied into a new one.
     """
 
     def __init__(
@@ -38,6 +42,7 @@ class FlatParam:
         compute_dtype: torch.dtype | None,
         reduce_dtype: torch.dtype | None,
         stage: int,
+        packed: torch.Tensor | None = None,
     ) -> None:
         self.names, self.params, self.group, self.comm, self.stage = names, params, group, comm, stage
         self.layout = FlatShard([p.shape for p in params], comm.world_size, comm.rank)
@@ -58,7 +63,7 @@ class FlatParam:
         # before backward refills the same storage, so those views read the parameters again
         self._storage: torch.Tensor | None = None
         with torch.no_grad():
-            flat = self.layout.flatten([p.detach() for p in params])
+            flat = packed if packed is not None else self.layout.flatten([p.detach() for p in params])
             if stage < 3:
                 self.full = flat.to(self.compute_dtype)
                 self._point_params(self.full)
