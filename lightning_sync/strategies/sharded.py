@@ -12,6 +12,13 @@ What is sharded, and what is synchronized when (K ranks):
   to step this rank's fp32 master shards (same object, groups and hyperparameters, so LR schedulers keep
   working). Stage 1/2 units are gradient buckets of ``bucket_cap_mb``; stage 3 units are chosen by
   ``wrap_policy``.
+* **Deferred initialization** (stage 3): what ``configure_model`` or ``trainer.init_module()`` builds is put
+  on the meta device (``init_module(empty_init=False)`` opts out), so no rank ever holds the whole model:
+  the setup gives each rank storage unit by unit, initializes each module with its ``reset_parameters()``
+  from rank 0's random state (the same model at any world size, no broadcast) and keeps only its shards.
+  A module that owns parameters or buffers of its own must define ``reset_parameters`` (``ValueError``
+  otherwise). A model built in ``__init__`` is broadcast and sharded as above. See
+  :mod:`lightning_sync.sync.zero.materialize`.
 * **Stage 1:** full gradients accumulate locally; at the end of backward each bucket is
   reduce-scattered; after ``optimizer.step()`` the shards are all-gathered into the full parameters.
 * **Stage 2:** as stage 1, but each bucket is reduce-scattered *during* backward as soon as its
@@ -60,7 +67,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_sync._lightning import unwrap_optimizer
+from lightning_sync._lightning import hidden_from_setup_broadcast, unwrap_optimizer
 from lightning_sync.checkpoint.atomic import publish_path, recover_path, remove_path
 from lightning_sync.checkpoint.reading import contained_path, load_file
 from lightning_sync.strategies._base import SyncStrategy
@@ -77,6 +84,7 @@ from lightning_sync.sync.zero import (
     resolve_wrap_policy,
 )
 from lightning_sync.sync.zero.format import COMPLETE_MARKER, LIGHTNING_STATE
+from lightning_sync.sync.zero.materialize import has_meta
 
 __all__ = ["ShardedStrategy"]
 
@@ -152,6 +160,31 @@ class ShardedStrategy(SyncStrategy):
     def configure_ddp(self) -> None:
         """No wrapper: the engine is built once the optimizer exists (:meth:`setup_optimizers`)."""
 
+    @contextmanager
+    @override
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        """Stage 3 builds what ``configure_model`` and ``trainer.init_module()`` create on the meta device (unless
+        ``empty_init=False``): the engine gives each rank storage for its shards only, initializing the model from
+        rank 0's random state with each module's ``reset_parameters()`` (see
+        :mod:`lightning_sync.sync.zero.materialize`). Stages 1/2 and ``empty_init=False``: Lightning's (on the
+        device, initialized)."""
+        if self.stage == 3 and empty_init is not False:
+            with torch.device("meta"), self.precision_plugin.tensor_init_context():
+                yield
+        else:
+            with super().tensor_init_context(empty_init):
+                yield
+
+    @override
+    def model_to_device(self) -> None:
+        """Tensors still on the meta device get their storage on the root device when the engine is built."""
+        assert self.model is not None
+        if not has_meta(self.model):
+            super().model_to_device()
+            return
+        device = self.root_device
+        self.model._apply(lambda t: t if t.is_meta else t.to(device))
+
     @override
     def setup(self, trainer: Any) -> None:
         if getattr(self.precision_plugin, "scaler", None) is not None:
@@ -161,7 +194,10 @@ class ShardedStrategy(SyncStrategy):
                 f"{type(self).__name__} does not support fp16 loss scaling (precision='16-mixed'); "
                 f"use precision='bf16-mixed', or param_dtype='bf16' with the default precision"
             )
-        super().setup(trainer)
+        assert self.model is not None
+        deferred = [n for n, t in (*self.model.named_parameters(), *self.model.named_buffers()) if t.is_meta]
+        with hidden_from_setup_broadcast(self.model, deferred):  # they hold no values yet: the engine inits them
+            super().setup(trainer)
         if trainer.state.fn != TrainerFn.FITTING:  # evaluation: shard the parameters, no optimizer
             self._build_engine(None)
         self._route_clipping()
@@ -190,6 +226,7 @@ class ShardedStrategy(SyncStrategy):
             param_dtype=self.param_dtype,
             reduce_dtype=self.reduce_dtype,
             bucket_cap_mb=self.bucket_cap_mb,
+            init_device=self.root_device if has_meta(self.model) else None,  # deferred init: its storage
         )
         units = [u for u in self.engine.units if u.numel]
         rank_zero_info(

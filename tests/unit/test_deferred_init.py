@@ -16,11 +16,14 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from lightning_sync import ShardedStrategy
 from lightning_sync.sync.communicator import LoopbackCommunicator
 from lightning_sync.sync.zero import ZeroEngine, full_state_dict
 from lightning_sync.sync.zero.materialize import DeferredInit, has_meta
 
 __all__: list[str] = []
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors (tests/conftest.py)
 
 VOCAB, DIM, HIDDEN = 37, 8, 13
 
@@ -51,15 +54,6 @@ class TiedNet(nn.Module):
         h = self.norm(h.transpose(1, 2)).transpose(1, 2)
         h = self.frozen(self.l2(torch.tanh(h)))
         return self.head(h * self.scale) / self.temperature
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny tensors: one intra-op thread (a busy 2-core machine makes every op wait for a descheduled peer)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def eager(seed: int = 0, cls: type[nn.Module] = TiedNet) -> nn.Module:
@@ -211,3 +205,13 @@ def test_the_walk_holds_the_shards_plus_one_unit_and_the_root() -> None:
     assert eng.init_peak_bytes is not None
     assert shards < eng.init_peak_bytes <= shards + unit + root
     assert eng.init_peak_bytes < full / 2
+
+
+# ====================================================================== the strategy's init context
+def test_the_init_context_is_meta_under_stage_3_only() -> None:
+    for stage, empty_init, meta in ((3, None, True), (3, True, True), (3, False, False), (1, None, False)):
+        strategy = ShardedStrategy(stage=stage)
+        strategy.parallel_devices = [torch.device("cpu")]
+        with strategy.tensor_init_context(empty_init):
+            layer = nn.Linear(2, 2)
+        assert layer.weight.is_meta == meta, (stage, empty_init)

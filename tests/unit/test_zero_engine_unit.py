@@ -24,6 +24,8 @@ from lightning_sync.sync.zero import ZeroEngine, full_state_dict, resolve_dtype,
 
 __all__: list[str] = []
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors (tests/conftest.py)
+
 VOCAB, DIM, HIDDEN = 37, 8, 13
 TRAINABLE = 563  # not divisible by 2, 3 or 4: every flat of the whole model pads at K = 2, 3, 4
 
@@ -66,16 +68,6 @@ class Outer(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.extra(self.block(x))
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny tensors: on a busy 2-core machine intra-op threads make each op wait for a descheduled peer
-    thread (~50x slower); restored afterwards for the other tests."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def make(seed: int = 0, cls: type[nn.Module] = TiedNet) -> nn.Module:
