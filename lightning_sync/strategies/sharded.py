@@ -12,13 +12,9 @@ What is sharded, and what is synchronized when (K ranks):
   to step this rank's fp32 master shards (same object, groups and hyperparameters, so LR schedulers keep
   working). Stage 1/2 units are gradient buckets of ``bucket_cap_mb``; stage 3 units are chosen by
   ``wrap_policy``.
-* **Deferred initialization** (stage 3): what ``configure_model`` or ``trainer.init_module()`` builds is put
-  on the meta device (``init_module(empty_init=False)`` opts out), so no rank ever holds the whole model:
-  the setup gives each rank storage unit by unit, initializes each module with its ``reset_parameters()``
-  from rank 0's random state (the same model at any world size, no broadcast) and keeps only its shards.
-  A module that owns parameters or buffers of its own must define ``reset_parameters`` (``ValueError``
-  otherwise). A model built in ``__init__`` is broadcast and sharded as above. See
-  :mod:`lightning_sync.sync.zero.materialize`.
+* **Deferred initialization** (stage 3): ``configure_model`` and ``trainer.init_module()`` build on the meta
+  device, and the setup initializes the model unit by unit with each module's ``reset_parameters()``, from
+  rank 0's random state, keeping only this rank's shards (:mod:`lightning_sync.sync.zero.materialize`).
 * **Stage 1:** full gradients accumulate locally; at the end of backward each bucket is
   reduce-scattered; after ``optimizer.step()`` the shards are all-gathered into the full parameters.
 * **Stage 2:** as stage 1, but each bucket is reduce-scattered *during* backward as soon as its
@@ -84,7 +80,7 @@ from lightning_sync.sync.zero import (
     resolve_wrap_policy,
 )
 from lightning_sync.sync.zero.format import COMPLETE_MARKER, LIGHTNING_STATE
-from lightning_sync.sync.zero.materialize import has_meta
+from lightning_sync.sync.zero.materialize import has_meta, meta_hidden
 
 __all__ = ["ShardedStrategy"]
 
@@ -163,11 +159,8 @@ class ShardedStrategy(SyncStrategy):
     @contextmanager
     @override
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
-        """Stage 3 builds what ``configure_model`` and ``trainer.init_module()`` create on the meta device (unless
-        ``empty_init=False``): the engine gives each rank storage for its shards only, initializing the model from
-        rank 0's random state with each module's ``reset_parameters()`` (see
-        :mod:`lightning_sync.sync.zero.materialize`). Stages 1/2 and ``empty_init=False``: Lightning's (on the
-        device, initialized)."""
+        """Stage 3: on the meta device, unless ``empty_init=False`` (the engine initializes the model at setup).
+        Stages 1/2 and ``empty_init=False``: Lightning's (on the device, with values), as under DDP."""
         if self.stage == 3 and empty_init is not False:
             with torch.device("meta"), self.precision_plugin.tensor_init_context():
                 yield
@@ -177,13 +170,11 @@ class ShardedStrategy(SyncStrategy):
 
     @override
     def model_to_device(self) -> None:
-        """Tensors still on the meta device get their storage on the root device when the engine is built."""
+        """Lightning's move (it also sets the module's ``device``) of what has storage; tensors still on the meta
+        device get theirs on the root device when the engine is built."""
         assert self.model is not None
-        if not has_meta(self.model):
+        with meta_hidden(self.model):
             super().model_to_device()
-            return
-        device = self.root_device
-        self.model._apply(lambda t: t if t.is_meta else t.to(device))
 
     @override
     def setup(self, trainer: Any) -> None:
@@ -195,8 +186,8 @@ class ShardedStrategy(SyncStrategy):
                 f"use precision='bf16-mixed', or param_dtype='bf16' with the default precision"
             )
         assert self.model is not None
-        deferred = [n for n, t in (*self.model.named_parameters(), *self.model.named_buffers()) if t.is_meta]
-        with hidden_from_setup_broadcast(self.model, deferred):  # they hold no values yet: the engine inits them
+        meta = [n for n, t in (*self.model.named_parameters(), *self.model.named_buffers()) if t.is_meta]
+        with hidden_from_setup_broadcast(self.model, meta):  # no values yet: the engine initializes them alike
             super().setup(trainer)
         if trainer.state.fn != TrainerFn.FITTING:  # evaluation: shard the parameters, no optimizer
             self._build_engine(None)

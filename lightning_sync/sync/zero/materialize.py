@@ -50,7 +50,7 @@ from lightning_sync.sync.zero.options import storage_bytes
 if TYPE_CHECKING:
     from lightning_sync.sync.communicator import Communicator
 
-__all__ = ["DeferredInit", "has_meta", "rank0_rng"]
+__all__ = ["DeferredInit", "has_meta", "meta_hidden", "rank0_rng"]
 
 #: The engine's part of a unit: builds the unit's flat parameters from its flat buffers (None where a flat
 #: parameter's tensors were all built eagerly and are flattened as usual) and returns the tensors it keeps.
@@ -60,6 +60,27 @@ BuildUnit = Callable[[int, list[torch.Tensor | None]], list[torch.Tensor]]
 def has_meta(module: nn.Module) -> bool:
     """Whether any parameter or buffer of ``module`` is on the meta device (deferred initialization)."""
     return any(t.is_meta for t in (*module.parameters(), *module.buffers()))
+
+
+@contextmanager
+def meta_hidden(module: nn.Module) -> Iterator[None]:
+    """Inside the block ``module``'s meta tensors are taken out of it (their slots hold None, which every module
+    operation skips), so that a whole-module operation that cannot handle them (``module.to(device)``) passes
+    over them; they are put back, in place and order, afterwards."""
+    hidden = [
+        (store, name, t)
+        for mod in module.modules()
+        for store in (mod._parameters, mod._buffers)
+        for name, t in store.items()
+        if t is not None and t.is_meta
+    ]
+    for store, name, _ in hidden:
+        store[name] = None
+    try:
+        yield
+    finally:
+        for store, name, t in hidden:
+            store[name] = t
 
 
 def _own(module: nn.Module) -> list[tuple[str, torch.Tensor]]:

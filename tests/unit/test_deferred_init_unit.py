@@ -215,3 +215,17 @@ def test_the_init_context_is_meta_under_stage_3_only() -> None:
         with strategy.tensor_init_context(empty_init):
             layer = nn.Linear(2, 2)
         assert layer.weight.is_meta == meta, (stage, empty_init)
+
+
+def test_model_to_device_moves_what_has_storage_and_leaves_meta_tensors_in_place() -> None:
+    """Lightning's ``module.to(device)`` cannot copy a meta tensor; the strategy's move passes over them, and every
+    tensor stays registered where it was (tied ones too)."""
+    strategy = ShardedStrategy(stage=3)
+    strategy.parallel_devices = [torch.device("cpu")]
+    model = deferred()
+    model.l2.bias = nn.Parameter(torch.zeros(DIM))  # one tensor with storage
+    before = [(n, id(t)) for n, t in (*model.named_parameters(), *model.named_buffers())]
+    strategy.model = model
+    strategy.model_to_device()
+    assert [(n, id(t)) for n, t in (*model.named_parameters(), *model.named_buffers())] == before
+    assert model.head.weight is model.emb.weight and model.l1.weight.is_meta and not model.l2.bias.is_meta
