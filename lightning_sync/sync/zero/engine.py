@@ -109,7 +109,8 @@ class ZeroEngine(Stage3Forward, BackwardEngine):
         #: deferred initialization: the most bytes of tensors this rank held at once while the build materialized
         #: the model (unit buffers, scratch, replicated tensors and the shards kept), measured during the walk;
         #: by construction at most the shards, the frozen parameters and buffers, one unit's and the root unit's
-        #: full parameters. None for a model built eagerly, which existed whole on every rank before the build.
+        #: full parameters (and a tied weight's scratch). None for a model built eagerly, which existed whole on
+        #: every rank before the build.
         self.init_peak_bytes: int | None = None
         if broadcast and comm.world_size > 1:
             broadcast_module_states(module, comm)  # the meta ones are initialized alike instead
@@ -224,7 +225,7 @@ class ZeroEngine(Stage3Forward, BackwardEngine):
         if self.stage > 1:
             # one reduce-scatter in flight, as FSDP2 keeps: the previous unit's is finished (its full gradient
             # freed) before the next is issued, so a rank holds two units' full gradients at most, not all of them
-            for b in self._reducing:
+            for b in list(self._reducing):
                 self._wait(b)
         for f in self.units[bucket].flats:
             f.launch_reduce()
