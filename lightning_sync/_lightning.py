@@ -14,6 +14,8 @@ Every other module imports Lightning's public API directly; importing this modul
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from lightning.fabric.utilities.types import _Stateful
@@ -30,6 +32,7 @@ __all__ = [
     "epoch_batches",
     "explicit_checkpoint_io",
     "finish_restored_epoch",
+    "hidden_from_setup_broadcast",
     "restored_at_epoch_end",
     "set_checkpoint_io",
     "set_epoch_batches",
@@ -57,6 +60,8 @@ INTERNALS: dict[str, str] = {
     "_TrainingEpochLoop.batch_progress (.current, .total, .is_last_batch)": "the batches trained in this epoch, "
     "shifted when a resume counts the same samples in batches of another size; whether the last was the epoch's",
     "_ResultMetric.meta (.fx, .name)": "which logged key a strategy.reduce call syncs (the caller's frame)",
+    "lightning.pytorch.overrides.distributed._sync_module_states (._ddp_params_and_buffers_to_ignore)": "the "
+    "broadcast DDPStrategy.setup issues before evaluation, and the names it skips (meta tensors have no values)",
 }
 
 Stateful = _Stateful
@@ -150,3 +155,19 @@ def calling_metric_key(depth: int = 2) -> str | None:
     meta = getattr(sys._getframe(depth).f_locals.get("self"), "meta", None)
     name = getattr(meta, "name", None)
     return f"{meta.fx}.{name}" if isinstance(name, str) else None
+
+
+@contextmanager
+def hidden_from_setup_broadcast(module: Any, names: list[str]) -> Iterator[None]:
+    """Inside the block, the broadcast of rank 0's parameters and buffers that ``DDPStrategy.setup`` issues before
+    evaluation (Lightning's ``_sync_module_states``) skips ``names`` of ``module``: it skips those in torch DDP's
+    ``_ddp_params_and_buffers_to_ignore`` attribute, which is extended for the block and restored after."""
+    before = getattr(module, "_ddp_params_and_buffers_to_ignore", None)
+    module._ddp_params_and_buffers_to_ignore = [*(before or []), *names]
+    try:
+        yield
+    finally:
+        if before is None:
+            del module._ddp_params_and_buffers_to_ignore
+        else:
+            module._ddp_params_and_buffers_to_ignore = before

@@ -1,5 +1,5 @@
-"""Shared fixtures: process-group teardown, environment-leak check, the gpu marker's skip, and the slurm tier as
-a command of its own."""
+"""Shared fixtures: process-group teardown, environment-leak check, one intra-op thread, the gpu marker's skip, and
+the slurm tier as a command of its own."""
 
 from __future__ import annotations
 
@@ -121,6 +121,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread for a test of tiny tensors (``pytestmark = pytest.mark.usefixtures("one_thread")``): on a
+    busy 2-core machine intra-op threads make each op wait for a descheduled peer thread (~50x slower); restored
+    afterwards for the other tests."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(autouse=True)

@@ -12,6 +12,9 @@ What is sharded, and what is synchronized when (K ranks):
   to step this rank's fp32 master shards (same object, groups and hyperparameters, so LR schedulers keep
   working). Stage 1/2 units are gradient buckets of ``bucket_cap_mb``; stage 3 units are chosen by
   ``wrap_policy``.
+* **Deferred initialization** (stage 3): ``configure_model`` and ``trainer.init_module()`` build on the meta
+  device, and the setup initializes the model unit by unit with each module's ``reset_parameters()``, from
+  rank 0's random state, keeping only this rank's shards (:mod:`lightning_sync.sync.zero.materialize`).
 * **Stage 1:** full gradients accumulate locally; at the end of backward each bucket is
   reduce-scattered; after ``optimizer.step()`` the shards are all-gathered into the full parameters.
 * **Stage 2:** as stage 1, but each bucket is reduce-scattered *during* backward as soon as its
@@ -67,7 +70,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_sync._lightning import unwrap_optimizer
+from lightning_sync._lightning import hidden_from_setup_broadcast, unwrap_optimizer
 from lightning_sync.checkpoint.atomic import publish_path, recover_path, remove_path
 from lightning_sync.checkpoint.reading import contained_path, load_file
 from lightning_sync.strategies._base import SyncStrategy
@@ -91,6 +94,7 @@ from lightning_sync.sync.zero.full_checkpoint import (
     load_full_optimizer_state,
     resolve_state_dict_type,
 )
+from lightning_sync.sync.zero.materialize import has_meta, meta_hidden
 
 __all__ = ["ShardedStrategy"]
 
@@ -175,6 +179,26 @@ class ShardedStrategy(SyncStrategy):
     def configure_ddp(self) -> None:
         """No wrapper: the engine is built once the optimizer exists (:meth:`setup_optimizers`)."""
 
+    @contextmanager
+    @override
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        """Stage 3: on the meta device, unless ``empty_init=False`` (the engine initializes the model at setup).
+        Stages 1/2 and ``empty_init=False``: Lightning's (on the device, with values), as under DDP."""
+        if self.stage == 3 and empty_init is not False:
+            with torch.device("meta"), self.precision_plugin.tensor_init_context():
+                yield
+        else:
+            with super().tensor_init_context(empty_init):
+                yield
+
+    @override
+    def model_to_device(self) -> None:
+        """Lightning's move (it also sets the module's ``device``) of what has storage; tensors still on the meta
+        device get theirs on the root device when the engine is built."""
+        assert self.model is not None
+        with meta_hidden(self.model):
+            super().model_to_device()
+
     @override
     def setup(self, trainer: Any) -> None:
         if getattr(self.precision_plugin, "scaler", None) is not None:
@@ -184,7 +208,10 @@ class ShardedStrategy(SyncStrategy):
                 f"{type(self).__name__} does not support fp16 loss scaling (precision='16-mixed'); "
                 f"use precision='bf16-mixed', or param_dtype='bf16' with the default precision"
             )
-        super().setup(trainer)
+        assert self.model is not None
+        meta = [n for n, t in (*self.model.named_parameters(), *self.model.named_buffers()) if t.is_meta]
+        with hidden_from_setup_broadcast(self.model, meta):  # no values yet: the engine initializes them alike
+            super().setup(trainer)
         if trainer.state.fn != TrainerFn.FITTING:  # evaluation: shard the parameters, no optimizer
             self._build_engine(None)
         self._route_clipping()
@@ -213,6 +240,7 @@ class ShardedStrategy(SyncStrategy):
             param_dtype=self.param_dtype,
             reduce_dtype=self.reduce_dtype,
             bucket_cap_mb=self.bucket_cap_mb,
+            init_device=self.root_device if has_meta(self.model) else None,  # deferred init: its storage
         )
         units = [u for u in self.engine.units if u.numel]
         rank_zero_info(

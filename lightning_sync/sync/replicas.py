@@ -28,10 +28,12 @@ class Broadcaster(Protocol):
 
 def broadcast_module_states(module: nn.Module, comm: Broadcaster) -> None:
     """Rank 0's parameters and buffers into every rank's ``module``, in place: one broadcast per tensor, in
-    ``parameters()`` then ``buffers()`` order."""
+    ``parameters()`` then ``buffers()`` order. Tensors on the meta device hold no values to send; the ZeRO engine
+    initializes them alike on every rank (:mod:`lightning_sync.sync.zero.materialize`)."""
     with torch.no_grad():
         for t in [*module.parameters(), *module.buffers()]:
-            comm.broadcast(t.data, src=0)
+            if not t.is_meta:
+                comm.broadcast(t.data, src=0)
 
 
 def broadcast_buffers(module: nn.Module, comm: Broadcaster) -> None:

@@ -23,6 +23,12 @@ def net(hidden: int) -> nn.Module:
     return nn.Sequential(nn.Linear(16, hidden), nn.Tanh(), nn.Linear(hidden, 1))
 
 
+def built_on(device: torch.device, hidden: int) -> nn.Module:
+    """:func:`net` built directly on ``device`` (every default-device tensor, and every draw, there)."""
+    with torch.device(device):
+        return net(hidden)
+
+
 class RegressionModule(pl.LightningModule):
     def __init__(self, hidden: int, momentum: float) -> None:
         super().__init__()
@@ -65,9 +71,13 @@ def fit(module: pl.LightningModule, strategy: object, world: int, accelerator: s
     return probe.devices
 
 
-def reference(world: int, device: torch.device, hidden: int, momentum: float) -> list[torch.Tensor]:
-    """One process, the average of the per-rank mean losses (what the gradient average computes)."""
-    model = net(hidden).to(device)
+def reference(
+    world: int, device: torch.device, hidden: int, momentum: float, built_on_device: bool = False
+) -> list[torch.Tensor]:
+    """One process, the average of the per-rank mean losses (what the gradient average computes). The model is
+    built on the CPU and moved, or with ``built_on_device`` built on ``device`` (its initial weights then come
+    from the device's generator, as a deferred initialization's on that device do)."""
+    model = built_on(device, hidden) if built_on_device else net(hidden).to(device)
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=momentum)
     seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
     loaders = [

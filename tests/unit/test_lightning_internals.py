@@ -156,6 +156,31 @@ def _metric_key() -> None:
     assert compat.calling_metric_key() is None  # called from anywhere else
 
 
+def _setup_broadcast() -> None:
+    """Lightning's evaluation-time broadcast hands torch the names in ``_ddp_params_and_buffers_to_ignore``."""
+    import torch.distributed as dist
+    import torch.distributed.utils as torch_utils
+    from lightning.pytorch.overrides.distributed import _sync_module_states
+
+    seen: list[set[str]] = []
+    real = torch_utils._sync_module_states
+    module = torch.nn.Linear(2, 2)
+    module._ddp_params_and_buffers_to_ignore = ["weight"]  # a user's own entry, kept
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        torch_utils._sync_module_states = lambda *a, params_and_buffers_to_ignore, **k: seen.append(
+            set(params_and_buffers_to_ignore)
+        )
+        with compat.hidden_from_setup_broadcast(module, ["bias"]):
+            _sync_module_states(module)
+        _sync_module_states(module)
+    finally:
+        torch_utils._sync_module_states = real
+        dist.destroy_process_group()
+    assert seen == [{"weight", "bias"}, {"weight"}], seen
+    assert module._ddp_params_and_buffers_to_ignore == ["weight"]
+
+
 _CHECKS: dict[str, Callable[[], None]] = {
     "lightning.fabric.utilities.types._Stateful": _stateful,
     "lightning.pytorch.strategies.launchers._MultiProcessingLauncher": _multiprocessing_launcher,
@@ -170,6 +195,9 @@ _CHECKS: dict[str, Callable[[], None]] = {
     "_TrainingEpochLoop._should_accumulate": _should_accumulate,
     "_TrainingEpochLoop.batch_progress (.current, .total, .is_last_batch)": _batch_progress,
     "_ResultMetric.meta (.fx, .name)": _metric_key,
+    "lightning.pytorch.overrides.distributed._sync_module_states (._ddp_params_and_buffers_to_ignore)": (
+        _setup_broadcast
+    ),
 }
 
 

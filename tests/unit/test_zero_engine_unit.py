@@ -24,6 +24,8 @@ from lightning_sync.sync.zero import ZeroEngine, full_state_dict, resolve_dtype,
 
 __all__: list[str] = []
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors (tests/conftest.py)
+
 VOCAB, DIM, HIDDEN = 37, 8, 13
 TRAINABLE = 563  # not divisible by 2, 3 or 4: every flat of the whole model pads at K = 2, 3, 4
 
@@ -66,16 +68,6 @@ class Outer(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.extra(self.block(x))
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny tensors: on a busy 2-core machine intra-op threads make each op wait for a descheduled peer
-    thread (~50x slower); restored afterwards for the other tests."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def make(seed: int = 0, cls: type[nn.Module] = TiedNet) -> nn.Module:
@@ -372,3 +364,54 @@ def test_memory_bytes_at_one_rank_equal_the_plain_models(stage: int) -> None:
         + sum(v.numel() * v.element_size() for s in ref_opt.state.values() for v in s.values())
     )
     assert sum(mem.values()) == plain - 4 * (7 - len(eng.flats))  # 7 trainable parameters' step scalars
+
+
+# ====================================================================== stage 3's schedule frees what it gathered
+def _saved_unit_bytes(model: nn.Module, eng: ZeroEngine, x: torch.Tensor) -> tuple[int, torch.Tensor]:
+    """Bytes of full unit buffers (storages of a wrapped unit's padded size) that autograd's saved tensors keep
+    alive after forward, before backward."""
+    saved: list[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = model(x)
+    unit_bytes = {f.layout.padded * f.compute_dtype.itemsize for u in eng.units if not u.is_root for f in u.flats}
+    alive = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in saved}
+    return sum(n for n in alive.values() if n in unit_bytes), out
+
+
+def test_forward_keeps_no_gathered_unit_alive_until_backward() -> None:
+    """A Linear saves its weight's transpose for backward: a unit freed after its forward must not live on through
+    it (its storage is emptied, and refilled by the gather before backward), and backward must still compute the
+    right gradients."""
+    ref_model = make()
+    ref_opt = torch.optim.SGD(ref_model.parameters(), lr=0.05, momentum=0.9)
+    model, opt, eng = engine(stage=3, wrap_policy=nn.Linear)
+    for i, (x, y) in enumerate(data()):
+        opt.zero_grad()
+        eng.gather_root()
+        kept, out = _saved_unit_bytes(model, eng, x)
+        assert kept == 0, f"step {i}: {kept} bytes of gathered units kept alive by autograd"
+        F.cross_entropy(out.reshape(-1, VOCAB), y.reshape(-1)).backward()
+        opt.step()
+        step(ref_model, ref_opt, x, y)
+    got, want = full_state_dict(eng), ref_model.state_dict()
+    for k in want:
+        assert torch.equal(got[k], want[k]), k  # one rank: exactly plain training
+
+
+@pytest.mark.parametrize(("stage", "kw"), [(3, {"wrap_policy": nn.Linear}), (2, {"bucket_cap_mb": 0.0005})])
+def test_one_reduce_scatter_in_flight_in_stages_2_and_3(stage: int, kw: dict[str, Any]) -> None:
+    """The previous unit's reduce-scatter is finished (its full gradient freed) before the next is issued."""
+    model, opt, eng = engine(stage=stage, **kw)
+    in_flight: list[int] = []
+    launch = eng._launch
+
+    def counting(bucket: int) -> None:
+        in_flight.append(sum(f._reduce is not None for f in eng.flats))
+        launch(bucket)
+
+    eng._launch = counting  # type: ignore[method-assign]
+    (x, y), *_ = data(1)
+    eng.gather_root()
+    F.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1)).backward()
+    assert len(in_flight) >= 3 and max(in_flight) <= 1, in_flight
+    assert all(f._reduce is None and f.master.grad is not None for f in eng.flats)

@@ -5,7 +5,8 @@ What is synchronized, and when:
 * **Build.** Rank 0's parameters and buffers are broadcast; the trainable parameters are split into
   units (:mod:`lightning_sync.sync.zero.units`) and each unit's parameters into flat, padded, evenly
   sharded :class:`~lightning_sync.sync.zero.flat_param.FlatParam` s; the optimizer is rewritten to step the
-  fp32 master shards.
+  fp32 master shards. Tensors built on the meta device are not broadcast: every rank initializes them from
+  rank 0's random state, one unit at a time (:mod:`lightning_sync.sync.zero.materialize`).
 * **Backward.** The shared backward engine (:class:`~lightning_sync.sync.backward.BackwardEngine`)
   moves each gradient into its unit's flat gradient buffer as it becomes ready and, once a unit is
   complete, launches its averaging reduce-scatter into the master shards (stages 2/3, overlapped with
@@ -33,6 +34,7 @@ from lightning_sync.sync.communicator import Communicator
 from lightning_sync.sync.replicas import broadcast_module_states
 from lightning_sync.sync.zero.flat_param import FlatParam
 from lightning_sync.sync.zero.forward import Stage3Forward
+from lightning_sync.sync.zero.materialize import DeferredInit, has_meta
 from lightning_sync.sync.zero.options import check_stage, resolve_dtype, resolve_wrap_policy, storage_bytes
 from lightning_sync.sync.zero.units import Unit, bucket_units, optimizer_groups, trainable_params, wrap_units
 
@@ -68,6 +70,9 @@ class ZeroEngine(Stage3Forward, BackwardEngine):
         reduce_dtype: dtype gradients are reduced in (None: the compute dtype).
         bucket_cap_mb: stages 1/2: gradient bucket size (each bucket is one flat shard).
         broadcast: broadcast rank 0's parameters and buffers first.
+        init_device: where tensors built on the meta device get their storage (None: the CPU); see
+            :class:`~lightning_sync.sync.zero.materialize.DeferredInit` (``ValueError`` when a module that owns
+            such tensors has no ``reset_parameters``).
     """
 
     def __init__(
@@ -83,6 +88,7 @@ class ZeroEngine(Stage3Forward, BackwardEngine):
         reduce_dtype: Any = None,
         bucket_cap_mb: float = 25.0,
         broadcast: bool = True,
+        init_device: torch.device | str | None = None,
     ) -> None:
         check_stage(stage)
         check_mib("bucket_cap_mb", bucket_cap_mb)
@@ -99,13 +105,21 @@ class ZeroEngine(Stage3Forward, BackwardEngine):
         self.reduce_dtype = resolve_dtype(reduce_dtype, "reduce_dtype")
         self._policy = resolve_wrap_policy(wrap_policy)
         self._cap = max(1, int(bucket_cap_mb * _MB))
+        self._deferred = DeferredInit(module, init_device or "cpu") if has_meta(module) else None
+        #: deferred initialization: the most bytes of tensors this rank held at once while the build materialized
+        #: the model (unit buffers, scratch, replicated tensors and the shards kept), measured during the walk;
+        #: by construction at most the shards, the frozen parameters and buffers, one unit's and the root unit's
+        #: full parameters (and a tied weight's scratch). None for a model built eagerly, which existed whole on
+        #: every rank before the build.
+        self.init_peak_bytes: int | None = None
         if broadcast and comm.world_size > 1:
-            broadcast_module_states(module, comm)
+            broadcast_module_states(module, comm)  # the meta ones are initialized alike instead
         self._window_open = False
         self._forward_order: list[int] | None = None
         self._recording: list[int] = []
         self._order_checked = False
         self._frozen_orig: dict[int, torch.Tensor] = {}  # frozen parameters' own data (param_dtype set)
+        self._reducing: list[int] = []  # units whose reduce-scatter is issued and not yet finished
         self._build()
 
     # ------------------------------------------------------------------ layout
@@ -118,18 +132,30 @@ class ZeroEngine(Stage3Forward, BackwardEngine):
             members_of = bucket_units(params, group_of, self._cap)
         else:
             members_of = wrap_units(self.module, params, self._policy)
-        self.units: list[Unit] = []
-        for ui, (uname, umodule, uparams, is_root) in enumerate(members_of):
+        plans: list[list[tuple[int, list[nn.Parameter]]]] = []  # per unit: (optimizer group, params) per flat
+        for _, _, uparams, _ in members_of:
             by_key: dict[tuple[int, torch.dtype], list[nn.Parameter]] = {}
             for p in uparams:
                 by_key.setdefault((group_of[id(p)], p.dtype), []).append(p)
-            flats = [
+            plans.append([(key[0], ps) for key, ps in by_key.items()])
+        built: dict[int, list[FlatParam]] = {}
+
+        def build(ui: int, packed: list[torch.Tensor | None]) -> list[torch.Tensor]:
+            built[ui] = [
                 FlatParam(
-                    [name_of[id(p)] for p in ps], ps, key[0], self.comm, self.param_dtype, self.reduce_dtype, self.stage
+                    [name_of[id(p)] for p in ps], ps, g, self.comm, self.param_dtype, self.reduce_dtype, self.stage, buf
                 )
-                for key, ps in by_key.items()
+                for (g, ps), buf in zip(plans[ui], packed)
             ]
-            self.units.append(Unit(ui, uname, umodule, flats, is_root))
+            return [t for f in built[ui] for t in (f.master, f.full) if t is not None]
+
+        if self._deferred is not None:  # each unit is built as soon as its parameters are initialized
+            self._deferred.run(self.comm, [[ps for _, ps in plan] for plan in plans], build)
+            self.init_peak_bytes, self._deferred = self._deferred.peak_bytes, None
+        else:
+            for ui, plan in enumerate(plans):
+                build(ui, [None] * len(plan))
+        self.units = [Unit(ui, m[0], m[1], built[ui], m[3]) for ui, m in enumerate(members_of)]
         self.flats = [f for u in self.units for f in u.flats]
         slot = {
             id(p): (unit.index, flat, i)
@@ -198,10 +224,19 @@ class ZeroEngine(Stage3Forward, BackwardEngine):
                 f.free()
 
     def _launch(self, bucket: int) -> None:
+        if self.stage > 1:
+            # one reduce-scatter in flight, as FSDP2 keeps: the previous unit's is finished (its full gradient
+            # freed) before the next is issued, so a rank holds two units' full gradients at most, not all of them
+            for b in list(self._reducing):
+                self._wait(b)
         for f in self.units[bucket].flats:
             f.launch_reduce()
+        self._reducing.append(bucket)
 
     def _wait(self, bucket: int) -> None:
+        if bucket not in self._reducing:  # finished when the next one was issued
+            return
+        self._reducing.remove(bucket)
         for f in self.units[bucket].flats:
             f.finish_reduce()
 

@@ -27,6 +27,10 @@ class FlatParam:
     With ``compute_dtype == master dtype`` in stages 1/2 the master shard *is* this rank's slice of the
     full buffer (no second copy); in stage 1 the master's gradient is likewise this rank's slice of
     the full gradient buffer.
+
+    ``packed``, when given, is the padded flat buffer the parameters already are views of (deferred
+    initialization materializes them there, :mod:`~lightning_sync.sync.zero.materialize`): it is used as it
+    is, where otherwise the parameters are copied into a new one.
     """
 
     def __init__(
@@ -38,6 +42,7 @@ class FlatParam:
         compute_dtype: torch.dtype | None,
         reduce_dtype: torch.dtype | None,
         stage: int,
+        packed: torch.Tensor | None = None,
     ) -> None:
         self.names, self.params, self.group, self.comm, self.stage = names, params, group, comm, stage
         self.layout = FlatShard([p.shape for p in params], comm.world_size, comm.rank)
@@ -52,8 +57,13 @@ class FlatParam:
         self._gather_src: torch.Tensor | None = None
         self._reduce: tuple[torch.Tensor, Any] | None = None
         self._touched: set[int] = set()  # parameters whose gradient is in grad_full this window
+        # stage 3: the full buffer last gathered into. While resharded its storage is freed (resized to 0), not
+        # dropped: autograd keeps views of the parameters saved in forward (a Linear saves its weight's
+        # transpose), which would otherwise keep every unit's full parameters alive until backward; the gather
+        # before backward refills the same storage, so those views read the parameters again
+        self._storage: torch.Tensor | None = None
         with torch.no_grad():
-            flat = self.layout.flatten([p.detach() for p in params])
+            flat = packed if packed is not None else self.layout.flatten([p.detach() for p in params])
             if stage < 3:
                 self.full = flat.to(self.compute_dtype)
                 self._point_params(self.full)
@@ -76,6 +86,9 @@ class FlatParam:
 
     def free(self) -> None:
         """Drop the full parameters (stage 3); the module's parameters become empty tensors."""
+        if self.full is not None and self.stage == 3:
+            self._storage = self.full
+            self.full.untyped_storage().resize_(0)
         self.full = None
         with torch.inference_mode(False):  # never an inference tensor, even when freed during validation
             empty = torch.empty(0, dtype=self.compute_dtype, device=self.device)
@@ -89,8 +102,15 @@ class FlatParam:
         with torch.inference_mode(False), torch.no_grad():
             src = self.master.detach()
             self._gather_src = src if src.dtype == self.compute_dtype else src.to(self.compute_dtype)
-            buffer = torch.empty(self.layout.padded, dtype=self.compute_dtype, device=self.device)
-            self._gather_work = (buffer, self.comm.all_gather_into(buffer, self._gather_src, async_op=True))
+            buffer = self._storage
+            if buffer is None:
+                buffer = torch.empty(self.layout.padded, dtype=self.compute_dtype, device=self.device)
+            else:
+                buffer.untyped_storage().resize_(buffer.numel() * buffer.element_size())
+            # autograd's saved views must not see this write as an in-place change: their values are the same
+            with torch.autograd._unsafe_preserve_version_counter(buffer):
+                work = self.comm.all_gather_into(buffer, self._gather_src, async_op=True)
+            self._gather_work = (buffer, work)
 
     def finish_gather(self) -> None:
         """Wait for the all-gather and point the parameters at the full buffer."""
