@@ -59,13 +59,14 @@ def test_the_table_takes_the_largest_rank_and_the_median_round() -> None:
         engine = {"device": {"params": 2**20, "grads": 0, "optimizer": 0}, "host": {"params": 3 * 2**20}}
         return MemoryResult(name, rnd, rank, 300.0, setup, setup + 10, [step], engine=engine if name == "z" else None)
 
-    results = [result("d", k, r, 400 + 10 * k + r, 1.0) for k in range(3) for r in range(2)]
-    results += [result("z", k, r, 350 + r, 1.5) for k in range(3) for r in range(2)]
+    d_steps, z_steps = [1.0, 2.0, 1.0], [1.5, 2.0, 3.0]  # same-round ratios 1.5, 1.0, 3.0: median 1.5 (not 2.0 / 1.0)
+    results = [result("d", k, r, 400 + 10 * k + r, d_steps[k]) for k in range(3) for r in range(2)]
+    results += [result("z", k, r, 350 + r, z_steps[k]) for k in range(3) for r in range(2)]
     text = memory_markdown(results, _cfg({}), {"cpu": "test cpu", "date": "2026-11-28"})
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]] for line in text.splitlines()[5:]}
     # d: the largest rank per round is 401, 411, 421 -> median 411; above the start (300): 111
     assert rows["d"] == ["411", "421", "111", "121", "1.000", "1.00", "n/a"]
-    assert rows["z"] == ["351", "361", "51", "61", "1.500", "1.50", "1.0 / 3.0"]
+    assert rows["z"] == ["351", "361", "51", "61", "2.000", "1.50", "1.0 / 3.0"]
     assert "test cpu, 2026-11-28" in text
 
 

@@ -184,11 +184,18 @@ def _largest(results: list[MemoryResult], key: str) -> float:
     return median([v for v in values if v is not None])
 
 
+def _round_ratio(results: list[MemoryResult], name: str, reference: str, k: int) -> float | None:
+    """Row ``name``'s median step over ``reference``'s in round ``k`` (None where either has no step there)."""
+    mine, theirs = ([s for r in results if r.name == n and r.round == k for s in r.step_s] for n in (name, reference))
+    return median(mine) / median(theirs) if mine and theirs else None
+
+
 def memory_markdown(results: list[MemoryResult], cfg: Any, meta: dict[str, Any] | None = None) -> str:
     """The table: per row the peak RSS of setup and training (absolute and above the start), the step time and
-    its ratio to the first row's, CUDA peaks where measured, and the ZeRO engine's device / host split."""
+    its ratio to the first row's (median of same-round ratios), CUDA peaks where measured, and the ZeRO engine's
+    device / host split."""
     m = cfg.memory
-    names = list(dict.fromkeys(r.name for r in results))
+    names, rounds = list(dict.fromkeys(r.name for r in results)), sorted({r.round for r in results})
     cuda = any(r.cuda_train_mib is not None for r in results)
     head = ["row", "setup peak RSS (MiB)", "training peak RSS (MiB)", "setup above start", "training above start"]
     head += ["step (s)", f"step / {names[0]}"] + (["CUDA setup / training (MiB)"] if cuda else [])
@@ -203,11 +210,12 @@ def memory_markdown(results: list[MemoryResult], cfg: Any, meta: dict[str, Any] 
         "|" + "---|" * (len(head) + 1),
     ]
     steps = {n: median([s for r in results if r.name == n for s in r.step_s]) for n in names}
+    ratios = {n: median([ratio for k in rounds if (ratio := _round_ratio(results, n, names[0], k))]) for n in names}
     for n in names:
         mine = [r for r in results if r.name == n]
         setup, train, start = (_largest(mine, k) for k in ("setup_mib", "train_mib", "start_mib"))
         cells = [n, fmt(setup, ".0f"), fmt(train, ".0f"), fmt(setup - start, ".0f"), fmt(train - start, ".0f")]
-        cells += [fmt(steps[n], ".3f"), fmt(steps[n] / steps[names[0]], ".2f")]
+        cells += [fmt(steps[n], ".3f"), fmt(ratios[n], ".2f")]
         if cuda:
             cells.append(
                 f"{fmt(_largest(mine, 'cuda_setup_mib'), '.0f')} / {fmt(_largest(mine, 'cuda_train_mib'), '.0f')}"
