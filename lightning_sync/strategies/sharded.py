@@ -23,24 +23,21 @@ What is sharded, and what is synchronized when (K ranks):
   (with ``prefetch``, the next unit's gather is already in flight), freed after it
   (``reshard_after_forward``), gathered again before its backward, and its gradient reduce-scattered
   right after. The root unit (parameters no wrapped module owns) is gathered at the start of each
-  step function and freed after backward.
+  step function and freed after backward: per micro-step one all-gather of the root unit and two of
+  every other (one with ``reshard_after_forward=False``), and once, in the first step, the order check.
 * **Accumulation** (Lightning's non-boundary micro-steps): no collective at all; *unsharded*
   gradients accumulate locally (stage 2/3 then hold a full gradient, like DDP, for the window), and
   the boundary micro-step reduce-scatters their sum once.
 * **Mixed precision:** ``param_dtype`` is what is gathered and computed in (wrapped units cast their
   floating-point inputs to it), ``reduce_dtype`` what gradients are reduced in; master shards are fp32.
-* **CPU offload** (``offload=True``, any stage; ZeRO-Offload, Ren et al., ATC 2021): the fp32 master shards,
-  their gradients and the optimizer state live in host memory (pinned where they are copied, when CUDA is
-  available) and the optimizer steps there. Each unit's averaged gradient shard is copied to the host on a
-  side stream as soon as its reduce-scatter is done, overlapping the next units' backward; after the step
-  each updated shard is copied back, in the compute dtype, ahead of its all-gather. On a CPU-only machine
-  the copies stay in host memory and the run is bit-identical to ``offload=False``
-  (:mod:`lightning_sync.sync.zero.offload`; ``engine.memory_report()`` splits the bytes by placement).
-* **Activation checkpointing** (``activation_checkpointing=True``): the modules the ``wrap_policy`` selects
-  (stage 3: every wrap unit but the root; stages 1/2 the same modules, though their units are buckets)
-  keep only their inputs in forward and recompute their activations in backward, with the random state of
-  the first run (dropout draws the same masks): gradients are those of the run without it. It adds one
-  forward of those modules per step and no collective (:mod:`lightning_sync.sync.zero.recompute`).
+* **CPU offload** (``offload=True``, any stage; ZeRO-Offload): the fp32 master shards, their gradients and the
+  optimizer state live in host memory and the optimizer steps there; the copies run on a side CUDA stream,
+  overlapped with backward and with the next forward (:mod:`lightning_sync.sync.zero.offload`). On a CPU-only
+  machine training is bit-identical to ``offload=False``; ``engine.memory_report()`` says what lives where.
+* **Activation checkpointing** (``activation_checkpointing=True``): the modules ``wrap_policy`` selects (stage 3:
+  every unit but the root) recompute their activations in backward, with the first run's random state (same
+  gradients, dropout included): one more forward of them per step, no more all-gathers
+  (:mod:`lightning_sync.sync.zero.recompute`).
 * **Metrics:** ``reduce``/``all_gather``/``broadcast``/``barrier`` go through ``lightning_sync.comms``.
 * **Checkpoints** take one of two forms (``state_dict_type``); both load at any world size and stage, and a
   save replaces whatever is at its path, file or directory, atomically (:mod:`lightning_sync.checkpoint.atomic`).
