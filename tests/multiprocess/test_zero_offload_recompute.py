@@ -37,7 +37,9 @@ from torch.utils.data import DataLoader
 from lightning_sync import ShardedStrategy, comms
 from lightning_sync.checkpoint.reading import read_dcp_metadata
 from lightning_sync.sync.zero import ZeroEngine, consolidate_checkpoint, full_state_dict, load_sharded, save_sharded
+from lightning_sync.sync.zero.checkpoint import load_full_state_dict
 from lightning_sync.sync.zero.format import read_meta
+from lightning_sync.sync.zero.full_checkpoint import full_model_state, full_optimizer_state, load_full_optimizer_state
 from lightning_sync.testing import run_distributed
 
 __all__: list[str] = []
@@ -120,9 +122,10 @@ CKPT = [(2, None), (3, [Block])]
 
 
 def _checkpoints(rank: int, world: int, root: str) -> dict[str, Any]:
-    """Per stage: 2 steps, save, 2 more, with and without offload; then each checkpoint loads into an engine of
-    the other kind (other initial weights: the load must win) and trains the same 2 steps. No dropout: the
-    resumed half's seeds would differ from the uninterrupted run's otherwise."""
+    """Per stage: 2 steps, save both forms (a sharded directory; the full model and optimizer state, as rank 0
+    writes them in one file), 2 more, with and without offload; then each checkpoint loads into an engine of the
+    other kind (other initial weights: the load must win) and trains the same 2 steps. No dropout: the resumed
+    half's seeds would differ from the uninterrupted run's otherwise."""
     data, out = batches(4, seed=3), {}
     for stage, policy in CKPT:
         runs: dict[str, Any] = {}
@@ -131,15 +134,25 @@ def _checkpoints(rank: int, world: int, root: str) -> dict[str, Any]:
             sharded_steps(eng, model, opt, data[:2], rank, world)
             path = f"{root}/s{stage}-offload{offload}"
             save_sharded(eng, path)
+            full = [full_model_state(eng), full_optimizer_state(eng)]  # rank 0's, as the file holds them
+            torch.distributed.broadcast_object_list(full, src=0)  # every rank reads the whole file
             sd2 = full_state_dict(eng)
             sharded_steps(eng, model, opt, data[2:], rank, world)
-            runs[f"saved{offload}"] = {"dir": path, "sd2": sd2, "sd4": full_state_dict(eng)}
+            runs[f"saved{offload}"] = {"dir": path, "full": full, "sd2": sd2, "sd4": full_state_dict(eng)}
         for saved in (False, True):  # loaded by the other kind
-            model, opt, eng = _engine(stage, policy, seed=123, dropout=0.0, offload=not saved)
-            load_sharded(eng, runs[f"saved{saved}"]["dir"])
-            loaded = full_state_dict(eng)
-            sharded_steps(eng, model, opt, data[2:], rank, world)
-            runs[f"loaded{saved}"] = {"loaded": loaded, "resumed": full_state_dict(eng)}
+            for form in ("sharded", "full"):
+                model, opt, eng = _engine(stage, policy, seed=123, dropout=0.0, offload=not saved)
+                if form == "sharded":
+                    load_sharded(eng, runs[f"saved{saved}"]["dir"])
+                else:
+                    model_state, optimizer_state = runs[f"saved{saved}"]["full"]
+                    load_full_state_dict(eng, model_state)
+                    load_full_optimizer_state(eng, optimizer_state)
+                loaded = full_state_dict(eng)
+                sharded_steps(eng, model, opt, data[2:], rank, world)
+                runs[f"loaded{saved}-{form}"] = {"loaded": loaded, "resumed": full_state_dict(eng)}
+        for key in ("savedFalse", "savedTrue"):
+            runs[key]["full"] = runs[key]["full"] if rank == 0 else None
         out[stage] = runs
     return out
 
@@ -334,10 +347,20 @@ def test_offload_checkpoints_are_the_same_checkpoints(ranks: list[dict[str, Any]
             assert_equal(plain["sd4"], ref4, f"stage {stage} after 4 steps", **EQ_TOL)
             assert_equal(offloaded["sd4"], plain["sd4"], f"rank {rank} stage {stage} offload")
             for saved in (False, True):  # loading is data movement, resuming the same float operations
-                got = c[f"loaded{saved}"]
-                what = f"rank {rank} stage {stage}: saved {'with' if saved else 'without'} offload, loaded by the other"
-                assert_equal(got["loaded"], plain["sd2"], f"{what}: loaded")
-                assert_equal(got["resumed"], plain["sd4"], f"{what}: resumed")
+                for form in ("sharded", "full"):
+                    got = c[f"loaded{saved}-{form}"]
+                    kind = "with" if saved else "without"
+                    what = f"rank {rank} stage {stage}: {form}, saved {kind} offload, loaded by the other"
+                    assert_equal(got["loaded"], plain["sd2"], f"{what}: loaded")
+                    assert_equal(got["resumed"], plain["sd4"], f"{what}: resumed")
+    # the full form is the same file with and without offload: model and optimizer state, bit for bit
+    for stage, _ in CKPT:
+        plain, offloaded = (ranks[0]["ckpt"][stage][f"saved{o}"]["full"] for o in (False, True))
+        assert_equal(offloaded[0], plain[0], f"stage {stage} full model state")
+        assert offloaded[1]["param_groups"] == plain[1]["param_groups"]
+        assert sorted(offloaded[1]["state"]) == sorted(plain[1]["state"]) and plain[1]["state"]
+        for number, entry in plain[1]["state"].items():
+            assert_equal(offloaded[1]["state"][number], entry, f"stage {stage} full optimizer state {number}")
     for stage, _ in CKPT:
         a, b = (Path(ranks[0]["ckpt"][stage][f"saved{o}"]["dir"]) for o in (False, True))
         assert json.loads(json.dumps(read_meta(a))) == json.loads(json.dumps(read_meta(b)))  # the same meta file

@@ -73,6 +73,7 @@ class FlatParam:
         self._storage: torch.Tensor | None = None
         self.host = offload  # the engine's offload (its side stream), or None: the master stays on the device
         self._offloaded: OffloadedShard | None = None
+        self._reduced: Any = None  # offload on a side stream: CUDA event, the reduce-scatter has completed
         with torch.no_grad():
             flat = packed if packed is not None else self.layout.flatten([p.detach() for p in params])
             if stage < 3:
@@ -196,8 +197,11 @@ class FlatParam:
     def finish_reduce(self) -> None:
         """Wait for the reduce-scatter; add the averaged shard to the master's gradient. Stage 1 keeps
         the full gradient buffer (the master's gradient is its slice); stages 2/3 free it. With offload
-        on a side stream this ran when the reduce-scatter was issued, and does nothing here."""
+        on a side stream this ran when the reduce-scatter was issued; here the calling (compute) stream only
+        waits for the reduce-scatter, as it does without offload, so its input's memory is free for reuse."""
         if self._reduce is None and self.host is not None:
+            self.host.wait(self._reduced)
+            self._reduced = None
             return
         assert self._reduce is not None and self.grad_full is not None
         out, work = self._reduce
@@ -206,6 +210,8 @@ class FlatParam:
             self.host.keep(out, self.grad_full)  # read on the side stream, allocated on the compute stream
         with torch.no_grad(), self.host.side() if self.host is not None else nullcontext():
             work.wait()
+            if self.host is not None:
+                self._reduced = self.host.record()
             if self.stage == 1:
                 own = self.layout.shard(self.grad_full)
                 own.copy_(out)

@@ -17,8 +17,10 @@ The copies, and what orders them on CUDA (one side stream per engine; :class:`Ho
 
 * **gradient, device to host.** When a unit's reduce-scatter is issued, the side stream (not the CPU, not the
   compute stream) waits for it, converts the averaged shard to the master dtype and copies it into the flat's
-  pinned gradient buffer: each unit's copy overlaps the next units' backward. When backward ends the CPU
-  waits for the side stream, so norm clipping and the optimizer step read complete gradients.
+  pinned gradient buffer: each unit's copy overlaps the next units' backward. Where the engine finishes a
+  unit's reduce-scatter (before it issues the next one, or when backward ends), the compute stream waits for
+  that reduce-scatter, as it does without offload, but not for the copy. When backward ends the CPU waits for
+  the side stream, so norm clipping and the optimizer step read complete gradients.
 * **shard, host to device.** Right after the optimizer step, every flat's updated master is copied (and cast
   to the compute dtype) into its pinned staging buffer, and from there into its device shard on the side
   stream, in flat order, each copy recording an event. The compute stream waits for a flat's event only where
@@ -96,6 +98,15 @@ class HostOffload:
             for t in tensors:
                 if t is not None:
                     t.record_stream(self.stream)
+
+    def record(self) -> Any:
+        """A CUDA event at this point of the side stream (None without one)."""
+        return None if self.stream is None else self.stream.record_event()
+
+    def wait(self, event: Any) -> None:
+        """The current stream waits for ``event`` (from :meth:`record`; None: nothing to wait for)."""
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
 
     def add_later(self, target: torch.Tensor, addend: torch.Tensor) -> None:
         """Add ``addend`` (a copy still in flight) into ``target`` at the next :meth:`synchronize`."""
