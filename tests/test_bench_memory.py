@@ -14,11 +14,9 @@ from lightning_sync.bench.memory import MemoryResult, memory_markdown, memory_tr
 
 __all__: list[str] = []
 
-ZERO3 = {"_target_": "lightning_sync.strategies.sharded.ShardedStrategy", "stage": 3, "wrap_policy": ["Linear"]}
-TINY = {
-    "model": {"_target_": "lightning_sync.models.synthetic.DeepMLP", "in_features": 32, "hidden": 64, "depth": 3},
-    "data": {"_target_": "lightning_sync.models.synthetic.SyntheticDataModule", "in_features": 32, "num_samples": 256},
-}
+ZERO3 = {"_target_": "lightning_sync.strategies.sharded.ShardedStrategy", "stage": 3, "wrap_policy": ["Block"]}
+# the bench's models hold torchmetrics states, which a model built in trainer.init_module() under zero3 cannot move
+TINY = {"model": {"_target_": "support.block_net.BlockLM"}, "data": {"_target_": "support.block_net.TokenData"}}
 
 
 def _cfg(rows: dict[str, Any], **kw: Any) -> Any:
@@ -72,7 +70,9 @@ def test_the_table_takes_the_largest_rank_and_the_median_round() -> None:
 
 @pytest.mark.timeout(300)
 def test_a_small_run_measures_every_row_in_its_own_processes(tmp_path: Path) -> None:
-    """One round of ZeRO-3 built eagerly and inside trainer.init_module(), each trial 2 ranks of its own."""
+    """One round of ZeRO-3 built eagerly and inside trainer.init_module() (deferred), each trial 2 ranks of its
+    own; the model is too small for its memory to show beside the process's, so the figures are checked to be
+    there, not compared."""
     from lightning_sync.bench.memory import run_memory
 
     cfg = _cfg({"zero3": {"strategy": ZERO3}, "zero3_init_module": {"strategy": ZERO3, "init_module": True}}, pairs=1)
@@ -82,4 +82,6 @@ def test_a_small_run_measures_every_row_in_its_own_processes(tmp_path: Path) -> 
         assert 0 < r.start_mib <= r.setup_mib and 0 < r.train_mib, r
         assert len(r.step_s) == 2 and all(s > 0 for s in r.step_s), r
         assert r.engine is not None and r.engine["host"]["optimizer"] == 0 and r.engine["device"]["optimizer"] > 0
+    # the engine materialized the init_module row's model itself (deferred), and not the other's
+    assert {r.name: r.init_peak_mib is not None for r in results} == {"zero3": False, "zero3_init_module": True}
     assert (tmp_path / "memory.md").read_text().count("| zero3") == 2 and (tmp_path / "memory.json").is_file()

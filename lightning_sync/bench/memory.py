@@ -75,6 +75,7 @@ class MemoryResult:
     cuda_setup_mib: float | None = None
     cuda_train_mib: float | None = None
     engine: dict[str, dict[str, int]] | None = None  # ZeroEngine.memory_report() at the last step
+    init_peak_mib: float | None = None  # a deferred ZeroEngine's own peak while it materialized the model
 
 
 class _Phases(pl.Callback):
@@ -84,10 +85,13 @@ class _Phases(pl.Callback):
         self.warmup, self.setup_mib, self.step_s, self._t0 = warmup, 0.0, [], 0.0
         self.cuda_setup_mib: float | None = None
         self.engine: dict[str, dict[str, int]] | None = None
+        self.init_peak_mib: float | None = None
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.setup_mib = peak_rss_mib()
         reset_peak_rss()
+        init_peak = getattr(getattr(trainer.strategy, "engine", None), "init_peak_bytes", None)
+        self.init_peak_mib = init_peak / _MIB if init_peak is not None else None
         if torch.cuda.is_available():
             self.cuda_setup_mib = torch.cuda.max_memory_allocated() / _MIB
             torch.cuda.reset_peak_memory_stats()
@@ -124,7 +128,7 @@ def _trial(rank: int, world: int, trial: Trial) -> MemoryResult:
     cuda_train = torch.cuda.max_memory_allocated() / _MIB if torch.cuda.is_available() else None
     return MemoryResult(
         trial.name, trial.extra["round"], rank, start, probe.setup_mib, peak_rss_mib(), probe.step_s,
-        probe.cuda_setup_mib, cuda_train, probe.engine,
+        probe.cuda_setup_mib, cuda_train, probe.engine, probe.init_peak_mib,
     )  # fmt: skip
 
 

@@ -7,6 +7,9 @@ its forward on its rows of the global batch; the reference, one process, seeds t
 rows in turn, so every dropout mask is the one that rank drew, and backpropagates each rank's mean loss divided
 by the ranks and the accumulation (the mean of the ranks' mean gradients, which the engine's averaging
 reduce-scatter computes).
+
+:class:`BlockLM` and :class:`TokenData` are the model and data for a Lightning fit (the bench's memory table's
+tests build them by their dotted names; the model holds no torchmetrics states).
 """
 
 from __future__ import annotations
@@ -14,14 +17,18 @@ from __future__ import annotations
 from contextlib import nullcontext
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
 from torch import nn
 from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
 
 __all__ = [
     "BATCH",
     "Block",
+    "BlockLM",
     "BlockNet",
+    "TokenData",
     "batches",
     "dropout_seed",
     "make_net",
@@ -63,6 +70,10 @@ class BlockNet(nn.Module):
         self.blocks = nn.ModuleList(Block(dim, hidden, dropout) for _ in range(depth))
         self.head = nn.Linear(dim, vocab)
         self.scale = nn.Parameter(torch.ones(()))
+
+    def reset_parameters(self) -> None:
+        """Its own parameter (the layers reset theirs): what deferred initialization calls."""
+        nn.init.ones_(self.scale)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         h = self.emb(ids)
@@ -148,3 +159,33 @@ def reference(
             norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
         opt.step()
     return norms
+
+
+class BlockLM(pl.LightningModule):
+    """:class:`BlockNet` as a LightningModule: cross-entropy of the sequence's label, AdamW."""
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__()
+        self.net = BlockNet(**kw)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        ids, y = batch
+        return F.cross_entropy(self.net(ids), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=0.01)
+
+
+class TokenData(pl.LightningDataModule):
+    """``n`` random token sequences and labels of :data:`VOCAB` symbols, ``batch_size`` a rank."""
+
+    def __init__(self, n: int = 64, batch_size: int = 4) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.ds = TensorDataset(
+            torch.randint(0, VOCAB, (n, SEQ), generator=g), torch.randint(0, VOCAB, (n,), generator=g)
+        )
+        self.batch_size = batch_size
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.ds, batch_size=self.batch_size, shuffle=True)
