@@ -165,14 +165,11 @@ class OffloadedShard:
             self.staging.copy_(self.master.detach())  # cast on the host: the copy moves compute-dtype bytes
             with self.owner.side():
                 self.device_shard.copy_(self.staging, non_blocking=True)
-                if self.owner.streamed:
-                    self._ready = torch.cuda.Event()
-                    self._ready.record(self.owner.stream)
+            self._ready = self.owner.record()
 
     def gather_source(self) -> torch.Tensor:
         """The device shard, once its latest copy has landed (for the stream that issues the all-gather)."""
-        if self._ready is not None:
-            torch.cuda.current_stream(self.owner.device).wait_event(self._ready)
+        self.owner.wait(self._ready)
         return self.device_shard
 
     def take_grad(self, shard: torch.Tensor) -> None:
