@@ -9,6 +9,9 @@ until the first training batch: the model, Lightning's setup, the strategy's bro
 optimizer) and **training** (the warm-up and timed steps). A row with ``init_module: true`` builds its model
 inside ``trainer.init_module()`` (Lightning's route to a strategy's deferred initialization), others build it
 before ``fit``. Where CUDA is available each phase's ``torch.cuda.max_memory_allocated`` is recorded too.
+Each rank sets glibc's mmap threshold to 1 MiB first (``mallopt``): glibc otherwise keeps freed blocks below
+its growing threshold in its heap, still resident, so a tensor freed in setup (the eager model's full copy)
+would count in the training phase's peak; with it, a freed tensor leaves the resident set.
 
 A figure is the largest rank's, the median over the rounds of the alternating schedule; the step time is the
 median of the timed steps, over ranks and rounds. For the ZeRO rows the engine's own accounting
@@ -18,6 +21,7 @@ device and host: on a CPU-only machine offload moves nothing, and that column sh
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import json
 import logging
@@ -38,6 +42,15 @@ __all__ = ["INIT_MODULE", "MemoryResult", "memory_markdown", "memory_trials", "p
 
 log = logging.getLogger("lightning_sync.bench")
 _MIB = 2**20
+_M_MMAP_THRESHOLD = -3  # mallopt's parameter number
+
+
+def _freed_tensors_leave_the_resident_set() -> None:
+    """glibc: allocations of 1 MiB and more are mapped on their own and unmapped when freed (module docstring)."""
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, _MIB)
+    except (OSError, AttributeError):  # not glibc: its allocator's own policy stands
+        pass
 
 
 def _status_kib(key: str) -> int:
@@ -114,6 +127,7 @@ def _trial(rank: int, world: int, trial: Trial) -> MemoryResult:
     import lightning_sync  # noqa: F401 - registers the strategy names
 
     quiet(1)
+    _freed_tensors_leave_the_resident_set()
     pl.seed_everything(0, verbose=False)
     data = instantiate(trial.data_cfg)
     gc.collect()
