@@ -67,6 +67,7 @@ def test_bench_suites_compose_and_name_importable_strategies(suite: str) -> None
         cfg = compose("bench", overrides=[f"suite={suite}"])
     GlobalHydra.instance().clear()
     assert cfg.tradeoff.enabled == (suite in ("tradeoff", "full"))
+    assert cfg.memory.enabled == (suite == "memory")
     assert cfg.cost_model.enabled == (suite in ("full", "quick"))
     if suite == "full":  # the report: every model at 2, 3 and 4 ranks, every strategy row
         assert list(cfg.world_sizes) == [2, 3, 4] and cfg.run_strategies is None
@@ -76,6 +77,8 @@ def test_bench_suites_compose_and_name_importable_strategies(suite: str) -> None
     for rows in cfg.tradeoff.rows.values():
         for node in rows.values():
             get_class(node._target_)
+    for row in cfg.memory.rows.values():
+        get_class(row.strategy._target_)
     for node in cfg.strategies.values():
         get_class(node._target_)
     periods = [int(n.sync_every) for rows in cfg.tradeoff.rows.values() for n in rows.values() if "sync_every" in n]

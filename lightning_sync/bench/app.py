@@ -108,7 +108,7 @@ def _meta(cfg: DictConfig, worlds: list[int]) -> dict[str, Any]:
 def run_bench(cfg: DictConfig, out_dir: Path) -> Report | None:
     """Run the suite (``mode=calibrate``: :func:`run_calibration`) and write its report, plots and ``raw.json`` into
     ``out_dir``: the strategy rows at every world size (with :data:`COMPUTE_ROW` for the cost model and the bucket
-    sweep at the smallest), the single-process rows (T1 and :func:`host_rows`), the trade-off."""
+    sweep at the smallest), the single-process rows (T1 and :func:`host_rows`), the trade-off, the memory table."""
     from lightning_sync.testing import run_distributed
 
     worlds, threads = world_sizes(cfg), int(cfg.threads_per_rank)
@@ -153,6 +153,13 @@ def run_bench(cfg: DictConfig, out_dir: Path) -> Report | None:
         if report is not None:  # one report: the trade-off rows go below the strategy rows
             with open(out_dir / "report.md", "a") as f:
                 f.write("\n\n" + (out_dir / "tradeoff.md").read_text())
+    if cfg.memory.enabled:
+        from lightning_sync.bench.memory import run_memory
+
+        run_memory(cfg, out_dir, meta)
+        if report is not None:
+            with open(out_dir / "report.md", "a") as f:
+                f.write("\n\n" + (out_dir / "memory.md").read_text())
     return report
 
 

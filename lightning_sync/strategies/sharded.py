@@ -23,12 +23,21 @@ What is sharded, and what is synchronized when (K ranks):
   (with ``prefetch``, the next unit's gather is already in flight), freed after it
   (``reshard_after_forward``), gathered again before its backward, and its gradient reduce-scattered
   right after. The root unit (parameters no wrapped module owns) is gathered at the start of each
-  step function and freed after backward.
+  step function and freed after backward: per micro-step one all-gather of the root unit and two of
+  every other (one with ``reshard_after_forward=False``), and once, in the first step, the order check.
 * **Accumulation** (Lightning's non-boundary micro-steps): no collective at all; *unsharded*
   gradients accumulate locally (stage 2/3 then hold a full gradient, like DDP, for the window), and
   the boundary micro-step reduce-scatters their sum once.
 * **Mixed precision:** ``param_dtype`` is what is gathered and computed in (wrapped units cast their
   floating-point inputs to it), ``reduce_dtype`` what gradients are reduced in; master shards are fp32.
+* **CPU offload** (``offload=True``, any stage; ZeRO-Offload): the fp32 master shards, their gradients and the
+  optimizer state live in host memory and the optimizer steps there; the copies run on a side CUDA stream,
+  overlapped with backward and with the next forward (:mod:`lightning_sync.sync.zero.offload`). On a CPU-only
+  machine training is bit-identical to ``offload=False``; ``engine.memory_report()`` says what lives where.
+* **Activation checkpointing** (``activation_checkpointing=True``): the modules ``wrap_policy`` selects (stage 3:
+  every unit but the root) recompute their activations in backward, with the first run's random state (same
+  gradients, dropout included): one more forward of them per step, no more all-gathers
+  (:mod:`lightning_sync.sync.zero.recompute`).
 * **Metrics:** ``reduce``/``all_gather``/``broadcast``/``barrier`` go through ``lightning_sync.comms``.
 * **Checkpoints** take one of two forms (``state_dict_type``); both load at any world size and stage, and a
   save replaces whatever is at its path, file or directory, atomically (:mod:`lightning_sync.checkpoint.atomic`).
@@ -112,6 +121,10 @@ class ShardedStrategy(SyncStrategy):
         param_dtype: gather/compute dtype (``"bf16"``, ``"fp16"``, ``"fp32"``, a torch dtype, or None).
         reduce_dtype: gradient reduce-scatter dtype (None: the compute dtype).
         bucket_cap_mb: stages 1/2: gradient bucket size in MiB.
+        offload: keep the fp32 master shards, their gradients and the optimizer state in host memory and run
+            the optimizer step there (the device holds only what is gathered and computed).
+        activation_checkpointing: recompute the activations of the modules ``wrap_policy`` selects in
+            backward instead of keeping them (needs a ``wrap_policy`` that selects submodules).
         process_group_backend: ``"gloo"``, ``"nccl"`` or None (Lightning picks for the accelerator).
         timeout: collective timeout in seconds (or a ``timedelta``).
         start_method: ``"popen"``, ``"spawn"``, ``"fork"`` or ``"forkserver"``.
@@ -133,6 +146,8 @@ class ShardedStrategy(SyncStrategy):
         param_dtype: Any = None,
         reduce_dtype: Any = None,
         bucket_cap_mb: float = 25.0,
+        offload: bool = False,
+        activation_checkpointing: bool = False,
         process_group_backend: str | None = None,
         timeout: float | timedelta = 1800.0,
         start_method: str = "popen",
@@ -142,9 +157,18 @@ class ShardedStrategy(SyncStrategy):
         check_stage(stage)
         self.state_dict_type = resolve_state_dict_type(state_dict_type, stage)
         check_mib("bucket_cap_mb", bucket_cap_mb)
-        for name, value in (("prefetch", prefetch), ("reshard_after_forward", reshard_after_forward)):
+        for name, value in (
+            ("prefetch", prefetch),
+            ("reshard_after_forward", reshard_after_forward),
+            ("offload", offload),
+            ("activation_checkpointing", activation_checkpointing),
+        ):
             check_bool(name, value)
-        resolve_wrap_policy(wrap_policy)  # validates
+        if resolve_wrap_policy(wrap_policy) is None and activation_checkpointing:
+            raise ValueError(
+                "activation_checkpointing=True checkpoints the modules the wrap_policy selects; got "
+                "wrap_policy=None: give one (e.g. the model's block class, or ['torch.nn.Linear'])"
+            )
         self.param_dtype = resolve_dtype(param_dtype, "param_dtype")
         self.reduce_dtype = resolve_dtype(reduce_dtype, "reduce_dtype")
         check_launch_args(type(self).__name__, process_group_backend, start_method, kwargs)
@@ -156,6 +180,7 @@ class ShardedStrategy(SyncStrategy):
         )
         self.stage, self.wrap_policy, self.prefetch = stage, wrap_policy, prefetch
         self.reshard_after_forward, self.bucket_cap_mb = reshard_after_forward, bucket_cap_mb
+        self.offload, self.activation_checkpointing = offload, activation_checkpointing
         self.engine: ZeroEngine | None = None
         # the engine a teardown closed, once it gave the module its full parameters back: its shards and the
         # optimizer's state in them, for checkpoints written after fit
@@ -241,6 +266,8 @@ class ShardedStrategy(SyncStrategy):
             reduce_dtype=self.reduce_dtype,
             bucket_cap_mb=self.bucket_cap_mb,
             init_device=self.root_device if has_meta(self.model) else None,  # deferred init: its storage
+            offload=self.offload,
+            activation_checkpointing=self.activation_checkpointing,
         )
         units = [u for u in self.engine.units if u.numel]
         rank_zero_info(

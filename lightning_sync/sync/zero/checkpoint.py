@@ -162,7 +162,7 @@ def load_sharded(engine: ZeroEngine, path: str | os.PathLike[str], weights_only:
                 if k not in state:
                     mine = old.get(k)
                     fits = isinstance(mine, torch.Tensor) and elementwise(mine, f) and mine.dtype == dtype
-                    state[k] = mine if fits else torch.zeros(f.layout.shard_numel, dtype=dtype, device=f.device)
+                    state[k] = mine if fits else torch.zeros(f.layout.shard_numel, dtype=dtype, device=f.master.device)
                 reads.add(state[k], f"optim/{name}/{k}", chunks, saved, s)
             for k in state_keys(saved, name, scalar=True):
                 reads.want[f"optim/{name}/{k}"] = placeholder(saved[f"optim/{name}/{k}"])
@@ -179,7 +179,7 @@ def load_sharded(engine: ZeroEngine, path: str | os.PathLike[str], weights_only:
         for k, value in state.items():
             if isinstance(value, _Scalar):
                 scalar = scalars[value.key]
-                state[k] = scalar.to(f.device) if isinstance(scalar, torch.Tensor) else scalar
+                state[k] = scalar.to(f.master.device) if isinstance(scalar, torch.Tensor) else scalar
         if engine.optimizer is not None:
             if state:
                 engine.optimizer.state[f.master] = state

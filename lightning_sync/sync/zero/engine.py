@@ -15,6 +15,11 @@ What is synchronized, and when:
 * **Step.** The optimizer steps this rank's shards; stages 1/2 then all-gather the full parameters.
   Stage 3 all-gathers a unit just before its forward (and again before its backward when it was
   resharded after forward), prefetching the next unit's while the current one computes.
+* **Offload** (``offload=True``): the master shards, their gradients and the optimizer state live on the
+  host and the optimizer steps there; each gradient shard is copied out after its reduce-scatter and
+  each updated shard copied back for its all-gather (:mod:`lightning_sync.sync.zero.offload`).
+* **Activation checkpointing** (``activation_checkpointing=True``): the wrap policy's modules keep only their
+  inputs and recompute their activations in backward (:mod:`lightning_sync.sync.zero.recompute`).
 
 Every rank must run the same units in the same order (the collectives are matched by order); the first
 backward checks it. A rank that fails mid-step leaves its peers blocked in that unit's collective until
@@ -28,6 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_sync._checks import check_bool
 from lightning_sync.sync.backward import BackwardEngine
 from lightning_sync.sync.bucketing import check_mib
 from lightning_sync.sync.communicator import Communicator
@@ -35,7 +41,9 @@ from lightning_sync.sync.replicas import broadcast_module_states
 from lightning_sync.sync.zero.flat_param import FlatParam
 from lightning_sync.sync.zero.forward import Stage3Forward
 from lightning_sync.sync.zero.materialize import DeferredInit, has_meta
+from lightning_sync.sync.zero.offload import HostOffload
 from lightning_sync.sync.zero.options import check_stage, resolve_dtype, resolve_wrap_policy, storage_bytes
+from lightning_sync.sync.zero.recompute import ActivationCheckpointing, checkpointed_modules
 from lightning_sync.sync.zero.units import Unit, bucket_units, optimizer_groups, trainable_params, wrap_units
 
 __all__ = ["ZeroEngine"]
@@ -73,6 +81,9 @@ class ZeroEngine(Stage3Forward, BackwardEngine):
         init_device: where tensors built on the meta device get their storage (None: the CPU); see
             :class:`~lightning_sync.sync.zero.materialize.DeferredInit` (``ValueError`` when a module that owns
             such tensors has no ``reset_parameters``).
+        offload: keep the master shards, their gradients and the optimizer state on the host and step there.
+        activation_checkpointing: recompute the activations of the wrap policy's modules in backward (stage 3:
+            every wrap unit but the root; stages 1/2: the modules the policy selects); needs a wrap policy.
     """
 
     def __init__(
@@ -89,9 +100,13 @@ class ZeroEngine(Stage3Forward, BackwardEngine):
         bucket_cap_mb: float = 25.0,
         broadcast: bool = True,
         init_device: torch.device | str | None = None,
+        offload: bool = False,
+        activation_checkpointing: bool = False,
     ) -> None:
         check_stage(stage)
         check_mib("bucket_cap_mb", bucket_cap_mb)
+        check_bool("offload", offload)
+        self.activation_checkpointing = check_bool("activation_checkpointing", activation_checkpointing)
         if optimizer is not None and hasattr(optimizer, "_params"):
             raise ValueError(
                 f"{type(optimizer).__name__} keeps its own parameter list and cannot step shards; "
@@ -120,6 +135,10 @@ class ZeroEngine(Stage3Forward, BackwardEngine):
         self._order_checked = False
         self._frozen_orig: dict[int, torch.Tensor] = {}  # frozen parameters' own data (param_dtype set)
         self._reducing: list[int] = []  # units whose reduce-scatter is issued and not yet finished
+        trainable = [p.device for p in module.parameters() if p.requires_grad]
+        device = torch.device(init_device or "cpu") if self._deferred is not None or not trainable else trainable[0]
+        self._offload = HostOffload(device) if offload else None
+        self._ac: ActivationCheckpointing | None = None
         self._build()
 
     # ------------------------------------------------------------------ layout
@@ -132,6 +151,9 @@ class ZeroEngine(Stage3Forward, BackwardEngine):
             members_of = bucket_units(params, group_of, self._cap)
         else:
             members_of = wrap_units(self.module, params, self._policy)
+        if self.activation_checkpointing:  # chosen (and refused) before anything is built
+            modules = checkpointed_modules(self.module, params, members_of, self._policy, self.stage)
+            self._ac = ActivationCheckpointing(modules, self._before_recompute if self.stage == 3 else None)
         plans: list[list[tuple[int, list[nn.Parameter]]]] = []  # per unit: (optimizer group, params) per flat
         for _, _, uparams, _ in members_of:
             by_key: dict[tuple[int, torch.dtype], list[nn.Parameter]] = {}
@@ -140,11 +162,11 @@ class ZeroEngine(Stage3Forward, BackwardEngine):
             plans.append([(key[0], ps) for key, ps in by_key.items()])
         built: dict[int, list[FlatParam]] = {}
 
+        flat_args = (self.comm, self.param_dtype, self.reduce_dtype, self.stage)
+
         def build(ui: int, packed: list[torch.Tensor | None]) -> list[torch.Tensor]:
             built[ui] = [
-                FlatParam(
-                    [name_of[id(p)] for p in ps], ps, g, self.comm, self.param_dtype, self.reduce_dtype, self.stage, buf
-                )
+                FlatParam([name_of[id(p)] for p in ps], ps, g, *flat_args, buf, self._offload)
                 for (g, ps), buf in zip(plans[ui], packed)
             ]
             return [t for f in built[ui] for t in (f.master, f.full) if t is not None]
@@ -171,6 +193,8 @@ class ZeroEngine(Stage3Forward, BackwardEngine):
         self._handles: list[Any] = []
         if self.stage == 3:
             self._install_forward_hooks()
+        if self.optimizer is not None and self._offload is not None:  # before the stage 1/2 all-gathers read them
+            self._handles.append(self.optimizer.register_step_post_hook(lambda *_: self._offload.upload()))
         if self.optimizer is not None and self.stage < 3:
             self._handles.append(self.optimizer.register_step_post_hook(self._after_step))
         if self.stage < 3 and self.param_dtype is not None:  # stage 3 casts in every unit's pre-forward
@@ -243,6 +267,8 @@ class ZeroEngine(Stage3Forward, BackwardEngine):
     def _after_backward(self, synced: bool) -> None:
         if synced:
             self._window_open = False
+            if self._offload is not None:
+                self._offload.synchronize()  # the gradients are on the host before anything reads them
         if self.stage == 3:
             self.reshard()
             if not self._order_checked:
@@ -260,23 +286,46 @@ class ZeroEngine(Stage3Forward, BackwardEngine):
     def after_load(self) -> None:
         """Re-derive the full parameters from freshly loaded master shards (stages 1/2) and the
         compute copies of frozen parameters."""
+        if self._offload is not None:
+            self._offload.upload()
         if self.stage < 3:
             self._after_step(None, None, None)
         self._cast_frozen()
 
     # ------------------------------------------------------------------ inspection
     def memory_bytes(self) -> dict[str, int]:
-        """Bytes of parameter, gradient and optimizer-state storage this rank holds now (each storage once)."""
+        """Bytes of parameter, gradient and optimizer-state storage this rank holds now (each storage once),
+        device and host together (:meth:`memory_report` keeps them apart)."""
+        report = self.memory_report()
+        return {part: report["device"][part] + report["host"][part] for part in report["device"]}
+
+    def memory_report(self) -> dict[str, dict[str, int]]:
+        """:meth:`memory_bytes` by where the bytes live: ``"device"`` (where the module computes) and ``"host"``
+        (with ``offload``: the master shards, their gradients, the optimizer state and the pinned buffers of the
+        copies; else nothing). Placed by role: on a CPU-only machine, where both are host memory, the report
+        still says which bytes an accelerator would hold."""
         seen: set[int] = set()
-        params = storage_bytes([p for p in self.module.parameters()], seen)
-        params += storage_bytes([f.master for f in self.flats], seen)
-        grads = storage_bytes([p.grad for p in self.module.parameters()], seen)
-        grads += storage_bytes([f.grad_full for f in self.flats] + [f.master.grad for f in self.flats], seen)
-        state: list[Any] = []
-        if self.optimizer is not None:
-            for s in self.optimizer.state.values():
-                state.extend(s.values())
-        return {"params": params, "grads": grads, "optimizer": storage_bytes(state, seen)}
+        offloaded = [] if self._offload is None else self._offload.shards
+        module = list(self.module.parameters())
+        computed = {
+            "params": storage_bytes([*module, *(s.device_shard for s in offloaded)], seen),
+            "grads": storage_bytes([*(p.grad for p in module), *(f.grad_full for f in self.flats)], seen),
+            "optimizer": 0,
+        }
+        state = [v for s in (self.optimizer.state.values() if self.optimizer else ()) for v in s.values()]
+        buffers = [s.host_buffers() for s in offloaded]
+        stepped = {
+            "params": storage_bytes(
+                [*(f.master for f in self.flats), *(t for b in buffers for t in b["params"])], seen
+            ),
+            "grads": storage_bytes(
+                [*(f.master.grad for f in self.flats), *(t for b in buffers for t in b["grads"])], seen
+            ),
+            "optimizer": storage_bytes(state, seen),
+        }
+        if self._offload is None:
+            return {"device": {k: computed[k] + stepped[k] for k in stepped}, "host": dict.fromkeys(stepped, 0)}
+        return {"device": computed, "host": stepped}
 
     @property
     def largest_unit_numel(self) -> int:
@@ -287,16 +336,19 @@ class ZeroEngine(Stage3Forward, BackwardEngine):
         Padding gradients are zero, so they do not change the norm."""
         if norm_type != 2.0:
             raise ValueError(f"ZeroEngine.clip_grad_norm_ supports norm_type=2.0 only, got {norm_type!r}")
+        if self._offload is not None:
+            self._offload.synchronize()
         grads = [f.master.grad for f in self.flats if f.master.grad is not None]
         device = self.flats[0].device if self.flats else torch.device("cpu")
-        sq = torch.zeros(1, dtype=torch.float64, device=device)
+        sq = torch.zeros(1, dtype=torch.float64, device=grads[0].device if grads else device)  # where the shards are
         for g in grads:
             sq += g.detach().double().pow(2).sum()
+        sq = sq.to(device)  # the all-reduce runs where the backend's tensors live
         self.comm.all_reduce(sq, op="sum")
         total = sq.sqrt().squeeze(0)
         coef = (float(max_norm) / (total + 1e-6)).clamp(max=1.0)
         for g in grads:
-            g.mul_(coef.to(g.dtype))
+            g.mul_(coef.to(g.device, g.dtype))
         return total.float()
 
     def original(self, t: torch.Tensor) -> torch.Tensor:
@@ -311,7 +363,8 @@ class ZeroEngine(Stage3Forward, BackwardEngine):
         issued = []
         for f in self.flats:
             buffer = torch.empty(f.layout.padded, dtype=f.master_dtype, device=f.device)
-            issued.append((f, buffer, self.comm.all_gather_into(buffer, f.master.detach(), async_op=True)))
+            source = f.master.detach().to(f.device)  # an offloaded master is on the host
+            issued.append((f, buffer, self.comm.all_gather_into(buffer, source, async_op=True)))
         out: dict[str, torch.Tensor] = {}
         for f, buffer, work in issued:
             work.wait()
@@ -335,6 +388,9 @@ class ZeroEngine(Stage3Forward, BackwardEngine):
 
     def close(self) -> None:
         """Remove the hooks; the module keeps its current (possibly empty, stage 3) parameters."""
+        if self._ac is not None:
+            self._ac.remove()
+            self._ac = None
         self._remove_grad_hooks()
         for h in self._handles:
             h.remove()

@@ -7,13 +7,17 @@ on them (all-gather of the parameters, reduce-scatter of the gradients).
 
 from __future__ import annotations
 
-from typing import Any
+from contextlib import nullcontext
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from lightning_sync.sync.communicator import Communicator
 from lightning_sync.sync.flat import FlatShard
+
+if TYPE_CHECKING:
+    from lightning_sync.sync.zero.offload import HostOffload, OffloadedShard
 
 __all__ = ["FlatParam"]
 
@@ -31,6 +35,10 @@ class FlatParam:
     ``packed``, when given, is the padded flat buffer the parameters already are views of (deferred
     initialization materializes them there, :mod:`~lightning_sync.sync.zero.materialize`): it is used as it
     is, where otherwise the parameters are copied into a new one.
+
+    With ``offload`` (:mod:`~lightning_sync.sync.zero.offload`) the master shard and its gradient live on the
+    host instead, never aliased: the all-gathers read a device copy of the shard in ``compute_dtype``, and
+    each averaged gradient shard is copied to the host.
     """
 
     def __init__(
@@ -43,6 +51,7 @@ class FlatParam:
         reduce_dtype: torch.dtype | None,
         stage: int,
         packed: torch.Tensor | None = None,
+        offload: HostOffload | None = None,
     ) -> None:
         self.names, self.params, self.group, self.comm, self.stage = names, params, group, comm, stage
         self.layout = FlatShard([p.shape for p in params], comm.world_size, comm.rank)
@@ -62,23 +71,43 @@ class FlatParam:
         # transpose), which would otherwise keep every unit's full parameters alive until backward; the gather
         # before backward refills the same storage, so those views read the parameters again
         self._storage: torch.Tensor | None = None
+        self.host = offload  # the engine's offload (its side stream), or None: the master stays on the device
+        self._offloaded: OffloadedShard | None = None
+        self._reduced: Any = None  # offload on a side stream: CUDA event, the reduce-scatter has completed
         with torch.no_grad():
             flat = packed if packed is not None else self.layout.flatten([p.detach() for p in params])
             if stage < 3:
                 self.full = flat.to(self.compute_dtype)
                 self._point_params(self.full)
-                aliased = self.compute_dtype == self.master_dtype
-                shard = self.layout.shard(self.full if aliased else flat)
-                self.master = nn.Parameter(shard if aliased else shard.to(self.master_dtype).clone())
+            aliased = stage < 3 and offload is None and self.compute_dtype == self.master_dtype
+            shard = self.layout.shard(self.full if aliased else flat)
+            if offload is not None:
+                self._offloaded = offload.shard(shard.to(self.master_dtype), self.compute_dtype)
+                self.master = self._offloaded.master
             else:
-                self.master = nn.Parameter(self.layout.shard(flat).to(self.master_dtype).clone())
+                self.master = nn.Parameter(shard if aliased else shard.to(self.master_dtype).clone())
+            if stage == 3:
                 self.free()
 
     # ------------------------------------------------------------------ parameters
     @property
     def aliased(self) -> bool:
-        """The master shard shares storage with the full buffer (stages 1/2, compute dtype = master's)."""
-        return self.full is not None and self.stage < 3 and self.compute_dtype == self.master_dtype
+        """The master shard shares storage with the full buffer (stages 1/2, compute dtype = master's, no offload)."""
+        return (
+            self.full is not None
+            and self.stage < 3
+            and self._offloaded is None
+            and self.compute_dtype == self.master_dtype
+        )
+
+    def _gather_source(self) -> torch.Tensor:
+        """This rank's shard in the compute dtype, on the device: what the all-gathers send."""
+        if self._offloaded is not None:
+            return self._offloaded.gather_source()
+        src = self.master.detach()
+        if self.aliased:
+            return src.clone()  # the all-gather writes the full buffer this shard is a slice of
+        return src if src.dtype == self.compute_dtype else src.to(self.compute_dtype)
 
     def _point_params(self, full: torch.Tensor) -> None:
         for p, view in zip(self.params, self.layout.views(full)):
@@ -100,8 +129,7 @@ class FlatParam:
         if self.full is not None or self._gather_work is not None:
             return
         with torch.inference_mode(False), torch.no_grad():
-            src = self.master.detach()
-            self._gather_src = src if src.dtype == self.compute_dtype else src.to(self.compute_dtype)
+            self._gather_src = self._gather_source()
             buffer = self._storage
             if buffer is None:
                 buffer = torch.empty(self.layout.padded, dtype=self.compute_dtype, device=self.device)
@@ -127,8 +155,7 @@ class FlatParam:
         """Stages 1/2 after a step: all-gather the updated master shards into the full buffer (async)."""
         assert self.full is not None
         with torch.no_grad():
-            src = self.master.detach()
-            self._gather_src = src.clone() if self.aliased else src.to(self.compute_dtype)
+            self._gather_src = self._gather_source()
         return self.comm.all_gather_into(self.full, self._gather_src, async_op=True)
 
     # ------------------------------------------------------------------ gradients
@@ -164,15 +191,27 @@ class FlatParam:
         out = torch.empty(self.layout.shard_numel, dtype=self.reduce_dtype, device=self.device)
         # the full gradient is not needed after this (stage 1 keeps only its own slice, copied from out)
         self._reduce = (out, self.comm.reduce_scatter_into(out, full, op="avg", async_op=True, scratch=True))
+        if self.host is not None and self.host.streamed:
+            self.finish_reduce()  # the side stream waits for it and copies it out; the CPU and compute go on
 
     def finish_reduce(self) -> None:
         """Wait for the reduce-scatter; add the averaged shard to the master's gradient. Stage 1 keeps
-        the full gradient buffer (the master's gradient is its slice); stages 2/3 free it."""
+        the full gradient buffer (the master's gradient is its slice); stages 2/3 free it. With offload
+        on a side stream this ran when the reduce-scatter was issued; here the calling (compute) stream only
+        waits for the reduce-scatter, as it does without offload, so its input's memory is free for reuse."""
+        if self._reduce is None and self.host is not None:
+            self.host.wait(self._reduced)
+            self._reduced = None
+            return
         assert self._reduce is not None and self.grad_full is not None
         out, work = self._reduce
-        work.wait()
         self._reduce = None
-        with torch.no_grad():
+        if self.host is not None:
+            self.host.keep(out, self.grad_full)  # read on the side stream, allocated on the compute stream
+        with torch.no_grad(), self.host.side() if self.host is not None else nullcontext():
+            work.wait()
+            if self.host is not None:
+                self._reduced = self.host.record()
             if self.stage == 1:
                 own = self.layout.shard(self.grad_full)
                 own.copy_(out)
@@ -180,6 +219,9 @@ class FlatParam:
             else:
                 shard = out if out.dtype == self.master_dtype else out.to(self.master_dtype)
                 self.grad_full = None
+            if self._offloaded is not None:
+                self._offloaded.take_grad(shard)
+                return
             master_grad = self.master.grad
             if master_grad is None or master_grad.data_ptr() == shard.data_ptr():
                 self.master.grad = shard

@@ -8,6 +8,14 @@ whose backward comes next) before autograd needs its parameters. The order units
 in the first step, checked to be the same on every rank after the first backward (the all-gathers are
 matched by order), and from then on drives prefetching and the reduce-scatter order.
 
+With activation checkpointing (:mod:`lightning_sync.sync.zero.recompute`) a checkpointed unit's forward runs
+again inside its backward, after its :class:`_PreBackward` gathered it; the units nested in it run their
+hooks again there. During such a recomputation a unit's pre-hook only gathers it (no recording of the forward
+order, no prefetch) and its forward hook does nothing: the unit stays gathered until its own backward has
+its gradients (then it is freed as always), and its outputs, which only feed the recomputation, are not
+wrapped again. So activation checkpointing adds no all-gather: a nested unit's second gather happens in the
+recomputation instead of in its :class:`_PreBackward`.
+
 This is a mixin of :class:`~lightning_sync.sync.zero.engine.ZeroEngine`, kept apart so the engine
 module reads as build / backward / step; it uses the engine's units, flats and options.
 """
@@ -26,6 +34,7 @@ from lightning_sync.sync.zero.units import Unit
 
 if TYPE_CHECKING:
     from lightning_sync.sync.communicator import Communicator
+    from lightning_sync.sync.zero.recompute import ActivationCheckpointing
 
 __all__ = ["Stage3Forward"]
 
@@ -61,7 +70,11 @@ class Stage3Forward:
     _order_checked: bool
     _launch_order: list[int]
 
+    _ac: ActivationCheckpointing | None
     _is_complete: Callable[[int], bool]  # BackwardEngine's: has this unit's backward finished?
+
+    def _recomputing(self) -> bool:
+        return self._ac is not None and self._ac.recomputing
 
     def _install_forward_hooks(self) -> None:
         """Gather before each unit's forward; free after (and re-gather for backward) unless it is the root."""
@@ -106,6 +119,9 @@ class Stage3Forward:
                     f.free()
 
     def _pre_forward(self, unit: Unit, module: nn.Module, args: Any, kwargs: Any) -> Any:
+        if self._recomputing():  # see the module docstring
+            self._gather(unit, wait=True)
+            return self._cast_inputs(module, args, kwargs) if self.param_dtype is not None else None
         if not unit.is_root:
             if self._forward_order is None and unit.index not in self._recording:
                 self._recording.append(unit.index)
@@ -129,6 +145,8 @@ class Stage3Forward:
         return self.units[order[j]] if 0 <= j < len(order) else None
 
     def _post_forward(self, unit: Unit, module: nn.Module, args: Any, output: Any) -> Any:
+        if self._recomputing():
+            return None
         if self.reshard_after_forward:
             for f in unit.flats:
                 f.free()
@@ -143,6 +161,13 @@ class Stage3Forward:
         for i, t in zip(idx, out):
             leaves[i] = t
         return tree_unflatten(leaves, spec)
+
+    def _before_recompute(self, module: nn.Module) -> None:
+        """Activation checkpointing is about to run a unit's forward again, in backward: it needs its parameters
+        (normally gathered already, by the unit's :class:`_PreBackward`)."""
+        unit = next((u for u in self.units if u.module is module), None)
+        if unit is not None:
+            self._gather(unit, wait=True)
 
     def _pre_backward(self, unit: Unit) -> None:
         self._gather(unit, wait=True)

@@ -60,9 +60,10 @@ def resolve_state_dict_type(state_dict_type: str | None, stage: int) -> str:
 
 
 def _gathered(engine: ZeroEngine, flat: FlatParam, shard: torch.Tensor) -> torch.Tensor:
-    """The full padded tensor of one flat parameter's ``shard`` (the master or a state of it), on every rank."""
-    full = torch.empty(flat.layout.padded, dtype=shard.dtype, device=shard.device)
-    engine.comm.all_gather_into(full, shard.detach().contiguous())
+    """The full padded tensor of one flat parameter's ``shard`` (the master or a state of it), on every rank, on
+    the device the collectives run on (an offloaded shard is on the host)."""
+    full = torch.empty(flat.layout.padded, dtype=shard.dtype, device=flat.device)
+    engine.comm.all_gather_into(full, shard.detach().to(flat.device).contiguous())
     return full
 
 
@@ -176,7 +177,7 @@ def load_full_optimizer_state(engine: ZeroEngine, state_dict: Mapping[str, Any])
                     [e[key].reshape(s) if e and key in e else None for e, s in zip(entries, f.layout.shapes)],
                     dtype=f.master_dtype,
                 )
-                own[key] = f.layout.shard(full).to(f.device, copy=True)
+                own[key] = f.layout.shard(full).to(f.master.device, copy=True)  # the state lives with its master
                 del full
             else:
                 own[key] = _scalar(key, present, f, group_of[id(present[0][0])])
