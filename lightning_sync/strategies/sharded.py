@@ -103,7 +103,7 @@ from lightning_sync.sync.zero.full_checkpoint import (
     load_full_optimizer_state,
     resolve_state_dict_type,
 )
-from lightning_sync.sync.zero.materialize import has_meta, meta_hidden
+from lightning_sync.sync.zero.materialize import check_no_hidden_meta, has_meta, meta_hidden
 
 __all__ = ["ShardedStrategy"]
 
@@ -221,6 +221,7 @@ class ShardedStrategy(SyncStrategy):
         """Lightning's move (it also sets the module's ``device``) of what has storage; tensors still on the meta
         device get theirs on the root device when the engine is built."""
         assert self.model is not None
+        check_no_hidden_meta(self.model)  # before Lightning's move fails on them with a less helpful error
         with meta_hidden(self.model):
             super().model_to_device()
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+import torchmetrics
 from torch import nn
 from torch.nn import functional as F
 
@@ -229,3 +230,27 @@ def test_model_to_device_moves_what_has_storage_and_leaves_meta_tensors_in_place
     strategy.model_to_device()
     assert [(n, id(t)) for n, t in (*model.named_parameters(), *model.named_buffers())] == before
     assert model.head.weight is model.emb.weight and model.l1.weight.is_meta and not model.l2.bias.is_meta
+
+
+class _WithMetric(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.acc = torchmetrics.classification.MulticlassAccuracy(num_classes=3)
+
+
+def test_metric_states_built_on_meta_are_refused_with_the_module_named() -> None:
+    """A torchmetrics Metric keeps its states as plain attributes: built on the meta device they have no values
+    any walk could restore, and Lightning's move to the device would fail on them ("Cannot copy out of meta
+    tensor"). The engine and the strategy's move both refuse them first, naming the metric."""
+    model = deferred(_WithMetric)
+    message = (
+        r"module 'acc' \(MulticlassAccuracy\) keeps tensors built on the meta device .*\(_defaults, fn, fp, tn, tp\)"
+    )
+    with pytest.raises(ValueError, match=message):
+        build(model, stage=3)
+    assert all(p.is_meta for p in model.parameters())  # refused before the walk: nothing materialized
+    strategy = ShardedStrategy(stage=3)
+    strategy.model = model
+    with pytest.raises(ValueError, match=r"create metrics in the LightningModule's __init__"):
+        strategy.model_to_device()

@@ -50,7 +50,7 @@ from lightning_sync.sync.zero.options import storage_bytes
 if TYPE_CHECKING:
     from lightning_sync.sync.communicator import Communicator
 
-__all__ = ["DeferredInit", "has_meta", "meta_hidden", "rank0_rng"]
+__all__ = ["DeferredInit", "check_no_hidden_meta", "has_meta", "meta_hidden", "rank0_rng"]
 
 #: The engine's part of a unit: builds the unit's flat parameters from its flat buffers (None where a flat
 #: parameter's tensors were all built eagerly and are flattened as usual) and returns the tensors it keeps.
@@ -81,6 +81,33 @@ def meta_hidden(module: nn.Module) -> Iterator[None]:
     finally:
         for store, name, t in hidden:
             store[name] = t
+
+
+def _hidden_meta(value: object) -> bool:
+    """Whether ``value`` (a module attribute) is, or holds, a meta tensor."""
+    if isinstance(value, torch.Tensor):
+        return value.is_meta
+    if isinstance(value, dict):
+        return any(_hidden_meta(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_hidden_meta(v) for v in value)
+    return False
+
+
+def check_no_hidden_meta(module: nn.Module) -> None:
+    """Refuse meta tensors a module keeps outside its parameters and buffers (a torchmetrics ``Metric``'s states
+    and their defaults are plain attributes): nothing says what their values should be, so neither the walk nor
+    a move to a device can give them storage. ``ValueError`` naming the module and the attributes."""
+    for name, mod in module.named_modules():
+        hidden = sorted(k for k, v in vars(mod).items() if k not in ("_parameters", "_buffers") and _hidden_meta(v))
+        if hidden:
+            where = f"module {name!r}" if name else "the root module"
+            raise ValueError(
+                f"{where} ({type(mod).__name__}) keeps tensors built on the meta device outside its parameters and "
+                f"buffers ({', '.join(hidden)}), whose values nothing can restore (a torchmetrics Metric's states "
+                f"are such tensors); build it with real storage: create metrics in the LightningModule's "
+                f"__init__, outside trainer.init_module() and configure_model"
+            )
 
 
 def _own(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -149,6 +176,7 @@ class DeferredInit:
     def __init__(self, module: nn.Module, device: torch.device | str = "cpu") -> None:
         self.module, self.device = module, torch.device(device)
         self._modules = list(module.named_modules())
+        check_no_hidden_meta(module)
         for name, mod in self._modules:
             meta = [n for n, t in _own(mod) if t.is_meta]
             if meta and not callable(getattr(mod, "reset_parameters", None)):
