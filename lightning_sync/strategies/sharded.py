@@ -94,6 +94,8 @@ class ShardedStrategy(SyncStrategy):
         param_dtype: gather/compute dtype (``"bf16"``, ``"fp16"``, ``"fp32"``, a torch dtype, or None).
         reduce_dtype: gradient reduce-scatter dtype (None: the compute dtype).
         bucket_cap_mb: stages 1/2: gradient bucket size in MiB.
+        find_unused_parameters: train parameters that get no gradient on zero gradients (momentum and weight
+            decay still move them); False (default) raises naming them, on every rank, as DDP does.
         process_group_backend: ``"gloo"``, ``"nccl"`` or None (Lightning picks for the accelerator).
         timeout: collective timeout in seconds (or a ``timedelta``).
         start_method: ``"popen"``, ``"spawn"``, ``"fork"`` or ``"forkserver"``.
@@ -110,6 +112,7 @@ class ShardedStrategy(SyncStrategy):
         param_dtype: Any = None,
         reduce_dtype: Any = None,
         bucket_cap_mb: float = 25.0,
+        find_unused_parameters: bool = False,
         process_group_backend: str | None = None,
         timeout: float | timedelta = 1800.0,
         start_method: str = "popen",
@@ -117,7 +120,11 @@ class ShardedStrategy(SyncStrategy):
     ) -> None:
         check_stage(stage)
         check_mib("bucket_cap_mb", bucket_cap_mb)
-        for name, value in (("prefetch", prefetch), ("reshard_after_forward", reshard_after_forward)):
+        for name, value in (
+            ("prefetch", prefetch),
+            ("reshard_after_forward", reshard_after_forward),
+            ("find_unused_parameters", find_unused_parameters),
+        ):
             check_bool(name, value)
         resolve_wrap_policy(wrap_policy)  # validates
         self.param_dtype = resolve_dtype(param_dtype, "param_dtype")
@@ -131,6 +138,7 @@ class ShardedStrategy(SyncStrategy):
         )
         self.stage, self.wrap_policy, self.prefetch = stage, wrap_policy, prefetch
         self.reshard_after_forward, self.bucket_cap_mb = reshard_after_forward, bucket_cap_mb
+        self.find_unused_parameters = find_unused_parameters
         self.engine: ZeroEngine | None = None
         self._unsharded = False  # a teardown has given the module its full parameters back
 
@@ -190,6 +198,7 @@ class ShardedStrategy(SyncStrategy):
             param_dtype=self.param_dtype,
             reduce_dtype=self.reduce_dtype,
             bucket_cap_mb=self.bucket_cap_mb,
+            find_unused_parameters=self.find_unused_parameters,
         )
         units = [u for u in self.engine.units if u.numel]
         rank_zero_info(

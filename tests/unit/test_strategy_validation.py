@@ -121,7 +121,11 @@ _SHARDED: list[tuple[str, Any, str]] = [
         "torch.nn.functional.relu",
         r"wrap_policy names 'torch\.nn\.functional\.relu', which is not a class",
     ),
-    *[(arg, v, got(arg, _BOOL, v)) for arg in ("prefetch", "reshard_after_forward") for v in (1, "yes", None)],
+    *[
+        (arg, v, got(arg, _BOOL, v))
+        for arg in ("prefetch", "reshard_after_forward", "find_unused_parameters")
+        for v in (1, "yes", None)
+    ],
     *[
         (arg, v, got(arg, "None, a floating torch.dtype or " + _DTYPES, v))
         for arg in ("param_dtype", "reduce_dtype")
