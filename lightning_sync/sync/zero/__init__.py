@@ -14,6 +14,8 @@ concern a module; the package exports their public names:
   full checkpoints of an engine (:func:`save_sharded`, :func:`load_sharded`, :func:`full_state_dict`,
   :func:`load_full_state_dict`), and their on-disk format (:func:`read_meta`);
 * :mod:`~lightning_sync.sync.zero.consolidate` - :func:`consolidate_checkpoint`, one process, no group;
+* :mod:`~lightning_sync.sync.zero.summon` - :func:`summon_full_params`: the module's full parameters for a
+  while, changes written back into the shards (for code written for a plain module, such as callbacks);
 * :mod:`~lightning_sync.sync.zero.options` - argument checks and the memory model (:func:`zero_memory_bytes`).
 """
 
@@ -34,6 +36,7 @@ from lightning_sync.sync.zero.options import (
     storage_bytes,
     zero_memory_bytes,
 )
+from lightning_sync.sync.zero.summon import summon_full_params
 from lightning_sync.sync.zero.units import Unit
 
 __all__ = [
@@ -54,5 +57,6 @@ __all__ = [
     "resolve_wrap_policy",
     "save_sharded",
     "storage_bytes",
+    "summon_full_params",
     "zero_memory_bytes",
 ]
