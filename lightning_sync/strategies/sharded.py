@@ -41,6 +41,11 @@ What is sharded, and what is synchronized when (K ranks):
   trained parameters again: ``trainer.save_checkpoint`` then writes a plain full checkpoint file
   (which loads back, sharded), and :meth:`ShardedStrategy.full_state_dict` copies rank 0's module.
 
+Lightning's callbacks that read or write ``pl_module.parameters()`` during fit (weight averaging and EMA,
+``StochasticWeightAveraging``, ``ModelPruning``; others through ``gathered_callbacks``) run their hooks with the
+module's full parameters, gathered from the master shards, and what they change is written back into the
+shards (:mod:`lightning_sync.strategies._gathered_callbacks`). ``BaseFinetuning`` is refused at setup.
+
 The model's own ``param.grad`` stay ``None``: gradients live in the engine's buffers and the masters'
 ``.grad``. Gradient clipping by norm uses the global norm over all shards. Buffers (e.g. BatchNorm
 statistics) are broadcast at setup only, as in FSDP.
@@ -49,8 +54,8 @@ statistics) are broadcast at setup only, as in FSDP.
 from __future__ import annotations
 
 import json
-from collections.abc import Generator, Mapping
-from contextlib import contextmanager
+from collections.abc import Generator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -65,6 +70,7 @@ from lightning_sync.checkpoint.atomic import publish_path, recover_path, remove_
 from lightning_sync.checkpoint.reading import contained_path, load_file
 from lightning_sync.strategies._base import SyncStrategy
 from lightning_sync.strategies._common import as_timedelta, check_bool, check_launch_args, no_sync_of
+from lightning_sync.strategies._gathered_callbacks import GatheredCallbacks, resolve_gathered_callbacks
 from lightning_sync.strategies._telemetry import BUCKETS
 from lightning_sync.sync import zero
 from lightning_sync.sync.bucketing import check_mib
@@ -96,6 +102,9 @@ class ShardedStrategy(SyncStrategy):
         bucket_cap_mb: stages 1/2: gradient bucket size in MiB.
         find_unused_parameters: train parameters that get no gradient on zero gradients (momentum and weight
             decay still move them); False (default) raises naming them, on every rank, as DDP does.
+        gathered_callbacks: callback classes (or dotted class paths) whose every overridden hook runs with the
+            module's full parameters, written back into the shards after it (Lightning's weight averaging,
+            SWA and pruning always do); each such hook call costs one all-gather of the model.
         process_group_backend: ``"gloo"``, ``"nccl"`` or None (Lightning picks for the accelerator).
         timeout: collective timeout in seconds (or a ``timedelta``).
         start_method: ``"popen"``, ``"spawn"``, ``"fork"`` or ``"forkserver"``.
@@ -113,6 +122,7 @@ class ShardedStrategy(SyncStrategy):
         reduce_dtype: Any = None,
         bucket_cap_mb: float = 25.0,
         find_unused_parameters: bool = False,
+        gathered_callbacks: Sequence[type | str] | None = None,
         process_group_backend: str | None = None,
         timeout: float | timedelta = 1800.0,
         start_method: str = "popen",
@@ -127,6 +137,7 @@ class ShardedStrategy(SyncStrategy):
         ):
             check_bool(name, value)
         resolve_wrap_policy(wrap_policy)  # validates
+        gathered = resolve_gathered_callbacks(gathered_callbacks)
         self.param_dtype = resolve_dtype(param_dtype, "param_dtype")
         self.reduce_dtype = resolve_dtype(reduce_dtype, "reduce_dtype")
         check_launch_args(type(self).__name__, process_group_backend, start_method, kwargs)
@@ -138,7 +149,8 @@ class ShardedStrategy(SyncStrategy):
         )
         self.stage, self.wrap_policy, self.prefetch = stage, wrap_policy, prefetch
         self.reshard_after_forward, self.bucket_cap_mb = reshard_after_forward, bucket_cap_mb
-        self.find_unused_parameters = find_unused_parameters
+        self.find_unused_parameters, self.gathered_callbacks = find_unused_parameters, gathered_callbacks
+        self._callbacks = GatheredCallbacks(self._full_params, gathered)
         self.engine: ZeroEngine | None = None
         self._unsharded = False  # a teardown has given the module its full parameters back
 
@@ -169,6 +181,7 @@ class ShardedStrategy(SyncStrategy):
                 f"{type(self).__name__} does not support fp16 loss scaling (precision='16-mixed'); "
                 f"use precision='bf16-mixed', or param_dtype='bf16' with the default precision"
             )
+        self._callbacks.install(trainer.callbacks, type(self).__name__, trainer.state.fn == TrainerFn.FITTING)
         super().setup(trainer)
         if trainer.state.fn != TrainerFn.FITTING:  # evaluation: shard the parameters, no optimizer
             self._build_engine(None)
@@ -218,8 +231,13 @@ class ShardedStrategy(SyncStrategy):
 
         plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
 
+    def _full_params(self) -> AbstractContextManager[None]:
+        """The module's full parameters, written back into the shards at exit (nothing before the engine exists)."""
+        return zero.summon_full_params(self.engine) if self.engine is not None else nullcontext()
+
     @override
     def teardown(self) -> None:
+        self._callbacks.remove()
         if self.engine is not None:
             self.engine.unshard()  # the module holds the full trained parameters again
             self.engine = None

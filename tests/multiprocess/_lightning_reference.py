@@ -7,14 +7,19 @@ each rank's mean loss on its batch, and backpropagates their average (divided ag
 ``accumulate_grad_batches``, as Lightning's automatic optimization does), then (optionally) clips the
 gradient norm, takes one optimizer step and steps a per-step LR scheduler.
 
-Used by ``test_bucketed_ddp.py`` and ``test_sharded_strategy.py``; not a test module itself.
+Also :class:`_Sections`: one spawned group runs many scenarios, each recorded in a section of its own.
+
+Used by ``test_bucketed_ddp.py``, ``test_sharded_strategy.py`` and ``test_sharded_callbacks.py``; not a test
+module itself.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import traceback
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
@@ -24,7 +29,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from lightning_sync.testing import Checks
+from lightning_sync.testing import Checks, assert_all_ranks_passed
 
 __all__ = [
     "BATCH",
@@ -41,6 +46,8 @@ __all__ = [
     "STEPS",
     "VOCAB",
     "_QUIET",
+    "_Sections",
+    "_assert_section",
     "_TiedModule",
     "_TiedNet",
     "_check_against",
@@ -253,3 +260,37 @@ def _check_against(
 
 def _trainer(world: int, strategy: Strategy, **kw: Any) -> pl.Trainer:
     return pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, **{**_QUIET, **kw})
+
+
+# --------------------------------------------------------------------------- sections of a spawned group
+
+
+class _Sections:
+    """One :class:`Checks` per scenario family; an exception inside one becomes one of its failures."""
+
+    def __init__(self) -> None:
+        self.checks: dict[str, Checks] = {}
+        self.extra: dict[str, Any] = {}
+
+    def run(self, name: str, fn: Callable[..., None], *args: Any) -> None:
+        ck = self.checks.setdefault(name, Checks())
+        try:
+            fn(ck, *args)
+        except Exception:  # noqa: BLE001 - recorded; every rank raises at the same point here
+            ck.true(f"[{name}] raised", False, traceback.format_exc()[-3000:])
+
+    def result(self) -> dict[str, Any]:
+        """Per section ``(failures, count)``; a failure keeps its first line (values are long tensors),
+        a traceback its last lines."""
+        short = {k: ([_shorten(f) for f in v.failures], v.count) for k, v in self.checks.items()}
+        return {"sections": short, **self.extra}
+
+
+def _shorten(failure: str) -> str:
+    if "Traceback" in failure:
+        return failure[:200] + " ... " + failure[-1500:]
+    return failure.split("\n")[0][:500]
+
+
+def _assert_section(results: list[dict[str, Any]], name: str, min_checks: int, same_count: bool = True) -> None:
+    assert_all_ranks_passed([r["sections"][name] for r in results], min_checks=min_checks, same_count=same_count)

@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import os
 import shutil
-import traceback
 import warnings
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -39,9 +37,11 @@ from _lightning_reference import (
     HIDDEN,
     STEPS,
     VOCAB,
+    _assert_section,
     _check_against,
     _quiet_rank,
     _reference,
+    _Sections,
     _state,
     _TiedModule,
     _TiedNet,
@@ -57,7 +57,7 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from lightning_sync import BucketedDDPStrategy, ShardedStrategy
 from lightning_sync.sync.zero import consolidate_checkpoint
-from lightning_sync.testing import Checks, assert_all_ranks_passed, run_distributed
+from lightning_sync.testing import Checks, run_distributed
 
 __all__: list[str] = []
 
@@ -273,37 +273,6 @@ def _check_plain_after_fit(
     ck.close(f"{tag} plain loss after fit", losses[0], losses[1], **EQ_TOL)
     module.zero_grad(set_to_none=True)
     ref_module.zero_grad(set_to_none=True)
-
-
-class _Sections:
-    """One :class:`Checks` per scenario family; an exception inside one becomes one of its failures."""
-
-    def __init__(self) -> None:
-        self.checks: dict[str, Checks] = {}
-        self.extra: dict[str, Any] = {}
-
-    def run(self, name: str, fn: Callable[..., None], *args: Any) -> None:
-        ck = self.checks.setdefault(name, Checks())
-        try:
-            fn(ck, *args)
-        except Exception:  # noqa: BLE001 - recorded; every rank raises at the same point here
-            ck.true(f"[{name}] raised", False, traceback.format_exc()[-3000:])
-
-    def result(self) -> dict[str, Any]:
-        """Per section ``(failures, count)``; a failure keeps its first line (values are long tensors),
-        a traceback its last lines."""
-        short = {k: ([_shorten(f) for f in v.failures], v.count) for k, v in self.checks.items()}
-        return {"sections": short, **self.extra}
-
-
-def _shorten(failure: str) -> str:
-    if "Traceback" in failure:
-        return failure[:200] + " ... " + failure[-1500:]
-    return failure.split("\n")[0][:500]
-
-
-def _assert_section(results: list[dict[str, Any]], name: str, min_checks: int, same_count: bool = True) -> None:
-    assert_all_ranks_passed([r["sections"][name] for r in results], min_checks=min_checks, same_count=same_count)
 
 
 # --------------------------------------------------------------------------- scenarios

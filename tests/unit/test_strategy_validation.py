@@ -133,6 +133,15 @@ _SHARDED: list[tuple[str, Any, str]] = [
     ],
     *[("bucket_cap_mb", v, got("bucket_cap_mb", _MIB, v)) for v in (0, -1, math.nan, "25", True)],
     *[
+        ("gathered_callbacks", v, got("gathered_callbacks", "None or a list of Lightning Callback classes", v))
+        for v in (torch.nn.Linear, [torch.nn.Linear], ["torch.nn.Linear"], 5, "lightning.pytorch.callbacks.Callback")
+    ],
+    (
+        "gathered_callbacks",
+        ["NoSuchCallback"],
+        r"gathered_callbacks names 'NoSuchCallback', which is not an importable class",
+    ),
+    *[
         (arg, v, pattern)
         for arg, v, pattern in _BUCKETED
         if arg in ("process_group_backend", "start_method", "timeout")
