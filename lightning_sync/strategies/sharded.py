@@ -60,6 +60,11 @@ What is sharded, and what is synchronized when (K ranks):
   trained parameters again, and :meth:`ShardedStrategy.full_state_dict` copies rank 0's module;
   ``trainer.save_checkpoint`` writes the form ``state_dict_type`` names, from the shards the fit left.
 
+Lightning's callbacks that read or write ``pl_module.parameters()`` during fit (weight averaging and EMA,
+``StochasticWeightAveraging``, ``ModelPruning``; others through ``gathered_callbacks``) run their hooks with the
+module's full parameters, gathered from the master shards, and what they change is written back into the
+shards (:mod:`lightning_sync.strategies._gathered_callbacks`). ``BaseFinetuning`` is refused at setup.
+
 The model's own ``param.grad`` stay ``None``: gradients live in the engine's buffers and the masters'
 ``.grad``. Gradient clipping by norm uses the global norm over all shards. Buffers (e.g. BatchNorm
 statistics) are broadcast at setup only, as in FSDP.
@@ -68,8 +73,8 @@ statistics) are broadcast at setup only, as in FSDP.
 from __future__ import annotations
 
 import json
-from collections.abc import Generator, Mapping
-from contextlib import contextmanager
+from collections.abc import Generator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -84,6 +89,7 @@ from lightning_sync.checkpoint.atomic import publish_path, recover_path, remove_
 from lightning_sync.checkpoint.reading import contained_path, load_file
 from lightning_sync.strategies._base import SyncStrategy
 from lightning_sync.strategies._common import as_timedelta, check_bool, check_launch_args, no_sync_of
+from lightning_sync.strategies._gathered_callbacks import GatheredCallbacks, resolve_gathered_callbacks
 from lightning_sync.strategies._telemetry import BUCKETS
 from lightning_sync.sync import zero
 from lightning_sync.sync.bucketing import check_mib
@@ -125,6 +131,11 @@ class ShardedStrategy(SyncStrategy):
             the optimizer step there (the device holds only what is gathered and computed).
         activation_checkpointing: recompute the activations of the modules ``wrap_policy`` selects in
             backward instead of keeping them (needs a ``wrap_policy`` that selects submodules).
+        find_unused_parameters: train parameters that get no gradient on zero gradients (momentum and weight
+            decay still move them); False (default) raises naming them, on every rank, as DDP does.
+        gathered_callbacks: callback classes (or dotted class paths) whose every overridden hook runs with the
+            module's full parameters, written back into the shards after it (Lightning's weight averaging,
+            SWA and pruning always do); each such hook call costs one all-gather of the model.
         process_group_backend: ``"gloo"``, ``"nccl"`` or None (Lightning picks for the accelerator).
         timeout: collective timeout in seconds (or a ``timedelta``).
         start_method: ``"popen"``, ``"spawn"``, ``"fork"`` or ``"forkserver"``.
@@ -148,6 +159,8 @@ class ShardedStrategy(SyncStrategy):
         bucket_cap_mb: float = 25.0,
         offload: bool = False,
         activation_checkpointing: bool = False,
+        find_unused_parameters: bool = False,
+        gathered_callbacks: Sequence[type | str] | None = None,
         process_group_backend: str | None = None,
         timeout: float | timedelta = 1800.0,
         start_method: str = "popen",
@@ -162,6 +175,7 @@ class ShardedStrategy(SyncStrategy):
             ("reshard_after_forward", reshard_after_forward),
             ("offload", offload),
             ("activation_checkpointing", activation_checkpointing),
+            ("find_unused_parameters", find_unused_parameters),
         ):
             check_bool(name, value)
         if resolve_wrap_policy(wrap_policy) is None and activation_checkpointing:
@@ -169,6 +183,7 @@ class ShardedStrategy(SyncStrategy):
                 "activation_checkpointing=True checkpoints the modules the wrap_policy selects; got "
                 "wrap_policy=None: give one (e.g. the model's block class, or ['torch.nn.Linear'])"
             )
+        gathered = resolve_gathered_callbacks(gathered_callbacks)
         self.param_dtype = resolve_dtype(param_dtype, "param_dtype")
         self.reduce_dtype = resolve_dtype(reduce_dtype, "reduce_dtype")
         check_launch_args(type(self).__name__, process_group_backend, start_method, kwargs)
@@ -181,6 +196,8 @@ class ShardedStrategy(SyncStrategy):
         self.stage, self.wrap_policy, self.prefetch = stage, wrap_policy, prefetch
         self.reshard_after_forward, self.bucket_cap_mb = reshard_after_forward, bucket_cap_mb
         self.offload, self.activation_checkpointing = offload, activation_checkpointing
+        self.find_unused_parameters, self.gathered_callbacks = find_unused_parameters, gathered_callbacks
+        self._callbacks = GatheredCallbacks(self._full_params, gathered)
         self.engine: ZeroEngine | None = None
         # the engine a teardown closed, once it gave the module its full parameters back: its shards and the
         # optimizer's state in them, for checkpoints written after fit
@@ -234,6 +251,7 @@ class ShardedStrategy(SyncStrategy):
                 f"{type(self).__name__} does not support fp16 loss scaling (precision='16-mixed'); "
                 f"use precision='bf16-mixed', or param_dtype='bf16' with the default precision"
             )
+        self._callbacks.install(trainer.callbacks, type(self).__name__, trainer.state.fn == TrainerFn.FITTING)
         assert self.model is not None
         meta = [n for n, t in (*self.model.named_parameters(), *self.model.named_buffers()) if t.is_meta]
         with hidden_from_setup_broadcast(self.model, meta):  # no values yet: the engine initializes them alike
@@ -269,6 +287,7 @@ class ShardedStrategy(SyncStrategy):
             init_device=self.root_device if has_meta(self.model) else None,  # deferred init: its storage
             offload=self.offload,
             activation_checkpointing=self.activation_checkpointing,
+            find_unused_parameters=self.find_unused_parameters,
         )
         units = [u for u in self.engine.units if u.numel]
         rank_zero_info(
@@ -288,8 +307,13 @@ class ShardedStrategy(SyncStrategy):
 
         plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
 
+    def _full_params(self) -> AbstractContextManager[None]:
+        """The module's full parameters, written back into the shards at exit (nothing before the engine exists)."""
+        return zero.summon_full_params(self.engine) if self.engine is not None else nullcontext()
+
     @override
     def teardown(self) -> None:
+        self._callbacks.remove()
         if self.engine is not None:
             self.engine.unshard()  # the module holds the full trained parameters again
             self._finished, self.engine = self.engine, None

@@ -34,7 +34,14 @@ from contextlib import contextmanager
 
 import torch
 
-__all__ = ["BackwardEngine", "SyncSwitch"]
+__all__ = ["UNUSED_PARAMETERS", "BackwardEngine", "SyncSwitch"]
+
+UNUSED_PARAMETERS = (
+    "It looks like your LightningModule has parameters that were not used in producing the loss "
+    "returned by training_step."
+)
+"""The first sentence of an engine's error for trainable parameters without a gradient: Lightning's own for
+this failure under ``strategy="ddp"`` (``DDPStrategy.on_exception``), verbatim, since it is what users search for."""
 
 
 class SyncSwitch:

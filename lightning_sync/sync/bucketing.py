@@ -44,7 +44,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_sync.sync.backward import BackwardEngine, SyncSwitch
+from lightning_sync.sync.backward import UNUSED_PARAMETERS, BackwardEngine, SyncSwitch
 from lightning_sync.sync.communicator import Communicator, WorkLike
 from lightning_sync.sync.flat import FlatShard
 
@@ -277,14 +277,10 @@ class GradBucketer(BackwardEngine):
         self.step += 1
         if self._missing and not self._find_unused:
             names = [self.names[i] for i in sorted(self._missing)]
-            # The first sentence is Lightning's own for this failure under strategy="ddp" (DDPStrategy.on_exception),
-            # verbatim: it is what users search for.
             raise RuntimeError(
-                "It looks like your LightningModule has parameters that were not used in producing the loss "
-                "returned by training_step. "
-                f"GradBucketer: parameters {names} received no gradient in this backward, so their buckets "
-                f"could not complete (they were zero-filled so peers did not hang). If parameters are unused "
-                f"on purpose, pass find_unused_parameters=True; otherwise check that the loss depends on them."
+                f"{UNUSED_PARAMETERS} GradBucketer: parameters {names} received no gradient in this backward, so "
+                f"their buckets could not complete (they were zero-filled so peers did not hang). If parameters are "
+                f"unused on purpose, pass find_unused_parameters=True; otherwise check that the loss depends on them."
             )
 
     def _globally_unused(self) -> set[int]:

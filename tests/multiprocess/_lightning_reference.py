@@ -10,8 +10,8 @@ gradient norm, takes one optimizer step and steps a per-step LR scheduler.
 :class:`_Sections` runs the scenarios of one spawned group of ranks, one :class:`Checks` each, so that a test
 function asserts one scenario family and a failure names it.
 
-Used by ``test_bucketed_ddp.py``, ``test_sharded_strategy.py`` and ``test_sharded_full_checkpoint.py``; not a
-test module itself.
+Used by ``test_bucketed_ddp.py``, ``test_sharded_strategy.py``, ``test_sharded_full_checkpoint.py`` and
+``test_sharded_callbacks.py``; not a test module itself.
 """
 
 from __future__ import annotations

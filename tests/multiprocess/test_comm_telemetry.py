@@ -67,7 +67,7 @@ class _Probe(pl.Callback):
         self.buckets: list[int] = []  # per step: the strategy's own bucket count after it
         self.progress_bar: set[str] = set()
         self.total: tuple[float, ...] = ()
-        self.zero: tuple[int, int, int] = (0, 0, 0)  # ZeRO: shard bytes, padded bytes, units
+        self.zero: tuple[int, int, int, int] = (0, 0, 0, 0)  # ZeRO: shard bytes, padded bytes, units, parameters
         self._start: tuple[float, ...] | None = None
         self._micro_start: float = 0.0
         self._first: tuple[float, ...] = ()
@@ -84,7 +84,7 @@ class _Probe(pl.Callback):
             flats = [f for u in engine.units for f in u.flats]
             shard = sum(f.layout.shard_numel * f.compute_dtype.itemsize for f in flats)
             padded = sum(f.layout.padded * f.reduce_dtype.itemsize for f in flats)
-            self.zero = (shard, padded, sum(1 for u in engine.units if u.numel))
+            self.zero = (shard, padded, sum(1 for u in engine.units if u.numel), len(engine.names))
 
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
         now = self._read(trainer)
@@ -176,19 +176,21 @@ def _pg_worker(rank: int, world: int, tmp: str) -> tuple[list[str], int]:
         ck.true("[ddp] several buckets", min(probe.buckets) > 1, probe.buckets)
         ck.true("[ddp] communication took time", all(r[SECONDS] > 0 and r[EXPOSED] > 0 for r in rows), rows)
 
-    # ZeRO-3 with 2 micro-batches a step: both gather the parameters, the second also reduce-scatters
+    # ZeRO-3 with 2 micro-batches a step: both gather the parameters, the second also reduce-scatters and
+    # all-reduces one int32 per trainable parameter (which of them got no gradient on any rank)
     trainer, probe = _fit(world, ShardedStrategy(stage=3), tmp, "zero3", max_steps=3, accumulate_grad_batches=2)
     if rank == 0:
         rows = _rows(trainer)
         _check_step_figures(ck, "[zero3]", rows, probe, 3)
-        shard, padded, units = probe.zero
+        shard, padded, units, params = probe.zero
         logged = [r[BYTES] for r in rows]
+        step = 2 * shard + padded + 4 * params
         ck.true(
-            "[zero3] bytes per step = 2 gathers + 1 reduce-scatter",
-            logged[1:] == [2 * shard + padded] * 2,
-            (logged, shard, padded),
+            "[zero3] bytes per step = 2 gathers + 1 reduce-scatter + the no-gradient check",
+            logged[1:] == [step] * 2,
+            (logged, shard, padded, params),
         )
-        ck.true("[zero3] the first step also checks the forward order", logged[0] > 2 * shard + padded, logged)
+        ck.true("[zero3] the first step also checks the forward order", logged[0] > step, logged)
         ck.true(
             "[zero3] each step = its micro-batches, the first of which gathers",
             all(len(m) == 2 and m[0] > 0 and sum(m) == b for m, b in zip(probe.micro, logged)),

@@ -123,7 +123,13 @@ _SHARDED: list[tuple[str, Any, str]] = [
     ),
     *[
         (arg, v, got(arg, _BOOL, v))
-        for arg in ("prefetch", "reshard_after_forward", "offload", "activation_checkpointing")
+        for arg in (
+            "prefetch",
+            "reshard_after_forward",
+            "offload",
+            "activation_checkpointing",
+            "find_unused_parameters",
+        )
         for v in (1, "yes", None)
     ],
     *[
@@ -136,6 +142,15 @@ _SHARDED: list[tuple[str, Any, str]] = [
         ("state_dict_type", v, got("state_dict_type", r"one of \['full', 'sharded', None\]", v))
         for v in ("Full", "dcp", "", 3, True)
     ],
+    *[
+        ("gathered_callbacks", v, got("gathered_callbacks", "None or a list of Lightning Callback classes", v))
+        for v in (torch.nn.Linear, [torch.nn.Linear], ["torch.nn.Linear"], 5, "lightning.pytorch.callbacks.Callback")
+    ],
+    (
+        "gathered_callbacks",
+        ["NoSuchCallback"],
+        r"gathered_callbacks names 'NoSuchCallback', which is not an importable class",
+    ),
     *[
         (arg, v, pattern)
         for arg, v, pattern in _BUCKETED

@@ -16,6 +16,8 @@ concern a module; the package exports their public names:
 * :mod:`~lightning_sync.sync.zero.full_checkpoint` - one-file checkpoints in Lightning's ``ddp`` format: the
   module's state and the unsharded optimizer's ``state_dict()``, gathered to rank 0 and resharded on load;
 * :mod:`~lightning_sync.sync.zero.consolidate` - :func:`consolidate_checkpoint`, one process, no group;
+* :mod:`~lightning_sync.sync.zero.summon` - :func:`summon_full_params`: the module's full parameters for a
+  while, changes written back into the shards (for code written for a plain module, such as callbacks);
 * :mod:`~lightning_sync.sync.zero.options` - argument checks and the memory model (:func:`zero_memory_bytes`).
 """
 
@@ -36,6 +38,7 @@ from lightning_sync.sync.zero.options import (
     storage_bytes,
     zero_memory_bytes,
 )
+from lightning_sync.sync.zero.summon import summon_full_params
 from lightning_sync.sync.zero.units import Unit
 
 __all__ = [
@@ -56,5 +59,6 @@ __all__ = [
     "resolve_wrap_policy",
     "save_sharded",
     "storage_bytes",
+    "summon_full_params",
     "zero_memory_bytes",
 ]

@@ -22,8 +22,13 @@ What is synchronized, and when:
   inputs and recompute their activations in backward (:mod:`lightning_sync.sync.zero.recompute`).
 
 Every rank must run the same units in the same order (the collectives are matched by order); the first
-backward checks it. A rank that fails mid-step leaves its peers blocked in that unit's collective until
-the process group times out or notices the dead peer; nothing here retries.
+backward checks it. A trainable parameter that gets no gradient in an accumulation window is reduced as
+zeros (so no peer waits in a collective) and then, as under torch's DDP, is an error on every rank: one
+all-reduce of a per-parameter count, after the reduce-scatters, makes it a decision all ranks share;
+``find_unused_parameters=True`` opts in to training such parameters on zero gradients instead.
+
+A rank that fails mid-step leaves its peers blocked in that unit's collective until the process group
+times out or notices the dead peer; nothing here retries.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ import torch
 from torch import nn
 
 from lightning_sync._checks import check_bool
-from lightning_sync.sync.backward import BackwardEngine
+from lightning_sync.sync.backward import UNUSED_PARAMETERS, BackwardEngine
 from lightning_sync.sync.bucketing import check_mib
 from lightning_sync.sync.communicator import Communicator
 from lightning_sync.sync.replicas import broadcast_module_states
@@ -84,6 +89,8 @@ class ZeroEngine(Stage3Forward, BackwardEngine):
         offload: keep the master shards, their gradients and the optimizer state on the host and step there.
         activation_checkpointing: recompute the activations of the wrap policy's modules in backward (stage 3:
             every wrap unit but the root; stages 1/2: the modules the policy selects); needs a wrap policy.
+        find_unused_parameters: train parameters that got no gradient on zero gradients (momentum and weight
+            decay still move them, unlike DDP's, which skips them); False (default) raises naming them.
     """
 
     def __init__(
@@ -102,8 +109,10 @@ class ZeroEngine(Stage3Forward, BackwardEngine):
         init_device: torch.device | str | None = None,
         offload: bool = False,
         activation_checkpointing: bool = False,
+        find_unused_parameters: bool = False,
     ) -> None:
         check_stage(stage)
+        self.find_unused_parameters = check_bool("find_unused_parameters", find_unused_parameters)
         check_mib("bucket_cap_mb", bucket_cap_mb)
         check_bool("offload", offload)
         self.activation_checkpointing = check_bool("activation_checkpointing", activation_checkpointing)
@@ -273,6 +282,25 @@ class ZeroEngine(Stage3Forward, BackwardEngine):
             self.reshard()
             if not self._order_checked:
                 self._check_forward_order()
+        if synced and not self.find_unused_parameters and self._used:
+            self._raise_if_unused()
+
+    def _raise_if_unused(self) -> None:
+        """Every rank raises alike once a parameter got no gradient on any rank. The count is all-reduced after
+        every reduce-scatter was issued: a rank missing a gradient issues its last ones later than its peers,
+        and the collectives must stay in one order on every rank."""
+        device = self.flats[0].device
+        counts = torch.tensor([0 if used else 1 for used in self._used], dtype=torch.int32, device=device)
+        self.comm.all_reduce(counts, op="sum")
+        missing = [(self.names[i], c) for i, c in enumerate(counts.tolist()) if c]
+        if missing:
+            world = self.comm.world_size
+            named = ", ".join(f"{name!r} (on {c} of {world} ranks)" for name, c in missing)
+            raise RuntimeError(
+                f"{UNUSED_PARAMETERS} ZeroEngine: parameters {named} received no gradient in this accumulation "
+                f"window (they were reduced as zeros, so no peer hung). If parameters are unused on purpose, pass "
+                f"find_unused_parameters=True; otherwise check that the loss depends on them."
+            )
 
     # ------------------------------------------------------------------ optimizer step
     def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
