@@ -39,23 +39,9 @@ What is sharded, and what is synchronized when (K ranks):
   gradients, dropout included): one more forward of them per step, no more all-gathers
   (:mod:`lightning_sync.sync.zero.recompute`).
 * **Metrics:** ``reduce``/``all_gather``/``broadcast``/``barrier`` go through ``lightning_sync.comms``.
-* **Checkpoints** take one of two forms (``state_dict_type``); both load at any world size and stage, and a
-  save replaces whatever is at its path, file or directory, atomically (:mod:`lightning_sync.checkpoint.atomic`).
-
-  - ``"full"`` (the default at stages 1/2): one file, rank 0's, in Lightning's ``ddp`` format: the module's
-    ``state_dict`` and the unsharded optimizers' ``state_dict()``, gathered one flat parameter at a time
-    (:mod:`lightning_sync.sync.zero.full_checkpoint`). ``torch.load(weights_only=True)``,
-    ``Model.load_from_checkpoint`` and a plain ``ddp`` resume read it; a ``ddp`` file resumes here, resharded.
-  - ``"sharded"`` (the default at stage 3): a directory. Every rank writes its shards (keyed by parameter name
-    and element offset) through ``torch.distributed.checkpoint``, rank 0 the replicated tensors,
-    ``lightning_sync_meta.json``, ``README.txt`` and Lightning's state (``lightning.pt``). Atomic: it is
-    written as a hidden ``.<name>.tmp``, and after every shard rank 0 adds ``lightning.pt`` and the
-    ``COMPLETE`` marker, fsyncs and renames it into place; a directory without the marker is refused.
-    ``lightning-sync consolidate`` makes one plain Lightning file of it (``load_from_checkpoint`` opens a
-    path as a file, and stops at a directory).
-
-  Everything is read back weights-only (see :mod:`lightning_sync.checkpoint.reading`) unless
-  ``trainer.fit(..., weights_only=False)`` opts in. :meth:`ShardedStrategy.full_state_dict` consolidates in memory.
+* **Checkpoints** take one of two forms (``state_dict_type``): ``"full"`` (the default at stages 1/2), one file
+  in Lightning's ``ddp`` format, and ``"sharded"`` (the default at stage 3), a directory of shards; both load at
+  any world size and stage (:mod:`lightning_sync.strategies._sharded_checkpoint` says what each holds).
 * **After fit** (teardown; also after ``validate`` and ``test``) every rank's module holds the full
   trained parameters again, and :meth:`ShardedStrategy.full_state_dict` copies rank 0's module;
   ``trainer.save_checkpoint`` writes the form ``state_dict_type`` names, from the shards the fit left.
@@ -72,7 +58,6 @@ statistics) are broadcast at setup only, as in FSDP.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Generator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
@@ -81,15 +66,20 @@ from typing import Any
 
 import torch
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_sync._lightning import hidden_from_setup_broadcast, unwrap_optimizer
-from lightning_sync.checkpoint.atomic import publish_path, recover_path, remove_path
-from lightning_sync.checkpoint.reading import contained_path, load_file
+from lightning_sync.checkpoint.atomic import recover_path, remove_path
 from lightning_sync.strategies._base import SyncStrategy
 from lightning_sync.strategies._common import as_timedelta, check_bool, check_launch_args, no_sync_of
 from lightning_sync.strategies._gathered_callbacks import GatheredCallbacks, resolve_gathered_callbacks
+from lightning_sync.strategies._sharded_checkpoint import (
+    load_checkpoint_at,
+    load_optimizer_states,
+    optimizer_state_of,
+    save_directory,
+)
 from lightning_sync.strategies._telemetry import BUCKETS
 from lightning_sync.sync import zero
 from lightning_sync.sync.bucketing import check_mib
@@ -97,16 +87,11 @@ from lightning_sync.sync.zero import (
     ZERO_STAGES,
     ZeroEngine,
     check_stage,
-    read_meta,
     resolve_dtype,
     resolve_wrap_policy,
 )
-from lightning_sync.sync.zero.format import COMPLETE_MARKER, LIGHTNING_STATE
 from lightning_sync.sync.zero.full_checkpoint import (
     full_model_state,
-    full_optimizer_state,
-    is_plain_optimizer_state,
-    load_full_optimizer_state,
     resolve_state_dict_type,
 )
 from lightning_sync.sync.zero.materialize import check_no_hidden_meta, has_meta, meta_hidden
@@ -393,13 +378,7 @@ class ShardedStrategy(SyncStrategy):
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         """``"full"``: on rank 0 the unsharded optimizer's ``state_dict()``, gathered (a collective). Otherwise the
         hyperparameters only (learning rates, betas, ...): the per-element state is in the shards."""
-        optimizer = unwrap_optimizer(optimizer)
-        engine = self.engine or self._finished
-        if self.state_dict_type == "full" and engine is not None and engine.optimizer is optimizer:
-            full = full_optimizer_state(engine)
-            if full is not None:
-                return full
-        return {"param_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]}
+        return optimizer_state_of(self.engine or self._finished, unwrap_optimizer(optimizer), self.state_dict_type)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -409,19 +388,7 @@ class ShardedStrategy(SyncStrategy):
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         """A full checkpoint's (ours or ``ddp``'s) optimizer states are resharded into this rank's shards; a
         sharded one's state is in the shards already, and only its hyperparameters are read here."""
-        states = checkpoint.get("optimizer_states") or []
-        for optimizer, state in zip(self.optimizers, states):
-            if self.engine is not None and self.engine.optimizer is optimizer and is_plain_optimizer_state(state):
-                load_full_optimizer_state(self.engine, state)
-                continue
-            groups = state.get("param_groups", [])
-            if len(groups) != len(optimizer.param_groups):
-                raise ValueError(
-                    f"checkpoint has {len(groups)} optimizer param groups, this optimizer has "
-                    f"{len(optimizer.param_groups)}"
-                )
-            for group, saved in zip(optimizer.param_groups, groups):
-                group.update(saved)
+        load_optimizer_states(self.engine, self.optimizers, checkpoint.get("optimizer_states") or [])
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
@@ -435,21 +402,7 @@ class ShardedStrategy(SyncStrategy):
         if self.state_dict_type == "full" or engine is None:  # one file, rank 0's (a directory there goes)
             super().save_checkpoint(checkpoint, filepath)
             return
-        # atomic: every rank writes its shards into a hidden temporary directory; once all are written,
-        # rank 0 adds Lightning's state and the completion marker, fsyncs, and renames it into place
-        path = Path(self.broadcast(str(filepath)))
-        tmp = path.with_name(f".{path.name}.tmp")
-        if self.global_rank == 0:
-            remove_path(tmp)  # a save killed earlier
-        self.barrier()
-        checkpoint = {k: v for k, v in checkpoint.items() if k != "state_dict"}
-        zero.save_sharded(engine, tmp)
-        self.barrier()  # every shard is written
-        if self.global_rank == 0:
-            torch.save(checkpoint, tmp / LIGHTNING_STATE)
-            (tmp / COMPLETE_MARKER).write_text(json.dumps({"world_size": self.world_size}))
-            publish_path(tmp, path)
-        self.barrier()
+        save_directory(self, engine, checkpoint, filepath)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
@@ -461,30 +414,7 @@ class ShardedStrategy(SyncStrategy):
                 f"{type(self).__name__}.load_checkpoint reads into the sharding engine, which "
                 f"exists once the strategy is set up (Trainer.fit/validate/test); {path} was not read"
             )
-        recover_path(path)  # a save killed while it replaced this directory left the old one aside
-        if path.is_dir():
-            read_meta(path)  # clear error if it is not ours
-            if not (path / COMPLETE_MARKER).is_file():
-                raise ValueError(
-                    f"{path} is an incomplete sharded checkpoint (no {COMPLETE_MARKER}): its save "
-                    f"was interrupted; resume from an earlier one"
-                )
-            # the shards first: their .metadata is checked (no reads outside, nothing unrestricted) before
-            # anything in the directory is unpickled
-            zero.load_sharded(self.engine, path, weights_only)
-            checkpoint = load_file(contained_path(path, LIGHTNING_STATE, "Lightning state file"), weights_only)
-            self.exact_data.take_rank_state(checkpoint)
-            return checkpoint
-        checkpoint = load_file(path, weights_only)
-        self.exact_data.take_rank_state(checkpoint)
-        zero.load_full_state_dict(self.engine, checkpoint["state_dict"])
-        states = checkpoint.get("optimizer_states") or []
-        if any(not is_plain_optimizer_state(s) for s in states):  # an after-fit file of an older version
-            rank_zero_warn(
-                f"{path} is a full checkpoint without the optimizers' per-parameter state: its weights were "
-                f"loaded and sharded, and training resumes with a fresh optimizer state"
-            )
-        return checkpoint  # load_optimizer_state_dict reshards the optimizer states
+        return load_checkpoint_at(self, self.engine, path, weights_only)
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:

@@ -1,0 +1,132 @@
+"""How ``ShardedStrategy`` writes and reads its checkpoints.
+
+A ``ShardedStrategy`` checkpoint takes one of two forms (``state_dict_type``); both load at any world size and
+stage, and a save replaces whatever is at its path, file or directory, atomically
+(:mod:`lightning_sync.checkpoint.atomic`).
+
+- ``"full"`` (the default at stages 1/2): one file, rank 0's, in Lightning's ``ddp`` format: the module's
+  ``state_dict`` and the unsharded optimizers' ``state_dict()``, gathered one flat parameter at a time
+  (:mod:`lightning_sync.sync.zero.full_checkpoint`). ``torch.load(weights_only=True)``,
+  ``Model.load_from_checkpoint`` and a plain ``ddp`` resume read it; a ``ddp`` file resumes here, resharded.
+- ``"sharded"`` (the default at stage 3): a directory. Every rank writes its shards (keyed by parameter name
+  and element offset) through ``torch.distributed.checkpoint``, rank 0 the replicated tensors,
+  ``lightning_sync_meta.json``, ``README.txt`` and Lightning's state (``lightning.pt``). Atomic: it is
+  written as a hidden ``.<name>.tmp``, and after every shard rank 0 adds ``lightning.pt`` and the
+  ``COMPLETE`` marker, fsyncs and renames it into place; a directory without the marker is refused.
+  ``lightning-sync consolidate`` makes one plain Lightning file of it (``load_from_checkpoint`` opens a
+  path as a file, and stops at a directory).
+
+Everything is read back weights-only (see :mod:`lightning_sync.checkpoint.reading`) unless
+``trainer.fit(..., weights_only=False)`` opts in. :meth:`ShardedStrategy.full_state_dict` consolidates in memory.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+from lightning_sync.checkpoint.atomic import publish_path, recover_path, remove_path
+from lightning_sync.checkpoint.reading import contained_path, load_file
+from lightning_sync.sync import zero
+from lightning_sync.sync.zero import ZeroEngine, read_meta
+from lightning_sync.sync.zero.format import COMPLETE_MARKER, LIGHTNING_STATE
+from lightning_sync.sync.zero.full_checkpoint import (
+    full_optimizer_state,
+    is_plain_optimizer_state,
+    load_full_optimizer_state,
+)
+
+__all__ = ["load_checkpoint_at", "load_optimizer_states", "optimizer_state_of", "save_directory"]
+
+
+class _Strategy(Protocol):
+    """What the checkpoint functions use of the strategy."""
+
+    global_rank: int
+    world_size: int
+    exact_data: Any
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any: ...
+
+    def barrier(self, name: str | None = None) -> None: ...
+
+
+def save_directory(strategy: _Strategy, engine: ZeroEngine, checkpoint: dict[str, Any], filepath: Any) -> None:
+    """Write ``checkpoint`` as a sharded directory at ``filepath``; a collective. Atomic: every rank writes its
+    shards into a hidden temporary directory; once all are written, rank 0 adds Lightning's state and the
+    completion marker, fsyncs, and renames it into place (whatever was at the path, file or directory, goes)."""
+    path = Path(strategy.broadcast(str(filepath)))
+    tmp = path.with_name(f".{path.name}.tmp")
+    if strategy.global_rank == 0:
+        remove_path(tmp)  # a save killed earlier
+    strategy.barrier()
+    checkpoint = {k: v for k, v in checkpoint.items() if k != "state_dict"}
+    zero.save_sharded(engine, tmp)
+    strategy.barrier()  # every shard is written
+    if strategy.global_rank == 0:
+        torch.save(checkpoint, tmp / LIGHTNING_STATE)
+        (tmp / COMPLETE_MARKER).write_text(json.dumps({"world_size": strategy.world_size}))
+        publish_path(tmp, path)
+    strategy.barrier()
+
+
+def load_checkpoint_at(
+    strategy: _Strategy, engine: ZeroEngine, path: Path, weights_only: bool | None
+) -> dict[str, Any]:
+    """Read the checkpoint at ``path`` (a sharded directory or a full file, ours or Lightning ``ddp``'s) into
+    ``engine``'s shards and return Lightning's part of it; weights-only unless ``weights_only=False``."""
+    recover_path(path)  # a save killed while it replaced this directory left the old one aside
+    if path.is_dir():
+        read_meta(path)  # clear error if it is not ours
+        if not (path / COMPLETE_MARKER).is_file():
+            raise ValueError(
+                f"{path} is an incomplete sharded checkpoint (no {COMPLETE_MARKER}): its save "
+                f"was interrupted; resume from an earlier one"
+            )
+        # the shards first: their .metadata is checked (no reads outside, nothing unrestricted) before
+        # anything in the directory is unpickled
+        zero.load_sharded(engine, path, weights_only)
+        checkpoint = load_file(contained_path(path, LIGHTNING_STATE, "Lightning state file"), weights_only)
+        strategy.exact_data.take_rank_state(checkpoint)
+        return checkpoint
+    checkpoint = load_file(path, weights_only)
+    strategy.exact_data.take_rank_state(checkpoint)
+    zero.load_full_state_dict(engine, checkpoint["state_dict"])
+    states = checkpoint.get("optimizer_states") or []
+    if any(not is_plain_optimizer_state(s) for s in states):  # an after-fit file of an older version
+        rank_zero_warn(
+            f"{path} is a full checkpoint without the optimizers' per-parameter state: its weights were "
+            f"loaded and sharded, and training resumes with a fresh optimizer state"
+        )
+    return checkpoint  # load_optimizer_state_dict reshards the optimizer states
+
+
+def optimizer_state_of(engine: ZeroEngine | None, optimizer: Any, state_dict_type: str) -> dict[str, Any]:
+    """What a checkpoint holds of ``optimizer``: with ``"full"``, on rank 0 the unsharded optimizer's
+    ``state_dict()``, gathered (a collective); otherwise its hyperparameters only (learning rates, betas, ...),
+    the per-element state being in the shards."""
+    if state_dict_type == "full" and engine is not None and engine.optimizer is optimizer:
+        full = full_optimizer_state(engine)
+        if full is not None:
+            return full
+    return {"param_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]}
+
+
+def load_optimizer_states(engine: ZeroEngine | None, optimizers: list[Any], states: list[dict[str, Any]]) -> None:
+    """A full checkpoint's (ours or ``ddp``'s) optimizer states are resharded into this rank's shards; a sharded
+    one's state is in the shards already, and only its hyperparameters (a scheduler's learning rates) are read."""
+    for optimizer, state in zip(optimizers, states):
+        if engine is not None and engine.optimizer is optimizer and is_plain_optimizer_state(state):
+            load_full_optimizer_state(engine, state)
+            continue
+        groups = state.get("param_groups", [])
+        if len(groups) != len(optimizer.param_groups):
+            raise ValueError(
+                f"checkpoint has {len(groups)} optimizer param groups, this optimizer has {len(optimizer.param_groups)}"
+            )
+        for group, saved in zip(optimizer.param_groups, groups):
+            group.update(saved)
