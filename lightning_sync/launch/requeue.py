@@ -70,7 +70,7 @@ from lightning_sync.checkpoint.reading import contained_path
 from lightning_sync.launch.atomic import publish_path, recover_dir, remove_path, write_atomically
 from lightning_sync.launch.signals import resolve_signal
 from lightning_sync.strategies._exact_data import ExactData
-from lightning_sync.strategies.sharded import COMPLETE_MARKER, LIGHTNING_STATE
+from lightning_sync.sync.zero.format import COMPLETE_MARKER, LIGHTNING_STATE
 
 __all__ = [
     "POINTER",

@@ -29,7 +29,6 @@ from lightning_sync import (
 )
 from lightning_sync.checkpoint.reading import UntrustedCheckpointError, dcp_load, load_file
 from lightning_sync.diagnostics.faults import UnpicklePayload
-from lightning_sync.strategies.sharded import COMPLETE_MARKER
 from lightning_sync.sync import (
     DiLoCoOuter,
     GradBucketer,
@@ -41,6 +40,7 @@ from lightning_sync.sync import (
     consolidate_checkpoint,
 )
 from lightning_sync.sync.zero import save_sharded
+from lightning_sync.sync.zero.format import COMPLETE_MARKER
 
 SYSTEM = f"{os.system.__module__}.system"  # how pickle names os.system ("posix.system" on Linux)
 

@@ -26,9 +26,9 @@ from lightning_sync import consolidate_checkpoint
 from lightning_sync.cli import main
 from lightning_sync.diagnostics.faults import UnpicklePayload
 from lightning_sync.resume import RANK_STATES
-from lightning_sync.strategies.sharded import COMPLETE_MARKER, LIGHTNING_STATE
 from lightning_sync.sync import LoopbackCommunicator, ZeroEngine
 from lightning_sync.sync.zero import full_state_dict, save_sharded
+from lightning_sync.sync.zero.format import COMPLETE_MARKER, LIGHTNING_STATE
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*torch.distributed.*:UserWarning")  # DCP without a group
 

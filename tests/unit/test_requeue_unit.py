@@ -25,7 +25,7 @@ from lightning_sync.launch.requeue import (
     requeue_job,
     resolve_signal,
 )
-from lightning_sync.strategies.sharded import COMPLETE_MARKER, LIGHTNING_STATE
+from lightning_sync.sync.zero.format import COMPLETE_MARKER, LIGHTNING_STATE
 
 
 @pytest.mark.parametrize(

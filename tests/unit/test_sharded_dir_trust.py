@@ -29,9 +29,9 @@ from torch import nn
 from lightning_sync import ShardedStrategy
 from lightning_sync.checkpoint.reading import dcp_load
 from lightning_sync.diagnostics.faults import UnpicklePayload
-from lightning_sync.strategies.sharded import COMPLETE_MARKER
 from lightning_sync.sync import LoopbackCommunicator, ZeroEngine, consolidate_checkpoint
 from lightning_sync.sync.zero import full_state_dict, load_sharded, save_sharded
+from lightning_sync.sync.zero.format import COMPLETE_MARKER
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*torch.distributed.*:UserWarning")  # DCP without a group
 
