@@ -46,6 +46,7 @@ GATHERED_HOOKS: dict[type[Callback], tuple[str, ...]] = {
         "on_train_end",  # copy the average into the model
         "on_validation_epoch_start",  # swap the average in
         "on_validation_epoch_end",  # and out
+        "on_load_checkpoint",  # the model's own state back into it (the checkpoint's state_dict is the average)
     ),
     StochasticWeightAveraging: (
         "on_train_epoch_start",  # update the average; transfer it in (models with batch norm)

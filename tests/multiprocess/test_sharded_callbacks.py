@@ -49,6 +49,7 @@ from _lightning_reference import (
 from lightning.pytorch.callbacks import (
     BackboneFinetuning,
     EMAWeightAveraging,
+    ModelCheckpoint,
     ModelPruning,
     StochasticWeightAveraging,
 )
@@ -186,6 +187,30 @@ def _averaging(ck: Checks, world: int) -> None:
     )
     moved = max(float((got["final"][k] - init[k]).abs().max()) for k in init)
     ck.true("[zero2-bf16] weights moved", moved > MIN_MOVE, moved)
+
+
+def _ema_resume(ck: Checks, world: int, tmpdir: str) -> None:
+    """EMA resumed from a checkpoint: WeightAveraging saves its average as the checkpoint's state_dict and the
+    model as current_model_state, and on load puts the latter back into the model, which under zero3 must reach
+    the master shards (a full checkpoint; a sharded one does not carry the state_dict WeightAveraging writes)."""
+    results: dict[str, dict[str, torch.Tensor]] = {}
+    for name, strategy in (("ddp", "ddp"), ("zero3", "zero3")):
+        dirpath = os.path.join(tmpdir, f"ema-{name}")
+        saving = ModelCheckpoint(dirpath=dirpath, save_last=True)
+        kw = {"limit_val_batches": 0, "enable_checkpointing": True}
+        first = _strategy(strategy, state_dict_type="full") if name != "ddp" else "ddp"
+        _trainer(world, first, max_epochs=1, callbacks=[EMAWeightAveraging(decay=0.7), saving], **kw).fit(_Module())
+        module, ema = _Module(), EMAWeightAveraging(decay=0.7)
+        second = _strategy(strategy, state_dict_type="full") if name != "ddp" else "ddp"
+        trainer = _trainer(world, second, max_epochs=2, limit_val_batches=0, callbacks=[ema])
+        trainer.fit(module, ckpt_path=os.path.join(dirpath, "last.ckpt"))
+        ck.true(f"[{name}] resumed to the second epoch", trainer.global_step == 2 * N_TRAIN // (world * BATCH))
+        assert ema._average_model is not None
+        results[name] = {
+            **_net_state(module.state_dict()),
+            **{f"ema {k}": v for k, v in _net_state(ema._average_model.module.state_dict()).items()},
+        }
+    _compare(ck, "[zero3 resumed] final weights and EMA average", results["zero3"], results["ddp"])
 
 
 # --------------------------------------------------------------------------- pruning
@@ -366,6 +391,7 @@ def _worker(rank: int, world: int, tmpdir: str) -> dict[str, Any]:
     _quiet_rank()
     s = _Sections()
     s.run("averaging", _averaging, world)
+    s.run("ema resume", _ema_resume, world, tmpdir)
     s.run("pruning", _pruning, world, tmpdir)
     s.run("engine", _engine, world)
     s.run("refusals", _refusals, world)
@@ -380,6 +406,11 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
 @pytest.mark.timeout(300)
 def test_ema_and_swa_under_zero123_equal_ddp(two_ranks: list[dict[str, Any]]) -> None:
     _assert_section(two_ranks, "averaging", min_checks=50)
+
+
+@pytest.mark.timeout(300)
+def test_ema_resumed_from_a_full_checkpoint_under_zero3_equals_ddp(two_ranks: list[dict[str, Any]]) -> None:
+    _assert_section(two_ranks, "ema resume", min_checks=15)
 
 
 @pytest.mark.timeout(300)
