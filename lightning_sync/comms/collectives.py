@@ -63,7 +63,9 @@ class Collectives:
     _hook_waits: bool  # whether one of them waits for the backend requests itself
     _scopes: dict[int, tuple[str, ...]]
 
-    def _next_seq(self, group: dist.ProcessGroup | None, peer: int | None) -> tuple[int, str]:
+    def _next_seq(
+        self, group: dist.ProcessGroup | None, peer: int | None, world: dist.ProcessGroup | None = None
+    ) -> tuple[int, str]:
         raise NotImplementedError  # CommContext._next_seq
 
     def _issue(
@@ -145,14 +147,15 @@ class Collectives:
         pair up without a hang."""
         if group is None:
             group = self.group
-        if not dist.is_initialized():
+        world = dist.group.WORLD  # read once: whether a process group exists, and what sequence numbers count on
+        if world is None:
             require_init()
         red = REDUCE_OPS.get(op) if op != "avg" or tensor.is_floating_point() else None
         if red is None:
             red = check_reduce(op, tensor)  # raises for a bad op or dtype, naming the allowed ones (complex avg: fine)
         if not async_op and not self._hook_waits and not self._scopes:
             # the hot path of _issue's synchronous case, written out: no handle, no closure, one backend call
-            seq, name = self._next_seq(group, None)
+            seq, name = self._next_seq(group, None, world)
             hooks = self._hooks
             if not hooks:
                 dist.all_reduce(tensor, op=red, group=group)

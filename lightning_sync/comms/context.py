@@ -258,8 +258,13 @@ class CommContext(UnevenCollectives):
             else:
                 del self._scopes[thread]
 
-    def _next_seq(self, group: dist.ProcessGroup | None, peer: int | None) -> tuple[int, str]:
-        world = dist.group.WORLD
+    def _next_seq(
+        self, group: dist.ProcessGroup | None, peer: int | None, world: dist.ProcessGroup | None = None
+    ) -> tuple[int, str]:
+        """The next sequence number of a call on ``group`` (point-to-point apart: ``peer``) and the group's name;
+        ``world``: the default group, when the caller has read it already."""
+        if world is None:
+            world = dist.group.WORLD
         if world is not self._seq_world:  # a new default group: count from 1
             self._seq.clear()
             self._seq_world = world

@@ -116,13 +116,18 @@ class Call:
         self.detail = detail
         self.label = label
         self.async_op = async_op
-        self.tokens: list[Any] = []
+        self.tokens: Sequence[Any] = ()  # the tokens of the hooks told so far, in their order (set by issue)
 
     def issue(self) -> None:
         """Show the call to every hook; if one refuses it, the hooks already told see it fail."""
-        tokens = self.tokens
+        hooks = self.hooks
+        if len(hooks) == 1:  # the usual case, one observer: no loop (a refusal leaves no hook told)
+            self.tokens = [hooks[0].on_issue(self)]
+            return
+        tokens: list[Any] = []
+        self.tokens = tokens
         try:
-            for hook in self.hooks:
+            for hook in hooks:
                 tokens.append(hook.on_issue(self))
         except BaseException:
             self.complete(ok=False)
@@ -163,5 +168,9 @@ class Call:
             self.complete(ok=True)
 
     def complete(self, ok: bool) -> None:
-        for hook, token in zip(self.hooks, self.tokens):
+        tokens = self.tokens
+        if len(tokens) == 1:  # one hook told (the only one, or the one before a refusal): no loop
+            self.hooks[0].on_complete(self, tokens[0], ok)
+            return
+        for hook, token in zip(self.hooks, tokens):
             hook.on_complete(self, token, ok)

@@ -68,9 +68,10 @@ class CommStats(CallHook):
         self._mark = clock()
 
     # ------------------------------------------------------------------ as a call hook
-    def on_issue(self, call: Call) -> list[Any]:
-        """Count the call and its bytes; the caller is blocked from now on. The token: ``[issued at, blocked
-        since, in flight]``."""
+    def on_issue(self, call: Call) -> Any:
+        """Count the call and its bytes; the caller is blocked from now on. The token: a synchronous call's issue
+        time (when its caller became blocked, too); an asynchronous call's ``[issued at, blocked since, in
+        flight]``, which its launch and wait update."""
         now = self._clock()
         self._lock.acquire()  # not `with`: this runs on every call, and nothing below can raise
         entry = self._ops.get(call.op)
@@ -83,7 +84,7 @@ class CommStats(CallHook):
         self._mark = now
         self._blocking += 1
         self._lock.release()
-        return [now, now, False]
+        return [now, now, False] if call.async_op else now
 
     def on_launched(self, call: Call, token: Any, handles: Any) -> None:
         """An async call leaves the caller, in flight; a synchronous one keeps it blocked until it completes."""
@@ -108,19 +109,25 @@ class CommStats(CallHook):
     def on_complete(self, call: Call, token: Any, ok: bool) -> None:
         """The caller is released; a completed call adds its seconds since issue to its op."""
         now = self._clock()
+        if call.async_op:
+            issued, since, in_flight = token
+        else:
+            issued = since = token
+            in_flight = False
         self._lock.acquire()  # as in on_issue
         if self._outstanding > 0 and self._blocking == 0:  # _tick_at(now), written out
             self._covered += now - self._mark
         self._mark = now
-        self._blocking = max(0, self._blocking - 1)
-        self._blocked += now - token[1]
-        if token[2]:
-            self._outstanding = max(0, self._outstanding - 1)
+        if self._blocking > 0:  # never below 0: a new job forgets the callers blocked in the previous one's calls
+            self._blocking -= 1
+        self._blocked += now - since
+        if in_flight and self._outstanding > 0:
+            self._outstanding -= 1
         if ok:
             entry = self._ops.get(call.op)
             if entry is None:  # reset while the call was in flight
                 entry = self._ops[call.op] = OpStats()
-            entry.seconds += now - token[0]
+            entry.seconds += now - issued
         self._lock.release()
 
     def begin_job(self) -> None:
