@@ -22,7 +22,7 @@ from lightning_sync.comms.default import (
     reduce_scatter,
     scatter,
 )
-from lightning_sync.comms.hooks import Call, CallHook
+from lightning_sync.comms.hooks import Call, CallHook, CountingHook
 from lightning_sync.comms.payload import REDUCE_OPS, check_reduce, get_rank, get_world_size, group_ranks
 from lightning_sync.comms.stats import CommStats, OpStats
 from lightning_sync.comms.work import Work
@@ -31,6 +31,7 @@ __all__ = [
     "REDUCE_OPS",
     "Call",
     "CallHook",
+    "CountingHook",
     "CommContext",
     "CommSettings",
     "CommStats",

@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from lightning_sync.comms.hooks import Call, CallHook
+from lightning_sync.comms.hooks import Call, CallHook, CountingHook
 from lightning_sync.comms.payload import (
     ALL_GATHER_SINGLE,
     REDUCE_OPS,
@@ -61,9 +61,12 @@ class Collectives:
     settings: Any
     _hooks: tuple[CallHook, ...]  # the call hooks, the one that waits (if any) first
     _hook_waits: bool  # whether one of them waits for the backend requests itself
+    _counter: CountingHook | None  # the only hook, when it counts synchronous calls without a Call
     _scopes: dict[int, tuple[str, ...]]
 
-    def _next_seq(self, group: dist.ProcessGroup | None, peer: int | None) -> tuple[int, str]:
+    def _next_seq(
+        self, group: dist.ProcessGroup | None, peer: int | None, world: dist.ProcessGroup | None = None
+    ) -> tuple[int, str]:
         raise NotImplementedError  # CommContext._next_seq
 
     def _issue(
@@ -101,6 +104,19 @@ class Collectives:
             for h in handles:
                 h.wait()
             return finish()
+        counter = self._counter
+        if counter is not None and not async_op:  # its only hook counts: told the op and bytes, no Call built
+            token = counter.begin(op, nbytes)
+            try:
+                for h in launch(True):
+                    h.wait()
+            except BaseException:
+                counter.end(op, token, False)
+                raise
+            try:
+                return finish()
+            finally:  # the backend requests completed: that is what the hook hears, even if finish raises
+                counter.end(op, token, True)
         call = Call(hooks, op, seq, name, group, peer, nbytes, like, detail, label, async_op)
         call.issue()
         try:
@@ -145,26 +161,26 @@ class Collectives:
         pair up without a hang."""
         if group is None:
             group = self.group
-        if not dist.is_initialized():
+        world = dist.group.WORLD  # read once: whether a process group exists, and what sequence numbers count on
+        if world is None:
             require_init()
         red = REDUCE_OPS.get(op) if op != "avg" or tensor.is_floating_point() else None
         if red is None:
             red = check_reduce(op, tensor)  # raises for a bad op or dtype, naming the allowed ones (complex avg: fine)
-        if not async_op and not self._hook_waits and not self._scopes:
-            # the hot path of _issue's synchronous case, written out: no handle, no closure, one backend call
-            seq, name = self._next_seq(group, None)
-            hooks = self._hooks
-            if not hooks:
+        counter = self._counter
+        if not async_op and not self._scopes and (counter is not None or not self._hooks):
+            # the hot path of _issue's synchronous case, written out: no handle, no closure, no Call
+            self._next_seq(group, None, world)
+            if counter is None:
                 dist.all_reduce(tensor, op=red, group=group)
                 return tensor
-            call = Call(hooks, "all_reduce", seq, name, group, None, nbytes(tensor), tensor, op, label, False)
-            call.issue()
+            token = counter.begin("all_reduce", nbytes(tensor))
             try:
                 dist.all_reduce(tensor, op=red, group=group)
             except BaseException:
-                call.complete(ok=False)
+                counter.end("all_reduce", token, False)
                 raise
-            call.complete(ok=True)
+            counter.end("all_reduce", token, True)
             return tensor
         return self._issue(
             "all_reduce",

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch.distributed as dist
 
 from lightning_sync.comms.bound import BoundContext
-from lightning_sync.comms.hooks import CallHook
+from lightning_sync.comms.hooks import CallHook, CountingHook
 from lightning_sync.comms.payload import group_ranks
 from lightning_sync.comms.topology import NodeGroups, resolve_ranks_per_node
 from lightning_sync.comms.uneven import UnevenCollectives
@@ -94,6 +94,7 @@ class CommContext(UnevenCollectives):
         self.settings = settings or CommSettings()
         self._hooks: tuple[CallHook, ...] = ()  # replaced, never changed in place: a call keeps the ones it saw
         self._hook_waits = False
+        self._counter: CountingHook | None = None
         self._observer: CallHook | None = None
         self._watchdog: Watchdog | None = None
         self.observer = observer
@@ -156,16 +157,21 @@ class CommContext(UnevenCollectives):
             raise ValueError(f"{hook!r} is already a hook of this context")
         if hook.waits and self._hook_waits:
             raise ValueError(f"{hook!r} waits for backend requests, and so does another hook of this context")
-        self._hooks = (hook, *self._hooks) if hook.waits else (*self._hooks, hook)
-        self._hook_waits = self._hook_waits or hook.waits
+        self._set_hooks((hook, *self._hooks) if hook.waits else (*self._hooks, hook))
         return hook
 
     def remove_hook(self, hook: CallHook) -> None:
         """Stop showing calls to ``hook`` (calls already issued still tell it how they end)."""
         if not any(h is hook for h in self._hooks):
             raise ValueError(f"{hook!r} is not a hook of this context; its hooks: {list(self._hooks)}")
-        self._hooks = tuple(h for h in self._hooks if h is not hook)
-        self._hook_waits = any(h.waits for h in self._hooks)
+        self._set_hooks(tuple(h for h in self._hooks if h is not hook))
+
+    def _set_hooks(self, hooks: tuple[CallHook, ...]) -> None:
+        self._counter = None  # first: a call issued meanwhile shows itself to the hooks through a Call
+        self._hooks = hooks
+        self._hook_waits = any(h.waits for h in hooks)
+        if len(hooks) == 1 and isinstance(hooks[0], CountingHook):
+            self._counter = hooks[0]  # the only hook counts: told of synchronous calls directly
 
     @property
     def observer(self) -> CallHook | None:
@@ -258,8 +264,13 @@ class CommContext(UnevenCollectives):
             else:
                 del self._scopes[thread]
 
-    def _next_seq(self, group: dist.ProcessGroup | None, peer: int | None) -> tuple[int, str]:
-        world = dist.group.WORLD
+    def _next_seq(
+        self, group: dist.ProcessGroup | None, peer: int | None, world: dist.ProcessGroup | None = None
+    ) -> tuple[int, str]:
+        """The next sequence number of a call on ``group`` (point-to-point apart: ``peer``) and the group's name;
+        ``world``: the default group, when the caller has read it already."""
+        if world is None:
+            world = dist.group.WORLD
         if world is not self._seq_world:  # a new default group: count from 1
             self._seq.clear()
             self._seq_world = world

@@ -15,7 +15,11 @@ so that a hang can be interrupted; the context then launches even a synchronous 
 that is not a backend call (a codec's arithmetic, a written-out algorithm's own entry, a remote call's reply)
 reaches every hook through :meth:`CallHook.record` (``ctx.record``).
 
-:class:`~lightning_sync.comms.stats.CommStats` (counts and times) and
+A :class:`CountingHook` that is its context's only hook hears of a synchronous call through
+:meth:`CountingHook.begin` and :meth:`CountingHook.end` instead, given the op name and bytes: no :class:`Call` is
+built for it.
+
+:class:`~lightning_sync.comms.stats.CommStats` (counts and times, a counting hook) and
 :class:`~lightning_sync.comms.watchdog.Watchdog` (hang detection) are the two hooks of the package. With no hook
 attached, a call builds no :class:`Call`, reads no clock and takes no lock.
 """
@@ -28,7 +32,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-__all__ = ["Call", "CallHook"]
+__all__ = ["Call", "CallHook", "CountingHook"]
 
 T = TypeVar("T")
 
@@ -67,8 +71,28 @@ class CallHook:
         """A new job starts on the context: forget what the previous one left (calls in flight included)."""
 
 
+class CountingHook(CallHook):
+    """A hook that needs nothing of a synchronous call but its op name and bytes, and is told of one by
+    :meth:`begin` and :meth:`end`: when it is its context's only hook, a synchronous call reaches it that way
+    without a :class:`Call` being built. On a 4-byte all-reduce, which is all latency, the Call and its dispatch
+    cost more than a hook's own counting (``docs/benchmarks.md``, "Per-call overhead of the collectives layer").
+    Its :meth:`on_issue` and :meth:`on_complete` must do for a synchronous call what :meth:`begin` and :meth:`end`
+    do."""
+
+    def begin(self, op: str, nbytes: int) -> Any:
+        """A synchronous call of ``op`` moving ``nbytes`` is about to be launched; returns the hook's token for it
+        (raise to refuse the call)."""
+        raise NotImplementedError
+
+    def end(self, op: str, token: Any, ok: bool) -> None:
+        """The synchronous call :meth:`begin` gave ``token`` for completed (``ok``), or its launch or wait raised
+        (not ``ok``)."""
+        raise NotImplementedError
+
+
 class Call:
-    """One collective as its hooks see it, built by the context's dispatch point only when hooks are attached.
+    """One collective as its hooks see it, built by the context's dispatch point only when hooks are attached (and
+    not for a synchronous call whose only hook is a :class:`CountingHook`).
 
     ``op`` carries the scope prefixes (``"intra_node/reduce"``); ``seq`` counts the calls on ``group_name``
     (point-to-point apart, ``peer`` being the other global rank). ``like`` (the tensor whose dtype and shape every
@@ -116,13 +140,18 @@ class Call:
         self.detail = detail
         self.label = label
         self.async_op = async_op
-        self.tokens: list[Any] = []
+        self.tokens: Sequence[Any] = ()  # the tokens of the hooks told so far, in their order (set by issue)
 
     def issue(self) -> None:
         """Show the call to every hook; if one refuses it, the hooks already told see it fail."""
-        tokens = self.tokens
+        hooks = self.hooks
+        if len(hooks) == 1:  # the usual case, one observer: no loop (a refusal leaves no hook told)
+            self.tokens = [hooks[0].on_issue(self)]
+            return
+        tokens: list[Any] = []
+        self.tokens = tokens
         try:
-            for hook in self.hooks:
+            for hook in hooks:
                 tokens.append(hook.on_issue(self))
         except BaseException:
             self.complete(ok=False)
@@ -163,5 +192,9 @@ class Call:
             self.complete(ok=True)
 
     def complete(self, ok: bool) -> None:
-        for hook, token in zip(self.hooks, self.tokens):
+        tokens = self.tokens
+        if len(tokens) == 1:  # one hook told (the only one, or the one before a refusal): no loop
+            self.hooks[0].on_complete(self, tokens[0], ok)
+            return
+        for hook, token in zip(self.hooks, tokens):
             hook.on_complete(self, token, ok)

@@ -32,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_sync.comms.hooks import Call, CallHook
+from lightning_sync.comms.hooks import Call, CountingHook
 
 __all__ = ["CommStats", "OpStats"]
 
@@ -49,7 +49,7 @@ class OpStats:
     """Wall seconds from issue to completion (for async ops: to the end of ``wait()``)."""
 
 
-class CommStats(CallHook):
+class CommStats(CountingHook):
     """Per-op calls, payload bytes and seconds, as a call hook. Thread-safe; read with :meth:`snapshot`.
 
     Besides the totals per op it keeps the seconds callers spent blocked in collectives
@@ -68,22 +68,28 @@ class CommStats(CallHook):
         self._mark = clock()
 
     # ------------------------------------------------------------------ as a call hook
-    def on_issue(self, call: Call) -> list[Any]:
-        """Count the call and its bytes; the caller is blocked from now on. The token: ``[issued at, blocked
-        since, in flight]``."""
+    def on_issue(self, call: Call) -> Any:
+        """Count the call (:meth:`begin`). The token: a synchronous call's issue time (when its caller became
+        blocked, too); an asynchronous call's ``[issued at, blocked since, in flight]``, which its launch and wait
+        update."""
+        now = self.begin(call.op, call.nbytes)
+        return [now, now, False] if call.async_op else now
+
+    def begin(self, op: str, nbytes: int) -> float:
+        """Count a call of ``op`` and its bytes; its caller is blocked from now on. Returns the time."""
         now = self._clock()
         self._lock.acquire()  # not `with`: this runs on every call, and nothing below can raise
-        entry = self._ops.get(call.op)
+        entry = self._ops.get(op)
         if entry is None:
-            entry = self._ops[call.op] = OpStats()
+            entry = self._ops[op] = OpStats()
         entry.calls += 1
-        entry.bytes += call.nbytes
+        entry.bytes += nbytes
         if self._outstanding > 0 and self._blocking == 0:  # _tick_at(now), written out
             self._covered += now - self._mark
         self._mark = now
         self._blocking += 1
         self._lock.release()
-        return [now, now, False]
+        return now
 
     def on_launched(self, call: Call, token: Any, handles: Any) -> None:
         """An async call leaves the caller, in flight; a synchronous one keeps it blocked until it completes."""
@@ -106,21 +112,32 @@ class CommStats(CallHook):
             self._blocking += 1
 
     def on_complete(self, call: Call, token: Any, ok: bool) -> None:
-        """The caller is released; a completed call adds its seconds since issue to its op."""
+        """The caller is released (:meth:`end`)."""
+        self.end(call.op, token, ok)
+
+    def end(self, op: str, token: Any, ok: bool) -> None:
+        """The caller of a call of ``op`` is released; a completed call adds its seconds since issue to its op.
+        ``token``: what :meth:`begin` or :meth:`on_issue` returned."""
         now = self._clock()
+        if token.__class__ is list:  # an asynchronous call's
+            issued, since, in_flight = token
+        else:
+            issued = since = token
+            in_flight = False
         self._lock.acquire()  # as in on_issue
         if self._outstanding > 0 and self._blocking == 0:  # _tick_at(now), written out
             self._covered += now - self._mark
         self._mark = now
-        self._blocking = max(0, self._blocking - 1)
-        self._blocked += now - token[1]
-        if token[2]:
-            self._outstanding = max(0, self._outstanding - 1)
+        if self._blocking > 0:  # never below 0: a new job forgets the callers blocked in the previous one's calls
+            self._blocking -= 1
+        self._blocked += now - since
+        if in_flight and self._outstanding > 0:
+            self._outstanding -= 1
         if ok:
-            entry = self._ops.get(call.op)
+            entry = self._ops.get(op)
             if entry is None:  # reset while the call was in flight
-                entry = self._ops[call.op] = OpStats()
-            entry.seconds += now - token[0]
+                entry = self._ops[op] = OpStats()
+            entry.seconds += now - issued
         self._lock.release()
 
     def begin_job(self) -> None:

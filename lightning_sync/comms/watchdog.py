@@ -26,20 +26,17 @@ the logged key of a Lightning ``sync_dist`` reduction: :mod:`lightning_sync.comm
   'training_step.b') on ranks [1]``. A mismatch is caught only between calls whose signatures differ: two
   tensors of one shape and dtype, reduced under no logged key, look the same.
 
-**The side channel.** Every rank's watchdog thread publishes a small JSON record to the job's rendezvous
-store (a separate TCPStore client connected to the default process group's store, so it never queues
-behind a blocking store call of the main thread) every ``interval`` seconds: a heartbeat counter, the
-last sequence number it issued on each group with the last few ops, and the collective it is waiting in.
-Diagnosis reads the records of the group's ranks twice, ``2 * interval`` apart: a rank whose counter did
-not move is lost; a rank whose last sequence number is below the pending one never joined; a rank whose
-signature at that sequence number differs took another code path (the smallest group of ranks is named first).
-Nothing is parsed from logs, and no extra collective runs (a hung group could not carry one).
+**The side channel.** Every rank's watchdog thread publishes a small record to the job's rendezvous store
+every ``interval`` seconds (:mod:`lightning_sync.comms.heartbeat`): a heartbeat counter, the last sequence number
+it issued on each group with the last few ops, and the collective it is waiting in. Diagnosis reads the records of
+the group's ranks twice, ``2 * interval`` apart: a rank whose counter did not move is lost; a rank whose last
+sequence number is below the pending one never joined; a rank whose signature at that sequence number differs
+took another code path (the smallest group of ranks is named first).
 
 **Cost.** Issuing a collective appends its signature to an in-process ring (the last 4096 per group) and
 folds it into the group's CRC-32, under a lock. Waiting never passes the backend a timeout (on NCCL one that
 runs out aborts the communicator): a completed request returns at once, and an incomplete one is waited for by
-the cheapest means its backend offers (:mod:`lightning_sync.comms.waiting`). The store sees one small write per
-rank per ``interval``.
+the cheapest means its backend offers (:mod:`lightning_sync.comms.waiting`).
 
 **Ranks blocked outside comms.** A rank stuck in a call that cannot be interrupted (a backend call that
 blocks inside its launch, or a collective issued without ``lightning_sync.comms``) cannot raise. When the
@@ -52,7 +49,6 @@ belongs on a trusted private network (see the README's trust model).
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import sys
@@ -61,7 +57,6 @@ import time
 import zlib
 from collections import deque
 from collections.abc import Sequence
-from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
@@ -77,6 +72,7 @@ from lightning_sync.comms.diagnosis import (
     sequence_key,
     signature,
 )
+from lightning_sync.comms.heartbeat import Heartbeats
 from lightning_sync.comms.hooks import Call, CallHook
 from lightning_sync.comms.payload import device_of, group_ranks
 from lightning_sync.comms.waiting import Waiter
@@ -129,7 +125,8 @@ class Watchdog(CallHook):
             )
         self.timeout, self.interval, self.exit_after = float(timeout), float(interval), float(exit_after)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        self._store, self.store_address, self.generation = _client_store(self.world_size)
+        self._heartbeats = Heartbeats(self.rank, self.world_size, self.interval, self._record)
+        self._read = self._heartbeats.read  # the peers' records as last published
         self._lock = threading.Lock()
         self._last: dict[str, int] = {}
         self._issued: dict[str, deque[tuple[int, str, int, str, int]]] = {}  # seq, op, nbytes, detail, hash
@@ -234,7 +231,7 @@ class Watchdog(CallHook):
     # ------------------------------------------------------------------ life cycle
 
     def start(self) -> None:
-        self._publish()
+        self._heartbeats.publish()
         self._thread.start()
 
     def stop(self, clean: bool = True) -> None:
@@ -245,7 +242,7 @@ class Watchdog(CallHook):
         self._thread.join(timeout=5 * self.interval + 5)
         if clean:
             try:
-                self._publish(state="done")
+                self._heartbeats.publish(state="done")
             except Exception:  # noqa: BLE001 - the store host may be gone already; leaving is still fine
                 pass
 
@@ -259,7 +256,7 @@ class Watchdog(CallHook):
     def _run(self) -> None:
         while not self._stopped.wait(self.interval):
             try:
-                self._publish()
+                self._heartbeats.publish()
                 if self._error is None:
                     self._poll_abort()
                 if self._error is None:
@@ -289,8 +286,8 @@ class Watchdog(CallHook):
         return None
 
     def _poll_abort(self) -> None:
-        if self._store.check(["abort"]):
-            posted = json.loads(self._store.get("abort"))
+        posted = self._heartbeats.posted_abort()
+        if posted is not None:
             kind = RankLost if posted["kind"] == "RankLost" else CollectiveTimeout
             self._set_error(
                 kind(f"aborted by the hang watchdog of rank {posted['rank']}: {posted['message']}"), post=False
@@ -325,55 +322,20 @@ class Watchdog(CallHook):
                 else f"{waiting.label()} for {time.monotonic() - waiting.start:.1f} s",
             }
 
-    def _publish(self, state: str = "running") -> None:
-        self._store.set(f"hb/{self.rank}", json.dumps(self._record(state)))
-
-    def _pause(self, seconds: float) -> None:
-        """Sleep, still publishing this rank's heartbeat (peers may be diagnosing at the same time)."""
-        end = time.monotonic() + seconds
-        while (left := end - time.monotonic()) > 0:
-            time.sleep(min(left, self.interval / 2))
-            self._publish()
-
-    def _read(self, ranks: Sequence[int]) -> dict[int, dict[str, Any] | None]:
-        out: dict[int, dict[str, Any] | None] = {}
-        for r in ranks:
-            key = f"hb/{r}"
-            out[r] = json.loads(self._store.get(key)) if self._store.check([key]) else None
-        return out
-
     def store_lost(self, err: BaseException) -> str:
         """What to say when the rendezvous store cannot be reached: its host is gone."""
-        return (
-            f"the rendezvous store at {self.store_address} is unreachable ({err}): its host (under Lightning: "
-            f"global rank 0) is lost"
-        )
+        return self._heartbeats.lost(err)
 
     def lost_ranks(self) -> list[int]:
         """Ranks whose heartbeat does not move over ``2 * interval`` seconds (the store host's loss raises)."""
-        return self._survey([r for r in range(self.world_size) if r != self.rank])[1]
-
-    def _survey(self, ranks: Sequence[int]) -> tuple[dict[int, dict[str, Any] | None], list[int]]:
-        """The ranks' records, read twice ``2 * interval`` apart, and the lost ones: no record, or a
-        running rank whose heartbeat did not move (every live rank publishes at least once meanwhile)."""
-        first = self._read(ranks)
-        self._pause(2 * self.interval + 0.1)
-        now = self._read(ranks)
-        lost = [
-            r
-            for r in ranks
-            if now[r] is None
-            or (now[r]["state"] == "running" and first[r] is not None and now[r]["beat"] == first[r]["beat"])
-        ]
-        return now, lost
+        return self._heartbeats.survey([r for r in range(self.world_size) if r != self.rank])[1]
 
     def _set_error(self, err: CollectiveError, post: bool) -> CollectiveError:
         with self._lock:
             if self._error is not None:
                 return self._error
             if post:  # the first rank to post wins; everyone raises that message
-                mine = json.dumps({"rank": self.rank, "kind": type(err).__name__, "message": str(err)})
-                self._store.compare_set("abort", "", mine)
+                self._heartbeats.post_abort(type(err).__name__, str(err))
             self._error, self._error_at = err, time.monotonic()
         self._waiter.wake()
         return err
@@ -389,28 +351,5 @@ class Watchdog(CallHook):
 
     def _diagnose(self, p: Pending, what: str) -> str:
         others = [r for r in ([p.peer] if p.peer is not None else p.ranks) if r != self.rank]
-        records, lost = self._survey(others)
+        records, lost = self._heartbeats.survey(others)
         return explain(p, what, self.rank, records, lost, silent_for=2 * self.interval + 0.1)
-
-
-def _client_store(world_size: int) -> tuple[dist.Store, str, int]:
-    """A store client of our own, its address, and the generation whose namespace it writes in.
-
-    The generation counts the watchdogs started on this store, not in this process: each rank adds one to a
-    counter in the store, and every rank starts its n-th watchdog before any rank starts its (n+1)-th
-    (collectives run in between), so the n-th of every rank share a namespace whatever each process ran before
-    (a multirun's rank 0 keeps its process from job to job, the relaunched ranks do not), and a later job on the
-    same store never reads an earlier one's records."""
-    base = dist.distributed_c10d._get_default_store()
-    under = base
-    while isinstance(under, dist.PrefixStore):
-        under = under.underlying_store
-    if isinstance(under, dist.TCPStore):
-        store: dist.Store = dist.TCPStore(
-            under.host, under.port, is_master=False, timeout=timedelta(seconds=30), wait_for_workers=False
-        )
-        address = f"{under.host}:{under.port}"
-    else:  # a FileStore or HashStore: share the default one
-        store, address = base, type(under).__name__
-    generation = (store.add("lightning_sync/watchdog/started", 1) - 1) // world_size + 1
-    return dist.PrefixStore(f"lightning_sync/watchdog/{generation}", store), address, generation
