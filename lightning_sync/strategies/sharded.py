@@ -30,6 +30,10 @@ What is sharded, and what is synchronized when (K ranks):
   the boundary micro-step reduce-scatters their sum once.
 * **Mixed precision:** ``param_dtype`` is what is gathered and computed in (wrapped units cast their
   floating-point inputs to it), ``reduce_dtype`` what gradients are reduced in; master shards are fp32.
+  Lightning's ``precision="bf16-mixed"`` autocasts as usual. ``"16-mixed"``'s ``GradScaler`` is replaced at
+  setup by a :class:`~lightning_sync.sync.zero.grad_scaler.ShardedGradScaler` with the same settings and
+  state, whose inf/NaN check is all-reduced (MAX, one float per optimizer and step): an overflow in one
+  rank's gradient shard skips the step on every rank, and every rank's scale changes alike.
 * **CPU offload** (``offload=True``, any stage; ZeRO-Offload): the fp32 master shards, their gradients and the
   optimizer state live in host memory and the optimizer steps there; the copies run on a side CUDA stream,
   overlapped with backward and with the next forward (:mod:`lightning_sync.sync.zero.offload`). On a CPU-only
@@ -94,6 +98,7 @@ from lightning_sync.sync.zero.full_checkpoint import (
     full_model_state,
     resolve_state_dict_type,
 )
+from lightning_sync.sync.zero.grad_scaler import ShardedGradScaler
 from lightning_sync.sync.zero.materialize import check_no_hidden_meta, has_meta, meta_hidden
 
 __all__ = ["ShardedStrategy"]
@@ -229,13 +234,11 @@ class ShardedStrategy(SyncStrategy):
 
     @override
     def setup(self, trainer: Any) -> None:
-        if getattr(self.precision_plugin, "scaler", None) is not None:
-            # a GradScaler decides per rank whether to skip a step, from this rank's shard only: ranks
-            # would disagree, and the ones that step would wait in the all-gather for the ones that skipped
-            raise ValueError(
-                f"{type(self).__name__} does not support fp16 loss scaling (precision='16-mixed'); "
-                f"use precision='bf16-mixed', or param_dtype='bf16' with the default precision"
-            )
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        if scaler is not None and not isinstance(scaler, ShardedGradScaler):
+            # a GradScaler decides from this rank's gradient shard alone whether to skip a step: ranks would
+            # disagree, and the ones that step would wait in the all-gather for the ones that skipped
+            self.precision_plugin.scaler = ShardedGradScaler.like(scaler, self.comm)
         self._callbacks.install(trainer.callbacks, type(self).__name__, trainer.state.fn == TrainerFn.FITTING)
         assert self.model is not None
         meta = [n for n, t in (*self.model.named_parameters(), *self.model.named_buffers()) if t.is_meta]
