@@ -8,10 +8,14 @@ wrapped.
 What is sharded, and what is synchronized when (K ranks):
 
 * **Setup** (after ``configure_optimizers``): rank 0's parameters and buffers are broadcast, the
-  trainable parameters are flattened and sharded 1/K per rank, and the optimizer is rewritten in place
-  to step this rank's fp32 master shards (same object, groups and hyperparameters, so LR schedulers keep
-  working). Stage 1/2 units are gradient buckets of ``bucket_cap_mb``; stage 3 units are chosen by
-  ``wrap_policy``.
+  trainable parameters are flattened and sharded 1/K per rank, and each optimizer is rewritten in place
+  to step this rank's fp32 master shards of its parameters (same object, groups and hyperparameters, so LR
+  schedulers keep working). Stage 1/2 units are gradient buckets of ``bucket_cap_mb``; stage 3 units are chosen
+  by ``wrap_policy``.
+* **Several optimizers** (manual optimization, a GAN): each flat parameter belongs to one group of one optimizer
+  (a parameter in two is refused). ``toggle_optimizer`` turns the other optimizers' masters off: the gradients
+  their parameters get in that backward are dropped and not reduced, and they do not count as unused. Stage 3
+  gathers the root unit again after each such backward, for the step function's next forward.
 * **Deferred initialization** (stage 3): ``configure_model`` and ``trainer.init_module()`` build on the meta
   device, and the setup initializes the model unit by unit with each module's ``reset_parameters()``, from
   rank 0's random state, keeping only this rank's shards (:mod:`lightning_sync.sync.zero.materialize`).
@@ -251,19 +255,15 @@ class ShardedStrategy(SyncStrategy):
     @override
     def setup_optimizers(self, trainer: Any) -> None:
         super().setup_optimizers(trainer)
-        if len(self.optimizers) > 1:
-            raise ValueError(
-                f"{type(self).__name__} shards one optimizer; configure_optimizers returned {len(self.optimizers)}"
-            )
-        self._build_engine(self.optimizers[0] if self.optimizers else None)
+        self._build_engine(self.optimizers or None)
 
-    def _build_engine(self, optimizer: torch.optim.Optimizer | None) -> None:
+    def _build_engine(self, optimizers: list[torch.optim.Optimizer] | None) -> None:
         assert self.model is not None
         if self.engine is not None:
             self.engine.unshard()
         self.engine = ZeroEngine(
             self.model,
-            optimizer,
+            optimizers,
             self.comm,
             stage=self.stage,
             wrap_policy=self.wrap_policy,
@@ -339,7 +339,11 @@ class ShardedStrategy(SyncStrategy):
 
     @override
     def post_backward(self, closure_loss: torch.Tensor) -> None:
-        return None
+        """Manual optimization may run another forward in the same step function (a GAN's second optimizer): stage 3
+        gathers the root unit again, which backward freed (an optimizer step refreshes it while it is gathered)."""
+        module = self.lightning_module
+        if self.engine is not None and module is not None and not module.automatic_optimization:
+            self.engine.gather_root()
 
     @contextmanager
     @override

@@ -9,6 +9,7 @@ concern a module; the package exports their public names:
   :class:`OwnedSlice`), shared with DDP bucketing and the parameter-server wire;
 * :mod:`~lightning_sync.sync.zero.flat_param` - one flat parameter's buffers and collectives (:class:`FlatParam`);
 * :mod:`~lightning_sync.sync.zero.units` - which parameters go together (:class:`Unit`);
+* :mod:`~lightning_sync.sync.zero.optimizers` - which optimizer steps each flat parameter (one or several);
 * :mod:`~lightning_sync.sync.zero.engine` - :class:`ZeroEngine`, stages 1-3 on the shared backward engine;
 * :mod:`~lightning_sync.sync.zero.checkpoint` / :mod:`~lightning_sync.sync.zero.format` - sharded and
   full checkpoints of an engine (:func:`save_sharded`, :func:`load_sharded`, :func:`full_state_dict`,
