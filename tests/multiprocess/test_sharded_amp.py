@@ -34,7 +34,6 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-import torch.distributed as dist
 from _lightning_reference import (
     ENV,
     EQ_TOL,
@@ -42,6 +41,7 @@ from _lightning_reference import (
     _check_against,
     _quiet_rank,
     _rank_batches,
+    _same_on_every_rank,
     _Sections,
     _state,
     _TiedModule,
@@ -148,14 +148,6 @@ class _Overflow(pl.Callback):
             self.around.append(trainer.strategy.engine.full_params())
 
 
-def _same_on_all_ranks(ck: Checks, tag: str, state: dict[str, torch.Tensor]) -> None:
-    """Rank 0's tensors, broadcast, equal this rank's bit for bit."""
-    theirs = [state]
-    dist.broadcast_object_list(theirs, src=0)
-    for name, value in state.items():
-        ck.close(f"{tag} {name} same on every rank", value, theirs[0][name], rtol=0.0, atol=0.0)
-
-
 def _fp16(ck: Checks, world: int) -> None:
     ds = _token_data()
     for stage, (accumulate, clip) in FP16_FITS.items():
@@ -180,7 +172,7 @@ def _fp16(ck: Checks, world: int) -> None:
         ck.true(f"{tag} sharded scaler", isinstance(scaler, ShardedGradScaler), type(scaler))
         ck.true(f"{tag} user's settings kept", scaler.get_growth_interval() == SCALER["growth_interval"])
         ck.true(f"{tag} scale after every step", probe.scales == ref["scales"], (probe.scales, ref["scales"]))
-        _same_on_all_ranks(ck, f"{tag} scales", {"scales": torch.tensor(probe.scales)})
+        _same_on_every_rank(ck, f"{tag} scales", {"scales": torch.tensor(probe.scales)})
         ck.true(
             f"{tag} one-rank overflow halves the scale",
             probe.scales[INJECT_AT] == probe.scale_before / 2,
@@ -191,7 +183,7 @@ def _fp16(ck: Checks, world: int) -> None:
         for name, value in before.items():
             ck.close(f"{tag} injected step skipped: {name}", after[name], value, rtol=0.0, atol=0.0)
         _check_against(ck, tag, module, ref["state"], init, EQ_TOL)
-        _same_on_all_ranks(ck, tag, _state(module))
+        _same_on_every_rank(ck, tag, _state(module))
 
 
 def _bf16(ck: Checks, world: int) -> None:
@@ -211,7 +203,7 @@ def _bf16(ck: Checks, world: int) -> None:
     trainer.fit(module)
     ck.true(f"{tag} no scaler", getattr(trainer.precision_plugin, "scaler", None) is None)
     _check_against(ck, tag, module, ref["state"], init, EQ_TOL)
-    _same_on_all_ranks(ck, tag, _state(module))
+    _same_on_every_rank(ck, tag, _state(module))
 
 
 def _worker(rank: int, world: int) -> dict[str, Any]:
