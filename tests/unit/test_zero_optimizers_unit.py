@@ -111,3 +111,24 @@ def test_engine_optimizer_names_the_alternatives_with_several() -> None:
     engine = ZeroEngine(model, _optimizers(model), LoopbackCommunicator(), stage=2)
     with pytest.raises(AttributeError, match=r"2 optimizers: use engine\.optimizers or engine\.optimizer_of"):
         _ = engine.optimizer
+
+
+@pytest.mark.parametrize(("stage", "policy"), [(1, None), (2, None), (3, nn.Linear)])
+def test_two_synchronized_backwards_before_a_step_add_up(stage: int, policy: Any) -> None:
+    """Accumulation under manual optimization: every backward reduce-scatters (Lightning blocks the sync only in
+    automatic optimization) and the masters' gradients add up until the step, as ``.grad`` does."""
+    ref, model = _TwoPart(), _TwoPart()
+    ref_opts, optimizers = _optimizers(ref), _optimizers(model)
+    engine = ZeroEngine(model, optimizers, LoopbackCommunicator(), stage=stage, wrap_policy=policy, bucket_cap_mb=1e-4)
+    g = torch.Generator().manual_seed(2)
+    for _ in range(2):
+        x1, x2 = torch.randn(6, 5, generator=g), torch.randn(6, 5, generator=g)
+        for net, opts in ((ref, ref_opts), (model, optimizers)):
+            net(x1).square().mean().backward()
+            net(x2).mean().backward()
+            for opt in opts:
+                opt.step()
+                opt.zero_grad()
+    got, want = full_state_dict(engine), ref.state_dict()
+    for key in want:
+        assert torch.equal(got[key], want[key]), key
