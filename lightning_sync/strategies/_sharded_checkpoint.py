@@ -109,8 +109,9 @@ def optimizer_state_of(engine: ZeroEngine | None, optimizer: Any, state_dict_typ
     """What a checkpoint holds of ``optimizer``: with ``"full"``, on rank 0 the unsharded optimizer's
     ``state_dict()``, gathered (a collective); otherwise its hyperparameters only (learning rates, betas, ...),
     the per-element state being in the shards."""
-    if state_dict_type == "full" and engine is not None and engine.optimizer is optimizer:
-        full = full_optimizer_state(engine)
+    index = _index_in(engine, optimizer)
+    if state_dict_type == "full" and engine is not None and index is not None:
+        full = full_optimizer_state(engine, index)
         if full is not None:
             return full
     return {"param_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]}
@@ -119,9 +120,14 @@ def optimizer_state_of(engine: ZeroEngine | None, optimizer: Any, state_dict_typ
 def load_optimizer_states(engine: ZeroEngine | None, optimizers: list[Any], states: list[dict[str, Any]]) -> None:
     """A full checkpoint's (ours or ``ddp``'s) optimizer states are resharded into this rank's shards; a sharded
     one's state is in the shards already, and only its hyperparameters (a scheduler's learning rates) are read."""
+    if len(states) != len(optimizers) and states:
+        raise ValueError(
+            f"the checkpoint holds {len(states)} optimizer states, this run has {len(optimizers)} optimizers"
+        )
     for optimizer, state in zip(optimizers, states):
-        if engine is not None and engine.optimizer is optimizer and is_plain_optimizer_state(state):
-            load_full_optimizer_state(engine, state)
+        index = _index_in(engine, optimizer)
+        if engine is not None and index is not None and is_plain_optimizer_state(state):
+            load_full_optimizer_state(engine, state, index)
             continue
         groups = state.get("param_groups", [])
         if len(groups) != len(optimizer.param_groups):
@@ -130,3 +136,10 @@ def load_optimizer_states(engine: ZeroEngine | None, optimizers: list[Any], stat
             )
         for group, saved in zip(optimizer.param_groups, groups):
             group.update(saved)
+
+
+def _index_in(engine: ZeroEngine | None, optimizer: Any) -> int | None:
+    """``optimizer``'s position among the engine's (Lightning's ``optimizer_states`` are in that order)."""
+    if engine is None:
+        return None
+    return next((i for i, opt in enumerate(engine.optimizers) if opt is optimizer), None)

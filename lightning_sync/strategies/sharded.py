@@ -8,10 +8,14 @@ wrapped.
 What is sharded, and what is synchronized when (K ranks):
 
 * **Setup** (after ``configure_optimizers``): rank 0's parameters and buffers are broadcast, the
-  trainable parameters are flattened and sharded 1/K per rank, and the optimizer is rewritten in place
-  to step this rank's fp32 master shards (same object, groups and hyperparameters, so LR schedulers keep
-  working). Stage 1/2 units are gradient buckets of ``bucket_cap_mb``; stage 3 units are chosen by
-  ``wrap_policy``.
+  trainable parameters are flattened and sharded 1/K per rank, and each optimizer is rewritten in place
+  to step this rank's fp32 master shards of its parameters (same object, groups and hyperparameters, so LR
+  schedulers keep working). Stage 1/2 units are gradient buckets of ``bucket_cap_mb``; stage 3 units are chosen
+  by ``wrap_policy``.
+* **Several optimizers** (manual optimization, a GAN): each flat parameter belongs to one group of one optimizer
+  (a parameter in two is refused). ``toggle_optimizer`` turns the other optimizers' masters off: the gradients
+  their parameters get in that backward are dropped and not reduced, and they do not count as unused. Stage 3
+  gathers the root unit again after each such backward, for the step function's next forward.
 * **Deferred initialization** (stage 3): ``configure_model`` and ``trainer.init_module()`` build on the meta
   device, and the setup initializes the model unit by unit with each module's ``reset_parameters()``, from
   rank 0's random state, keeping only this rank's shards (:mod:`lightning_sync.sync.zero.materialize`).
@@ -30,6 +34,10 @@ What is sharded, and what is synchronized when (K ranks):
   the boundary micro-step reduce-scatters their sum once.
 * **Mixed precision:** ``param_dtype`` is what is gathered and computed in (wrapped units cast their
   floating-point inputs to it), ``reduce_dtype`` what gradients are reduced in; master shards are fp32.
+  Lightning's ``precision="bf16-mixed"`` autocasts as usual. ``"16-mixed"``'s ``GradScaler`` is replaced at
+  setup by a :class:`~lightning_sync.sync.zero.grad_scaler.ShardedGradScaler` with the same settings and
+  state, whose inf/NaN check is all-reduced (MAX, one float per optimizer and step): an overflow in one
+  rank's gradient shard skips the step on every rank, and every rank's scale changes alike.
 * **CPU offload** (``offload=True``, any stage; ZeRO-Offload): the fp32 master shards, their gradients and the
   optimizer state live in host memory and the optimizer steps there; the copies run on a side CUDA stream,
   overlapped with backward and with the next forward (:mod:`lightning_sync.sync.zero.offload`). On a CPU-only
@@ -94,6 +102,7 @@ from lightning_sync.sync.zero.full_checkpoint import (
     full_model_state,
     resolve_state_dict_type,
 )
+from lightning_sync.sync.zero.grad_scaler import ShardedGradScaler
 from lightning_sync.sync.zero.materialize import check_no_hidden_meta, has_meta, meta_hidden
 
 __all__ = ["ShardedStrategy"]
@@ -229,13 +238,11 @@ class ShardedStrategy(SyncStrategy):
 
     @override
     def setup(self, trainer: Any) -> None:
-        if getattr(self.precision_plugin, "scaler", None) is not None:
-            # a GradScaler decides per rank whether to skip a step, from this rank's shard only: ranks
-            # would disagree, and the ones that step would wait in the all-gather for the ones that skipped
-            raise ValueError(
-                f"{type(self).__name__} does not support fp16 loss scaling (precision='16-mixed'); "
-                f"use precision='bf16-mixed', or param_dtype='bf16' with the default precision"
-            )
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        if scaler is not None and not isinstance(scaler, ShardedGradScaler):
+            # a GradScaler decides from this rank's gradient shard alone whether to skip a step: ranks would
+            # disagree, and the ones that step would wait in the all-gather for the ones that skipped
+            self.precision_plugin.scaler = ShardedGradScaler.like(scaler, self.comm)
         self._callbacks.install(trainer.callbacks, type(self).__name__, trainer.state.fn == TrainerFn.FITTING)
         assert self.model is not None
         meta = [n for n, t in (*self.model.named_parameters(), *self.model.named_buffers()) if t.is_meta]
@@ -248,19 +255,15 @@ class ShardedStrategy(SyncStrategy):
     @override
     def setup_optimizers(self, trainer: Any) -> None:
         super().setup_optimizers(trainer)
-        if len(self.optimizers) > 1:
-            raise ValueError(
-                f"{type(self).__name__} shards one optimizer; configure_optimizers returned {len(self.optimizers)}"
-            )
-        self._build_engine(self.optimizers[0] if self.optimizers else None)
+        self._build_engine(self.optimizers or None)
 
-    def _build_engine(self, optimizer: torch.optim.Optimizer | None) -> None:
+    def _build_engine(self, optimizers: list[torch.optim.Optimizer] | None) -> None:
         assert self.model is not None
         if self.engine is not None:
             self.engine.unshard()
         self.engine = ZeroEngine(
             self.model,
-            optimizer,
+            optimizers,
             self.comm,
             stage=self.stage,
             wrap_policy=self.wrap_policy,
@@ -336,7 +339,11 @@ class ShardedStrategy(SyncStrategy):
 
     @override
     def post_backward(self, closure_loss: torch.Tensor) -> None:
-        return None
+        """Manual optimization may run another forward in the same step function (a GAN's second optimizer): stage 3
+        gathers the root unit again, which backward freed (an optimizer step refreshes it while it is gathered)."""
+        module = self.lightning_module
+        if self.engine is not None and module is not None and not module.automatic_optimization:
+            self.engine.gather_root()
 
     @contextmanager
     @override

@@ -10,8 +10,9 @@ gradient norm, takes one optimizer step and steps a per-step LR scheduler.
 :class:`_Sections` runs the scenarios of one spawned group of ranks, one :class:`Checks` each, so that a test
 function asserts one scenario family and a failure names it.
 
-Used by ``test_bucketed_ddp.py``, ``test_sharded_strategy.py``, ``test_sharded_full_checkpoint.py`` and
-``test_sharded_callbacks.py``; not a test module itself.
+Used by ``test_bucketed_ddp.py``, ``test_sharded_strategy.py``, ``test_sharded_full_checkpoint.py``,
+``test_sharded_callbacks.py``, ``test_sharded_amp.py`` and ``test_sharded_optimizers.py``; not a test module
+itself.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 from lightning.pytorch.strategies import Strategy
 from torch import nn
 from torch.nn import functional as F
@@ -55,6 +57,7 @@ __all__ = [
     "_quiet_rank",
     "_rank_batches",
     "_reference",
+    "_same_on_every_rank",
     "_state",
     "_token_data",
     "_trainer",
@@ -257,6 +260,14 @@ def _check_against(
         ck.close(f"{tag} {name}", value, ref[name], **tol)
     moved = max((ref[k] - init[k]).abs().max().item() for k in ref)
     ck.true(f"{tag} weights moved", moved > MIN_MOVE, f"max |ref - init| = {moved}")
+
+
+def _same_on_every_rank(ck: Checks, tag: str, state: dict[str, torch.Tensor]) -> None:
+    """Rank 0's tensors, broadcast (a collective), equal this rank's bit for bit."""
+    theirs = [state]
+    dist.broadcast_object_list(theirs, src=0)
+    for name, value in state.items():
+        ck.close(f"{tag} {name} same on every rank", value, theirs[0][name], rtol=0.0, atol=0.0)
 
 
 def _trainer(world: int, strategy: Strategy, **kw: Any) -> pl.Trainer:

@@ -199,16 +199,6 @@ def test_wrap_policy_matching_modules_does_not_warn(monkeypatch: pytest.MonkeyPa
     assert sorted(u.name for u in engine.units if u.numel) == ["", "fc", "out"]
 
 
-def test_fp16_loss_scaling_is_refused_with_a_clear_error() -> None:
-    """A GradScaler would skip steps per rank (each sees only its shard's infs) and hang the others."""
-    from lightning.pytorch.plugins.precision import MixedPrecision
-
-    strategy = ShardedStrategy(stage=2)
-    strategy.precision_plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
-    with pytest.raises(ValueError, match=r"16-mixed.*bf16-mixed"):
-        strategy.setup(object())
-
-
 def test_load_checkpoint_before_setup_says_why_instead_of_asserting(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match=r"exists once the strategy is set up .*was not read"):
         ShardedStrategy(stage=3).load_checkpoint(tmp_path / "step=3.ckpt")

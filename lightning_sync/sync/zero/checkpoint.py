@@ -79,7 +79,8 @@ def save_sharded(engine: ZeroEngine, path: str | os.PathLike[str]) -> None:
     out: dict[str, Any] = {}
     for f in engine.flats:
         master = f.master.detach()
-        state = engine.optimizer.state.get(f.master, {}) if engine.optimizer is not None else {}
+        opt = engine.optimizer_of(f)  # a parameter is in one optimizer: its name keys its state
+        state = opt.state.get(f.master, {}) if opt is not None else {}
         for s in f.layout.owned_slices():
             name = f.names[s.index]
             for offset, length in pieces(s):
@@ -152,7 +153,8 @@ def load_sharded(engine: ZeroEngine, path: str | os.PathLike[str], weights_only:
     for f in engine.flats:
         # the optimizer's state is filled in place where it exists (a run that already stepped); a resuming
         # run's fresh optimizer has none, and gets this rank's shard of it, once
-        old = engine.optimizer.state.get(f.master, {}) if engine.optimizer is not None else {}
+        opt = engine.optimizer_of(f)
+        old = opt.state.get(f.master, {}) if opt is not None else {}
         state: dict[str, Any] = {}
         for s in f.layout.owned_slices():
             name = f.names[s.index]
@@ -180,11 +182,12 @@ def load_sharded(engine: ZeroEngine, path: str | os.PathLike[str], weights_only:
             if isinstance(value, _Scalar):
                 scalar = scalars[value.key]
                 state[k] = scalar.to(f.master.device) if isinstance(scalar, torch.Tensor) else scalar
-        if engine.optimizer is not None:
+        opt = engine.optimizer_of(f)
+        if opt is not None:
             if state:
-                engine.optimizer.state[f.master] = state
+                opt.state[f.master] = state
             else:
-                engine.optimizer.state.pop(f.master, None)
+                opt.state.pop(f.master, None)
     engine.after_load()
 
 

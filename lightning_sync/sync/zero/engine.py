@@ -33,6 +33,7 @@ times out or notices the dead peer; nothing here retries.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -47,9 +48,10 @@ from lightning_sync.sync.zero.flat_param import FlatParam
 from lightning_sync.sync.zero.forward import Stage3Forward
 from lightning_sync.sync.zero.materialize import DeferredInit, has_meta
 from lightning_sync.sync.zero.offload import HostOffload
+from lightning_sync.sync.zero.optimizers import as_optimizers, optimizer_groups, rewrite_optimizers
 from lightning_sync.sync.zero.options import check_stage, resolve_dtype, resolve_wrap_policy, storage_bytes
 from lightning_sync.sync.zero.recompute import ActivationCheckpointing, checkpointed_modules
-from lightning_sync.sync.zero.units import Unit, bucket_units, optimizer_groups, trainable_params, wrap_units
+from lightning_sync.sync.zero.units import Unit, bucket_units, trainable_params, wrap_units
 
 __all__ = ["ZeroEngine"]
 
@@ -72,7 +74,10 @@ class ZeroEngine(Stage3Forward, BackwardEngine):
 
     Args:
         module: the model (its parameters are broadcast from rank 0 and sharded).
-        optimizer: a torch optimizer over (some of) ``module``'s parameters, not yet stepped.
+        optimizer: a torch optimizer over (some of) ``module``'s parameters, not yet stepped, or several over
+            disjoint parameters (:mod:`~lightning_sync.sync.zero.optimizers`); an optimizer whose masters do not
+            require grad (Lightning's ``toggle_optimizer`` turned it off) drops the gradients its parameters get and
+            issues no reduce-scatter for them, the same on every rank.
         comm: the :class:`~lightning_sync.sync.communicator.Communicator`.
         stage: 1, 2 or 3.
         wrap_policy: stage 3 wrap units (see :func:`~lightning_sync.sync.zero.options.resolve_wrap_policy`;
@@ -96,7 +101,7 @@ class ZeroEngine(Stage3Forward, BackwardEngine):
     def __init__(
         self,
         module: nn.Module,
-        optimizer: torch.optim.Optimizer | None,
+        optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None,
         comm: Communicator,
         stage: int = 3,
         wrap_policy: Any = None,
@@ -116,14 +121,9 @@ class ZeroEngine(Stage3Forward, BackwardEngine):
         check_mib("bucket_cap_mb", bucket_cap_mb)
         check_bool("offload", offload)
         self.activation_checkpointing = check_bool("activation_checkpointing", activation_checkpointing)
-        if optimizer is not None and hasattr(optimizer, "_params"):
-            raise ValueError(
-                f"{type(optimizer).__name__} keeps its own parameter list and cannot step shards; "
-                f"use an optimizer that reads param_groups (SGD, Adam, AdamW, ...)"
-            )
-        if optimizer is not None and any(len(s) for s in optimizer.state.values()):
-            raise ValueError("the optimizer already has state; build the ZeroEngine before the first step")
-        self.module, self.optimizer, self.comm, self.stage = module, optimizer, comm, stage
+        #: the optimizers, each rewritten to step the masters of its own parameters' flat parameters
+        self.optimizers = as_optimizers(optimizer)
+        self.module, self.comm, self.stage = module, comm, stage
         self.prefetch, self.reshard_after_forward = bool(prefetch), bool(reshard_after_forward)
         self.param_dtype = resolve_dtype(param_dtype, "param_dtype")
         self.reduce_dtype = resolve_dtype(reduce_dtype, "reduce_dtype")
@@ -144,6 +144,7 @@ class ZeroEngine(Stage3Forward, BackwardEngine):
         self._order_checked = False
         self._frozen_orig: dict[int, torch.Tensor] = {}  # frozen parameters' own data (param_dtype set)
         self._reducing: list[int] = []  # units whose reduce-scatter is issued and not yet finished
+        self._launched: set[int] = set()  # ids of those units' flats that were reduced (their optimizer is on)
         trainable = [p.device for p in module.parameters() if p.requires_grad]
         device = torch.device(init_device or "cpu") if self._deferred is not None or not trainable else trainable[0]
         self._offload = HostOffload(device) if offload else None
@@ -154,7 +155,7 @@ class ZeroEngine(Stage3Forward, BackwardEngine):
     def _build(self) -> None:
         names, params = trainable_params(self.module)
         self.names = names
-        group_of = optimizer_groups(self.module, self.optimizer, params)
+        group_of, self._group_owner = optimizer_groups(self.module, self.optimizers, params)
         name_of = {id(p): n for n, p in zip(names, params)}
         if self.stage < 3:
             members_of = bucket_units(params, group_of, self._cap)
@@ -195,17 +196,17 @@ class ZeroEngine(Stage3Forward, BackwardEngine):
             for i, p in enumerate(flat.params)
         }
         self._slot = [(flat, i) for _, flat, i in (slot[id(p)] for p in params)]  # param index -> where it lives
-        self._rewrite_optimizer()
+        self.user_params = rewrite_optimizers(self.optimizers, self._group_owner, self.flats)
         self._cast_frozen()
         self._overlap = self.stage > 1  # stage 1 reduces once, when backward ends
         self._init_backward(params)
         self._handles: list[Any] = []
         if self.stage == 3:
             self._install_forward_hooks()
-        if self.optimizer is not None and self._offload is not None:  # before the stage 1/2 all-gathers read them
-            self._handles.append(self.optimizer.register_step_post_hook(lambda *_: self._offload.upload()))
-        if self.optimizer is not None and self.stage < 3:
-            self._handles.append(self.optimizer.register_step_post_hook(self._after_step))
+        for opt in self.optimizers:
+            if self._offload is not None:  # before the stage 1/2 all-gathers read them
+                self._handles.append(opt.register_step_post_hook(lambda *_: self._offload.upload()))
+            self._handles.append(opt.register_step_post_hook(self._after_step))
         if self.stage < 3 and self.param_dtype is not None:  # stage 3 casts in every unit's pre-forward
             self._handles.append(self.module.register_forward_pre_hook(self._cast_inputs, with_kwargs=True))
         root = [u for u in self.units if u.is_root]
@@ -224,16 +225,22 @@ class ZeroEngine(Stage3Forward, BackwardEngine):
                 original = self._frozen_orig.setdefault(id(p), p.data)
                 p.data = original.to(self.param_dtype)
 
-    def _rewrite_optimizer(self) -> None:
-        # the optimizer's parameter lists as the user built them: a full checkpoint numbers its state by them
-        self.user_params = [list(g["params"]) for g in self.optimizer.param_groups] if self.optimizer else []
-        if self.optimizer is None:
-            return
-        sharded = {id(p) for f in self.flats for p in f.params}
-        for gi, group in enumerate(self.optimizer.param_groups):
-            kept = [p for p in group["params"] if id(p) not in sharded]  # frozen ones stay as they are
-            group["params"] = [f.master for f in self.flats if f.group == gi] + kept
-        self.optimizer.state.clear()
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        """The engine's one optimizer (None without); with several, :attr:`optimizers` and :meth:`optimizer_of`."""
+        if len(self.optimizers) > 1:
+            raise AttributeError(
+                f"this ZeroEngine has {len(self.optimizers)} optimizers: use engine.optimizers or engine.optimizer_of"
+            )
+        return self.optimizers[0] if self.optimizers else None
+
+    def optimizer_of(self, flat: FlatParam) -> torch.optim.Optimizer | None:
+        """The optimizer that steps ``flat``'s master (None in an engine without optimizers)."""
+        return self.optimizers[self._group_owner[flat.group][0]] if flat.group >= 0 else None
+
+    def flats_of(self, optimizer: torch.optim.Optimizer) -> list[FlatParam]:
+        """The flat parameters ``optimizer`` steps, in the engine's order."""
+        return [f for f in self.flats if self.optimizer_of(f) is optimizer]
 
     # ------------------------------------------------------------------ the backward engine's steps
     _engage_in_no_sync = True  # gradients must leave the (view / freed) parameters in every backward
@@ -241,7 +248,8 @@ class ZeroEngine(Stage3Forward, BackwardEngine):
     def _store(self, index: int, p: torch.Tensor) -> None:
         if p.grad is not None:
             flat, i = self._slot[index]
-            flat.accumulate(i, p.grad)
+            if flat.master.requires_grad:  # else its optimizer is toggled off: dropped, no full gradient is kept
+                flat.accumulate(i, p.grad)
             p.grad = None
 
     def _on_begin_backward(self) -> None:
@@ -263,7 +271,9 @@ class ZeroEngine(Stage3Forward, BackwardEngine):
             for b in list(self._reducing):
                 self._wait(b)
         for f in self.units[bucket].flats:
-            f.launch_reduce()
+            if f.master.requires_grad:  # the same on every rank: the optimizers are toggled alike
+                f.launch_reduce()
+                self._launched.add(id(f))
         self._reducing.append(bucket)
 
     def _wait(self, bucket: int) -> None:
@@ -271,7 +281,9 @@ class ZeroEngine(Stage3Forward, BackwardEngine):
             return
         self._reducing.remove(bucket)
         for f in self.units[bucket].flats:
-            f.finish_reduce()
+            if id(f) in self._launched:
+                self._launched.discard(id(f))
+                f.finish_reduce()
 
     def _after_backward(self, synced: bool) -> None:
         if synced:
@@ -290,7 +302,8 @@ class ZeroEngine(Stage3Forward, BackwardEngine):
         every reduce-scatter was issued: a rank missing a gradient issues its last ones later than its peers,
         and the collectives must stay in one order on every rank."""
         device = self.flats[0].device
-        counts = torch.tensor([0 if used else 1 for used in self._used], dtype=torch.int32, device=device)
+        on = [flat.master.requires_grad for flat, _ in self._slot]  # a toggled-off optimizer's take no gradient
+        counts = torch.tensor([int(o and not u) for o, u in zip(on, self._used)], dtype=torch.int32, device=device)
         self.comm.all_reduce(counts, op="sum")
         missing = [(self.names[i], c) for i, c in enumerate(counts.tolist()) if c]
         if missing:
@@ -304,11 +317,16 @@ class ZeroEngine(Stage3Forward, BackwardEngine):
 
     # ------------------------------------------------------------------ optimizer step
     def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        """Stages 1/2: all-gather every updated master shard into the full parameters."""
-        works = [f.refresh_full() for f in self.flats]
+        """All-gather the master shards ``optimizer`` updated (every one when None) into the full parameters: at
+        stages 1/2 all of them, at stage 3 those of a unit gathered now (the root, kept between the forwards of one
+        step function under manual optimization); the others are gathered from the masters before they run."""
+        flats = self.flats if optimizer is None else self.flats_of(optimizer)
+        if self.stage == 3:
+            flats = [f for f in flats if f.full is not None]
+        works = [f.refresh_full() for f in flats]
         for work in works:
             work.wait()
-        for f in self.flats:
+        for f in flats:
             f._gather_src = None
 
     def after_load(self) -> None:
@@ -340,7 +358,7 @@ class ZeroEngine(Stage3Forward, BackwardEngine):
             "grads": storage_bytes([*(p.grad for p in module), *(f.grad_full for f in self.flats)], seen),
             "optimizer": 0,
         }
-        state = [v for s in (self.optimizer.state.values() if self.optimizer else ()) for v in s.values()]
+        state = [v for opt in self.optimizers for s in opt.state.values() for v in s.values()]
         buffers = [s.host_buffers() for s in offloaded]
         stepped = {
             "params": storage_bytes(

@@ -230,5 +230,19 @@ class FlatParam:
 
     def start_window(self) -> None:
         """A new accumulation window: every parameter's next gradient is copied, not added (stage 1
-        keeps its full gradient buffer between steps)."""
+        keeps its full gradient buffer between steps). A stage-1 master gradient still in that buffer (two
+        synchronized backwards before a step, as manual optimization may run) moves out of it first, so the
+        window's reduce-scatter adds to it instead of overwriting it."""
         self._touched = set()
+        grad = self.master.grad
+        if (
+            self.stage == 1
+            and grad is not None
+            and self.grad_full is not None
+            and _shares_storage(grad, self.grad_full)
+        ):
+            self.master.grad = grad.clone()
+
+
+def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()

@@ -93,16 +93,16 @@ def full_model_state(engine: ZeroEngine) -> dict[str, torch.Tensor]:
     return {key: params[c] if c is not None else _on_cpu(replicated[key]) for key, c in keys}
 
 
-def full_optimizer_state(engine: ZeroEngine) -> dict[str, Any] | None:
-    """The engine's optimizer's ``state_dict()`` as the unsharded optimizer would have it (module docstring), on
-    rank 0, on CPU; ``None`` on the other ranks and without an optimizer. A collective."""
-    opt = engine.optimizer
-    if opt is None:
+def full_optimizer_state(engine: ZeroEngine, index: int = 0) -> dict[str, Any] | None:
+    """The engine's optimizer ``index``'s ``state_dict()`` as the unsharded optimizer would have it (module
+    docstring), on rank 0, on CPU; ``None`` on the other ranks and without an optimizer. A collective."""
+    if index >= len(engine.optimizers):
         return None
+    opt, user_params = engine.optimizers[index], engine.user_params[index]
     root = engine.comm.rank == 0
-    number = {id(p): i for i, p in enumerate(p for group in engine.user_params for p in group)}
+    number = {id(p): i for i, p in enumerate(p for group in user_params for p in group)}
     state: dict[int, dict[str, Any]] = {}
-    for f in engine.flats:
+    for f in engine.flats_of(opt):
         own = opt.state.get(f.master, {})
         entries: list[dict[str, Any]] = [{} for _ in f.params]
         for key, value in own.items():  # the same keys, in the same order, on every rank
@@ -120,13 +120,13 @@ def full_optimizer_state(engine: ZeroEngine) -> dict[str, Any] | None:
     if not root:
         return None
     sharded = {id(p) for f in engine.flats for p in f.params}
-    for group in engine.user_params:  # parameters the engine does not shard (frozen ones the user passed)
+    for group in user_params:  # parameters the engine does not shard (frozen ones the user passed)
         for p in group:
             if id(p) not in sharded and p in opt.state:
                 state[number[id(p)]] = {k: _on_cpu(v) for k, v in opt.state[p].items()}
     groups = [
         {**{k: v for k, v in g.items() if k != "params"}, "params": [number[id(p)] for p in mine]}
-        for g, mine in zip(opt.param_groups, engine.user_params)
+        for g, mine in zip(opt.param_groups, user_params)
     ]
     return {"state": dict(sorted(state.items())), "param_groups": groups}
 
@@ -138,20 +138,22 @@ def is_plain_optimizer_state(state: Mapping[str, Any]) -> bool:
     return "state" in state and isinstance(groups, list) and all("params" in g for g in groups)
 
 
-def load_full_optimizer_state(engine: ZeroEngine, state_dict: Mapping[str, Any]) -> None:
+def load_full_optimizer_state(engine: ZeroEngine, state_dict: Mapping[str, Any], index: int = 0) -> None:
     """Load an unsharded optimizer's ``state_dict()`` (:func:`full_optimizer_state`'s, or Lightning ``ddp``'s)
-    into the engine's optimizer: this rank's shard of every per-element state, the scalar states, and the groups'
-    hyperparameters. Raises ``ValueError`` when the param groups do not match this optimizer's."""
-    opt = engine.optimizer
-    if opt is None:
-        raise ValueError("the engine has no optimizer to load an optimizer state into")
-    saved_groups = state_dict["param_groups"]
-    if len(saved_groups) != len(engine.user_params):
+    into the engine's optimizer ``index``: this rank's shard of every per-element state, the scalar states, and
+    the groups' hyperparameters. Raises ``ValueError`` when the param groups do not match this optimizer's."""
+    if index >= len(engine.optimizers):
         raise ValueError(
-            f"checkpoint has {len(saved_groups)} optimizer param groups, this optimizer has {len(engine.user_params)}"
+            f"the engine has {len(engine.optimizers)} optimizers, none at index {index} to load an optimizer state into"
+        )
+    opt, user_params = engine.optimizers[index], engine.user_params[index]
+    saved_groups = state_dict["param_groups"]
+    if len(saved_groups) != len(user_params):
+        raise ValueError(
+            f"checkpoint has {len(saved_groups)} optimizer param groups, this optimizer has {len(user_params)}"
         )
     number: dict[int, Any] = {}
-    for gi, (saved, mine) in enumerate(zip(saved_groups, engine.user_params)):
+    for gi, (saved, mine) in enumerate(zip(saved_groups, user_params)):
         if len(saved["params"]) != len(mine):
             raise ValueError(
                 f"optimizer param group {gi} has {len(saved['params'])} parameters in the checkpoint, "
@@ -159,12 +161,12 @@ def load_full_optimizer_state(engine: ZeroEngine, state_dict: Mapping[str, Any])
             )
         number.update({id(p): i for p, i in zip(mine, saved["params"])})
     saved_state: Mapping[Any, Mapping[str, Any]] = state_dict["state"]
-    group_of = {id(p): g for g, mine in zip(opt.param_groups, engine.user_params) for p in mine}
+    group_of = {id(p): g for g, mine in zip(opt.param_groups, user_params) for p in mine}
     sharded = {id(p): shape for f in engine.flats for p, shape in zip(f.params, f.layout.shapes)}
     # the parameters' shapes by their number (a sharded one's from its layout: at stage 3 it holds no data)
-    shape_of = {number[id(p)]: sharded.get(id(p), p.shape) for mine in engine.user_params for p in mine}
+    shape_of = {number[id(p)]: sharded.get(id(p), p.shape) for mine in user_params for p in mine}
     per_element = _per_element_keys(saved_state, shape_of)
-    for f in engine.flats:
+    for f in engine.flats_of(opt):
         entries = [saved_state.get(number[id(p)]) if id(p) in number else None for p in f.params]
         present = [(p, e) for p, e in zip(f.params, entries) if e]
         if not present:
@@ -182,7 +184,7 @@ def load_full_optimizer_state(engine: ZeroEngine, state_dict: Mapping[str, Any])
             else:
                 own[key] = _scalar(key, present, f, group_of[id(present[0][0])])
         opt.state[f.master] = own
-    for mine in engine.user_params:  # parameters the engine does not shard
+    for mine in user_params:  # parameters the engine does not shard
         for p in mine:
             entry = saved_state.get(number[id(p)])
             if id(p) not in sharded and entry:

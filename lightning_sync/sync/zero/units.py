@@ -15,13 +15,12 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
 from torch import nn
 
 from lightning_sync.sync.bucketing import plan_buckets
 from lightning_sync.sync.zero.flat_param import FlatParam
 
-__all__ = ["Unit", "bucket_units", "optimizer_groups", "trainable_params", "wrap_units"]
+__all__ = ["Unit", "bucket_units", "trainable_params", "wrap_units"]
 
 UnitPlan = tuple[str, nn.Module | None, list[nn.Parameter], bool]
 """(module name, module or None, its parameters, is the root unit)."""
@@ -56,25 +55,6 @@ def trainable_params(module: nn.Module) -> tuple[list[str], list[nn.Parameter]]:
             names.append(name)
             params.append(p)
     return names, params
-
-
-def optimizer_groups(
-    module: nn.Module, optimizer: torch.optim.Optimizer | None, params: list[nn.Parameter]
-) -> dict[int, int]:
-    """Parameter id -> optimizer group index (-1: not in the optimizer)."""
-    if optimizer is None:
-        return {id(p): -1 for p in params}
-    group_of: dict[int, int] = {}
-    known = {id(p) for p in module.parameters()}
-    for gi, group in enumerate(optimizer.param_groups):
-        for p in group["params"]:
-            if id(p) not in known:
-                raise ValueError(
-                    "the optimizer holds a parameter that is not in the module; ZeroEngine can "
-                    "only shard the module's own parameters"
-                )
-            group_of[id(p)] = gi
-    return {id(p): group_of.get(id(p), -1) for p in params}
 
 
 def bucket_units(params: list[nn.Parameter], group_of: dict[int, int], cap_bytes: int) -> list[UnitPlan]:
