@@ -32,6 +32,7 @@ import torch
 from _lightning_reference import (
     ENV,
     EQ_TOL,
+    _assert_section,
     _check_against,
     _quiet_rank,
     _reference,
@@ -319,23 +320,19 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     return run_distributed(_worker, 2, str(tmp_path_factory.mktemp("deferred")), timeout=240, env=ENV)
 
 
-def _section(results: list[dict[str, Any]], name: str, min_checks: int, same_count: bool = True) -> None:
-    assert_all_ranks_passed([r["sections"][name] for r in results], min_checks, same_count=same_count)
-
-
 @pytest.mark.timeout(300)
 def test_a_model_over_the_cap_trains_at_2_ranks_and_fails_clearly_at_1(two_ranks: list[dict[str, Any]]) -> None:
-    _section(two_ranks, "memory", min_checks=2, same_count=False)  # rank 0 also compares and tries one rank
+    _assert_section(two_ranks, "memory", min_checks=2, same_count=False)  # rank 0 also compares and tries one rank
     assert_all_ranks_passed([two_ranks[0]["sections"]["memory"]], min_checks=5)
 
 
 @pytest.mark.timeout(300)
 def test_the_same_seed_gives_the_same_model_at_any_world_size(two_ranks: list[dict[str, Any]]) -> None:
-    _section(two_ranks, "same seed", min_checks=20)
+    _assert_section(two_ranks, "same seed", min_checks=20)
 
 
 @pytest.mark.timeout(300)
 def test_configure_model_under_zero3_trains_like_one_process_and_its_checkpoint_reshards(
     two_ranks: list[dict[str, Any]],
 ) -> None:
-    _section(two_ranks, "lightning", min_checks=30, same_count=False)  # rank 0 also checks the initial state
+    _assert_section(two_ranks, "lightning", min_checks=30, same_count=False)  # rank 0 also checks the initial state
