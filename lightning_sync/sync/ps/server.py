@@ -71,6 +71,7 @@ from torch import nn
 from lightning_sync.sync.ps.state import counters_of, restore_counters, snapshot_of
 from lightning_sync.sync.ps.step import LR_SCALINGS, Push, apply_step, check_lr_scaling
 from lightning_sync.sync.ps.wire import WIRE_DEVICE, FlatLayout, Reply
+from lightning_sync.sync.rewritten import check_rewritable
 
 # FlatLayout, Reply: from ps_wire; LR_SCALINGS, check_lr_scaling: from ps_step
 __all__ = ["LR_SCALINGS", "FlatLayout", "ParameterServer", "Reply", "check_lr_scaling", "check_staleness"]
@@ -156,13 +157,7 @@ class ParameterServer:
         self._restoring = restoring  # pushes wait for restored()
 
     def _repoint(self, optimizer: torch.optim.Optimizer, live: Sequence[torch.Tensor]) -> None:
-        if hasattr(optimizer, "_params"):
-            raise ValueError(
-                f"{type(optimizer).__name__} keeps its own parameter list; the parameter server "
-                f"needs an optimizer that reads param_groups (SGD, Adam, AdamW, ...)"
-            )
-        if any(len(s) for s in optimizer.state.values()):
-            raise ValueError("the optimizer already has state; build the ParameterServer before the first step")
+        check_rewritable(optimizer, "ParameterServer")
         copies = {id(p): c for p, c in zip(live, self.params)}
         for group in optimizer.param_groups:
             group["params"] = [copies.get(id(p), p) for p in group["params"]]  # frozen ones stay as they are

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from lightning_sync.sync.rewritten import check_rewritable
 from lightning_sync.sync.zero.flat_param import FlatParam
 
 __all__ = ["as_optimizers", "optimizer_groups", "rewrite_optimizers"]
@@ -27,13 +28,7 @@ def as_optimizers(
         [] if optimizer is None else [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
     )
     for opt in optimizers:
-        if hasattr(opt, "_params"):
-            raise ValueError(
-                f"{type(opt).__name__} keeps its own parameter list and cannot step shards; "
-                f"use an optimizer that reads param_groups (SGD, Adam, AdamW, ...)"
-            )
-        if any(len(s) for s in opt.state.values()):
-            raise ValueError("the optimizer already has state; build the ZeroEngine before the first step")
+        check_rewritable(opt, "ZeroEngine")
     return optimizers
 
 
