@@ -30,7 +30,7 @@ def _run(ctx: comms.CommContext, op: str, whole: torch.Tensor) -> None:
     if op == "all_gather":
         ctx.all_gather_into(torch.empty_like(whole), whole[: whole.numel() // k])
     elif op == "reduce_scatter":
-        ctx.reduce_scatter_into(torch.empty(whole.numel() // k), whole, scratch=True)
+        ctx.reduce_scatter_into(torch.empty(whole.numel() // k), whole)
     elif op == "torch_all_gather":
         torch.distributed.all_gather_into_tensor(torch.empty_like(whole), whole[: whole.numel() // k])
     elif op == "torch_reduce_scatter":

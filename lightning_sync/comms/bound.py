@@ -203,11 +203,8 @@ class BoundContext:
         op: str = "sum",
         group: dist.ProcessGroup | None = None,
         async_op: bool = False,
-        scratch: bool = False,
     ) -> Any:
-        return self.ctx.reduce_scatter_into(
-            output, input, op=op, group=self._g(group), async_op=async_op, scratch=scratch
-        )
+        return self.ctx.reduce_scatter_into(output, input, op=op, group=self._g(group), async_op=async_op)
 
     def send(
         self, tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None, async_op: bool = False

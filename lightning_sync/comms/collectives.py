@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_sync.comms.hooks import Call, CallHook, CountingHook
+from lightning_sync.comms.pairwise import all_gather_exchange, reduce_scatter_exchange
 from lightning_sync.comms.payload import (
     ALL_GATHER_SINGLE,
     REDUCE_OPS,
@@ -38,7 +39,6 @@ from lightning_sync.comms.payload import (
     check_reduce,
     get_rank,
     get_world_size,
-    group_ranks,
     handles_of,
     is_gloo,
     nbytes,
@@ -251,21 +251,14 @@ class Collectives:
     ) -> torch.Tensor | Work[torch.Tensor]:
         """Fast even all-gather: ``output`` (world_size x input.numel()) gets every rank's flat ``input``.
 
-        No metadata exchange; every rank must pass the same ``input.numel()``. On gloo it is issued as K
-        asynchronous broadcasts, one per source chunk, straight into ``output``, for the same bytes on the wire
-        (each rank sends its chunk to the K-1 others): gloo's own ``all_gather_into_tensor`` is several times
-        slower (the measurement is in ``docs/comms.md``, "gloo fast paths").
+        No metadata exchange; every rank must pass the same ``input.numel()``. On gloo it is one round of pairwise
+        sends and receives (:mod:`lightning_sync.comms.pairwise`), where gloo's own op is several times slower.
         """
         group = self._g(group)
         check_even("all_gather_into", "output", output, "input", input, group)
-        if is_gloo(group):
-            chunks, rank, ranks = output.view(-1).chunk(get_world_size(group)), get_rank(group), group_ranks(group)
-
-            def launch(blocking: bool) -> list[Any]:  # K calls: asynchronous whatever `blocking` says
-                chunks[rank].copy_(input.reshape(-1))
-                return [dist.broadcast(c, src=ranks[i], group=group, async_op=True) for i, c in enumerate(chunks)]
-
-            return self._issue("all_gather", nbytes(input), launch, lambda: output, async_op, group=group, like=input)
+        if self._exchanges(group, input):
+            launch, finish = all_gather_exchange(output, input, group)
+            return self._issue("all_gather", nbytes(input), launch, finish, async_op, group=group, like=input)
         return self._issue(
             "all_gather",
             nbytes(input),
@@ -314,38 +307,18 @@ class Collectives:
         op: str = "sum",
         group: dist.ProcessGroup | None = None,
         async_op: bool = False,
-        scratch: bool = False,
     ) -> torch.Tensor | Work[torch.Tensor]:
         """Fast even reduce-scatter of a flat ``input`` (world_size x output.numel()) into ``output``.
 
-        With ``scratch=True`` the caller gives ``input`` up as scratch space (its contents are undefined
-        afterwards): on gloo, when each rank's chunk has at least the context's
-        :attr:`~lightning_sync.comms.context.CommSettings.scratch_reduces_min_chunk_bytes` (whose docstring says
-        why there is a threshold), the op is issued as K asynchronous reduces, one to each chunk's owner, for the
-        same bytes on the wire; below it gloo's own ``reduce_scatter_tensor`` runs.
+        ``input`` is only read, and must stay unchanged until the call completes. On gloo it is one round of
+        pairwise sends and receives, reduced on the receiving rank (:mod:`lightning_sync.comms.pairwise`), where
+        gloo's own op is several times slower.
         """
         group = self._g(group)
         red = check_reduce(op, input)
         check_even("reduce_scatter_into", "input", input, "output", output, group)
-        if (
-            scratch
-            and is_gloo(group)
-            and nbytes(input) // get_world_size(group) >= self.settings.scratch_reduces_min_chunk_bytes
-        ):
-            world, rank, ranks = get_world_size(group), get_rank(group), group_ranks(group)
-            chunks, out = input.reshape(-1).chunk(world), output.view(-1)
-            by = dist.ReduceOp.SUM if op == "avg" else red
-
-            def launch(blocking: bool) -> list[Any]:  # K calls: asynchronous whatever `blocking` says
-                out.copy_(chunks[rank])
-                return [
-                    dist.reduce(out if i == rank else c, dst=ranks[i], op=by, group=group, async_op=True)
-                    for i, c in enumerate(chunks)
-                ]
-
-            def finish() -> torch.Tensor:
-                return output.div_(world) if op == "avg" else output
-
+        if self._exchanges(group, output):
+            launch, finish = reduce_scatter_exchange(output, input, op, group)
             return self._issue(
                 "reduce_scatter", nbytes(input), launch, finish, async_op, group=group, like=input, detail=op
             )
@@ -361,6 +334,11 @@ class Collectives:
             like=input,
             detail=op,
         )
+
+    def _exchanges(self, group: dist.ProcessGroup | None, chunk: torch.Tensor) -> bool:
+        """Whether an even all-gather or reduce-scatter whose per-rank chunk is ``chunk`` runs as a pairwise
+        exchange: on gloo, from :attr:`~lightning_sync.comms.context.CommSettings.gloo_exchange_min_chunk_bytes`."""
+        return is_gloo(group) and nbytes(chunk) >= self.settings.gloo_exchange_min_chunk_bytes
 
     def send(
         self, tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None, async_op: bool = False

@@ -49,12 +49,12 @@ class CommSettings:
     Every value only picks between equivalent ways to move the same bytes; none changes a result. Measure
     yours and store them with :meth:`save`; load them with :meth:`load`."""
 
-    scratch_reduces_min_chunk_bytes: int = 2 * 2**20
-    """On gloo, ``reduce_scatter_into(..., scratch=True)`` issues K reduces, one to each chunk's owner, when each
-    rank's chunk has at least this many bytes, and gloo's own ``reduce_scatter_tensor`` below it. The K reduces
-    win on large chunks, but each costs several latency-bound steps, so on small ones gloo's single op wins; where
-    they cross depends on the world size and the machine (``docs/comms.md``, "gloo fast paths"). Set it to 0 for
-    always, or a huge number for never; NCCL ignores it."""
+    gloo_exchange_min_chunk_bytes: int = 0
+    """On gloo, ``all_gather_into`` and ``reduce_scatter_into`` run as one round of pairwise sends and receives
+    (:mod:`lightning_sync.comms.pairwise`) when each rank's chunk has at least this many bytes, and as gloo's own
+    ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` below it. 0, always: the exchange measured faster at
+    every size from 4 KiB to 32 MiB at K = 2, 3 and 4 (``docs/comms.md``, "gloo fast paths"); a huge number,
+    never. NCCL ignores it."""
 
     def save(self, path: str | Path) -> None:
         """Write these settings as JSON."""

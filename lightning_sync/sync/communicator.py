@@ -66,7 +66,6 @@ class Communicator(Protocol):
         op: str = "sum",
         group: dist.ProcessGroup | None = None,
         async_op: bool = False,
-        scratch: bool = False,
     ) -> Any: ...
 
 
@@ -142,7 +141,6 @@ class LoopbackCommunicator:
         op: str = "sum",
         group: dist.ProcessGroup | None = None,
         async_op: bool = False,
-        scratch: bool = False,
     ) -> Any:
         """Every rank holds ``input``: this rank's chunk, times K for ``sum``, unchanged otherwise."""
         if op not in comms.REDUCE_OPS:

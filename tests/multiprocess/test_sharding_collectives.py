@@ -43,62 +43,52 @@ def _worker(rank: int, world: int) -> tuple[list[str], int]:
         atol=1e-7,
     )
     ck.true("padding stays zero", bool(full[fs.total :].eq(0).all()) if fs.padding else True)
-    # scratch=True: same results, every op, on both gloo paths: one reduce per owner with the input used as
-    # scratch (chunks of at least the context's scratch_reduces_min_chunk_bytes; 0 here), and gloo's own op below it
+    # both gloo paths, same results for every op: the pairwise exchange (chunks of at least the context's
+    # gloo_exchange_min_chunk_bytes; 0 by default) and gloo's own ops (a threshold no chunk reaches)
     default = CTX.settings
-    for path, threshold in (("reduces", 0), ("gloo", default.scratch_reduces_min_chunk_bytes)):
-        CTX.settings = dataclasses.replace(default, scratch_reduces_min_chunk_bytes=threshold)
+    for path, threshold in (("exchange", 0), ("gloo", 2**40)):
+        CTX.settings = dataclasses.replace(default, gloo_exchange_min_chunk_bytes=threshold)
+        ck.close(f"all_gather {path}", comm.all_gather_into(fs.new_buffer(torch.float32), fs.shard(flats[rank])), want)
         for op, want_op in (
             ("sum", total),
             ("avg", total / world),
             ("max", torch.stack(list(flats.values())).amax(0)),
             ("min", torch.stack(list(flats.values())).amin(0)),
         ):
-            out = torch.empty(fs.shard_numel)
-            work = comm.reduce_scatter_into(out, flats[rank].clone(), op=op, async_op=True, scratch=True)
-            ck.close(
-                f"reduce_scatter_into scratch {path} {op}",
-                work.wait(),
-                want_op[fs.start : fs.end],
-                rtol=1e-6,
-                atol=1e-7,
-            )
+            out, given = torch.empty(fs.shard_numel), flats[rank].clone()
+            work = comm.reduce_scatter_into(out, given, op=op, async_op=True)
+            # avg: one fp32 rounding of the sum, one of the division (exact_input's values sum exactly)
+            ck.close(f"reduce_scatter_into {path} {op}", work.wait(), want_op[fs.start : fs.end], rtol=1e-6, atol=1e-7)
+            ck.close(f"reduce_scatter_into {path} {op}: input unchanged", given, flats[rank])  # exact: only read
         bf16 = {r: f.to(torch.bfloat16) for r, f in flats.items()}
         out = torch.empty(fs.shard_numel, dtype=torch.bfloat16)
-        comm.reduce_scatter_into(out, bf16[rank].clone(), op="sum", scratch=True)
+        comm.reduce_scatter_into(out, bf16[rank].clone(), op="sum")
         # bf16: the sum of K bf16 values rounded to bf16 once per addition -> 2 ulps (2**-7 relative)
         ck.close(
-            f"reduce_scatter_into scratch {path} bf16",
+            f"reduce_scatter_into {path} bf16",
             out.float(),
             sum(b.float() for b in bf16.values())[fs.start : fs.end],
             rtol=2**-6,
             atol=1e-2,
         )
-    CTX.settings = default
-    # the path by chunk size: K reduces from a chunk of exactly the threshold, gloo's op one element below;
-    # the sums against a reference (small integers: exact)
-    reduces: list[int] = []
-    real_reduce = C.dist.reduce
-    C.dist.reduce = lambda *a, **kw: reduces.append(1) or real_reduce(*a, **kw)  # this rank's process only
+    # the path by chunk size: the exchange from a chunk of exactly the threshold, gloo's op one element below,
+    # told apart by the point-to-point sends each issues; the sums against a reference (small integers: exact)
+    threshold = 4096
+    CTX.settings = dataclasses.replace(default, gloo_exchange_min_chunk_bytes=threshold)
+    sends: list[int] = []
+    real_isend = C.dist.isend
+    C.dist.isend = lambda *a, **kw: sends.append(1) or real_isend(*a, **kw)  # this rank's process only
     try:
-        for n, want_reduces in (
-            (default.scratch_reduces_min_chunk_bytes // 4, world),
-            (default.scratch_reduces_min_chunk_bytes // 4 - 1, 0),
-        ):
-            reduces.clear()
+        for n, want_sends in ((threshold // 4, world - 1), (threshold // 4 - 1, 0)):
+            sends.clear()
             out = torch.empty(n)
-            comm.reduce_scatter_into(
-                out, torch.arange(n * world, dtype=torch.float32).remainder(97) + rank, op="sum", scratch=True
-            )
+            comm.reduce_scatter_into(out, torch.arange(n * world, dtype=torch.float32).remainder(97) + rank, op="sum")
             want_big = sum(torch.arange(n * world, dtype=torch.float32).remainder(97) + r for r in range(world))
-            ck.close(f"reduce_scatter_into scratch chunk {4 * n} B", out, want_big[rank * n : (rank + 1) * n])
-            ck.true(
-                f"reduce_scatter_into scratch chunk {4 * n} B: {want_reduces} reduces",
-                len(reduces) == want_reduces,
-                len(reduces),
-            )
+            ck.close(f"reduce_scatter_into chunk {4 * n} B", out, want_big[rank * n : (rank + 1) * n])
+            ck.true(f"reduce_scatter_into chunk {4 * n} B: {want_sends} sends", len(sends) == want_sends, len(sends))
     finally:
-        C.dist.reduce = real_reduce
+        C.dist.isend = real_isend
+        CTX.settings = default
     return ck.failures, ck.count
 
 

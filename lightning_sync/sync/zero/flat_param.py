@@ -189,8 +189,7 @@ class FlatParam:
         """Issue the averaging reduce-scatter of the full gradient into this rank's shard (async)."""
         full = self.complete_grad()
         out = torch.empty(self.layout.shard_numel, dtype=self.reduce_dtype, device=self.device)
-        # the full gradient is not needed after this (stage 1 keeps only its own slice, copied from out)
-        self._reduce = (out, self.comm.reduce_scatter_into(out, full, op="avg", async_op=True, scratch=True))
+        self._reduce = (out, self.comm.reduce_scatter_into(out, full, op="avg", async_op=True))
         if self.host is not None and self.host.streamed:
             self.finish_reduce()  # the side stream waits for it and copies it out; the CPU and compute go on
 
