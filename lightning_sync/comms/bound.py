@@ -40,12 +40,14 @@ class _Context(AlgorithmContext, Protocol):
     def broadcast_object(self, *args: Any, **kwargs: Any) -> Any: ...
     def all_gather(self, *args: Any, **kwargs: Any) -> Any: ...
     def all_gather_into(self, *args: Any, **kwargs: Any) -> Any: ...
+    def all_gather_into_coalesced(self, *args: Any, **kwargs: Any) -> Any: ...
     def all_gather_object(self, *args: Any, **kwargs: Any) -> Any: ...
     def gather(self, *args: Any, **kwargs: Any) -> Any: ...
     def gather_object(self, *args: Any, **kwargs: Any) -> Any: ...
     def scatter(self, *args: Any, **kwargs: Any) -> Any: ...
     def reduce_scatter(self, *args: Any, **kwargs: Any) -> Any: ...
     def reduce_scatter_into(self, *args: Any, **kwargs: Any) -> Any: ...
+    def reduce_scatter_into_coalesced(self, *args: Any, **kwargs: Any) -> Any: ...
 
 
 class CompletedWork:
@@ -168,6 +170,15 @@ class BoundContext:
     ) -> Any:
         return self.ctx.all_gather_into(output, input, group=self._g(group), async_op=async_op)
 
+    def all_gather_into_coalesced(
+        self,
+        outputs: Sequence[torch.Tensor],
+        inputs: Sequence[torch.Tensor],
+        group: dist.ProcessGroup | None = None,
+        async_op: bool = False,
+    ) -> Any:
+        return self.ctx.all_gather_into_coalesced(outputs, inputs, group=self._g(group), async_op=async_op)
+
     def all_gather_object(self, obj: Any, group: dist.ProcessGroup | None = None, async_op: bool = False) -> Any:
         return self.ctx.all_gather_object(obj, group=self._g(group), async_op=async_op)
 
@@ -205,6 +216,16 @@ class BoundContext:
         async_op: bool = False,
     ) -> Any:
         return self.ctx.reduce_scatter_into(output, input, op=op, group=self._g(group), async_op=async_op)
+
+    def reduce_scatter_into_coalesced(
+        self,
+        outputs: Sequence[torch.Tensor],
+        inputs: Sequence[torch.Tensor],
+        op: str = "sum",
+        group: dist.ProcessGroup | None = None,
+        async_op: bool = False,
+    ) -> Any:
+        return self.ctx.reduce_scatter_into_coalesced(outputs, inputs, op=op, group=self._g(group), async_op=async_op)
 
     def send(
         self, tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None, async_op: bool = False

@@ -29,18 +29,14 @@ import torch
 import torch.distributed as dist
 
 from lightning_sync.comms.hooks import Call, CallHook, CountingHook
-from lightning_sync.comms.pairwise import all_gather_exchange, reduce_scatter_exchange
 from lightning_sync.comms.payload import (
-    ALL_GATHER_SINGLE,
     REDUCE_OPS,
     REDUCE_SCATTER_SINGLE,
-    check_even,
     check_rank,
     check_reduce,
     get_rank,
     get_world_size,
     handles_of,
-    is_gloo,
     nbytes,
     padded,
     require_init,
@@ -246,31 +242,6 @@ class Collectives:
             )
         return self.broadcast_object(value, src=src, group=group, async_op=async_op)
 
-    def all_gather_into(
-        self, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None = None, async_op: bool = False
-    ) -> torch.Tensor | Work[torch.Tensor]:
-        """Fast even all-gather: ``output`` (world_size x input.numel()) gets every rank's flat ``input``.
-
-        No metadata exchange; every rank must pass the same ``input.numel()``. On gloo it is one round of pairwise
-        sends and receives (:mod:`lightning_sync.comms.pairwise`), where gloo's own op is several times slower.
-        """
-        group = self._g(group)
-        check_even("all_gather_into", "output", output, "input", input, group)
-        if self._exchanges(group, input):
-            launch, finish = all_gather_exchange(output, input, group)
-            return self._issue("all_gather", nbytes(input), launch, finish, async_op, group=group, like=input)
-        return self._issue(
-            "all_gather",
-            nbytes(input),
-            lambda blocking: handles_of(
-                ALL_GATHER_SINGLE(output.view(-1), input.reshape(-1), group=group, async_op=not blocking)
-            ),
-            lambda: output,
-            async_op,
-            group=group,
-            like=input,
-        )
-
     def reduce_scatter(
         self, tensor: torch.Tensor, op: str = "sum", group: dist.ProcessGroup | None = None, async_op: bool = False
     ) -> torch.Tensor | Work[torch.Tensor]:
@@ -299,46 +270,6 @@ class Collectives:
             like=send,
             detail=op,
         )
-
-    def reduce_scatter_into(
-        self,
-        output: torch.Tensor,
-        input: torch.Tensor,
-        op: str = "sum",
-        group: dist.ProcessGroup | None = None,
-        async_op: bool = False,
-    ) -> torch.Tensor | Work[torch.Tensor]:
-        """Fast even reduce-scatter of a flat ``input`` (world_size x output.numel()) into ``output``.
-
-        ``input`` is only read, and must stay unchanged until the call completes. On gloo it is one round of
-        pairwise sends and receives, reduced on the receiving rank (:mod:`lightning_sync.comms.pairwise`), where
-        gloo's own op is several times slower.
-        """
-        group = self._g(group)
-        red = check_reduce(op, input)
-        check_even("reduce_scatter_into", "input", input, "output", output, group)
-        if self._exchanges(group, output):
-            launch, finish = reduce_scatter_exchange(output, input, op, group)
-            return self._issue(
-                "reduce_scatter", nbytes(input), launch, finish, async_op, group=group, like=input, detail=op
-            )
-        return self._issue(
-            "reduce_scatter",
-            nbytes(input),
-            lambda blocking: handles_of(
-                REDUCE_SCATTER_SINGLE(output.view(-1), input.reshape(-1), op=red, group=group, async_op=not blocking)
-            ),
-            lambda: output,
-            async_op,
-            group=group,
-            like=input,
-            detail=op,
-        )
-
-    def _exchanges(self, group: dist.ProcessGroup | None, chunk: torch.Tensor) -> bool:
-        """Whether an even all-gather or reduce-scatter whose per-rank chunk is ``chunk`` runs as a pairwise
-        exchange: on gloo, from :attr:`~lightning_sync.comms.context.CommSettings.gloo_exchange_min_chunk_bytes`."""
-        return is_gloo(group) and nbytes(chunk) >= self.settings.gloo_exchange_min_chunk_bytes
 
     def send(
         self, tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None, async_op: bool = False

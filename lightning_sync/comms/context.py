@@ -11,8 +11,9 @@ A strategy owns one context. It holds everything that used to be process-wide, s
 * the node sub-groups of the hierarchical all-reduce;
 * :class:`CommSettings`, the machine-dependent choices, as data.
 
-The collectives themselves are the methods of :class:`~lightning_sync.comms.collectives.Collectives` and
-:class:`~lightning_sync.comms.uneven.UnevenCollectives`; every one of them goes through ``Collectives._issue``.
+The collectives themselves are the methods of :class:`~lightning_sync.comms.collectives.Collectives`,
+:class:`~lightning_sync.comms.even.EvenCollectives` and :class:`~lightning_sync.comms.uneven.UnevenCollectives`;
+every one of them goes through ``Collectives._issue``.
 """
 
 from __future__ import annotations

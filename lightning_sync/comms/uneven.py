@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_sync.comms.collectives import Collectives
+from lightning_sync.comms.even import EvenCollectives
 from lightning_sync.comms.payload import (
     check_rank,
     device_of,
@@ -34,7 +34,7 @@ from lightning_sync.comms.work import Work
 __all__ = ["UnevenCollectives"]
 
 
-class UnevenCollectives(Collectives):
+class UnevenCollectives(EvenCollectives):
     """Uneven and object collectives, on the even ones and the ``_issue`` of :class:`Collectives`."""
 
     def _metadata_all_gather(self, row: list[int], group: dist.ProcessGroup | None) -> list[list[int]]:

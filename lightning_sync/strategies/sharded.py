@@ -98,6 +98,7 @@ from lightning_sync.sync.zero import (
     resolve_dtype,
     resolve_wrap_policy,
 )
+from lightning_sync.sync.zero.engine import DEFAULT_COALESCE_MB
 from lightning_sync.sync.zero.full_checkpoint import (
     full_model_state,
     resolve_state_dict_type,
@@ -116,6 +117,9 @@ class ShardedStrategy(SyncStrategy):
         wrap_policy: stage 3 units: None (the whole model), module classes / dotted class paths /
             class names (``["torch.nn.Linear"]``), an int or ``{"min_num_params": N}``, or a callable.
         prefetch: stage 3: issue the next unit's all-gather while the current unit computes.
+        coalesce_mb: stage 3: consecutive units whose parameters add up to at most this many MiB are gathered,
+            and reduce-scattered, in one call each (fewer waits; two groups gathered at a time instead of two
+            units); 0: one call per unit, as FSDP2.
         reshard_after_forward: stage 3: free a unit's parameters after its forward (gather again for
             backward: 1.5x DDP's bytes); False keeps them until its backward (1x, more memory).
         param_dtype: gather/compute dtype (``"bf16"``, ``"fp16"``, ``"fp32"``, a torch dtype, or None).
@@ -147,6 +151,7 @@ class ShardedStrategy(SyncStrategy):
         stage: int = 3,
         wrap_policy: Any = None,
         prefetch: bool = True,
+        coalesce_mb: float = DEFAULT_COALESCE_MB,
         reshard_after_forward: bool = True,
         param_dtype: Any = None,
         reduce_dtype: Any = None,
@@ -164,6 +169,7 @@ class ShardedStrategy(SyncStrategy):
         check_stage(stage)
         self.state_dict_type = resolve_state_dict_type(state_dict_type, stage)
         check_mib("bucket_cap_mb", bucket_cap_mb)
+        self.coalesce_mb = check_mib("coalesce_mb", coalesce_mb, zero=True)
         for name, value in (
             ("prefetch", prefetch),
             ("reshard_after_forward", reshard_after_forward),
@@ -268,6 +274,7 @@ class ShardedStrategy(SyncStrategy):
             stage=self.stage,
             wrap_policy=self.wrap_policy,
             prefetch=self.prefetch,
+            coalesce_mb=self.coalesce_mb,
             reshard_after_forward=self.reshard_after_forward,
             param_dtype=self.param_dtype,
             reduce_dtype=self.reduce_dtype,

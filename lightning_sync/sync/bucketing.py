@@ -53,10 +53,11 @@ __all__ = ["Bucket", "GradBucketer", "StepTrace", "SyncSwitch", "check_mib", "pl
 _MB = 2**20
 
 
-def check_mib(name: str, value: Any) -> float:
-    """``value`` if it is a finite number of MiB > 0, else a ValueError naming it."""
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < math.inf:
-        raise ValueError(f"{name} must be a finite number > 0 (MiB), got {value!r}")
+def check_mib(name: str, value: Any, zero: bool = False) -> float:
+    """``value`` if it is a finite number of MiB > 0 (>= 0 with ``zero``), else a ValueError naming it."""
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not number or not ((value >= 0 if zero else value > 0) and value < math.inf):
+        raise ValueError(f"{name} must be a finite number {'>=' if zero else '>'} 0 (MiB), got {value!r}")
     return value
 
 

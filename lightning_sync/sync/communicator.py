@@ -9,6 +9,7 @@ algorithm (:meth:`CommContext.bound() <lightning_sync.comms.CommContext.bound>`)
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import torch
@@ -63,6 +64,23 @@ class Communicator(Protocol):
         self,
         output: torch.Tensor,
         input: torch.Tensor,
+        op: str = "sum",
+        group: dist.ProcessGroup | None = None,
+        async_op: bool = False,
+    ) -> Any: ...
+
+    def all_gather_into_coalesced(
+        self,
+        outputs: Sequence[torch.Tensor],
+        inputs: Sequence[torch.Tensor],
+        group: dist.ProcessGroup | None = None,
+        async_op: bool = False,
+    ) -> Any: ...
+
+    def reduce_scatter_into_coalesced(
+        self,
+        outputs: Sequence[torch.Tensor],
+        inputs: Sequence[torch.Tensor],
         op: str = "sum",
         group: dist.ProcessGroup | None = None,
         async_op: bool = False,
@@ -153,3 +171,33 @@ class LoopbackCommunicator:
         if op == "sum":
             output.mul_(self._world)
         return CompletedWork(output) if async_op else output
+
+    def all_gather_into_coalesced(
+        self,
+        outputs: Sequence[torch.Tensor],
+        inputs: Sequence[torch.Tensor],
+        group: dist.ProcessGroup | None = None,
+        async_op: bool = False,
+    ) -> Any:
+        """:meth:`all_gather_into` of each pair, recorded as one call of all their elements."""
+        for o, i in zip(outputs, inputs, strict=True):
+            LoopbackCommunicator.all_gather_into(self, o, i)
+        self._merge_calls(len(outputs), "all_gather_into_coalesced")
+        return CompletedWork(list(outputs)) if async_op else list(outputs)
+
+    def reduce_scatter_into_coalesced(
+        self,
+        outputs: Sequence[torch.Tensor],
+        inputs: Sequence[torch.Tensor],
+        op: str = "sum",
+        group: dist.ProcessGroup | None = None,
+        async_op: bool = False,
+    ) -> Any:
+        """:meth:`reduce_scatter_into` of each pair, recorded as one call of all their elements."""
+        for o, i in zip(outputs, inputs, strict=True):
+            LoopbackCommunicator.reduce_scatter_into(self, o, i, op=op)
+        self._merge_calls(len(outputs), "reduce_scatter_into_coalesced")
+        return CompletedWork(list(outputs)) if async_op else list(outputs)
+
+    def _merge_calls(self, n: int, op: str) -> None:
+        self.calls[-n:] = [(op, sum(numel for _, numel in self.calls[-n:]))]

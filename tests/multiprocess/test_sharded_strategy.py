@@ -168,6 +168,7 @@ class _ShardProbe(pl.Callback):
 
     def __init__(self) -> None:
         self.reduce_scatters: list[int] = []  # per micro-step
+        self.expected_rs: list[int] = []  # per micro-step: the calls one synchronized backward issues
         self._calls = 0
         self.module_numel: list[int] = []
         self.module_grads: list[int] = []
@@ -191,6 +192,11 @@ class _ShardProbe(pl.Callback):
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
         self._calls = trainer.strategy.comm.observer["reduce_scatter"].calls
+        engine = trainer.strategy.engine  # type: ignore[attr-defined]
+        # one call a unit (a stage 1/2 bucket); at stage 3, once the first backward recorded the forward order,
+        # one a group of small units (coalesce_mb) and one for the root
+        grouped = engine.stage == 3 and engine._groups
+        self.expected_rs.append(len(engine._groups) + (engine.root is not None) if grouped else len(engine.units))
 
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.reduce_scatters.append(trainer.strategy.comm.observer["reduce_scatter"].calls - self._calls)
@@ -313,8 +319,9 @@ def _equivalence(ck: Checks, world: int, scenarios: list[tuple[int, str, int]], 
         ck.true(f"{tag} engine released at teardown", trainer.strategy.engine is None)  # type: ignore[attr-defined]
         _check_sharded(ck, tag, probe, stage, world, opt)
         ck.true(f"{tag} one probe per optimizer step", len(probe.master_numel) == steps, probe.master_numel)
-        # micro-step k is a boundary iff (k + 1) % acc == 0: one reduce-scatter per flat buffer there, none elsewhere
-        expected = [probe.flats if (k + 1) % acc == 0 else 0 for k in range(steps * acc)]
+        # micro-step k is a boundary iff (k + 1) % acc == 0: its reduce-scatters there, none elsewhere
+        expected = [n if (k + 1) % acc == 0 else 0 for k, n in enumerate(probe.expected_rs)]
+        ck.true(f"{tag} one backward a micro-step", len(expected) == steps * acc, expected)
         ck.true(
             f"{tag} reduce-scatters only on the accumulation boundary",
             probe.reduce_scatters == expected,

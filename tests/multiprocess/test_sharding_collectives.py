@@ -71,6 +71,38 @@ def _worker(rank: int, world: int) -> tuple[list[str], int]:
             rtol=2**-6,
             atol=1e-2,
         )
+    # coalesced: several units' flats in one call each way, on both paths, equal to one call per flat (data
+    # movement and the same per-element reductions: exact), counted as one call with the bytes of all
+    units = [FlatShard(s, world, rank) for s in (SHAPES, [(4, 4)], [(5,), (2, 3)])]
+    unit_flats = {
+        r: [u.flatten([exact_input(r, t, torch.float32, seed=9 + j) for t in u.shapes]) for j, u in enumerate(units)]
+        for r in range(world)
+    }
+    for path, threshold in (("exchange", 0), ("gloo", 2**40)):
+        CTX.settings = dataclasses.replace(default, gloo_exchange_min_chunk_bytes=threshold)
+        before = CTX.observer.snapshot()
+        outs = [u.new_buffer(torch.float32) for u in units]
+        work = comm.all_gather_into_coalesced(
+            outs, [u.shard(f) for u, f in zip(units, unit_flats[rank])], async_op=True
+        )
+        got = work.wait()
+        ck.true(f"all_gather coalesced {path} returns the outputs", all(g is o for g, o in zip(got, outs)), got)
+        for j, u in enumerate(units):
+            ref = torch.cat([FlatShard(u.shapes, world, r).shard(unit_flats[r][j]) for r in range(world)])
+            ck.close(f"all_gather coalesced {path} unit {j}", outs[j], ref)
+        reduced = [torch.empty(u.shard_numel) for u in units]
+        comm.reduce_scatter_into_coalesced(reduced, unit_flats[rank], op="avg")
+        for j, u in enumerate(units):
+            one = comm.reduce_scatter_into(torch.empty(u.shard_numel), unit_flats[rank][j], op="avg")
+            ck.close(f"reduce_scatter coalesced {path} unit {j}", reduced[j], one, rtol=0, atol=0)
+        after = CTX.observer.snapshot()
+        for op, calls, size in (
+            ("all_gather", 1, sum(u.shard_numel * 4 for u in units)),
+            ("reduce_scatter", 1 + len(units), 2 * sum(u.padded * 4 for u in units)),
+        ):
+            delta = (after[op].calls - before[op].calls, after[op].bytes - before[op].bytes)
+            ck.true(f"coalesced {path} {op}: calls and bytes", delta == (calls, size), delta)
+    CTX.settings = default
     # the path by chunk size: the exchange from a chunk of exactly the threshold, gloo's op one element below,
     # told apart by the point-to-point sends each issues; the sums against a reference (small integers: exact)
     threshold = 4096

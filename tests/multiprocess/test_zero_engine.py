@@ -277,13 +277,15 @@ def _equivalence(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
-ACCUM = [("s1", 1, None), ("s2", 2, None), ("s3", 3, nn.Linear)]
+# stage 3 with one reduce-scatter a unit (coalesce_mb=0) and with the default grouping, where l1, l2 and head (a few
+# hundred bytes) form one group once the first backward has recorded the forward order
+ACCUM = [("s1", 1, None, {}), ("s2", 2, None, {}), ("s3", 3, nn.Linear, {"coalesce_mb": 0}), ("s3c", 3, nn.Linear, {})]
 
 
 def _accumulation(rank: int, world: int) -> dict[str, Any]:
     data, out = batches(2 * 3, seed=5), {}
-    for name, stage, policy in ACCUM:
-        model, opt, sched, eng = build(rank, "adamw", stage, policy)
+    for name, stage, policy, kw in ACCUM:
+        model, opt, sched, eng = build(rank, "adamw", stage, policy, **kw)
         micro: list[dict[str, Any]] = []
         sharded_steps(eng, model, opt, sched, "adamw", data, rank, world, accum=2, micro_stats=micro)
         out[name] = {"sd": full_state_dict(eng), "micro": micro}
@@ -340,7 +342,13 @@ def loss_fn_v(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tenso
     return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
 
 
-PREFETCH = [("prefetch", {}), ("no_prefetch", {"prefetch": False}), ("keep", {"reshard_after_forward": False})]
+# one gather a unit (coalesce_mb=0), as FSDP2, and (grouped) the default, where l1, l2 and head form one group
+PREFETCH = [
+    ("prefetch", {"coalesce_mb": 0}),
+    ("no_prefetch", {"prefetch": False, "coalesce_mb": 0}),
+    ("keep", {"reshard_after_forward": False, "coalesce_mb": 0}),
+    ("grouped", {}),
+]
 
 
 class _UnitEvents(comms.CallHook):
@@ -663,13 +671,16 @@ def test_accumulation_equals_reference_and_reduces_only_on_the_boundary(
         return math.ceil(n / world) * world * 4
 
     # stage 1/2: one bucket of all 563; stage 3: root (emb 296 + scale 1), l1 117, l2 112, head bias 37
+    stage3 = padded(297) + padded(117) + padded(112) + padded(37)
     want_rs = {
-        "s1": (1, padded(TRAINABLE)),
-        "s2": (1, padded(TRAINABLE)),
-        "s3": (4, padded(297) + padded(117) + padded(112) + padded(37)),
+        "s1": [(1, padded(TRAINABLE))] * 3,
+        "s2": [(1, padded(TRAINABLE))] * 3,
+        "s3": [(4, stage3)] * 3,
+        # the root, then the group (known from the first backward on, a micro-step's): the bytes in fewer calls
+        "s3c": [(2, stage3)] * 3,
     }
     for rank, r in enumerate(res):
-        for name, stage, _ in ACCUM:
+        for name, stage, _, _ in ACCUM:
             got = r["accum"][name]
             assert_state_close(got["sd"], ref, f"world {world} rank {rank} {name} accumulate 2", **EQ_TOL)
             micro = got["micro"]
@@ -679,8 +690,7 @@ def test_accumulation_equals_reference_and_reduces_only_on_the_boundary(
                     assert "reduce_scatter" not in m and "all_reduce" not in m, (name, m)
                     if stage < 3:
                         assert set(m) == {"boundary"}, (name, m)  # stages 1/2: nothing at all
-                else:
-                    assert m.get("reduce_scatter") == want_rs[name], (name, m)
+            assert [m.get("reduce_scatter") for m in micro if m["boundary"]] == want_rs[name], (name, micro)
 
 
 # ====================================================================== 3. memory
@@ -809,6 +819,27 @@ def test_reshard_after_forward_false_gathers_each_unit_once_per_step(world2: lis
             times = {u: 1 if (u == "" or once) else 2 for u in numel}
             want = (sum(times.values()), sum(t * shard_bytes(numel[u]) for u, t in times.items()))
             assert got["stats"]["all_gather"] == want, (name, got["stats"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_grouped_units_are_gathered_in_one_call_each_way(world2: list[dict[str, Any]]) -> None:
+    """With the default coalesce_mb the three small units are one group: forward gathers them in one call at l1
+    (l2 and head arrive with it, their waits are bookkeeping), backward in one call at head; the same bytes as
+    one call a unit, in 3 calls instead of 7 (the root's, and the group's each way)."""
+
+    def shard_bytes(n: int) -> int:  # fp32, K=2, padded
+        return math.ceil(n / 2) * 4
+
+    numel = {"": 297, "l1": 117, "l2": 112, "head": 37}
+    for rank, r in enumerate(world2):
+        got = r["prefetch"]["grouped"]
+        want = (3, shard_bytes(numel[""]) + 2 * sum(shard_bytes(numel[u]) for u in FORWARD_ORDER))
+        assert got["stats"]["all_gather"] == want, (rank, got["stats"])
+        assert r["prefetch"]["prefetch"]["stats"]["all_gather"][1] == want[1], r["prefetch"]["prefetch"]["stats"]
+        # each unit's forward sees itself materialised and only the units after it in flight
+        want_at = [("l1", ["l1"], ["l2", "head"]), ("l2", ["l2"], ["head"]), ("head", ["head"], [])]
+        assert [tuple(g) for g in got["gathered_at"]] == want_at, (rank, got["gathered_at"])
 
 
 # ====================================================================== 5. checkpoints

@@ -139,6 +139,10 @@ _SHARDED: list[tuple[str, Any, str]] = [
     ],
     *[("bucket_cap_mb", v, got("bucket_cap_mb", _MIB, v)) for v in (0, -1, math.nan, "25", True)],
     *[
+        ("coalesce_mb", v, got("coalesce_mb", "a finite number >= 0 \\(MiB\\)", v))
+        for v in (-1, -0.5, math.inf, math.nan, "8", True, None)
+    ],
+    *[
         ("state_dict_type", v, got("state_dict_type", r"one of \['full', 'sharded', None\]", v))
         for v in ("Full", "dcp", "", 3, True)
     ],

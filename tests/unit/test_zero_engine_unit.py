@@ -319,8 +319,9 @@ def test_no_sync_issues_no_collective_until_the_boundary() -> None:
         F.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1)).backward()
     assert comm.calls == []
     F.cross_entropy(model(x2).reshape(-1, VOCAB), y2.reshape(-1)).backward()
-    # the boundary: each bucket's reduce-scatter, then which parameters got no gradient (one count each)
-    assert comm.calls == [("reduce_scatter_into", f.layout.padded) for f in eng.flats] + [
+    # the boundary: each bucket's reduce-scatter (one flat a call), then which parameters got no gradient (one
+    # count each)
+    assert comm.calls == [("reduce_scatter_into_coalesced", f.layout.padded) for f in eng.flats] + [
         ("all_reduce", len(eng.names))
     ]
     assert len(eng.flats) >= 3

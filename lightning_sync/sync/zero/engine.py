@@ -44,7 +44,7 @@ from lightning_sync.sync.backward import UNUSED_PARAMETERS, BackwardEngine
 from lightning_sync.sync.bucketing import check_mib
 from lightning_sync.sync.communicator import Communicator
 from lightning_sync.sync.replicas import broadcast_module_states
-from lightning_sync.sync.zero.flat_param import FlatParam
+from lightning_sync.sync.zero.flat_param import FlatParam, launch_reduces
 from lightning_sync.sync.zero.forward import Stage3Forward
 from lightning_sync.sync.zero.materialize import DeferredInit, has_meta
 from lightning_sync.sync.zero.offload import HostOffload
@@ -56,6 +56,8 @@ from lightning_sync.sync.zero.units import Unit, bucket_units, trainable_params,
 __all__ = ["ZeroEngine"]
 
 _MB = 2**20
+#: stage 3's default ``coalesce_mb``: units of up to a few MiB go together, larger ones alone (see ZeroEngine)
+DEFAULT_COALESCE_MB = 8.0
 
 
 class ZeroEngine(Stage3Forward, BackwardEngine):
@@ -83,6 +85,10 @@ class ZeroEngine(Stage3Forward, BackwardEngine):
         wrap_policy: stage 3 wrap units (see :func:`~lightning_sync.sync.zero.options.resolve_wrap_policy`;
             None: the whole model).
         prefetch: stage 3: issue the next unit's all-gather while the current one computes.
+        coalesce_mb: stage 3: consecutive units (in forward order) whose full parameters add up to at most this
+            many MiB are gathered in one call, and their gradients reduce-scattered in one call: a rank waits once
+            for the group instead of once per unit, and up to two groups (the one computing and the one
+            prefetched) are gathered at a time instead of two units. 0: one call per unit, as FSDP2.
         reshard_after_forward: stage 3: free a unit's full parameters after its forward.
         param_dtype: dtype parameters are gathered and computed in (None: their own).
         reduce_dtype: dtype gradients are reduced in (None: the compute dtype).
@@ -106,6 +112,7 @@ class ZeroEngine(Stage3Forward, BackwardEngine):
         stage: int = 3,
         wrap_policy: Any = None,
         prefetch: bool = True,
+        coalesce_mb: float = DEFAULT_COALESCE_MB,
         reshard_after_forward: bool = True,
         param_dtype: Any = None,
         reduce_dtype: Any = None,
@@ -119,6 +126,10 @@ class ZeroEngine(Stage3Forward, BackwardEngine):
         check_stage(stage)
         self.find_unused_parameters = check_bool("find_unused_parameters", find_unused_parameters)
         check_mib("bucket_cap_mb", bucket_cap_mb)
+        self.coalesce_bytes = int(check_mib("coalesce_mb", coalesce_mb, zero=True) * _MB)
+        self._groups: list[list[int]] = []
+        self._group_of: dict[int, int] = {}
+        self._held: list[int] = []  # stage 3: units complete in backward whose group's reduce-scatter is not issued
         check_bool("offload", offload)
         self.activation_checkpointing = check_bool("activation_checkpointing", activation_checkpointing)
         #: the optimizers, each rewritten to step the masters of its own parameters' flat parameters
@@ -253,6 +264,7 @@ class ZeroEngine(Stage3Forward, BackwardEngine):
             p.grad = None
 
     def _on_begin_backward(self) -> None:
+        self._held = []
         if not self._window_open:
             self._window_open = True
             for f in self.flats:
@@ -265,16 +277,23 @@ class ZeroEngine(Stage3Forward, BackwardEngine):
                 f.free()
 
     def _launch(self, bucket: int) -> None:
+        units = [self.units[bucket]]
+        group = self._group(units[0]) if self.stage == 3 else []
+        if group:  # backward completes a group last at its first unit (in forward order); hold the others
+            self._held.append(bucket)
+            if units[0] is not group[0]:
+                return
+            units, self._held = [self.units[b] for b in self._held], []
         if self.stage > 1:
-            # one reduce-scatter in flight, as FSDP2 keeps: the previous unit's is finished (its full gradient
-            # freed) before the next is issued, so a rank holds two units' full gradients at most, not all of them
+            # one reduce-scatter in flight, as FSDP2 keeps: the previous unit's (group's) is finished (its full
+            # gradients freed) before the next is issued, so a rank holds two units' (groups') full gradients at most
             for b in list(self._reducing):
                 self._wait(b)
-        for f in self.units[bucket].flats:
-            if f.master.requires_grad:  # the same on every rank: the optimizers are toggled alike
-                f.launch_reduce()
-                self._launched.add(id(f))
-        self._reducing.append(bucket)
+        flats = [f for u in units for f in u.flats if f.master.requires_grad]  # toggled alike on every rank
+        if flats:
+            launch_reduces(flats, self.comm)
+            self._launched.update(id(f) for f in flats)
+        self._reducing.extend(u.index for u in units)
 
     def _wait(self, bucket: int) -> None:
         if bucket not in self._reducing:  # finished when the next one was issued

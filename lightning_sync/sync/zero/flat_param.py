@@ -7,7 +7,8 @@ on them (all-gather of the parameters, reduce-scatter of the gradients).
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+from collections.abc import Sequence
+from contextlib import ExitStack, nullcontext
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -19,7 +20,7 @@ from lightning_sync.sync.flat import FlatShard
 if TYPE_CHECKING:
     from lightning_sync.sync.zero.offload import HostOffload, OffloadedShard
 
-__all__ = ["FlatParam"]
+__all__ = ["FlatParam", "launch_reduces", "start_gathers"]
 
 
 class FlatParam:
@@ -125,9 +126,14 @@ class FlatParam:
             p.data = empty
 
     def start_gather(self) -> None:
-        """Issue the all-gather of the master shards into a fresh full buffer (stage 3, async)."""
+        """Issue the all-gather of the master shards into the full buffer (stage 3, async)."""
+        start_gathers([self], self.comm)
+
+    def _prepare_gather(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Give the full buffer its storage back; ``(buffer, shard to send)``, or None when this flat is gathered
+        or its gather is in flight."""
         if self.full is not None or self._gather_work is not None:
-            return
+            return None
         with torch.inference_mode(False), torch.no_grad():
             self._gather_src = self._gather_source()
             buffer = self._storage
@@ -135,10 +141,7 @@ class FlatParam:
                 buffer = torch.empty(self.layout.padded, dtype=self.compute_dtype, device=self.device)
             else:
                 buffer.untyped_storage().resize_(buffer.numel() * buffer.element_size())
-            # autograd's saved views must not see this write as an in-place change: their values are the same
-            with torch.autograd._unsafe_preserve_version_counter(buffer):
-                work = self.comm.all_gather_into(buffer, self._gather_src, async_op=True)
-            self._gather_work = (buffer, work)
+        return buffer, self._gather_src
 
     def finish_gather(self) -> None:
         """Wait for the all-gather and point the parameters at the full buffer."""
@@ -187,9 +190,10 @@ class FlatParam:
 
     def launch_reduce(self) -> None:
         """Issue the averaging reduce-scatter of the full gradient into this rank's shard (async)."""
-        full = self.complete_grad()
-        out = torch.empty(self.layout.shard_numel, dtype=self.reduce_dtype, device=self.device)
-        self._reduce = (out, self.comm.reduce_scatter_into(out, full, op="avg", async_op=True))
+        launch_reduces([self], self.comm)
+
+    def _reduce_issued(self, out: torch.Tensor, work: Any) -> None:
+        self._reduce = (out, work)
         if self.host is not None and self.host.streamed:
             self.finish_reduce()  # the side stream waits for it and copies it out; the CPU and compute go on
 
@@ -245,3 +249,28 @@ class FlatParam:
 
 def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def start_gathers(flats: Sequence[FlatParam], comm: Communicator) -> None:
+    """Stage 3: issue the all-gathers of those of ``flats`` not gathered and not in flight, as one call (a rank
+    then waits once for all of them)."""
+    unique = list({id(f): f for f in flats}.values())  # a flat named twice is gathered once
+    todo = [(f, args) for f in unique if (args := f._prepare_gather()) is not None]
+    if not todo:
+        return
+    buffers = [buffer for _, (buffer, _) in todo]
+    with torch.inference_mode(False), torch.no_grad(), ExitStack() as stack:
+        for buffer in buffers:
+            # autograd's saved views must not see this write as an in-place change: their values are the same
+            stack.enter_context(torch.autograd._unsafe_preserve_version_counter(buffer))
+        work = comm.all_gather_into_coalesced(buffers, [src for _, (_, src) in todo], async_op=True)
+    for f, (buffer, _) in todo:
+        f._gather_work = (buffer, work)
+
+
+def launch_reduces(flats: Sequence[FlatParam], comm: Communicator) -> None:
+    """Issue the averaging reduce-scatters of ``flats``' full gradients into their shards, as one call (async)."""
+    outs = [torch.empty(f.layout.shard_numel, dtype=f.reduce_dtype, device=f.device) for f in flats]
+    work = comm.reduce_scatter_into_coalesced(outs, [f.complete_grad() for f in flats], op="avg", async_op=True)
+    for f, out in zip(flats, outs):
+        f._reduce_issued(out, work)

@@ -23,14 +23,15 @@ module reads as build / backward / step; it uses the engine's units, flats and o
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from lightning_sync.sync.zero.units import Unit
+from lightning_sync.sync.zero.flat_param import start_gathers
+from lightning_sync.sync.zero.units import Unit, consecutive_groups
 
 if TYPE_CHECKING:
     from lightning_sync.sync.communicator import Communicator
@@ -66,6 +67,9 @@ class Stage3Forward:
     param_dtype: torch.dtype | None
     _handles: list[Any]
     _forward_order: list[int] | None
+    coalesce_bytes: int
+    _groups: list[list[int]]  # consecutive units in forward order, each group gathered (and reduced) in one call
+    _group_of: dict[int, int]  # unit index -> its group (units outside the forward order: none)
     _recording: list[int]
     _order_checked: bool
     _launch_order: list[int]
@@ -96,11 +100,11 @@ class Stage3Forward:
         return list(reversed(forward)) + ([self.root.index] if self.root is not None else [])
 
     # ------------------------------------------------------------------ stage 3: forward
-    def _gather(self, unit: Unit, wait: bool) -> None:
-        if not unit.gathered:
-            for f in unit.flats:
-                f.start_gather()
-        if wait and any(f._gather_work is not None for f in unit.flats):
+    def _gather(self, unit: Unit, wait: bool, with_units: Sequence[Unit] = ()) -> None:
+        """Issue ``unit``'s all-gather, in one call with those of ``with_units`` (see :meth:`_group`), unless
+        gathered or in flight; with ``wait``, wait for ``unit``'s."""
+        start_gathers([f for u in (unit, *with_units) for f in u.flats], self.comm)
+        if wait:
             for f in unit.flats:
                 f.finish_gather()
 
@@ -125,11 +129,13 @@ class Stage3Forward:
         if not unit.is_root:
             if self._forward_order is None and unit.index not in self._recording:
                 self._recording.append(unit.index)
-        self._gather(unit, wait=True)
-        if self.prefetch and not unit.is_root and self._forward_order is not None:
-            nxt = self._neighbour(unit, +1)
-            if nxt is not None:
-                self._gather(nxt, wait=False)
+        group = self._group(unit)
+        # the first unit of its group gathers the group; the others were gathered with it (or are in flight)
+        self._gather(unit, wait=True, with_units=group if group and group[0] is unit else ())
+        if self.prefetch and group:
+            following = self._next_group(group, +1)
+            if following:
+                self._gather(following[0], wait=False, with_units=following)
         return self._cast_inputs(module, args, kwargs) if self.param_dtype is not None else None
 
     def _cast_inputs(self, module: nn.Module, args: Any, kwargs: Any) -> Any:
@@ -137,12 +143,19 @@ class Stage3Forward:
         cast = functools.partial(_cast_floating, dtype=self.param_dtype)
         return tree_map(cast, args), tree_map(cast, kwargs)
 
-    def _neighbour(self, unit: Unit, step: int) -> Unit | None:
-        order = self._forward_order or []
-        if unit.index not in order:
-            return None
-        j = order.index(unit.index) + step
-        return self.units[order[j]] if 0 <= j < len(order) else None
+    def _group(self, unit: Unit) -> list[Unit]:
+        """The units gathered and reduce-scattered in one call with ``unit``, in forward order (consecutive units
+        within the engine's ``coalesce_mb``); empty until the forward order is known, and for the root unit."""
+        g = self._group_of.get(unit.index)
+        return [] if g is None else [self.units[i] for i in self._groups[g]]
+
+    def _next_group(self, group: list[Unit], step: int) -> list[Unit]:
+        """The group after (``step`` = +1) or before (-1) ``group`` in forward order, less the units whose
+        backward has completed (empty when there is none)."""
+        g = self._group_of[group[0].index] + step
+        if not 0 <= g < len(self._groups):
+            return []
+        return [self.units[i] for i in self._groups[g] if not self._is_complete(i)]
 
     def _post_forward(self, unit: Unit, module: nn.Module, args: Any, output: Any) -> Any:
         if self._recomputing():
@@ -170,11 +183,13 @@ class Stage3Forward:
             self._gather(unit, wait=True)
 
     def _pre_backward(self, unit: Unit) -> None:
-        self._gather(unit, wait=True)
-        if self.prefetch:
-            prev = self._neighbour(unit, -1)
-            if prev is not None and not self._is_complete(prev.index):
-                self._gather(prev, wait=False)
+        group = self._group(unit)
+        # backward meets a group at its last unit (in forward order), which gathers every unit of it
+        self._gather(unit, wait=True, with_units=group if group and group[-1] is unit else ())
+        if self.prefetch and group:
+            previous = self._next_group(group, -1)
+            if previous:
+                self._gather(previous[-1], wait=False, with_units=previous)
 
     def _check_forward_order(self) -> None:
         """After the first backward: every rank must have run the units in the same order (the
@@ -189,6 +204,10 @@ class Stage3Forward:
         self._forward_order = list(orders[0]) + [
             u.index for u in self.units if not u.is_root and u.index not in orders[0]
         ]
+        self._groups = consecutive_groups(
+            self._forward_order, {u.index: u.gathered_bytes for u in self.units}, self.coalesce_bytes
+        )
+        self._group_of = {i: g for g, members in enumerate(self._groups) for i in members}
         self._launch_order = self._default_launch_order()
 
 

@@ -20,7 +20,7 @@ from torch import nn
 from lightning_sync.sync.bucketing import plan_buckets
 from lightning_sync.sync.zero.flat_param import FlatParam
 
-__all__ = ["Unit", "bucket_units", "trainable_params", "wrap_units"]
+__all__ = ["Unit", "bucket_units", "consecutive_groups", "trainable_params", "wrap_units"]
 
 UnitPlan = tuple[str, nn.Module | None, list[nn.Parameter], bool]
 """(module name, module or None, its parameters, is the root unit)."""
@@ -44,6 +44,26 @@ class Unit:
     @property
     def numel(self) -> int:
         return sum(f.layout.total for f in self.flats)
+
+    @property
+    def gathered_bytes(self) -> int:
+        """Bytes of its full parameters when gathered (padded, in the compute dtype)."""
+        return sum(f.layout.padded * f.compute_dtype.itemsize for f in self.flats)
+
+
+def consecutive_groups(order: list[int], size: dict[int, int], cap: int) -> list[list[int]]:
+    """``order`` cut into runs of consecutive items whose ``size`` adds up to at most ``cap`` (an item larger
+    than ``cap`` is a run of its own; ``cap`` 0: every item alone)."""
+    groups: list[list[int]] = []
+    total = 0
+    for i in order:
+        if groups and total + size[i] <= cap:
+            groups[-1].append(i)
+            total += size[i]
+        else:
+            groups.append([i])
+            total = size[i]
+    return groups
 
 
 def trainable_params(module: nn.Module) -> tuple[list[str], list[nn.Parameter]]:
