@@ -7,8 +7,21 @@ the data module is built before the level the figures start from. Linux resets t
 ``/proc/self/clear_refs``, which splits a trial into **setup** (from before the Trainer and the model are built
 until the first training batch: the model, Lightning's setup, the strategy's broadcast and sharding, the
 optimizer) and **training** (the warm-up and timed steps). A row with ``init_module: true`` builds its model
-inside ``trainer.init_module()`` (Lightning's route to a strategy's deferred initialization), others build it
-before ``fit``. Where CUDA is available each phase's ``torch.cuda.max_memory_allocated`` is recorded too.
+inside ``trainer.init_module()``, others before ``fit``. A model whose layers are created in its own
+``configure_model()`` (:class:`~lightning_sync.models.char_gpt.DeferredCharGPT`) has them built by ``fit``
+inside the strategy's init context where the row says ``deferred: true`` (ZeRO-3 and FSDP2 build them on the
+meta device and each rank materializes only its shards), else by the bench at the setup hook, with storage on the
+CPU (eager: the whole model on every rank, then sharded). Where CUDA is available each phase's
+``torch.cuda.max_memory_allocated`` is recorded too.
+
+**The prediction's basis.** :func:`predict_rows` predicts each row's training peak per rank from the model
+(:mod:`~lightning_sync.bench.memory_model`). It is compared with the training peak above the **base**: the
+resident set at the setup hook, once the process group exists and before ``configure_model`` builds any layer.
+The absolute RSS holds the process (Python, torch, Lightning, the data: ~340 MiB here), which the model does not
+predict. Before the figures start each rank runs one training step of the model alone and frees it: the code of
+the kernels training runs is then resident already, so the rise counts tensors, not the ~20 MiB of code pages
+a process touches the first time it trains (measured in one process: a training peak 23 MiB lower after such a
+step).
 Each rank sets glibc's mmap threshold to 1 MiB first (``mallopt``): glibc otherwise keeps freed blocks below
 its growing threshold in its heap, still resident, so a tensor freed in setup (the eager model's full copy)
 would count in the training phase's peak; with it, a freed tensor leaves the resident set.
