@@ -14,14 +14,14 @@ meta device and each rank materializes only its shards), else by the bench at th
 CPU (eager: the whole model on every rank, then sharded). Where CUDA is available each phase's
 ``torch.cuda.max_memory_allocated`` is recorded too.
 
-**The prediction's basis.** :func:`predict_rows` predicts each row's training peak per rank from the model
-(:mod:`~lightning_sync.bench.memory_model`). It is compared with the training peak above the **base**: the
-resident set at the setup hook, once the process group exists and before ``configure_model`` builds any layer.
-The absolute RSS holds the process (Python, torch, Lightning, the data: ~340 MiB here), which the model does not
-predict. Before the figures start each rank runs one training step of the model alone and frees it: the code of
-the kernels training runs is then resident already, so the rise counts tensors, not the ~20 MiB of code pages
-a process touches the first time it trains (measured in one process: a training peak 23 MiB lower after such a
-step).
+**The prediction's basis.** :func:`~lightning_sync.bench.memory_predict.predict_rows` predicts each row's
+training peak per rank from the model (:mod:`~lightning_sync.bench.memory_model`). It is compared with the
+training peak above the **base**: the resident set at the setup hook, once the process group exists and before
+``configure_model`` builds any layer. The absolute RSS holds the process (Python, torch, Lightning, the data:
+~340 MiB here), which the model does not predict. Before the figures start each rank runs one training step of
+the model alone and frees it: the code of the kernels training runs is then resident already, so the rise counts
+tensors, not the ~20 MiB of code pages a process touches the first time it trains (measured in one process: a
+training peak 23 MiB lower after such a step).
 Each rank sets glibc's mmap threshold to 1 MiB first (``mallopt``): glibc otherwise keeps freed blocks below
 its growing threshold in its heap, still resident, so a tensor freed in setup (the eager model's full copy)
 would count in the training phase's peak; with it, a freed tensor leaves the resident set.
@@ -35,14 +35,11 @@ device and host: on a CPU-only machine offload moves nothing, and that column sh
 from __future__ import annotations
 
 import ctypes
-import functools
 import gc
 import json
 import logging
 import math
 import time
-import warnings
-from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -50,16 +47,14 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from torch import nn
 
 from lightning_sync._checks import check_bool, check_int
-from lightning_sync.bench.memory_model import Prediction, describe, predict
+from lightning_sync.bench.memory_predict import built, first_batch, predict_rows, step_alone
 from lightning_sync.bench.rows import FIT, fmt, median, node, schedule
 from lightning_sync.bench.runner import Trial, quiet
-from lightning_sync.sync.zero.options import storage_bytes
 
 __all__ = ["DEFERRED", "INIT_MODULE", "MemoryResult", "memory_markdown", "memory_trials", "peak_rss_mib"]
-__all__ += ["predict_rows", "run_memory"]
+__all__ += ["run_memory"]
 
 log = logging.getLogger("lightning_sync.bench")
 _MIB = 2**20
@@ -168,8 +163,8 @@ def _trial(rank: int, world: int, trial: Trial) -> MemoryResult:
     quiet(1)
     _freed_tensors_leave_the_resident_set()
     data = instantiate(trial.data_cfg)
-    model = _built(trial.model_cfg)
-    _step_alone(model, _first_batch(data))  # the kernels' code is resident before the figures start (module doc)
+    model = built(trial.model_cfg)
+    step_alone(model, first_batch(data))  # the kernels' code is resident before the figures start (module doc)
     del model
     pl.seed_everything(0, verbose=False)
     gc.collect()
@@ -186,40 +181,6 @@ def _trial(rank: int, world: int, trial: Trial) -> MemoryResult:
         trial.name, trial.extra["round"], rank, start, probe.setup_mib, peak_rss_mib(), probe.step_s,
         probe.cuda_setup_mib, cuda_train, probe.engine, probe.init_peak_mib, probe.base_mib,
     )  # fmt: skip
-
-
-def _built(model_cfg: Any) -> pl.LightningModule:
-    """The model of ``model_cfg`` with its layers: its own ``configure_model()`` run, with storage on the CPU."""
-    from hydra.utils import instantiate
-
-    model = instantiate(model_cfg)
-    if type(model).configure_model is not pl.LightningModule.configure_model:
-        type(model).configure_model(model)
-    return model
-
-
-def _first_batch(data: pl.LightningDataModule) -> Any:
-    data.setup("fit")
-    return next(iter(data.train_dataloader()))
-
-
-def _training_loss(model: pl.LightningModule, batch: Any) -> torch.Tensor:
-    """``training_step``'s loss, outside a Trainer (where ``self.log`` only warns)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        out = model.training_step(batch, 0)
-    return out["loss"] if isinstance(out, dict) else out
-
-
-def _step_alone(model: pl.LightningModule, batch: Any) -> torch.optim.Optimizer:
-    """One training step of ``model`` and its first optimizer, outside Lightning; returns the optimizer."""
-    from lightning.pytorch.core.optimizer import _configure_optimizers
-
-    optimizer = _configure_optimizers(model.configure_optimizers())[0][0]
-    _training_loss(model, batch).backward()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return optimizer
 
 
 def memory_trials(cfg: Any) -> list[Trial]:
@@ -256,69 +217,6 @@ def memory_trials(cfg: Any) -> list[Trial]:
         )
         for i, name in enumerate(schedule(list(rows), pairs))
     ]
-
-
-#: Per row kind, the strategy keys the prediction models (a row that sets another one is not predicted).
-_MODELLED = {
-    "ddp": {"_target_"},
-    "zero3": {"_target_", "stage", "wrap_policy", "offload", "activation_checkpointing"},
-    "fsdp2": {"_target_", "shard_classes"},
-}
-
-
-def _row_kind(strategy: dict[str, Any]) -> tuple[str, Callable[[nn.Module], bool], str, dict[str, bool]] | None:
-    """A row's kind for :func:`~lightning_sync.bench.memory_model.predict`, its unit selector (and a key naming
-    it) and its options; None where the memory model does not describe the row."""
-    from lightning_sync.bench.fsdp2 import resolve_classes
-    from lightning_sync.sync.zero.options import resolve_wrap_policy
-
-    target = str(strategy["_target_"]).rsplit(".", 1)[-1]
-    kind = {"DDPStrategy": "ddp", "ShardedStrategy": "zero3", "FullyShardStrategy": "fsdp2"}.get(target)
-    if kind is None or set(strategy) - _MODELLED[kind] or (kind == "zero3" and strategy.get("stage", 3) != 3):
-        return None
-    if kind == "ddp":
-        return kind, lambda m: False, "", {}
-    if kind == "fsdp2":
-        classes = resolve_classes(strategy.get("shard_classes", ("torch.nn.Linear",)))
-        return kind, lambda m: isinstance(m, classes), repr(classes), {}
-    policy = resolve_wrap_policy(strategy.get("wrap_policy"))
-    options = {
-        "offload": bool(strategy.get("offload")),
-        "checkpointing": bool(strategy.get("activation_checkpointing")),
-    }
-
-    def is_unit(m: nn.Module) -> bool:
-        return policy is not None and policy(m, sum(p.numel() for p in m.parameters()))
-
-    return kind, is_unit, repr(strategy.get("wrap_policy")), options
-
-
-def predict_rows(cfg: Any) -> dict[str, Prediction | None]:
-    """Each row's predicted training peak per rank (:mod:`~lightning_sync.bench.memory_model`), from the model
-    built here, in this process: its parameters, the units the row wraps, the activations of one training forward
-    of a rank's micro-batch and the optimizer's state bytes per parameter byte after one step."""
-    from hydra.utils import instantiate
-
-    m, out, described = cfg.memory, {}, {}
-    batch = _first_batch(instantiate(node(m.model.data)))
-    for name, row in m.rows.items():
-        found = _row_kind(node(row["strategy"]))
-        if found is None:
-            out[str(name)] = None
-            continue
-        kind, is_unit, key, options = found
-        if key not in described:
-            with torch.random.fork_rng():  # this process's random state (and environment) stay as they were
-                torch.manual_seed(0)
-                model = _built(node(m.model.model))
-                optimizer = _step_alone(model, batch)
-                state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-                params = [p for g in optimizer.param_groups for p in g["params"]]
-                factor = storage_bytes(state, set()) / storage_bytes(params, set())
-                forward = functools.partial(_training_loss, model, batch)
-                described[key] = describe(model, forward, is_unit, factor)
-        out[str(name)] = predict(described[key], kind, int(m.world_size), **options)
-    return out
 
 
 def run_memory(cfg: Any, out_dir: Path, meta: dict[str, Any] | None = None) -> list[MemoryResult]:
