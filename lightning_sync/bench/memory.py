@@ -18,7 +18,7 @@ CPU (eager: the whole model on every rank, then sharded). Where CUDA is availabl
 training peak per rank from the model (:mod:`~lightning_sync.bench.memory_model`). It is compared with the
 training peak above the **base**: the resident set at the setup hook, once the process group exists and before
 ``configure_model`` builds any layer. The absolute RSS holds the process (Python, torch, Lightning, the data:
-~340 MiB here), which the model does not predict. Before the figures start each rank runs one training step of
+~380 MiB here), which the model does not predict. Before the figures start each rank runs one training step of
 the model alone and frees it: the code of the kernels training runs is then resident already, so the rise counts
 tensors, not the ~20 MiB of code pages a process touches the first time it trains (measured in one process: a
 training peak 23 MiB lower after such a step).
