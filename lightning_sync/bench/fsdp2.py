@@ -5,10 +5,11 @@ which needs a ``configure_model`` hook that a plain module lacks. Per step a ran
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
@@ -40,7 +41,12 @@ def resolve_classes(names: Sequence[str | type]) -> tuple[type[nn.Module], ...]:
 class FullyShardStrategy(ModelParallelStrategy):
     """FSDP2 (``fully_shard``) on every module of ``shard_classes`` (dotted names or classes) plus the root, over
     ``data_parallel_size`` ranks (None: all). ``reshard_after_forward`` frees each unit's gathered parameters after
-    its forward and gathers them again for backward (ZeRO-3). Other keywords go to ModelParallelStrategy."""
+    its forward and gathers them again for backward (ZeRO-3). Other keywords go to ModelParallelStrategy.
+
+    A module whose own ``configure_model()`` builds its layers (and shards nothing) is built deferred, FSDP2's
+    meta-device route as Lightning's ModelParallelStrategy takes it: that hook runs on the meta device, the units
+    are sharded there, and :meth:`setup` gives each rank storage for its shards only and initializes them with
+    every module's ``reset_parameters()``. A layer built before ``fit`` keeps its storage and values."""
 
     def __init__(
         self,
@@ -58,16 +64,13 @@ class FullyShardStrategy(ModelParallelStrategy):
         self._shard_classes = resolve_classes(shard_classes)
         self._reshard_after_forward = reshard_after_forward
         self._installed_on: pl.LightningModule | None = None
+        self._own_hook: Callable[[pl.LightningModule], None] | None = None
 
     @override
     def connect(self, model: pl.LightningModule) -> None:
         super().connect(model)
-        if is_overridden("configure_model", model):
-            raise ValueError(
-                f"{type(model).__name__} defines configure_model() itself; apply fully_shard there and "
-                f"use lightning's ModelParallelStrategy, or drop the hook to let {type(self).__name__} "
-                f"shard {[c.__name__ for c in self._shard_classes]} modules"
-            )
+        # the module's own hook builds its layers (and must not shard them: that is this strategy's part)
+        self._own_hook = type(model).configure_model if is_overridden("configure_model", model) else None
         model.configure_model = self._configure_model  # type: ignore[method-assign]
         self._installed_on = model
 
@@ -86,6 +89,15 @@ class FullyShardStrategy(ModelParallelStrategy):
         assert root is not None
         if isinstance(root, FSDPModule):  # configure_model runs again in a later fit/validate
             return
+        if self._own_hook is not None:
+            with torch.device("meta"):  # deferred: setup gives each rank storage for its shards only
+                self._own_hook(root)
+            if any(isinstance(m, FSDPModule) for m in root.modules()):
+                raise ValueError(
+                    f"{type(root).__name__}.configure_model() applies fully_shard itself; use lightning's "
+                    f"ModelParallelStrategy, or build only the layers there and let {type(self).__name__} shard "
+                    f"{[c.__name__ for c in self._shard_classes]} modules"
+                )
         mesh = self.device_mesh["data_parallel"]
         owners: dict[int, list[nn.Module]] = {}
         for mod in root.modules():
@@ -101,6 +113,31 @@ class FullyShardStrategy(ModelParallelStrategy):
         for module in reversed(units):  # post-order: children before their parents
             fully_shard(module, mesh=mesh, reshard_after_forward=self._reshard_after_forward)
         fully_shard(root, mesh=mesh, reshard_after_forward=self._reshard_after_forward)
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        """Lightning's setup; a model built on the meta device is materialized first, as Lightning would (each
+        rank's shards get storage, then every module's ``reset_parameters()``), but with its torchmetrics metrics
+        taken out: ``to_empty`` on the root also empties their states and the defaults ``reset()`` restores."""
+        from lightning.fabric.utilities.init import _materialize_distributed_module
+        from torchmetrics import Metric
+
+        assert self.model is not None
+        if any(t.is_meta for t in (*self.model.parameters(), *self.model.buffers())):
+            metrics = [
+                (parent, name, m)
+                for parent in self.model.modules()
+                for name, m in parent._modules.items()
+                if isinstance(m, Metric)
+            ]
+            for parent, name, _ in metrics:
+                parent._modules[name] = None  # module operations skip a None child
+            try:
+                _materialize_distributed_module(self.model, self.root_device)
+            finally:
+                for parent, name, m in metrics:
+                    parent._modules[name] = m
+        super().setup(trainer)
 
     @override
     def teardown(self) -> None:

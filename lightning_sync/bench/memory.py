@@ -7,8 +7,21 @@ the data module is built before the level the figures start from. Linux resets t
 ``/proc/self/clear_refs``, which splits a trial into **setup** (from before the Trainer and the model are built
 until the first training batch: the model, Lightning's setup, the strategy's broadcast and sharding, the
 optimizer) and **training** (the warm-up and timed steps). A row with ``init_module: true`` builds its model
-inside ``trainer.init_module()`` (Lightning's route to a strategy's deferred initialization), others build it
-before ``fit``. Where CUDA is available each phase's ``torch.cuda.max_memory_allocated`` is recorded too.
+inside ``trainer.init_module()``, others before ``fit``. A model whose layers are created in its own
+``configure_model()`` (:class:`~lightning_sync.models.char_gpt.DeferredCharGPT`) has them built by ``fit``
+inside the strategy's init context where the row says ``deferred: true`` (ZeRO-3 and FSDP2 build them on the
+meta device and each rank materializes only its shards), else by the bench at the setup hook, with storage on the
+CPU (eager: the whole model on every rank, then sharded). Where CUDA is available each phase's
+``torch.cuda.max_memory_allocated`` is recorded too.
+
+**The prediction's basis.** :func:`~lightning_sync.bench.memory_predict.predict_rows` predicts each row's
+training peak per rank from the model (:mod:`~lightning_sync.bench.memory_model`). It is compared with the
+training peak above the **base**: the resident set at the setup hook, once the process group exists and before
+``configure_model`` builds any layer. The absolute RSS holds the process (Python, torch, Lightning, the data:
+~380 MiB here), which the model does not predict. Before the figures start each rank runs one training step of
+the model alone and frees it: the code of the kernels training runs is then resident already, so the rise counts
+tensors, not the ~20 MiB of code pages a process touches the first time it trains (measured in one process: a
+training peak 23 MiB lower after such a step).
 Each rank sets glibc's mmap threshold to 1 MiB first (``mallopt``): glibc otherwise keeps freed blocks below
 its growing threshold in its heap, still resident, so a tensor freed in setup (the eager model's full copy)
 would count in the training phase's peak; with it, a freed tensor leaves the resident set.
@@ -25,6 +38,7 @@ import ctypes
 import gc
 import json
 import logging
+import math
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
@@ -35,10 +49,12 @@ import lightning.pytorch as pl
 import torch
 
 from lightning_sync._checks import check_bool, check_int
+from lightning_sync.bench.memory_predict import built, first_batch, predict_rows, step_alone
 from lightning_sync.bench.rows import FIT, fmt, median, node, schedule
 from lightning_sync.bench.runner import Trial, quiet
 
-__all__ = ["INIT_MODULE", "MemoryResult", "memory_markdown", "memory_trials", "peak_rss_mib", "run_memory"]
+__all__ = ["DEFERRED", "INIT_MODULE", "MemoryResult", "memory_markdown", "memory_trials", "peak_rss_mib"]
+__all__ += ["run_memory"]
 
 log = logging.getLogger("lightning_sync.bench")
 _MIB = 2**20
@@ -72,6 +88,9 @@ def reset_peak_rss() -> float:
 
 #: ``Trial.extra`` key: build the model inside ``trainer.init_module()``; ``"round"`` is the trial's round.
 INIT_MODULE = "init_module"
+#: ``Trial.extra`` key: leave the model's own ``configure_model()`` to ``fit`` (the strategy's deferred route);
+#: otherwise the bench calls it first, in the setup hook, with storage on the CPU (eager).
+DEFERRED = "deferred"
 
 
 @dataclass
@@ -89,16 +108,31 @@ class MemoryResult:
     cuda_train_mib: float | None = None
     engine: dict[str, dict[str, int]] | None = None  # ZeroEngine.memory_report() at the last step
     init_peak_mib: float | None = None  # a deferred ZeroEngine's own peak while it materialized the model
+    base_mib: float | None = None  # RSS once the process group exists, before configure_model (the prediction's)
+
+    @property
+    def train_rise_mib(self) -> float | None:
+        """The training peak above :attr:`base_mib`: the basis the prediction is compared on."""
+        return None if self.base_mib is None else self.train_mib - self.base_mib
 
 
 class _Phases(pl.Callback):
     """Ends the setup phase at ``on_train_start`` and times the steps after the warm-up."""
 
-    def __init__(self, warmup: int) -> None:
+    def __init__(self, warmup: int, deferred: bool) -> None:
         self.warmup, self.setup_mib, self.step_s, self._t0 = warmup, 0.0, [], 0.0
+        self.deferred, self.base_mib = deferred, 0.0
         self.cuda_setup_mib: float | None = None
         self.engine: dict[str, dict[str, int]] | None = None
         self.init_peak_mib: float | None = None
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """After the process group, before Lightning's ``configure_model``: the basis, then an eager build."""
+        gc.collect()
+        self.base_mib = _status_kib("VmRSS") / 1024
+        own = type(pl_module).configure_model  # the module's own hook, not one a strategy installed
+        if not self.deferred and own is not pl.LightningModule.configure_model:
+            own(pl_module)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.setup_mib = peak_rss_mib()
@@ -128,11 +162,14 @@ def _trial(rank: int, world: int, trial: Trial) -> MemoryResult:
 
     quiet(1)
     _freed_tensors_leave_the_resident_set()
-    pl.seed_everything(0, verbose=False)
     data = instantiate(trial.data_cfg)
+    model = built(trial.model_cfg)
+    step_alone(model, first_batch(data))  # the kernels' code is resident before the figures start (module doc)
+    del model
+    pl.seed_everything(0, verbose=False)
     gc.collect()
     start = reset_peak_rss()
-    probe = _Phases(trial.warmup)
+    probe = _Phases(trial.warmup, trial.extra[DEFERRED])
     accelerator = "gpu" if torch.cuda.is_available() else "cpu"
     kw = {"devices": world, "max_steps": trial.warmup + trial.steps, "callbacks": [probe]}
     trainer = pl.Trainer(accelerator=accelerator, strategy=instantiate(trial.strategy), **kw, **FIT)
@@ -142,7 +179,7 @@ def _trial(rank: int, world: int, trial: Trial) -> MemoryResult:
     cuda_train = torch.cuda.max_memory_allocated() / _MIB if torch.cuda.is_available() else None
     return MemoryResult(
         trial.name, trial.extra["round"], rank, start, probe.setup_mib, peak_rss_mib(), probe.step_s,
-        probe.cuda_setup_mib, cuda_train, probe.engine, probe.init_peak_mib,
+        probe.cuda_setup_mib, cuda_train, probe.engine, probe.init_peak_mib, probe.base_mib,
     )  # fmt: skip
 
 
@@ -156,11 +193,14 @@ def memory_trials(cfg: Any) -> list[Trial]:
         raise ValueError("memory.rows must name at least one row (row name -> {strategy: ..., init_module: ...})")
     rows = {}
     for name, row in m.rows.items():
-        if set(row) - {"strategy", "init_module"} or "strategy" not in row:
-            raise ValueError(f"memory.rows.{name} must have a strategy node and may set init_module, got {sorted(row)}")
+        if set(row) - {"strategy", INIT_MODULE, DEFERRED} or "strategy" not in row:
+            raise ValueError(
+                f"memory.rows.{name} must have a strategy node and may set init_module and deferred, got {sorted(row)}"
+            )
         rows[str(name)] = (
             node(row["strategy"]),
-            check_bool(f"memory.rows.{name}.init_module", row.get("init_module", False)),
+            check_bool(f"memory.rows.{name}.init_module", row.get(INIT_MODULE, False)),
+            check_bool(f"memory.rows.{name}.deferred", row.get(DEFERRED, False)),
         )
     model, data, label = node(m.model.model), node(m.model.data), str(m.model.model._target_).rsplit(".", 1)[-1]
     return [
@@ -172,7 +212,7 @@ def memory_trials(cfg: Any) -> list[Trial]:
             data,
             steps,
             warmup,
-            {INIT_MODULE: rows[name][1], "round": i // len(rows)},
+            {INIT_MODULE: rows[name][1], DEFERRED: rows[name][2], "round": i // len(rows)},
             world,
         )
         for i, name in enumerate(schedule(list(rows), pairs))
@@ -184,22 +224,26 @@ def run_memory(cfg: Any, out_dir: Path, meta: dict[str, Any] | None = None) -> l
     from lightning_sync.testing import run_distributed
 
     trials, results = memory_trials(cfg), []
+    predicted = predict_rows(cfg)
     for i, trial in enumerate(trials, 1):
         log.info("memory %d/%d: %s (round %d)", i, len(trials), trial.name, trial.extra["round"])
         results += run_distributed(
             _trial, trial.devices or 1, trial, timeout=float(cfg.memory.timeout_s), env={"OMP_NUM_THREADS": "1"}
         )
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "memory.md").write_text(memory_markdown(results, cfg, meta) + "\n")
+    predicted_mib = {n: None if p is None else p.total / _MIB for n, p in predicted.items()}
+    (out_dir / "memory.md").write_text(memory_markdown(results, cfg, meta, predicted_mib) + "\n")
     (out_dir / "memory.json").write_text(json.dumps([asdict(r) for r in results], indent=1))
+    terms = {n: None if p is None else {k: v / _MIB for k, v in asdict(p).items()} for n, p in predicted.items()}
+    (out_dir / "memory_predicted.json").write_text(json.dumps(terms, indent=1))
     return results
 
 
 def _largest(results: list[MemoryResult], key: str) -> float:
     """Median over rounds of the largest rank's figure."""
     rounds = sorted({r.round for r in results})
-    values = [max(getattr(r, key) for r in results if r.round == k) for k in rounds]
-    return median([v for v in values if v is not None])
+    values = [[v for r in results if r.round == k and (v := getattr(r, key)) is not None] for k in rounds]
+    return median([max(v) for v in values if v])
 
 
 def _round_ratio(results: list[MemoryResult], name: str, reference: str, k: int) -> float | None:
@@ -208,15 +252,23 @@ def _round_ratio(results: list[MemoryResult], name: str, reference: str, k: int)
     return median(mine) / median(theirs) if mine and theirs else None
 
 
-def memory_markdown(results: list[MemoryResult], cfg: Any, meta: dict[str, Any] | None = None) -> str:
-    """The table: per row the peak RSS of setup and training (absolute and above the start), the step time and
-    its ratio to the first row's (median of same-round ratios), CUDA peaks where measured, and the ZeRO engine's
-    device / host split."""
+def memory_markdown(
+    results: list[MemoryResult],
+    cfg: Any,
+    meta: dict[str, Any] | None = None,
+    predicted: dict[str, float | None] | None = None,
+) -> str:
+    """The table: per row the peak RSS of setup and training (absolute and above the start), the training peak
+    above the base with its prediction (``predicted``: MiB by row) and their ratio, the step time and its ratio to
+    the first row's (median of same-round ratios), CUDA peaks where measured, and the ZeRO engine's device / host
+    split."""
     m = cfg.memory
     names, rounds = list(dict.fromkeys(r.name for r in results)), sorted({r.round for r in results})
     cuda = any(r.cuda_train_mib is not None for r in results)
     head = ["row", "setup peak RSS (MiB)", "training peak RSS (MiB)", "setup above start", "training above start"]
-    head += ["step (s)", f"step / {names[0]}"] + (["CUDA setup / training (MiB)"] if cuda else [])
+    head += ["training above base", "predicted (MiB)", "predicted / measured", "step (s)", f"step / {names[0]}"] + (
+        ["CUDA setup / training (MiB)"] if cuda else []
+    )
     lines = [
         "## Memory per rank",
         "",
@@ -233,6 +285,10 @@ def memory_markdown(results: list[MemoryResult], cfg: Any, meta: dict[str, Any] 
         mine = [r for r in results if r.name == n]
         setup, train, start = (_largest(mine, k) for k in ("setup_mib", "train_mib", "start_mib"))
         cells = [n, fmt(setup, ".0f"), fmt(train, ".0f"), fmt(setup - start, ".0f"), fmt(train - start, ".0f")]
+        rise = _largest(mine, "train_rise_mib")
+        guess = (predicted or {}).get(n)
+        guess = math.nan if guess is None else guess
+        cells += [fmt(rise, ".0f"), fmt(guess, ".0f"), fmt(guess / rise, ".2f")]
         cells += [fmt(steps[n], ".3f"), fmt(ratios[n], ".2f")]
         if cuda:
             cells.append(

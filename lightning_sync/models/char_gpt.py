@@ -31,7 +31,8 @@ from lightning_sync.models._common import (
     require_optimizer,
 )
 
-__all__ = ["CHAR_GPT_OPTIMIZERS", "VOCAB_SIZE", "CharDataModule", "CharGPT", "decode", "encode", "load_corpus"]
+__all__ = ["CHAR_GPT_OPTIMIZERS", "VOCAB_SIZE", "CharDataModule", "CharGPT", "DeferredCharGPT", "decode", "encode"]
+__all__ += ["load_corpus"]
 
 #: Size of the fixed ASCII vocabulary.
 VOCAB_SIZE = 128
@@ -231,14 +232,22 @@ class CharGPT(pl.LightningModule):
         self.val_loss = MeanMetric()
         self.val_bpc = MeanMetric()
 
-        self.tok_emb = nn.Embedding(VOCAB_SIZE, n_embd)
-        self.pos_emb = nn.Embedding(block_size, n_embd)
-        self.drop = nn.Dropout(dropout)
-        self.blocks = nn.ModuleList(_Block(n_embd, n_head, dropout) for _ in range(n_layer))
-        self.ln_f = nn.LayerNorm(n_embd)
-        self.head = nn.Linear(n_embd, VOCAB_SIZE, bias=False)
-        self.apply(self._init_weights)
-        if tie_weights:
+        if not self._layers_in_configure_model:
+            self._build_layers()
+
+    #: :class:`DeferredCharGPT` sets this: the layers are created in ``configure_model`` instead of ``__init__``.
+    _layers_in_configure_model = False
+
+    def _build_layers(self) -> None:
+        hp = self.hparams
+        self.tok_emb = nn.Embedding(VOCAB_SIZE, hp.n_embd)
+        self.pos_emb = nn.Embedding(hp.block_size, hp.n_embd)
+        self.drop = nn.Dropout(hp.dropout)
+        self.blocks = nn.ModuleList(_Block(hp.n_embd, hp.n_head, hp.dropout) for _ in range(hp.n_layer))
+        self.ln_f = nn.LayerNorm(hp.n_embd)
+        self.head = nn.Linear(hp.n_embd, VOCAB_SIZE, bias=False)
+        self.apply(self._init_weights)  # on the meta device a no-op: the layers' reset_parameters() initialize them
+        if hp.tie_weights:
             self.head.weight = self.tok_emb.weight
 
     @staticmethod
@@ -340,3 +349,19 @@ class CharGPT(pl.LightningModule):
         finally:
             self.train(was_training)
         return decode(idx[0, idx.shape[1] - max_new_tokens :])
+
+
+class DeferredCharGPT(CharGPT):
+    """:class:`CharGPT` whose layers are created in ``configure_model()``, Lightning's route to a strategy's deferred
+    initialization: ``ShardedStrategy(stage=3)`` and the FSDP2 baseline run it on the meta device and each rank
+    materializes only its shards; DDP runs it with storage, as ``__init__`` would. The metrics stay in ``__init__``
+    with real storage (a torchmetrics state built on the meta device has no values to restore). Same arguments,
+    parameters and forward as :class:`CharGPT`; built deferred, the layers get their own ``reset_parameters()``
+    initialization instead of :class:`CharGPT`'s normal(0, 0.02). Calling ``configure_model()`` before ``fit``
+    builds the layers eagerly; a second call (Lightning calls it in every fit) changes nothing."""
+
+    _layers_in_configure_model = True
+
+    def configure_model(self) -> None:
+        if not hasattr(self, "blocks"):
+            self._build_layers()
