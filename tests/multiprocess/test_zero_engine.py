@@ -813,10 +813,11 @@ def test_reshard_after_forward_false_gathers_each_unit_once_per_step(world2: lis
             assert got["unit_numel"] == numel
             once = name == "keep"
             issues = {u: sum(e == ("gather_issue", u) for e in got["events"]) for u in numel}
-            # the root unit stays gathered through forward and backward; the others are re-gathered for
-            # backward unless reshard_after_forward=False keeps them
-            assert issues == {"": 1, **{u: 1 if once else 2 for u in FORWARD_ORDER}}, (rank, name, issues)
-            times = {u: 1 if (u == "" or once) else 2 for u in numel}
+            # the root unit stays gathered through forward and backward, and so does head, the last unit in
+            # forward order (its backward comes first); the others are re-gathered for backward unless
+            # reshard_after_forward=False keeps them
+            times = {u: 1 if (u in ("", "head") or once) else 2 for u in numel}
+            assert issues == times, (rank, name, issues)
             want = (sum(times.values()), sum(t * shard_bytes(numel[u]) for u, t in times.items()))
             assert got["stats"]["all_gather"] == want, (name, got["stats"])
 
@@ -824,9 +825,10 @@ def test_reshard_after_forward_false_gathers_each_unit_once_per_step(world2: lis
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_grouped_units_are_gathered_in_one_call_each_way(world2: list[dict[str, Any]]) -> None:
-    """With the default coalesce_mb the three small units are one group: forward gathers them in one call at l1
-    (l2 and head arrive with it, their waits are bookkeeping), backward in one call at head; the same bytes as
-    one call a unit, in 3 calls instead of 7 (the root's, and the group's each way)."""
+    """With the default coalesce_mb the three small units are one group, gathered in one call at l1 (l2 and head
+    arrive with it, their waits are bookkeeping); being the last group in forward order, it stays gathered until
+    its backward: 2 calls a step (the root's and the group's), where one call a unit takes 6 with twice the
+    units' bytes."""
 
     def shard_bytes(n: int) -> int:  # fp32, K=2, padded
         return math.ceil(n / 2) * 4
@@ -834,11 +836,12 @@ def test_grouped_units_are_gathered_in_one_call_each_way(world2: list[dict[str, 
     numel = {"": 297, "l1": 117, "l2": 112, "head": 37}
     for rank, r in enumerate(world2):
         got = r["prefetch"]["grouped"]
-        want = (3, shard_bytes(numel[""]) + 2 * sum(shard_bytes(numel[u]) for u in FORWARD_ORDER))
-        assert got["stats"]["all_gather"] == want, (rank, got["stats"])
-        assert r["prefetch"]["prefetch"]["stats"]["all_gather"][1] == want[1], r["prefetch"]["prefetch"]["stats"]
-        # each unit's forward sees itself materialised and only the units after it in flight
-        want_at = [("l1", ["l1"], ["l2", "head"]), ("l2", ["l2"], ["head"]), ("head", ["head"], [])]
+        units = sum(shard_bytes(numel[u]) for u in FORWARD_ORDER)
+        assert got["stats"]["all_gather"] == (2, shard_bytes(numel[""]) + units), (rank, got["stats"])
+        per_unit = r["prefetch"]["prefetch"]["stats"]["all_gather"]
+        assert per_unit == (6, shard_bytes(numel[""]) + 2 * units - shard_bytes(numel["head"])), per_unit
+        # each unit's forward sees the group's units before it still materialised, the ones after it in flight
+        want_at = [("l1", ["l1"], ["l2", "head"]), ("l2", ["l1", "l2"], ["head"]), ("head", ["l1", "l2", "head"], [])]
         assert [tuple(g) for g in got["gathered_at"]] == want_at, (rank, got["gathered_at"])
 
 

@@ -8,6 +8,12 @@ whose backward comes next) before autograd needs its parameters. The order units
 in the first step, checked to be the same on every rank after the first backward (the all-gathers are
 matched by order), and from then on drives prefetching and the reduce-scatter order.
 
+Two departures from one call per unit, both from DeepSpeed's ZeRO-3: consecutive units whose full parameters
+add up to at most the engine's ``coalesce_mb`` form a group, gathered in one call (by its first unit in
+forward, its last in backward) and reduce-scattered in one call, so a rank waits once per group; and the last
+group in forward order stays gathered after its forward, since its backward comes right after the loss (its
+``stage3_max_reuse_distance``; FSDP2 keeps its root the same way).
+
 With activation checkpointing (:mod:`lightning_sync.sync.zero.recompute`) a checkpointed unit's forward runs
 again inside its backward, after its :class:`_PreBackward` gathered it; the units nested in it run their
 hooks again there. During such a recomputation a unit's pre-hook only gathers it (no recording of the forward
@@ -149,6 +155,12 @@ class Stage3Forward:
         g = self._group_of.get(unit.index)
         return [] if g is None else [self.units[i] for i in self._groups[g]]
 
+    def _in_last_group(self, unit: Unit) -> bool:
+        """Whether ``unit`` is in the last group in forward order: the first whose backward runs, right after the
+        loss, so freeing it after its forward would only gather it again (as FSDP2 keeps its root, and DeepSpeed
+        what is reused within ``stage3_max_reuse_distance``); the peak, at the start of backward, is the same."""
+        return bool(self._groups) and self._group_of.get(unit.index) == len(self._groups) - 1
+
     def _next_group(self, group: list[Unit], step: int) -> list[Unit]:
         """The group after (``step`` = +1) or before (-1) ``group`` in forward order, less the units whose
         backward has completed (empty when there is none)."""
@@ -160,7 +172,7 @@ class Stage3Forward:
     def _post_forward(self, unit: Unit, module: nn.Module, args: Any, output: Any) -> Any:
         if self._recomputing():
             return None
-        if self.reshard_after_forward:
+        if self.reshard_after_forward and not (torch.is_grad_enabled() and self._in_last_group(unit)):
             for f in unit.flats:
                 f.free()
         if not torch.is_grad_enabled():
