@@ -2,7 +2,8 @@ r"""The memory model: each rank's peak during training, predicted from the model
 
 A row is DDP, ZeRO-3 (``ShardedStrategy(stage=3)``, with ``offload`` or ``activation_checkpointing``) or FSDP2
 (:class:`~lightning_sync.bench.fsdp2.FullyShardStrategy`). With K ranks, P the bytes of the trainable parameters
-(each once), U the largest wrap unit's and R the root unit's (P minus every unit's), O the optimizer's state bytes
+(each once), U the largest wrap unit's (ZeRO-3: the largest group of consecutive units it gathers in one call,
+``coalesce_mb``) and R the root unit's (P minus every unit's), O the optimizer's state bytes
 per parameter byte (AdamW: 2, its two moments) and A the bytes one forward saves for backward, the prediction is
 the sum of five terms::
 
@@ -39,6 +40,8 @@ from dataclasses import dataclass, fields
 import torch
 from torch import nn
 
+from lightning_sync.sync.zero.units import consecutive_groups
+
 __all__ = ["KINDS", "ModelMemory", "Prediction", "describe", "predict", "saved_bytes", "wrap_units"]
 
 #: The rows the model predicts.
@@ -58,6 +61,14 @@ class ModelMemory:
     @property
     def largest_unit(self) -> int:
         return max(self.unit_bytes, default=0)
+
+    def largest_group(self, cap: int) -> int:
+        """The largest group of consecutive units whose bytes add up to at most ``cap``, cut from the last unit
+        as ZeRO-3 cuts them (:func:`~lightning_sync.sync.zero.units.consecutive_groups`; the units in module
+        order, which is their forward order in the models this describes)."""
+        order = list(range(len(self.unit_bytes)))[::-1]
+        groups = consecutive_groups(order, dict(enumerate(self.unit_bytes)), cap)
+        return max((sum(self.unit_bytes[i] for i in g) for g in groups), default=0)
 
     @property
     def root_bytes(self) -> int:
@@ -80,16 +91,23 @@ class Prediction:
 
 
 def predict(
-    m: ModelMemory, kind: str, world_size: int, *, offload: bool = False, checkpointing: bool = False
+    m: ModelMemory,
+    kind: str,
+    world_size: int,
+    *,
+    offload: bool = False,
+    checkpointing: bool = False,
+    coalesce_bytes: int = 0,
 ) -> Prediction:
-    """The per-rank training peak of row ``kind`` (one of :data:`KINDS`) at ``world_size`` ranks."""
+    """The per-rank training peak of row ``kind`` (one of :data:`KINDS`) at ``world_size`` ranks; ZeRO-3 gathers
+    groups of consecutive units of up to ``coalesce_bytes`` together."""
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
-    if (offload or checkpointing) and kind != "zero3":
-        raise ValueError(f"offload and checkpointing are ZeRO-3 options, got them for kind {kind!r}")
-    p, k, u = m.param_bytes, world_size, m.largest_unit
+    if (offload or checkpointing or coalesce_bytes) and kind != "zero3":
+        raise ValueError(f"offload, checkpointing and coalesce_bytes are ZeRO-3 options, got them for kind {kind!r}")
+    p, k, u = m.param_bytes, world_size, m.largest_group(coalesce_bytes)
     activations = m.checkpointed_bytes if checkpointing else m.activation_bytes
     if kind == "ddp":
         return Prediction(p, p, m.optimizer_factor * p, 0, activations)

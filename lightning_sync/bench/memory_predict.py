@@ -15,6 +15,7 @@ from torch import nn
 
 from lightning_sync.bench.memory_model import Prediction, describe, predict
 from lightning_sync.bench.rows import node
+from lightning_sync.sync.zero.engine import DEFAULT_COALESCE_MB
 from lightning_sync.sync.zero.options import storage_bytes
 
 __all__ = ["built", "first_batch", "predict_rows", "step_alone", "training_loss"]
@@ -57,12 +58,12 @@ def step_alone(model: pl.LightningModule, batch: Any) -> torch.optim.Optimizer:
 #: Per row kind, the strategy keys the prediction models (a row that sets another one is not predicted).
 _MODELLED = {
     "ddp": {"_target_"},
-    "zero3": {"_target_", "stage", "wrap_policy", "offload", "activation_checkpointing"},
+    "zero3": {"_target_", "stage", "wrap_policy", "offload", "activation_checkpointing", "coalesce_mb"},
     "fsdp2": {"_target_", "shard_classes"},
 }
 
 
-def _row_kind(strategy: dict[str, Any]) -> tuple[str, Callable[[nn.Module], bool], str, dict[str, bool]] | None:
+def _row_kind(strategy: dict[str, Any]) -> tuple[str, Callable[[nn.Module], bool], str, dict[str, Any]] | None:
     """A row's kind for :func:`~lightning_sync.bench.memory_model.predict`, its unit selector (and a key naming
     it) and its options; None where the memory model does not describe the row."""
     from lightning_sync.bench.fsdp2 import resolve_classes
@@ -81,6 +82,7 @@ def _row_kind(strategy: dict[str, Any]) -> tuple[str, Callable[[nn.Module], bool
     options = {
         "offload": bool(strategy.get("offload")),
         "checkpointing": bool(strategy.get("activation_checkpointing")),
+        "coalesce_bytes": int(float(strategy.get("coalesce_mb", DEFAULT_COALESCE_MB)) * 2**20),
     }
 
     def is_unit(m: nn.Module) -> bool:

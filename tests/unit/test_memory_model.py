@@ -76,6 +76,10 @@ def test_predict_each_row_by_hand() -> None:
     assert predict(m, "zero3", 2, checkpointing=True).activations == 8 * ACT
     assert predict(m, "zero3", 4).params == p / 4  # the shards scale with the ranks, the gathered units do not
     assert predict(m, "zero3", 4).gathered == zero3.gathered
+    # the two 512-byte units fit one 1024-byte group: gathered together, so that is the size gathered twice
+    grouped = predict(m, "zero3", 2, coalesce_bytes=1024)
+    assert (grouped.grads, grouped.gathered) == (2 * u, 4 * u + r)
+    assert predict(m, "zero3", 2, coalesce_bytes=1023) == zero3  # one byte short: each unit alone
 
 
 def test_predict_rejects_bad_arguments() -> None:

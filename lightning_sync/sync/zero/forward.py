@@ -216,9 +216,11 @@ class Stage3Forward:
         self._forward_order = list(orders[0]) + [
             u.index for u in self.units if not u.is_root and u.index not in orders[0]
         ]
-        self._groups = consecutive_groups(
-            self._forward_order, {u.index: u.gathered_bytes for u in self.units}, self.coalesce_bytes
+        # cut from the end, so that the last group, which stays gathered into backward, is a full one
+        backward = consecutive_groups(
+            self._forward_order[::-1], {u.index: u.gathered_bytes for u in self.units}, self.coalesce_bytes
         )
+        self._groups = [g[::-1] for g in reversed(backward)]
         self._group_of = {i: g for g, members in enumerate(self._groups) for i in members}
         self._launch_order = self._default_launch_order()
 
