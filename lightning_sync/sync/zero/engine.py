@@ -44,12 +44,13 @@ from lightning_sync.sync.backward import UNUSED_PARAMETERS, BackwardEngine
 from lightning_sync.sync.bucketing import check_mib
 from lightning_sync.sync.communicator import Communicator
 from lightning_sync.sync.replicas import broadcast_module_states
-from lightning_sync.sync.zero.flat_param import FlatParam, launch_reduces
+from lightning_sync.sync.zero.accounting import clip_grad_norm_, memory_report
+from lightning_sync.sync.zero.flat_param import FlatParam, gather_full_params, launch_reduces
 from lightning_sync.sync.zero.forward import Stage3Forward
 from lightning_sync.sync.zero.materialize import DeferredInit, has_meta
 from lightning_sync.sync.zero.offload import HostOffload
 from lightning_sync.sync.zero.optimizers import as_optimizers, optimizer_groups, rewrite_optimizers
-from lightning_sync.sync.zero.options import check_stage, resolve_dtype, resolve_wrap_policy, storage_bytes
+from lightning_sync.sync.zero.options import check_stage, resolve_dtype, resolve_wrap_policy
 from lightning_sync.sync.zero.recompute import ActivationCheckpointing, checkpointed_modules
 from lightning_sync.sync.zero.units import Unit, bucket_units, trainable_params, wrap_units
 
@@ -365,56 +366,17 @@ class ZeroEngine(Stage3Forward, BackwardEngine):
         return {part: report["device"][part] + report["host"][part] for part in report["device"]}
 
     def memory_report(self) -> dict[str, dict[str, int]]:
-        """:meth:`memory_bytes` by where the bytes live: ``"device"`` (where the module computes) and ``"host"``
-        (with ``offload``: the master shards, their gradients, the optimizer state and the pinned buffers of the
-        copies; else nothing). Placed by role: on a CPU-only machine, where both are host memory, the report
-        still says which bytes an accelerator would hold."""
-        seen: set[int] = set()
-        offloaded = [] if self._offload is None else self._offload.shards
-        module = list(self.module.parameters())
-        computed = {
-            "params": storage_bytes([*module, *(s.device_shard for s in offloaded)], seen),
-            "grads": storage_bytes([*(p.grad for p in module), *(f.grad_full for f in self.flats)], seen),
-            "optimizer": 0,
-        }
-        state = [v for opt in self.optimizers for s in opt.state.values() for v in s.values()]
-        buffers = [s.host_buffers() for s in offloaded]
-        stepped = {
-            "params": storage_bytes(
-                [*(f.master for f in self.flats), *(t for b in buffers for t in b["params"])], seen
-            ),
-            "grads": storage_bytes(
-                [*(f.master.grad for f in self.flats), *(t for b in buffers for t in b["grads"])], seen
-            ),
-            "optimizer": storage_bytes(state, seen),
-        }
-        if self._offload is None:
-            return {"device": {k: computed[k] + stepped[k] for k in stepped}, "host": dict.fromkeys(stepped, 0)}
-        return {"device": computed, "host": stepped}
+        """:meth:`memory_bytes` by where the bytes live (:func:`~lightning_sync.sync.zero.accounting.memory_report`)."""
+        return memory_report(self)
 
     @property
     def largest_unit_numel(self) -> int:
         return max((u.numel for u in self.units), default=0)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip the masters' gradients by the *global* norm (all ranks' shards together); a collective.
-        Padding gradients are zero, so they do not change the norm."""
-        if norm_type != 2.0:
-            raise ValueError(f"ZeroEngine.clip_grad_norm_ supports norm_type=2.0 only, got {norm_type!r}")
-        if self._offload is not None:
-            self._offload.synchronize()
-        grads = [f.master.grad for f in self.flats if f.master.grad is not None]
-        device = self.flats[0].device if self.flats else torch.device("cpu")
-        sq = torch.zeros(1, dtype=torch.float64, device=grads[0].device if grads else device)  # where the shards are
-        for g in grads:
-            sq += g.detach().double().pow(2).sum()
-        sq = sq.to(device)  # the all-reduce runs where the backend's tensors live
-        self.comm.all_reduce(sq, op="sum")
-        total = sq.sqrt().squeeze(0)
-        coef = (float(max_norm) / (total + 1e-6)).clamp(max=1.0)
-        for g in grads:
-            g.mul_(coef.to(g.device, g.dtype))
-        return total.float()
+        """Clip the masters' gradients by the *global* norm, all ranks' shards together; a collective
+        (:func:`~lightning_sync.sync.zero.accounting.clip_grad_norm_`)."""
+        return clip_grad_norm_(self, max_norm, norm_type)
 
     def original(self, t: torch.Tensor) -> torch.Tensor:
         """What a checkpoint stores for the module tensor ``t``: a frozen parameter's own data when
@@ -425,17 +387,7 @@ class ZeroEngine(Stage3Forward, BackwardEngine):
         """Canonical name -> full parameter in its original dtype, gathered from the master shards (full
         precision whatever ``param_dtype`` is); a collective. What :meth:`unshard` puts back into the module
         and what the checkpoints of :mod:`lightning_sync.sync.zero.checkpoint` write."""
-        issued = []
-        for f in self.flats:
-            buffer = torch.empty(f.layout.padded, dtype=f.master_dtype, device=f.device)
-            source = f.master.detach().to(f.device)  # an offloaded master is on the host
-            issued.append((f, buffer, self.comm.all_gather_into(buffer, source, async_op=True)))
-        out: dict[str, torch.Tensor] = {}
-        for f, buffer, work in issued:
-            work.wait()
-            for name, view in zip(f.names, f.layout.views(buffer)):
-                out[name] = view.to(f.orig_dtype, copy=True)
-        return out
+        return gather_full_params(self.flats, self.comm)
 
     def unshard(self) -> None:
         """Leave the module with its full parameters (stage 3 gathers every unit) and remove the hooks:

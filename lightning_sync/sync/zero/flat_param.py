@@ -20,7 +20,7 @@ from lightning_sync.sync.flat import FlatShard
 if TYPE_CHECKING:
     from lightning_sync.sync.zero.offload import HostOffload, OffloadedShard
 
-__all__ = ["FlatParam", "launch_reduces", "start_gathers"]
+__all__ = ["FlatParam", "gather_full_params", "launch_reduces", "start_gathers"]
 
 
 class FlatParam:
@@ -274,3 +274,19 @@ def launch_reduces(flats: Sequence[FlatParam], comm: Communicator) -> None:
     work = comm.reduce_scatter_into_coalesced(outs, [f.complete_grad() for f in flats], op="avg", async_op=True)
     for f, out in zip(flats, outs):
         f._reduce_issued(out, work)
+
+
+def gather_full_params(flats: Sequence[FlatParam], comm: Communicator) -> dict[str, torch.Tensor]:
+    """Canonical name -> full parameter in its original dtype, all-gathered from ``flats``' master shards (full
+    precision whatever the compute dtype is); a collective, one all-gather a flat, all in flight together."""
+    issued = []
+    for f in flats:
+        buffer = torch.empty(f.layout.padded, dtype=f.master_dtype, device=f.device)
+        source = f.master.detach().to(f.device)  # an offloaded master is on the host
+        issued.append((f, buffer, comm.all_gather_into(buffer, source, async_op=True)))
+    out: dict[str, torch.Tensor] = {}
+    for f, buffer, work in issued:
+        work.wait()
+        for name, view in zip(f.names, f.layout.views(buffer)):
+            out[name] = view.to(f.orig_dtype, copy=True)
+    return out
