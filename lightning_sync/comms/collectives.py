@@ -117,8 +117,11 @@ class Collectives:
         call.issue()
         try:
             handles = launch(not async_op and not self._hook_waits)
-        except BaseException:  # nothing is in flight
+        except BaseException as error:  # nothing is in flight
+            diagnosed = call.launch_failed(error)
             call.complete(ok=False)
+            if diagnosed is not error:
+                raise diagnosed from error
             raise
         if handles or async_op:  # else a synchronous call ran within its launch: its hooks hear of its end only
             call.launched(handles)

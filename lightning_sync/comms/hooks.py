@@ -61,6 +61,12 @@ class CallHook:
         """Wait for one backend request of the call (only called on a hook whose :attr:`waits` is true)."""
         handle.wait()
 
+    def launch_failed(self, token: Any, error: BaseException) -> BaseException | None:
+        """The call's launch raised ``error`` (only called on a hook whose :attr:`waits` is true): the error to raise
+        in its place, as a failed wait would be diagnosed (a send can fail in its launch, when the peer is gone),
+        or None for ``error`` itself."""
+        return None
+
     def on_complete(self, call: Call, token: Any, ok: bool) -> None:
         """The call completed (``ok``), or its launch or wait raised (not ``ok``)."""
 
@@ -176,6 +182,13 @@ class Call:
                 return
         for h in handles:
             h.wait()
+
+    def launch_failed(self, error: BaseException) -> BaseException:
+        """What to raise for a launch that raised ``error``: the waiting hook's diagnosis, if it has one."""
+        for hook, token in zip(self.hooks, self.tokens):
+            if hook.waits:
+                return hook.launch_failed(token, error) or error
+        return error
 
     def settle(self, handles: Sequence[Any], finish: Callable[[], T]) -> T:
         """Wait for ``handles`` (:meth:`wait`), make the result with ``finish`` and tell the hooks the call

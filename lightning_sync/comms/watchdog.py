@@ -177,10 +177,18 @@ class Watchdog(CallHook):
         finally:
             self._waiting = None
         if isinstance(failure, RuntimeError):
-            cause = str(failure).strip().splitlines()[-1][:300] if str(failure).strip() else type(failure).__name__
-            raise self._fail(RankLost, token, f"failed ({cause})") from failure
+            raise self._backend_failed(token, failure) from failure
         if failure is not None:
             raise failure
+
+    def launch_failed(self, token: Pending, error: BaseException) -> BaseException | None:
+        """A launch the backend refused (gloo's send writes in its launch, and fails there once the peer is gone):
+        diagnosed as a failed wait is."""
+        return self._backend_failed(token, error) if isinstance(error, RuntimeError) else None
+
+    def _backend_failed(self, token: Pending, failure: RuntimeError) -> CollectiveError:
+        cause = str(failure).strip().splitlines()[-1][:300] if str(failure).strip() else type(failure).__name__
+        return self._fail(RankLost, token, f"failed ({cause})")
 
     def on_complete(self, call: Call, token: Pending, ok: bool) -> None:
         """A completed call is no longer pending. One that failed stays pending: past the timeout the watchdog

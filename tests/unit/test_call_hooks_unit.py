@@ -163,6 +163,44 @@ def test_a_failed_launch_completes_the_call_as_failed_and_counts_no_seconds() ->
     assert stats.blocked_seconds() == 1.0 and stats.covered_seconds() == 0.0  # blocked in the launch, nothing left
 
 
+class _Diagnosing(_Waiter):
+    """A waiting hook that names the cause of a failed launch, as the hang watchdog does for a lost peer."""
+
+    def launch_failed(self, token: Any, error: BaseException) -> BaseException | None:
+        self.events.append((self.name, "diagnoses", token, str(error)))
+        return ConnectionError(f"diagnosed: {error}") if isinstance(error, RuntimeError) else None
+
+
+def test_a_failed_launch_raises_the_waiting_hooks_diagnosis_before_the_hooks_hear_it_failed() -> None:
+    """gloo's send writes in its launch and fails there once the peer is gone: the waiting hook (the watchdog)
+    turns that into its diagnosis, as it does a failed wait; the original error is the cause."""
+    events: list[tuple[Any, ...]] = []
+    ctx = comms.CommContext()
+    ctx.add_hook(_Diagnosing(events))
+    ctx.add_hook(_Recorder(events))
+
+    def launch(blocking: bool) -> list[Any]:
+        raise RuntimeError("Connection closed by peer")
+
+    with pytest.raises(ConnectionError, match="diagnosed: Connection closed by peer") as raised:
+        ctx._issue("all_gather", 8, launch, lambda: None, True)
+    assert isinstance(raised.value.__cause__, RuntimeError)
+    assert [e[:2] for e in events] == [
+        ("waiter", "issue"),
+        ("rec", "issue"),
+        ("waiter", "diagnoses"),
+        ("waiter", "complete"),
+        ("rec", "complete"),
+    ]
+    assert events[-1][-1] is False  # heard as failed
+
+    def refused(blocking: bool) -> list[Any]:
+        raise ValueError("not a backend failure")
+
+    with pytest.raises(ValueError, match="not a backend failure"):  # no diagnosis: the error itself
+        ctx._issue("all_gather", 8, refused, lambda: None, True)
+
+
 def test_commstats_as_a_hook_accounts_blocked_and_covered_time_on_a_fixed_clock() -> None:
     now = [0.0]
     stats = comms.CommStats(clock=lambda: now[0])
