@@ -73,7 +73,11 @@ def consolidate_to_file(
     state = load_file(state_file, weights_only) if state_file.is_file() else {}
     checkpoint = {k: v for k, v in state.items() if not _resume_only(k)}
     checkpoint.setdefault("pytorch-lightning_version", _lightning_version())
-    checkpoint["state_dict"] = consolidate_checkpoint(source, weights_only=weights_only)
+    model = consolidate_checkpoint(source, weights_only=weights_only)
+    if checkpoint.get("current_model_state") == {}:  # weight averaging's: its average is the state_dict, as in ddp's
+        checkpoint["current_model_state"] = model
+    else:
+        checkpoint["state_dict"] = model
     write_atomically(output, lambda f: torch.save(checkpoint, f))
     return checkpoint
 

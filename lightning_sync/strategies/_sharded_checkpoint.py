@@ -64,7 +64,10 @@ def save_directory(strategy: _Strategy, engine: ZeroEngine, checkpoint: dict[str
     if strategy.global_rank == 0:
         remove_path(tmp)  # a save killed earlier
     strategy.barrier()
-    checkpoint = {k: v for k, v in checkpoint.items() if k != "state_dict"}
+    if not checkpoint.get("state_dict"):  # the model is in the shards
+        checkpoint = {k: v for k, v in checkpoint.items() if k != "state_dict"}
+    # else a callback put a model of its own there, which Lightning's format keeps in the state_dict: weight
+    # averaging's average (the model itself goes to "current_model_state", {} here: it is in the shards)
     zero.save_sharded(engine, tmp)
     strategy.barrier()  # every shard is written
     if strategy.global_rank == 0:
@@ -92,6 +95,8 @@ def load_checkpoint_at(
         zero.load_sharded(engine, path, weights_only)
         checkpoint = load_file(contained_path(path, LIGHTNING_STATE, "Lightning state file"), weights_only)
         strategy.exact_data.take_rank_state(checkpoint)
+        if checkpoint.get("current_model_state") == {}:  # weight averaging's: the model it puts back, in full
+            checkpoint["current_model_state"] = zero.full_state_dict(engine)  # a collective; every rank read the same
         return checkpoint
     checkpoint = load_file(path, weights_only)
     strategy.exact_data.take_rank_state(checkpoint)

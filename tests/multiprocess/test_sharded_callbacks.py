@@ -58,6 +58,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_sync import ShardedStrategy, comms
+from lightning_sync.consolidate import consolidate_to_file
 from lightning_sync.sync.zero import ZeroEngine, full_state_dict, summon_full_params
 from lightning_sync.testing import Checks, run_distributed
 
@@ -192,16 +193,24 @@ def _averaging(ck: Checks, world: int) -> None:
 def _ema_resume(ck: Checks, world: int, tmpdir: str) -> None:
     """EMA resumed from a checkpoint: WeightAveraging saves its average as the checkpoint's state_dict and the
     model as current_model_state, and on load puts the latter back into the model, which under zero3 must reach
-    the master shards (a full checkpoint; a sharded one does not carry the state_dict WeightAveraging writes)."""
+    the master shards; from a full file and from a sharded directory (which keeps the average WeightAveraging
+    writes and hands it the model's state back on load)."""
     results: dict[str, dict[str, torch.Tensor]] = {}
-    for name, strategy in (("ddp", "ddp"), ("zero3", "zero3")):
+    for name, strategy, form in (("ddp", "ddp", None), ("zero3", "zero3", "full"), ("zero3-dir", "zero3", "sharded")):
         dirpath = os.path.join(tmpdir, f"ema-{name}")
         saving = ModelCheckpoint(dirpath=dirpath, save_last=True)
         kw = {"limit_val_batches": 0, "enable_checkpointing": True}
-        first = _strategy(strategy, state_dict_type="full") if name != "ddp" else "ddp"
+        first = _strategy(strategy, state_dict_type=form) if name != "ddp" else "ddp"
         _trainer(world, first, max_epochs=1, callbacks=[EMAWeightAveraging(decay=0.7), saving], **kw).fit(_Module())
+        ck.true(f"[{name}] saved as {form}", os.path.isdir(os.path.join(dirpath, "last.ckpt")) == (form == "sharded"))
+        if form == "sharded" and torch.distributed.get_rank() == 0:
+            # consolidated, the directory is the file ddp wrote: the average as state_dict, the model beside it
+            plain = consolidate_to_file(os.path.join(dirpath, "last.ckpt"), os.path.join(tmpdir, "ema.ckpt"))
+            ddp_file = torch.load(os.path.join(tmpdir, "ema-ddp", "last.ckpt"), weights_only=True)
+            for key in ("state_dict", "current_model_state"):
+                _compare(ck, f"[{name}] consolidated {key}", _net_state(plain[key]), _net_state(ddp_file[key]))
         module, ema = _Module(), EMAWeightAveraging(decay=0.7)
-        second = _strategy(strategy, state_dict_type="full") if name != "ddp" else "ddp"
+        second = _strategy(strategy, state_dict_type=form) if name != "ddp" else "ddp"
         trainer = _trainer(world, second, max_epochs=2, limit_val_batches=0, callbacks=[ema])
         trainer.fit(module, ckpt_path=os.path.join(dirpath, "last.ckpt"))
         ck.true(f"[{name}] resumed to the second epoch", trainer.global_step == 2 * N_TRAIN // (world * BATCH))
@@ -211,6 +220,7 @@ def _ema_resume(ck: Checks, world: int, tmpdir: str) -> None:
             **{f"ema {k}": v for k, v in _net_state(ema._average_model.module.state_dict()).items()},
         }
     _compare(ck, "[zero3 resumed] final weights and EMA average", results["zero3"], results["ddp"])
+    _compare(ck, "[zero3 resumed from a directory] final weights and EMA average", results["zero3-dir"], results["ddp"])
 
 
 # --------------------------------------------------------------------------- pruning
@@ -409,8 +419,10 @@ def test_ema_and_swa_under_zero123_equal_ddp(two_ranks: list[dict[str, Any]]) ->
 
 
 @pytest.mark.timeout(300)
-def test_ema_resumed_from_a_full_checkpoint_under_zero3_equals_ddp(two_ranks: list[dict[str, Any]]) -> None:
-    _assert_section(two_ranks, "ema resume", min_checks=15)
+def test_ema_resumed_from_a_full_checkpoint_or_a_directory_under_zero3_equals_ddp(
+    two_ranks: list[dict[str, Any]],
+) -> None:
+    _assert_section(two_ranks, "ema resume", min_checks=30, same_count=False)  # rank 0 checks the consolidated file
 
 
 @pytest.mark.timeout(300)
