@@ -74,8 +74,11 @@ def consolidate_to_file(
     checkpoint = {k: v for k, v in state.items() if not _resume_only(k)}
     checkpoint.setdefault("pytorch-lightning_version", _lightning_version())
     model = consolidate_checkpoint(source, weights_only=weights_only)
-    if checkpoint.get("current_model_state") == {}:  # weight averaging's: its average is the state_dict, as in ddp's
-        checkpoint["current_model_state"] = model
+    if checkpoint.get("state_dict"):
+        # a callback's, which Lightning's file carries as its state_dict, as ddp's does: weight averaging's average
+        # (the model then goes where it put it, "current_model_state"), or pruning's permanent form of the model
+        if checkpoint.get("current_model_state") == {}:
+            checkpoint["current_model_state"] = model
     else:
         checkpoint["state_dict"] = model
     write_atomically(output, lambda f: torch.save(checkpoint, f))

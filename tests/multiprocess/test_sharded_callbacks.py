@@ -278,6 +278,15 @@ def _pruning(ck: Checks, world: int, tmpdir: str) -> None:
         meta = os.path.join(tmpdir, "pruned.ckpt", "lightning_sync_meta.json")
         keys = [k for k, _ in __import__("json").load(open(meta))["keys"]] if os.path.exists(meta) else []
         ck.true("[zero3] the sharded checkpoint holds the pruned model's keys", "net.l1.weight_mask" in keys, keys)
+        # consolidated, it is the file ddp writes mid-fit: the pruning made permanent (weight = mask * original)
+        plain = consolidate_to_file(os.path.join(tmpdir, "pruned.ckpt"), os.path.join(tmpdir, "pruned-plain.ckpt"))
+        mid = ddp["mid"] or {}
+        permanent = {
+            k[: -len("_orig")]: v * mid[k[: -len("_orig")] + "_mask"] for k, v in mid.items() if k.endswith("_orig")
+        }
+        want = {k: permanent.get(k, mid.get(k)) for k in sorted(init)}  # pruning's own key order aside
+        got_plain = _net_state(plain["state_dict"])
+        _compare(ck, "[zero3] consolidated mid-fit", {k: got_plain[k] for k in sorted(got_plain)}, want)
 
 
 # --------------------------------------------------------------------------- the engine's summon on 2 ranks
