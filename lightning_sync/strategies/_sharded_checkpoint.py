@@ -23,24 +23,34 @@ Everything is read back weights-only (see :mod:`lightning_sync.checkpoint.readin
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from typing_extensions import override
 
+from lightning_sync._lightning import unwrap_optimizer
 from lightning_sync.checkpoint.atomic import publish_path, recover_path, remove_path
 from lightning_sync.checkpoint.reading import contained_path, load_file
 from lightning_sync.sync import zero
 from lightning_sync.sync.zero import ZeroEngine, read_meta
 from lightning_sync.sync.zero.format import COMPLETE_MARKER, LIGHTNING_STATE
 from lightning_sync.sync.zero.full_checkpoint import (
+    full_model_state,
     full_optimizer_state,
     is_plain_optimizer_state,
     load_full_optimizer_state,
 )
 
-__all__ = ["load_checkpoint_at", "load_optimizer_states", "optimizer_state_of", "save_directory"]
+__all__ = [
+    "ShardedCheckpointing",
+    "load_checkpoint_at",
+    "load_optimizer_states",
+    "optimizer_state_of",
+    "save_directory",
+]
 
 
 class _Strategy(Protocol):
@@ -148,3 +158,86 @@ def _index_in(engine: ZeroEngine | None, optimizer: Any) -> int | None:
     if engine is None:
         return None
     return next((i for i, opt in enumerate(engine.optimizers) if opt is optimizer), None)
+
+
+class ShardedCheckpointing:
+    """:class:`~lightning_sync.strategies.sharded.ShardedStrategy`'s side of Lightning's checkpointing: what goes
+    into a checkpoint, and how one is written, read and removed, in either form (module docstring). A mixin before
+    the strategy's Lightning base, whose methods its ``super()`` calls reach."""
+
+    engine: ZeroEngine | None
+    _finished: ZeroEngine | None  # the engine a teardown closed: its shards, for checkpoints written after fit
+    state_dict_type: str
+    exact_data: Any
+    optimizers: list[Any]
+    global_rank: int
+    is_global_zero: bool
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        """Checkpoints load into the shards, so they are read once the engine exists."""
+        return True
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        """True: Lightning then hands the checkpoint to :meth:`load_optimizer_state_dict`, which
+        restores the hyperparameters (learning rates a scheduler changed); the state is in the shards."""
+        return True
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """``"full"``: the module's full state, gathered to rank 0 (``{}`` elsewhere; a collective). ``"sharded"``:
+        ``{}``, save_checkpoint writes the shards. After fit: the module's own, whole again."""
+        if self.engine is None:
+            return super().lightning_module_state_dict()
+        return full_model_state(self.engine) if self.state_dict_type == "full" else {}
+
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        """``"full"``: on rank 0 the unsharded optimizer's ``state_dict()``, gathered (a collective). Otherwise the
+        hyperparameters only (learning rates, betas, ...): the per-element state is in the shards."""
+        return optimizer_state_of(self.engine or self._finished, unwrap_optimizer(optimizer), self.state_dict_type)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        return None  # load_checkpoint already loaded the shards
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        """A full checkpoint's (ours or ``ddp``'s) optimizer states are resharded into this rank's shards; a
+        sharded one's state is in the shards already, and only its hyperparameters are read here."""
+        load_optimizer_states(self.engine, self.optimizers, checkpoint.get("optimizer_states") or [])
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError(
+                f"{type(self).__name__}.save_checkpoint does not take storage_options (it writes a local "
+                f"file, or a sharded directory through torch.distributed.checkpoint), got {storage_options!r}"
+            )
+        self.exact_data.save_rank_states(checkpoint)
+        engine = self.engine or self._finished
+        if self.state_dict_type == "full" or engine is None:  # one file, rank 0's (a directory there goes)
+            super().save_checkpoint(checkpoint, filepath)
+            return
+        save_directory(self, engine, checkpoint, filepath)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Weights-only unless ``weights_only=False`` (``trainer.fit(..., weights_only=False)``); a
+        checkpoint that needs more raises :class:`~lightning_sync.checkpoint.reading.UntrustedCheckpointError`."""
+        path = Path(self.broadcast(str(checkpoint_path)))
+        if self.engine is None:  # Lightning loads a sharded checkpoint after setup (restore_checkpoint_after_setup)
+            raise RuntimeError(
+                f"{type(self).__name__}.load_checkpoint reads into the sharding engine, which "
+                f"exists once the strategy is set up (Trainer.fit/validate/test); {path} was not read"
+            )
+        return load_checkpoint_at(self, self.engine, path, weights_only)
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.is_global_zero:
+            recover_path(filepath)  # an old copy left aside would otherwise come back as this checkpoint
+            remove_path(Path(filepath))

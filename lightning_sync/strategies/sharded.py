@@ -66,10 +66,9 @@ statistics) are broadcast at setup only, as in FSDP.
 
 from __future__ import annotations
 
-from collections.abc import Generator, Mapping, Sequence
+from collections.abc import Generator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -77,17 +76,11 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from lightning_sync._lightning import hidden_from_setup_broadcast, unwrap_optimizer
-from lightning_sync.checkpoint.atomic import recover_path, remove_path
+from lightning_sync._lightning import hidden_from_setup_broadcast
 from lightning_sync.strategies._base import SyncStrategy
 from lightning_sync.strategies._common import as_timedelta, check_bool, check_launch_args, no_sync_of
 from lightning_sync.strategies._gathered_callbacks import GatheredCallbacks, resolve_gathered_callbacks
-from lightning_sync.strategies._sharded_checkpoint import (
-    load_checkpoint_at,
-    load_optimizer_states,
-    optimizer_state_of,
-    save_directory,
-)
+from lightning_sync.strategies._sharded_checkpoint import ShardedCheckpointing
 from lightning_sync.strategies._telemetry import BUCKETS
 from lightning_sync.sync import zero
 from lightning_sync.sync.bucketing import check_mib
@@ -109,7 +102,7 @@ from lightning_sync.sync.zero.materialize import check_no_hidden_meta, has_meta,
 __all__ = ["ShardedStrategy"]
 
 
-class ShardedStrategy(SyncStrategy):
+class ShardedStrategy(ShardedCheckpointing, SyncStrategy):
     """ZeRO-1/2/3 data parallelism with explicit all-gather and reduce-scatter (see the module docstring).
 
     Args:
@@ -202,19 +195,6 @@ class ShardedStrategy(SyncStrategy):
         # the engine a teardown closed, once it gave the module its full parameters back: its shards and the
         # optimizer's state in them, for checkpoints written after fit
         self._finished: ZeroEngine | None = None
-
-    @property
-    @override
-    def restore_checkpoint_after_setup(self) -> bool:
-        """Checkpoints load into the shards, so they are read once the engine exists."""
-        return True
-
-    @property
-    @override
-    def lightning_restore_optimizer(self) -> bool:
-        """True: Lightning then hands the checkpoint to :meth:`load_optimizer_state_dict`, which
-        restores the hyperparameters (learning rates a scheduler changed); the state is in the shards."""
-        return True
 
     # ------------------------------------------------------------------ setup / teardown
     @override
@@ -378,63 +358,6 @@ class ShardedStrategy(SyncStrategy):
                 f"call it during or after trainer.fit, validate or test"
             )
         return {k: v.detach().clone() for k, v in module.state_dict().items()} if self.global_rank == 0 else {}
-
-    # ------------------------------------------------------------------ checkpoints
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        """``"full"``: the module's full state, gathered to rank 0 (``{}`` elsewhere; a collective). ``"sharded"``:
-        ``{}``, save_checkpoint writes the shards. After fit: the module's own, whole again."""
-        if self.engine is None:
-            return super().lightning_module_state_dict()
-        return full_model_state(self.engine) if self.state_dict_type == "full" else {}
-
-    @override
-    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        """``"full"``: on rank 0 the unsharded optimizer's ``state_dict()``, gathered (a collective). Otherwise the
-        hyperparameters only (learning rates, betas, ...): the per-element state is in the shards."""
-        return optimizer_state_of(self.engine or self._finished, unwrap_optimizer(optimizer), self.state_dict_type)
-
-    @override
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        return None  # load_checkpoint already loaded the shards
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        """A full checkpoint's (ours or ``ddp``'s) optimizer states are resharded into this rank's shards; a
-        sharded one's state is in the shards already, and only its hyperparameters are read here."""
-        load_optimizer_states(self.engine, self.optimizers, checkpoint.get("optimizer_states") or [])
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        if storage_options is not None:
-            raise TypeError(
-                f"{type(self).__name__}.save_checkpoint does not take storage_options (it writes a local "
-                f"file, or a sharded directory through torch.distributed.checkpoint), got {storage_options!r}"
-            )
-        self.exact_data.save_rank_states(checkpoint)
-        engine = self.engine or self._finished
-        if self.state_dict_type == "full" or engine is None:  # one file, rank 0's (a directory there goes)
-            super().save_checkpoint(checkpoint, filepath)
-            return
-        save_directory(self, engine, checkpoint, filepath)
-
-    @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """Weights-only unless ``weights_only=False`` (``trainer.fit(..., weights_only=False)``); a
-        checkpoint that needs more raises :class:`~lightning_sync.checkpoint.reading.UntrustedCheckpointError`."""
-        path = Path(self.broadcast(str(checkpoint_path)))
-        if self.engine is None:  # Lightning loads a sharded checkpoint after setup (restore_checkpoint_after_setup)
-            raise RuntimeError(
-                f"{type(self).__name__}.load_checkpoint reads into the sharding engine, which "
-                f"exists once the strategy is set up (Trainer.fit/validate/test); {path} was not read"
-            )
-        return load_checkpoint_at(self, self.engine, path, weights_only)
-
-    @override
-    def remove_checkpoint(self, filepath: Any) -> None:
-        if self.is_global_zero:
-            recover_path(filepath)  # an old copy left aside would otherwise come back as this checkpoint
-            remove_path(Path(filepath))
 
     @classmethod
     @override
