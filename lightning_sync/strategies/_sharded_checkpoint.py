@@ -33,9 +33,10 @@ from typing_extensions import override
 
 from lightning_sync._lightning import unwrap_optimizer
 from lightning_sync.checkpoint.atomic import publish_path, recover_path, remove_path
-from lightning_sync.checkpoint.reading import contained_path, load_file
+from lightning_sync.checkpoint.reading import contained_path, load_file, read_dcp_metadata
 from lightning_sync.sync import zero
 from lightning_sync.sync.zero import ZeroEngine, read_meta
+from lightning_sync.sync.zero.checkpoint import check_compatible, replicated_state
 from lightning_sync.sync.zero.format import COMPLETE_MARKER, LIGHTNING_STATE
 from lightning_sync.sync.zero.full_checkpoint import (
     full_model_state,
@@ -100,10 +101,14 @@ def load_checkpoint_at(
                 f"{path} is an incomplete sharded checkpoint (no {COMPLETE_MARKER}): its save "
                 f"was interrupted; resume from an earlier one"
             )
-        # the shards first: their .metadata is checked (no reads outside, nothing unrestricted) before
-        # anything in the directory is unpickled
-        zero.load_sharded(engine, path, weights_only)
+        # the shards' .metadata is checked (no reads outside, nothing unrestricted) before anything in the
+        # directory is unpickled
+        read_dcp_metadata(path, weights_only)
         checkpoint = load_file(contained_path(path, LIGHTNING_STATE, "Lightning state file"), weights_only)
+        model = _permanent_model(engine, read_meta(path), checkpoint.get("state_dict"))
+        zero.load_sharded(engine, path, weights_only, model=model is None)
+        if model is not None:
+            zero.load_full_state_dict(engine, model)
         strategy.exact_data.take_rank_state(checkpoint)
         if checkpoint.get("current_model_state") == {}:  # weight averaging's: the model it puts back, in full
             checkpoint["current_model_state"] = zero.full_state_dict(engine)  # a collective; every rank read the same
@@ -118,6 +123,21 @@ def load_checkpoint_at(
             f"loaded and sharded, and training resumes with a fresh optimizer state"
         )
     return checkpoint  # load_optimizer_state_dict reshards the optimizer states
+
+
+def _permanent_model(engine: ZeroEngine, meta: dict[str, Any], state_dict: Any) -> dict[str, Any] | None:
+    """The model to load instead of the shards' when a callback reparametrized the module when it was saved and
+    left its plain form as the checkpoint's ``state_dict``, which is what Lightning's file holds: pruning's
+    ``weight_orig`` and ``weight_mask`` made permanent (``weight``), for a module that has not been pruned
+    (yet). None when the shards' keys are this module's (the shards are the model)."""
+    try:
+        check_compatible(engine, meta)
+        return None
+    except ValueError as mismatch:
+        keys = [key for key, _ in replicated_state(engine)[0]]
+        if not isinstance(state_dict, dict) or sorted(state_dict) != sorted(keys):
+            raise mismatch from None
+        return state_dict
 
 
 def optimizer_state_of(engine: ZeroEngine | None, optimizer: Any, state_dict_type: str) -> dict[str, Any]:

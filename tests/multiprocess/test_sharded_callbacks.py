@@ -250,10 +250,16 @@ def _pruning(ck: Checks, world: int, tmpdir: str) -> None:
     for name in STRATEGIES:
         module = _Module()
         prune = ModelPruning("l1_unstructured", amount=lambda epoch: 0.5 if epoch == 0 else 0.0)
-        checkpoint = os.path.join(tmpdir, "pruned.ckpt") if name == "zero3" else None
-        probe = _MidFit(checkpoint)
+        checkpoint = os.path.join(tmpdir, "pruned.ckpt" if name == "zero3" else f"pruned-{name}.ckpt")
+        probe = _MidFit(checkpoint if name in ("ddp", "zero3") else None)
         _trainer(world, _strategy(name), max_epochs=2, limit_val_batches=0, callbacks=[prune, probe]).fit(module)
         results[name] = {"mid": probe.state, "final": _net_state(module.state_dict())}
+        if name in ("ddp", "zero3"):  # resumed into a fresh (unpruned) model from the mid-fit checkpoint
+            resumed = _Module()
+            again = ModelPruning("l1_unstructured", amount=lambda epoch: 0.5 if epoch == 0 else 0.0)
+            trainer = _trainer(world, _strategy(name), max_epochs=2, limit_val_batches=0, callbacks=[again])
+            trainer.fit(resumed, ckpt_path=checkpoint)
+            results[name]["resumed"] = _net_state(resumed.state_dict())
     ddp = results["ddp"]
     rank0 = torch.distributed.get_rank() == 0
     if rank0:
@@ -274,6 +280,9 @@ def _pruning(ck: Checks, world: int, tmpdir: str) -> None:
             f"[{name}] the same elements pruned",
             all(torch.equal(got["final"][k] == 0, final[k] == 0) for k in final if k in got["final"]),
         )
+    # resumed from a directory as ddp from its file: the model as the checkpoint's (permanent) state_dict has it,
+    # the optimizer's state from the shards
+    _compare(ck, "[zero3] resumed from a mid-fit directory", results["zero3"]["resumed"], ddp["resumed"])
     if rank0:
         meta = os.path.join(tmpdir, "pruned.ckpt", "lightning_sync_meta.json")
         keys = [k for k, _ in __import__("json").load(open(meta))["keys"]] if os.path.exists(meta) else []

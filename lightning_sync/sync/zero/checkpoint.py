@@ -132,19 +132,38 @@ def check_compatible(engine: ZeroEngine, meta: Mapping[str, Any]) -> None:
         )
 
 
+def check_parameters(engine: ZeroEngine, meta: Mapping[str, Any]) -> None:
+    """Raise ``ValueError`` naming the first of this engine's parameters the checkpoint lacks or shapes otherwise."""
+    for f in engine.flats:
+        for name, shape in zip(f.names, f.layout.shapes):
+            theirs = meta["params"].get(name, [None])[0]
+            if theirs != list(shape):
+                there = "missing from the checkpoint" if theirs is None else f"shape {theirs} there"
+                raise ValueError(
+                    f"checkpoint does not match this model: parameter {name!r} ({there}, {list(shape)} here)"
+                )
+
+
 class _Scalar(NamedTuple):
     """A scalar optimizer state to take from the read checkpoint entry ``key``."""
 
     key: str
 
 
-def load_sharded(engine: ZeroEngine, path: str | os.PathLike[str], weights_only: bool | None = None) -> None:
+def load_sharded(
+    engine: ZeroEngine, path: str | os.PathLike[str], weights_only: bool | None = None, model: bool = True
+) -> None:
     """Load a :func:`save_sharded` checkpoint written at any world size and stage; a collective.
     Weights-only (see :mod:`lightning_sync.checkpoint.reading`) unless ``weights_only=False``; a directory that
-    would read files outside itself, or has no DCP ``.metadata``, raises ``ValueError`` whatever the trust."""
+    would read files outside itself, or has no DCP ``.metadata``, raises ``ValueError`` whatever the trust.
+    ``model=False`` reads the optimizer state only, and asks of the checkpoint only that it holds this engine's
+    parameters (by name and shape), whatever else its module's state held (the caller loads the model)."""
     path = Path(path)
     meta = read_meta(path)
-    check_compatible(engine, meta)
+    if model:
+        check_compatible(engine, meta)
+    else:
+        check_parameters(engine, meta)
     metadata = read_dcp_metadata(path, weights_only)
     saved = metadata.state_dict_metadata
     chunks = chunk_index(saved)
@@ -158,7 +177,8 @@ def load_sharded(engine: ZeroEngine, path: str | os.PathLike[str], weights_only:
         state: dict[str, Any] = {}
         for s in f.layout.owned_slices():
             name = f.names[s.index]
-            reads.add(f.master.data, f"model/{name}", chunks, saved, s)
+            if model:
+                reads.add(f.master.data, f"model/{name}", chunks, saved, s)
             for k in state_keys(saved, name):
                 dtype = saved[f"optim/{name}/{k}@{chunks[f'optim/{name}/{k}'][0][0]}"].properties.dtype
                 if k not in state:
@@ -171,7 +191,7 @@ def load_sharded(engine: ZeroEngine, path: str | os.PathLike[str], weights_only:
                 state.setdefault(k, _Scalar(f"optim/{name}/{k}"))  # its value once read
         states.append(state)
     _, replicated = replicated_state(engine)
-    for key, tensor in replicated.items():
+    for key, tensor in replicated.items() if model else ():
         reads.want[f"full/{key}"] = tensor
     with torch.no_grad():
         dcp_load(reads.want, path, weights_only, metadata=metadata, process_group=getattr(engine.comm, "group", None))
