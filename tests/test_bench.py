@@ -99,22 +99,22 @@ def test_bench_quick_suite_smoke_writes_report_with_exact_byte_ratios(tmp_path: 
     assert float(rows["zero3"][13]) > 0, rows["zero3"]
     assert rows["lightning_ddp"][13] == rows["fsdp2"][13] == "n/a", (rows["lightning_ddp"], rows["fsdp2"])
     # FSDP2's is counted while its trials run: two all-gathers of the half shard and one reduce-scatter of
-    # the whole, 2 x the gradient bytes. zero3 keeps its last group of units (deep_mlp's 7 Linears after the
-    # first, 75.1 % of its parameters, within coalesce_mb) gathered from forward into backward: 1 (reduce-scatter)
-    # + 0.5 (forward's gathers) + 0.5 x 0.249 (the first Linear's gather for backward) = 1.625
-    assert rows["fsdp2"][7] == "2.000" and rows["zero3"][7] == "1.625", (rows["fsdp2"], rows["zero3"])
+    # the whole, 2 x the gradient bytes. zero3 keeps its last two groups of units gathered from forward into
+    # backward (with prefetch; groups within coalesce_mb), which on deep_mlp are all of them (the first Linear,
+    # then the other 7): 1 (reduce-scatter) + 0.5 (forward's gathers), no gather for backward
+    assert rows["fsdp2"][7] == "2.000" and rows["zero3"][7] == "1.500", (rows["fsdp2"], rows["zero3"])
     assert re.search(r"Single-process step time T1\(b\) \(ms\): deep_mlp \d", report.read_text())
     # sharding table: K, step ms, x lightning_ddp, x fsdp2, peak, wire, analytic, wire / analytic
     assert list(shard_rows) == ["lightning_ddp", "bucketed_ddp", "fsdp2", "zero1", "zero2", "zero3"]
     # measured wire bytes hit the analytic figure exactly (deep_mlp's units split evenly over 2 ranks, no
     # padding): DDP one all-reduce, ZeRO-1/2 reduce-scatter + all-gather, FSDP2 two all-gathers + one
-    # reduce-scatter of every parameter byte; zero3 the same less the second gather of its last group
-    # (1 + 0.5 x 0.249) / 1.5 of the textbook 3(K-1)/K * S
+    # reduce-scatter of every parameter byte; zero3 the same less the second gather of its last two groups,
+    # all of deep_mlp's: 1 / 1.5 of the textbook 3(K-1)/K * S
     for name in ("bucketed_ddp", "zero1", "zero2", "fsdp2"):
         assert shard_rows[name][9] == "1.000", shard_rows[name]
-    assert shard_rows["zero3"][9] == "0.750", shard_rows["zero3"]
+    assert shard_rows["zero3"][9] == "0.667", shard_rows["zero3"]
     assert shard_rows["zero3"][8] == shard_rows["fsdp2"][8]  # the same textbook figure, like for like
-    assert float(shard_rows["zero3"][7]) == pytest.approx(0.7497 * float(shard_rows["fsdp2"][7]), rel=1e-3)
+    assert float(shard_rows["zero3"][7]) == pytest.approx(2 / 3 * float(shard_rows["fsdp2"][7]), rel=1e-3)
     assert float(shard_rows["fsdp2"][8]) == pytest.approx(1.5 * float(shard_rows["bucketed_ddp"][8]), rel=1e-3)
     # the cost model: a fit per swept op, a finite prediction for every row, a projection to 4096 ranks
     data = json.loads((report.parent / "report.json").read_text())

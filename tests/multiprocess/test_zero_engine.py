@@ -758,8 +758,9 @@ def test_prefetch_issues_the_next_gather_before_the_current_unit_finishes(world2
         for cur, nxt in zip(FORWARD_ORDER, FORWARD_ORDER[1:]):  # forward: unit i+1's gather before i ends
             assert _pos(ev, "gather_issue", nxt) < _pos(ev, "forward_end", cur), (rank, cur, nxt, ev)
         # at each unit's forward only that unit is materialised (the ones before it were freed, the root
-        # aside) and only the next one is in flight (its prefetch; `_gather_work` is the pending gather)
-        want = [(cur, [cur], [nxt] if nxt else []) for cur, nxt in zip(FORWARD_ORDER, [*FORWARD_ORDER[1:], None])]
+        # aside; l2, second to last, is kept for backward) and only the next one is in flight (its prefetch;
+        # `_gather_work` is the pending gather)
+        want = [("l1", ["l1"], ["l2"]), ("l2", ["l2"], ["head"]), ("head", ["l2", "head"], [])]
         assert [tuple(g) for g in pf["gathered_at"]] == want, pf["gathered_at"]
 
         npf = r["prefetch"]["no_prefetch"]
@@ -780,7 +781,9 @@ def test_prefetch_in_backward_issues_the_previous_gather_before_the_current_redu
 ) -> None:
     for rank, r in enumerate(world2):
         ev = r["prefetch"]["prefetch"]["events"]
-        for prev, cur in zip(FORWARD_ORDER, FORWARD_ORDER[1:]):  # backward runs cur, then prev
+        # backward runs cur, then prev; l2 is kept from its forward (second to last), so l1 is the unit gathered
+        # again, and l2's backward prefetches it
+        for prev, cur in [("l1", "l2")]:
             # the previous unit's re-gather (its 2nd) is issued before the current unit's reduce-scatter
             # and before its own backward begins
             assert _pos(ev, "gather_issue", prev, 1) < _pos(ev, "reduce_issue", cur), (rank, prev, cur, ev)
@@ -814,9 +817,10 @@ def test_reshard_after_forward_false_gathers_each_unit_once_per_step(world2: lis
             once = name == "keep"
             issues = {u: sum(e == ("gather_issue", u) for e in got["events"]) for u in numel}
             # the root unit stays gathered through forward and backward, and so does head, the last unit in
-            # forward order (its backward comes first); the others are re-gathered for backward unless
-            # reshard_after_forward=False keeps them
-            times = {u: 1 if (u in ("", "head") or once) else 2 for u in numel}
+            # forward order (its backward comes first), and with prefetch l2 before it; the others are
+            # re-gathered for backward unless reshard_after_forward=False keeps them
+            kept = ("", "head", "l2") if name != "no_prefetch" else ("", "head")
+            times = {u: 1 if (u in kept or once) else 2 for u in numel}
             assert issues == times, (rank, name, issues)
             want = (sum(times.values()), sum(t * shard_bytes(numel[u]) for u, t in times.items()))
             assert got["stats"]["all_gather"] == want, (name, got["stats"])
@@ -827,8 +831,8 @@ def test_reshard_after_forward_false_gathers_each_unit_once_per_step(world2: lis
 def test_grouped_units_are_gathered_in_one_call_each_way(world2: list[dict[str, Any]]) -> None:
     """With the default coalesce_mb the three small units are one group, gathered in one call at l1 (l2 and head
     arrive with it, their waits are bookkeeping); being the last group in forward order, it stays gathered until
-    its backward: 2 calls a step (the root's and the group's), where one call a unit takes 6 with twice the
-    units' bytes."""
+    its backward: 2 calls a step (the root's and the group's), where one call a unit takes 5 (the root, l1
+    twice, l2 and head once: kept into backward as the last two)."""
 
     def shard_bytes(n: int) -> int:  # fp32, K=2, padded
         return math.ceil(n / 2) * 4
@@ -838,8 +842,9 @@ def test_grouped_units_are_gathered_in_one_call_each_way(world2: list[dict[str, 
         got = r["prefetch"]["grouped"]
         units = sum(shard_bytes(numel[u]) for u in FORWARD_ORDER)
         assert got["stats"]["all_gather"] == (2, shard_bytes(numel[""]) + units), (rank, got["stats"])
-        per_unit = r["prefetch"]["prefetch"]["stats"]["all_gather"]
-        assert per_unit == (6, shard_bytes(numel[""]) + 2 * units - shard_bytes(numel["head"])), per_unit
+        per_unit = r["prefetch"]["prefetch"]["stats"]["all_gather"]  # l2 and head kept into backward
+        kept = shard_bytes(numel["head"]) + shard_bytes(numel["l2"])
+        assert per_unit == (5, shard_bytes(numel[""]) + 2 * units - kept), per_unit
         # each unit's forward sees the group's units before it still materialised, the ones after it in flight
         want_at = [("l1", ["l1"], ["l2", "head"]), ("l2", ["l1", "l2"], ["head"]), ("head", ["l1", "l2", "head"], [])]
         assert [tuple(g) for g in got["gathered_at"]] == want_at, (rank, got["gathered_at"])

@@ -378,10 +378,10 @@ def test_offload_checkpoints_are_the_same_checkpoints(ranks: list[dict[str, Any]
 def _stage3_gathers(units: list[str]) -> list[int]:
     """All-gathers per stage-3 step with reshard_after_forward (what ShardedStrategy's docstring states): the root
     unit once, every other unit twice (its forward, its backward) per micro-step, except, once the first backward
-    has recorded the forward order, the last unit in it (kept from its forward to its backward, which comes
-    first); the first step adds the check that every rank ran the units in the same order (an all-gather of
-    objects)."""
-    first, later = 1 + 2 * (len(units) - 1), 2 * (len(units) - 1)
+    has recorded the forward order, the last two units in it (kept from their forward to their backward: the
+    last one's comes first and prefetches the other's); the first step adds the check that every rank ran the
+    units in the same order (an all-gather of objects)."""
+    first, later = 1 + 2 * (len(units) - 1), 1 + 2 * (len(units) - 1) - min(2, len(units) - 1)
     return [first + 1 + (ACCUM - 1) * later] + [ACCUM * later] * (N_STEPS - 1)
 
 

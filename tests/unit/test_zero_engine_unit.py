@@ -379,7 +379,7 @@ def _saved_unit_bytes(model: nn.Module, eng: ZeroEngine, x: torch.Tensor) -> tup
     saved: list[torch.Tensor] = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         out = model(x)
-    freed = [u for u in eng.units if not u.is_root and not eng._in_last_group(u)]
+    freed = [u for u in eng.units if not u.is_root and not eng._kept_into_backward(u)]
     unit_bytes = {f.layout.padded * f.compute_dtype.itemsize for u in freed for f in u.flats}
     alive = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in saved}
     return sum(n for n in alive.values() if n in unit_bytes), out
@@ -405,22 +405,24 @@ def test_forward_keeps_no_gathered_unit_alive_until_backward() -> None:
         assert torch.equal(got[k], want[k]), k  # one rank: exactly plain training
 
 
-def test_the_last_group_stays_gathered_into_backward_and_only_with_grad() -> None:
-    """Once the first backward recorded the forward order, the last group in it (one unit a group here) is not
-    freed after a training forward, since its backward comes next; every other unit is, and an evaluation
-    forward (no grad, no backward coming) frees every unit."""
-    model, opt, eng = engine(stage=3, wrap_policy=nn.Linear, coalesce_mb=0)
-    (x, y), (x2, _) = data(2)
-    F.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1)).backward()
-    opt.step()
-    last = [u for u in eng.units if eng._in_last_group(u)]
-    assert [u.index for u in last] == [eng._forward_order[-1]], (eng._groups, eng._forward_order)
-    out = model(x2)
-    assert [u.name for u in eng.units if not u.is_root and u.gathered] == [u.name for u in last]
-    out.sum().backward()
-    with torch.no_grad():
-        model(x2)
-    assert not [u.name for u in eng.units if not u.is_root and u.gathered]
+def test_the_last_groups_stay_gathered_into_backward_and_only_with_grad() -> None:
+    """Once the first backward recorded the forward order, the last group in it (one unit a group here), and with
+    prefetch the one before it, are not freed after a training forward, since their backward comes next (the last
+    one's prefetches the other's); every other unit is, and an evaluation forward (no grad, no backward coming)
+    frees every unit."""
+    for prefetch, kept in ((True, 2), (False, 1)):
+        model, opt, eng = engine(stage=3, wrap_policy=nn.Linear, coalesce_mb=0, prefetch=prefetch)
+        (x, y), (x2, _) = data(2)
+        F.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1)).backward()
+        opt.step()
+        last = [u for u in eng.units if eng._kept_into_backward(u)]
+        assert sorted(u.index for u in last) == sorted(eng._forward_order[-kept:]), (eng._groups, eng._forward_order)
+        out = model(x2)
+        assert [u.name for u in eng.units if not u.is_root and u.gathered] == [u.name for u in last]
+        out.sum().backward()
+        with torch.no_grad():
+            model(x2)
+        assert not [u.name for u in eng.units if not u.is_root and u.gathered]
 
 
 @pytest.mark.parametrize(("stage", "kw"), [(3, {"wrap_policy": nn.Linear}), (2, {"bucket_cap_mb": 0.0005})])

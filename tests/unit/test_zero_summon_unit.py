@@ -141,7 +141,8 @@ def test_a_unit_gathered_before_is_gathered_after_with_the_new_values() -> None:
 
 
 def test_running_the_forward_inside_is_refused_at_exit() -> None:
-    model, eng = _trained(3, torch.float32, None, coalesce_mb=0)  # l1 is not in the last group: its forward frees it
+    # one unit a group, no prefetch: only the last group is kept into backward, so l1's forward frees it
+    model, eng = _trained(3, torch.float32, None, coalesce_mb=0, prefetch=False)
     with pytest.raises(RuntimeError, match=r"parameter 'l1\.weight' has shape \(0,\) at exit.*forward"):
         with summon_full_params(eng):
             model(torch.randn(2, 5))  # stage 3's hooks gather and free each unit under the summoned values

@@ -12,7 +12,8 @@ Two departures from one call per unit, both from DeepSpeed's ZeRO-3: consecutive
 add up to at most the engine's ``coalesce_mb`` form a group, gathered in one call (by its first unit in
 forward, its last in backward) and reduce-scattered in one call, so a rank waits once per group; and the last
 group in forward order stays gathered after its forward, since its backward comes right after the loss (its
-``stage3_max_reuse_distance``; FSDP2 keeps its root the same way).
+``stage3_max_reuse_distance``; FSDP2 keeps its root the same way), and with prefetch the group before it too,
+which the last one's backward would gather again at once (the peak at the start of backward holds both anyway).
 
 With activation checkpointing (:mod:`lightning_sync.sync.zero.recompute`) a checkpointed unit's forward runs
 again inside its backward, after its :class:`_PreBackward` gathered it; the units nested in it run their
@@ -155,11 +156,14 @@ class Stage3Forward:
         g = self._group_of.get(unit.index)
         return [] if g is None else [self.units[i] for i in self._groups[g]]
 
-    def _in_last_group(self, unit: Unit) -> bool:
-        """Whether ``unit`` is in the last group in forward order: the first whose backward runs, right after the
-        loss, so freeing it after its forward would only gather it again (as FSDP2 keeps its root, and DeepSpeed
-        what is reused within ``stage3_max_reuse_distance``); the peak, at the start of backward, is the same."""
-        return bool(self._groups) and self._group_of.get(unit.index) == len(self._groups) - 1
+    def _kept_into_backward(self, unit: Unit) -> bool:
+        """Whether ``unit``'s group stays gathered from its forward into its backward: the last group in forward
+        order, whose backward runs right after the loss, so freeing it would only gather it again (FSDP2 keeps its
+        root so, DeepSpeed what it reuses within ``stage3_max_reuse_distance``); with ``prefetch`` the one before it
+        too, which the last group's backward prefetches. Either way the peak, at the start of backward, is the
+        same: it holds those two groups and every activation, whether they were kept or gathered again."""
+        g = self._group_of.get(unit.index)
+        return g is not None and g >= len(self._groups) - (2 if self.prefetch else 1)
 
     def _next_group(self, group: list[Unit], step: int) -> list[Unit]:
         """The group after (``step`` = +1) or before (-1) ``group`` in forward order, less the units whose
@@ -172,7 +176,7 @@ class Stage3Forward:
     def _post_forward(self, unit: Unit, module: nn.Module, args: Any, output: Any) -> Any:
         if self._recomputing():
             return None
-        if self.reshard_after_forward and not (torch.is_grad_enabled() and self._in_last_group(unit)):
+        if self.reshard_after_forward and not (torch.is_grad_enabled() and self._kept_into_backward(unit)):
             for f in unit.flats:
                 f.free()
         if not torch.is_grad_enabled():
