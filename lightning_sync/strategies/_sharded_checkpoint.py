@@ -129,13 +129,15 @@ def _permanent_model(engine: ZeroEngine, meta: dict[str, Any], state_dict: Any) 
     """The model to load instead of the shards' when a callback reparametrized the module when it was saved and
     left its plain form as the checkpoint's ``state_dict``, which is what Lightning's file holds: pruning's
     ``weight_orig`` and ``weight_mask`` made permanent (``weight``), for a module that has not been pruned
-    (yet). None when the shards' keys are this module's (the shards are the model)."""
+    (yet). None when the shards' keys are this module's (the shards are the model). A ``state_dict`` with the
+    shards' own keys is no other form of the model (weight averaging's average), so it is never taken for it."""
     try:
         check_compatible(engine, meta)
         return None
     except ValueError as mismatch:
-        keys = [key for key, _ in replicated_state(engine)[0]]
-        if not isinstance(state_dict, dict) or sorted(state_dict) != sorted(keys):
+        mine = sorted(key for key, _ in replicated_state(engine)[0])
+        saved = sorted(key for key, _ in meta["keys"])
+        if not isinstance(state_dict, dict) or sorted(state_dict) != mine or saved == mine:
             raise mismatch from None
         return state_dict
 

@@ -224,6 +224,18 @@ def _ema_resume(ck: Checks, world: int, tmpdir: str) -> None:
         }
     _compare(ck, "[zero3 resumed] final weights and EMA average", results["zero3"], results["ddp"])
     _compare(ck, "[zero3 resumed from a directory] final weights and EMA average", results["zero3-dir"], results["ddp"])
+    # a module that is not the one saved (a layer frozen since: replicated, no longer sharded) is refused, naming
+    # the key, as it is without the callback: the average in the directory's state_dict has the module's keys,
+    # but it is not the model, which is in the shards
+    frozen = _Module()
+    frozen.net.l1.requires_grad_(False)
+    ck.raises(
+        "[zero3-dir] a module with a layer frozen since is refused",
+        lambda: _trainer(
+            world, _strategy("zero3"), max_epochs=2, limit_val_batches=0, callbacks=[EMAWeightAveraging(decay=0.7)]
+        ).fit(frozen, ckpt_path=os.path.join(tmpdir, "ema-zero3-dir", "last.ckpt")),
+        r"first mismatched key 'net\.l1\.weight'",
+    )
 
 
 # --------------------------------------------------------------------------- pruning
