@@ -12,7 +12,7 @@ One spawned group (module-scoped fixture) runs every scenario in sequence:
   middle of fit (``weight_orig`` and ``weight_mask`` keys, through ``full_state_dict`` under ZeRO) and the
   same final, permanently pruned weights; zero3 also saves a sharded checkpoint of the pruned model.
 * **resume**: the EMA run and the pruning run resumed from a checkpoint taken at the first epoch's end (zero3:
-  a sharded directory; EMA also a full file) into a fresh module, as ``ddp`` resumes from its own file: on the
+  a sharded directory, and a full file) into a fresh module, as ``ddp`` resumes from its own file: on the
   same 2 ranks, and (a group of their own) at 1 and at 3 ranks, the directory resharded.
 * **engine**: ``summon_full_params`` on a bf16 model at every stage: a hook that only reads leaves every
   rank's fp32 master shard bit-identical; one that writes lands in the owners' shards.
@@ -262,7 +262,8 @@ class _MidFit(pl.Callback):
 def _pruning(ck: Checks, world: int, tmpdir: str) -> None:
     init = _net_state(_Module().state_dict())
     results: dict[str, dict[str, Any]] = {}
-    for name in STRATEGIES:
+    for name in (*STRATEGIES, "zero3-file"):  # zero3 writes a directory, zero3-file one full file
+        strategy = _strategy("zero3", state_dict_type="full") if name == "zero3-file" else _strategy(name)
         module = _Module()
         prune = ModelPruning("l1_unstructured", amount=lambda epoch: 0.5 if epoch == 0 else 0.0)
         probe = _MidFit(os.path.join(tmpdir, "pruned.ckpt") if name == "zero3" else None)
@@ -271,12 +272,12 @@ def _pruning(ck: Checks, world: int, tmpdir: str) -> None:
         saving = ModelCheckpoint(dirpath=os.path.join(tmpdir, f"prune-{name}"), filename="{epoch}", save_top_k=-1)
         callbacks = [prune, probe, saving]
         kw = {"limit_val_batches": 0, "enable_checkpointing": True}
-        _trainer(world, _strategy(name), max_epochs=2, callbacks=callbacks, **kw).fit(module)
+        _trainer(world, strategy, max_epochs=2, callbacks=callbacks, **kw).fit(module)
         results[name] = {"mid": probe.state, "final": _net_state(module.state_dict())}
-        if name in ("ddp", "zero3"):  # resumed into a fresh (unpruned) model from the mid-fit checkpoint
+        if name in ("ddp", "zero3", "zero3-file"):  # resumed into a fresh (unpruned) model from the mid-fit checkpoint
             resumed = _Module()
             again = ModelPruning("l1_unstructured", amount=lambda epoch: 0.5 if epoch == 0 else 0.0)
-            trainer = _trainer(world, _strategy(name), max_epochs=2, limit_val_batches=0, callbacks=[again])
+            trainer = _trainer(world, _strategy(name[:5]), max_epochs=2, limit_val_batches=0, callbacks=[again])
             trainer.fit(resumed, ckpt_path=os.path.join(tmpdir, f"prune-{name}", "epoch=0.ckpt"))
             # a whole epoch trained after the load: the optimizer's state (momentum) taken from the shards counts
             steps = 2 * N_TRAIN // (world * BATCH)
@@ -309,6 +310,11 @@ def _pruning(ck: Checks, world: int, tmpdir: str) -> None:
         os.path.isdir(os.path.join(tmpdir, "prune-zero3", "epoch=0.ckpt")),
     )
     _compare(ck, "[zero3] resumed from a mid-fit directory", results["zero3"]["resumed"], ddp["resumed"])
+    ck.true(
+        "[zero3-file] the mid-fit checkpoint is a file",
+        os.path.isfile(os.path.join(tmpdir, "prune-zero3-file", "epoch=0.ckpt")),
+    )
+    _compare(ck, "[zero3-file] resumed from a mid-fit file", results["zero3-file"]["resumed"], ddp["resumed"])
     if rank0:
         meta = os.path.join(tmpdir, "pruned.ckpt", "lightning_sync_meta.json")
         keys = [k for k, _ in __import__("json").load(open(meta))["keys"]] if os.path.exists(meta) else []
@@ -333,7 +339,7 @@ def _resume_other_world(ck: Checks, world: int, tmpdir: str) -> None:
     what ``ddp`` gives from its own files at ``world`` ranks: the same final weights and EMA average."""
     steps = N_TRAIN // (2 * BATCH) + N_TRAIN // (world * BATCH)  # the first epoch at 2 ranks, the second here
     ema_runs = (("ddp", "ema-ddp"), ("zero3", "ema-zero3"), ("zero3-dir", "ema-zero3-dir"))
-    prune_runs = (("ddp", "prune-ddp"), ("zero3-dir", "prune-zero3"))
+    prune_runs = (("ddp", "prune-ddp"), ("zero3-dir", "prune-zero3"), ("zero3-file", "prune-zero3-file"))
     results: dict[str, dict[str, torch.Tensor]] = {}
     for name, source in ema_runs:
         module, ema = _Module(), EMAWeightAveraging(decay=0.7)
@@ -359,9 +365,10 @@ def _resume_other_world(ck: Checks, world: int, tmpdir: str) -> None:
         _compare(
             ck, f"[ema {name} at {world} ranks] final weights and average", results[f"ema {name}"], results["ema ddp"]
         )
-    _compare(
-        ck, f"[pruning zero3-dir at {world} ranks] final weights", results["pruning zero3-dir"], results["pruning ddp"]
-    )
+    for name, _ in prune_runs[1:]:
+        _compare(
+            ck, f"[pruning {name} at {world} ranks] final weights", results[f"pruning {name}"], results["pruning ddp"]
+        )
 
 
 # --------------------------------------------------------------------------- the engine's summon on 2 ranks
