@@ -78,7 +78,9 @@ def save_directory(strategy: _Strategy, engine: ZeroEngine, checkpoint: dict[str
     if not checkpoint.get("state_dict"):  # the model is in the shards
         checkpoint = {k: v for k, v in checkpoint.items() if k != "state_dict"}
     # else a callback put a model of its own there, which Lightning's format keeps in the state_dict: weight
-    # averaging's average (the model itself goes to "current_model_state", {} here: it is in the shards)
+    # averaging's average (the model itself goes to "current_model_state", {} here: it is in the shards), or
+    # pruning's permanent form of the model. Rank 0 writes it whole: a full-size copy beside the shards, which
+    # the callback built on every rank anyway
     zero.save_sharded(engine, tmp)
     strategy.barrier()  # every shard is written
     if strategy.global_rank == 0:
