@@ -78,7 +78,9 @@ def save_directory(strategy: _Strategy, engine: ZeroEngine, checkpoint: dict[str
     if not checkpoint.get("state_dict"):  # the model is in the shards
         checkpoint = {k: v for k, v in checkpoint.items() if k != "state_dict"}
     # else a callback put a model of its own there, which Lightning's format keeps in the state_dict: weight
-    # averaging's average (the model itself goes to "current_model_state", {} here: it is in the shards)
+    # averaging's average (the model itself goes to "current_model_state", {} here: it is in the shards), or
+    # pruning's permanent form of the model. Rank 0 writes it whole: a full-size copy beside the shards, which
+    # the callback built on every rank anyway
     zero.save_sharded(engine, tmp)
     strategy.barrier()  # every shard is written
     if strategy.global_rank == 0:
@@ -129,13 +131,15 @@ def _permanent_model(engine: ZeroEngine, meta: dict[str, Any], state_dict: Any) 
     """The model to load instead of the shards' when a callback reparametrized the module when it was saved and
     left its plain form as the checkpoint's ``state_dict``, which is what Lightning's file holds: pruning's
     ``weight_orig`` and ``weight_mask`` made permanent (``weight``), for a module that has not been pruned
-    (yet). None when the shards' keys are this module's (the shards are the model)."""
+    (yet). None when the shards' keys are this module's (the shards are the model). A ``state_dict`` with the
+    shards' own keys is no other form of the model (weight averaging's average), so it is never taken for it."""
     try:
         check_compatible(engine, meta)
         return None
     except ValueError as mismatch:
-        keys = [key for key, _ in replicated_state(engine)[0]]
-        if not isinstance(state_dict, dict) or sorted(state_dict) != sorted(keys):
+        mine = sorted(key for key, _ in replicated_state(engine)[0])
+        saved = sorted(key for key, _ in meta["keys"])
+        if not isinstance(state_dict, dict) or sorted(state_dict) != mine or saved == mine:
             raise mismatch from None
         return state_dict
 

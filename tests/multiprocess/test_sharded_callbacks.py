@@ -11,6 +11,9 @@ One spawned group (module-scoped fixture) runs every scenario in sequence:
   end, the lottery ticket reset on) under ``ddp`` and zero1/2/3: the same masks, the same ``state_dict`` in the
   middle of fit (``weight_orig`` and ``weight_mask`` keys, through ``full_state_dict`` under ZeRO) and the
   same final, permanently pruned weights; zero3 also saves a sharded checkpoint of the pruned model.
+* **resume**: the EMA run and the pruning run resumed from a checkpoint taken at the first epoch's end (zero3:
+  a sharded directory, and a full file) into a fresh module, as ``ddp`` resumes from its own file: on the
+  same 2 ranks, and (a group of their own) at 1 and at 3 ranks, the directory resharded.
 * **engine**: ``summon_full_params`` on a bf16 model at every stage: a hook that only reads leaves every
   rank's fp32 master shard bit-identical; one that writes lands in the owners' shards.
 * **refusals and unused parameters**: ``BackboneFinetuning`` is refused naming itself and the alternative; a
@@ -221,6 +224,18 @@ def _ema_resume(ck: Checks, world: int, tmpdir: str) -> None:
         }
     _compare(ck, "[zero3 resumed] final weights and EMA average", results["zero3"], results["ddp"])
     _compare(ck, "[zero3 resumed from a directory] final weights and EMA average", results["zero3-dir"], results["ddp"])
+    # a module that is not the one saved (a layer frozen since: replicated, no longer sharded) is refused, naming
+    # the key, as it is without the callback: the average in the directory's state_dict has the module's keys,
+    # but it is not the model, which is in the shards
+    frozen = _Module()
+    frozen.net.l1.requires_grad_(False)
+    ck.raises(
+        "[zero3-dir] a module with a layer frozen since is refused",
+        lambda: _trainer(
+            world, _strategy("zero3"), max_epochs=2, limit_val_batches=0, callbacks=[EMAWeightAveraging(decay=0.7)]
+        ).fit(frozen, ckpt_path=os.path.join(tmpdir, "ema-zero3-dir", "last.ckpt")),
+        r"first mismatched key 'net\.l1\.weight'",
+    )
 
 
 # --------------------------------------------------------------------------- pruning
@@ -247,18 +262,26 @@ class _MidFit(pl.Callback):
 def _pruning(ck: Checks, world: int, tmpdir: str) -> None:
     init = _net_state(_Module().state_dict())
     results: dict[str, dict[str, Any]] = {}
-    for name in STRATEGIES:
+    for name in (*STRATEGIES, "zero3-file"):  # zero3 writes a directory, zero3-file one full file
+        strategy = _strategy("zero3", state_dict_type="full") if name == "zero3-file" else _strategy(name)
         module = _Module()
         prune = ModelPruning("l1_unstructured", amount=lambda epoch: 0.5 if epoch == 0 else 0.0)
-        checkpoint = os.path.join(tmpdir, "pruned.ckpt" if name == "zero3" else f"pruned-{name}.ckpt")
-        probe = _MidFit(checkpoint if name in ("ddp", "zero3") else None)
-        _trainer(world, _strategy(name), max_epochs=2, limit_val_batches=0, callbacks=[prune, probe]).fit(module)
+        probe = _MidFit(os.path.join(tmpdir, "pruned.ckpt") if name == "zero3" else None)
+        # every epoch's end, after the pruning there (Lightning runs checkpoint callbacks last): epoch=0.ckpt is
+        # the pruned model mid-fit, at an epoch boundary, so a resume trains a whole epoch at any world size
+        saving = ModelCheckpoint(dirpath=os.path.join(tmpdir, f"prune-{name}"), filename="{epoch}", save_top_k=-1)
+        callbacks = [prune, probe, saving]
+        kw = {"limit_val_batches": 0, "enable_checkpointing": True}
+        _trainer(world, strategy, max_epochs=2, callbacks=callbacks, **kw).fit(module)
         results[name] = {"mid": probe.state, "final": _net_state(module.state_dict())}
-        if name in ("ddp", "zero3"):  # resumed into a fresh (unpruned) model from the mid-fit checkpoint
+        if name in ("ddp", "zero3", "zero3-file"):  # resumed into a fresh (unpruned) model from the mid-fit checkpoint
             resumed = _Module()
             again = ModelPruning("l1_unstructured", amount=lambda epoch: 0.5 if epoch == 0 else 0.0)
-            trainer = _trainer(world, _strategy(name), max_epochs=2, limit_val_batches=0, callbacks=[again])
-            trainer.fit(resumed, ckpt_path=checkpoint)
+            trainer = _trainer(world, _strategy(name[:5]), max_epochs=2, limit_val_batches=0, callbacks=[again])
+            trainer.fit(resumed, ckpt_path=os.path.join(tmpdir, f"prune-{name}", "epoch=0.ckpt"))
+            # a whole epoch trained after the load: the optimizer's state (momentum) taken from the shards counts
+            steps = 2 * N_TRAIN // (world * BATCH)
+            ck.true(f"[{name}] resumed to the second epoch", trainer.global_step == steps, trainer.global_step)
             results[name]["resumed"] = _net_state(resumed.state_dict())
     ddp = results["ddp"]
     rank0 = torch.distributed.get_rank() == 0
@@ -282,7 +305,16 @@ def _pruning(ck: Checks, world: int, tmpdir: str) -> None:
         )
     # resumed from a directory as ddp from its file: the model as the checkpoint's (permanent) state_dict has it,
     # the optimizer's state from the shards
+    ck.true(
+        "[zero3] the mid-fit checkpoint is a directory",
+        os.path.isdir(os.path.join(tmpdir, "prune-zero3", "epoch=0.ckpt")),
+    )
     _compare(ck, "[zero3] resumed from a mid-fit directory", results["zero3"]["resumed"], ddp["resumed"])
+    ck.true(
+        "[zero3-file] the mid-fit checkpoint is a file",
+        os.path.isfile(os.path.join(tmpdir, "prune-zero3-file", "epoch=0.ckpt")),
+    )
+    _compare(ck, "[zero3-file] resumed from a mid-fit file", results["zero3-file"]["resumed"], ddp["resumed"])
     if rank0:
         meta = os.path.join(tmpdir, "pruned.ckpt", "lightning_sync_meta.json")
         keys = [k for k, _ in __import__("json").load(open(meta))["keys"]] if os.path.exists(meta) else []
@@ -296,6 +328,47 @@ def _pruning(ck: Checks, world: int, tmpdir: str) -> None:
         want = {k: permanent.get(k, mid.get(k)) for k in sorted(init)}  # pruning's own key order aside
         got_plain = _net_state(plain["state_dict"])
         _compare(ck, "[zero3] consolidated mid-fit", {k: got_plain[k] for k in sorted(got_plain)}, want)
+
+
+# --------------------------------------------------------------------------- resumed at another world size
+
+
+def _resume_other_world(ck: Checks, world: int, tmpdir: str) -> None:
+    """The 2-rank runs' checkpoints (the EMA run's after its first epoch, the pruning run's mid-fit) resumed at
+    ``world`` ranks: zero3 from its sharded directories (and the EMA run's full file), resharded, must give
+    what ``ddp`` gives from its own files at ``world`` ranks: the same final weights and EMA average."""
+    steps = N_TRAIN // (2 * BATCH) + N_TRAIN // (world * BATCH)  # the first epoch at 2 ranks, the second here
+    ema_runs = (("ddp", "ema-ddp"), ("zero3", "ema-zero3"), ("zero3-dir", "ema-zero3-dir"))
+    prune_runs = (("ddp", "prune-ddp"), ("zero3-dir", "prune-zero3"), ("zero3-file", "prune-zero3-file"))
+    results: dict[str, dict[str, torch.Tensor]] = {}
+    for name, source in ema_runs:
+        module, ema = _Module(), EMAWeightAveraging(decay=0.7)
+        trainer = _trainer(world, _strategy(name.split("-")[0]), max_epochs=2, limit_val_batches=0, callbacks=[ema])
+        trainer.fit(module, ckpt_path=os.path.join(tmpdir, source, "last.ckpt"))
+        ck.true(f"[ema {name}] resumed to the second epoch", trainer.global_step == steps, trainer.global_step)
+        assert ema._average_model is not None
+        results[f"ema {name}"] = {
+            **_net_state(module.state_dict()),
+            **{f"ema {k}": v for k, v in _net_state(ema._average_model.module.state_dict()).items()},
+        }
+    for name, source in prune_runs:
+        module = _Module()
+        prune = ModelPruning("l1_unstructured", amount=lambda epoch: 0.5 if epoch == 0 else 0.0)
+        trainer = _trainer(world, _strategy(name.split("-")[0]), max_epochs=2, limit_val_batches=0, callbacks=[prune])
+        trainer.fit(module, ckpt_path=os.path.join(tmpdir, source, "epoch=0.ckpt"))
+        ck.true(f"[pruning {name}] resumed to the second epoch", trainer.global_step == steps, trainer.global_step)
+        results[f"pruning {name}"] = _net_state(module.state_dict())
+    init = _net_state(_Module().state_dict())
+    moved = max(float((results["ema ddp"][k] - init[k]).abs().max()) for k in init)
+    ck.true("[ema ddp] weights moved", moved > MIN_MOVE, moved)
+    for name, _ in ema_runs[1:]:
+        _compare(
+            ck, f"[ema {name} at {world} ranks] final weights and average", results[f"ema {name}"], results["ema ddp"]
+        )
+    for name, _ in prune_runs[1:]:
+        _compare(
+            ck, f"[pruning {name} at {world} ranks] final weights", results[f"pruning {name}"], results["pruning ddp"]
+        )
 
 
 # --------------------------------------------------------------------------- the engine's summon on 2 ranks
@@ -426,9 +499,31 @@ def _worker(rank: int, world: int, tmpdir: str) -> dict[str, Any]:
     return s.result()
 
 
+def _worker_other(rank: int, world: int, tmpdir: str) -> dict[str, Any]:
+    _quiet_rank()
+    s = _Sections()
+    s.run("resume", _resume_other_world, world, tmpdir)
+    return s.result()
+
+
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    return run_distributed(_worker, 2, str(tmp_path_factory.mktemp("callbacks")), timeout=240, env=ENV)
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Where the 2-rank runs write their checkpoints, which the other world sizes resume from."""
+    return str(tmp_path_factory.mktemp("callbacks"))
+
+
+@pytest.fixture(scope="module")
+def two_ranks(checkpoints: str) -> list[dict[str, Any]]:
+    return run_distributed(_worker, 2, checkpoints, timeout=240, env=ENV)
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("world", [1, 3])
+def test_2_rank_ema_and_pruning_checkpoints_resume_at_another_world_size_as_under_ddp(
+    world: int, two_ranks: list[dict[str, Any]], checkpoints: str
+) -> None:
+    results = run_distributed(_worker_other, world, checkpoints, timeout=300, env=ENV)
+    _assert_section(results, "resume", min_checks=30)
 
 
 @pytest.mark.timeout(300)

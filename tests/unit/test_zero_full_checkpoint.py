@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import io
+import re
 import weakref
 from typing import Any
 
@@ -206,3 +207,22 @@ def test_state_dict_type_defaults_by_stage_and_refuses_other_values() -> None:
     for bad in ("Full", "dcp", 3):
         with pytest.raises(ValueError, match=r"state_dict_type must be one of \['full', 'sharded', None\], got "):
             resolve_state_dict_type(bad, 3)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("key", ["embed.weight", "frozen.bias"])
+def test_a_state_dict_of_other_shapes_is_refused_before_anything_loads(key: str) -> None:
+    """A tensor of another shape is refused naming its key, as ``nn.Module.load_state_dict`` does, whether it
+    would fit the flat buffer (the embedding transposed: as many elements) or broadcast into a replicated
+    tensor (the frozen bias as one value); the engine keeps its weights."""
+    torch.manual_seed(0)
+    net = _Net()
+    _, engine = _engine(net, 3)
+    before = full_model_state(engine)
+    state = {k: v.clone() for k, v in _Net().state_dict().items()}
+    here = list(state[key].shape)
+    state[key] = state[key].t().contiguous() if state[key].dim() == 2 else state[key][:1]
+    wrong = list(state[key].shape)
+    with pytest.raises(ValueError, match=re.escape(f"first mismatched key '{key}' (shape {wrong} in it, {here} here)")):
+        load_full_state_dict(engine, state)
+    for k, value in full_model_state(engine).items():
+        assert torch.equal(value, before[k]), f"{k} changed by a refused load"

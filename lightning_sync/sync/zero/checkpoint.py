@@ -213,11 +213,19 @@ def load_sharded(
 
 def load_full_state_dict(engine: ZeroEngine, state_dict: Mapping[str, torch.Tensor]) -> None:
     """Load a plain full ``state_dict`` (e.g. one :func:`full_state_dict` or DDP wrote): every rank
-    takes its shards from it. Names the first missing key."""
+    takes its shards from it. Names the first missing key, or the first of another shape, before anything loads
+    (a flat buffer would take any tensor of as many elements, and a replicated one any it broadcasts from)."""
     keys, replicated = replicated_state(engine)
-    for key, _ in keys:
+    shapes = {n: list(shape) for f in engine.flats for n, shape in zip(f.names, f.layout.shapes)}
+    for key, name in keys:
         if key not in state_dict:
             raise ValueError(f"state_dict does not match this model: first mismatched key {key!r} (missing)")
+        here = shapes[name] if name is not None else list(replicated[key].shape)
+        if list(state_dict[key].shape) != here:
+            raise ValueError(
+                f"state_dict does not match this model: first mismatched key {key!r} "
+                f"(shape {list(state_dict[key].shape)} in it, {here} here)"
+            )
     with torch.no_grad():
         for f in engine.flats:
             flat = f.layout.flatten(
