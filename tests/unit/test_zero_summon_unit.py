@@ -132,7 +132,7 @@ def test_a_unit_gathered_before_is_gathered_after_with_the_new_values() -> None:
     root = eng.root
     assert root is not None
     l1 = next(u for u in eng.units if u.name == "l1")
-    eng._gather(l1, wait=True)  # as inside a step, between this unit's forward and backward
+    eng._gather([l1], wait=l1)  # as inside a step, between this unit's forward and backward
     with summon_full_params(eng):
         model.l1.bias.data.fill_(1.0)
     assert l1.gathered and model.l1.bias.dtype == torch.bfloat16

@@ -130,7 +130,6 @@ class ZeroEngine(Stage3Forward, BackwardEngine):
         self.coalesce_bytes = int(check_mib("coalesce_mb", coalesce_mb, zero=True) * _MB)
         self._groups: list[list[int]] = []
         self._group_of: dict[int, int] = {}
-        self._held: list[int] = []  # stage 3: units complete in backward whose group's reduce-scatter is not issued
         check_bool("offload", offload)
         self.activation_checkpointing = check_bool("activation_checkpointing", activation_checkpointing)
         #: the optimizers, each rewritten to step the masters of its own parameters' flat parameters
@@ -265,7 +264,6 @@ class ZeroEngine(Stage3Forward, BackwardEngine):
             p.grad = None
 
     def _on_begin_backward(self) -> None:
-        self._held = []
         if not self._window_open:
             self._window_open = True
             for f in self.flats:
@@ -278,13 +276,11 @@ class ZeroEngine(Stage3Forward, BackwardEngine):
                 f.free()
 
     def _launch(self, bucket: int) -> None:
-        units = [self.units[bucket]]
-        group = self._group(units[0]) if self.stage == 3 else []
-        if group:  # backward completes a group last at its first unit (in forward order); hold the others
-            self._held.append(bucket)
-            if units[0] is not group[0]:
-                return
-            units, self._held = [self.units[b] for b in self._held], []
+        unit = self.units[bucket]
+        group = self._group(unit) if self.stage == 3 else []
+        if group and unit is not group[0]:
+            return  # units launch in reverse forward order: the group's first unit comes last and issues it all
+        units = group or [unit]
         if self.stage > 1:
             # one reduce-scatter in flight, as FSDP2 keeps: the previous unit's (group's) is finished (its full
             # gradients freed) before the next is issued, so a rank holds two units' (groups') full gradients at most

@@ -188,10 +188,6 @@ class FlatParam:
         buffer[self.layout.total :].zero_()
         return buffer
 
-    def launch_reduce(self) -> None:
-        """Issue the averaging reduce-scatter of the full gradient into this rank's shard (async)."""
-        launch_reduces([self], self.comm)
-
     def _reduce_issued(self, out: torch.Tensor, work: Any) -> None:
         self._reduce = (out, work)
         if self.host is not None and self.host.streamed:
@@ -254,8 +250,7 @@ def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
 def start_gathers(flats: Sequence[FlatParam], comm: Communicator) -> None:
     """Stage 3: issue the all-gathers of those of ``flats`` not gathered and not in flight, as one call (a rank
     then waits once for all of them)."""
-    unique = list({id(f): f for f in flats}.values())  # a flat named twice is gathered once
-    todo = [(f, args) for f in unique if (args := f._prepare_gather()) is not None]
+    todo = [(f, args) for f in flats if (args := f._prepare_gather()) is not None]
     if not todo:
         return
     buffers = [buffer for _, (buffer, _) in todo]

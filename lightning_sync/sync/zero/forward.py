@@ -107,19 +107,19 @@ class Stage3Forward:
         return list(reversed(forward)) + ([self.root.index] if self.root is not None else [])
 
     # ------------------------------------------------------------------ stage 3: forward
-    def _gather(self, unit: Unit, wait: bool, with_units: Sequence[Unit] = ()) -> None:
-        """Issue ``unit``'s all-gather, in one call with those of ``with_units`` (see :meth:`_group`), unless
-        gathered or in flight; with ``wait``, wait for ``unit``'s."""
-        start_gathers([f for u in (unit, *with_units) for f in u.flats], self.comm)
-        if wait:
-            for f in unit.flats:
+    def _gather(self, units: Sequence[Unit], wait: Unit | None = None) -> None:
+        """Issue the all-gathers of those of ``units`` not gathered or in flight, in one call (see :meth:`_group`);
+        then wait for ``wait``'s."""
+        start_gathers([f for u in units for f in u.flats], self.comm)
+        if wait is not None:
+            for f in wait.flats:
                 f.finish_gather()
 
     def gather_root(self) -> None:
         """Stage 3: gather the root unit (the parameters no wrapped submodule owns). Call before a
         step function that may use them without calling the root module's ``forward``."""
         if self.stage == 3 and self.root is not None:
-            self._gather(self.root, wait=True)
+            self._gather([self.root], wait=self.root)
 
     def reshard(self) -> None:
         """Stage 3: free every unit's full parameters (after an evaluation step, for example)."""
@@ -131,18 +131,16 @@ class Stage3Forward:
 
     def _pre_forward(self, unit: Unit, module: nn.Module, args: Any, kwargs: Any) -> Any:
         if self._recomputing():  # see the module docstring
-            self._gather(unit, wait=True)
+            self._gather([unit], wait=unit)
             return self._cast_inputs(module, args, kwargs) if self.param_dtype is not None else None
         if not unit.is_root:
             if self._forward_order is None and unit.index not in self._recording:
                 self._recording.append(unit.index)
         group = self._group(unit)
         # the first unit of its group gathers the group; the others were gathered with it (or are in flight)
-        self._gather(unit, wait=True, with_units=group if group and group[0] is unit else ())
+        self._gather(group if group and group[0] is unit else [unit], wait=unit)
         if self.prefetch and group:
-            following = self._next_group(group, +1)
-            if following:
-                self._gather(following[0], wait=False, with_units=following)
+            self._gather(self._next_group(group, +1))
         return self._cast_inputs(module, args, kwargs) if self.param_dtype is not None else None
 
     def _cast_inputs(self, module: nn.Module, args: Any, kwargs: Any) -> Any:
@@ -196,16 +194,14 @@ class Stage3Forward:
         (normally gathered already, by the unit's :class:`_PreBackward`)."""
         unit = next((u for u in self.units if u.module is module), None)
         if unit is not None:
-            self._gather(unit, wait=True)
+            self._gather([unit], wait=unit)
 
     def _pre_backward(self, unit: Unit) -> None:
         group = self._group(unit)
         # backward meets a group at its last unit (in forward order), which gathers every unit of it
-        self._gather(unit, wait=True, with_units=group if group and group[-1] is unit else ())
+        self._gather(group if group and group[-1] is unit else [unit], wait=unit)
         if self.prefetch and group:
-            previous = self._next_group(group, -1)
-            if previous:
-                self._gather(previous[-1], wait=False, with_units=previous)
+            self._gather(self._next_group(group, -1))
 
     def _check_forward_order(self) -> None:
         """After the first backward: every rank must have run the units in the same order (the
