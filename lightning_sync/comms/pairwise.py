@@ -56,12 +56,7 @@ def all_gather_exchange(
     def launch(blocking: bool) -> list[Any]:
         mine = chunks[rank]
         mine.copy_(input.reshape(-1))
-        handles = []
-        for j in range(world):
-            if j != rank:
-                handles.append(dist.isend(mine, dst=ranks[j], group=group, tag=EXCHANGE_TAG))
-                handles.append(dist.irecv(chunks[j], src=ranks[j], group=group, tag=EXCHANGE_TAG))
-        return handles
+        return _post([(ranks[j], mine, chunks[j]) for j in range(world) if j != rank], group)
 
     return launch, lambda: output
 
@@ -79,11 +74,7 @@ def reduce_scatter_exchange(
 
     def launch(blocking: bool) -> list[Any]:
         extra[:] = out.new_empty((world - 2) * out.numel()).chunk(world - 2) if world > 2 else ()
-        handles = []
-        for j, slot in zip(peers, [out, *extra]):
-            handles.append(dist.isend(chunks[j], dst=ranks[j], group=group, tag=EXCHANGE_TAG))
-            handles.append(dist.irecv(slot, src=ranks[j], group=group, tag=EXCHANGE_TAG))
-        return handles
+        return _post([(ranks[j], chunks[j], slot) for j, slot in zip(peers, [out, *extra])], group)
 
     def finish() -> torch.Tensor:
         if not peers:  # a group of one: its own chunk is the result
@@ -98,3 +89,13 @@ def reduce_scatter_exchange(
         return output
 
     return launch, finish
+
+
+def _post(pairs: list[tuple[int, torch.Tensor, torch.Tensor]], group: dist.ProcessGroup | None) -> list[Any]:
+    """For each ``(peer, send, receive)``: send ``send`` to global rank ``peer`` and receive its message into
+    ``receive``, every message in flight at once; the handles."""
+    handles = []
+    for peer, send, receive in pairs:
+        handles.append(dist.isend(send, dst=peer, group=group, tag=EXCHANGE_TAG))
+        handles.append(dist.irecv(receive, src=peer, group=group, tag=EXCHANGE_TAG))
+    return handles

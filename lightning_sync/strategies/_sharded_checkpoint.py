@@ -97,7 +97,7 @@ def load_checkpoint_at(
     ``engine``'s shards and return Lightning's part of it; weights-only unless ``weights_only=False``."""
     recover_path(path)  # a save killed while it replaced this directory left the old one aside
     if path.is_dir():
-        read_meta(path)  # clear error if it is not ours
+        meta = read_meta(path)  # clear error if it is not ours
         if not (path / COMPLETE_MARKER).is_file():
             raise ValueError(
                 f"{path} is an incomplete sharded checkpoint (no {COMPLETE_MARKER}): its save "
@@ -107,7 +107,7 @@ def load_checkpoint_at(
         # directory is unpickled
         read_dcp_metadata(path, weights_only)
         checkpoint = load_file(contained_path(path, LIGHTNING_STATE, "Lightning state file"), weights_only)
-        model = _permanent_model(engine, read_meta(path), checkpoint.get("state_dict"))
+        model = _permanent_model(engine, meta, checkpoint.get("state_dict"))
         zero.load_sharded(engine, path, weights_only, model=model is None)
         if model is not None:
             zero.load_full_state_dict(engine, model)

@@ -109,11 +109,16 @@ def save_sharded(engine: ZeroEngine, path: str | os.PathLike[str]) -> None:
     dcp.save(out, checkpoint_id=str(path), process_group=getattr(engine.comm, "group", None))
 
 
+def param_shapes(engine: ZeroEngine) -> dict[str, list[int]]:
+    """Canonical name -> shape (a list, as the layout file stores it) of every parameter the engine shards."""
+    return {n: list(shape) for f in engine.flats for n, shape in zip(f.names, f.layout.shapes)}
+
+
 def check_compatible(engine: ZeroEngine, meta: Mapping[str, Any]) -> None:
     """Raise ``ValueError`` naming the first key where the checkpoint and this module differ."""
     mine, _ = replicated_state(engine)
     theirs = [tuple(k) for k in meta["keys"]]
-    shapes = {n: list(shape) for f in engine.flats for n, shape in zip(f.names, f.layout.shapes)}
+    shapes = param_shapes(engine)
     for (mk, mc), (tk, tc) in zip(mine, theirs):
         if mk != tk or (mc is None) != (tc is None):
             raise ValueError(
@@ -134,14 +139,11 @@ def check_compatible(engine: ZeroEngine, meta: Mapping[str, Any]) -> None:
 
 def check_parameters(engine: ZeroEngine, meta: Mapping[str, Any]) -> None:
     """Raise ``ValueError`` naming the first of this engine's parameters the checkpoint lacks or shapes otherwise."""
-    for f in engine.flats:
-        for name, shape in zip(f.names, f.layout.shapes):
-            theirs = meta["params"].get(name, [None])[0]
-            if theirs != list(shape):
-                there = "missing from the checkpoint" if theirs is None else f"shape {theirs} there"
-                raise ValueError(
-                    f"checkpoint does not match this model: parameter {name!r} ({there}, {list(shape)} here)"
-                )
+    for name, shape in param_shapes(engine).items():
+        theirs = meta["params"].get(name, [None])[0]
+        if theirs != shape:
+            there = "missing from the checkpoint" if theirs is None else f"shape {theirs} there"
+            raise ValueError(f"checkpoint does not match this model: parameter {name!r} ({there}, {shape} here)")
 
 
 class _Scalar(NamedTuple):
@@ -216,7 +218,7 @@ def load_full_state_dict(engine: ZeroEngine, state_dict: Mapping[str, torch.Tens
     takes its shards from it. Names the first missing key, or the first of another shape, before anything loads
     (a flat buffer would take any tensor of as many elements, and a replicated one any it broadcasts from)."""
     keys, replicated = replicated_state(engine)
-    shapes = {n: list(shape) for f in engine.flats for n, shape in zip(f.names, f.layout.shapes)}
+    shapes = param_shapes(engine)
     for key, name in keys:
         if key not in state_dict:
             raise ValueError(f"state_dict does not match this model: first mismatched key {key!r} (missing)")
