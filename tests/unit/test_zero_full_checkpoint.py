@@ -100,12 +100,7 @@ def _assert_same_state(got: dict[str, Any], want: dict[str, Any]) -> None:
             torch.testing.assert_close(got["state"][index][key], value, **TOL, msg=f"{index} {key}")
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py's
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])

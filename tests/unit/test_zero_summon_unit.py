@@ -38,12 +38,7 @@ class Net(nn.Module):
         return self.l2(torch.tanh(self.frozen(self.l1(x))))
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py's
 
 
 def _trained(stage: int, dtype: torch.dtype, param_dtype: Any, **kw: Any) -> tuple[Net, ZeroEngine]:
