@@ -1,7 +1,8 @@
 """Benchmark trials, run inside every rank in the same order: one ``Trainer.fit`` per trial, each step timed from
 batch start to batch end, its traffic the delta of the strategy's statistics (:func:`stats_of`; compression,
-op ``codec``, apart), ``peak_mib`` the malloc'd memory above the level before the model was built (it falls when
-tensors are freed, unlike RSS). A trial marked :data:`IN_STEP` is the cost model's compute row: each rank fits
+op ``codec``, apart), ``peak_mib`` the largest malloc'd memory above the level before the model was built (it falls
+when tensors are freed, unlike RSS), sampled before and after backward, at each batch end and, during warm-up,
+before every module's forward. A trial marked :data:`IN_STEP` is the cost model's compute row: each rank fits
 the plain model alone, every step started together by :class:`Lockstep`.
 """
 
@@ -128,6 +129,7 @@ class StepProbe(pl.Callback):
         self.bucketer: Any = None  # kept past teardown, for the communication-alone measurement
         self._t0 = self._covered0 = self._blocked0 = 0.0
         self._snap0: dict[str, comms.OpStats] = {}
+        self._sampling: list[Any] = []  # the forward pre-hooks that sample the peak during warm-up
 
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
         stats = stats_of(trainer.strategy)
@@ -135,15 +137,25 @@ class StepProbe(pl.Callback):
         self._covered0, self._blocked0 = stats.covered_seconds(), stats.blocked_seconds()
         self._t0 = time.perf_counter()
 
-    def on_before_backward(self, *args: Any) -> None:
-        self.peak_rss = max(self.peak_rss, _allocated_mib())  # activations are alive here
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """During the warm-up steps, also sample before every module's forward, after the strategy's own hooks
+        (ZeRO-3's and FSDP2's peak comes inside forward: the unit computing and the one prefetched); timed steps
+        run without these hooks."""
+        self._sampling = [m.register_forward_pre_hook(self._sample) for m in pl_module.modules()]
 
-    on_after_backward = on_before_backward
+    def _sample(self, *args: Any) -> None:
+        self.peak_rss = max(self.peak_rss, _allocated_mib())
+
+    on_before_backward = _sample  # activations are alive here
+    on_after_backward = _sample
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         elapsed = time.perf_counter() - self._t0
-        self.peak_rss = max(self.peak_rss, _allocated_mib())
+        self._sample()
         if trainer.global_step <= self.warmup:
+            if trainer.global_step == self.warmup:
+                for handle in self._sampling:
+                    handle.remove()
             return
         stats, step, codec = stats_of(trainer.strategy), dict.fromkeys(self.per_op, 0), 0.0
         for op, now in stats.snapshot().items():

@@ -24,7 +24,8 @@ What is sharded, and what is synchronized when (K ranks):
 * **Stage 2:** as stage 1, but each bucket is reduce-scattered *during* backward as soon as its
   gradients are ready, and only the shard is kept.
 * **Stage 3:** parameters live only as shards. Each unit is all-gathered right before its forward
-  (with ``prefetch``, the next unit's gather is already in flight), freed after it
+  (with ``prefetch``, the next unit's gather is already in flight, and the optimizer step issues the next
+  forward's first gathers so that they run between the steps), freed after it
   (``reshard_after_forward``), gathered again before its backward, and its gradient reduce-scattered
   right after. The root unit (parameters no wrapped module owns) is gathered at the start of each
   step function and freed after backward: per micro-step one all-gather of the root unit and two of
@@ -109,7 +110,8 @@ class ShardedStrategy(ShardedCheckpointing, SyncStrategy):
         stage: 1 (optimizer state sharded), 2 (+ gradients), 3 (+ parameters).
         wrap_policy: stage 3 units: None (the whole model), module classes / dotted class paths /
             class names (``["torch.nn.Linear"]``), an int or ``{"min_num_params": N}``, or a callable.
-        prefetch: stage 3: issue the next unit's all-gather while the current unit computes.
+        prefetch: stage 3: issue the next unit's all-gather while the current unit computes, and the next
+            forward's first ones as soon as the optimizer has stepped (single optimizer).
         coalesce_mb: stage 3: consecutive units whose parameters add up to at most this many MiB are gathered,
             and reduce-scattered, in one call each (fewer waits; two groups gathered at a time instead of two
             units); 0: one call per unit, as FSDP2.

@@ -397,6 +397,7 @@ def _engine(ck: Checks, world: int) -> None:
         x = torch.randn(4, 5, generator=torch.Generator().manual_seed(rank)).to(torch.bfloat16)
         model(x).float().pow(2).mean().backward()
         opt.step()  # fp32 masters now hold values bf16 cannot represent
+        eng.reshard()  # stage 3: drop the step's prefetch, so that summon gathers every flat from the masters
         masters = [f.master.detach().clone() for f in eng.flats]
         ck.true(
             f"{tag} masters beyond bf16",

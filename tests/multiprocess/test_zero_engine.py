@@ -352,39 +352,42 @@ PREFETCH = [
 
 
 class _UnitEvents(comms.CallHook):
-    """A call hook that records the stage-3 schedule as ``(event, unit name)`` in order, beside the events the
-    test's own module and tensor hooks add: ``gather_issue`` / ``gather_wait`` when a unit's all-gather is issued /
-    completes, ``reduce_issue`` when its reduce-scatter is issued. The unit a call serves is the one whose master
-    shard (all-gather) or full flat gradient (reduce-scatter) is the call's tensor."""
+    """A call hook that records ``("reduce_issue", unit name)`` when a unit's reduce-scatter is issued, beside the
+    events the test's own module, tensor and flat hooks add (:func:`_record_gather_issues`). The unit a call serves
+    is the one whose full flat gradient is the call's tensor (one unit a call: ``coalesce_mb=0``)."""
 
     def __init__(self, engine: ZeroEngine, events: list[tuple[str, str]]) -> None:
         self.engine, self.events = engine, events
 
-    def _unit(self, tensor: torch.Tensor | None) -> str | None:
-        if tensor is None:
+    def on_issue(self, call: comms.Call) -> str | None:
+        if call.op != "reduce_scatter" or call.like is None:
             return None
-        ptr = tensor.untyped_storage().data_ptr()
+        ptr = call.like.untyped_storage().data_ptr()
         for unit in self.engine.units:
-            for f in unit.flats:
-                mine = [f.master] if f.grad_full is None else [f.master, f.grad_full]
-                if any(ptr == t.untyped_storage().data_ptr() for t in mine):
-                    return unit.name
+            if any(f.grad_full is not None and ptr == f.grad_full.untyped_storage().data_ptr() for f in unit.flats):
+                self.events.append(("reduce_issue", unit.name))
+                return unit.name
         return None
 
-    def on_issue(self, call: comms.Call) -> str | None:
-        unit = self._unit(call.like)
-        event = {"all_gather": "gather_issue", "reduce_scatter": "reduce_issue"}.get(call.op)
-        if unit is not None and event is not None:
-            self.events.append((event, unit))
-        return unit
 
-    def on_complete(self, call: comms.Call, token: str | None, ok: bool) -> None:
-        if token is not None and call.op == "all_gather":
-            self.events.append(("gather_wait", token))
+def _record_gather_issues(engine: ZeroEngine, events: list[tuple[str, str]], on: list[bool]) -> None:
+    """Record ``("gather_issue", unit name)`` each time a unit's all-gather is issued: one call may carry several
+    units (the step's prefetch of the next forward's first ones), so each flat reports its own."""
+    for unit in engine.units:
+        for f in unit.flats:
+
+            def prepare(prepare: Any = f._prepare_gather, name: str = unit.name) -> Any:
+                issued = prepare()
+                if issued is not None and on[0]:
+                    events.append(("gather_issue", name))
+                return issued
+
+            f._prepare_gather = prepare  # type: ignore[method-assign]
 
 
 def _prefetch(rank: int, world: int) -> dict[str, Any]:
-    """Stage 3 with one unit per Linear: events and all-gather stats of the second step."""
+    """Stage 3 with one unit per Linear: events and all-gather stats from the first optimizer step (which issues
+    the second forward's first all-gathers) to the end of the second backward."""
     data, out = batches(2, seed=9), {}
     for name, kw in PREFETCH:
         model, opt, sched, eng = build(rank, "sgd", 3, nn.Linear, **kw)
@@ -426,20 +429,24 @@ def _prefetch(rank: int, world: int) -> dict[str, Any]:
                     output.register_hook(begins)
 
             mod.register_forward_hook(on_output)
-        stats = None
+        stats, before = None, {}
         hook = _UnitEvents(eng, events)
+        _record_gather_issues(eng, events, recording)
         try:
             for step, (x, y) in enumerate(data):
-                if step == 1:
-                    recording[0] = True
-                    CTX.add_hook(hook)
-                    gathered_at.clear()
-                    before = CTX.observer.snapshot()
                 opt.zero_grad()
                 loss_fn(model, rows(x, rank, world), rows(y, rank, world)).backward()
                 if step == 1:
                     stats = _delta(before, CTX.observer.snapshot())
+                    recording[0] = False
+                if step == 0:  # from the first step on: it issues the second forward's first all-gathers
+                    recording[0] = True
+                    CTX.add_hook(hook)
+                    gathered_at.clear()
+                    before = CTX.observer.snapshot()
                 opt.step()
+                if step == 0:
+                    events.append(("step_end", ""))
         finally:
             if hook in CTX.hooks:
                 CTX.remove_hook(hook)
@@ -755,6 +762,8 @@ def test_prefetch_issues_the_next_gather_before_the_current_unit_finishes(world2
         pf = r["prefetch"]["prefetch"]
         ev = pf["events"]
         assert pf["units"] == ["", *FORWARD_ORDER]
+        # the optimizer step issued what the next forward's first unit would: the root's, l1's and its prefetch l2's
+        assert [e for e in ev[: ev.index(("step_end", ""))]] == [("gather_issue", u) for u in ("", "l1", "l2")], ev
         for cur, nxt in zip(FORWARD_ORDER, FORWARD_ORDER[1:]):  # forward: unit i+1's gather before i ends
             assert _pos(ev, "gather_issue", nxt) < _pos(ev, "forward_end", cur), (rank, cur, nxt, ev)
         # at each unit's forward only that unit is materialised (the ones before it were freed, the root
@@ -765,6 +774,7 @@ def test_prefetch_issues_the_next_gather_before_the_current_unit_finishes(world2
 
         npf = r["prefetch"]["no_prefetch"]
         ev = npf["events"]
+        assert ev[0] == ("step_end", ""), ev  # without prefetch the step issues nothing
         for cur, nxt in zip(FORWARD_ORDER, FORWARD_ORDER[1:]):
             assert _pos(ev, "gather_issue", nxt) > _pos(ev, "forward_end", cur), (rank, cur, nxt, ev)
         for prev, cur in zip(FORWARD_ORDER, FORWARD_ORDER[1:]):
@@ -822,17 +832,20 @@ def test_reshard_after_forward_false_gathers_each_unit_once_per_step(world2: lis
             kept = ("", "head", "l2") if name != "no_prefetch" else ("", "head")
             times = {u: 1 if (u in kept or once) else 2 for u in numel}
             assert issues == times, (rank, name, issues)
-            want = (sum(times.values()), sum(t * shard_bytes(numel[u]) for u, t in times.items()))
+            # calls: with prefetch the step's one carries the root, l1 and l2; then head's prefetch and (unless
+            # kept) l1's gather for backward; without prefetch one call an issue
+            calls = {"prefetch": 3, "keep": 2, "no_prefetch": sum(times.values())}[name]
+            want = (calls, sum(t * shard_bytes(numel[u]) for u, t in times.items()))
             assert got["stats"]["all_gather"] == want, (name, got["stats"])
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_grouped_units_are_gathered_in_one_call_each_way(world2: list[dict[str, Any]]) -> None:
-    """With the default coalesce_mb the three small units are one group, gathered in one call at l1 (l2 and head
-    arrive with it, their waits are bookkeeping); being the last group in forward order, it stays gathered until
-    its backward: 2 calls a step (the root's and the group's), where one call a unit takes 5 (the root, l1
-    twice, l2 and head once: kept into backward as the last two)."""
+    """With the default coalesce_mb the three small units are one group, gathered in one call with the root by the
+    optimizer step before (l2 and head arrive with l1, their waits are bookkeeping); being the last group in
+    forward order, it stays gathered until its backward: 1 call a step, where one call a unit takes 3 (the step's
+    for the root, l1 and l2; head's prefetch; l1 again for backward: l2 and head are kept as the last two)."""
 
     def shard_bytes(n: int) -> int:  # fp32, K=2, padded
         return math.ceil(n / 2) * 4
@@ -841,10 +854,10 @@ def test_grouped_units_are_gathered_in_one_call_each_way(world2: list[dict[str, 
     for rank, r in enumerate(world2):
         got = r["prefetch"]["grouped"]
         units = sum(shard_bytes(numel[u]) for u in FORWARD_ORDER)
-        assert got["stats"]["all_gather"] == (2, shard_bytes(numel[""]) + units), (rank, got["stats"])
+        assert got["stats"]["all_gather"] == (1, shard_bytes(numel[""]) + units), (rank, got["stats"])
         per_unit = r["prefetch"]["prefetch"]["stats"]["all_gather"]  # l2 and head kept into backward
         kept = shard_bytes(numel["head"]) + shard_bytes(numel["l2"])
-        assert per_unit == (5, shard_bytes(numel[""]) + 2 * units - kept), per_unit
+        assert per_unit == (3, shard_bytes(numel[""]) + 2 * units - kept), per_unit
         # each unit's forward sees the group's units before it still materialised, the ones after it in flight
         want_at = [("l1", ["l1"], ["l2", "head"]), ("l2", ["l1", "l2"], ["head"]), ("head", ["l1", "l2", "head"], [])]
         assert [tuple(g) for g in got["gathered_at"]] == want_at, (rank, got["gathered_at"])

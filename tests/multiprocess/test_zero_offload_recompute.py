@@ -380,9 +380,12 @@ def _stage3_gathers(units: list[str]) -> list[int]:
     unit once, every other unit twice (its forward, its backward) per micro-step, except, once the first backward
     has recorded the forward order, the last two units in it (kept from their forward to their backward: the
     last one's comes first and prefetches the other's); the first step adds the check that every rank ran the
-    units in the same order (an all-gather of objects)."""
+    units in the same order (an all-gather of objects). Each optimizer step issues, in one call, the next
+    micro-step's first gathers (the root, the first unit and the one it prefetches), which that micro-step then
+    does not issue."""
     first, later = 1 + 2 * (len(units) - 1), 1 + 2 * (len(units) - 1) - min(2, len(units) - 1)
-    return [first + 1 + (ACCUM - 1) * later] + [ACCUM * later] * (N_STEPS - 1)
+    taken = 1 + min(2, len(units) - 1)  # the gathers a step's prefetch issues for the next micro-step
+    return [first + 1 + (ACCUM - 1) * later + 1] + [ACCUM * later - taken + 1] * (N_STEPS - 1)
 
 
 @pytest.mark.timeout(300)

@@ -20,7 +20,14 @@ from torch import nn
 from torch.nn import functional as F
 
 from lightning_sync.sync.communicator import LoopbackCommunicator
-from lightning_sync.sync.zero import ZeroEngine, full_state_dict, resolve_dtype, resolve_wrap_policy, zero_memory_bytes
+from lightning_sync.sync.zero import (
+    ZeroEngine,
+    full_state_dict,
+    load_full_state_dict,
+    resolve_dtype,
+    resolve_wrap_policy,
+    zero_memory_bytes,
+)
 
 __all__: list[str] = []
 
@@ -423,6 +430,60 @@ def test_the_last_groups_stay_gathered_into_backward_and_only_with_grad() -> Non
         with torch.no_grad():
             model(x2)
         assert not [u.name for u in eng.units if not u.is_root and u.gathered]
+
+
+def _held(eng: ZeroEngine) -> list[str]:
+    """Units gathered or with an all-gather in flight."""
+    return [u.name for u in eng.units if any(f.full is not None or f._gather_work is not None for f in u.flats)]
+
+
+@pytest.mark.parametrize(
+    ("kw", "held"),
+    [
+        ({"coalesce_mb": 0}, ["", "l1", "l2"]),  # the root, the first unit and the one its forward prefetches
+        ({}, ["", "l1", "l2", "head"]),  # the three small units are one group
+        ({"coalesce_mb": 0, "prefetch": False}, []),
+    ],
+)
+def test_a_step_issues_the_next_forwards_first_gathers(kw: dict[str, Any], held: list[str]) -> None:
+    """Once the forward order is known, the optimizer step issues the all-gathers the next forward's first unit
+    would (so they run between the steps); before that, or without prefetch, nothing is held after a step."""
+    model, opt, eng = engine(stage=3, wrap_policy=nn.Linear, **kw)
+    (x, y), (x2, y2) = data(2)
+    F.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1)).backward()
+    assert _held(eng) == []  # backward freed every unit
+    opt.step()
+    assert _held(eng) == held
+    step(model, opt, x2, y2)
+    assert _held(eng) == held
+
+
+def test_several_optimizers_prefetch_nothing_across_steps() -> None:
+    """A second optimizer's step would update masters whose all-gather the first one's step had issued."""
+    model = make()
+    head = [p for n, p in model.named_parameters() if n.startswith("l2")]
+    rest = [p for n, p in model.named_parameters() if not n.startswith("l2") and p.requires_grad]
+    opts = [torch.optim.SGD(rest, lr=0.05), torch.optim.SGD(head, lr=0.05)]
+    eng = ZeroEngine(model, opts, LoopbackCommunicator(1, 0), stage=3, wrap_policy=nn.Linear, coalesce_mb=0)
+    (x, y), _ = data(2)
+    F.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1)).backward()
+    for opt in opts:
+        opt.step()
+        assert _held(eng) == []
+
+
+def test_a_load_after_a_step_drops_the_prefetched_parameters() -> None:
+    """The step's prefetch gathered the stepped values; a state dict loaded after it must be what the next forward
+    computes with."""
+    model, opt, eng = engine(stage=3, wrap_policy=nn.Linear)
+    (x, y), (x2, _) = data(2)
+    F.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1)).backward()
+    opt.step()
+    assert _held(eng)
+    other = make(seed=5)
+    load_full_state_dict(eng, other.state_dict())
+    with torch.no_grad():
+        assert torch.equal(model(x2), other(x2))
 
 
 @pytest.mark.parametrize(("stage", "kw"), [(3, {"wrap_policy": nn.Linear}), (2, {"bucket_cap_mb": 0.0005})])

@@ -195,6 +195,7 @@ def load_sharded(
     _, replicated = replicated_state(engine)
     for key, tensor in replicated.items() if model else ():
         reads.want[f"full/{key}"] = tensor
+    engine.reshard()  # no all-gather in flight (a step's prefetch) reads the masters while they are written
     with torch.no_grad():
         dcp_load(reads.want, path, weights_only, metadata=metadata, process_group=getattr(engine.comm, "group", None))
         scalars = {k: v for k, v in reads.want.items() if k.startswith("optim/") and "@" not in k}
@@ -228,6 +229,7 @@ def load_full_state_dict(engine: ZeroEngine, state_dict: Mapping[str, torch.Tens
                 f"state_dict does not match this model: first mismatched key {key!r} "
                 f"(shape {list(state_dict[key].shape)} in it, {here} here)"
             )
+    engine.reshard()  # no all-gather in flight (a step's prefetch) reads the masters while they are written
     with torch.no_grad():
         for f in engine.flats:
             flat = f.layout.flatten(

@@ -14,7 +14,8 @@ What is synchronized, and when:
   soon as its gradients are in.
 * **Step.** The optimizer steps this rank's shards; stages 1/2 then all-gather the full parameters.
   Stage 3 all-gathers a unit just before its forward (and again before its backward when it was
-  resharded after forward), prefetching the next unit's while the current one computes.
+  resharded after forward), prefetching the next unit's while the current one computes; with a single
+  optimizer its step issues the next forward's first gathers (the root's, the first group's and its prefetch).
 * **Offload** (``offload=True``): the master shards, their gradients and the optimizer state live on the
   host and the optimizer steps there; each gradient shard is copied out after its reduce-scatter and
   each updated shard copied back for its all-gather (:mod:`lightning_sync.sync.zero.offload`).
@@ -85,7 +86,8 @@ class ZeroEngine(Stage3Forward, BackwardEngine):
         stage: 1, 2 or 3.
         wrap_policy: stage 3 wrap units (see :func:`~lightning_sync.sync.zero.options.resolve_wrap_policy`;
             None: the whole model).
-        prefetch: stage 3: issue the next unit's all-gather while the current one computes.
+        prefetch: stage 3: issue the next unit's all-gather while the current one computes, and the next
+            forward's first ones as soon as the (single) optimizer has stepped.
         coalesce_mb: stage 3: consecutive units (in forward order) whose full parameters add up to at most this
             many MiB are gathered in one call, and their gradients reduce-scattered in one call: a rank waits once
             for the group instead of once per unit, and up to two groups (the one computing and the one
@@ -344,10 +346,14 @@ class ZeroEngine(Stage3Forward, BackwardEngine):
             work.wait()
         for f in flats:
             f._gather_src = None
+        if self.stage == 3 and optimizer is not None:
+            self._prefetch_next_step()
 
     def after_load(self) -> None:
-        """Re-derive the full parameters from freshly loaded master shards (stages 1/2) and the
-        compute copies of frozen parameters."""
+        """Re-derive the full parameters from freshly loaded master shards (stages 1/2; stage 3 drops what it
+        gathered, a prefetch included, so that the next forward gathers the loaded values) and the compute copies
+        of frozen parameters."""
+        self.reshard()
         if self._offload is not None:
             self._offload.upload()
         if self.stage < 3:

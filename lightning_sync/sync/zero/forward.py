@@ -81,6 +81,7 @@ class Stage3Forward:
     _order_checked: bool
     _launch_order: list[int]
 
+    optimizers: list[torch.optim.Optimizer]
     _ac: ActivationCheckpointing | None
     _is_complete: Callable[[int], bool]  # BackwardEngine's: has this unit's backward finished?
 
@@ -120,6 +121,19 @@ class Stage3Forward:
         step function that may use them without calling the root module's ``forward``."""
         if self.stage == 3 and self.root is not None:
             self._gather([self.root], wait=self.root)
+
+    def _prefetch_next_step(self) -> None:
+        """After an optimizer step, issue the next forward's first all-gathers (the root, the first group and the
+        group its forward prefetches: what the first unit's pre-hook would issue), so that they run behind what
+        comes between two steps (the loop's hooks, logging, the next batch) instead of in front of the first unit's
+        compute. The peak is unchanged: the first unit's forward holds the same. Only with a single optimizer:
+        under several, a later one's step would update masters whose gather is already in flight. What writes the
+        masters outside a step (a checkpoint load, :func:`~lightning_sync.sync.zero.summon_full_params`) finishes
+        or drops a gather in flight first, so no forward reads parameters older than the masters."""
+        if not (self.prefetch and self._groups) or len(self.optimizers) != 1:
+            return
+        first = self._group(self.units[self._groups[0][0]])
+        self._gather(([self.root] if self.root is not None else []) + first + self._next_group(first, +1))
 
     def reshard(self) -> None:
         """Stage 3: free every unit's full parameters (after an evaluation step, for example)."""
