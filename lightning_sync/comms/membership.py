@@ -1,0 +1,262 @@
+"""Live membership: the ranks of a job as a sequence of epochs, each with its own process group.
+
+A gloo group cannot outlive a member's death: ``abort()`` is a no-op, and a collective with a dead peer fails (at
+once when the peer's sockets close, as after SIGKILL) and leaves the group unusable. So a job that keeps training
+after a loss gives each *membership epoch* a group of its own, built afresh on a store prefix of its own over a
+TCPStore that outlives every rank (the fault-tolerance agent's, :mod:`lightning_sync.launch.agent`), and never
+reuses a group that lost a member. The default group is rebuilt for each epoch (destroyed, then initialized with
+the epoch's ranks), so every collective of the run follows the membership: ours, Lightning's ``barrier`` /
+``broadcast`` / ``reduce`` and torchmetrics' syncs, which all use the default group.
+
+**Who decides the membership.** The agent does: it sees a rank process exit and publishes the next epoch, its
+members in rank order (:class:`MembershipKeys`). A rank only reads it. A member is named by a stable *member id*
+(its node and local slot, and how many times that slot was started), so its rank may change from epoch to epoch.
+
+**The commit vote.** A step is applied only when every member of the epoch reports that its part completed
+(torchft's ``should_commit``). Each member writes its vote to the store; the member that completes the count seals
+the decision (commit when every vote says so), and a member that sees the epoch closed seals it as an abort. The
+decision is sealed by ``compare_set``, so all members read the same one whatever the order of events, even when a
+member voted and died before the others read: a step is committed on every survivor or on none, and an aborted
+step is replayed by the next epoch's members.
+
+Nothing here imports Lightning; a strategy owns one :class:`Membership` and asks it for the current rank and size.
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import os
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+__all__ = ["ENV_MEMBER", "ENV_STORE", "Membership", "MembershipKeys", "MembershipLost", "parse_members"]
+
+#: the environment variable that names the agent's store, ``host:port``
+ENV_STORE = "LIGHTNING_SYNC_FT_STORE"
+#: the environment variable that names this process's member id
+ENV_MEMBER = "LIGHTNING_SYNC_FT_MEMBER"
+
+_POLL_S = 0.002  # between two looks at the store while waiting for a vote or an epoch
+
+
+class MembershipLost(RuntimeError):
+    """This process is not a member of the newest epoch (it was evicted), or no new epoch came in time."""
+
+
+@dataclass(frozen=True)
+class MembershipKeys:
+    """The store keys of the membership protocol, under one job prefix (the agent writes, the ranks read)."""
+
+    prefix: str = "ft"
+
+    @property
+    def epoch(self) -> str:
+        """The newest epoch's number (decimal)."""
+        return f"{self.prefix}/epoch"
+
+    def members(self, epoch: int) -> str:
+        """Epoch ``epoch``'s member ids in rank order, comma separated."""
+        return f"{self.prefix}/e{epoch}/members"
+
+    def closed(self, epoch: int) -> str:
+        """Present once epoch ``epoch`` has ended (a member was lost); its open votes abort."""
+        return f"{self.prefix}/e{epoch}/closed"
+
+    def present(self, epoch: int) -> str:
+        """Under it, one key per member of epoch ``epoch`` that has shown up to build its group."""
+        return f"{self.prefix}/e{epoch}/present"
+
+    def group(self, epoch: int) -> str:
+        """The store prefix of epoch ``epoch``'s process group."""
+        return f"{self.prefix}/e{epoch}/pg/"
+
+    def vote(self, epoch: int, step: int) -> str:
+        return f"{self.prefix}/e{epoch}/s{step}"
+
+
+def parse_members(value: bytes | str) -> list[str]:
+    text = value.decode() if isinstance(value, bytes) else value
+    return [m for m in text.split(",") if m]
+
+
+class Membership:
+    """One rank's view of the live membership, over the agent's store (see the module docstring).
+
+    Args:
+        store: the agent's store (a client ``TCPStore``), or None to connect to :data:`ENV_STORE`.
+        member: this process's member id, or None to read :data:`ENV_MEMBER`.
+        backend: the process groups' backend (``"gloo"``; NCCL needs a communicator abort, not here yet).
+        timeout: seconds a collective of an epoch's group may take, and how long :meth:`next_epoch` waits for the
+            agent to publish a new epoch before it gives up.
+        keys: the protocol's keys (their job prefix).
+    """
+
+    def __init__(
+        self,
+        store: dist.Store | None = None,
+        member: str | None = None,
+        backend: str = "gloo",
+        timeout: float = 60.0,
+        keys: MembershipKeys | None = None,
+    ) -> None:
+        if backend != "gloo":
+            raise ValueError(f"Membership: backend={backend!r} is not supported; allowed: 'gloo'")
+        self.store = store if store is not None else connect_store(timeout)
+        self.member = member if member is not None else os.environ[ENV_MEMBER]
+        self.backend, self.timeout = backend, float(timeout)
+        self.keys = keys or MembershipKeys()
+        self.epoch = -1
+        self.members: list[str] = []
+
+    # ------------------------------------------------------------------ the epoch
+    @property
+    def rank(self) -> int:
+        return self.members.index(self.member)
+
+    @property
+    def world_size(self) -> int:
+        return len(self.members)
+
+    def newest_epoch(self) -> int:
+        return int(self.store.get(self.keys.epoch))
+
+    def join(self) -> None:
+        """Enter the newest epoch, waiting for the agent to publish the first one."""
+        self._enter_after(-1)
+
+    def next_epoch(self) -> None:
+        """After a failure: leave the current epoch's group and enter the next epoch the agent publishes."""
+        self._enter_after(self.epoch)
+
+    def _enter_after(self, after: int) -> None:
+        """Enter the newest epoch after ``after`` once each of its members has shown up (so that building its group
+        cannot wait for a member lost meanwhile: then the agent closes that epoch too, and the next one is taken)."""
+        while True:
+            epoch = self._wait_for_epoch(after)
+            members = parse_members(self.store.get(self.keys.members(epoch)))
+            if self.member not in members:
+                raise MembershipLost(
+                    f"Membership: member {self.member!r} is not in epoch {epoch} ({members}); it was evicted"
+                )
+            if self._all_present(epoch, members):
+                break
+            after = epoch
+        if dist.is_initialized():
+            dist.destroy_process_group()  # a group that lost a member is never reused
+        self.epoch, self.members = epoch, members
+        dist.init_process_group(
+            self.backend,
+            store=dist.PrefixStore(self.keys.group(epoch), self.store),
+            rank=self.rank,
+            world_size=self.world_size,
+            timeout=datetime.timedelta(seconds=self.timeout),
+        )
+
+    def _wait_for_epoch(self, after: int) -> int:
+        deadline = time.monotonic() + self.timeout
+        while True:
+            if self.store.check([self.keys.epoch]) and (epoch := self.newest_epoch()) > after:
+                return epoch
+            if time.monotonic() > deadline:
+                raise MembershipLost(f"Membership: no epoch after {after} was published within {self.timeout:g} s")
+            time.sleep(_POLL_S)
+
+    def _all_present(self, epoch: int, members: list[str]) -> bool:
+        """Announce this member in ``epoch``; True once every member has, False if the epoch closed first."""
+        present = self.keys.present(epoch)
+        self.store.set(f"{present}/{self.member}", b"1")
+        keys = [f"{present}/{m}" for m in members]
+        deadline = time.monotonic() + self.timeout
+        while not self.store.check(keys):
+            if self.store.check([self.keys.closed(epoch)]):
+                return False
+            if time.monotonic() > deadline:
+                raise MembershipLost(
+                    f"Membership: not every member of epoch {epoch} showed up within {self.timeout:g} s"
+                )
+            time.sleep(_POLL_S)
+        return True
+
+    def leave(self) -> None:
+        """Tear down this epoch's group and close its connections (a failure, or the end of the run). The group's
+        sockets close only when nothing refers to it any more, hence the collection: until they close, a peer
+        blocked in a collective with this member waits out the group's timeout."""
+        if dist.is_initialized():
+            dist.destroy_process_group()
+            gc.collect()
+
+    # ------------------------------------------------------------------ the commit vote
+    def vote(self, step: int, ok: bool) -> bool:
+        """Whether step ``step`` is committed in this epoch: every member's part completed (``ok`` is this
+        member's). A collective over the store, not the group, so it works with the group broken; see the module
+        docstring for why every member reads the same decision."""
+        self.cast(step, ok)
+        return self.decision(step)
+
+    def cast(self, step: int, ok: bool) -> None:
+        """This member's vote on ``step``; the member whose vote completes the count seals the decision."""
+        key = self.keys.vote(self.epoch, step)
+        self.store.set(f"{key}/vote/{self.rank}", b"1" if ok else b"0")
+        if self.store.add(f"{key}/votes", 1) == self.world_size:
+            votes = self.store.multi_get([f"{key}/vote/{r}" for r in range(self.world_size)])
+            self.store.compare_set(f"{key}/decision", "", "commit" if all(v == b"1" for v in votes) else "abort")
+
+    def decision(self, step: int) -> bool:
+        """Wait for ``step``'s sealed decision (sealing it as an abort once the epoch is closed); True: commit."""
+        decision = f"{self.keys.vote(self.epoch, step)}/decision"
+        closed = self.keys.closed(self.epoch)
+        deadline = time.monotonic() + self.timeout
+        while not self.store.check([decision]):
+            if self.store.check([closed]):  # a member was lost before every vote was in
+                self.store.compare_set(decision, "", "abort")
+                break
+            if time.monotonic() > deadline:
+                raise MembershipLost(
+                    f"Membership: step {step}'s vote in epoch {self.epoch} did not end within {self.timeout:g} s "
+                    f"and no member was reported lost"
+                )
+            time.sleep(_POLL_S)
+        return self.store.get(decision) == b"commit"
+
+    def run_committed(self, step: int, attempt: Callable[[], None]) -> int:
+        """Run ``attempt`` (this member's part of step ``step``, its collectives included) until the members commit
+        it; after an abort, enter the next epoch and run it again there (``attempt`` reads :attr:`rank` and
+        :attr:`world_size` anew). Returns how many attempts were aborted. An error that no lost member explains
+        (no new epoch follows) is raised again once :meth:`next_epoch` gives up."""
+        aborted = 0
+        while True:
+            error: BaseException | None = None
+            try:
+                attempt()
+            except RuntimeError as exc:  # a collective with a lost member (gloo: "Connection reset by peer")
+                error = exc
+                # at once, before the vote: a survivor still inside a collective with this member waits on its
+                # sockets (not the lost one's) until the group's timeout unless they close. The failed call's frames
+                # hold the group: their locals go (the traceback's lines stay, for the error raised if no epoch
+                # follows)
+                traceback.clear_frames(exc.__traceback__)
+                self.leave()
+            if self.vote(step, error is None):
+                return aborted
+            aborted += 1
+            try:
+                self.next_epoch()
+            except MembershipLost as lost:
+                raise lost from error
+
+
+def connect_store(timeout: float) -> dist.TCPStore:
+    """A client of the agent's store named by :data:`ENV_STORE` (``host:port``)."""
+    try:
+        host, port = os.environ[ENV_STORE].rsplit(":", 1)
+    except (KeyError, ValueError):
+        raise ValueError(
+            f"Membership: {ENV_STORE}={os.environ.get(ENV_STORE)!r}; expected host:port of the fault-tolerance "
+            f"agent's store (start the job with `python -m lightning_sync.launch.agent`)"
+        ) from None
+    return dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=timeout))

@@ -1,0 +1,172 @@
+"""The fault-tolerance agent: one per node, it starts the node's rank processes and keeps the job's membership.
+
+torchrun's agent restarts every worker when one fails. This one does not: when a rank process exits with an
+error (SIGKILL included), the agent closes the current membership epoch and publishes the next one without it
+(:mod:`lightning_sync.comms.membership`), and the survivors, whose collectives with the lost rank failed, build
+the next epoch's process group and replay the step that was not committed. No survivor exits or restarts.
+
+The membership store is a TCPStore served by this process (node 0's agent), not by a rank, so the loss of any
+rank process, rank 0's included, leaves the rendezvous alive. Each rank process gets the store's address
+(:data:`~lightning_sync.comms.membership.ENV_STORE`) and its member id
+(:data:`~lightning_sync.comms.membership.ENV_MEMBER`): ``n<node>s<slot>i<incarnation>``.
+
+A rank process that exits with status 0 has finished; it is not a loss. The agent exits when every rank process
+has exited: with status 0 when at least one finished and every other one was lost and tolerated, else with the
+first failing status. Run it as ``python -m lightning_sync.launch.agent --nproc 3 -- python train.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+from lightning_sync.comms.membership import ENV_MEMBER, ENV_STORE, MembershipKeys
+
+__all__ = ["Agent", "Loss", "main"]
+
+_POLL_S = 0.01  # between two looks at the rank processes
+
+
+@dataclass
+class Loss:
+    """A rank process that exited with an error, and the epoch published without it."""
+
+    member: str
+    returncode: int
+    at: float  # time.monotonic() when the agent saw it
+    epoch: int  # the epoch published without it (-1: none, no member was left)
+
+
+@dataclass
+class _Rank:
+    member: str
+    process: subprocess.Popen[bytes]
+    done: bool = False
+
+
+@dataclass
+class Agent:
+    """Starts ``nproc`` copies of ``command`` on this node and keeps their membership (see the module docstring).
+
+    Args:
+        command: the rank program and its arguments.
+        nproc: rank processes on this node (>= 1).
+        host: the interface the store listens on.
+        port: the store's port (0: any free one).
+        node: this node's index (0: the node that serves the store).
+        env: extra environment for the rank processes.
+        keys: the membership protocol's keys.
+    """
+
+    command: Sequence[str]
+    nproc: int
+    host: str = "127.0.0.1"
+    port: int = 0
+    node: int = 0
+    env: dict[str, str] = field(default_factory=dict)
+    keys: MembershipKeys = field(default_factory=MembershipKeys)
+    losses: list[Loss] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.nproc, bool) or not isinstance(self.nproc, int) or self.nproc < 1:
+            raise ValueError(f"Agent: nproc={self.nproc!r}; allowed: an int >= 1")
+        if not self.command:
+            raise ValueError("Agent: command=[] is empty; give the rank program, e.g. ['python', 'train.py']")
+        if self.node != 0:
+            raise ValueError(f"Agent: node={self.node!r}; allowed: 0 (one node; more need a store client)")
+        self.store = dist.TCPStore(self.host, self.port, is_master=True, wait_for_workers=False)
+        self.epoch = -1
+        self.members: list[str] = []  # the current epoch's
+        self._ranks: list[_Rank] = []
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.store.port}"
+
+    def run(self) -> int:
+        """Start the ranks, keep the membership until every rank exited; the exit status (module docstring)."""
+        members = [f"n{self.node}s{slot}i0" for slot in range(self.nproc)]
+        self._publish(members)
+        for member in members:
+            self._ranks.append(_Rank(member, self._start(member)))
+        try:
+            while not all(r.done for r in self._ranks):
+                self._watch()
+                time.sleep(_POLL_S)
+        finally:
+            for r in self._ranks:  # an interrupted agent leaves no rank process behind
+                if r.process.poll() is None:
+                    r.process.kill()
+                    r.process.wait()
+        return self._status()
+
+    def _start(self, member: str) -> subprocess.Popen[bytes]:
+        env = {**os.environ, **self.env, ENV_STORE: self.address, ENV_MEMBER: member}
+        return subprocess.Popen(list(self.command), env=env)
+
+    def _watch(self) -> None:
+        lost = []
+        for r in self._ranks:
+            if r.done or (code := r.process.poll()) is None:
+                continue
+            r.done = True
+            if code != 0:
+                lost.append((r, code))
+        if lost:  # every loss seen in one look goes in one new epoch
+            self._lose(lost)
+
+    def _lose(self, lost: list[tuple[_Rank, int]]) -> None:
+        """Close the epoch (its open votes abort) and publish the next one without the ``lost`` ranks."""
+        self.store.set(self.keys.closed(self.epoch), b"1")
+        gone = {r.member for r, _ in lost}
+        left = [m for m in self.members if m not in gone]
+        epoch = self._publish(left) if left else -1
+        now = time.monotonic()
+        for r, code in lost:
+            self.losses.append(Loss(r.member, code, now, epoch))
+            print(f"lightning-sync agent: rank process {r.member} exited with status {code}", file=sys.stderr)
+        print(
+            f"lightning-sync agent: epoch {epoch} continues with {len(left)} members: {', '.join(left)}"
+            if left
+            else "lightning-sync agent: no member left",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def _publish(self, members: list[str]) -> int:
+        self.epoch += 1
+        self.members = members
+        self.store.set(self.keys.members(self.epoch), ",".join(members).encode())
+        self.store.set(self.keys.epoch, str(self.epoch).encode())  # after its members: never an epoch without them
+        return self.epoch
+
+    def _status(self) -> int:
+        codes = [r.process.returncode for r in self._ranks]
+        if any(c == 0 for c in codes):
+            return 0
+        return next((c if c > 0 else 128 - c for c in codes if c != 0), 1)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m lightning_sync.launch.agent",
+        description="Start N rank processes that keep training when one of them is lost.",
+    )
+    parser.add_argument("--nproc", type=int, required=True, help="rank processes on this node")
+    parser.add_argument("--host", default="127.0.0.1", help="the interface the membership store listens on")
+    parser.add_argument("--port", type=int, default=0, help="the membership store's port (0: any free one)")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- the rank program and its arguments")
+    args = parser.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    return Agent(command, args.nproc, host=args.host, port=args.port).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,125 @@
+"""One rank of a fault-tolerant training loop in plain torch, started by the fault-tolerance agent in tests.
+
+Least squares on a fixed synthetic dataset, SGD on the mean loss of each global batch of ``GLOBAL`` samples taken
+in order from one seeded permutation. Each member of the current membership epoch computes the gradient of its
+contiguous slice of the global batch, scaled by ``1 / GLOBAL``, and the members all-reduce (sum) the weight's and
+the bias's gradients in two calls; the sum is the global batch's mean gradient whatever the number of members, so
+the committed steps equal one process's on the same global batches (up to the order of float additions).
+
+``FT_KILL`` names where a member kills itself with SIGKILL: ``member:step:point[,...]``, ``point`` one of
+``before`` (before its first all-reduce), ``between`` (between the two), ``after`` (after both, before voting),
+``voted`` (after voting to commit, before reading the decision); ``error`` instead makes the member's first attempt
+at that step fail after its all-reduces completed, as if its own collective had failed where its peers' did not.
+Each member writes one JSON line per committed step (step, epoch, members, its slice, the time) to
+``<out>/<member>.jsonl`` and its final parameters to ``<out>/<member>.pt``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from lightning_sync.comms.membership import Membership
+
+SAMPLES, FEATURES, GLOBAL, STEPS, LR = 96, 5, 12, 8, 0.1
+
+
+def dataset() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inputs, targets and the global order (a seeded permutation of the sample indices)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(SAMPLES, FEATURES, generator=g, dtype=torch.float64)
+    y = x @ torch.linspace(-1, 1, FEATURES, dtype=torch.float64) + 0.5 + 0.1 * torch.randn(SAMPLES, generator=g)
+    return x, y, torch.randperm(SAMPLES, generator=g)
+
+
+def grads(w: torch.Tensor, b: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gradient of sum((x w + b - y)^2) / GLOBAL over the rows given."""
+    r = x @ w + b - y
+    return 2 * x.T @ r / GLOBAL, (2 * r.sum() / GLOBAL).reshape(1)
+
+
+def share(batch: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """This rank's contiguous slice of the global batch (sizes differ by at most one)."""
+    return batch.tensor_split(world)[rank]
+
+
+def reference() -> tuple[torch.Tensor, torch.Tensor]:
+    """One process over the same global batches."""
+    x, y, order = dataset()
+    w, b = torch.zeros(FEATURES, dtype=torch.float64), torch.zeros(1, dtype=torch.float64)
+    for step in range(STEPS):
+        idx = order[step * GLOBAL : (step + 1) * GLOBAL]
+        gw, gb = grads(w, b, x[idx], y[idx])
+        w, b = w - LR * gw, b - LR * gb
+    return w, b
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    kills = {tuple(k.split(":")[:2]): k.split(":")[2] for k in os.environ.get("FT_KILL", "").split(",") if k}
+    membership = Membership(timeout=30.0)
+
+    def maybe_die(step: int, point: str) -> None:
+        if kills.get((membership.member, str(step))) == point:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    cast = membership.cast
+
+    def cast_then_maybe_die(step: int, ok: bool) -> None:  # a member that votes to commit and dies before the decision
+        cast(step, ok)
+        if ok:
+            maybe_die(step, "voted")
+
+    membership.cast = cast_then_maybe_die  # type: ignore[method-assign]
+    membership.join()
+    x, y, order = dataset()
+    w, b = torch.zeros(FEATURES, dtype=torch.float64), torch.zeros(1, dtype=torch.float64)
+    log = (out / f"{membership.member}.jsonl").open("w")
+    for step in range(STEPS):
+        batch = order[step * GLOBAL : (step + 1) * GLOBAL]
+        result: dict[str, torch.Tensor] = {}
+
+        def attempt(
+            step: int = step,
+            batch: torch.Tensor = batch,
+            result: dict[str, torch.Tensor] = result,
+            w: torch.Tensor = w,
+            b: torch.Tensor = b,
+        ) -> None:
+            mine = share(batch, membership.rank, membership.world_size)
+            maybe_die(step, "before")
+            gw, gb = grads(w, b, x[mine], y[mine])
+            dist.all_reduce(gw)
+            maybe_die(step, "between")
+            dist.all_reduce(gb)
+            maybe_die(step, "after")
+            if kills.get((membership.member, str(step))) == "error":
+                del kills[membership.member, str(step)]  # once: the replay succeeds
+                raise RuntimeError("injected: this member's collective failed where its peers' completed")
+            result.update(gw=gw, gb=gb, mine=mine)
+
+        aborted = membership.run_committed(step, attempt)
+        w, b = w - LR * result["gw"], b - LR * result["gb"]
+        record = {
+            "step": step,
+            "epoch": membership.epoch,
+            "members": membership.members,
+            "mine": result["mine"].tolist(),
+            "aborted": aborted,
+            "time": time.monotonic(),
+        }
+        log.write(json.dumps(record) + "\n")
+        log.flush()
+    torch.save({"w": w, "b": b}, out / f"{membership.member}.pt")
+    membership.leave()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,94 @@
+"""The commit vote and the epoch bookkeeping of :class:`~lightning_sync.comms.membership.Membership`, in one process:
+several members over one real TCPStore, no process group (their epochs are set by hand, as :meth:`join` would).
+The multi-process behaviour, with SIGKILL and real gloo groups, is ``tests/multiprocess/test_live_membership.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch.distributed as dist
+
+from lightning_sync.comms.membership import Membership, MembershipKeys, MembershipLost
+from lightning_sync.launch.agent import Agent
+
+
+@pytest.fixture
+def store() -> dist.TCPStore:
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+
+
+def _members(store: dist.TCPStore, n: int, epoch: int = 0) -> list[Membership]:
+    ids = [f"m{i}" for i in range(n)]
+    out = []
+    for member in ids:
+        m = Membership(store, member, timeout=2.0)
+        m.epoch, m.members = epoch, list(ids)
+        out.append(m)
+    return out
+
+
+@pytest.mark.parametrize(("oks", "want"), [((True, True, True), True), ((True, False, True), False)])
+def test_the_decision_is_commit_only_when_every_member_says_so(
+    store: dist.TCPStore, oks: tuple[bool, ...], want: bool
+) -> None:
+    members = _members(store, 3)
+    for m, ok in zip(members, oks):
+        m.cast(5, ok)
+    assert [m.decision(5) for m in members] == [want] * 3
+
+
+def test_a_closed_epoch_aborts_the_votes_still_open(store: dist.TCPStore) -> None:
+    a, b, _lost = _members(store, 3)
+    a.cast(2, True)
+    b.cast(2, True)
+    store.set(MembershipKeys().closed(0), b"1")  # the agent saw the third member exit before it voted
+    assert a.decision(2) is False and b.decision(2) is False
+
+
+def test_a_vote_completed_before_the_epoch_closed_stays_committed(store: dist.TCPStore) -> None:
+    """The lost member voted to commit, then died: the count completed, so the commit is sealed, and a survivor that
+    reads the decision only after the agent closed the epoch still reads commit."""
+    members = _members(store, 3)
+    for m in members:
+        m.cast(7, True)
+    store.set(MembershipKeys().closed(0), b"1")
+    assert [m.decision(7) for m in members[:2]] == [True, True]
+
+
+def test_votes_of_different_steps_and_epochs_do_not_mix(store: dist.TCPStore) -> None:
+    old = _members(store, 2, epoch=0)
+    new = _members(store, 2, epoch=1)
+    old[0].cast(3, False)
+    for m in new:
+        m.cast(3, True)
+    assert [m.decision(3) for m in new] == [True, True]
+
+
+def test_a_vote_no_loss_explains_times_out_with_a_message(store: dist.TCPStore) -> None:
+    a, _ = _members(store, 2)
+    a.cast(1, True)
+    with pytest.raises(MembershipLost, match="step 1's vote in epoch 0 did not end within 2 s"):
+        a.decision(1)
+
+
+def test_an_evicted_member_is_told_so(store: dist.TCPStore) -> None:
+    keys = MembershipKeys()
+    store.set(keys.members(0), b"m0,m1")
+    store.set(keys.epoch, b"0")
+    with pytest.raises(MembershipLost, match="member 'm2' is not in epoch 0"):
+        Membership(store, "m2", timeout=1.0).join()
+
+
+def test_bad_arguments_name_the_value_and_the_allowed_ones(store: dist.TCPStore) -> None:
+    with pytest.raises(ValueError, match="backend='nccl' is not supported; allowed: 'gloo'"):
+        Membership(store, "m0", backend="nccl")
+    with pytest.raises(ValueError, match=r"nproc=0; allowed: an int >= 1"):
+        Agent(["python", "x.py"], 0)
+    with pytest.raises(ValueError, match=r"command=\[\] is empty"):
+        Agent([], 2)
+
+
+def test_a_missing_store_address_says_how_to_start_the_job(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("LIGHTNING_SYNC_FT_STORE", raising=False)
+    with pytest.raises(ValueError, match="start the job with"):
+        Membership(member="m0")
