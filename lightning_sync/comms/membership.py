@@ -67,6 +67,23 @@ class MembershipKeys:
         """Present once epoch ``epoch`` has ended (a member was lost); its open votes abort."""
         return f"{self.prefix}/e{epoch}/closed"
 
+    @property
+    def waiting(self) -> str:
+        """The replacement members the agent started and the membership has not admitted yet, comma separated."""
+        return f"{self.prefix}/waiting"
+
+    def ready(self, member: str) -> str:
+        """Present once replacement ``member`` is up and waiting to be admitted."""
+        return f"{self.prefix}/ready/{member}"
+
+    def admit(self, epoch: int) -> str:
+        """``step:m1,m2``: the members admitted after ``step``, the last one epoch ``epoch`` commits."""
+        return f"{self.prefix}/e{epoch}/admit"
+
+    def start(self, epoch: int) -> str:
+        """The step an admitting epoch runs first (its newcomers start there)."""
+        return f"{self.prefix}/e{epoch}/start"
+
     def present(self, epoch: int) -> str:
         """Under it, one key per member of epoch ``epoch`` that has shown up to build its group."""
         return f"{self.prefix}/e{epoch}/present"
@@ -112,6 +129,11 @@ class Membership:
         self.keys = keys or MembershipKeys()
         self.epoch = -1
         self.members: list[str] = []
+        #: members known to hold the training state: those of the first epoch, and every member of an epoch that
+        #: committed a step with this one (a newcomer holds it after its first committed step)
+        self.healed: set[str] = set()
+        #: the step this member runs first: 0, or for a newcomer the step its admitting epoch starts at
+        self.start_step = 0
 
     # ------------------------------------------------------------------ the epoch
     @property
@@ -126,8 +148,13 @@ class Membership:
         return int(self.store.get(self.keys.epoch))
 
     def join(self) -> None:
-        """Enter the newest epoch, waiting for the agent to publish the first one."""
+        """Enter the newest epoch, waiting for the agent to publish the first one. A replacement (a member the
+        agent started after a loss) waits to be admitted at a step boundary and starts at that epoch's step."""
         self._enter_after(-1)
+        if self.epoch == 0:
+            self.healed = set(self.members)
+        else:
+            self.start_step = int(self.store.get(self.keys.start(self.epoch)))
 
     def next_epoch(self) -> None:
         """After a failure: leave the current epoch's group and enter the next epoch the agent publishes."""
@@ -139,6 +166,9 @@ class Membership:
         while True:
             epoch = self._wait_for_epoch(after)
             members = parse_members(self.store.get(self.keys.members(epoch)))
+            if self.member not in members and self.epoch < 0 and self._is_waiting():
+                after = epoch  # a replacement, not admitted yet: the next epoch may
+                continue
             if self.member not in members:
                 raise MembershipLost(
                     f"Membership: member {self.member!r} is not in epoch {epoch} ({members}); it was evicted"
@@ -156,6 +186,15 @@ class Membership:
             world_size=self.world_size,
             timeout=datetime.timedelta(seconds=self.timeout),
         )
+
+    def _is_waiting(self) -> bool:
+        """Whether this member is a replacement the agent started and the membership has not admitted yet; if so,
+        say that it is up (the next committed step admits it)."""
+        waiting = parse_members(self.store.get(self.keys.waiting)) if self.store.check([self.keys.waiting]) else []
+        if self.member not in waiting:
+            return False
+        self.store.set(self.keys.ready(self.member), b"1")
+        return True
 
     def _wait_for_epoch(self, after: int) -> int:
         deadline = time.monotonic() + self.timeout
@@ -204,7 +243,22 @@ class Membership:
         self.store.set(f"{key}/vote/{self.rank}", b"1" if ok else b"0")
         if self.store.add(f"{key}/votes", 1) == self.world_size:
             votes = self.store.multi_get([f"{key}/vote/{r}" for r in range(self.world_size)])
-            self.store.compare_set(f"{key}/decision", "", "commit" if all(v == b"1" for v in votes) else "abort")
+            commit = all(v == b"1" for v in votes)
+            if commit and (ready := self._ready_replacements()):  # before the decision: whoever reads it, reads this
+                self.store.compare_set(self.keys.admit(self.epoch), "", f"{step}:{','.join(ready)}")
+            self.store.compare_set(f"{key}/decision", "", "commit" if commit else "abort")
+
+    def _ready_replacements(self) -> list[str]:
+        if not self.store.check([self.keys.waiting]):
+            return []
+        waiting = parse_members(self.store.get(self.keys.waiting))
+        return [m for m in waiting if self.store.check([self.keys.ready(m)])]
+
+    def admitted_after(self, step: int) -> bool:
+        """Whether this epoch admits replacements after its committed step ``step`` (then every member enters the
+        next epoch, which the agent publishes with them)."""
+        key = self.keys.admit(self.epoch)
+        return self.store.check([key]) and self.store.get(key).split(b":", 1)[0] == str(step).encode()
 
     def decision(self, step: int) -> bool:
         """Wait for ``step``'s sealed decision (sealing it as an abort once the epoch is closed); True: commit."""
@@ -223,15 +277,27 @@ class Membership:
             time.sleep(_POLL_S)
         return self.store.get(decision) == b"commit"
 
-    def run_committed(self, step: int, attempt: Callable[[], None]) -> int:
+    def run_committed(self, step: int, attempt: Callable[[], None], heal: Callable[[int], None] | None = None) -> int:
         """Run ``attempt`` (this member's part of step ``step``, its collectives included) until the members commit
         it; after an abort, enter the next epoch and run it again there (``attempt`` reads :attr:`rank` and
         :attr:`world_size` anew). Returns how many attempts were aborted. An error that no lost member explains
-        (no new epoch follows) is raised again once :meth:`next_epoch` gives up."""
+        (no new epoch follows) is raised again once :meth:`next_epoch` gives up.
+
+        While the epoch has a member that does not hold the training state yet (a replacement), each attempt first
+        calls ``heal(source)`` on every member: a collective that copies the state from rank ``source`` (0: the
+        agent lists replacements last), inside the attempt, so that a member lost while healing aborts the step
+        like any other failure. After a commit that admits replacements, every member enters the next epoch."""
         aborted = 0
         while True:
             error: BaseException | None = None
             try:
+                if not set(self.members) <= self.healed:
+                    if heal is None:
+                        raise ValueError(
+                            f"Membership: members {sorted(set(self.members) - self.healed)} joined and "
+                            f"need the training state, but run_committed got no heal function"
+                        )
+                    heal(0)
                 attempt()
             except RuntimeError as exc:  # a collective with a lost member (gloo: "Connection reset by peer")
                 error = exc
@@ -242,6 +308,9 @@ class Membership:
                 traceback.clear_frames(exc.__traceback__)
                 self.leave()
             if self.vote(step, error is None):
+                self.healed |= set(self.members)
+                if self.admitted_after(step):
+                    self.next_epoch()
                 return aborted
             aborted += 1
             try:

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-from lightning_sync.comms.membership import ENV_MEMBER, ENV_STORE, MembershipKeys
+from lightning_sync.comms.membership import ENV_MEMBER, ENV_STORE, MembershipKeys, parse_members
 
 __all__ = ["Agent", "Loss", "main"]
 
@@ -62,6 +62,8 @@ class Agent:
         port: the store's port (0: any free one).
         node: this node's index (0: the node that serves the store).
         env: extra environment for the rank processes.
+        max_restarts: how many times in all a lost rank process is started again (>= 0); the replacement waits to
+            be admitted at the next committed step and takes the training state from a live member.
         keys: the membership protocol's keys.
     """
 
@@ -71,12 +73,15 @@ class Agent:
     port: int = 0
     node: int = 0
     env: dict[str, str] = field(default_factory=dict)
+    max_restarts: int = 0
     keys: MembershipKeys = field(default_factory=MembershipKeys)
     losses: list[Loss] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if isinstance(self.nproc, bool) or not isinstance(self.nproc, int) or self.nproc < 1:
             raise ValueError(f"Agent: nproc={self.nproc!r}; allowed: an int >= 1")
+        if isinstance(self.max_restarts, bool) or not isinstance(self.max_restarts, int) or self.max_restarts < 0:
+            raise ValueError(f"Agent: max_restarts={self.max_restarts!r}; allowed: an int >= 0")
         if not self.command:
             raise ValueError("Agent: command=[] is empty; give the rank program, e.g. ['python', 'train.py']")
         if self.node != 0:
@@ -84,7 +89,10 @@ class Agent:
         self.store = dist.TCPStore(self.host, self.port, is_master=True, wait_for_workers=False)
         self.epoch = -1
         self.members: list[str] = []  # the current epoch's
+        self.restarts = 0
+        self.waiting: list[str] = []  # replacements started and not admitted yet
         self._ranks: list[_Rank] = []
+        self._finished = False  # a rank process exited with status 0: the run is over, nothing more is started
 
     @property
     def address(self) -> str:
@@ -113,17 +121,27 @@ class Agent:
 
     def _watch(self) -> None:
         lost = []
-        for r in self._ranks:
+        for r in list(self._ranks):
             if r.done or (code := r.process.poll()) is None:
                 continue
             r.done = True
-            if code != 0:
+            if code == 0 and not self._finished:
+                self._finished = True
+                self._stop_waiting()
+            elif code != 0 and r.member in self.waiting:  # a replacement lost before it was admitted
+                self._set_waiting([m for m in self.waiting if m != r.member])
+                self.losses.append(Loss(r.member, code, time.monotonic(), self.epoch))
+                self._restart(r.member)
+            elif code != 0 and r.member in self.members:
                 lost.append((r, code))
         if lost:  # every loss seen in one look goes in one new epoch
             self._lose(lost)
+        if self.store.check([self.keys.admit(self.epoch)]):
+            self._admit()
 
     def _lose(self, lost: list[tuple[_Rank, int]]) -> None:
-        """Close the epoch (its open votes abort) and publish the next one without the ``lost`` ranks."""
+        """Close the epoch (its open votes abort), publish the next one without the ``lost`` ranks, and start
+        their replacements while restarts are left."""
         self.store.set(self.keys.closed(self.epoch), b"1")
         gone = {r.member for r, _ in lost}
         left = [m for m in self.members if m not in gone]
@@ -139,6 +157,51 @@ class Agent:
             file=sys.stderr,
             flush=True,
         )
+        for r, _ in lost:
+            if left:
+                self._restart(r.member)
+
+    def _restart(self, member: str) -> None:
+        """Start a replacement for ``member``'s slot (its next incarnation) if restarts are left."""
+        if self._finished or self.restarts >= self.max_restarts:
+            return
+        self.restarts += 1
+        slot, incarnation = member.rsplit("i", 1)
+        new = f"{slot}i{int(incarnation) + 1}"
+        self._set_waiting([*self.waiting, new])  # before it starts: it must find itself there
+        self._ranks.append(_Rank(new, self._start(new)))
+        print(
+            f"lightning-sync agent: started {new} in place of {member} (restart {self.restarts} of "
+            f"{self.max_restarts})",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def _admit(self) -> None:
+        """The current epoch committed a step that admits replacements: publish the next epoch with them, last (the
+        members that hold the training state keep ranks 0..; the newcomers heal from rank 0)."""
+        step, _, names = self.store.get(self.keys.admit(self.epoch)).decode().partition(":")
+        alive = {r.member for r in self._ranks if not r.done}
+        admitted = [m for m in parse_members(names) if m in self.waiting and m in alive]
+        self._set_waiting([m for m in self.waiting if m not in admitted])
+        self.store.set(self.keys.start(self.epoch + 1), str(int(step) + 1).encode())
+        epoch = self._publish([*self.members, *admitted])
+        print(
+            f"lightning-sync agent: epoch {epoch} admits {', '.join(admitted) or 'none'} after step {step}",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def _set_waiting(self, members: list[str]) -> None:
+        self.waiting = members
+        self.store.set(self.keys.waiting, ",".join(members).encode())
+
+    def _stop_waiting(self) -> None:
+        """The run is over: replacements still waiting have nothing left to join."""
+        for r in self._ranks:
+            if r.member in self.waiting and r.process.poll() is None:
+                r.process.kill()
+        self._set_waiting([])
 
     def _publish(self, members: list[str]) -> int:
         self.epoch += 1
@@ -162,10 +225,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--nproc", type=int, required=True, help="rank processes on this node")
     parser.add_argument("--host", default="127.0.0.1", help="the interface the membership store listens on")
     parser.add_argument("--port", type=int, default=0, help="the membership store's port (0: any free one)")
+    parser.add_argument("--max-restarts", type=int, default=0, help="lost rank processes started again, in all")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- the rank program and its arguments")
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
-    return Agent(command, args.nproc, host=args.host, port=args.port).run()
+    return Agent(command, args.nproc, host=args.host, port=args.port, max_restarts=args.max_restarts).run()
 
 
 if __name__ == "__main__":

@@ -8,10 +8,14 @@ the committed steps equal one process's on the same global batches (up to the or
 
 ``FT_KILL`` names where a member kills itself with SIGKILL: ``member:step:point[,...]``, ``point`` one of
 ``before`` (before its first all-reduce), ``between`` (between the two), ``after`` (after both, before voting),
-``voted`` (after voting to commit, before reading the decision); ``error`` instead makes the member's first attempt
-at that step fail after its all-reduces completed, as if its own collective had failed where its peers' did not.
-Each member writes one JSON line per committed step (step, epoch, members, its slice, the time) to
-``<out>/<member>.jsonl`` and its final parameters to ``<out>/<member>.pt``.
+``voted`` (after voting to commit, before reading the decision), and for a replacement ``*:heal`` (while it takes
+the training state from a live member); a step ``+N`` counts from the member's first step (a replacement's
+start). ``error`` instead of a point makes the member's first attempt at that step fail after its all-reduces
+completed, as if its own collective had failed where its peers' did not.
+``FT_STEPS`` (default ``STEPS``) is the number of steps and ``FT_STEP_S`` seconds of sleep stand for each
+attempt's compute, so that a replacement has time to start and join. Each member writes one JSON line per committed
+step (step, epoch, members, its slice, the time) to ``<out>/<member>.jsonl`` and its final parameters to
+``<out>/<member>.pt``.
 """
 
 from __future__ import annotations
@@ -50,11 +54,11 @@ def share(batch: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     return batch.tensor_split(world)[rank]
 
 
-def reference() -> tuple[torch.Tensor, torch.Tensor]:
+def reference(steps: int = STEPS) -> tuple[torch.Tensor, torch.Tensor]:
     """One process over the same global batches."""
     x, y, order = dataset()
     w, b = torch.zeros(FEATURES, dtype=torch.float64), torch.zeros(1, dtype=torch.float64)
-    for step in range(STEPS):
+    for step in range(steps):
         idx = order[step * GLOBAL : (step + 1) * GLOBAL]
         gw, gb = grads(w, b, x[idx], y[idx])
         w, b = w - LR * gw, b - LR * gb
@@ -63,12 +67,17 @@ def reference() -> tuple[torch.Tensor, torch.Tensor]:
 
 def main() -> None:
     out = Path(sys.argv[1])
+    steps, step_s = int(os.environ.get("FT_STEPS", STEPS)), float(os.environ.get("FT_STEP_S", 0))
     kills = {tuple(k.split(":")[:2]): k.split(":")[2] for k in os.environ.get("FT_KILL", "").split(",") if k}
     membership = Membership(timeout=30.0)
 
-    def maybe_die(step: int, point: str) -> None:
-        if kills.get((membership.member, str(step))) == point:
+    def maybe_die(step: int | str, point: str) -> None:
+        mine = (kills.get((membership.member, str(step))), kills.get((membership.member, f"+{step_of(step)}")))
+        if point in mine:
             os.kill(os.getpid(), signal.SIGKILL)
+
+    def step_of(step: int | str) -> int | str:
+        return step - membership.start_step if isinstance(step, int) else step
 
     cast = membership.cast
 
@@ -80,22 +89,26 @@ def main() -> None:
     membership.cast = cast_then_maybe_die  # type: ignore[method-assign]
     membership.join()
     x, y, order = dataset()
-    w, b = torch.zeros(FEATURES, dtype=torch.float64), torch.zeros(1, dtype=torch.float64)
+    # a replacement starts from zeros too: heal() gives it the members' values
+    state = {"w": torch.zeros(FEATURES, dtype=torch.float64), "b": torch.zeros(1, dtype=torch.float64)}
+
+    def heal(source: int) -> None:
+        """The training state from rank ``source`` to every member (what a replacement lacks)."""
+        maybe_die("*", "heal")  # a replacement lost while it heals
+        flat = torch.cat([state["w"], state["b"]])
+        dist.broadcast(flat, src=source)
+        state["w"], state["b"] = flat[:FEATURES].clone(), flat[FEATURES:].clone()
+
     log = (out / f"{membership.member}.jsonl").open("w")
-    for step in range(STEPS):
+    for step in range(membership.start_step, steps):
         batch = order[step * GLOBAL : (step + 1) * GLOBAL]
         result: dict[str, torch.Tensor] = {}
 
-        def attempt(
-            step: int = step,
-            batch: torch.Tensor = batch,
-            result: dict[str, torch.Tensor] = result,
-            w: torch.Tensor = w,
-            b: torch.Tensor = b,
-        ) -> None:
+        def attempt(step: int = step, batch: torch.Tensor = batch, result: dict[str, torch.Tensor] = result) -> None:
             mine = share(batch, membership.rank, membership.world_size)
             maybe_die(step, "before")
-            gw, gb = grads(w, b, x[mine], y[mine])
+            time.sleep(step_s)  # the compute of a real step, so that a replacement can join mid-run
+            gw, gb = grads(state["w"], state["b"], x[mine], y[mine])
             dist.all_reduce(gw)
             maybe_die(step, "between")
             dist.all_reduce(gb)
@@ -105,8 +118,8 @@ def main() -> None:
                 raise RuntimeError("injected: this member's collective failed where its peers' completed")
             result.update(gw=gw, gb=gb, mine=mine)
 
-        aborted = membership.run_committed(step, attempt)
-        w, b = w - LR * result["gw"], b - LR * result["gb"]
+        aborted = membership.run_committed(step, attempt, heal)
+        state["w"], state["b"] = state["w"] - LR * result["gw"], state["b"] - LR * result["gb"]
         record = {
             "step": step,
             "epoch": membership.epoch,
@@ -117,7 +130,7 @@ def main() -> None:
         }
         log.write(json.dumps(record) + "\n")
         log.flush()
-    torch.save({"w": w, "b": b}, out / f"{membership.member}.pt")
+    torch.save(state, out / f"{membership.member}.pt")
     membership.leave()
 
 
