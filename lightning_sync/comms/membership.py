@@ -24,9 +24,11 @@ Nothing here imports Lightning; a strategy owns one :class:`Membership` and asks
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import gc
 import os
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -34,7 +36,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-__all__ = ["ENV_MEMBER", "ENV_STORE", "Membership", "MembershipKeys", "MembershipLost", "parse_members"]
+__all__ = ["BEAT_S", "ENV_MEMBER", "ENV_STORE", "Membership", "MembershipKeys", "MembershipLost", "parse_members"]
 
 #: the environment variable that names the agent's store, ``host:port``
 ENV_STORE = "LIGHTNING_SYNC_FT_STORE"
@@ -42,6 +44,8 @@ ENV_STORE = "LIGHTNING_SYNC_FT_STORE"
 ENV_MEMBER = "LIGHTNING_SYNC_FT_MEMBER"
 
 _POLL_S = 0.002  # between two looks at the store while waiting for a vote or an epoch
+#: seconds between two heartbeats of a member
+BEAT_S = 0.1
 
 
 class MembershipLost(RuntimeError):
@@ -83,6 +87,11 @@ class MembershipKeys:
     def start(self, epoch: int) -> str:
         """The step an admitting epoch runs first (its newcomers start there)."""
         return f"{self.prefix}/e{epoch}/start"
+
+    def beat(self, member: str) -> str:
+        """A counter ``member``'s heartbeat thread raises every :data:`BEAT_S`: the agent kills a member whose counter
+        stands still (a hung process: stopped, or stuck where no collective fails)."""
+        return f"{self.prefix}/beat/{member}"
 
     def present(self, epoch: int) -> str:
         """Under it, one key per member of epoch ``epoch`` that has shown up to build its group."""
@@ -134,6 +143,8 @@ class Membership:
         self.healed: set[str] = set()
         #: the step this member runs first: 0, or for a newcomer the step its admitting epoch starts at
         self.start_step = 0
+        self._beating: threading.Thread | None = None
+        self._stop_beating = threading.Event()
 
     # ------------------------------------------------------------------ the epoch
     @property
@@ -148,8 +159,13 @@ class Membership:
         return int(self.store.get(self.keys.epoch))
 
     def join(self) -> None:
-        """Enter the newest epoch, waiting for the agent to publish the first one. A replacement (a member the
-        agent started after a loss) waits to be admitted at a step boundary and starts at that epoch's step."""
+        """Start this member's heartbeat and enter the newest epoch, waiting for the agent to publish the first one.
+        A replacement (a member the agent started after a loss) waits to be admitted at a step boundary and starts
+        at that epoch's step."""
+        if self._beating is None:
+            self._beating = threading.Thread(target=self._beat, args=(self.store.clone(),), daemon=True)
+            self._beating.start()
+            atexit.register(self.close)
         self._enter_after(-1)
         if self.epoch == 0:
             self.healed = set(self.members)
@@ -186,6 +202,17 @@ class Membership:
             world_size=self.world_size,
             timeout=datetime.timedelta(seconds=self.timeout),
         )
+
+    def _beat(self, store: dist.Store) -> None:
+        """The heartbeat thread, on a store client of its own: it beats while the process runs (even while the main
+        thread waits inside a collective, which releases the GIL) and stops when the process stops."""
+        key = self.keys.beat(self.member)
+        while not self._stop_beating.is_set():
+            try:
+                store.add(key, 1)
+            except (RuntimeError, dist.DistError):  # the agent's store is gone: the job is over
+                return
+            self._stop_beating.wait(BEAT_S)
 
     def _is_waiting(self) -> bool:
         """Whether this member is a replacement the agent started and the membership has not admitted yet; if so,
@@ -228,6 +255,17 @@ class Membership:
         if dist.is_initialized():
             dist.destroy_process_group()
             gc.collect()
+
+    def close(self) -> None:
+        """The end of the run: stop the heartbeat and tear down the group. Registered at exit too: a heartbeat
+        thread still inside a store call while the interpreter shuts down aborts the process (SIGABRT), which the
+        agent would count as a loss."""
+        if self._beating is not None:
+            self._stop_beating.set()
+            self._beating.join(timeout=5.0)
+            self._beating = None
+            atexit.unregister(self.close)
+        self.leave()
 
     # ------------------------------------------------------------------ the commit vote
     def vote(self, step: int, ok: bool) -> bool:

@@ -49,6 +49,8 @@ class _Rank:
     member: str
     process: subprocess.Popen[bytes]
     done: bool = False
+    beats: int = 0  # the heartbeat counter last seen (0: not beating yet, so not judged)
+    seen: float = 0.0  # time.monotonic() when it last moved
 
 
 @dataclass
@@ -64,6 +66,8 @@ class Agent:
         env: extra environment for the rank processes.
         max_restarts: how many times in all a lost rank process is started again (>= 0); the replacement waits to
             be admitted at the next committed step and takes the training state from a live member.
+        hang_timeout: seconds a rank process's heartbeat may stand still before the agent kills it as hung (> 0):
+            a stopped process, or one stuck where no collective fails; its peers then see it lost.
         keys: the membership protocol's keys.
     """
 
@@ -74,6 +78,7 @@ class Agent:
     node: int = 0
     env: dict[str, str] = field(default_factory=dict)
     max_restarts: int = 0
+    hang_timeout: float = 10.0
     keys: MembershipKeys = field(default_factory=MembershipKeys)
     losses: list[Loss] = field(default_factory=list)
 
@@ -82,6 +87,12 @@ class Agent:
             raise ValueError(f"Agent: nproc={self.nproc!r}; allowed: an int >= 1")
         if isinstance(self.max_restarts, bool) or not isinstance(self.max_restarts, int) or self.max_restarts < 0:
             raise ValueError(f"Agent: max_restarts={self.max_restarts!r}; allowed: an int >= 0")
+        if (
+            isinstance(self.hang_timeout, bool)
+            or not isinstance(self.hang_timeout, (int, float))
+            or not (self.hang_timeout > 0)
+        ):
+            raise ValueError(f"Agent: hang_timeout={self.hang_timeout!r}; allowed: seconds > 0")
         if not self.command:
             raise ValueError("Agent: command=[] is empty; give the rank program, e.g. ['python', 'train.py']")
         if self.node != 0:
@@ -90,6 +101,8 @@ class Agent:
         self.epoch = -1
         self.members: list[str] = []  # the current epoch's
         self.restarts = 0
+        self.hung: list[str] = []  # members killed for a heartbeat that stood still
+        self._looked = time.monotonic()  # the last look at the heartbeats
         self.waiting: list[str] = []  # replacements started and not admitted yet
         self._ranks: list[_Rank] = []
         self._finished = False  # a rank process exited with status 0: the run is over, nothing more is started
@@ -120,6 +133,7 @@ class Agent:
         return subprocess.Popen(list(self.command), env=env)
 
     def _watch(self) -> None:
+        self._kill_hung()
         lost = []
         for r in list(self._ranks):
             if r.done or (code := r.process.poll()) is None:
@@ -160,6 +174,29 @@ class Agent:
         for r, _ in lost:
             if left:
                 self._restart(r.member)
+
+    def _kill_hung(self) -> None:
+        """Kill every rank process whose heartbeat stood still for ``hang_timeout`` (it is then seen as lost). After a
+        pause of the agent itself (a loaded machine) the clocks restart: it did not watch, so it judges no one."""
+        now = time.monotonic()
+        paused, self._looked = now - self._looked > self.hang_timeout / 4, now
+        for r in self._ranks:
+            if r.done or r.process.poll() is not None:
+                continue
+            key = self.keys.beat(r.member)
+            beats = int(self.store.add(key, 0)) if self.store.check([key]) else 0
+            if beats != r.beats or paused:
+                r.beats, r.seen = beats, now
+            elif beats and now - r.seen > self.hang_timeout:
+                print(
+                    f"lightning-sync agent: rank process {r.member} (pid {r.process.pid}) has not beaten for "
+                    f"{now - r.seen:.1f} s: hung; killing it",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                r.process.kill()
+                r.process.wait()
+                self.hung.append(r.member)
 
     def _restart(self, member: str) -> None:
         """Start a replacement for ``member``'s slot (its next incarnation) if restarts are left."""
@@ -226,10 +263,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--host", default="127.0.0.1", help="the interface the membership store listens on")
     parser.add_argument("--port", type=int, default=0, help="the membership store's port (0: any free one)")
     parser.add_argument("--max-restarts", type=int, default=0, help="lost rank processes started again, in all")
+    parser.add_argument("--hang-timeout", type=float, default=10.0, help="seconds without a heartbeat: hung")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- the rank program and its arguments")
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
-    return Agent(command, args.nproc, host=args.host, port=args.port, max_restarts=args.max_restarts).run()
+    agent = Agent(
+        command,
+        args.nproc,
+        host=args.host,
+        port=args.port,
+        max_restarts=args.max_restarts,
+        hang_timeout=args.hang_timeout,
+    )
+    return agent.run()
 
 
 if __name__ == "__main__":

@@ -28,11 +28,11 @@ TOL = 1e-12
 
 
 def _run(
-    tmp_path: Path, kill: str, max_restarts: int = 0, **env: str
+    tmp_path: Path, kill: str, max_restarts: int = 0, hang_timeout: float = 10.0, **env: str
 ) -> tuple[Agent, int, dict[str, list[dict[str, Any]]]]:
     """Run the agent with 3 ranks and ``FT_KILL=kill``; the agent, its exit status and each member's log."""
     command = [sys.executable, str(WORKER), str(tmp_path)]
-    agent = Agent(command, 3, env={"FT_KILL": kill, **env}, max_restarts=max_restarts)
+    agent = Agent(command, 3, env={"FT_KILL": kill, **env}, max_restarts=max_restarts, hang_timeout=hang_timeout)
     status = agent.run()
     logs = {p.stem: [json.loads(line) for line in p.read_text().splitlines()] for p in sorted(tmp_path.glob("*.jsonl"))}
     return agent, status, logs
@@ -165,3 +165,15 @@ def test_five_losses_in_one_run_with_replacements(tmp_path: Path) -> None:
     lost = {"n0s1i0", "n0s2i0", "n0s1i1", "n0s2i1", "n0s1i2"}
     assert {loss.member for loss in agent.losses} == lost, agent.losses
     _check_survivors(tmp_path, logs, lost, steps=300)
+
+
+@pytest.mark.timeout(120)
+def test_a_hung_rank_is_killed_by_its_agent_and_replaced(tmp_path: Path) -> None:
+    """SIGSTOP between a step's two all-reduces: its peers block in the second one with it (no socket closes). Its
+    heartbeat stands still, so the agent kills it after 5 s (a healthy rank beats every 0.1 s; 5 s leaves room for
+    a loaded 2-core machine); the survivors then see it lost and go on, and a replacement joins."""
+    agent, status, logs = _run(tmp_path, "n0s2i0:3:hang", max_restarts=1, hang_timeout=5.0, **SLOW)
+    assert status == 0
+    assert agent.hung == ["n0s2i0"] and [(x.member, x.returncode) for x in agent.losses] == [("n0s2i0", -9)]
+    assert _epochs(logs)[-1] == ["n0s0i0", "n0s1i0", "n0s2i1"]
+    _check_survivors(tmp_path, logs, {"n0s2i0"}, steps=40)

@@ -86,6 +86,10 @@ def test_bad_arguments_name_the_value_and_the_allowed_ones(store: dist.TCPStore)
         Agent(["python", "x.py"], 0)
     with pytest.raises(ValueError, match=r"command=\[\] is empty"):
         Agent([], 2)
+    with pytest.raises(ValueError, match=r"max_restarts=-1; allowed: an int >= 0"):
+        Agent(["python", "x.py"], 2, max_restarts=-1)
+    with pytest.raises(ValueError, match=r"hang_timeout=0; allowed: seconds > 0"):
+        Agent(["python", "x.py"], 2, hang_timeout=0)
 
 
 def test_a_missing_store_address_says_how_to_start_the_job(monkeypatch: pytest.MonkeyPatch) -> None:
