@@ -93,6 +93,28 @@ class MembershipKeys:
         stands still (a hung process: stopped, or stuck where no collective fails)."""
         return f"{self.prefix}/beat/{member}"
 
+    def node(self, node: int) -> str:
+        """Node ``node``'s agent registers its number of rank processes here (node 0 waits for every node)."""
+        return f"{self.prefix}/node/{node}"
+
+    def agent_beat(self, node: int) -> str:
+        """A counter node ``node``'s agent raises while it runs: node 0 sees the node lost when it stands still."""
+        return f"{self.prefix}/node/{node}/beat"
+
+    def orders(self, node: int) -> str:
+        """A queue of node 0's orders to node ``node``'s agent: ``start <member>`` or ``kill <member>``."""
+        return f"{self.prefix}/node/{node}/orders"
+
+    @property
+    def events(self) -> str:
+        """A queue of the other nodes' reports to node 0: ``exit <member> <status>``."""
+        return f"{self.prefix}/events"
+
+    @property
+    def done(self) -> str:
+        """Present once node 0's agent has seen every rank process exit."""
+        return f"{self.prefix}/done"
+
     def present(self, epoch: int) -> str:
         """Under it, one key per member of epoch ``epoch`` that has shown up to build its group."""
         return f"{self.prefix}/e{epoch}/present"

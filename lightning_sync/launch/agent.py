@@ -10,15 +10,20 @@ rank process, rank 0's included, leaves the rendezvous alive. Each rank process 
 (:data:`~lightning_sync.comms.membership.ENV_STORE`) and its member id
 (:data:`~lightning_sync.comms.membership.ENV_MEMBER`): ``n<node>s<slot>i<incarnation>``.
 
+On more nodes, every other node runs a :class:`~lightning_sync.launch.node.NodeAgent` against this store: node 0
+waits for each to register, lists the members node by node, and learns of their rank processes' exits through
+the store; it orders their starts and kills there. A node whose agent stops beating is lost with all its ranks
+(they die with their agent).
+
 A rank process that exits with status 0 has finished; it is not a loss. The agent exits when every rank process
 has exited: with status 0 when at least one finished and every other one was lost and tolerated, else with the
-first failing status. Run it as ``python -m lightning_sync.launch.agent --nproc 3 -- python train.py``.
+first failing status. Run it as ``python -m lightning_sync.launch.agent --nproc 3 -- python train.py``; on node
+``k`` of ``N``, ``... --node k --nnodes N --host <node 0> --port <its port> --nproc M -- python train.py``.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import subprocess
 import sys
 import time
@@ -27,7 +32,8 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-from lightning_sync.comms.membership import ENV_MEMBER, ENV_STORE, MembershipKeys, parse_members
+from lightning_sync.comms.membership import MembershipKeys, parse_members
+from lightning_sync.launch.node import NodeAgent, node_of, start_rank
 
 __all__ = ["Agent", "Loss", "main"]
 
@@ -44,11 +50,16 @@ class Loss:
     epoch: int  # the epoch published without it (-1: none, no member was left)
 
 
+#: the status of the rank processes of a node whose agent was lost
+NODE_LOST = -1
+
+
 @dataclass
 class _Rank:
     member: str
-    process: subprocess.Popen[bytes]
+    process: subprocess.Popen[bytes] | None  # None: on another node
     done: bool = False
+    code: int | None = None  # its exit status, once seen
     beats: int = 0  # the heartbeat counter last seen (0: not beating yet, so not judged)
     seen: float = 0.0  # time.monotonic() when it last moved
 
@@ -62,7 +73,8 @@ class Agent:
         nproc: rank processes on this node (>= 1).
         host: the interface the store listens on.
         port: the store's port (0: any free one).
-        node: this node's index (0: the node that serves the store).
+        node: this node's index: 0, the node that serves the store (other nodes run ``NodeAgent``).
+        nnodes: nodes in the job (>= 1); node 0 waits up to ``join_timeout`` s for the others to register.
         env: extra environment for the rank processes.
         max_restarts: how many times in all a lost rank process is started again (>= 0); the replacement waits to
             be admitted at the next committed step and takes the training state from a live member.
@@ -76,6 +88,8 @@ class Agent:
     host: str = "127.0.0.1"
     port: int = 0
     node: int = 0
+    nnodes: int = 1
+    join_timeout: float = 300.0
     env: dict[str, str] = field(default_factory=dict)
     max_restarts: int = 0
     hang_timeout: float = 10.0
@@ -96,7 +110,9 @@ class Agent:
         if not self.command:
             raise ValueError("Agent: command=[] is empty; give the rank program, e.g. ['python', 'train.py']")
         if self.node != 0:
-            raise ValueError(f"Agent: node={self.node!r}; allowed: 0 (one node; more need a store client)")
+            raise ValueError(f"Agent: node={self.node!r}; allowed: 0 (the other nodes run NodeAgent)")
+        if isinstance(self.nnodes, bool) or not isinstance(self.nnodes, int) or self.nnodes < 1:
+            raise ValueError(f"Agent: nnodes={self.nnodes!r}; allowed: an int >= 1")
         self.store = dist.TCPStore(self.host, self.port, is_master=True, wait_for_workers=False)
         self.epoch = -1
         self.members: list[str] = []  # the current epoch's
@@ -106,6 +122,8 @@ class Agent:
         self.waiting: list[str] = []  # replacements started and not admitted yet
         self._ranks: list[_Rank] = []
         self._finished = False  # a rank process exited with status 0: the run is over, nothing more is started
+        self._nodes: dict[int, list[float]] = {}  # other node -> [beats last seen, when they last moved]
+        self.lost_nodes: list[int] = []
 
     @property
     def address(self) -> str:
@@ -113,30 +131,79 @@ class Agent:
 
     def run(self) -> int:
         """Start the ranks, keep the membership until every rank exited; the exit status (module docstring)."""
-        members = [f"n{self.node}s{slot}i0" for slot in range(self.nproc)]
+        members = [f"n0s{slot}i0" for slot in range(self.nproc)]
+        for node in range(1, self.nnodes):  # their agents start their own first ranks
+            members += [f"n{node}s{slot}i0" for slot in range(self._registered(node))]
+            self._nodes[node] = [0, time.monotonic()]
         self._publish(members)
         for member in members:
-            self._ranks.append(_Rank(member, self._start(member)))
+            self._ranks.append(_Rank(member, self._start(member) if node_of(member) == 0 else None))
         try:
             while not all(r.done for r in self._ranks):
                 self._watch()
                 time.sleep(_POLL_S)
         finally:
             for r in self._ranks:  # an interrupted agent leaves no rank process behind
-                if r.process.poll() is None:
+                if r.process is not None and r.process.poll() is None:
                     r.process.kill()
                     r.process.wait()
+            self.store.set(self.keys.done, b"1")
         return self._status()
 
-    def _start(self, member: str) -> subprocess.Popen[bytes]:
-        env = {**os.environ, **self.env, ENV_STORE: self.address, ENV_MEMBER: member}
-        return subprocess.Popen(list(self.command), env=env)
+    def _registered(self, node: int) -> int:
+        """Wait for node ``node``'s agent to register; its number of rank processes."""
+        deadline = time.monotonic() + self.join_timeout
+        while not self.store.check([self.keys.node(node)]):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"Agent: node {node} did not register within {self.join_timeout:g} s")
+            time.sleep(_POLL_S)
+        return int(self.store.get(self.keys.node(node)))
+
+    def _start(self, member: str) -> subprocess.Popen[bytes] | None:
+        """Start ``member``'s rank process here, or order its node's agent to (None)."""
+        if node_of(member) == 0:
+            return start_rank(self.command, self.env, self.address, member)
+        self.store.queue_push(self.keys.orders(node_of(member)), f"start {member}")
+        return None
+
+    def _kill(self, r: _Rank) -> None:
+        if r.process is None:
+            self.store.queue_push(self.keys.orders(node_of(r.member)), f"kill {r.member}")
+        elif r.process.poll() is None:
+            r.process.kill()
+            r.process.wait()
+
+    def _exits(self) -> None:
+        """Take in the exits the other nodes reported, and lose every rank of a node whose agent stopped beating."""
+        while True:
+            try:
+                _, member, code = self.store.queue_pop(self.keys.events, block=False).decode().split()
+            except dist.QueueEmptyError:
+                break
+            for r in self._ranks:
+                if r.member == member and r.code is None:
+                    r.code = int(code)
+        now = time.monotonic()
+        for node, seen in self._nodes.items():
+            beats = int(self.store.add(self.keys.agent_beat(node), 0))
+            if beats != seen[0]:
+                seen[0], seen[1] = beats, now
+            elif node not in self.lost_nodes and now - seen[1] > self.hang_timeout:
+                self.lost_nodes.append(node)
+                print(f"lightning-sync agent: node {node}'s agent stopped beating: node lost", file=sys.stderr)
+                for r in self._ranks:
+                    if node_of(r.member) == node and r.code is None:
+                        r.code = NODE_LOST
+        for r in self._ranks:
+            if r.process is not None and r.code is None:
+                r.code = r.process.poll()
 
     def _watch(self) -> None:
         self._kill_hung()
+        self._exits()
         lost = []
         for r in list(self._ranks):
-            if r.done or (code := r.process.poll()) is None:
+            if r.done or (code := r.code) is None:
                 continue
             r.done = True
             if code == 0 and not self._finished:
@@ -181,7 +248,7 @@ class Agent:
         now = time.monotonic()
         paused, self._looked = now - self._looked > self.hang_timeout / 4, now
         for r in self._ranks:
-            if r.done or r.process.poll() is not None:
+            if r.done or r.code is not None:
                 continue
             key = self.keys.beat(r.member)
             beats = int(self.store.add(key, 0)) if self.store.check([key]) else 0
@@ -189,18 +256,18 @@ class Agent:
                 r.beats, r.seen = beats, now
             elif beats and now - r.seen > self.hang_timeout:
                 print(
-                    f"lightning-sync agent: rank process {r.member} (pid {r.process.pid}) has not beaten for "
-                    f"{now - r.seen:.1f} s: hung; killing it",
+                    f"lightning-sync agent: rank process {r.member} has not beaten for {now - r.seen:.1f} s: hung; "
+                    f"killing it",
                     file=sys.stderr,
                     flush=True,
                 )
-                r.process.kill()
-                r.process.wait()
+                self._kill(r)
                 self.hung.append(r.member)
+                r.seen = now  # its exit comes next (from another node, through the store)
 
     def _restart(self, member: str) -> None:
         """Start a replacement for ``member``'s slot (its next incarnation) if restarts are left."""
-        if self._finished or self.restarts >= self.max_restarts:
+        if self._finished or self.restarts >= self.max_restarts or node_of(member) in self.lost_nodes:
             return
         self.restarts += 1
         slot, incarnation = member.rsplit("i", 1)
@@ -236,8 +303,8 @@ class Agent:
     def _stop_waiting(self) -> None:
         """The run is over: replacements still waiting have nothing left to join."""
         for r in self._ranks:
-            if r.member in self.waiting and r.process.poll() is None:
-                r.process.kill()
+            if r.member in self.waiting and r.code is None:
+                self._kill(r)
         self._set_waiting([])
 
     def _publish(self, members: list[str]) -> int:
@@ -248,7 +315,7 @@ class Agent:
         return self.epoch
 
     def _status(self) -> int:
-        codes = [r.process.returncode for r in self._ranks]
+        codes = [r.code if r.code is not None else 1 for r in self._ranks]
         if any(c == 0 for c in codes):
             return 0
         return next((c if c > 0 else 128 - c for c in codes if c != 0), 1)
@@ -260,6 +327,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         description="Start N rank processes that keep training when one of them is lost.",
     )
     parser.add_argument("--nproc", type=int, required=True, help="rank processes on this node")
+    parser.add_argument("--node", type=int, default=0, help="this node's index (0 serves the store)")
+    parser.add_argument("--nnodes", type=int, default=1, help="nodes in the job")
     parser.add_argument("--host", default="127.0.0.1", help="the interface the membership store listens on")
     parser.add_argument("--port", type=int, default=0, help="the membership store's port (0: any free one)")
     parser.add_argument("--max-restarts", type=int, default=0, help="lost rank processes started again, in all")
@@ -267,6 +336,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- the rank program and its arguments")
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if args.node > 0:
+        return NodeAgent(command, args.nproc, args.node, args.host, args.port).run()
     agent = Agent(
         command,
         args.nproc,
@@ -274,6 +345,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         port=args.port,
         max_restarts=args.max_restarts,
         hang_timeout=args.hang_timeout,
+        nnodes=args.nnodes,
     )
     return agent.run()
 

@@ -177,3 +177,72 @@ def test_a_hung_rank_is_killed_by_its_agent_and_replaced(tmp_path: Path) -> None
     assert agent.hung == ["n0s2i0"] and [(x.member, x.returncode) for x in agent.losses] == [("n0s2i0", -9)]
     assert _epochs(logs)[-1] == ["n0s0i0", "n0s1i0", "n0s2i1"]
     _check_survivors(tmp_path, logs, {"n0s2i0"}, steps=40)
+
+
+def _run_two_nodes(
+    tmp_path: Path, kill: str, max_restarts: int = 0, hang_timeout: float = 10.0
+) -> tuple[Agent, int, int, dict[str, list[dict[str, Any]]]]:
+    """Two emulated nodes: node 0's agent here with 2 ranks, node 1's agent a process of its own with 1 rank
+    (``python -m lightning_sync.launch.agent --node 1 ...``). The agent, its status, node 1's agent's status
+    and each member's log."""
+    env = {"FT_KILL": kill, **SLOW}
+    agent = Agent(
+        [sys.executable, str(WORKER), str(tmp_path)],
+        2,
+        nnodes=2,
+        env=env,
+        max_restarts=max_restarts,
+        hang_timeout=hang_timeout,
+    )
+    node1 = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "lightning_sync.launch.agent",
+            "--node",
+            "1",
+            "--nnodes",
+            "2",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(agent.store.port),
+            "--nproc",
+            "1",
+            "--",
+            sys.executable,
+            str(WORKER),
+            str(tmp_path),
+        ],
+        env={**os.environ, **env},
+    )
+    try:
+        status = agent.run()
+        node1_status = node1.wait(timeout=60)
+    finally:
+        if node1.poll() is None:
+            node1.kill()
+            node1.wait()
+    logs = {p.stem: [json.loads(line) for line in p.read_text().splitlines()] for p in tmp_path.glob("*.jsonl")}
+    return agent, status, node1_status, logs
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_lost_on_another_node_is_replaced_by_that_nodes_agent(tmp_path: Path) -> None:
+    agent, status, node1_status, logs = _run_two_nodes(tmp_path, "n1s0i0:3:between", max_restarts=1)
+    assert status == 0 and node1_status == 0
+    assert [(x.member, x.returncode) for x in agent.losses] == [("n1s0i0", -9)]  # reported by node 1's agent
+    assert _epochs(logs) == [["n0s0i0", "n0s1i0", "n1s0i0"], ["n0s0i0", "n0s1i0"], ["n0s0i0", "n0s1i0", "n1s0i1"]]
+    _check_survivors(tmp_path, logs, {"n1s0i0"}, steps=40)
+
+
+@pytest.mark.timeout(120)
+def test_a_lost_node_leaves_the_other_node_training(tmp_path: Path) -> None:
+    """Node 1's agent is killed: its rank dies with it (it waits for nothing else), node 0 sees the agent's beat
+    stand still for 3 s and loses the node; node 0's two ranks finish every step."""
+    agent, status, node1_status, logs = _run_two_nodes(tmp_path, "n1s0i0:3:agent", max_restarts=1, hang_timeout=3.0)
+    assert status == 0 and node1_status == -9
+    assert agent.lost_nodes == [1] and [(x.member, x.returncode) for x in agent.losses] == [("n1s0i0", -1)]
+    assert agent.restarts == 0  # nowhere to start it: its node is gone
+    assert _epochs(logs) == [["n0s0i0", "n0s1i0", "n1s0i0"], ["n0s0i0", "n0s1i0"]]
+    _check_survivors(tmp_path, logs, {"n1s0i0"}, steps=40)

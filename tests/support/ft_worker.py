@@ -10,9 +10,10 @@ the committed steps equal one process's on the same global batches (up to the or
 ``before`` (before its first all-reduce), ``between`` (between the two), ``after`` (after both, before voting),
 ``voted`` (after voting to commit, before reading the decision), and for a replacement ``*:heal`` (while it takes
 the training state from a live member); a step ``+N`` counts from the member's first step (a replacement's
-start). ``hang`` stops the member (SIGSTOP) between the two all-reduces. ``error`` instead of a point makes the
-member's first attempt at that step fail after its all-reduces completed, as if its own collective had failed
-where its peers' did not.
+start). ``hang`` stops the member (SIGSTOP) between the two all-reduces; ``agent`` kills its node's agent before
+its first all-reduce and waits for the signal a rank process gets when its agent dies. ``error`` instead of a
+point makes the member's first attempt at that step fail after its all-reduces completed, as if its own
+collective had failed where its peers' did not.
 ``FT_STEPS`` (default ``STEPS``) is the number of steps and ``FT_STEP_S`` seconds of sleep stand for each
 attempt's compute, so that a replacement has time to start and join. Each member writes one JSON line per committed
 step (step, epoch, members, its slice, the time) to ``<out>/<member>.jsonl`` and its final parameters to
@@ -78,6 +79,9 @@ def main() -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         if point == "between" and "hang" in mine:  # hangs inside the step, its peers blocked in a collective with it
             os.kill(os.getpid(), signal.SIGSTOP)
+        if point == "before" and "agent" in mine:  # its node's agent is lost: it must die with it
+            os.kill(os.getppid(), signal.SIGKILL)
+            signal.pause()  # only the parent-death signal ends this
 
     def step_of(step: int | str) -> int | str:
         return step - membership.start_step if isinstance(step, int) else step
