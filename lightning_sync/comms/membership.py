@@ -101,6 +101,10 @@ class MembershipKeys:
         """A counter node ``node``'s agent raises while it runs: node 0 sees the node lost when it stands still."""
         return f"{self.prefix}/node/{node}/beat"
 
+    def bye(self, node: int) -> str:
+        """Node ``node``'s agent saw :attr:`done` and stops: node 0 keeps its store up until every node said so."""
+        return f"{self.prefix}/node/{node}/bye"
+
     def orders(self, node: int) -> str:
         """A queue of node 0's orders to node ``node``'s agent: ``start <member>`` or ``kill <member>``."""
         return f"{self.prefix}/node/{node}/orders"

@@ -148,7 +148,15 @@ class Agent:
                     r.process.kill()
                     r.process.wait()
             self.store.set(self.keys.done, b"1")
+            self._farewell()
         return self._status()
+
+    def _farewell(self) -> None:
+        """Keep the store up until every node still there has seen that the run is over (or ``hang_timeout``)."""
+        nodes = [self.keys.bye(n) for n in self._nodes if n not in self.lost_nodes]
+        deadline = time.monotonic() + self.hang_timeout
+        while nodes and not self.store.check(nodes) and time.monotonic() < deadline:
+            time.sleep(_POLL_S)
 
     def _registered(self, node: int) -> int:
         """Wait for node ``node``'s agent to register; its number of rank processes."""

@@ -93,6 +93,8 @@ class NodeAgent:
                 self._report(store)
                 self._obey(store, address)
                 if store.check([self.keys.done]) and all(p.poll() is not None for p in self.processes.values()):
+                    self._report(store)
+                    store.set(self.keys.bye(self.node), b"1")
                     return 0
                 time.sleep(_POLL_S)
         except (RuntimeError, dist.DistError) as exc:  # node 0 is gone, and the membership with it
