@@ -44,19 +44,7 @@ def _job(slurm: SlurmCluster, tmp_path: Path, kill: str, done: tuple[str, ...]) 
         f"export FT_KILL={kill} FT_STEPS={STEPS} FT_STEP_S=0.05 PYTHONPATH={WORKER.parents[1]}\n"
         f"srun --kill-on-bad-exit=0 bash -c '{agent}; echo \"agent on node $SLURM_NODEID exited $?\"'\n"
     )
-    job = (
-        slurm.run(
-            "sbatch",
-            "--parsable",
-            "-N2",
-            "--ntasks-per-node=1",
-            f"--output={tmp_path}/out.%j",
-            f"--chdir={tmp_path}",
-            str(script),
-        )
-        .stdout.strip()
-        .split(";")[0]
-    )
+    job = slurm.submit_two_nodes(script, tmp_path)
     slurm.wait_job(job, timeout=150, done=done)
     out = (tmp_path / f"out.{job}").read_text()
     logs = {p.stem: [json.loads(line) for line in p.read_text().splitlines()] for p in tmp_path.glob("*.jsonl")}

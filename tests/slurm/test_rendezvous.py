@@ -24,19 +24,7 @@ def test_unresolvable_first_node_falls_back_without_hanging(slurm: SlurmCluster,
     probe.write_text(PROBE)
     script = tmp_path / "job.sh"
     script.write_text(f"#!/bin/bash\nsrun {sys.executable} {probe}\n")
-    job = (
-        slurm.run(
-            "sbatch",
-            "--parsable",
-            "-N2",
-            "--ntasks-per-node=1",
-            f"--output={tmp_path}/out.%j",
-            f"--chdir={tmp_path}",
-            str(script),
-        )
-        .stdout.strip()
-        .split(";")[0]
-    )
+    job = slurm.submit_two_nodes(script, tmp_path)
     slurm.wait_job(job, timeout=120)
     lines = sorted((tmp_path / f"out.{job}").read_text().split("\n"))
     rows = [line.split(" ", 4) for line in lines if line and line[0].isdigit()]

@@ -74,19 +74,7 @@ def test_two_nodes_one_task_each_train_like_two_local_ranks(
         "#!/bin/bash\n" + f"srun {_cli()} train {' '.join(TRAIN)} trainer.devices=1 trainer.num_nodes=2 "
         f"hydra.run.dir={out_dir}\n"
     )
-    job = (
-        slurm.run(
-            "sbatch",
-            "--parsable",
-            "-N2",
-            "--ntasks-per-node=1",
-            f"--output={tmp_path}/slurm.%j",
-            f"--chdir={tmp_path}",
-            str(script),
-        )
-        .stdout.strip()
-        .split(";")[0]
-    )
+    job = slurm.submit_two_nodes(script, tmp_path, output="slurm")
     slurm.wait_job(job, timeout=360)
     log = (tmp_path / f"slurm.{job}").read_text()
     banners = re.findall(

@@ -221,6 +221,12 @@ PartitionName=debug Nodes=n[1-2] Default=YES MaxTime=INFINITE State=UP OverSubsc
             raise RuntimeError(f"{' '.join(args)} failed ({proc.returncode}): {proc.stderr}\n{self.logs()}")
         return proc
 
+    def submit_two_nodes(self, script: Path, workdir: Path, output: str = "out") -> str:
+        """``sbatch`` ``script`` on both nodes, one task each, in ``workdir`` (its output in
+        ``workdir/<output>.<job id>``); the job id."""
+        args = ["--parsable", "-N2", "--ntasks-per-node=1", f"--output={workdir}/{output}.%j", f"--chdir={workdir}"]
+        return self.run("sbatch", *args, str(script)).stdout.strip().split(";")[0]
+
     def job_state(self, job_id: str) -> str:
         """The job's state from ``scontrol show job`` (``PENDING``, ``RUNNING``, ``COMPLETED``, ...)."""
         out = self.run("scontrol", "show", "job", job_id, check=False).stdout
