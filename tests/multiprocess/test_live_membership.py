@@ -41,22 +41,23 @@ def _run(
 def _check_survivors(
     tmp_path: Path, logs: dict[str, list[dict[str, Any]]], lost: set[str], steps: int = ft_worker.STEPS
 ) -> None:
-    """The members not ``lost`` logged every step from their first to the last, and hold the one-process weights;
-    every step was committed once, by one epoch, whose members' slices split its global batch."""
-    want_w, want_b = ft_worker.reference(steps)
+    """The members not ``lost`` logged every step from their first to the last (at least ``steps``; the loop may
+    go on until a replacement is admitted), and hold the one-process weights; every step was committed once, by
+    one epoch, whose members' slices split its global batch."""
     survivors = sorted(set(logs) - lost)
     assert survivors, logs.keys()
+    steps = max(steps, logs[survivors[0]][-1]["step"] + 1)
+    want_w, want_b = ft_worker.reference(steps)
     for m in survivors:
         assert [r["step"] for r in logs[m]] == list(range(logs[m][0]["step"], steps)), (m, logs[m])
         got = torch.load(tmp_path / f"{m}.pt")
         torch.testing.assert_close(got["w"], want_w, rtol=0, atol=TOL)
         torch.testing.assert_close(got["b"], want_b, rtol=0, atol=TOL)
-    _, _, order = ft_worker.dataset()
     for step in range(steps):
         # one commit a step: every member that logged it names the same epoch and members, and its slice is its
         # share of the global batch at that epoch's size (the shares split the batch: every sample once; a lost
         # member that committed before dying may not have logged it)
-        batch = order[step * ft_worker.GLOBAL : (step + 1) * ft_worker.GLOBAL]
+        batch = ft_worker.global_batch(step)
         records = {m: r for m in logs for r in logs[m] if r["step"] == step}
         assert records and {m for m in survivors if logs[m][0]["step"] <= step} <= set(records), (step, records)
         assert len({(r["epoch"], tuple(r["members"])) for r in records.values()}) == 1, (step, records)
@@ -115,7 +116,8 @@ def test_the_agent_runs_from_the_command_line_and_reports_the_loss(tmp_path: Pat
     _check_survivors(tmp_path, logs, {"n0s1i0"})
 
 
-# 40 steps of 50 ms: a replacement (a fresh interpreter that imports torch, about 2 s here) joins mid-run
+# 40 steps of 50 ms, and on until the replacement a test names (FT_UNTIL_MEMBER) has committed a step: a replacement
+# (a fresh interpreter that imports torch, 2 s or more here) joins mid-run however long it takes to start
 SLOW = {"FT_STEPS": "40", "FT_STEP_S": "0.05"}
 
 
@@ -126,7 +128,7 @@ def _epochs(logs: dict[str, list[dict[str, Any]]]) -> list[list[str]]:
 
 @pytest.mark.timeout(120)
 def test_a_replacement_heals_from_a_live_member_and_the_job_is_back_to_three(tmp_path: Path) -> None:
-    agent, status, logs = _run(tmp_path, "n0s2i0:3:between", max_restarts=1, **SLOW)
+    agent, status, logs = _run(tmp_path, "n0s2i0:3:between", max_restarts=1, FT_UNTIL_MEMBER="n0s2i1", **SLOW)
     assert status == 0 and agent.restarts == 1
     assert _epochs(logs) == [["n0s0i0", "n0s1i0", "n0s2i0"], ["n0s0i0", "n0s1i0"], ["n0s0i0", "n0s1i0", "n0s2i1"]]
     first = logs["n0s2i1"][0]["step"]
@@ -137,7 +139,9 @@ def test_a_replacement_heals_from_a_live_member_and_the_job_is_back_to_three(tmp
 
 @pytest.mark.timeout(120)
 def test_a_replacement_lost_while_it_heals_is_replaced_again(tmp_path: Path) -> None:
-    agent, status, logs = _run(tmp_path, "n0s2i0:3:between,n0s2i1:*:heal", max_restarts=2, **SLOW)
+    agent, status, logs = _run(
+        tmp_path, "n0s2i0:3:between,n0s2i1:*:heal", max_restarts=2, FT_UNTIL_MEMBER="n0s2i2", **SLOW
+    )
     assert status == 0 and agent.restarts == 2
     assert [loss.member for loss in agent.losses] == ["n0s2i0", "n0s2i1"]
     assert "n0s2i1" not in logs or logs["n0s2i1"] == []  # it never committed a step
@@ -147,7 +151,7 @@ def test_a_replacement_lost_while_it_heals_is_replaced_again(tmp_path: Path) -> 
 
 @pytest.mark.timeout(120)
 def test_rank_0_lost_and_replaced_hands_rank_0_to_a_member_that_holds_the_state(tmp_path: Path) -> None:
-    agent, status, logs = _run(tmp_path, "n0s0i0:2:before", max_restarts=1, **SLOW)
+    agent, status, logs = _run(tmp_path, "n0s0i0:2:before", max_restarts=1, FT_UNTIL_MEMBER="n0s0i1", **SLOW)
     assert status == 0
     # the replacement comes last: rank 0, the heal's source, is a member that trained all along
     assert _epochs(logs)[1:] == [["n0s1i0", "n0s2i0"], ["n0s1i0", "n0s2i0", "n0s0i1"]]
@@ -157,14 +161,18 @@ def test_rank_0_lost_and_replaced_hands_rank_0_to_a_member_that_holds_the_state(
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_five_losses_in_one_run_with_replacements(tmp_path: Path) -> None:
-    """Two ranks lost at once, then each replacement lost a few steps after it joined, five losses in all; the job
-    keeps going and every step is committed once with the one-process result."""
-    kill = "n0s1i0:2:between,n0s2i0:2:before,n0s1i1:+2:between,n0s2i1:+4:after,n0s1i2:+1:before"
-    agent, status, logs = _run(tmp_path, kill, max_restarts=5, FT_STEPS="300", FT_STEP_S="0.03")
+    """A rank lost, then each of its replacements lost a few steps after it joined, at points all over a step, five
+    losses in all; the job keeps going, the sixth incarnation joins, and every step is committed once with the
+    one-process result."""
+    kill = "n0s2i0:2:between,n0s2i1:+2:before,n0s2i2:+3:after,n0s2i3:+1:voted,n0s2i4:+2:between"
+    agent, status, logs = _run(
+        tmp_path, kill, max_restarts=5, FT_STEPS="20", FT_STEP_S="0.03", FT_UNTIL_MEMBER="n0s2i5"
+    )
     assert status == 0
-    lost = {"n0s1i0", "n0s2i0", "n0s1i1", "n0s2i1", "n0s1i2"}
+    lost = {f"n0s2i{i}" for i in range(5)}
     assert {loss.member for loss in agent.losses} == lost, agent.losses
-    _check_survivors(tmp_path, logs, lost, steps=300)
+    _check_survivors(tmp_path, logs, lost, steps=20)
+    assert _epochs(logs)[-1] == ["n0s0i0", "n0s1i0", "n0s2i5"]
 
 
 @pytest.mark.timeout(120)
@@ -172,7 +180,9 @@ def test_a_hung_rank_is_killed_by_its_agent_and_replaced(tmp_path: Path) -> None
     """SIGSTOP between a step's two all-reduces: its peers block in the second one with it (no socket closes). Its
     heartbeat stands still, so the agent kills it after 5 s (a healthy rank beats every 0.1 s; 5 s leaves room for
     a loaded 2-core machine); the survivors then see it lost and go on, and a replacement joins."""
-    agent, status, logs = _run(tmp_path, "n0s2i0:3:hang", max_restarts=1, hang_timeout=5.0, **SLOW)
+    agent, status, logs = _run(
+        tmp_path, "n0s2i0:3:hang", max_restarts=1, hang_timeout=5.0, FT_UNTIL_MEMBER="n0s2i1", **SLOW
+    )
     assert status == 0
     assert agent.hung == ["n0s2i0"] and [(x.member, x.returncode) for x in agent.losses] == [("n0s2i0", -9)]
     assert _epochs(logs)[-1] == ["n0s0i0", "n0s1i0", "n0s2i1"]
@@ -180,12 +190,12 @@ def test_a_hung_rank_is_killed_by_its_agent_and_replaced(tmp_path: Path) -> None
 
 
 def _run_two_nodes(
-    tmp_path: Path, kill: str, max_restarts: int = 0, hang_timeout: float = 10.0
+    tmp_path: Path, kill: str, max_restarts: int = 0, hang_timeout: float = 10.0, until: str = ""
 ) -> tuple[Agent, int, int, dict[str, list[dict[str, Any]]]]:
     """Two emulated nodes: node 0's agent here with 2 ranks, node 1's agent a process of its own with 1 rank
     (``python -m lightning_sync.launch.agent --node 1 ...``). The agent, its status, node 1's agent's status
     and each member's log."""
-    env = {"FT_KILL": kill, **SLOW}
+    env = {"FT_KILL": kill, **SLOW, "FT_UNTIL_MEMBER": until}
     agent = Agent(
         [sys.executable, str(WORKER), str(tmp_path)],
         2,
@@ -229,7 +239,7 @@ def _run_two_nodes(
 
 @pytest.mark.timeout(120)
 def test_a_rank_lost_on_another_node_is_replaced_by_that_nodes_agent(tmp_path: Path) -> None:
-    agent, status, node1_status, logs = _run_two_nodes(tmp_path, "n1s0i0:3:between", max_restarts=1)
+    agent, status, node1_status, logs = _run_two_nodes(tmp_path, "n1s0i0:3:between", max_restarts=1, until="n1s0i1")
     assert status == 0 and node1_status == 0
     assert [(x.member, x.returncode) for x in agent.losses] == [("n1s0i0", -9)]  # reported by node 1's agent
     assert _epochs(logs) == [["n0s0i0", "n0s1i0", "n1s0i0"], ["n0s0i0", "n0s1i0"], ["n0s0i0", "n0s1i0", "n1s0i1"]]

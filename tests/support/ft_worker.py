@@ -14,10 +14,11 @@ start). ``hang`` stops the member (SIGSTOP) between the two all-reduces; ``agent
 its first all-reduce and waits for the signal a rank process gets when its agent dies. ``error`` instead of a
 point makes the member's first attempt at that step fail after its all-reduces completed, as if its own
 collective had failed where its peers' did not.
-``FT_STEPS`` (default ``STEPS``) is the number of steps and ``FT_STEP_S`` seconds of sleep stand for each
-attempt's compute, so that a replacement has time to start and join. Each member writes one JSON line per committed
-step (step, epoch, members, its slice, the time) to ``<out>/<member>.jsonl`` and its final parameters to
-``<out>/<member>.pt``.
+``FT_STEPS`` (default ``STEPS``) is the number of steps, and the loop goes on past it until a step is committed
+with member ``FT_UNTIL_MEMBER`` (a replacement admitted and healed, however long it took to start);
+``FT_STEP_S`` seconds of sleep stand for each attempt's compute. Each epoch of the data is a new seeded
+permutation. Each member writes one JSON line per committed step (step, epoch, members, its slice, the time) to
+``<out>/<member>.jsonl`` and its final parameters to ``<out>/<member>.pt``.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -37,12 +39,19 @@ from lightning_sync.comms.membership import Membership
 SAMPLES, FEATURES, GLOBAL, STEPS, LR = 96, 5, 12, 8, 0.1
 
 
-def dataset() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Inputs, targets and the global order (a seeded permutation of the sample indices)."""
+def dataset() -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and targets."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(SAMPLES, FEATURES, generator=g, dtype=torch.float64)
     y = x @ torch.linspace(-1, 1, FEATURES, dtype=torch.float64) + 0.5 + 0.1 * torch.randn(SAMPLES, generator=g)
-    return x, y, torch.randperm(SAMPLES, generator=g)
+    return x, y
+
+
+def global_batch(step: int) -> torch.Tensor:
+    """Step ``step``'s sample indices: its slice of its epoch's seeded permutation (a new one every epoch)."""
+    epoch, i = divmod(step, SAMPLES // GLOBAL)
+    order = torch.randperm(SAMPLES, generator=torch.Generator().manual_seed(1000 + epoch))
+    return order[i * GLOBAL : (i + 1) * GLOBAL]
 
 
 def grads(w: torch.Tensor, b: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,10 +67,10 @@ def share(batch: torch.Tensor, rank: int, world: int) -> torch.Tensor:
 
 def reference(steps: int = STEPS) -> tuple[torch.Tensor, torch.Tensor]:
     """One process over the same global batches."""
-    x, y, order = dataset()
+    x, y = dataset()
     w, b = torch.zeros(FEATURES, dtype=torch.float64), torch.zeros(1, dtype=torch.float64)
     for step in range(steps):
-        idx = order[step * GLOBAL : (step + 1) * GLOBAL]
+        idx = global_batch(step)
         gw, gb = grads(w, b, x[idx], y[idx])
         w, b = w - LR * gw, b - LR * gb
     return w, b
@@ -70,6 +79,7 @@ def reference(steps: int = STEPS) -> tuple[torch.Tensor, torch.Tensor]:
 def main() -> None:
     out = Path(sys.argv[1])
     steps, step_s = int(os.environ.get("FT_STEPS", STEPS)), float(os.environ.get("FT_STEP_S", 0))
+    until = os.environ.get("FT_UNTIL_MEMBER", "")
     kills = {tuple(k.split(":")[:2]): k.split(":")[2] for k in os.environ.get("FT_KILL", "").split(",") if k}
     membership = Membership(timeout=30.0)
 
@@ -95,7 +105,7 @@ def main() -> None:
 
     membership.cast = cast_then_maybe_die  # type: ignore[method-assign]
     membership.join()
-    x, y, order = dataset()
+    x, y = dataset()
     # a replacement starts from zeros too: heal() gives it the members' values
     state = {"w": torch.zeros(FEATURES, dtype=torch.float64), "b": torch.zeros(1, dtype=torch.float64)}
 
@@ -107,11 +117,14 @@ def main() -> None:
         state["w"], state["b"] = flat[:FEATURES].clone(), flat[FEATURES:].clone()
 
     log = (out / f"{membership.member}.jsonl").open("w")
-    for step in range(membership.start_step, steps):
-        batch = order[step * GLOBAL : (step + 1) * GLOBAL]
-        result: dict[str, torch.Tensor] = {}
+    step, committed_with = membership.start_step, []
+    # at least ``steps`` steps, and on until a step is committed with member ``FT_UNTIL_MEMBER`` (the replacement
+    # the test waits for, admitted and healed); every member reads the same committing epoch, so all stop together
+    while step < steps or (until and until not in committed_with and step < 50 * steps):
+        batch = global_batch(step)
+        result: dict[str, Any] = {}
 
-        def attempt(step: int = step, batch: torch.Tensor = batch, result: dict[str, torch.Tensor] = result) -> None:
+        def attempt(step: int = step, batch: torch.Tensor = batch, result: dict[str, Any] = result) -> None:
             mine = share(batch, membership.rank, membership.world_size)
             maybe_die(step, "before")
             time.sleep(step_s)  # the compute of a real step, so that a replacement can join mid-run
@@ -123,20 +136,21 @@ def main() -> None:
             if kills.get((membership.member, str(step))) == "error":
                 del kills[membership.member, str(step)]  # once: the replay succeeds
                 raise RuntimeError("injected: this member's collective failed where its peers' completed")
-            result.update(gw=gw, gb=gb, mine=mine)
+            result.update(gw=gw, gb=gb, mine=mine, epoch=membership.epoch, members=list(membership.members))
 
         aborted = membership.run_committed(step, attempt, heal)
         state["w"], state["b"] = state["w"] - LR * result["gw"], state["b"] - LR * result["gb"]
-        record = {
+        record = {  # the epoch that committed it (an admission then moved every member to the next one)
             "step": step,
-            "epoch": membership.epoch,
-            "members": membership.members,
+            "epoch": result["epoch"],
+            "members": result["members"],
             "mine": result["mine"].tolist(),
             "aborted": aborted,
             "time": time.monotonic(),
         }
         log.write(json.dumps(record) + "\n")
         log.flush()
+        step, committed_with = step + 1, result["members"]
     torch.save(state, out / f"{membership.member}.pt")
     membership.close()
 
