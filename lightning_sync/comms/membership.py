@@ -36,7 +36,16 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-__all__ = ["BEAT_S", "ENV_MEMBER", "ENV_STORE", "Membership", "MembershipKeys", "MembershipLost", "parse_members"]
+__all__ = [
+    "BEAT_S",
+    "ENV_MEMBER",
+    "ENV_STORE",
+    "Membership",
+    "MembershipKeys",
+    "MembershipLost",
+    "parse_members",
+    "poll",
+]
 
 #: the environment variable that names the agent's store, ``host:port``
 ENV_STORE = "LIGHTNING_SYNC_FT_STORE"
@@ -250,29 +259,18 @@ class Membership:
         return True
 
     def _wait_for_epoch(self, after: int) -> int:
-        deadline = time.monotonic() + self.timeout
-        while True:
-            if self.store.check([self.keys.epoch]) and (epoch := self.newest_epoch()) > after:
-                return epoch
-            if time.monotonic() > deadline:
-                raise MembershipLost(f"Membership: no epoch after {after} was published within {self.timeout:g} s")
-            time.sleep(_POLL_S)
+        if not poll(lambda: self.store.check([self.keys.epoch]) and self.newest_epoch() > after, self.timeout):
+            raise MembershipLost(f"Membership: no epoch after {after} was published within {self.timeout:g} s")
+        return self.newest_epoch()  # epochs only grow: still after ``after``
 
     def _all_present(self, epoch: int, members: list[str]) -> bool:
         """Announce this member in ``epoch``; True once every member has, False if the epoch closed first."""
         present = self.keys.present(epoch)
         self.store.set(f"{present}/{self.member}", b"1")
-        keys = [f"{present}/{m}" for m in members]
-        deadline = time.monotonic() + self.timeout
-        while not self.store.check(keys):
-            if self.store.check([self.keys.closed(epoch)]):
-                return False
-            if time.monotonic() > deadline:
-                raise MembershipLost(
-                    f"Membership: not every member of epoch {epoch} showed up within {self.timeout:g} s"
-                )
-            time.sleep(_POLL_S)
-        return True
+        keys, closed = [f"{present}/{m}" for m in members], [self.keys.closed(epoch)]
+        if not poll(lambda: self.store.check(keys) or self.store.check(closed), self.timeout):
+            raise MembershipLost(f"Membership: not every member of epoch {epoch} showed up within {self.timeout:g} s")
+        return self.store.check(keys)
 
     def leave(self) -> None:
         """Tear down this epoch's group and close its connections (a failure, or the end of the run). The group's
@@ -330,17 +328,13 @@ class Membership:
         """Wait for ``step``'s sealed decision (sealing it as an abort once the epoch is closed); True: commit."""
         decision = f"{self.keys.vote(self.epoch, step)}/decision"
         closed = self.keys.closed(self.epoch)
-        deadline = time.monotonic() + self.timeout
-        while not self.store.check([decision]):
-            if self.store.check([closed]):  # a member was lost before every vote was in
-                self.store.compare_set(decision, "", "abort")
-                break
-            if time.monotonic() > deadline:
-                raise MembershipLost(
-                    f"Membership: step {step}'s vote in epoch {self.epoch} did not end within {self.timeout:g} s "
-                    f"and no member was reported lost"
-                )
-            time.sleep(_POLL_S)
+        if not poll(lambda: self.store.check([decision]) or self.store.check([closed]), self.timeout):
+            raise MembershipLost(
+                f"Membership: step {step}'s vote in epoch {self.epoch} did not end within {self.timeout:g} s "
+                f"and no member was reported lost"
+            )
+        if not self.store.check([decision]):  # a member was lost before every vote was in
+            self.store.compare_set(decision, "", "abort")
         return self.store.get(decision) == b"commit"
 
     def run_committed(self, step: int, attempt: Callable[[], None], heal: Callable[[int], None] | None = None) -> int:
@@ -383,6 +377,17 @@ class Membership:
                 self.next_epoch()
             except MembershipLost as lost:
                 raise lost from error
+
+
+def poll(ready: Callable[[], bool], timeout: float) -> bool:
+    """Ask ``ready()`` every few milliseconds until it says True (True) or ``timeout`` seconds have passed (False):
+    how the members and the agents wait on the store."""
+    deadline = time.monotonic() + timeout
+    while not ready():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(_POLL_S)
+    return True
 
 
 def connect_store(timeout: float) -> dist.TCPStore:

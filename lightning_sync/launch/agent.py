@@ -32,7 +32,8 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-from lightning_sync.comms.membership import MembershipKeys, parse_members
+from lightning_sync._checks import check_int
+from lightning_sync.comms.membership import MembershipKeys, parse_members, poll
 from lightning_sync.launch.node import NodeAgent, node_of, start_rank
 
 __all__ = ["Agent", "Loss", "main"]
@@ -97,10 +98,9 @@ class Agent:
     losses: list[Loss] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        if isinstance(self.nproc, bool) or not isinstance(self.nproc, int) or self.nproc < 1:
-            raise ValueError(f"Agent: nproc={self.nproc!r}; allowed: an int >= 1")
-        if isinstance(self.max_restarts, bool) or not isinstance(self.max_restarts, int) or self.max_restarts < 0:
-            raise ValueError(f"Agent: max_restarts={self.max_restarts!r}; allowed: an int >= 0")
+        check_int("nproc", self.nproc, 1)
+        check_int("max_restarts", self.max_restarts, 0)
+        check_int("nnodes", self.nnodes, 1)
         if (
             isinstance(self.hang_timeout, bool)
             or not isinstance(self.hang_timeout, (int, float))
@@ -111,8 +111,6 @@ class Agent:
             raise ValueError("Agent: command=[] is empty; give the rank program, e.g. ['python', 'train.py']")
         if self.node != 0:
             raise ValueError(f"Agent: node={self.node!r}; allowed: 0 (the other nodes run NodeAgent)")
-        if isinstance(self.nnodes, bool) or not isinstance(self.nnodes, int) or self.nnodes < 1:
-            raise ValueError(f"Agent: nnodes={self.nnodes!r}; allowed: an int >= 1")
         self.store = dist.TCPStore(self.host, self.port, is_master=True, wait_for_workers=False)
         self.epoch = -1
         self.members: list[str] = []  # the current epoch's
@@ -154,17 +152,13 @@ class Agent:
     def _farewell(self) -> None:
         """Keep the store up until every node still there has seen that the run is over (or ``hang_timeout``)."""
         nodes = [self.keys.bye(n) for n in self._nodes if n not in self.lost_nodes]
-        deadline = time.monotonic() + self.hang_timeout
-        while nodes and not self.store.check(nodes) and time.monotonic() < deadline:
-            time.sleep(_POLL_S)
+        if nodes:
+            poll(lambda: self.store.check(nodes), self.hang_timeout)
 
     def _registered(self, node: int) -> int:
         """Wait for node ``node``'s agent to register; its number of rank processes."""
-        deadline = time.monotonic() + self.join_timeout
-        while not self.store.check([self.keys.node(node)]):
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"Agent: node {node} did not register within {self.join_timeout:g} s")
-            time.sleep(_POLL_S)
+        if not poll(lambda: self.store.check([self.keys.node(node)]), self.join_timeout):
+            raise RuntimeError(f"Agent: node {node} did not register within {self.join_timeout:g} s")
         return int(self.store.get(self.keys.node(node)))
 
     def _start(self, member: str) -> subprocess.Popen[bytes] | None:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
+from lightning_sync._checks import check_int
 from lightning_sync.comms.membership import ENV_MEMBER, ENV_STORE, MembershipKeys
 
 __all__ = ["NodeAgent", "node_of", "start_rank"]
@@ -70,10 +71,8 @@ class NodeAgent:
     keys: MembershipKeys = field(default_factory=MembershipKeys)
 
     def __post_init__(self) -> None:
-        if isinstance(self.node, bool) or not isinstance(self.node, int) or self.node < 1:
-            raise ValueError(f"NodeAgent: node={self.node!r}; allowed: an int >= 1 (node 0 runs Agent)")
-        if isinstance(self.nproc, bool) or not isinstance(self.nproc, int) or self.nproc < 1:
-            raise ValueError(f"NodeAgent: nproc={self.nproc!r}; allowed: an int >= 1")
+        check_int("node", self.node, 1)  # node 0 runs Agent
+        check_int("nproc", self.nproc, 1)
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
         self._reported: set[str] = set()
 
