@@ -141,7 +141,8 @@ class StepProbe(pl.Callback):
         """During the warm-up steps, also sample before every module's forward, after the strategy's own hooks
         (ZeRO-3's and FSDP2's peak comes inside forward: the unit computing and the one prefetched); timed steps
         run without these hooks."""
-        self._sampling = [m.register_forward_pre_hook(self._sample) for m in pl_module.modules()]
+        if self.warmup > 0:  # with no warm-up, every step is timed
+            self._sampling = [m.register_forward_pre_hook(self._sample) for m in pl_module.modules()]
 
     def _sample(self, *args: Any) -> None:
         self.peak_rss = max(self.peak_rss, _allocated_mib())
@@ -152,10 +153,11 @@ class StepProbe(pl.Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         elapsed = time.perf_counter() - self._t0
         self._sample()
+        if trainer.global_step >= self.warmup:  # the warm-up is over: the timed steps run without these hooks
+            for handle in self._sampling:
+                handle.remove()
+            self._sampling = []
         if trainer.global_step <= self.warmup:
-            if trainer.global_step == self.warmup:
-                for handle in self._sampling:
-                    handle.remove()
             return
         stats, step, codec = stats_of(trainer.strategy), dict.fromkeys(self.per_op, 0), 0.0
         for op, now in stats.snapshot().items():
