@@ -19,6 +19,14 @@ decision is sealed by ``compare_set``, so all members read the same one whatever
 member voted and died before the others read: a step is committed on every survivor or on none, and an aborted
 step is replayed by the next epoch's members.
 
+**Healing.** A replacement the agent started joins at a step boundary: the commit that admits it (:meth:`Membership.cast`)
+is followed, once the members have applied that step, by the epoch the agent publishes with it
+(:meth:`Membership.enter_admitted`). Whoever enters an epoch with members that lack the training state (those not
+yet in a committed step) first runs the ``heal`` collective: rank 0, a member that trained all along, sends the
+state. The replacement runs it right after :meth:`Membership.join`, the members right after they enter, so it is
+always each one's first collective in the epoch, whichever way they came in (an admission, or a replay after a
+loss).
+
 Nothing here imports Lightning; a strategy owns one :class:`Membership` and asks it for the current rank and size.
 """
 
@@ -32,9 +40,10 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch.distributed as dist
+
+from lightning_sync.comms.membership_keys import BEAT_S, ENV_MEMBER, ENV_STORE, MembershipKeys, parse_members
 
 __all__ = [
     "BEAT_S",
@@ -47,102 +56,11 @@ __all__ = [
     "poll",
 ]
 
-#: the environment variable that names the agent's store, ``host:port``
-ENV_STORE = "LIGHTNING_SYNC_FT_STORE"
-#: the environment variable that names this process's member id
-ENV_MEMBER = "LIGHTNING_SYNC_FT_MEMBER"
-
 _POLL_S = 0.002  # between two looks at the store while waiting for a vote or an epoch
-#: seconds between two heartbeats of a member
-BEAT_S = 0.1
 
 
 class MembershipLost(RuntimeError):
     """This process is not a member of the newest epoch (it was evicted), or no new epoch came in time."""
-
-
-@dataclass(frozen=True)
-class MembershipKeys:
-    """The store keys of the membership protocol, under one job prefix (the agent writes, the ranks read)."""
-
-    prefix: str = "ft"
-
-    @property
-    def epoch(self) -> str:
-        """The newest epoch's number (decimal)."""
-        return f"{self.prefix}/epoch"
-
-    def members(self, epoch: int) -> str:
-        """Epoch ``epoch``'s member ids in rank order, comma separated."""
-        return f"{self.prefix}/e{epoch}/members"
-
-    def closed(self, epoch: int) -> str:
-        """Present once epoch ``epoch`` has ended (a member was lost); its open votes abort."""
-        return f"{self.prefix}/e{epoch}/closed"
-
-    @property
-    def waiting(self) -> str:
-        """The replacement members the agent started and the membership has not admitted yet, comma separated."""
-        return f"{self.prefix}/waiting"
-
-    def ready(self, member: str) -> str:
-        """Present once replacement ``member`` is up and waiting to be admitted."""
-        return f"{self.prefix}/ready/{member}"
-
-    def admit(self, epoch: int) -> str:
-        """``step:m1,m2``: the members admitted after ``step``, the last one epoch ``epoch`` commits."""
-        return f"{self.prefix}/e{epoch}/admit"
-
-    def start(self, epoch: int) -> str:
-        """The step an admitting epoch runs first (its newcomers start there)."""
-        return f"{self.prefix}/e{epoch}/start"
-
-    def beat(self, member: str) -> str:
-        """A counter ``member``'s heartbeat thread raises every :data:`BEAT_S`: the agent kills a member whose counter
-        stands still (a hung process: stopped, or stuck where no collective fails)."""
-        return f"{self.prefix}/beat/{member}"
-
-    def node(self, node: int) -> str:
-        """Node ``node``'s agent registers its number of rank processes here (node 0 waits for every node)."""
-        return f"{self.prefix}/node/{node}"
-
-    def agent_beat(self, node: int) -> str:
-        """A counter node ``node``'s agent raises while it runs: node 0 sees the node lost when it stands still."""
-        return f"{self.prefix}/node/{node}/beat"
-
-    def bye(self, node: int) -> str:
-        """Node ``node``'s agent saw :attr:`done` and stops: node 0 keeps its store up until every node said so."""
-        return f"{self.prefix}/node/{node}/bye"
-
-    def orders(self, node: int) -> str:
-        """A queue of node 0's orders to node ``node``'s agent: ``start <member>`` or ``kill <member>``."""
-        return f"{self.prefix}/node/{node}/orders"
-
-    @property
-    def events(self) -> str:
-        """A queue of the other nodes' reports to node 0: ``exit <member> <status>``."""
-        return f"{self.prefix}/events"
-
-    @property
-    def done(self) -> str:
-        """Present once node 0's agent has seen every rank process exit."""
-        return f"{self.prefix}/done"
-
-    def present(self, epoch: int) -> str:
-        """Under it, one key per member of epoch ``epoch`` that has shown up to build its group."""
-        return f"{self.prefix}/e{epoch}/present"
-
-    def group(self, epoch: int) -> str:
-        """The store prefix of epoch ``epoch``'s process group."""
-        return f"{self.prefix}/e{epoch}/pg/"
-
-    def vote(self, epoch: int, step: int) -> str:
-        return f"{self.prefix}/e{epoch}/s{step}"
-
-
-def parse_members(value: bytes | str) -> list[str]:
-    text = value.decode() if isinstance(value, bytes) else value
-    return [m for m in text.split(",") if m]
 
 
 class Membership:
@@ -164,6 +82,8 @@ class Membership:
         backend: str = "gloo",
         timeout: float = 60.0,
         keys: MembershipKeys | None = None,
+        heal: Callable[[int], None] | None = None,
+        on_enter: Callable[[], None] | None = None,
     ) -> None:
         if backend != "gloo":
             raise ValueError(f"Membership: backend={backend!r} is not supported; allowed: 'gloo'")
@@ -171,13 +91,20 @@ class Membership:
         self.member = member if member is not None else os.environ[ENV_MEMBER]
         self.backend, self.timeout = backend, float(timeout)
         self.keys = keys or MembershipKeys()
+        #: ``heal(source)``, called by every member right after it enters an epoch that has members not holding
+        #: the training state yet: a collective on the epoch's group that copies the state from rank ``source``
+        self.heal = heal
+        #: called after this member entered an epoch (its rank and world size changed)
+        self.on_enter = on_enter
         self.epoch = -1
         self.members: list[str] = []
         #: members known to hold the training state: those of the first epoch, and every member of an epoch that
-        #: committed a step with this one (a newcomer holds it after its first committed step)
+        #: committed a step with this one (a newcomer holds it after its first committed step). Only a sealed
+        #: decision adds to it, so every member of an epoch agrees on who still needs a heal
         self.healed: set[str] = set()
         #: the step this member runs first: 0, or for a newcomer the step its admitting epoch starts at
         self.start_step = 0
+        self._admitting = False  # the last committed step admits replacements: enter_admitted() moves on
         self._beating: threading.Thread | None = None
         self._stop_beating = threading.Event()
 
@@ -202,18 +129,28 @@ class Membership:
             self._beating.start()
             atexit.register(self.close)
         self._enter_after(-1)
-        if self.epoch == 0:
-            self.healed = set(self.members)
-        else:
+        if self.epoch > 0:
             self.start_step = int(self.store.get(self.keys.start(self.epoch)))
 
     def next_epoch(self) -> None:
         """After a failure: leave the current epoch's group and enter the next epoch the agent publishes."""
         self._enter_after(self.epoch)
 
+    def enter_admitted(self) -> bool:
+        """At the first step boundary after a committed step that admitted replacements: enter the epoch the agent
+        published with them (its first collective heals them). Called where the training state is whole, the
+        committed step applied; returns whether it moved on."""
+        if not self._admitting:
+            return False
+        self._admitting = False
+        self.next_epoch()
+        return True
+
     def _enter_after(self, after: int) -> None:
         """Enter the newest epoch after ``after`` once each of its members has shown up (so that building its group
-        cannot wait for a member lost meanwhile: then the agent closes that epoch too, and the next one is taken)."""
+        cannot wait for a member lost meanwhile: then the agent closes that epoch too, and the next one is taken),
+        and heal the members that need the training state. A heal that fails (a member lost while it ran) moves on
+        to the next epoch in the same way."""
         while True:
             epoch = self._wait_for_epoch(after)
             members = parse_members(self.store.get(self.keys.members(epoch)))
@@ -224,19 +161,43 @@ class Membership:
                 raise MembershipLost(
                     f"Membership: member {self.member!r} is not in epoch {epoch} ({members}); it was evicted"
                 )
-            if self._all_present(epoch, members):
-                break
+            if not self._all_present(epoch, members):
+                after = epoch
+                continue
+            if dist.is_initialized():
+                dist.destroy_process_group()  # a group that lost a member is never reused
+            self.epoch, self.members = epoch, members
+            if epoch == 0:
+                self.healed = set(members)
+            dist.init_process_group(
+                self.backend,
+                store=dist.PrefixStore(self.keys.group(epoch), self.store),
+                rank=self.rank,
+                world_size=self.world_size,
+                timeout=datetime.timedelta(seconds=self.timeout),
+            )
+            if self.on_enter is not None:
+                self.on_enter()
+            if self._healed_here():
+                return
             after = epoch
-        if dist.is_initialized():
-            dist.destroy_process_group()  # a group that lost a member is never reused
-        self.epoch, self.members = epoch, members
-        dist.init_process_group(
-            self.backend,
-            store=dist.PrefixStore(self.keys.group(epoch), self.store),
-            rank=self.rank,
-            world_size=self.world_size,
-            timeout=datetime.timedelta(seconds=self.timeout),
-        )
+
+    def _healed_here(self) -> bool:
+        """Copy the training state to the epoch's members that lack it (False: a member was lost meanwhile)."""
+        if set(self.members) <= self.healed:
+            return True
+        if self.heal is None:
+            raise ValueError(
+                f"Membership: members {sorted(set(self.members) - self.healed)} joined and need the training "
+                f"state, but this Membership has no heal function"
+            )
+        try:
+            self.heal(0)  # rank 0 holds it: the agent lists replacements after the members that trained
+        except RuntimeError as exc:  # a collective with a lost member
+            traceback.clear_frames(exc.__traceback__)
+            self.leave()
+            return False
+        return True
 
     def _beat(self, store: dist.Store) -> None:
         """The heartbeat thread, on a store client of its own: it beats while the process runs (even while the main
@@ -337,27 +298,16 @@ class Membership:
             self.store.compare_set(decision, "", "abort")
         return self.store.get(decision) == b"commit"
 
-    def run_committed(self, step: int, attempt: Callable[[], None], heal: Callable[[int], None] | None = None) -> int:
+    def run_committed(self, step: int, attempt: Callable[[], None]) -> int:
         """Run ``attempt`` (this member's part of step ``step``, its collectives included) until the members commit
         it; after an abort, enter the next epoch and run it again there (``attempt`` reads :attr:`rank` and
         :attr:`world_size` anew). Returns how many attempts were aborted. An error that no lost member explains
-        (no new epoch follows) is raised again once :meth:`next_epoch` gives up.
-
-        While the epoch has a member that does not hold the training state yet (a replacement), each attempt first
-        calls ``heal(source)`` on every member: a collective that copies the state from rank ``source`` (0: the
-        agent lists replacements last), inside the attempt, so that a member lost while healing aborts the step
-        like any other failure. After a commit that admits replacements, every member enters the next epoch."""
+        (no new epoch follows) is raised again once :meth:`next_epoch` gives up. A commit that admits replacements
+        is entered by :meth:`enter_admitted`, once the caller has applied the step."""
         aborted = 0
         while True:
             error: BaseException | None = None
             try:
-                if not set(self.members) <= self.healed:
-                    if heal is None:
-                        raise ValueError(
-                            f"Membership: members {sorted(set(self.members) - self.healed)} joined and "
-                            f"need the training state, but run_committed got no heal function"
-                        )
-                    heal(0)
                 attempt()
             except RuntimeError as exc:  # a collective with a lost member (gloo: "Connection reset by peer")
                 error = exc
@@ -369,8 +319,7 @@ class Membership:
                 self.leave()
             if self.vote(step, error is None):
                 self.healed |= set(self.members)
-                if self.admitted_after(step):
-                    self.next_epoch()
+                self._admitting = self.admitted_after(step)
                 return aborted
             aborted += 1
             try:

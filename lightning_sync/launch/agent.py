@@ -113,6 +113,7 @@ class Agent:
             raise ValueError(f"Agent: node={self.node!r}; allowed: 0 (the other nodes run NodeAgent)")
         self.store = dist.TCPStore(self.host, self.port, is_master=True, wait_for_workers=False)
         self.epoch = -1
+        self._open = 0  # the first epoch not closed yet
         self.members: list[str] = []  # the current epoch's
         self.restarts = 0
         self.hung: list[str] = []  # members killed for a heartbeat that stood still
@@ -225,7 +226,9 @@ class Agent:
     def _lose(self, lost: list[tuple[_Rank, int]]) -> None:
         """Close the epoch (its open votes abort), publish the next one without the ``lost`` ranks, and start
         their replacements while restarts are left."""
-        self.store.set(self.keys.closed(self.epoch), b"1")
+        for epoch in range(self._open, self.epoch + 1):  # members may still be in an epoch before the newest
+            self.store.set(self.keys.closed(epoch), b"1")  # (the admitting one is entered at their next step)
+        self._open = self.epoch + 1
         gone = {r.member for r, _ in lost}
         left = [m for m in self.members if m not in gone]
         epoch = self._publish(left) if left else -1
@@ -303,9 +306,12 @@ class Agent:
         self.store.set(self.keys.waiting, ",".join(members).encode())
 
     def _stop_waiting(self) -> None:
-        """The run is over: replacements still waiting have nothing left to join."""
+        """The run is over: replacements still waiting have nothing left to join, nor have those admitted to an
+        epoch the members finished before entering (it never had all its members)."""
+        present = [f"{self.keys.present(self.epoch)}/{m}" for m in self.members]
+        stranded = set(self.members) if self.epoch >= 0 and not self.store.check(present) else set()
         for r in self._ranks:
-            if r.member in self.waiting and r.code is None:
+            if (r.member in self.waiting or r.member in stranded) and r.code is None:
                 self._kill(r)
         self._set_waiting([])
 

@@ -104,7 +104,6 @@ def main() -> None:
             maybe_die(step, "voted")
 
     membership.cast = cast_then_maybe_die  # type: ignore[method-assign]
-    membership.join()
     x, y = dataset()
     # a replacement starts from zeros too: heal() gives it the members' values
     state = {"w": torch.zeros(FEATURES, dtype=torch.float64), "b": torch.zeros(1, dtype=torch.float64)}
@@ -116,6 +115,8 @@ def main() -> None:
         dist.broadcast(flat, src=source)
         state["w"], state["b"] = flat[:FEATURES].clone(), flat[FEATURES:].clone()
 
+    membership.heal = heal
+    membership.join()
     log = (out / f"{membership.member}.jsonl").open("w")
     step, committed_with = membership.start_step, []
     # at least ``steps`` steps, and on until a step is committed with member ``FT_UNTIL_MEMBER`` (the replacement
@@ -138,8 +139,9 @@ def main() -> None:
                 raise RuntimeError("injected: this member's collective failed where its peers' completed")
             result.update(gw=gw, gb=gb, mine=mine, epoch=membership.epoch, members=list(membership.members))
 
-        aborted = membership.run_committed(step, attempt, heal)
+        aborted = membership.run_committed(step, attempt)
         state["w"], state["b"] = state["w"] - LR * result["gw"], state["b"] - LR * result["gb"]
+        membership.enter_admitted()  # the step applied: a replacement it admitted heals from this state
         record = {  # the epoch that committed it (an admission then moved every member to the next one)
             "step": step,
             "epoch": result["epoch"],
