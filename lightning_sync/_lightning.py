@@ -14,6 +14,7 @@ Every other module imports Lightning's public API directly; importing this modul
 from __future__ import annotations
 
 import sys
+from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -27,12 +28,18 @@ __all__ = [
     "MultiProcessingLauncher",
     "Stateful",
     "SubprocessScriptLauncher",
+    "batch_index",
     "calling_metric_key",
+    "closure_for",
+    "dump_training_state",
     "ddp_start_method",
     "epoch_batches",
     "explicit_checkpoint_io",
     "finish_restored_epoch",
     "hidden_from_setup_broadcast",
+    "next_restored",
+    "replace_sigterm_broadcast",
+    "restore_next",
     "restored_at_epoch_end",
     "set_checkpoint_io",
     "set_epoch_batches",
@@ -62,6 +69,13 @@ INTERNALS: dict[str, str] = {
     "_ResultMetric.meta (.fx, .name)": "which logged key a strategy.reduce call syncs (the caller's frame)",
     "lightning.pytorch.overrides.distributed._sync_module_states (._ddp_params_and_buffers_to_ignore)": "the "
     "broadcast DDPStrategy.setup issues before evaluation, and the names it skips (meta tensors have no values)",
+    "_TrainingEpochLoop.batch_idx": "the index in the epoch of the batch being trained (live: whose share it is)",
+    "_TrainingEpochLoop._build_kwargs / _AutomaticOptimization._make_closure": "the closure Lightning runs for a "
+    "micro-batch, built again for a replayed one (live fault tolerance)",
+    "_TrainingEpochLoop._broadcast_sigterm_tensor": "the SIGTERM flag Lightning broadcasts with torch at every "
+    "batch, replaced by one whose failure the strategy sees (live fault tolerance)",
+    "Trainer._checkpoint_connector (.dump_checkpoint, ._loaded_checkpoint)": "the state a live peer sends a "
+    "replacement, and where Lightning restores it from after setup",
 }
 
 Stateful = _Stateful
@@ -171,3 +185,43 @@ def hidden_from_setup_broadcast(module: Any, names: list[str]) -> Iterator[None]
             del module._ddp_params_and_buffers_to_ignore
         else:
             module._ddp_params_and_buffers_to_ignore = before
+
+
+def batch_index(trainer: Any) -> int:
+    """The index in the current epoch of the batch being trained (inside ``training_step``)."""
+    return int(trainer.fit_loop.epoch_loop.batch_idx)
+
+
+def closure_for(trainer: Any, optimizer: Any, batch_idx: int, batch: Any) -> Any:
+    """The closure Lightning's automatic optimization runs for micro-batch ``batch_idx`` with ``batch``:
+    ``training_step`` (with the arguments its signature takes), zeroing the gradients at a window's first
+    micro-batch, and backward."""
+    loop = trainer.fit_loop.epoch_loop
+    kwargs = loop._build_kwargs(OrderedDict(), batch, batch_idx)
+    return loop.automatic_optimization._make_closure(kwargs, optimizer, batch_idx)
+
+
+def replace_sigterm_broadcast(trainer: Any, broadcast: Any) -> bool:
+    """Lightning (2.6) broadcasts rank 0's SIGTERM flag with torch at the start of every training batch, and
+    swallows its failure; run ``broadcast()`` there instead. False where this Lightning has no such broadcast."""
+    loop = trainer.fit_loop.epoch_loop
+    if not callable(getattr(loop, "_broadcast_sigterm_tensor", None)):
+        return False
+    loop._broadcast_sigterm_tensor = broadcast
+    return True
+
+
+def dump_training_state(trainer: Any) -> dict[str, Any]:
+    """Everything a full checkpoint holds, as a dict (what ``trainer.save_checkpoint`` would write)."""
+    return trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+
+
+def restore_next(trainer: Any, checkpoint: dict[str, Any]) -> None:
+    """Make ``checkpoint`` what the Trainer restores next: called in ``Strategy.setup`` of a strategy whose
+    ``restore_checkpoint_after_setup`` is True, it is restored as if ``fit(ckpt_path=...)`` had loaded it."""
+    trainer._checkpoint_connector._loaded_checkpoint = checkpoint
+
+
+def next_restored(trainer: Any) -> dict[str, Any]:
+    """What the Trainer restores next (:func:`restore_next`)."""
+    return trainer._checkpoint_connector._loaded_checkpoint

@@ -118,6 +118,12 @@ class GlobalOrderSampler(_ShardOf):
         return int(self.base.total_size)
 
     def __iter__(self) -> Iterator[int]:
+        order, start = self.entries()
+        return iter(order[start + int(self.base.rank) : self.total : self.world_size])
+
+    def entries(self) -> tuple[list[int], int]:
+        """The current epoch's global order, and the position where this epoch's iteration starts (0, or where
+        it was told to resume)."""
         start = 0
         if self._resume is not None:
             epoch, position = self._resume
@@ -128,7 +134,7 @@ class GlobalOrderSampler(_ShardOf):
         order = global_order(
             len(self.base.dataset), int(self.epoch), int(self.base.seed), bool(self.base.shuffle), self.total
         )
-        return iter(order[start + int(self.base.rank) : self.total : self.world_size])
+        return order, start
 
     def __len__(self) -> int:
         return int(self.base.num_samples)  # the whole epoch: Lightning counts the resumed epoch's batches

@@ -21,6 +21,7 @@ from __future__ import annotations
 import itertools
 import json
 import threading
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, fields
@@ -75,6 +76,10 @@ class CommSettings:
         return cls(**data)
 
 
+def _no_group() -> None:
+    """What the sequence numbers count on when no default group exists (a weak reference's ``None``)."""
+
+
 class CommContext(UnevenCollectives):
     """The communication state of one job; its methods are the collectives (see the module docstring).
 
@@ -100,7 +105,7 @@ class CommContext(UnevenCollectives):
         self._watchdog: Watchdog | None = None
         self.observer = observer
         self._seq: dict[str, Iterator[int]] = {}
-        self._seq_world: Any = None  # the default process group the sequence numbers belong to
+        self._seq_world: Any = None  # a weak reference to the default process group the sequence numbers count on
         # op-name prefixes of the scopes each thread is in, by thread id (see scope()); empty, it costs one test
         self._scopes: dict[int, tuple[str, ...]] = {}
         self._node_groups: dict[int, NodeGroups] = {}
@@ -272,9 +277,11 @@ class CommContext(UnevenCollectives):
         ``world``: the default group, when the caller has read it already."""
         if world is None:
             world = dist.group.WORLD
-        if world is not self._seq_world:  # a new default group: count from 1
+        if self._seq_world is None or world is not self._seq_world():  # a new default group: count from 1
             self._seq.clear()
-            self._seq_world = world
+            # weakly: a destroyed group must not stay alive through its counters (its sockets would stay open,
+            # and a peer blocked in a collective with this process would wait out the group's timeout)
+            self._seq_world = weakref.ref(world) if world is not None else _no_group
         name = "world" if group is None or group is world else f"group {group_ranks(group)}"
         key = name if peer is None else f"{name}/p2p"
         counter = self._seq.get(key)

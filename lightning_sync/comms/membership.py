@@ -19,8 +19,8 @@ decision is sealed by ``compare_set``, so all members read the same one whatever
 member voted and died before the others read: a step is committed on every survivor or on none, and an aborted
 step is replayed by the next epoch's members.
 
-**Healing.** A replacement the agent started joins at a step boundary: the commit that admits it (:meth:`Membership.cast`)
-is followed, once the members have applied that step, by the epoch the agent publishes with it
+**Healing.** A replacement the agent started joins at a step boundary: the commit that admits it
+(:meth:`Membership.cast`) is followed, once the members have applied that step, by the epoch the agent publishes with it
 (:meth:`Membership.enter_admitted`). Whoever enters an epoch with members that lack the training state (those not
 yet in a committed step) first runs the ``heal`` collective: rank 0, a member that trained all along, sends the
 state. The replacement runs it right after :meth:`Membership.join`, the members right after they enter, so it is
@@ -135,6 +135,11 @@ class Membership:
     def next_epoch(self) -> None:
         """After a failure: leave the current epoch's group and enter the next epoch the agent publishes."""
         self._enter_after(self.epoch)
+
+    @property
+    def admitting(self) -> bool:
+        """Whether the last committed step admitted replacements (:meth:`enter_admitted` then moves on)."""
+        return self._admitting
 
     def enter_admitted(self) -> bool:
         """At the first step boundary after a committed step that admitted replacements: enter the epoch the agent

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["BEAT_S", "ENV_MEMBER", "ENV_STORE", "MembershipKeys", "parse_members"]
+__all__ = ["BEAT_S", "ENV_MEMBER", "ENV_STORE", "MembershipKeys", "parse_members", "place_of"]
 
 #: the environment variable that names the agent's store, ``host:port``
 ENV_STORE = "LIGHTNING_SYNC_FT_STORE"
@@ -97,3 +97,9 @@ class MembershipKeys:
 def parse_members(value: bytes | str) -> list[str]:
     text = value.decode() if isinstance(value, bytes) else value
     return [m for m in text.split(",") if m]
+
+
+def place_of(member: str) -> tuple[int, int]:
+    """The node and local slot of a member id ``n<node>s<slot>i<incarnation>``."""
+    node, rest = member[1:].split("s", 1)
+    return int(node), int(rest.split("i", 1)[0])

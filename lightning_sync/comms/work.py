@@ -13,6 +13,10 @@ __all__ = ["Work"]
 T = TypeVar("T")
 
 
+def _done() -> Any:
+    raise AssertionError("a finished Work does not finish again")
+
+
 class Work(Generic[T]):
     """Handle of an issued collective. ``wait()`` blocks until it is done and returns its result.
 
@@ -49,6 +53,10 @@ class Work(Generic[T]):
         else:
             self._result = call.settle(self._handles, self._finish)
         self._done = True
+        # the backend's requests hold their process group: a done handle kept around (a bucket's, until the next
+        # backward) must not keep a destroyed group's sockets open, or a peer blocked with this process waits
+        # out the group's timeout
+        self._handles, self._finish = (), _done
         return self._result
 
     def then(self, fn: Callable[[Any], Any]) -> Work[Any]:

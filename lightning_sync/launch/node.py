@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 
 from lightning_sync._checks import check_int
-from lightning_sync.comms.membership import ENV_MEMBER, ENV_STORE, MembershipKeys
+from lightning_sync.comms.membership_keys import ENV_MEMBER, ENV_STORE, MembershipKeys, place_of
 
 __all__ = ["NodeAgent", "node_of", "start_rank"]
 
@@ -32,7 +32,7 @@ _PR_SET_PDEATHSIG = 1
 
 def node_of(member: str) -> int:
     """The node of a member id ``n<node>s<slot>i<incarnation>``."""
-    return int(member[1:].split("s", 1)[0])
+    return place_of(member)[0]
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec

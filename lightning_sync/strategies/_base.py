@@ -32,14 +32,17 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from typing_extensions import override
 
 from lightning_sync import comms
-from lightning_sync._lightning import calling_metric_key
+from lightning_sync._lightning import calling_metric_key, trainer_of
 from lightning_sync.checkpoint.reading import guarded_load
 from lightning_sync.strategies._common import PASSTHROUGH
 from lightning_sync.strategies._exact_data import ExactData
+from lightning_sync.strategies._live import LiveTraining
+from lightning_sync.strategies._live_env import LiveEnvironment
 from lightning_sync.strategies._parts import StrategyParts
 from lightning_sync.sync.replicas import broadcast_module_states
 
@@ -138,7 +141,67 @@ class SyncStrategy(StrategyParts, DDPStrategy):
 
     def __init__(self, **kwargs: Any) -> None:
         self.exact_data = ExactData(self, self._per_rank_optimizer_state)
+        #: the rank's part in live fault tolerance, where a subclass switches it on (:meth:`_go_live`)
+        self.live: LiveTraining | None = None
         super().__init__(**kwargs)
+
+    def _go_live(self, timeout: float) -> None:
+        """Join the fault-tolerance agent's membership instead of Lightning's process group: ranks follow the
+        membership epochs, failures stay inside the strategy (:mod:`lightning_sync.strategies._live`)."""
+        self.live = LiveTraining(self, timeout)
+        self.cluster_environment = self.live.environment
+
+    # ------------------------------------------------------------------ live fault tolerance
+    @override
+    def setup_distributed(self) -> None:
+        if self.live is None:
+            if LiveEnvironment.detect():  # the agent's ranks form no fixed group: Lightning's setup would hang
+                raise ValueError(
+                    f"{type(self).__name__} does not keep training through a lost rank yet; this process was "
+                    f"started by the fault-tolerance agent. Use BucketedDDPStrategy (strategy=bucketed_ddp), or "
+                    f"start the job without the agent (it then resumes from its newest checkpoint after a failure)"
+                )
+            super().setup_distributed()
+            return
+        reset_seed()
+        self.set_world_ranks()  # the nominal size, until the membership says who is here
+        self._process_group_backend = "gloo"
+        self.live.connect()
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        """A replacement restores the state a live peer sent once its model and optimizers exist."""
+        return self.live is not None and self.live.replacement
+
+    @override
+    def setup(self, trainer: Any) -> None:
+        super().setup(trainer)
+        if self.live is not None:
+            self.live.setup(trainer)
+
+    @override
+    def backward(self, closure_loss: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self.live is not None and self.live.weight != 1.0:  # an uneven share of the micro-batch
+            closure_loss = closure_loss * self.live.weight
+        return super().backward(closure_loss, *args, **kwargs)
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        if self.live is not None:
+            loss = self.live.run_step(optimizer, closure)  # committed: the step below applies it
+            closure = lambda: loss  # noqa: E731
+        return super().optimizer_step(optimizer, closure, model, **kwargs)
+
+    def _live_state(self) -> dict[str, Any]:
+        """What a replacement takes of this strategy's own state from a live peer (nothing here)."""
+        return {}
+
+    def _live_load(self, state: dict[str, Any]) -> None:
+        """Take :meth:`_live_state` from a live peer."""
+
+    def _live_reset(self) -> None:
+        """Before a replay: forget what the failed attempt left half done (nothing here)."""
 
     # ------------------------------------------------------------------ Lightning's hooks
     @override
@@ -150,10 +213,16 @@ class SyncStrategy(StrategyParts, DDPStrategy):
     def teardown(self) -> None:
         self.exact_data.remove_warnings_filter()
         super().teardown()
+        if self.live is not None:
+            self.live.close()
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
-        return self.exact_data.process_dataloader(super().process_dataloader(dataloader))
+        loader = self.exact_data.process_dataloader(super().process_dataloader(dataloader))
+        trainer = trainer_of(self.lightning_module)
+        if self.live is not None and trainer is not None and trainer.training:
+            loader = self.live.install(loader)
+        return loader
 
     @override
     def on_train_start(self) -> None:
@@ -180,12 +249,19 @@ class SyncStrategy(StrategyParts, DDPStrategy):
         # Lightning's result collection passes the tensor alone; the key it syncs is on the caller's metadata. As
         # the all-reduce's label, it lets the hang watchdog tell apart ranks that sync different keys of one shape.
         label = calling_metric_key()
+        if self.live is not None:
+            return self.live.guarded(lambda: self.comm.all_reduce(out, op=op, group=group, label=label), lambda: out)
         return self.comm.all_reduce(out, op=op, group=group, label=label)
 
     @override
     def all_gather(self, tensor: torch.Tensor, group: Any | None = None, sync_grads: bool = False) -> torch.Tensor:
         if not torch.distributed.is_initialized():
             return tensor
+        if self.live is not None:
+            return self.live.guarded(lambda: self._all_gather(tensor, group, sync_grads), lambda: tensor.unsqueeze(0))
+        return self._all_gather(tensor, group, sync_grads)
+
+    def _all_gather(self, tensor: torch.Tensor, group: Any | None, sync_grads: bool) -> torch.Tensor:
         if sync_grads:
             return _AllGatherWithGrad.apply(tensor, self.comm)
         return torch.stack(self.comm.all_gather(tensor.detach().contiguous(), group=group))
@@ -194,11 +270,17 @@ class SyncStrategy(StrategyParts, DDPStrategy):
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         if not torch.distributed.is_initialized():
             return obj
+        if self.live is not None:
+            return self.live.guarded(lambda: self.comm.broadcast_object(obj, src=src), lambda: obj)
         return self.comm.broadcast_object(obj, src=src)
 
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
-        if torch.distributed.is_initialized():
+        if not torch.distributed.is_initialized():
+            return
+        if self.live is not None:
+            self.live.guarded(self.comm.barrier, lambda: None)
+        else:
             self.comm.barrier()
 
 

@@ -21,7 +21,10 @@ What is synchronized, and when:
   :mod:`lightning_sync.resume`) and handed back to each rank on resume (the compressor state is reset if
   the world size changed). The training loader resumes at its position in the epoch.
 
-If a rank fails, its peers raise once the process group notices (connection closed, or ``timeout``).
+If a rank fails, its peers raise once the process group notices (connection closed, or ``timeout``). Started by
+the fault-tolerance agent (``fault_tolerant``), they keep training instead: the lost rank's step is replayed with
+the global batch shared over the survivors, and a replacement heals from a live peer
+(:mod:`lightning_sync.strategies._live`).
 """
 
 from __future__ import annotations
@@ -35,11 +38,13 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
+from lightning_sync._lightning import next_restored
 from lightning_sync.checkpoint.reading import guarded_load
 from lightning_sync.comms.algorithms import ALGORITHMS
 from lightning_sync.resume import RANK_STATES
 from lightning_sync.strategies._base import SyncStrategy
 from lightning_sync.strategies._common import as_timedelta, check_bool, check_launch_args, no_sync_of
+from lightning_sync.strategies._live_env import check_live_settings, live_requested
 from lightning_sync.strategies._telemetry import BUCKETS
 from lightning_sync.sync.bucketing import GradBucketer, check_mib
 from lightning_sync.sync.compression import COMPRESSIONS, make_compressor
@@ -67,6 +72,8 @@ class BucketedDDPStrategy(SyncStrategy):
         process_group_backend: ``"gloo"``, ``"nccl"`` or None (Lightning picks for the accelerator).
         timeout: collective timeout in seconds (or a ``timedelta``).
         start_method: ``"popen"`` (re-run the script per rank), ``"spawn"``, ``"fork"`` or ``"forkserver"``.
+        fault_tolerant: keep training when a rank is lost (live membership; the ranks must be started by the
+            fault-tolerance agent, ``lightning-sync launch``); None: on exactly when they were.
     """
 
     strategy_name = "bucketed_ddp"
@@ -85,6 +92,7 @@ class BucketedDDPStrategy(SyncStrategy):
         process_group_backend: str | None = None,
         timeout: float | timedelta = 1800.0,
         start_method: str = "popen",
+        fault_tolerant: bool | None = None,
         **kwargs: Any,
     ) -> None:
         check_mib("bucket_cap_mb", bucket_cap_mb)
@@ -118,6 +126,15 @@ class BucketedDDPStrategy(SyncStrategy):
         self.compression, self.broadcast_buffers, self.comm_algorithm = compression, broadcast_buffers, comm_algorithm
         self.bucketer: GradBucketer | None = None
         self._pending_state: dict[str, Any] | None = None  # loaded before configure_ddp built the bucketer
+        if live_requested(type(self).__name__, fault_tolerant):
+            check_live_settings(
+                type(self).__name__,
+                process_group_backend=(process_group_backend, (None, "gloo")),
+                start_method=(start_method, ("popen",)),
+                compression=(compression, (None, "none", "fp16", "bf16")),
+                comm_algorithm=(comm_algorithm, ("backend",)),
+            )
+            self._go_live(self._timeout.total_seconds())
 
     # ------------------------------------------------------------------ setup / teardown
     @override
@@ -125,7 +142,8 @@ class BucketedDDPStrategy(SyncStrategy):
         """Broadcast rank 0's parameters and buffers, then bucket the gradients (no DDP wrapper)."""
         model = self.model
         assert model is not None
-        broadcast_module_states(model, self.comm)
+        if self.live is None or not self.live.replacement:  # a replacement has its peers' state already
+            broadcast_module_states(model, self.comm)
         comm = (  # the context is a Communicator on the backend's own all-reduce; a written-out one needs a bound view
             self.comm
             if self.comm_algorithm == "backend"
@@ -161,8 +179,14 @@ class BucketedDDPStrategy(SyncStrategy):
     # ------------------------------------------------------------------ training hooks
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.live is not None:
+            args = self.live.training_step_args(args)
         if self.broadcast_buffers and self.model is not None:
-            broadcast_buffers(self.model, self.comm)
+            model = self.model
+            if self.live is not None:
+                self.live.guarded(lambda: broadcast_buffers(model, self.comm), lambda: None)
+            else:
+                broadcast_buffers(model, self.comm)
         return super().training_step(*args, **kwargs)
 
     @override
@@ -183,7 +207,23 @@ class BucketedDDPStrategy(SyncStrategy):
 
     @override
     def _comm_gauges(self) -> dict[str, float]:
-        return {BUCKETS: float(len(self.bucketer.buckets))} if self.bucketer is not None else {}
+        gauges = {BUCKETS: float(len(self.bucketer.buckets))} if self.bucketer is not None else {}
+        return {**gauges, **self.live.gauges()} if self.live is not None else gauges
+
+    # ------------------------------------------------------------------ live fault tolerance
+    @override
+    def _live_state(self) -> dict[str, Any]:
+        return {"bucketer": self.bucketer.live_state()} if self.bucketer is not None else {}
+
+    @override
+    def _live_load(self, state: dict[str, Any]) -> None:
+        if self.bucketer is not None and "bucketer" in state:
+            self.bucketer.adopt(state["bucketer"])
+
+    @override
+    def _live_reset(self) -> None:
+        if self.bucketer is not None:
+            self.bucketer.abort_backward()
 
     # ------------------------------------------------------------------ checkpoints
     @override
@@ -196,6 +236,8 @@ class BucketedDDPStrategy(SyncStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Weights-only unless ``weights_only=False`` (``trainer.fit(..., weights_only=False)``); a
         checkpoint that needs more raises :class:`~lightning_sync.checkpoint.reading.UntrustedCheckpointError`."""
+        if self.live is not None and self.live.replacement:  # what a live peer sent, not the file
+            return next_restored(self.lightning_module.trainer)
         checkpoint = guarded_load(
             lambda wo: super(BucketedDDPStrategy, self).load_checkpoint(checkpoint_path, wo),
             checkpoint_path,

@@ -103,6 +103,11 @@ class BackwardEngine(SyncSwitch):
         self._complete = [False] * num_buckets
         self._launch_order = list(launch_order)
 
+    def abort_backward(self) -> None:
+        """Forget a backward that failed part way (a peer lost mid-collective): the next one starts afresh."""
+        self._in_backward = False
+        self._used = [False] * len(self._used)
+
     def _remove_grad_hooks(self) -> None:
         for h in self._grad_hooks:
             h.remove()

@@ -202,6 +202,7 @@ class GradBucketer(BackwardEngine):
         """Re-plan the buckets in the order gradients became ready (rank 0's order, broadcast)."""
         order = self._ready_order + [i for i in range(len(self._params)) if i not in set(self._ready_order)]
         order = self._comm.broadcast_object(order if self._comm.rank == 0 else None, src=0)
+        self._ready_order = list(order)  # the layout every rank now has (what a replacement adopts)
         self._build(list(order))
         self._rebuilt = True
 
@@ -307,6 +308,27 @@ class GradBucketer(BackwardEngine):
             self._ready_order, self._order_known, self._rebuilt = order, True, False
         if "compressor" in state and self._compressor is not None:
             self._compressor.load_state_dict(state["compressor"])
+
+    def adopt(self, state: dict[str, Any]) -> None:
+        """Take a live peer's :meth:`live_state` (a replacement joining a running job). Buckets the peers have
+        re-planned are re-planned here at once, with no collective; a re-plan still to come is made with them."""
+        order = [int(i) for i in state.get("ready_order", [])]
+        if not state.get("rebuilt") or sorted(order) != list(range(len(self._params))):
+            self.load_state_dict(state)
+            return
+        self.step = int(state.get("step", 0))
+        self._ready_order, self._order_known, self._rebuilt = order, True, True
+        self._build(order)
+
+    def live_state(self) -> dict[str, Any]:
+        """What a replacement adopts: the step count and the bucket layout (no compressor state: it is per rank)."""
+        return {"step": self.step, "ready_order": list(self._ready_order), "rebuilt": self._rebuilt}
+
+    def abort_backward(self) -> None:
+        """A backward failed part way: drop the buckets' handles of collectives on the lost group."""
+        super().abort_backward()
+        for bucket in self.buckets:
+            bucket.work = None
 
     def close(self) -> None:
         """Remove the hooks; gradients stay where they are."""

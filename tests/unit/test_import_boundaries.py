@@ -357,7 +357,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("_checks", "_config", "_extras", "batch"),
     ("comms",),
     ("sync", "checkpoint"),
-    ("_lightning", "sampler", "resume"),
+    ("_lightning", "sampler", "live_batches", "resume"),
     ("strategies",),
     ("lightning_sync", "_registration"),
     ("diagnostics", "launch", "lr_rules", "models"),

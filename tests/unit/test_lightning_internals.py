@@ -6,6 +6,7 @@ Run it before raising the Lightning cap in pyproject.toml: a failure names the i
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 
 import lightning
@@ -14,8 +15,9 @@ import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.core.optimizer import LightningOptimizer
-from lightning.pytorch.strategies import DDPStrategy, Strategy
+from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy, Strategy
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
+from torch.utils.data import DataLoader
 
 from lightning_sync import _lightning as compat
 
@@ -181,6 +183,86 @@ def _setup_broadcast() -> None:
     assert module._ddp_params_and_buffers_to_ignore == ["weight"]
 
 
+class _Tiny(LightningModule):
+    """One weight, a loss ``w * batch``; records what its training steps saw."""
+
+    def __init__(self, lr: float = 0.5) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(1))
+        self.lr, self.seen = lr, []
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        self.seen.append((float(batch.sum()), batch_idx))
+        return (self.w * batch).sum()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(torch.ones(4, 1), batch_size=1)
+
+
+def _fit(module: LightningModule, steps: int, **kwargs: object) -> Trainer:
+    trainer = Trainer(accelerator="cpu", devices=1, max_steps=steps, barebones=True, logger=False, **kwargs)
+    trainer.fit(module)
+    return trainer
+
+
+def _batch_index() -> None:
+    trainer = Trainer(accelerator="cpu", devices=1, logger=False, barebones=True)
+    trainer.fit_loop.epoch_loop.batch_progress.current.ready = 3  # the third batch of the epoch is in flight
+    assert compat.batch_index(trainer) == 2
+
+
+def _closure_for() -> None:
+    """A closure built for another micro-batch runs training_step with that batch and index, and backward."""
+
+    class Replaying(_Tiny):
+        def on_train_batch_end(self, *args: object) -> None:
+            if len(self.seen) == 1:
+                self.w.grad = None
+                compat.closure_for(self.trainer, self.trainer.optimizers[0], 5, torch.full((1, 1), 3.0))()
+
+    module = Replaying()
+    _fit(module, 1)
+    assert module.seen == [(1.0, 0), (3.0, 5)], module.seen
+    assert module.w.grad is not None and float(module.w.grad) == 3.0  # backward ran: d(w * 3)/dw
+
+
+def _sigterm_broadcast() -> None:
+    from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
+
+    assert "self._broadcast_sigterm_tensor()" in inspect.getsource(_TrainingEpochLoop.advance)
+    trainer = Trainer(accelerator="cpu", devices=1, logger=False, barebones=True)
+    replacement = lambda: None  # noqa: E731
+    assert compat.replace_sigterm_broadcast(trainer, replacement)
+    assert trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor is replacement
+
+
+def _checkpoint_connector() -> None:
+    """The dumped state, made what the Trainer restores next in a strategy's setup, resumes the run."""
+    first = _Tiny()
+    dumped = compat.dump_training_state(_fit(first, 1))
+    assert {"state_dict", "loops", "optimizer_states", "lr_schedulers"} <= set(dumped), sorted(dumped)
+
+    class Restoring(SingleDeviceStrategy):
+        @property
+        def restore_checkpoint_after_setup(self) -> bool:
+            return True
+
+        def setup(self, trainer: Trainer) -> None:
+            super().setup(trainer)
+            compat.restore_next(trainer, dumped)
+            assert compat.next_restored(trainer) is dumped
+
+    second = _Tiny(lr=0.0)  # its own weights and learning rate are replaced by the restored ones
+    trainer = _fit(second, 2, strategy=Restoring(device=torch.device("cpu")))
+    assert trainer.global_step == 2 and len(second.seen) == 1  # the loops were restored at step 1
+    uninterrupted = _Tiny()
+    _fit(uninterrupted, 2)  # the weights and momentum after step 1 restored, step 2 is the same step
+    torch.testing.assert_close(second.w.detach(), uninterrupted.w.detach(), rtol=0, atol=0)
+
+
 _CHECKS: dict[str, Callable[[], None]] = {
     "lightning.fabric.utilities.types._Stateful": _stateful,
     "lightning.pytorch.strategies.launchers._MultiProcessingLauncher": _multiprocessing_launcher,
@@ -198,6 +280,10 @@ _CHECKS: dict[str, Callable[[], None]] = {
     "lightning.pytorch.overrides.distributed._sync_module_states (._ddp_params_and_buffers_to_ignore)": (
         _setup_broadcast
     ),
+    "_TrainingEpochLoop.batch_idx": _batch_index,
+    "_TrainingEpochLoop._build_kwargs / _AutomaticOptimization._make_closure": _closure_for,
+    "_TrainingEpochLoop._broadcast_sigterm_tensor": _sigterm_broadcast,
+    "Trainer._checkpoint_connector (.dump_checkpoint, ._loaded_checkpoint)": _checkpoint_connector,
 }
 
 

@@ -95,6 +95,9 @@ _BUCKETED: list[tuple[str, Any, str]] = [
         ("timeout", v, got("timeout", _TIMEOUT, v))
         for v in (0, -5.0, math.inf, math.nan, "30", True, None, timedelta(0), timedelta(seconds=-1))
     ],
+    # live fault tolerance: True needs the agent's ranks (this process was not started by it)
+    *[("fault_tolerant", v, got("fault_tolerant", "True, False or None", v)) for v in (1, "true", 0)],
+    ("fault_tolerant", True, r"fault_tolerant=True needs the ranks started by the fault-tolerance agent"),
     (KWARGS, {"bucket_cap": 5}, r"unknown arguments \['bucket_cap'\]; besides its own it accepts \['accelerator'"),
 ]
 

@@ -1,0 +1,345 @@
+"""``LiveTraining``: a strategy's part in live fault tolerance, inside Lightning's loop.
+
+The strategy owns one when its ranks were started by the fault-tolerance agent
+(:mod:`lightning_sync.launch.agent`). It joins the job's :class:`~lightning_sync.comms.membership.Membership`
+instead of Lightning's process-group setup, and keeps every failure inside the strategy: Lightning's loop never
+sees the exception, because ``_call_and_handle_interrupt`` would tear the run down.
+
+**A step is an accumulation window, committed or replayed.** Every micro-batch's share of the global batch comes
+from :class:`~lightning_sync.live_batches.LiveBatches` for the membership current when it trains (a batch the
+loader prefetched for an older one is rebuilt from the dataset). The optimizer step first runs the window's last
+closure (Lightning's), then the members vote (:meth:`Membership.run_committed`); only a committed step reaches the
+optimizer. A collective that fails anywhere in the window (a buffer broadcast, a synced log, the gradients'
+all-reduce) is recorded, the group is left at once, and the rest of the window runs without collectives; the vote
+then aborts. After an abort the members enter the next epoch and replay the whole window there: each micro-batch
+rebuilt as this member's share for the new membership, run through Lightning's own closures, so the global batch,
+and every sample in it, is trained exactly once in the committed step.
+
+**Healing.** A replacement joins when the members enter the epoch that admits it, at the start of a window (the
+admitting step applied, Lightning's loop between two batches). Every member then takes the state as a Lightning
+checkpoint would hold it (weights, optimizers, LR schedulers, loop counters and data position, callbacks,
+precision) with the strategy's own and rank 0's RNG streams, and rank 0 sends it to the replacement in one
+broadcast. The replacement hands it to Lightning as the checkpoint to restore after setup, and until its first
+training step runs no collective (its peers are in their window, waiting for it there).
+
+Imports Lightning's loop internals only through the few calls below: ``_build_kwargs`` and ``_make_closure`` (the
+closures a replay runs) and the checkpoint connector's ``dump_checkpoint`` / ``_loaded_checkpoint``.
+"""
+
+from __future__ import annotations
+
+import io
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch.utils.data import DataLoader
+
+from lightning_sync._lightning import (
+    batch_index,
+    closure_for,
+    dump_training_state,
+    replace_sigterm_broadcast,
+    restore_next,
+    trainer_of,
+)
+from lightning_sync.comms.membership import Membership
+from lightning_sync.live_batches import LiveBatches
+from lightning_sync.resume import rng_state
+from lightning_sync.sampler import GlobalOrderSampler
+from lightning_sync.strategies._live_env import LiveEnvironment
+
+__all__ = ["FT_FAILURES", "FT_MEMBERS", "FT_REPLAYED", "FT_SECONDS_LOST", "LiveTraining"]
+
+T = TypeVar("T")
+
+FT_FAILURES, FT_MEMBERS, FT_REPLAYED, FT_SECONDS_LOST = (
+    "ft/failures",
+    "ft/members",
+    "ft/replayed_steps",
+    "ft/seconds_lost",
+)
+_LIVE = "lightning_sync/live"  # the healing checkpoint's key of what Lightning does not hold
+# what a replacement does not need from the members' checkpoint, and a weights-only load might refuse
+_NOT_SENT = ("hyper_parameters", "hparams_name", "datamodule_hyper_parameters")
+
+
+class WindowFailed(RuntimeError):
+    """A collective of this accumulation window failed earlier; the step cannot be committed."""
+
+
+class LiveTraining:
+    """One rank's live membership inside Lightning's loop (module docstring).
+
+    Args:
+        owner: the strategy; it calls each method from the hook its name says, and provides ``_live_state()``
+            / ``_live_load(state)`` (its own state for a replacement) and ``_live_reset()`` (before a replay).
+        timeout: seconds a collective of an epoch's group may take, and the longest wait for a new epoch.
+    """
+
+    def __init__(self, owner: Any, timeout: float) -> None:
+        self._owner = owner
+        self.timeout = timeout
+        self.environment = LiveEnvironment()
+        self.membership: Membership | None = None
+        self.batches: LiveBatches | None = None
+        self._loader: DataLoader | None = None
+        #: the state a replacement received from a live peer, for Lightning to restore after setup
+        self.healed_checkpoint: dict[str, Any] | None = None
+        #: a replacement between its heal and its first training step: it runs no collective
+        self.quiet = False
+        self.failure: str | None = None  # a collective of this window failed: what it said
+        self._holds_state = False
+        self._snapshot: bytes | None = None  # the state at this window's start, while replacements are admitted
+        self.window_start = -1  # the index in the epoch of the current window's first micro-batch
+        self._replaying: int | None = None
+        self.weight = 1.0  # on this micro-batch's loss (LiveBatches.weight)
+        self._redone = 0.0  # seconds the last replay spent on the window's earlier micro-batches
+        self.failures = 0
+        self.replayed = 0
+        self.seconds_lost = 0.0
+
+    # ------------------------------------------------------------------ joining
+    def connect(self) -> None:
+        """At ``setup_distributed``: join the membership (a replacement is healed inside, see the docstring)."""
+        self.membership = Membership(timeout=self.timeout, heal=self._heal, on_enter=self._entered)
+        self.environment.membership = self.membership
+        self.membership.join()
+        nominal = self.environment.nominal_world_size
+        if self.membership.epoch == 0 and self.membership.world_size != nominal:
+            raise ValueError(
+                f"{type(self._owner).__name__}: the fault-tolerance agent started {self.membership.world_size} "
+                f"ranks, the Trainer expects num_nodes x devices = {nominal}; give the agent --nproc per node to match"
+            )
+        self.quiet = self.healed_checkpoint is not None
+
+    @property
+    def replacement(self) -> bool:
+        """Whether this process joined a running job (it restores the state a peer sent, not a checkpoint)."""
+        return self.healed_checkpoint is not None
+
+    def _entered(self) -> None:
+        """A new epoch: this member's rank and world size changed; its collectives are whole again."""
+        membership = self.membership
+        assert membership is not None
+        if membership.member in membership.healed:
+            self._holds_state = True
+        self.failure = None
+        self._owner.set_world_ranks()  # Lightning's rank_zero_only follows: a new rank 0 logs
+
+    def _heal(self, source: int) -> None:
+        """The state from rank ``source`` to every member that lacks it: one size and one byte broadcast."""
+        membership, comm = self.membership, self._owner.comm
+        assert membership is not None
+        sending = self._holds_state and membership.rank == source
+        blob = self._snapshot if sending else None
+        if sending and blob is None:  # only in an epoch entered by an admission, which took the snapshot
+            raise RuntimeError("LiveTraining: a heal without the state taken at the window's start")
+        size = torch.tensor([len(blob) if blob is not None else 0], dtype=torch.int64)
+        comm.broadcast(size, src=source)
+        data = (
+            torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+            if blob is not None
+            else torch.empty(int(size), dtype=torch.uint8)
+        )
+        comm.broadcast(data, src=source)
+        if not self._holds_state:
+            checkpoint = torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True)
+            self.healed_checkpoint, self._holds_state = checkpoint, True
+
+    def _take_snapshot(self) -> bytes:
+        """The training state as a Lightning checkpoint holds it, with the strategy's and the RNG streams."""
+        trainer = trainer_of(self._owner.lightning_module)
+        checkpoint = dump_training_state(trainer)
+        for key in _NOT_SENT:
+            checkpoint.pop(key, None)
+        checkpoint[_LIVE] = {"rng": rng_state(self._owner.root_device), "strategy": self._owner._live_state()}
+        buffer = io.BytesIO()
+        torch.save(checkpoint, buffer)
+        return buffer.getvalue()
+
+    def restore_after_setup(self, trainer: Any) -> None:
+        """At the end of a replacement's ``setup``: the received state becomes the checkpoint Lightning restores
+        next (its modules and callbacks, then its loops, optimizers and schedulers); the strategy's own and the
+        RNG streams (set when training starts) are taken here."""
+        checkpoint = self.healed_checkpoint
+        assert checkpoint is not None
+        live = checkpoint.pop(_LIVE)
+        self._owner._live_load(live["strategy"])
+        self._owner.exact_data.resume._rng = live["rng"]
+        restore_next(trainer, checkpoint)
+
+    def setup(self, trainer: Any) -> None:
+        """At ``setup``: Lightning's own per-batch broadcast of the SIGTERM flag goes through :meth:`guarded` (it
+        swallows a failure, which would leave a peer blocked in it for the group's timeout), and a replacement
+        takes the state it received."""
+        root = self._owner.root_device
+
+        def broadcast_sigterm() -> None:
+            flag = torch.tensor([1 if getattr(trainer, "received_sigterm", False) else 0], device=root)
+            self.guarded(lambda: self._owner.comm.broadcast(flag, src=0), lambda: None)
+            if flag.item() == 1:
+                self._owner.barrier()
+                raise SIGTERMException()
+
+        replace_sigterm_broadcast(trainer, broadcast_sigterm)
+        if self.replacement:
+            self.restore_after_setup(trainer)
+
+    # ------------------------------------------------------------------ data
+    def install(self, loader: Any) -> Any:
+        """The training loader's batches become this member's shares (:class:`LiveBatches`)."""
+        sampler = getattr(getattr(loader, "batch_sampler", None), "sampler", None)
+        if not isinstance(loader, DataLoader) or not isinstance(sampler, GlobalOrderSampler):
+            raise ValueError(
+                f"{type(self._owner).__name__}: live fault tolerance shares out each global batch from the "
+                f"training loader's DistributedSampler; this loader has {type(sampler).__name__}. Use a map-style "
+                f"dataset with a DataLoader(batch_size=...) and Trainer(use_distributed_sampler=True)"
+            )
+        batches = LiveBatches(sampler, loader.batch_size, loader.drop_last, self._place)
+        # a DataLoader refuses a new batch sampler once built, but reads it anew for every iterator
+        object.__setattr__(loader, "batch_sampler", batches)
+        self.batches, self._loader = batches, loader
+        return loader
+
+    def _place(self) -> tuple[int, int]:
+        membership = self.membership
+        assert membership is not None
+        return membership.rank, membership.world_size
+
+    def training_step_args(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        """Before ``training_step``: a window's start (admitting replacements), and this member's share of the
+        micro-batch for the current membership, rebuilt if the one Lightning passes was made for another."""
+        trainer = trainer_of(self._owner.lightning_module)
+        j = self._replaying if self._replaying is not None else batch_index(trainer)
+        if self._replaying is None:
+            if j % int(trainer.accumulate_grad_batches) == 0 or self.window_start < 0:
+                self._start_window(j)
+        rank, world = self._place()
+        assert self.batches is not None
+        if self._replaying is not None or self.batches.is_stale(j, rank, world):
+            args = (self._rebuild(j, rank, world), *args[1:])
+        self.weight = self.batches.weight(j, rank, world)
+        return args
+
+    def _start_window(self, j: int) -> None:
+        membership = self.membership
+        assert membership is not None
+        self.window_start, self.quiet, self._snapshot = j, False, None
+        if membership.admitting:
+            before = membership.members
+            self._snapshot = self._take_snapshot()
+            started = time.perf_counter()
+            membership.enter_admitted()
+            rank_zero_info(
+                f"live: epoch {membership.epoch} admits {[m for m in membership.members if m not in before]}: "
+                f"{membership.world_size} members, healed in {time.perf_counter() - started:.2f} s"
+            )
+
+    def _rebuild(self, j: int, rank: int, world: int) -> Any:
+        loader, owner = self._loader, self._owner
+        assert loader is not None and self.batches is not None
+        batch = loader.collate_fn([loader.dataset[i] for i in self.batches.share(j, rank, world)])
+        batch = owner.lightning_module._on_before_batch_transfer(batch, dataloader_idx=0)
+        return owner.batch_to_device(batch, dataloader_idx=0)
+
+    # ------------------------------------------------------------------ collectives outside the vote
+    def guarded(self, collective: Callable[[], T], alone: Callable[[], T]) -> T:
+        """``collective()``, or ``alone()`` (this member's value as if it were the only one) while it may run
+        none: a replacement before its first step, or a window whose collective already failed. A failure is
+        recorded for the vote and leaves the group, so that peers blocked with this member fail at once too."""
+        if self.quiet or self.failure is not None:
+            return alone()
+        try:
+            return collective()
+        except RuntimeError as exc:
+            self.fail(exc)
+            return alone()
+
+    def fail(self, exc: BaseException) -> None:
+        """A collective failed: record it for the vote and leave the group at once."""
+        self.failure = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        traceback.clear_frames(exc.__traceback__)
+        assert self.membership is not None
+        self.membership.leave()
+
+    # ------------------------------------------------------------------ the committed step
+    def run_step(self, optimizer: Any, closure: Callable[[], Any]) -> Any:
+        """Run the window's last closure until the members commit the step (replaying the window after an abort);
+        returns the closure's loss, for the optimizer step that follows."""
+        membership = self.membership
+        trainer = trainer_of(self._owner.lightning_module)
+        assert membership is not None
+        out: list[Any] = []
+        started, first, replays = time.perf_counter(), [True], []
+        self._redone = 0.0
+
+        def attempt() -> None:
+            replay, first[0] = not first[0], False
+            if self.failure is not None:
+                raise WindowFailed(f"a collective of this window failed: {self.failure}")
+            try:
+                if not replay:
+                    out[:] = [closure()]
+                else:
+                    replays.append(time.perf_counter())
+                    out[:] = [self._replay(optimizer, closure)]
+            except RuntimeError:
+                # the buckets' handles hold the failed group: they go before the membership tears it down, or a
+                # peer blocked in a collective with this member would wait out the group's timeout
+                self._owner._live_reset()
+                raise
+
+        before = list(membership.members)
+        aborted = membership.run_committed(int(trainer.global_step), attempt)
+        if aborted:  # the aborted attempts, the new epoch, and the window's earlier micro-batches trained again
+            lost = (replays[-1] if replays else time.perf_counter()) - started + self._redone
+            self.failures += aborted
+            self.replayed += 1
+            self.seconds_lost += lost
+            gone = [m for m in before if m not in membership.members]
+            rank_zero_info(
+                f"live: step {trainer.global_step} replayed after losing {gone or 'a collective'}; epoch "
+                f"{membership.epoch} continues with {membership.world_size} members "
+                f"({', '.join(membership.members)}); {lost:.2f} s lost"
+            )
+        return out[0]
+
+    def _replay(self, optimizer: Any, closure: Callable[[], Any]) -> Any:
+        """The window again, for this member's new share of each micro-batch: the earlier micro-batches through
+        closures Lightning builds for them (no collective until the last), the last through Lightning's own."""
+        owner = self._owner
+        owner._live_reset()
+        trainer = trainer_of(owner.lightning_module)
+        last = batch_index(trainer)  # the window's last micro-batch, trained or not (a failure skips it)
+        earlier = range(self.window_start, last)
+        started = time.perf_counter()
+        try:
+            for j in earlier:
+                self._replaying = j
+                with owner.block_backward_sync():
+                    closure_for(trainer, optimizer, j, None)()  # the batch is rebuilt in training_step
+            self._redone = time.perf_counter() - started
+            self._replaying = last
+            return closure()
+        finally:
+            self._replaying = None
+
+    def gauges(self) -> dict[str, float]:
+        """What the logger shows of it after each step."""
+        members = self.membership.world_size if self.membership is not None else 0
+        return {
+            FT_FAILURES: float(self.failures),
+            FT_MEMBERS: float(members),
+            FT_REPLAYED: float(self.replayed),
+            FT_SECONDS_LOST: self.seconds_lost,
+        }
+
+    def close(self) -> None:
+        """At teardown: stop the heartbeat and leave the group."""
+        if self.membership is not None:
+            self.membership.close()

@@ -1,0 +1,130 @@
+"""Live fault tolerance inside Lightning: a plain ``Trainer`` script keeps training through a lost rank.
+
+Each case runs :mod:`support.ft_trainer` (digits, ``BucketedDDPStrategy``, SGD with momentum and a step LR
+schedule) as 3 rank processes under :class:`~lightning_sync.launch.agent.Agent`; one or two kill themselves with
+SIGKILL at a chosen point of a chosen step. The survivors must finish every step without exiting, with the
+global batch held (shared out over whoever is left) and every sample of it trained once in the committed step, so
+their final weights equal one process's on the same global batches (``FT_REFERENCE``, computed once per setting).
+Every run stays inside the first epoch: at its end the 3-rank order repeats samples to fill the last batches (a
+``DistributedSampler`` pads to a multiple of the world size), which one process does not.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from support import ft_trainer
+
+from lightning_sync.launch.agent import Agent
+
+SCRIPT = Path(ft_trainer.__file__)
+# float32 on 2-3 ranks: a share split another way only reorders the additions of each gradient (measured 1.2e-7
+# after 40 steps with a loss, a replay and a heal); the bar the issue sets for replicated strategies is 5e-5
+TOL = 5e-5
+_REFERENCES: dict[tuple[tuple[str, str], ...], dict[str, torch.Tensor]] = {}
+
+pytestmark = [pytest.mark.timeout(240)]
+
+
+def _reference(tmp_path: Path, env: dict[str, str]) -> dict[str, torch.Tensor]:
+    """One process on the same global batches (a per-rank batch x 3, the same accumulation and steps)."""
+    key = tuple(sorted((k, v) for k, v in env.items() if k in ("FT_BATCH", "FT_ACCUMULATE", "FT_STEPS")))
+    if key not in _REFERENCES:
+        out = tmp_path / "reference"
+        out.mkdir()
+        subprocess.run(
+            [sys.executable, str(SCRIPT), str(out)],
+            env={**os.environ, **env, "FT_REFERENCE": "1", "FT_STEP_S": "0", "FT_KILL": ""},
+            check=True,
+            capture_output=True,
+            timeout=120,
+        )
+        _REFERENCES[key] = torch.load(out / "reference.pt")
+    return _REFERENCES[key]
+
+
+def _run(tmp_path: Path, max_restarts: int = 0, **env: str) -> tuple[Agent, int, dict[str, dict[str, Any]]]:
+    """The agent over 3 ranks of the script; its exit status and each finished member's record."""
+    out = tmp_path / "run"
+    out.mkdir()
+    agent = Agent([sys.executable, str(SCRIPT), str(out)], 3, env=env, max_restarts=max_restarts)
+    status = agent.run()
+    records = {p.stem: json.loads(p.read_text()) for p in sorted(out.glob("*.json"))}
+    for member in records:
+        records[member]["weights"] = torch.load(out / f"{member}.pt")
+    return agent, status, records
+
+
+def _check(
+    tmp_path: Path, env: dict[str, str], records: dict[str, dict[str, Any]], members: int, failures: int
+) -> None:
+    """Every member that finished ran every step and holds one process's weights; the job ended with
+    ``members`` members, and each survivor counted ``failures`` replayed steps."""
+    want = _reference(tmp_path, env)
+    steps = int(env.get("FT_STEPS", ft_trainer.STEPS))
+    assert records, "no member finished"
+    for member, record in records.items():
+        assert record["global_step"] == steps, (member, record)
+        assert record["ft/members"] == members, (member, record)
+        for name, value in want.items():
+            torch.testing.assert_close(record["weights"][name], value, rtol=0, atol=TOL, msg=f"{member} {name}")
+    assert sorted(r["rank"] for r in records.values()) == list(range(members))
+    survivors = [r for m, r in records.items() if m.endswith("i0")]
+    assert all(r["ft/failures"] == failures for r in survivors), records
+
+
+@pytest.mark.parametrize(
+    ("kill", "batch", "accumulate"),
+    [
+        ("n0s1i0:3:forward", "8", "1"),  # in training_step; 24 samples a step: 12 each after the loss
+        ("n0s2i0:4:backward", "5", "2"),  # with a micro-batch's buckets in flight; 15 a micro-step: 8 and 7 after
+        ("n0s0i0:6:step", "8", "1"),  # rank 0, after the vote, before its optimizer applied the step
+    ],
+)
+def test_survivors_keep_training_and_end_with_the_single_process_weights(
+    tmp_path: Path, kill: str, batch: str, accumulate: str
+) -> None:
+    env = {"FT_KILL": kill, "FT_BATCH": batch, "FT_ACCUMULATE": accumulate}
+    agent, status, records = _run(tmp_path, **env)
+    assert status == 0 and len(agent.losses) == 1, agent.losses
+    lost = kill.split(":")[0]
+    assert lost not in records and len(records) == 2, records.keys()
+    _check(tmp_path, env, records, members=2, failures=1)
+
+
+def test_two_ranks_lost_at_once_leave_one_training_alone(tmp_path: Path) -> None:
+    env = {"FT_KILL": "n0s1i0:5:forward,n0s2i0:5:forward", "FT_ACCUMULATE": "2"}
+    agent, status, records = _run(tmp_path, **env)
+    assert status == 0 and sorted(loss.member for loss in agent.losses) == ["n0s1i0", "n0s2i0"]
+    assert list(records) == ["n0s0i0"]  # the whole global batch of 48 on one rank: 2 micro-batches of 24
+    assert 1 <= records["n0s0i0"]["ft/failures"] <= 2  # the two losses seen in one epoch change, or in two
+    _check(tmp_path, env, records, members=1, failures=records["n0s0i0"]["ft/failures"])
+
+
+def test_a_replacement_heals_from_a_live_peer_and_the_job_is_back_to_three(tmp_path: Path) -> None:
+    """Momentum, the LR schedule, the loop counters and the data position all come from a live peer: any of them
+    missed would show in the final weights of every member (the replacement trains in every later step)."""
+    env = {"FT_KILL": "n0s1i0:2:forward", "FT_BATCH": "4", "FT_ACCUMULATE": "2", "FT_STEPS": "50", "FT_STEP_S": "0.05"}
+    agent, status, records = _run(tmp_path, max_restarts=1, **env)
+    assert status == 0 and agent.restarts == 1, agent.losses
+    assert sorted(records) == ["n0s0i0", "n0s1i1", "n0s2i0"]  # the replacement finished as a member
+    assert records["n0s1i1"]["ft/failures"] == 0  # it joined after the loss
+    _check(tmp_path, env, records, members=3, failures=1)
+
+
+def test_a_replacement_lost_before_its_first_step_is_replaced_again(tmp_path: Path) -> None:
+    """The first replacement dies in its ``setup`` hook, after the heal, while its peers wait for it in their
+    window: they replay that window without it and admit the next one."""
+    env = {"FT_KILL": "n0s1i0:2:forward,n0s1i1:any:setup", "FT_BATCH": "4", "FT_STEPS": "110", "FT_STEP_S": "0.05"}
+    agent, status, records = _run(tmp_path, max_restarts=2, **env)
+    assert status == 0 and agent.restarts == 2, agent.losses
+    assert [loss.member for loss in agent.losses] == ["n0s1i0", "n0s1i1"]
+    assert sorted(records) == ["n0s0i0", "n0s1i2", "n0s2i0"]
+    _check(tmp_path, env, records, members=3, failures=2)

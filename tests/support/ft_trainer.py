@@ -1,0 +1,112 @@
+"""A plain Lightning ``Trainer`` script under the fault-tolerance agent, for the live tests.
+
+``python ft_trainer.py OUT`` fits :class:`~lightning_sync.models.digits.DigitsMLP` on scikit-learn's digits with
+``BucketedDDPStrategy`` (fault-tolerant because the agent started it), ``Trainer(devices=FT_DEVICES)``, a per-rank
+batch of ``FT_BATCH``, ``FT_ACCUMULATE`` micro-batches a step and ``FT_STEPS`` steps, SGD with momentum (optimizer
+state that a replacement must heal) and a step LR schedule (scheduler state too).
+
+``FT_KILL`` names where a member kills itself with SIGKILL: ``member:step:point[,...]``; ``point`` is ``forward``
+(in ``training_step``), ``backward`` (in backward, with the first buckets' all-reduce in flight), ``step`` (after
+the vote, before the optimizer applies the step) or ``validation`` (in ``validation_step``); ``step`` is the
+global step, counted from the run's start.
+
+``setup`` (in the module's ``setup`` hook) kills a replacement after it received the state and before its first
+step, while its peers wait for it in their window; its ``step`` is ``any``.
+
+Each member writes ``OUT/<member>.json`` when it finishes (the global step, its rank and the live figures:
+failures, replayed steps, members) and ``OUT/<member>.pt``, its final weights.
+With ``FT_REFERENCE=1`` the script runs one process on the same global batches (``devices=1``, the per-rank batch
+times ``FT_DEVICES``) and writes ``OUT/reference.pt``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+from lightning_sync.comms.membership_keys import ENV_MEMBER
+from lightning_sync.models.digits import DigitsDataModule, DigitsMLP
+from lightning_sync.strategies import BucketedDDPStrategy
+
+DEVICES = int(os.environ.get("FT_DEVICES", 3))
+BATCH = int(os.environ.get("FT_BATCH", 8))
+ACCUMULATE = int(os.environ.get("FT_ACCUMULATE", 1))
+STEPS = int(os.environ.get("FT_STEPS", 12))
+STEP_S = float(os.environ.get("FT_STEP_S", 0))  # seconds of sleep in each training_step: a replacement joins mid-run
+KILLS = {tuple(k.split(":")[:2]): k.split(":")[2] for k in os.environ.get("FT_KILL", "").split(",") if k}
+
+
+def maybe_die(trainer: pl.Trainer, point: str) -> None:
+    member = os.environ.get(ENV_MEMBER, "")
+    if point in (KILLS.get((member, str(trainer.global_step))), KILLS.get((member, "any"))):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+class Model(DigitsMLP):
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        maybe_die(self.trainer, "forward")
+        time.sleep(STEP_S)
+        loss = super().training_step(batch, batch_idx)
+        if KILLS:
+            loss.register_hook(lambda g: maybe_die(self.trainer, "backward"))
+        return loss
+
+    def setup(self, stage: str) -> None:
+        maybe_die(self.trainer, "setup")
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        maybe_die(self.trainer, "step")
+
+    def validation_step(self, batch: Any, batch_idx: int) -> Any:
+        maybe_die(self.trainer, "validation")
+        return super().validation_step(batch, batch_idx)
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+        return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 5, 0.5)}
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    reference = os.environ.get("FT_REFERENCE") == "1"
+    pl.seed_everything(0, workers=True)
+    model = Model()
+    data = DigitsDataModule(batch_size=BATCH * DEVICES if reference else BATCH)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1 if reference else DEVICES,
+        strategy="ddp" if reference else BucketedDDPStrategy(timeout=60.0),
+        max_steps=STEPS,
+        accumulate_grad_batches=ACCUMULATE,
+        limit_val_batches=2,
+        val_check_interval=5 * ACCUMULATE,
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        deterministic=True,
+    )
+    trainer.fit(model, datamodule=data)
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    if reference:
+        torch.save(state, out / "reference.pt")
+        return
+    strategy = trainer.strategy
+    figures = strategy.live.gauges() if strategy.live is not None else {}
+    member = os.environ.get(ENV_MEMBER, "solo")
+    record = {"global_step": trainer.global_step, "rank": trainer.global_rank, **figures}
+    (out / f"{member}.json").write_text(json.dumps(record))
+    torch.save(state, out / f"{member}.pt")
+
+
+if __name__ == "__main__":
+    main()
