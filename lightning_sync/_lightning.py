@@ -13,6 +13,8 @@ Every other module imports Lightning's public API directly; importing this modul
 
 from __future__ import annotations
 
+import csv
+import os
 import sys
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -31,6 +33,7 @@ __all__ = [
     "batch_index",
     "calling_metric_key",
     "closure_for",
+    "continue_csv",
     "dump_training_state",
     "ddp_start_method",
     "epoch_batches",
@@ -40,6 +43,7 @@ __all__ = [
     "next_restored",
     "replace_sigterm_broadcast",
     "restore_next",
+    "set_logger_version",
     "restored_at_epoch_end",
     "set_checkpoint_io",
     "set_epoch_batches",
@@ -76,6 +80,8 @@ INTERNALS: dict[str, str] = {
     "batch, replaced by one whose failure the strategy sees (live fault tolerance)",
     "Trainer._checkpoint_connector (.dump_checkpoint, ._loaded_checkpoint)": "the state a live peer sends a "
     "replacement, and where Lightning restores it from after setup",
+    "Logger._version / CSV _ExperimentWriter (.metrics_file_path, .metrics_keys)": "a replacement logs into the "
+    "run's version, and a new rank 0 continues the CSV file its lost predecessor wrote (live fault tolerance)",
 }
 
 Stateful = _Stateful
@@ -225,3 +231,31 @@ def restore_next(trainer: Any, checkpoint: dict[str, Any]) -> None:
 def next_restored(trainer: Any) -> dict[str, Any]:
     """What the Trainer restores next (:func:`restore_next`)."""
     return trainer._checkpoint_connector._loaded_checkpoint
+
+
+def set_logger_version(logger: Any, version: Any) -> None:
+    """Make ``logger`` write into ``version`` (a process that joined a running job would take the next free one)."""
+    if hasattr(logger, "_version"):
+        logger._version = version
+
+
+def continue_csv(logger: Any) -> None:
+    """On a process that just became rank 0: ``logger``'s metrics file goes on from the rows its lost predecessor
+    wrote (Lightning's CSV writer deletes an existing file when it is created). Loggers without a CSV file pass."""
+    from lightning.fabric.loggers.csv_logs import _ExperimentWriter
+
+    if getattr(logger, "_experiment", None) is not None or not hasattr(logger, "log_dir"):
+        return
+    path = os.path.join(logger.log_dir, _ExperimentWriter.NAME_METRICS_FILE)
+    rows: list[dict[str, str]] = []
+    if os.path.isfile(path):
+        with open(path, newline="") as file:
+            rows = list(csv.DictReader(file))
+    writer = logger.experiment
+    if not isinstance(writer, _ExperimentWriter) or not rows:
+        return
+    writer.metrics_keys = sorted(rows[0])
+    with open(writer.metrics_file_path, "w", newline="") as file:
+        out = csv.DictWriter(file, fieldnames=writer.metrics_keys)
+        out.writeheader()
+        out.writerows(rows)

@@ -9,6 +9,10 @@
 ``lightning-sync consolidate CHECKPOINT_DIR OUTPUT_FILE`` writes one plain Lightning checkpoint file from a
 ZeRO sharded checkpoint directory (:mod:`lightning_sync.consolidate`).
 
+``lightning-sync launch --nproc N [--max-restarts K] -- python train.py`` starts N ranks of any script under the
+fault-tolerance agent (:mod:`lightning_sync.launch.agent`); ``lightning-sync train launch.fault_tolerant=true``
+does the same for the train app itself.
+
 ``lightning-sync train [hydra overrides...]`` composes ``conf/train.yaml`` and builds the strategy,
 model, data module and Trainer with :func:`hydra.utils.instantiate`. Every Hydra flag works
 (``--cfg job``, ``-m`` multirun, ``--help``).
@@ -35,7 +39,7 @@ from lightning_sync._config import config_dir
 __all__ = ["SUBCOMMANDS", "config_dir", "main", "run_train"]
 
 log = logging.getLogger("lightning_sync")
-SUBCOMMANDS = ("train", "bench", "sbatch", "consolidate")
+SUBCOMMANDS = ("train", "bench", "sbatch", "consolidate", "launch")
 _CONFIG_FLAGS = ("--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd")
 
 
@@ -291,6 +295,8 @@ def _train_app(cfg: Any) -> float | None:
 
     env = dict(os.environ)
     _pin_child_command("train")
+    if cfg.launch.get("fault_tolerant") and not _started_by_agent():
+        return _train_under_agent(cfg)
     try:
         metrics = run_train(cfg)
     except CollectiveError as err:
@@ -316,6 +322,49 @@ def _train_app(cfg: Any) -> float | None:
         os.environ.clear()
         os.environ.update(env)
     return metrics.get("val_loss")
+
+
+def _started_by_agent() -> bool:
+    from lightning_sync.comms.membership_keys import ENV_MEMBER
+
+    return ENV_MEMBER in os.environ
+
+
+def _train_under_agent(cfg: Any) -> None:
+    """``launch.fault_tolerant=true``: this process becomes the fault-tolerance agent and starts
+    ``trainer.devices`` ranks of this very job (its overrides and directory, pinned), which keep training when one
+    is lost; it ends with their status."""
+    from lightning_sync.launch.agent import Agent
+
+    target = str(cfg.strategy.get("_target_", ""))
+    if not target.endswith(".BucketedDDPStrategy"):
+        raise ValueError(
+            f"launch.fault_tolerant=true keeps training through a lost rank with strategy=bucketed_ddp; this job "
+            f"has {target!r}. Use strategy=bucketed_ddp, or launch.fault_tolerant=false (a failure then ends the "
+            f"job and a rerun resumes from its newest checkpoint)"
+        )
+    if cfg.launch.get("name") != "local":
+        raise ValueError(
+            f"launch.fault_tolerant=true with launch={cfg.launch.get('name')!r}: the train app starts the agent "
+            f"only with launch=local; under Slurm run one `lightning-sync launch` a node (docs/reliability.md)"
+        )
+    devices, nodes = cfg.trainer.get("devices"), cfg.trainer.get("num_nodes", 1)
+    if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1 or nodes != 1:
+        raise ValueError(
+            f"launch.fault_tolerant=true starts trainer.devices ranks on this node: it needs an int >= 1 and "
+            f"trainer.num_nodes=1, got devices={devices!r}, num_nodes={nodes!r} (on more nodes, run one "
+            f"`lightning-sync launch --node k --nnodes N` a node: see docs/reliability.md)"
+        )
+    from hydra.core.hydra_config import HydraConfig
+
+    # this job (its overrides, pinned by _pin_child_command) in this job's directory, as Lightning's own launcher
+    # runs ranks > 0; only this process writes the job's config there
+    run_dir = HydraConfig.get().runtime.output_dir
+    command = [sys.executable, "-m", "lightning_sync", *sys.argv[1:], f'hydra.run.dir="{run_dir}"']
+    command.append("hydra.output_subdir=null")
+    status = Agent(command, devices, max_restarts=int(cfg.launch.get("max_restarts", 0))).run()
+    if status:
+        raise SystemExit(status)
 
 
 def _bench_app(cfg: Any) -> None:
@@ -350,6 +399,10 @@ def main(argv: Sequence[str] | None = None) -> None:
             sys.stdout.write(f"\nConfig groups (group=option; * marks the default):\n{groups}\n\n")
             sys.stdout.write(f"{cli_help.overrides_text()}\n")
         return
+    if sub == "launch":  # starts any command's ranks under the fault-tolerance agent; no config
+        from lightning_sync.launch.agent import main as agent_main
+
+        raise SystemExit(agent_main(args, prog="lightning-sync launch"))
     if sub == "consolidate":  # reads a checkpoint directory and writes a file; no config
         from lightning_sync.consolidate import main as consolidate_main
 

@@ -30,6 +30,7 @@ SUBCOMMAND_SUMMARY = {
     "bench": "run the strategies side by side on the same models; report and plots (Hydra app, conf/bench.yaml)",
     "sbatch": "print the SLURM batch script of a train config (takes train's groups and overrides)",
     "consolidate": "write one plain Lightning checkpoint file from a ZeRO sharded checkpoint directory",
+    "launch": "start N ranks of any training script that keep training when one is lost (bucketed_ddp)",
 }
 
 APPS = {"train": "train", "bench": "bench", "sbatch": "train"}
@@ -46,6 +47,8 @@ COMMON_OVERRIDES = (
     ("checkpoint.every_n_train_steps=100", "also checkpoint every this many steps (mid-epoch, exact resume)"),
     ("final_checkpoint=model.ckpt", "save the trained model here after fit"),
     ("seed=0", "seeds the model, the data order and every rank's RNG"),
+    ("launch.fault_tolerant=true", "keep training when a rank is lost (bucketed_ddp; the agent starts the ranks)"),
+    ("launch.max_restarts=3", "with fault_tolerant: lost ranks started again, in all; each heals from a live peer"),
 )
 """``key=example value`` and what it does: the train overrides most runs set (``--cfg job`` shows every key)."""
 

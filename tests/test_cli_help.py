@@ -45,7 +45,7 @@ def _groups_line(group: str, default: str | None) -> str:
 
 def test_top_level_help_lists_subcommands_groups_and_overrides(capsys: pytest.CaptureFixture[str]) -> None:
     out = _help(capsys, "--help")
-    assert out.startswith("usage: lightning-sync {train,bench,sbatch,consolidate}"), out[:200]
+    assert out.startswith("usage: lightning-sync {train,bench,sbatch,consolidate,launch}"), out[:200]
     for sub in cli.SUBCOMMANDS:
         assert sum(line.startswith(f"  {sub} ") for line in out.splitlines()) == 1, f"{sub}: one line each"
     groups = [p.name for p in Path(cli.config_dir()).iterdir() if p.is_dir() and any(p.glob("*.yaml"))]
@@ -102,3 +102,10 @@ def test_consolidate_help_lists_its_arguments(capsys: pytest.CaptureFixture[str]
     assert out.startswith("usage: lightning-sync consolidate CHECKPOINT_DIR OUTPUT_FILE [--trust-pickles]")
     for argument in ("checkpoint_dir", "output_file", "--trust-pickles", "optimizer state"):
         assert argument in out, argument
+
+
+def test_launch_help_lists_the_agents_options(capsys: pytest.CaptureFixture[str]) -> None:
+    out = _help(capsys, "launch", "--help")
+    assert out.startswith("usage: lightning-sync launch"), out[:200]
+    for option in ("--nproc", "--max-restarts", "--node", "--nnodes", "--hang-timeout", "command"):
+        assert option in out, option

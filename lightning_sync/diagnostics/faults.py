@@ -16,6 +16,7 @@ import lightning.pytorch as pl
 import torch
 
 from lightning_sync._checks import check_int
+from lightning_sync.comms.membership_keys import ENV_MEMBER
 
 __all__ = ["PHASES", "KillAtStep", "UnpicklePayload"]
 
@@ -46,26 +47,34 @@ class KillAtStep(pl.Callback):
         signal: the signal's name or number (``"KILL"``, ``"SIGTERM"``, 9, ...).
         phase: where in the step (see :data:`PHASES`).
         requeue_signal: with ``phase="requeue"``, the signal that asks ``RequeueOnSignal`` to stop.
+        member: under the fault-tolerance agent, the member id that dies (``n0s1i0``) instead of a rank: ranks
+            move when a member is lost, so a rank would die again in the step's replay.
     """
 
     def __init__(
         self,
-        rank: int,
-        step: int,
+        rank: int = 0,
+        step: int = 1,
         signal: str | int = "KILL",
         phase: str = "before_backward",
         requeue_signal: str | int = "USR1",
+        member: str | None = None,
     ) -> None:
         check_int("rank", rank, 0)
         check_int("step", step, 1)
         if phase not in PHASES:
             raise ValueError(f"phase must be one of {list(PHASES)}, got {phase!r}")
         self.signal, self.requeue_signal = _resolve(signal), _resolve(requeue_signal)
-        self.rank, self.step, self.phase = rank, step, phase
+        self.rank, self.step, self.phase, self.member = rank, step, phase, member
         self._armed = False  # the requeue phase: signalled, waiting for the preemption checkpoint
 
     def _due(self, trainer: pl.Trainer, phase: str) -> bool:
-        return phase == self.phase and trainer.global_rank == self.rank and trainer.global_step + 1 == self.step
+        return phase == self.phase and self._mine(trainer) and trainer.global_step + 1 == self.step
+
+    def _mine(self, trainer: pl.Trainer) -> bool:
+        if self.member is not None:
+            return os.environ.get(ENV_MEMBER) == self.member
+        return trainer.global_rank == self.rank
 
     def _die(self) -> None:
         os.kill(os.getpid(), self.signal)
@@ -91,19 +100,12 @@ class KillAtStep(pl.Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         # global_step has moved on: the step that just ended is global_step
-        if (
-            self.phase == "requeue"
-            and trainer.global_rank == self.rank
-            and trainer.global_step == self.step
-            and not self._armed
-        ):
+        if self.phase == "requeue" and self._mine(trainer) and trainer.global_step == self.step and not self._armed:
             self._armed = True
             os.kill(os.getpid(), self.requeue_signal)
 
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: Any) -> None:
-        if self._armed or (
-            self.phase == "checkpoint" and trainer.global_rank == self.rank and trainer.global_step == self.step
-        ):
+        if self._armed or (self.phase == "checkpoint" and self._mine(trainer) and trainer.global_step == self.step):
             self._die()
 
 

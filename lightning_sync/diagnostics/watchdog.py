@@ -26,6 +26,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_sync._checks import check_int
 from lightning_sync.comms import CommContext, watchdog
@@ -65,6 +66,11 @@ class HangWatchdog(pl.Callback):
         self._verifies = False
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if getattr(trainer.strategy, "live", None) is not None:
+            # the fault-tolerance agent watches every rank's heartbeat and kills a hung one; its peers then go on
+            # without it, where this watchdog would end them all
+            rank_zero_info("HangWatchdog: off under the fault-tolerance agent, which watches the ranks itself")
+            return
         self._comm = getattr(trainer.strategy, "comm", None)
         # Another strategy (Lightning's own ddp) issues its collectives outside our layer: a context of the
         # watchdog's own still runs the heartbeats, so a lost rank is named, and nothing is there to verify.

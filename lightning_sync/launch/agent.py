@@ -329,9 +329,9 @@ class Agent:
         return next((c if c > 0 else 128 - c for c in codes if c != 0), 1)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, prog: str = "python -m lightning_sync.launch") -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m lightning_sync.launch.agent",
+        prog=prog,
         description="Start N rank processes that keep training when one of them is lost.",
     )
     parser.add_argument("--nproc", type=int, required=True, help="rank processes on this node")

@@ -193,6 +193,12 @@ class SyncStrategy(StrategyParts, DDPStrategy):
             closure = lambda: loss  # noqa: E731
         return super().optimizer_step(optimizer, closure, model, **kwargs)
 
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        if self.live is not None:
+            self.live.flush_logs()
+
     def _live_state(self) -> dict[str, Any]:
         """What a replacement takes of this strategy's own state from a live peer (nothing here)."""
         return {}
@@ -213,8 +219,6 @@ class SyncStrategy(StrategyParts, DDPStrategy):
     def teardown(self) -> None:
         self.exact_data.remove_warnings_filter()
         super().teardown()
-        if self.live is not None:
-            self.live.close()
 
     @override
     def process_dataloader(self, dataloader: object) -> object:

@@ -42,9 +42,11 @@ from torch.utils.data import DataLoader
 from lightning_sync._lightning import (
     batch_index,
     closure_for,
+    continue_csv,
     dump_training_state,
     replace_sigterm_broadcast,
     restore_next,
+    set_logger_version,
     trainer_of,
 )
 from lightning_sync.comms.membership import Membership
@@ -99,13 +101,18 @@ class LiveTraining:
         self._replaying: int | None = None
         self.weight = 1.0  # on this micro-batch's loss (LiveBatches.weight)
         self._redone = 0.0  # seconds the last replay spent on the window's earlier micro-batches
+        self._rank = -1  # this member's rank in the epoch it was in before
         self.failures = 0
         self.replayed = 0
         self.seconds_lost = 0.0
 
     # ------------------------------------------------------------------ joining
     def connect(self) -> None:
-        """At ``setup_distributed``: join the membership (a replacement is healed inside, see the docstring)."""
+        """At ``setup_distributed``: join the membership (a replacement is healed inside, see the docstring). A
+        later ``fit``/``validate`` of the same strategy keeps it: the process is a member until it exits."""
+        if self.membership is not None:
+            self._owner.set_world_ranks()
+            return
         self.membership = Membership(timeout=self.timeout, heal=self._heal, on_enter=self._entered)
         self.environment.membership = self.membership
         self.membership.join()
@@ -130,6 +137,12 @@ class LiveTraining:
             self._holds_state = True
         self.failure = None
         self._owner.set_world_ranks()  # Lightning's rank_zero_only follows: a new rank 0 logs
+        trainer = trainer_of(self._owner.lightning_module)
+        became_zero, self._rank = membership.rank == 0 and self._rank > 0, membership.rank
+        if became_zero and trainer is not None:
+            for logger in trainer.loggers:  # the rows its predecessor wrote stay; the next ones follow them
+                continue_csv(logger)
+            self._owner.telemetry.start()  # the step figures are rank 0's to measure and log
 
     def _heal(self, source: int) -> None:
         """The state from rank ``source`` to every member that lacks it: one size and one byte broadcast."""
@@ -157,7 +170,11 @@ class LiveTraining:
         checkpoint = dump_training_state(trainer)
         for key in _NOT_SENT:
             checkpoint.pop(key, None)
-        checkpoint[_LIVE] = {"rng": rng_state(self._owner.root_device), "strategy": self._owner._live_state()}
+        checkpoint[_LIVE] = {
+            "rng": rng_state(self._owner.root_device),
+            "strategy": self._owner._live_state(),
+            "logger_versions": [logger.version for logger in trainer.loggers],
+        }
         buffer = io.BytesIO()
         torch.save(checkpoint, buffer)
         return buffer.getvalue()
@@ -170,6 +187,8 @@ class LiveTraining:
         assert checkpoint is not None
         live = checkpoint.pop(_LIVE)
         self._owner._live_load(live["strategy"])
+        for logger, version in zip(trainer.loggers, live["logger_versions"]):
+            set_logger_version(logger, version)
         self._owner.exact_data.resume._rng = live["rng"]
         restore_next(trainer, checkpoint)
 
@@ -189,6 +208,14 @@ class LiveTraining:
         replace_sigterm_broadcast(trainer, broadcast_sigterm)
         if self.replacement:
             self.restore_after_setup(trainer)
+
+    def flush_logs(self) -> None:
+        """At each batch's start, on rank 0: what the loggers hold goes to disk, so that a new rank 0 after a loss
+        continues from the last step logged (a SIGKILLed process writes nothing more)."""
+        trainer = trainer_of(self._owner.lightning_module)
+        if trainer is not None and self._owner.global_rank == 0:
+            for logger in trainer.loggers:
+                logger.save()
 
     # ------------------------------------------------------------------ data
     def install(self, loader: Any) -> Any:
@@ -338,8 +365,3 @@ class LiveTraining:
             FT_REPLAYED: float(self.replayed),
             FT_SECONDS_LOST: self.seconds_lost,
         }
-
-    def close(self) -> None:
-        """At teardown: stop the heartbeat and leave the group."""
-        if self.membership is not None:
-            self.membership.close()

@@ -11,6 +11,7 @@ Every run stays inside the first epoch: at its end the 3-rank order repeats samp
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import subprocess
@@ -128,3 +129,48 @@ def test_a_replacement_lost_before_its_first_step_is_replaced_again(tmp_path: Pa
     assert [loss.member for loss in agent.losses] == ["n0s1i0", "n0s1i1"]
     assert sorted(records) == ["n0s0i0", "n0s1i2", "n0s2i0"]
     _check(tmp_path, env, records, members=3, failures=2)
+
+
+def _train(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "lightning_sync", "train", f"hydra.run.dir={run_dir}", *overrides]
+    return subprocess.run(command, capture_output=True, text=True, timeout=200, cwd=run_dir.parent)
+
+
+def test_the_train_app_runs_under_the_agent_and_rank_0_lost_hands_over(tmp_path: Path) -> None:
+    """``lightning-sync train launch.fault_tolerant=true``: the app starts the agent, which starts the ranks of
+    the same job; rank 0 dies in backward at step 5, the new rank 0 logs, checkpoints and reports, and the weights
+    equal one process's (Lightning's own ddp strategy on one device, the same global batch of 3 x 32)."""
+    steps = "trainer.max_steps=12"  # inside the first epoch (15 steps of 96; its last is padded at 3 ranks)
+    kill = "{_target_: lightning_sync.diagnostics.faults.KillAtStep, member: n0s0i0, step: 5, phase: backward}"
+    live = _train(
+        tmp_path / "live",
+        "launch.fault_tolerant=true",
+        "trainer.devices=3",
+        steps,
+        f"+diagnostics.fault={kill}",
+        f"final_checkpoint={tmp_path / 'live.ckpt'}",
+        "trainer.log_every_n_steps=1",
+    )
+    assert live.returncode == 0, live.stderr[-4000:]
+    # the CSV metrics: every step once, the first 4 written by the lost rank 0 (steps count from 0), then its
+    # successor's, which show the membership
+    with (tmp_path / "live" / "logs" / "version_0" / "metrics.csv").open() as file:
+        rows = [row for row in csv.DictReader(file) if row["train_loss"]]
+    assert [int(row["step"]) for row in rows] == list(range(12)), [row["step"] for row in rows]
+    assert [float(row["ft/members"]) for row in rows] == [3.0] * 4 + [2.0] * 8
+    assert float(rows[-1]["ft/failures"]) == 1.0 and float(rows[-1]["ft/seconds_lost"]) > 0
+    assert "rank process n0s0i0 exited with status -9" in live.stderr, live.stderr[-4000:]
+    assert "final metrics (2 ranks, 12 steps)" in live.stderr + live.stdout, live.stderr[-4000:]
+    one = _train(
+        tmp_path / "one",
+        "strategy=lightning_ddp",
+        "trainer.devices=1",
+        "data.batch_size=96",
+        steps,
+        f"final_checkpoint={tmp_path / 'one.ckpt'}",
+    )
+    assert one.returncode == 0, one.stderr[-4000:]
+    got = torch.load(tmp_path / "live.ckpt", weights_only=True)["state_dict"]
+    want = torch.load(tmp_path / "one.ckpt", weights_only=True)["state_dict"]
+    for name, value in want.items():  # Adam: a float reordering of the gradient stays of its order in the step
+        torch.testing.assert_close(got[name], value, rtol=0, atol=TOL, msg=name)

@@ -263,6 +263,27 @@ def _checkpoint_connector() -> None:
     torch.testing.assert_close(second.w.detach(), uninterrupted.w.detach(), rtol=0, atol=0)
 
 
+def _csv_hand_over() -> None:
+    """A new rank 0's CSV logger goes on from the rows its predecessor wrote, in the run's version."""
+    import tempfile
+
+    from lightning.pytorch.loggers import CSVLogger
+
+    with tempfile.TemporaryDirectory() as root:
+        before = CSVLogger(root, name="run")
+        before.log_metrics({"loss": 1.0}, step=0)
+        before.save()
+        after = CSVLogger(root, name="run")
+        compat.set_logger_version(after, before.version)  # else: the next free version
+        compat.continue_csv(after)
+        after.log_metrics({"loss": 0.5, "acc": 0.9}, step=1)
+        after.save()
+        with open(f"{after.log_dir}/metrics.csv") as file:
+            lines = file.read().splitlines()
+    assert lines[0] == "acc,loss,step" and len(lines) == 3, lines
+    assert lines[1].endswith("1.0,0") and lines[2] == "0.9,0.5,1", lines
+
+
 _CHECKS: dict[str, Callable[[], None]] = {
     "lightning.fabric.utilities.types._Stateful": _stateful,
     "lightning.pytorch.strategies.launchers._MultiProcessingLauncher": _multiprocessing_launcher,
@@ -284,6 +305,7 @@ _CHECKS: dict[str, Callable[[], None]] = {
     "_TrainingEpochLoop._build_kwargs / _AutomaticOptimization._make_closure": _closure_for,
     "_TrainingEpochLoop._broadcast_sigterm_tensor": _sigterm_broadcast,
     "Trainer._checkpoint_connector (.dump_checkpoint, ._loaded_checkpoint)": _checkpoint_connector,
+    "Logger._version / CSV _ExperimentWriter (.metrics_file_path, .metrics_keys)": _csv_hand_over,
 }
 
 
