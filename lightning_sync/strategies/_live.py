@@ -36,8 +36,10 @@ from typing import Any, TypeVar
 
 import torch
 from lightning.pytorch.utilities.exceptions import SIGTERMException
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
+from torchmetrics import Metric
+from torchmetrics.utilities.distributed import gather_all_tensors
 
 from lightning_sync._lightning import (
     batch_index,
@@ -102,6 +104,7 @@ class LiveTraining:
         self.weight = 1.0  # on this micro-batch's loss (LiveBatches.weight)
         self._redone = 0.0  # seconds the last replay spent on the window's earlier micro-batches
         self._rank = -1  # this member's rank in the epoch it was in before
+        self._admitted_at: float | None = None  # when this member entered an epoch that admitted replacements
         self.failures = 0
         self.replayed = 0
         self.seconds_lost = 0.0
@@ -206,8 +209,15 @@ class LiveTraining:
                 raise SIGTERMException()
 
         replace_sigterm_broadcast(trainer, broadcast_sigterm)
+        for metric in self._owner.lightning_module.modules():  # torchmetrics sync with torch directly
+            if isinstance(metric, Metric):
+                metric.dist_sync_fn = self._metric_sync
         if self.replacement:
             self.restore_after_setup(trainer)
+
+    def _metric_sync(self, tensor: torch.Tensor, group: Any = None) -> list[torch.Tensor]:
+        """torchmetrics' gather, through :meth:`guarded`: after a loss, this member's values alone."""
+        return self.guarded(lambda: gather_all_tensors(tensor, group), lambda: [tensor])
 
     def flush_logs(self) -> None:
         """At each batch's start, on rank 0: what the loggers hold goes to disk, so that a new rank 0 after a loss
@@ -260,12 +270,15 @@ class LiveTraining:
         if membership.admitting:
             before = membership.members
             self._snapshot = self._take_snapshot()
-            started = time.perf_counter()
+            self._admitted_at = time.perf_counter()
             membership.enter_admitted()
             rank_zero_info(
                 f"live: epoch {membership.epoch} admits {[m for m in membership.members if m not in before]}: "
-                f"{membership.world_size} members, healed in {time.perf_counter() - started:.2f} s"
+                f"{membership.world_size} members, the state sent in {time.perf_counter() - self._admitted_at:.2f} s"
             )
+
+    def _since_admission(self) -> float:
+        return time.perf_counter() - (self._admitted_at or time.perf_counter())
 
     def _rebuild(self, j: int, rank: int, world: int) -> Any:
         loader, owner = self._loader, self._owner
@@ -286,6 +299,13 @@ class LiveTraining:
         except RuntimeError as exc:
             self.fail(exc)
             return alone()
+
+    def save(self, filepath: Any, gather: Callable[[], None]) -> None:
+        """A checkpoint's collectives (every rank's state gathered on rank 0): a failure passes the checkpoint
+        over, so no partial file is written, and the window's vote then aborts."""
+        self.guarded(gather, lambda: None)
+        if self.failure is not None:
+            rank_zero_warn(f"live: checkpoint {filepath} passed over: {self.failure}")
 
     def fail(self, exc: BaseException) -> None:
         """A collective failed: record it for the vote and leave the group at once."""
@@ -323,6 +343,12 @@ class LiveTraining:
 
         before = list(membership.members)
         aborted = membership.run_committed(int(trainer.global_step), attempt)
+        if self._admitted_at is not None:  # the survivors waited for the replacement's setup in this step
+            rank_zero_info(
+                f"live: the first step with the replacement committed {self._since_admission():.2f} s "
+                f"after its admission"
+            )
+            self._admitted_at = None
         if aborted:  # the aborted attempts, the new epoch, and the window's earlier micro-batches trained again
             lost = (replays[-1] if replays else time.perf_counter()) - started + self._redone
             self.failures += aborted

@@ -229,8 +229,18 @@ class BucketedDDPStrategy(SyncStrategy):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         extra = {"bucketer": self.bucketer.state_dict()} if self.bucketer is not None else None
-        self.exact_data.save_rank_states(checkpoint, extra)
-        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        if self.live is not None:  # a member lost while saving: this checkpoint is passed over, nothing is written
+            self.live.save(filepath, lambda: self.exact_data.save_rank_states(checkpoint, extra))
+        else:
+            self.exact_data.save_rank_states(checkpoint, extra)
+        if self.live is None or self.live.failure is None:
+            super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.live is not None and self.live.failure is not None:
+            return  # the checkpoint meant to replace it was passed over: keep it
+        super().remove_checkpoint(filepath)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:

@@ -51,11 +51,14 @@ def _reference(tmp_path: Path, env: dict[str, str]) -> dict[str, torch.Tensor]:
     return _REFERENCES[key]
 
 
-def _run(tmp_path: Path, max_restarts: int = 0, **env: str) -> tuple[Agent, int, dict[str, dict[str, Any]]]:
+def _run(
+    tmp_path: Path, max_restarts: int = 0, hang_timeout: float = 10.0, **env: str
+) -> tuple[Agent, int, dict[str, dict[str, Any]]]:
     """The agent over 3 ranks of the script; its exit status and each finished member's record."""
     out = tmp_path / "run"
     out.mkdir()
-    agent = Agent([sys.executable, str(SCRIPT), str(out)], 3, env=env, max_restarts=max_restarts)
+    command = [sys.executable, str(SCRIPT), str(out)]
+    agent = Agent(command, 3, env=env, max_restarts=max_restarts, hang_timeout=hang_timeout)
     status = agent.run()
     records = {p.stem: json.loads(p.read_text()) for p in sorted(out.glob("*.json"))}
     for member in records:
@@ -109,10 +112,43 @@ def test_two_ranks_lost_at_once_leave_one_training_alone(tmp_path: Path) -> None
     _check(tmp_path, env, records, members=1, failures=records["n0s0i0"]["ft/failures"])
 
 
+def test_a_loss_during_validation_is_replayed_at_the_next_step(tmp_path: Path) -> None:
+    """The survivors' validation syncs (Lightning's and torchmetrics') fail, finish on what each rank holds, and the
+    next step is replayed without the lost rank."""
+    env = {"FT_KILL": "n0s1i0:5:validation"}
+    agent, status, records = _run(tmp_path, **env)
+    assert status == 0 and [loss.member for loss in agent.losses] == ["n0s1i0"]
+    _check(tmp_path, env, records, members=2, failures=1)
+
+
+def test_a_loss_while_a_checkpoint_is_saved_passes_it_over_and_keeps_the_others(tmp_path: Path) -> None:
+    """Rank 1 dies while the step-6 checkpoint is assembled: that checkpoint is passed over (no file, nothing
+    removed), the run goes on, and every file in the directory is a whole checkpoint."""
+    env = {"FT_KILL": "n0s1i0:6:save", "FT_CKPT_EVERY": "2"}
+    agent, status, records = _run(tmp_path, **env)
+    assert status == 0 and [loss.member for loss in agent.losses] == ["n0s1i0"]
+    _check(tmp_path, env, records, members=2, failures=1)
+    saved = sorted(
+        torch.load(path, weights_only=True)["global_step"] for path in (tmp_path / "run" / "ckpt").glob("*.ckpt")
+    )
+    assert saved == [2, 4, 8, 10, 12], saved
+
+
+def test_a_hung_rank_is_killed_by_its_agent_and_the_survivors_go_on(tmp_path: Path) -> None:
+    """A member stopped with SIGSTOP keeps its sockets open, so no collective fails; its heartbeat stands still,
+    and the agent kills it after 5 s (a healthy rank beats every 0.1 s), which the survivors then see."""
+    env = {"FT_KILL": "n0s2i0:4:hang"}
+    agent, status, records = _run(tmp_path, hang_timeout=5.0, **env)
+    assert status == 0 and agent.hung == ["n0s2i0"], (agent.hung, agent.losses)
+    assert sorted(records) == ["n0s0i0", "n0s1i0"]
+    _check(tmp_path, env, records, members=2, failures=1)
+
+
 def test_a_replacement_heals_from_a_live_peer_and_the_job_is_back_to_three(tmp_path: Path) -> None:
     """Momentum, the LR schedule, the loop counters and the data position all come from a live peer: any of them
     missed would show in the final weights of every member (the replacement trains in every later step)."""
-    env = {"FT_KILL": "n0s1i0:2:forward", "FT_BATCH": "4", "FT_ACCUMULATE": "2", "FT_STEPS": "50", "FT_STEP_S": "0.05"}
+    env = {"FT_KILL": "n0s1i0:2:forward", "FT_BATCH": "4", "FT_ACCUMULATE": "2", "FT_STEPS": "50"}
+    env.update(FT_STEP_S="0.05", FT_UNTIL_MEMBER="n0s1i1")
     agent, status, records = _run(tmp_path, max_restarts=1, **env)
     assert status == 0 and agent.restarts == 1, agent.losses
     assert sorted(records) == ["n0s0i0", "n0s1i1", "n0s2i0"]  # the replacement finished as a member
@@ -123,7 +159,8 @@ def test_a_replacement_heals_from_a_live_peer_and_the_job_is_back_to_three(tmp_p
 def test_a_replacement_lost_before_its_first_step_is_replaced_again(tmp_path: Path) -> None:
     """The first replacement dies in its ``setup`` hook, after the heal, while its peers wait for it in their
     window: they replay that window without it and admit the next one."""
-    env = {"FT_KILL": "n0s1i0:2:forward,n0s1i1:any:setup", "FT_BATCH": "4", "FT_STEPS": "110", "FT_STEP_S": "0.05"}
+    env = {"FT_KILL": "n0s1i0:2:forward,n0s1i1:any:setup", "FT_BATCH": "4", "FT_STEPS": "110"}
+    env.update(FT_STEP_S="0.05", FT_UNTIL_MEMBER="n0s1i2")
     agent, status, records = _run(tmp_path, max_restarts=2, **env)
     assert status == 0 and agent.restarts == 2, agent.losses
     assert [loss.member for loss in agent.losses] == ["n0s1i0", "n0s1i1"]

@@ -7,8 +7,10 @@ state that a replacement must heal) and a step LR schedule (scheduler state too)
 
 ``FT_KILL`` names where a member kills itself with SIGKILL: ``member:step:point[,...]``; ``point`` is ``forward``
 (in ``training_step``), ``backward`` (in backward, with the first buckets' all-reduce in flight), ``step`` (after
-the vote, before the optimizer applies the step) or ``validation`` (in ``validation_step``); ``step`` is the
-global step, counted from the run's start.
+the vote, before the optimizer applies the step), ``save`` (in ``on_save_checkpoint``, with ``FT_CKPT_EVERY``:
+a ``ModelCheckpoint`` every that many steps into ``OUT/ckpt``), ``validation`` (in ``validation_step``) or
+``hang`` (the member stops itself with SIGSTOP in ``training_step``); ``step`` is the global step, counted from
+the run's start.
 
 ``setup`` (in the module's ``setup`` hook) kills a replacement after it received the state and before its first
 step, while its peers wait for it in their window; its ``step`` is ``any``.
@@ -31,6 +33,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_sync.comms.membership_keys import ENV_MEMBER
 from lightning_sync.models.digits import DigitsDataModule, DigitsMLP
@@ -40,20 +43,29 @@ DEVICES = int(os.environ.get("FT_DEVICES", 3))
 BATCH = int(os.environ.get("FT_BATCH", 8))
 ACCUMULATE = int(os.environ.get("FT_ACCUMULATE", 1))
 STEPS = int(os.environ.get("FT_STEPS", 12))
+CKPT_EVERY = int(os.environ.get("FT_CKPT_EVERY", 0))  # a ModelCheckpoint every this many steps into OUT/ckpt
 STEP_S = float(os.environ.get("FT_STEP_S", 0))  # seconds of sleep in each training_step: a replacement joins mid-run
+# the member the run waits for (a replacement): until it is in the membership, each step sleeps FT_STEP_S, and
+# 1 s from half the steps on, so that it joins however long it takes to start on a loaded machine
+UNTIL = os.environ.get("FT_UNTIL_MEMBER", "")
 KILLS = {tuple(k.split(":")[:2]): k.split(":")[2] for k in os.environ.get("FT_KILL", "").split(",") if k}
 
 
 def maybe_die(trainer: pl.Trainer, point: str) -> None:
     member = os.environ.get(ENV_MEMBER, "")
-    if point in (KILLS.get((member, str(trainer.global_step))), KILLS.get((member, "any"))):
+    mine = (KILLS.get((member, str(trainer.global_step))), KILLS.get((member, "any")))
+    if point in mine:
         os.kill(os.getpid(), signal.SIGKILL)
+    if point == "forward" and "hang" in mine:  # stopped, not dead: its sockets stay open, its heartbeat stops
+        os.kill(os.getpid(), signal.SIGSTOP)
 
 
 class Model(DigitsMLP):
     def training_step(self, batch: Any, batch_idx: int) -> Any:
         maybe_die(self.trainer, "forward")
-        time.sleep(STEP_S)
+        live = getattr(self.trainer.strategy, "live", None)
+        if UNTIL and live is not None and UNTIL not in live.membership.members:
+            time.sleep(STEP_S if self.trainer.global_step < STEPS // 2 else 1.0)
         loss = super().training_step(batch, batch_idx)
         if KILLS:
             loss.register_hook(lambda g: maybe_die(self.trainer, "backward"))
@@ -64,6 +76,9 @@ class Model(DigitsMLP):
 
     def on_before_optimizer_step(self, optimizer: Any) -> None:
         maybe_die(self.trainer, "step")
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        maybe_die(self.trainer, "save")
 
     def validation_step(self, batch: Any, batch_idx: int) -> Any:
         maybe_die(self.trainer, "validation")
@@ -90,7 +105,11 @@ def main() -> None:
         val_check_interval=5 * ACCUMULATE,
         num_sanity_val_steps=0,
         logger=False,
-        enable_checkpointing=False,
+        enable_checkpointing=bool(CKPT_EVERY) and not reference,
+        callbacks=[
+            ModelCheckpoint(out / "ckpt", every_n_train_steps=CKPT_EVERY, save_top_k=-1)
+            for _ in range(1 if CKPT_EVERY and not reference else 0)
+        ],
         enable_progress_bar=False,
         enable_model_summary=False,
         deterministic=True,
