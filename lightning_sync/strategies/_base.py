@@ -42,7 +42,6 @@ from lightning_sync.checkpoint.reading import guarded_load
 from lightning_sync.strategies._common import PASSTHROUGH
 from lightning_sync.strategies._exact_data import ExactData
 from lightning_sync.strategies._live import LiveTraining
-from lightning_sync.strategies._live_env import LiveEnvironment
 from lightning_sync.strategies._parts import StrategyParts
 from lightning_sync.sync.replicas import broadcast_module_states
 
@@ -155,12 +154,6 @@ class SyncStrategy(StrategyParts, DDPStrategy):
     @override
     def setup_distributed(self) -> None:
         if self.live is None:
-            if LiveEnvironment.detect():  # the agent's ranks form no fixed group: Lightning's setup would hang
-                raise ValueError(
-                    f"{type(self).__name__} does not keep training through a lost rank yet; this process was "
-                    f"started by the fault-tolerance agent. Use BucketedDDPStrategy (strategy=bucketed_ddp), or "
-                    f"start the job without the agent (it then resumes from its newest checkpoint after a failure)"
-                )
             super().setup_distributed()
             return
         reset_seed()

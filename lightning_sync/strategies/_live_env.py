@@ -20,7 +20,7 @@ from typing_extensions import override
 from lightning_sync.comms.membership import Membership
 from lightning_sync.comms.membership_keys import ENV_MEMBER, ENV_STORE, place_of
 
-__all__ = ["LiveEnvironment", "check_live_settings", "live_requested"]
+__all__ = ["LiveEnvironment", "check_live_settings", "live_requested", "refuse_under_agent"]
 
 
 class LiveEnvironment(ClusterEnvironment):
@@ -110,3 +110,15 @@ def check_live_settings(strategy: str, **settings: tuple[Any, tuple[Any, ...]]) 
             raise ValueError(
                 f"{strategy}: {name}={value!r} is not supported with live fault tolerance; allowed: {list(allowed)}"
             )
+
+
+def refuse_under_agent(strategy: str) -> None:
+    """Refuse to build a strategy that cannot follow a live membership in a process the agent started: Lightning
+    would start ranks of its own and wait for a fixed group that never forms."""
+    if LiveEnvironment.detect():
+        raise ValueError(
+            f"{strategy} does not keep training through a lost rank yet, and this process was started by the "
+            f"fault-tolerance agent ({ENV_MEMBER} is set). Use BucketedDDPStrategy (strategy=bucketed_ddp), or "
+            f"start the job without the agent: a lost rank then ends the job, named by the hang watchdog, and a "
+            f"rerun resumes from its newest checkpoint"
+        )

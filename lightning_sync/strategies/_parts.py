@@ -24,6 +24,7 @@ from lightning_sync import comms
 from lightning_sync._lightning import set_checkpoint_io, trainer_of
 from lightning_sync.strategies._checkpoint_io import atomic_unless_set
 from lightning_sync.strategies._common import new_comm
+from lightning_sync.strategies._live_env import refuse_under_agent
 from lightning_sync.strategies._telemetry import CommTelemetry
 
 __all__ = ["StrategyParts"]
@@ -33,7 +34,12 @@ class StrategyParts:
     """The parts every lightning_sync strategy shares (module docstring). It names a Lightning strategy as its
     next base, so each method below overrides Lightning's and calls it through ``super()``."""
 
+    #: True where the strategy keeps training through a lost rank under the fault-tolerance agent
+    _live_capable = False
+
     def __init__(self, **kwargs: Any) -> None:
+        if not self._live_capable:
+            refuse_under_agent(type(self).__name__)
         #: this strategy's collectives, sequence numbers, hang watchdog and node groups, and a
         #: :class:`~lightning_sync.comms.CommStats` observer that measures them (``comm.observer = None``
         #: measures nothing); nothing of it is shared with another strategy

@@ -77,6 +77,7 @@ class BucketedDDPStrategy(SyncStrategy):
     """
 
     strategy_name = "bucketed_ddp"
+    _live_capable = True
 
     def __init__(
         self,
