@@ -153,6 +153,13 @@ def run_bench(cfg: DictConfig, out_dir: Path) -> Report | None:
         if report is not None:  # one report: the trade-off rows go below the strategy rows
             with open(out_dir / "report.md", "a") as f:
                 f.write("\n\n" + (out_dir / "tradeoff.md").read_text())
+    if (cfg.get("goodput") or {}).get("enabled"):
+        from lightning_sync.bench.goodput import run_goodput
+
+        run_goodput(cfg, out_dir, meta)
+        if report is not None:
+            with open(out_dir / "report.md", "a") as f:
+                f.write("\n\n" + (out_dir / "goodput.md").read_text())
     if cfg.memory.enabled:
         from lightning_sync.bench.memory import run_memory
 

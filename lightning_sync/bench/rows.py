@@ -122,9 +122,16 @@ def strategy_class(strategy: dict[str, Any]) -> str:
 
 def require_plots(cfg: DictConfig) -> None:
     """Fail now, naming the extra, if the run will plot (a calibration, strategy rows, a bucket sweep, the
-    trade-off) and matplotlib is missing: before the runners' Lightning import (seconds) and any trial."""
+    trade-off, the goodput runs) and matplotlib is missing: before the runners' Lightning import (seconds) and
+    any trial."""
     mode = str(cfg.get("mode", "run"))
-    if mode == "calibrate" or bool(cfg.run_models) or bool(cfg.bucket_sweep.enabled) or bool(cfg.tradeoff.enabled):
+    plotted = (
+        cfg.run_models,
+        cfg.bucket_sweep.enabled,
+        cfg.tradeoff.enabled,
+        (cfg.get("goodput") or {}).get("enabled"),
+    )
+    if mode == "calibrate" or any(bool(p) for p in plotted):
         pyplot()
 
 

@@ -277,9 +277,6 @@ class LiveTraining:
                 f"{membership.world_size} members, the state sent in {time.perf_counter() - self._admitted_at:.2f} s"
             )
 
-    def _since_admission(self) -> float:
-        return time.perf_counter() - (self._admitted_at or time.perf_counter())
-
     def _rebuild(self, j: int, rank: int, world: int) -> Any:
         loader, owner = self._loader, self._owner
         assert loader is not None and self.batches is not None
@@ -344,10 +341,8 @@ class LiveTraining:
         before = list(membership.members)
         aborted = membership.run_committed(int(trainer.global_step), attempt)
         if self._admitted_at is not None:  # the survivors waited for the replacement's setup in this step
-            rank_zero_info(
-                f"live: the first step with the replacement committed {self._since_admission():.2f} s "
-                f"after its admission"
-            )
+            waited = time.perf_counter() - self._admitted_at
+            rank_zero_info(f"live: the first step with the replacement committed {waited:.2f} s after its admission")
             self._admitted_at = None
         if aborted:  # the aborted attempts, the new epoch, and the window's earlier micro-batches trained again
             lost = (replays[-1] if replays else time.perf_counter()) - started + self._redone
