@@ -1,9 +1,10 @@
 """A plain Lightning ``Trainer`` script under the fault-tolerance agent, for the live tests.
 
 ``python ft_trainer.py OUT`` fits :class:`~lightning_sync.models.digits.DigitsMLP` on scikit-learn's digits with
-``BucketedDDPStrategy`` (fault-tolerant because the agent started it), ``Trainer(devices=FT_DEVICES)``, a per-rank
-batch of ``FT_BATCH``, ``FT_ACCUMULATE`` micro-batches a step and ``FT_STEPS`` steps, SGD with momentum (optimizer
-state that a replacement must heal) and a step LR schedule (scheduler state too).
+``BucketedDDPStrategy`` (fault-tolerant because the agent started it), ``Trainer(devices=FT_DEVICES,
+num_nodes=FT_NODES)``, a per-rank batch of ``FT_BATCH``, ``FT_ACCUMULATE`` micro-batches a step and ``FT_STEPS``
+steps, SGD with momentum (optimizer state that a replacement must heal) and a step LR schedule (scheduler state
+too).
 
 ``FT_KILL`` names where a member kills itself with SIGKILL: ``member:step:point[,...]``; ``point`` is ``forward``
 (in ``training_step``), ``backward`` (in backward, with the first buckets' all-reduce in flight), ``step`` (after
@@ -18,7 +19,7 @@ step, while its peers wait for it in their window; its ``step`` is ``any``.
 Each member writes ``OUT/<member>.json`` when it finishes (the global step, its rank and the live figures:
 failures, replayed steps, members) and ``OUT/<member>.pt``, its final weights.
 With ``FT_REFERENCE=1`` the script runs one process on the same global batches (``devices=1``, the per-rank batch
-times ``FT_DEVICES``) and writes ``OUT/reference.pt``.
+times ``FT_DEVICES x FT_NODES``) and writes ``OUT/reference.pt``.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from lightning_sync.models.digits import DigitsDataModule, DigitsMLP
 from lightning_sync.strategies import BucketedDDPStrategy
 
 DEVICES = int(os.environ.get("FT_DEVICES", 3))
+NODES = int(os.environ.get("FT_NODES", 1))
 BATCH = int(os.environ.get("FT_BATCH", 8))
 ACCUMULATE = int(os.environ.get("FT_ACCUMULATE", 1))
 STEPS = int(os.environ.get("FT_STEPS", 12))
@@ -94,10 +96,11 @@ def main() -> None:
     reference = os.environ.get("FT_REFERENCE") == "1"
     pl.seed_everything(0, workers=True)
     model = Model()
-    data = DigitsDataModule(batch_size=BATCH * DEVICES if reference else BATCH)
+    data = DigitsDataModule(batch_size=BATCH * DEVICES * NODES if reference else BATCH)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=1 if reference else DEVICES,
+        num_nodes=1 if reference else NODES,
         strategy="ddp" if reference else BucketedDDPStrategy(timeout=60.0),
         max_steps=STEPS,
         accumulate_grad_batches=ACCUMULATE,
