@@ -35,6 +35,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
+from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
@@ -70,6 +71,17 @@ FT_FAILURES, FT_MEMBERS, FT_REPLAYED, FT_SECONDS_LOST = (
 _LIVE = "lightning_sync/live"  # the healing checkpoint's key of what Lightning does not hold
 # what a replacement does not need from the members' checkpoint, and a weights-only load might refuse
 _NOT_SENT = ("hyper_parameters", "hparams_name", "datamodule_hyper_parameters")
+
+
+def _show_progress(bar: TQDMProgressBar, trainer: Any) -> None:
+    """A new rank 0's progress bar: Lightning disabled it at setup on every other rank, so the epoch's bar is made
+    again, at the batch the loop is in."""
+    bar.enable()
+    progress = bar.init_train_tqdm()
+    progress.reset(total=bar.total_train_batches)
+    progress.n = batch_index(trainer)
+    progress.set_description(f"Epoch {trainer.current_epoch}")
+    bar.train_progress_bar = progress
 
 
 class WindowFailed(RuntimeError):
@@ -146,6 +158,9 @@ class LiveTraining:
             for logger in trainer.loggers:  # the rows its predecessor wrote stay; the next ones follow them
                 continue_csv(logger)
             self._owner.telemetry.start()  # the step figures are rank 0's to measure and log
+            for callback in trainer.callbacks:
+                if isinstance(callback, TQDMProgressBar) and trainer.training:
+                    _show_progress(callback, trainer)
 
     def _heal(self, source: int) -> None:
         """The state from rank ``source`` to every member that lacks it: one size and one byte broadcast."""

@@ -175,8 +175,8 @@ def _train(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
 
 def test_the_train_app_runs_under_the_agent_and_rank_0_lost_hands_over(tmp_path: Path) -> None:
     """``lightning-sync train launch.fault_tolerant=true``: the app starts the agent, which starts the ranks of
-    the same job; rank 0 dies in backward at step 5, the new rank 0 logs, checkpoints and reports, and the weights
-    equal one process's (Lightning's own ddp strategy on one device, the same global batch of 3 x 32)."""
+    the same job; rank 0 dies in backward at step 5, the new rank 0 logs, shows the progress bar, checkpoints and
+    reports, and the weights equal one process's (Lightning's own ddp strategy on one device, the same global batch of 3 x 32)."""
     steps = "trainer.max_steps=12"  # inside the first epoch (15 steps of 96; its last is padded at 3 ranks)
     kill = "{_target_: lightning_sync.diagnostics.faults.KillAtStep, member: n0s0i0, step: 5, phase: backward}"
     live = _train(
@@ -198,6 +198,8 @@ def test_the_train_app_runs_under_the_agent_and_rank_0_lost_hands_over(tmp_path:
     assert float(rows[-1]["ft/failures"]) == 1.0 and float(rows[-1]["ft/seconds_lost"]) > 0
     assert "rank process n0s0i0 exited with status -9" in live.stderr, live.stderr[-4000:]
     assert "final metrics (2 ranks, 12 steps)" in live.stderr + live.stdout, live.stderr[-4000:]
+    # the progress bar: rank 0 died in step 5, so the epoch's bar at 12 of 15 batches is its successor's
+    assert "| 12/15 [" in live.stdout, live.stdout[-4000:]  # Lightning's bar writes to stdout
     one = _train(
         tmp_path / "one",
         "strategy=lightning_ddp",
