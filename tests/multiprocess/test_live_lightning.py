@@ -156,6 +156,20 @@ def test_a_replacement_heals_from_a_live_peer_and_the_job_is_back_to_three(tmp_p
     _check(tmp_path, env, records, members=3, failures=1)
 
 
+@pytest.mark.slow
+def test_five_losses_in_one_run_each_replaced_and_healed(tmp_path: Path) -> None:
+    """One slot's five incarnations, each killed 3 steps after it began (the first in the run's step 3, each
+    replacement 3 steps after its admission) at a different point of a step; the sixth finishes the run."""
+    points = ["forward", "backward", "step", "forward", "backward"]
+    kills = ",".join(f"n0s1i{k}:+3:{point}" for k, point in enumerate(points))
+    env = {"FT_KILL": kills, "FT_BATCH": "4", "FT_ACCUMULATE": "2", "FT_STEPS": "55"}
+    env.update(FT_STEP_S="0.05", FT_UNTIL_MEMBER="n0s1i5")
+    agent, status, records = _run(tmp_path, max_restarts=5, **env)
+    assert status == 0 and [loss.member for loss in agent.losses] == [f"n0s1i{k}" for k in range(5)], agent.losses
+    assert sorted(records) == ["n0s0i0", "n0s1i5", "n0s2i0"]
+    _check(tmp_path, env, records, members=3, failures=5)
+
+
 def test_a_replacement_lost_before_its_first_step_is_replaced_again(tmp_path: Path) -> None:
     """The first replacement dies in its ``setup`` hook, after the heal, while its peers wait for it in their
     window: they replay that window without it and admit the next one."""
@@ -176,7 +190,8 @@ def _train(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
 def test_the_train_app_runs_under_the_agent_and_rank_0_lost_hands_over(tmp_path: Path) -> None:
     """``lightning-sync train launch.fault_tolerant=true``: the app starts the agent, which starts the ranks of
     the same job; rank 0 dies in backward at step 5, the new rank 0 logs, shows the progress bar, checkpoints and
-    reports, and the weights equal one process's (Lightning's own ddp strategy on one device, the same global batch of 3 x 32)."""
+    reports, and the weights equal one process's (Lightning's own ddp strategy on one device, the same global
+    batch of 3 x 32)."""
     steps = "trainer.max_steps=12"  # inside the first epoch (15 steps of 96; its last is padded at 3 ranks)
     kill = "{_target_: lightning_sync.diagnostics.faults.KillAtStep, member: n0s0i0, step: 5, phase: backward}"
     live = _train(

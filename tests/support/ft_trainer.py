@@ -11,7 +11,7 @@ too).
 the vote, before the optimizer applies the step), ``save`` (in ``on_save_checkpoint``, with ``FT_CKPT_EVERY``:
 a ``ModelCheckpoint`` every that many steps into ``OUT/ckpt``), ``validation`` (in ``validation_step``) or
 ``hang`` (the member stops itself with SIGSTOP in ``training_step``); ``step`` is the global step, counted from
-the run's start.
+the run's start, or ``+N``: N steps after the member's first (a replacement's first is where it was admitted).
 
 ``setup`` (in the module's ``setup`` hook) kills a replacement after it received the state and before its first
 step, while its peers wait for it in their window; its ``step`` is ``any``.
@@ -53,9 +53,13 @@ UNTIL = os.environ.get("FT_UNTIL_MEMBER", "")
 KILLS = {tuple(k.split(":")[:2]): k.split(":")[2] for k in os.environ.get("FT_KILL", "").split(",") if k}
 
 
+FIRST: list[int] = []  # the global step this process trained first (a replacement's is its admission's)
+
+
 def maybe_die(trainer: pl.Trainer, point: str) -> None:
     member = os.environ.get(ENV_MEMBER, "")
-    mine = (KILLS.get((member, str(trainer.global_step))), KILLS.get((member, "any")))
+    since = trainer.global_step - FIRST[0] if FIRST else -1
+    mine = (KILLS.get((member, str(trainer.global_step))), KILLS.get((member, "any")), KILLS.get((member, f"+{since}")))
     if point in mine:
         os.kill(os.getpid(), signal.SIGKILL)
     if point == "forward" and "hang" in mine:  # stopped, not dead: its sockets stay open, its heartbeat stops
@@ -64,6 +68,8 @@ def maybe_die(trainer: pl.Trainer, point: str) -> None:
 
 class Model(DigitsMLP):
     def training_step(self, batch: Any, batch_idx: int) -> Any:
+        if not FIRST:  # its first step: for a replacement the state it healed from says which
+            FIRST.append(self.trainer.global_step)
         maybe_die(self.trainer, "forward")
         live = getattr(self.trainer.strategy, "live", None)
         if UNTIL and live is not None and UNTIL not in live.membership.members:
