@@ -207,7 +207,7 @@ class LiveTraining:
         self._owner._live_load(live["strategy"])
         for logger, version in zip(trainer.loggers, live["logger_versions"]):
             set_logger_version(logger, version)
-        self._owner.exact_data.resume._rng = live["rng"]
+        self._owner.exact_data.resume.continue_rng(live["rng"])
         restore_next(trainer, checkpoint)
 
     def setup(self, trainer: Any) -> None:

@@ -154,6 +154,10 @@ def test_a_replacement_heals_from_a_live_peer_and_the_job_is_back_to_three(tmp_p
     assert sorted(records) == ["n0s0i0", "n0s1i1", "n0s2i0"]  # the replacement finished as a member
     assert records["n0s1i1"]["ft/failures"] == 0  # it joined after the loss
     _check(tmp_path, env, records, members=3, failures=1)
+    # the RNG streams: from its first step on, the replacement draws what rank 0 draws (it took rank 0's streams at
+    # the window it joined in); a stream started afresh from the seed would be far behind
+    mine, rank0 = records["n0s1i1"]["draws"], records["n0s0i0"]["draws"]
+    assert mine and all(mine[step] == rank0[step] for step in mine), (mine, rank0)
 
 
 @pytest.mark.slow

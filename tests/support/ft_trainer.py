@@ -54,6 +54,7 @@ KILLS = {tuple(k.split(":")[:2]): k.split(":")[2] for k in os.environ.get("FT_KI
 
 
 FIRST: list[int] = []  # the global step this process trained first (a replacement's is its admission's)
+DRAWS: dict[str, float] = {}  # global step -> the last torch.rand draw of training_step in it
 
 
 def maybe_die(trainer: pl.Trainer, point: str) -> None:
@@ -70,6 +71,9 @@ class Model(DigitsMLP):
     def training_step(self, batch: Any, batch_idx: int) -> Any:
         if not FIRST:  # its first step: for a replacement the state it healed from says which
             FIRST.append(self.trainer.global_step)
+        # one draw of torch's generator per micro-batch, recorded by step: a replacement's stream goes on from the
+        # one it healed from (every rank starts from the same seed, but the replacement starts later)
+        DRAWS[str(self.trainer.global_step)] = float(torch.rand(1))
         maybe_die(self.trainer, "forward")
         live = getattr(self.trainer.strategy, "live", None)
         if UNTIL and live is not None and UNTIL not in live.membership.members:
@@ -131,7 +135,7 @@ def main() -> None:
     strategy = trainer.strategy
     figures = strategy.live.gauges() if strategy.live is not None else {}
     member = os.environ.get(ENV_MEMBER, "solo")
-    record = {"global_step": trainer.global_step, "rank": trainer.global_rank, **figures}
+    record = {"global_step": trainer.global_step, "rank": trainer.global_rank, "draws": DRAWS, **figures}
     (out / f"{member}.json").write_text(json.dumps(record))
     torch.save(state, out / f"{member}.pt")
 
