@@ -199,6 +199,9 @@ class SyncStrategy(StrategyParts, DDPStrategy):
     def _live_load(self, state: dict[str, Any]) -> None:
         """Take :meth:`_live_state` from a live peer."""
 
+    def _live_mark(self) -> None:
+        """At an accumulation window's start: keep what a replay must start from again (nothing here)."""
+
     def _live_reset(self) -> None:
         """Before a replay: forget what the failed attempt left half done (nothing here)."""
 

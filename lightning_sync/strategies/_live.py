@@ -282,6 +282,7 @@ class LiveTraining:
         membership = self.membership
         assert membership is not None
         self.window_start, self.quiet, self._snapshot = j, False, None
+        self._owner._live_mark()
         if membership.admitting:
             before = membership.members
             self._snapshot = self._take_snapshot()

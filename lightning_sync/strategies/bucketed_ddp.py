@@ -127,12 +127,13 @@ class BucketedDDPStrategy(SyncStrategy):
         self.compression, self.broadcast_buffers, self.comm_algorithm = compression, broadcast_buffers, comm_algorithm
         self.bucketer: GradBucketer | None = None
         self._pending_state: dict[str, Any] | None = None  # loaded before configure_ddp built the bucketer
+        self._live_compressor: dict[str, Any] | None = None  # the compressor's state at the live window's start
         if live_requested(type(self).__name__, fault_tolerant):
             check_live_settings(
                 type(self).__name__,
                 process_group_backend=(process_group_backend, (None, "gloo")),
                 start_method=(start_method, ("popen",)),
-                compression=(compression, (None, "none", "fp16", "bf16")),
+                compression=(compression, (None, "none", *COMPRESSIONS)),
                 comm_algorithm=(comm_algorithm, ("backend",)),
             )
             self._go_live(self._timeout.total_seconds())
@@ -214,17 +215,34 @@ class BucketedDDPStrategy(SyncStrategy):
     # ------------------------------------------------------------------ live fault tolerance
     @override
     def _live_state(self) -> dict[str, Any]:
-        return {"bucketer": self.bucketer.live_state()} if self.bucketer is not None else {}
+        """The bucket layout, and PowerSGD's shared low-rank factors Q (its error feedback is each rank's own: a
+        replacement starts it at zero, as a lost rank's residual is lost with it)."""
+        state = {"bucketer": self.bucketer.live_state()} if self.bucketer is not None else {}
+        if self._compressor is not None and self.compression == "powersgd":
+            state["powersgd_q"] = self._compressor.state_dict()["q"]
+        return state
 
     @override
     def _live_load(self, state: dict[str, Any]) -> None:
         if self.bucketer is not None and "bucketer" in state:
             self.bucketer.adopt(state["bucketer"])
+        if "powersgd_q" in state and self._compressor is not None:
+            self._compressor.load_state_dict({"q": state["powersgd_q"]})
+
+    @override
+    def _live_mark(self) -> None:
+        """A window starts: keep the compressor's state, which a failed all-reduce may leave half updated (and
+        differently on each rank: PowerSGD's Q must stay the same everywhere)."""
+        if self._compressor is not None:
+            self._live_compressor = self._compressor.state_dict()
 
     @override
     def _live_reset(self) -> None:
         if self.bucketer is not None:
             self.bucketer.abort_backward()
+        if self._live_compressor is not None and self._compressor is not None:  # copies: a replay writes into them
+            clone = {k: {i: t.clone() for i, t in v.items()} for k, v in self._live_compressor.items()}
+            self._compressor.load_state_dict(clone)
 
     # ------------------------------------------------------------------ checkpoints
     @override

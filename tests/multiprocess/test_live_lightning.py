@@ -174,6 +174,22 @@ def test_five_losses_in_one_run_each_replaced_and_healed(tmp_path: Path) -> None
     _check(tmp_path, env, records, members=3, failures=5)
 
 
+def test_powersgd_replicas_stay_identical_through_a_loss_and_a_heal(tmp_path: Path) -> None:
+    """PowerSGD is not one process's SGD, so the check is that every replica applies the same update: after a kill
+    in backward (a compressed all-reduce in flight) and a replacement that took the shared factors, the three
+    final models are bit-identical."""
+    env = {"FT_KILL": "n0s1i0:5:backward", "FT_COMPRESSION": "powersgd", "FT_BATCH": "4", "FT_ACCUMULATE": "2"}
+    env.update(FT_STEPS="50", FT_STEP_S="0.05", FT_UNTIL_MEMBER="n0s1i1")
+    agent, status, records = _run(tmp_path, max_restarts=1, **env)
+    assert status == 0 and sorted(records) == ["n0s0i0", "n0s1i1", "n0s2i0"], agent.losses
+    first = records["n0s0i0"]["weights"]
+    for member, record in records.items():
+        assert record["global_step"] == 50 and record["ft/members"] == 3, (member, record)
+        for name, value in first.items():
+            assert torch.isfinite(value).all(), name
+            torch.testing.assert_close(record["weights"][name], value, rtol=0, atol=0, msg=f"{member} {name}")
+
+
 def test_a_replacement_lost_before_its_first_step_is_replaced_again(tmp_path: Path) -> None:
     """The first replacement dies in its ``setup`` hook, after the heal, while its peers wait for it in their
     window: they replay that window without it and admit the next one."""

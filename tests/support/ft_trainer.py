@@ -45,6 +45,7 @@ NODES = int(os.environ.get("FT_NODES", 1))
 BATCH = int(os.environ.get("FT_BATCH", 8))
 ACCUMULATE = int(os.environ.get("FT_ACCUMULATE", 1))
 STEPS = int(os.environ.get("FT_STEPS", 12))
+COMPRESSION = os.environ.get("FT_COMPRESSION") or None  # bucketed_ddp's compression (powersgd: rank 1, warm-up 2)
 CKPT_EVERY = int(os.environ.get("FT_CKPT_EVERY", 0))  # a ModelCheckpoint every this many steps into OUT/ckpt
 STEP_S = float(os.environ.get("FT_STEP_S", 0))  # seconds of sleep in each training_step: a replacement joins mid-run
 # the member the run waits for (a replacement): until it is in the membership, each step sleeps FT_STEP_S, and
@@ -111,7 +112,9 @@ def main() -> None:
         accelerator="cpu",
         devices=1 if reference else DEVICES,
         num_nodes=1 if reference else NODES,
-        strategy="ddp" if reference else BucketedDDPStrategy(timeout=60.0),
+        strategy="ddp"
+        if reference
+        else BucketedDDPStrategy(timeout=60.0, compression=COMPRESSION, powersgd_rank=1, powersgd_warmup_steps=2),
         max_steps=STEPS,
         accumulate_grad_batches=ACCUMULATE,
         limit_val_batches=2,

@@ -1,9 +1,11 @@
 """Under the fault-tolerance agent (its member id in the environment) only ``bucketed_ddp`` is built: every other
-strategy refuses at construction, before Lightning could start ranks of its own, naming the one that works."""
+strategy refuses at construction, before Lightning could start ranks of its own, naming the one that works. And
+what ``bucketed_ddp`` keeps of its compressor for a replacement and for a replay."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from lightning_sync.comms.membership_keys import ENV_MEMBER
 from lightning_sync.strategies import (
@@ -44,6 +46,24 @@ def test_bucketed_ddp_follows_the_agent_by_itself(monkeypatch: pytest.MonkeyPatc
     assert (strategy.cluster_environment.node_rank(), strategy.cluster_environment.local_rank()) == (0, 1)
     with pytest.raises(ValueError, match="fault_tolerant=False, but this process was started by"):
         BucketedDDPStrategy(fault_tolerant=False)
-    for setting, value in (("process_group_backend", "nccl"), ("compression", "powersgd"), ("start_method", "spawn")):
+    for setting, value in (("process_group_backend", "nccl"), ("comm_algorithm", "ring"), ("start_method", "spawn")):
         with pytest.raises(ValueError, match=rf"{setting}={value!r} is not supported with live fault tolerance"):
             BucketedDDPStrategy(**{setting: value})
+
+
+def test_powersgd_state_for_a_replacement_and_for_a_replay() -> None:
+    """A replacement takes the shared low-rank factors Q and starts its own error feedback at zero; a replay starts
+    from the compressor state kept at the window's start, however often the failed attempts wrote into it."""
+    source, replacement = BucketedDDPStrategy(compression="powersgd"), BucketedDDPStrategy(compression="powersgd")
+    source._compressor._q = {3: torch.arange(6.0).reshape(3, 2)}
+    source._compressor._error = {3: torch.ones(4, 3)}
+    replacement._live_load(source._live_state())
+    torch.testing.assert_close(replacement._compressor._q[3], source._compressor._q[3], rtol=0, atol=0)
+    assert replacement._compressor._error == {}  # a rank's residual is its own: lost with the lost rank
+    source._live_mark()
+    for _ in range(2):  # two failed attempts, each writing into the state in place, each followed by a replay
+        source._compressor._error[3].add_(5.0)
+        source._compressor._q[3].mul_(-1.0)
+        source._live_reset()
+        torch.testing.assert_close(source._compressor._error[3], torch.ones(4, 3), rtol=0, atol=0)
+        torch.testing.assert_close(source._compressor._q[3], torch.arange(6.0).reshape(3, 2), rtol=0, atol=0)
