@@ -13,7 +13,7 @@ __all__ = ["Work"]
 T = TypeVar("T")
 
 
-def _done() -> Any:
+def _finished_already() -> Any:
     raise AssertionError("a finished Work does not finish again")
 
 
@@ -56,7 +56,7 @@ class Work(Generic[T]):
         # the backend's requests hold their process group: a done handle kept around (a bucket's, until the next
         # backward) must not keep a destroyed group's sockets open, or a peer blocked with this process waits
         # out the group's timeout
-        self._handles, self._finish = (), _done
+        self._handles, self._finish = (), _finished_already
         return self._result
 
     def then(self, fn: Callable[[Any], Any]) -> Work[Any]:

@@ -231,18 +231,17 @@ class BucketedDDPStrategy(SyncStrategy):
 
     @override
     def _live_mark(self) -> None:
-        """A window starts: keep the compressor's state, which a failed all-reduce may leave half updated (and
-        differently on each rank: PowerSGD's Q must stay the same everywhere)."""
+        """A window starts: keep the compressor's state, which a failed all-reduce may leave half updated, and on
+        each rank at another point (PowerSGD's error feedback, and its factors, meant to be the same everywhere)."""
         if self._compressor is not None:
-            self._live_compressor = self._compressor.state_dict()
+            self._live_compressor = self._compressor.snapshot()
 
     @override
     def _live_reset(self) -> None:
         if self.bucketer is not None:
             self.bucketer.abort_backward()
-        if self._live_compressor is not None and self._compressor is not None:  # copies: a replay writes into them
-            clone = {k: {i: t.clone() for i, t in v.items()} for k, v in self._live_compressor.items()}
-            self._compressor.load_state_dict(clone)
+        if self._live_compressor is not None and self._compressor is not None:
+            self._compressor.restore(self._live_compressor)
 
     # ------------------------------------------------------------------ checkpoints
     @override

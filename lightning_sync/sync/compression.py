@@ -89,6 +89,12 @@ class CastCompression:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         return None
 
+    def snapshot(self) -> dict[str, Any]:
+        return {}
+
+    def restore(self, snapshot: dict[str, Any]) -> None:
+        return None
+
 
 class PowerSGD:
     """Rank-``rank`` PowerSGD with error feedback and warm start (see the module docstring).
@@ -218,6 +224,19 @@ class PowerSGD:
         dtype when a step first uses it (:meth:`_state_like`), so loading needs no device."""
         self._q = {int(i): q for i, q in state.get("q", {}).items()}
         self._error = {int(i): e for i, e in state.get("error", {}).items()}
+
+    def snapshot(self) -> dict[str, Any]:
+        """A copy of the state where it lives (no trip to the host, unlike :meth:`state_dict`), for
+        :meth:`restore` within this process: the state a replayed step starts from again."""
+        return {"q": _copies(self._q), "error": _copies(self._error)}
+
+    def restore(self, snapshot: dict[str, Any]) -> None:
+        """Go back to a :meth:`snapshot`, which stays as it was (a step writes into its state in place)."""
+        self._q, self._error = _copies(snapshot["q"]), _copies(snapshot["error"])
+
+
+def _copies(tensors: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+    return {i: t.clone() for i, t in tensors.items()}
 
 
 def _orthonormalize(p: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
