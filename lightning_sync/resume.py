@@ -265,10 +265,6 @@ class ExactResume:
             )
         return None
 
-    def continue_rng(self, state: dict[str, torch.Tensor | None]) -> None:
-        """Take another process's RNG states (a live peer's, for a replacement), set when training starts."""
-        self._rng = state
-
     def restore_rng(self, device: torch.device) -> None:
         """Set the generators to the taken RNG states, once (at the start of training)."""
         state, self._rng = self._rng, None

@@ -54,7 +54,7 @@ from lightning_sync._lightning import (
 )
 from lightning_sync.comms.membership import Membership
 from lightning_sync.live_batches import LiveBatches
-from lightning_sync.resume import rng_state
+from lightning_sync.resume import rng_state, set_rng_state
 from lightning_sync.sampler import GlobalOrderSampler
 from lightning_sync.strategies._live_env import LiveEnvironment
 
@@ -117,6 +117,7 @@ class LiveTraining:
         self._redone = 0.0  # seconds the last replay spent on the window's earlier micro-batches
         self._rank = -1  # this member's rank in the epoch it was in before
         self._admitted_at: float | None = None  # when this member entered an epoch that admitted replacements
+        self._rng: dict[str, Any] | None = None  # a replacement's RNG streams from its peer, until its first step
         self.failures = 0
         self.replayed = 0
         self.seconds_lost = 0.0
@@ -207,7 +208,7 @@ class LiveTraining:
         self._owner._live_load(live["strategy"])
         for logger, version in zip(trainer.loggers, live["logger_versions"]):
             set_logger_version(logger, version)
-        self._owner.exact_data.resume.continue_rng(live["rng"])
+        self._rng = live["rng"]  # set at its first step: Lightning may draw from it before (a loader's seed)
         restore_next(trainer, checkpoint)
 
     def setup(self, trainer: Any) -> None:
@@ -281,6 +282,9 @@ class LiveTraining:
     def _start_window(self, j: int) -> None:
         membership = self.membership
         assert membership is not None
+        if self._rng is not None:  # a replacement's first step: its streams go on from rank 0's at this window
+            set_rng_state(self._rng, self._owner.root_device)
+            self._rng = None
         self.window_start, self.quiet, self._snapshot = j, False, None
         self._owner._live_mark()
         if membership.admitting:
