@@ -27,7 +27,20 @@ from collections.abc import Callable, Iterator
 
 from lightning_sync.sampler import GlobalOrderSampler
 
-__all__ = ["LiveBatches"]
+__all__ = ["LiveBatches", "share_of", "weight_of"]
+
+
+def share_of(entries: list[int], rank: int, world: int) -> list[int]:
+    """Member ``rank`` of ``world``'s indices of a micro-batch of ``entries``: every ``world``-th from its rank."""
+    return entries[rank::world]
+
+
+def weight_of(entries: list[int], rank: int, world: int) -> float:
+    """The factor on member ``rank``'s mean-loss gradient of a micro-batch of ``entries`` that makes the members'
+    average the micro-batch's mean: its share of the samples times ``world`` (exactly 1 for equal shares)."""
+    total = len(entries)
+    mine = len(range(rank, total, world))
+    return 1.0 if mine * world == total else mine * world / total
 
 
 class LiveBatches:
@@ -69,19 +82,17 @@ class LiveBatches:
             self.made[j] = (rank, world)
             yield self.share(j, rank, world)
 
-    def _entries(self, j: int) -> list[int]:
+    def entries(self, j: int) -> list[int]:
+        """The global-order entries of micro-step ``j`` of the current epoch (the whole micro-batch)."""
         return self._order[j * self.micro : min((j + 1) * self.micro, self.sampler.total)]
 
     def share(self, j: int, rank: int, world: int) -> list[int]:
         """Member ``rank`` of ``world``'s indices of micro-step ``j`` of the current epoch."""
-        return self._entries(j)[rank::world]
+        return share_of(self.entries(j), rank, world)
 
     def weight(self, j: int, rank: int, world: int) -> float:
-        """The factor on member ``rank``'s mean-loss gradient of micro-step ``j`` that makes the members' average
-        the micro-step's mean: its share of the samples times ``world`` (exactly 1 for equal shares)."""
-        total = len(self._entries(j))
-        mine = len(range(rank, total, world))
-        return 1.0 if mine * world == total else mine * world / total
+        """:func:`weight_of` micro-step ``j`` of the current epoch."""
+        return weight_of(self.entries(j), rank, world)
 
     def is_stale(self, j: int, rank: int, world: int) -> bool:
         """Whether micro-step ``j``'s batch was made for another membership than ``(rank, world)`` (or not at all)."""

@@ -37,7 +37,7 @@ from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from typing_extensions import override
 
 from lightning_sync import comms
-from lightning_sync._lightning import calling_metric_key, trainer_of
+from lightning_sync._lightning import calling_metric_key, next_restored, trainer_of
 from lightning_sync.checkpoint.reading import guarded_load
 from lightning_sync.strategies._common import PASSTHROUGH
 from lightning_sync.strategies._exact_data import ExactData
@@ -174,6 +174,12 @@ class SyncStrategy(StrategyParts, DDPStrategy):
             self.live.setup(trainer)
 
     @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.live is not None:  # this member's share of the micro-batch, for the membership current now
+            args = self.live.training_step_args(args)
+        return super().training_step(*args, **kwargs)
+
+    @override
     def backward(self, closure_loss: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         if self.live is not None and self.live.weight != 1.0:  # an uneven share of the micro-batch
             closure_loss = closure_loss * self.live.weight
@@ -181,10 +187,42 @@ class SyncStrategy(StrategyParts, DDPStrategy):
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        if self.live is not None:
-            loss = self.live.run_step(optimizer, closure)  # committed: the step below applies it
-            closure = lambda: loss  # noqa: E731
-        return super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self.live is None:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+
+        def step(run: Any) -> Any:
+            return super(SyncStrategy, self).optimizer_step(optimizer, run, model, **kwargs)
+
+        return self.live.optimizer_step(optimizer, closure, step)
+
+    #: live: the optimizer step (and what follows it) runs inside the commit vote, and a replay starts from the
+    #: window's start (:meth:`_live_mark`); False: the vote comes first and only a committed step is applied
+    _live_step_in_vote = False
+
+    def _live_commits_step(self) -> bool:
+        """Whether the coming optimizer step ends a live window, which the members then commit (every step here)."""
+        return True
+
+    def _live_inner_step(self, optimizer: Any, closure: Any) -> Any:
+        """One of a window's earlier optimizer steps, replayed: the step and what the strategy counts with it."""
+        out = DDPStrategy.optimizer_step(self, optimizer, closure)
+        self._after_optimizer_step()
+        return out
+
+    def _save_rank_states(self, checkpoint: dict[str, Any], filepath: Any, extra: dict[str, Any] | None) -> bool:
+        """Every rank's state gathered into ``checkpoint`` (a collective); False: a member was lost while it ran,
+        and this checkpoint is passed over (nothing is written, and the window's vote aborts)."""
+        if self.live is None:
+            self.exact_data.save_rank_states(checkpoint, extra)
+            return True
+        self.live.save(filepath, lambda: self.exact_data.save_rank_states(checkpoint, extra))
+        return self.live.failure is None
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.live is not None and self.live.failure is not None:
+            return  # the checkpoint meant to replace it was passed over: keep it
+        super().remove_checkpoint(filepath)
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
@@ -305,9 +343,10 @@ class ProcessGroupStrategy(SyncStrategy):
 
     @override
     def configure_ddp(self) -> None:
-        """Broadcast rank 0's parameters and buffers (no DDP wrapper)."""
+        """Broadcast rank 0's parameters and buffers (no DDP wrapper); a live replacement has its peers' state."""
         assert self.model is not None
-        broadcast_module_states(self.model, self.comm)
+        if self.live is None or not self.live.replacement:
+            broadcast_module_states(self.model, self.comm)
 
     @contextmanager
     @override
@@ -324,13 +363,15 @@ class ProcessGroupStrategy(SyncStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        self.exact_data.save_rank_states(checkpoint, self._rank_state(checkpoint))
-        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        if self._save_rank_states(checkpoint, filepath, self._rank_state(checkpoint)):
+            super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Weights-only unless ``weights_only=False`` (``trainer.fit(..., weights_only=False)``); a
         checkpoint that needs more raises :class:`~lightning_sync.checkpoint.reading.UntrustedCheckpointError`."""
+        if self.live is not None and self.live.replacement:  # what a live peer sent, not the file
+            return next_restored(self.lightning_module.trainer)
         checkpoint = guarded_load(
             lambda wo: super(ProcessGroupStrategy, self).load_checkpoint(checkpoint_path, wo),
             checkpoint_path,

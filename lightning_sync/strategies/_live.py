@@ -5,15 +5,18 @@ The strategy owns one when its ranks were started by the fault-tolerance agent
 instead of Lightning's process-group setup, and keeps every failure inside the strategy: Lightning's loop never
 sees the exception, because ``_call_and_handle_interrupt`` would tear the run down.
 
-**A step is an accumulation window, committed or replayed.** Every micro-batch's share of the global batch comes
-from :class:`~lightning_sync.live_batches.LiveBatches` for the membership current when it trains (a batch the
-loader prefetched for an older one is rebuilt from the dataset). The optimizer step first runs the window's last
-closure (Lightning's), then the members vote (:meth:`Membership.run_committed`); only a committed step reaches the
-optimizer. A collective that fails anywhere in the window (a buffer broadcast, a synced log, the gradients'
-all-reduce) is recorded, the group is left at once, and the rest of the window runs without collectives; the vote
-then aborts. After an abort the members enter the next epoch and replay the whole window there: each micro-batch
-rebuilt as this member's share for the new membership, run through Lightning's own closures, so the global batch,
-and every sample in it, is trained exactly once in the committed step.
+**A window is committed or replayed whole.** A window is an accumulation window (``bucketed_ddp``) or a period of
+inner steps ending in a sync (``local_sgd``, ``diloco``). Every micro-batch's share of the global batch comes from
+:class:`~lightning_sync.live_batches.LiveBatches` for the membership current when it trains (a batch the loader
+prefetched for an older one is rebuilt from the dataset). The optimizer step that ends the window runs the last
+closure (Lightning's) and the members vote (:meth:`Membership.run_committed`): gradient averaging votes before the
+optimizer, so only a committed step reaches it; a periodic strategy votes after its sync, and goes back to the
+period's start before a replay. A collective that fails anywhere in the window (a buffer broadcast, a synced log,
+the gradients' all-reduce) is recorded, the group is left at once, and the rest of the window runs without
+collectives; the vote then aborts. After an abort the members enter the next epoch and replay the whole window
+there (:class:`~lightning_sync.strategies._live_window.WindowRecord`): each micro-batch rebuilt as this member's
+share for the new membership, run through Lightning's own closures, each earlier step with the optimizer settings
+it had, so the global batch, and every sample in it, is trained exactly once in the committed window.
 
 **Healing.** A replacement joins when the members enter the epoch that admits it, at the start of a window (the
 admitting step applied, Lightning's loop between two batches). Every member then takes the state as a Lightning
@@ -22,41 +25,38 @@ precision) with the strategy's own and rank 0's RNG streams, and rank 0 sends it
 broadcast. The replacement hands it to Lightning as the checkpoint to restore after setup, and until its first
 training step runs no collective (its peers are in their window, waiting for it there).
 
-Imports Lightning's loop internals only through the few calls below: ``_build_kwargs`` and ``_make_closure`` (the
-closures a replay runs) and the checkpoint connector's ``dump_checkpoint`` / ``_loaded_checkpoint``.
+Imports Lightning's loop internals only through :mod:`lightning_sync._lightning`: ``_build_kwargs`` and
+``_make_closure`` (the closures a replay runs) and the checkpoint connector's ``dump_checkpoint`` /
+``_loaded_checkpoint`` (:mod:`~lightning_sync.strategies._live_handover`).
 """
 
 from __future__ import annotations
 
-import io
 import time
 import traceback
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
-from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 from torchmetrics import Metric
 from torchmetrics.utilities.distributed import gather_all_tensors
 
-from lightning_sync._lightning import (
-    batch_index,
-    closure_for,
-    continue_csv,
-    dump_training_state,
-    replace_sigterm_broadcast,
-    restore_next,
-    set_logger_version,
-    trainer_of,
-)
+from lightning_sync._lightning import batch_index, closure_for, replace_sigterm_broadcast, trainer_of
 from lightning_sync.comms.membership import Membership
-from lightning_sync.live_batches import LiveBatches
-from lightning_sync.resume import rng_state, set_rng_state
+from lightning_sync.live_batches import LiveBatches, share_of, weight_of
+from lightning_sync.resume import set_rng_state
 from lightning_sync.sampler import GlobalOrderSampler
 from lightning_sync.strategies._live_env import LiveEnvironment
+from lightning_sync.strategies._live_handover import (
+    load_training_state,
+    take_over_rank_zero,
+    take_training_state,
+    training_state,
+)
+from lightning_sync.strategies._live_window import MicroBatch, WindowRecord, hyperparameters, set_hyperparameters
 
 __all__ = ["FT_FAILURES", "FT_MEMBERS", "FT_REPLAYED", "FT_SECONDS_LOST", "LiveTraining"]
 
@@ -68,24 +68,10 @@ FT_FAILURES, FT_MEMBERS, FT_REPLAYED, FT_SECONDS_LOST = (
     "ft/replayed_steps",
     "ft/seconds_lost",
 )
-_LIVE = "lightning_sync/live"  # the healing checkpoint's key of what Lightning does not hold
-# what a replacement does not need from the members' checkpoint, and a weights-only load might refuse
-_NOT_SENT = ("hyper_parameters", "hparams_name", "datamodule_hyper_parameters")
-
-
-def _show_progress(bar: TQDMProgressBar, trainer: Any) -> None:
-    """A new rank 0's progress bar: Lightning disabled it at setup on every other rank, so the epoch's bar is made
-    again, at the batch the loop is in."""
-    bar.enable()
-    progress = bar.init_train_tqdm()
-    progress.reset(total=bar.total_train_batches)
-    progress.n = batch_index(trainer)
-    progress.set_description(f"Epoch {trainer.current_epoch}")
-    bar.train_progress_bar = progress
 
 
 class WindowFailed(RuntimeError):
-    """A collective of this accumulation window failed earlier; the step cannot be committed."""
+    """A collective of this window failed earlier; the window cannot be committed."""
 
 
 class LiveTraining:
@@ -111,10 +97,11 @@ class LiveTraining:
         self.failure: str | None = None  # a collective of this window failed: what it said
         self._holds_state = False
         self._snapshot: bytes | None = None  # the state at this window's start, while replacements are admitted
-        self.window_start = -1  # the index in the epoch of the current window's first micro-batch
-        self._replaying: int | None = None
+        self.window = WindowRecord()  # what the window in progress trained, to train it again after a loss
+        self._replaying: MicroBatch | None = None
         self.weight = 1.0  # on this micro-batch's loss (LiveBatches.weight)
         self._redone = 0.0  # seconds the last replay spent on the window's earlier micro-batches
+        self._failed_at: float | None = None  # when this window's first collective failed
         self._rank = -1  # this member's rank in the epoch it was in before
         self._admitted_at: float | None = None  # when this member entered an epoch that admitted replacements
         self._rng: dict[str, Any] | None = None  # a replacement's RNG streams from its peer, until its first step
@@ -156,12 +143,7 @@ class LiveTraining:
         trainer = trainer_of(self._owner.lightning_module)
         became_zero, self._rank = membership.rank == 0 and self._rank > 0, membership.rank
         if became_zero and trainer is not None:
-            for logger in trainer.loggers:  # the rows its predecessor wrote stay; the next ones follow them
-                continue_csv(logger)
-            self._owner.telemetry.start()  # the step figures are rank 0's to measure and log
-            for callback in trainer.callbacks:
-                if isinstance(callback, TQDMProgressBar) and trainer.training:
-                    _show_progress(callback, trainer)
+            take_over_rank_zero(self._owner, trainer)
 
     def _heal(self, source: int) -> None:
         """The state from rank ``source`` to every member that lacks it: one size and one byte broadcast."""
@@ -180,36 +162,7 @@ class LiveTraining:
         )
         comm.broadcast(data, src=source)
         if not self._holds_state:
-            checkpoint = torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True)
-            self.healed_checkpoint, self._holds_state = checkpoint, True
-
-    def _take_snapshot(self) -> bytes:
-        """The training state as a Lightning checkpoint holds it, with the strategy's and the RNG streams."""
-        trainer = trainer_of(self._owner.lightning_module)
-        checkpoint = dump_training_state(trainer)
-        for key in _NOT_SENT:
-            checkpoint.pop(key, None)
-        checkpoint[_LIVE] = {
-            "rng": rng_state(self._owner.root_device),
-            "strategy": self._owner._live_state(),
-            "logger_versions": [logger.version for logger in trainer.loggers],
-        }
-        buffer = io.BytesIO()
-        torch.save(checkpoint, buffer)
-        return buffer.getvalue()
-
-    def restore_after_setup(self, trainer: Any) -> None:
-        """At the end of a replacement's ``setup``: the received state becomes the checkpoint Lightning restores
-        next (its modules and callbacks, then its loops, optimizers and schedulers); the strategy's own and the
-        RNG streams (set when training starts) are taken here."""
-        checkpoint = self.healed_checkpoint
-        assert checkpoint is not None
-        live = checkpoint.pop(_LIVE)
-        self._owner._live_load(live["strategy"])
-        for logger, version in zip(trainer.loggers, live["logger_versions"]):
-            set_logger_version(logger, version)
-        self._rng = live["rng"]  # set at its first step: Lightning may draw from it before (a loader's seed)
-        restore_next(trainer, checkpoint)
+            self.healed_checkpoint, self._holds_state = load_training_state(data.numpy().tobytes()), True
 
     def setup(self, trainer: Any) -> None:
         """At ``setup``: Lightning's own per-batch broadcast of the SIGTERM flag goes through :meth:`guarded` (it
@@ -229,7 +182,8 @@ class LiveTraining:
             if isinstance(metric, Metric):
                 metric.dist_sync_fn = self._metric_sync
         if self.replacement:
-            self.restore_after_setup(trainer)
+            assert self.healed_checkpoint is not None
+            self._rng = take_training_state(self._owner, trainer, self.healed_checkpoint)
 
     def _metric_sync(self, tensor: torch.Tensor, group: Any = None) -> list[torch.Tensor]:
         """torchmetrics' gather, through :meth:`guarded`: after a loss, this member's values alone."""
@@ -267,29 +221,33 @@ class LiveTraining:
     def training_step_args(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
         """Before ``training_step``: a window's start (admitting replacements), and this member's share of the
         micro-batch for the current membership, rebuilt if the one Lightning passes was made for another."""
-        trainer = trainer_of(self._owner.lightning_module)
-        j = self._replaying if self._replaying is not None else batch_index(trainer)
-        if self._replaying is None:
-            if j % int(trainer.accumulate_grad_batches) == 0 or self.window_start < 0:
-                self._start_window(j)
-        rank, world = self._place()
         assert self.batches is not None
+        if self._replaying is None:
+            j = batch_index(trainer_of(self._owner.lightning_module))
+            if not self.window.open:
+                self._start_window()
+            entries = self.batches.entries(j)
+            self.window.add(j, entries)
+        else:
+            j, entries = self._replaying
+        rank, world = self._place()
         if self._replaying is not None or self.batches.is_stale(j, rank, world):
-            args = (self._rebuild(j, rank, world), *args[1:])
-        self.weight = self.batches.weight(j, rank, world)
+            args = (self._rebuild(share_of(entries, rank, world)), *args[1:])
+        self.weight = weight_of(entries, rank, world)
         return args
 
-    def _start_window(self, j: int) -> None:
+    def _start_window(self) -> None:
         membership = self.membership
         assert membership is not None
         if self._rng is not None:  # a replacement's first step: its streams go on from rank 0's at this window
             set_rng_state(self._rng, self._owner.root_device)
             self._rng = None
-        self.window_start, self.quiet, self._snapshot = j, False, None
+        self.quiet, self._snapshot = False, None
+        self.window.start()
         self._owner._live_mark()
         if membership.admitting:
             before = membership.members
-            self._snapshot = self._take_snapshot()
+            self._snapshot = training_state(self._owner, trainer_of(self._owner.lightning_module))
             self._admitted_at = time.perf_counter()
             membership.enter_admitted()
             rank_zero_info(
@@ -297,10 +255,10 @@ class LiveTraining:
                 f"{membership.world_size} members, the state sent in {time.perf_counter() - self._admitted_at:.2f} s"
             )
 
-    def _rebuild(self, j: int, rank: int, world: int) -> Any:
+    def _rebuild(self, indices: list[int]) -> Any:
         loader, owner = self._loader, self._owner
-        assert loader is not None and self.batches is not None
-        batch = loader.collate_fn([loader.dataset[i] for i in self.batches.share(j, rank, world)])
+        assert loader is not None
+        batch = loader.collate_fn([loader.dataset[i] for i in indices])
         batch = owner.lightning_module._on_before_batch_transfer(batch, dataloader_idx=0)
         return owner.batch_to_device(batch, dataloader_idx=0)
 
@@ -327,19 +285,42 @@ class LiveTraining:
     def fail(self, exc: BaseException) -> None:
         """A collective failed: record it for the vote and leave the group at once."""
         self.failure = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        self._failed_at = self._failed_at or time.perf_counter()
         traceback.clear_frames(exc.__traceback__)
         assert self.membership is not None
         self.membership.leave()
 
     # ------------------------------------------------------------------ the committed step
-    def run_step(self, optimizer: Any, closure: Callable[[], Any]) -> Any:
-        """Run the window's last closure until the members commit the step (replaying the window after an abort);
-        returns the closure's loss, for the optimizer step that follows."""
+    def optimizer_step(
+        self, optimizer: Any, closure: Callable[[], Any], step: Callable[[Callable[[], Any]], Any]
+    ) -> Any:
+        """The strategy's optimizer step: ``step(closure)`` runs the closure and applies the step (and, for a
+        periodic strategy, its sync). An inner step of a window just runs; the one that ends the window is
+        committed by the members' vote, either before ``step`` (the strategy has nothing to undo: only a committed
+        step reaches the optimizer) or around it (the strategy puts back the window's start before a replay)."""
+        owner = self._owner
+        settings = hyperparameters(optimizer)
+        if not owner._live_commits_step():  # inside a period: its samples are recorded, to replay if it aborts
+            out = step(closure)
+            self.window.end_step(settings)
+            return out
+        self.window.now = settings
+        if owner._live_step_in_vote:
+            return self.run_step(optimizer, closure, step)
+        loss = self.run_step(optimizer, closure, None)
+        return step(lambda: loss)
+
+    def run_step(
+        self, optimizer: Any, closure: Callable[[], Any], step: Callable[[Callable[[], Any]], Any] | None
+    ) -> Any:
+        """Run the window's last closure (with ``step``: and the step) until the members commit the window,
+        replaying the whole window after an abort; returns what the last attempt returned."""
         membership = self.membership
         trainer = trainer_of(self._owner.lightning_module)
         assert membership is not None
         out: list[Any] = []
-        started, first, replays = time.perf_counter(), [True], []
+        # a period's loss may show in an inner step: the steps trained since are lost too
+        started, first, replays = min(time.perf_counter(), self._failed_at or float("inf")), [True], []
         self._redone = 0.0
 
         def attempt() -> None:
@@ -348,10 +329,10 @@ class LiveTraining:
                 raise WindowFailed(f"a collective of this window failed: {self.failure}")
             try:
                 if not replay:
-                    out[:] = [closure()]
+                    out[:] = [closure() if step is None else step(closure)]
                 else:
                     replays.append(time.perf_counter())
-                    out[:] = [self._replay(optimizer, closure)]
+                    out[:] = [self._replay(optimizer, closure, step)]
             except RuntimeError:
                 # the buckets' handles hold the failed group: they go before the membership tears it down, or a
                 # peer blocked in a collective with this member would wait out the group's timeout
@@ -360,6 +341,8 @@ class LiveTraining:
 
         before = list(membership.members)
         aborted = membership.run_committed(int(trainer.global_step), attempt)
+        self.window.close()
+        self._failed_at = None
         if self._admitted_at is not None:  # the survivors waited for the replacement's setup in this step
             waited = time.perf_counter() - self._admitted_at
             rank_zero_info(f"live: the first step with the replacement committed {waited:.2f} s after its admission")
@@ -377,25 +360,40 @@ class LiveTraining:
             )
         return out[0]
 
-    def _replay(self, optimizer: Any, closure: Callable[[], Any]) -> Any:
-        """The window again, for this member's new share of each micro-batch: the earlier micro-batches through
-        closures Lightning builds for them (no collective until the last), the last through Lightning's own."""
+    def _replay(
+        self, optimizer: Any, closure: Callable[[], Any], step: Callable[[Callable[[], Any]], Any] | None
+    ) -> Any:
+        """The window again, for this member's new share of each micro-batch, from the state at its start: its
+        earlier optimizer steps (a period's) with the settings they had, then the step in progress, whose earlier
+        micro-batches run through closures Lightning builds for them (no collective until the last) and the last
+        through Lightning's own."""
         owner = self._owner
         owner._live_reset()
         trainer = trainer_of(owner.lightning_module)
         last = batch_index(trainer)  # the window's last micro-batch, trained or not (a failure skips it)
-        earlier = range(self.window_start, last)
         started = time.perf_counter()
         try:
-            for j in earlier:
-                self._replaying = j
-                with owner.block_backward_sync():
-                    closure_for(trainer, optimizer, j, None)()  # the batch is rebuilt in training_step
+            for micro, settings in self.window.steps:
+                set_hyperparameters(optimizer, settings)
+                *accumulated, (j, entries) = micro
+                self._run_micro(trainer, optimizer, accumulated)
+                self._replaying = (j, entries)
+                owner._live_inner_step(optimizer, closure_for(trainer, optimizer, j, None))
+            set_hyperparameters(optimizer, self.window.now)
+            self._run_micro(trainer, optimizer, self.window.earlier_micro(last))
             self._redone = time.perf_counter() - started
-            self._replaying = last
-            return closure()
+            assert self.batches is not None
+            self._replaying = (last, self.batches.entries(last))
+            return closure() if step is None else step(closure)
         finally:
             self._replaying = None
+
+    def _run_micro(self, trainer: Any, optimizer: Any, micro: list[MicroBatch]) -> None:
+        """Micro-batches that accumulate gradients without a step (each rebuilt in ``training_step``)."""
+        for j, entries in micro:
+            self._replaying = (j, entries)
+            with self._owner.block_backward_sync():
+                closure_for(trainer, optimizer, j, None)()
 
     def gauges(self) -> dict[str, float]:
         """What the logger shows of it after each step."""

@@ -181,8 +181,6 @@ class BucketedDDPStrategy(SyncStrategy):
     # ------------------------------------------------------------------ training hooks
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self.live is not None:
-            args = self.live.training_step_args(args)
         if self.broadcast_buffers and self.model is not None:
             model = self.model
             if self.live is not None:
@@ -247,18 +245,8 @@ class BucketedDDPStrategy(SyncStrategy):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         extra = {"bucketer": self.bucketer.state_dict()} if self.bucketer is not None else None
-        if self.live is not None:  # a member lost while saving: this checkpoint is passed over, nothing is written
-            self.live.save(filepath, lambda: self.exact_data.save_rank_states(checkpoint, extra))
-        else:
-            self.exact_data.save_rank_states(checkpoint, extra)
-        if self.live is None or self.live.failure is None:
+        if self._save_rank_states(checkpoint, filepath, extra):
             super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-
-    @override
-    def remove_checkpoint(self, filepath: Any) -> None:
-        if self.live is not None and self.live.failure is not None:
-            return  # the checkpoint meant to replace it was passed over: keep it
-        super().remove_checkpoint(filepath)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:

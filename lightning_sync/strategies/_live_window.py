@@ -1,0 +1,74 @@
+"""What a live window trained, so that it can be trained again after a loss.
+
+A *window* is what the members commit at once: for gradient averaging (``bucketed_ddp``) one optimizer step's
+accumulation window; for the periodic strategies (``local_sgd``, ``diloco``) a whole period, its inner steps and
+the sync that ends it. An aborted window is replayed in the next membership epoch on the same samples, each
+micro-batch shared out over the new members. :class:`WindowRecord` keeps what that needs:
+
+* every micro-batch trained so far, by its index in its epoch and the global-order entries it held. The entries,
+  not the index alone, because a period may begin in the epoch before (Lightning steps at an epoch's end, so one
+  optimizer step never spans two epochs, but a period of several steps may);
+* for each of the window's earlier optimizer steps, the optimizer's hyperparameters it stepped with (the learning
+  rate a per-step schedule set then), since the schedulers have moved on and are not rewound.
+
+Imports nothing from Lightning.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["MicroBatch", "WindowRecord", "hyperparameters", "set_hyperparameters"]
+
+#: a micro-batch: its index in its epoch, and the global-order entries (dataset indices) of the whole micro-batch
+MicroBatch = tuple[int, list[int]]
+
+
+def hyperparameters(optimizer: Any) -> list[dict[str, Any]]:
+    """Each parameter group's settings (all but its parameters), copied: what the next step applies."""
+    return [copy.deepcopy({k: v for k, v in group.items() if k != "params"}) for group in optimizer.param_groups]
+
+
+def set_hyperparameters(optimizer: Any, settings: list[dict[str, Any]]) -> None:
+    """Put :func:`hyperparameters` back (copied again: a tensor learning rate is the group's own object)."""
+    for group, saved in zip(optimizer.param_groups, settings):
+        group.update(copy.deepcopy(saved))
+
+
+@dataclass
+class WindowRecord:
+    """The micro-batches and steps of the window in progress (module docstring)."""
+
+    #: the window's earlier optimizer steps: their micro-batches and the settings each stepped with
+    steps: list[tuple[list[MicroBatch], list[dict[str, Any]]]] = field(default_factory=list)
+    #: the micro-batches of the optimizer step in progress
+    micro: list[MicroBatch] = field(default_factory=list)
+    #: the settings of the step in progress, at its optimizer step
+    now: list[dict[str, Any]] = field(default_factory=list)
+    #: whether a window is in progress (it opens at its first micro-batch and closes when committed)
+    open: bool = False
+
+    def start(self) -> None:
+        """A window's first micro-batch."""
+        self.steps, self.micro, self.now, self.open = [], [], [], True
+
+    def add(self, j: int, entries: list[int]) -> None:
+        """Micro-batch ``j`` of its epoch, trained for the first time (a replay adds nothing)."""
+        self.micro.append((j, list(entries)))
+
+    def end_step(self, settings: list[dict[str, Any]]) -> None:
+        """An optimizer step inside the window, with the settings it applied: its micro-batches become an earlier
+        step."""
+        self.steps.append((self.micro, settings))
+        self.micro = []
+
+    def close(self) -> None:
+        """The window was committed: nothing of it is replayed any more."""
+        self.steps, self.micro, self.now, self.open = [], [], [], False
+
+    def earlier_micro(self, last: int) -> list[MicroBatch]:
+        """The step in progress's micro-batches before its last, ``last`` (whether the failed attempt trained that
+        one or not). They are all in the current epoch."""
+        return [m for m in self.micro if m[0] != last]
