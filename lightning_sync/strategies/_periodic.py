@@ -24,6 +24,7 @@ calls inside the step, so the telemetry counts the sync's bytes.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
@@ -36,6 +37,7 @@ from typing_extensions import override
 from lightning_sync.resume import RANK_STATES
 from lightning_sync.strategies._base import ProcessGroupStrategy, check_own_arguments
 from lightning_sync.strategies._common import as_timedelta, check_launch_args
+from lightning_sync.strategies._live_env import check_live_settings, live_requested
 from lightning_sync.sync.periodic import check_int
 
 __all__ = ["PeriodicStrategy"]
@@ -65,15 +67,21 @@ class PeriodicStrategy(ProcessGroupStrategy):
         process_group_backend: ``"gloo"``, ``"nccl"`` or None (Lightning picks for the accelerator).
         timeout: collective timeout in seconds (or a ``timedelta``).
         start_method: ``"popen"`` (re-run the script per rank), ``"spawn"``, ``"fork"`` or ``"forkserver"``.
+        fault_tolerant: keep training when a rank is lost (live membership; the ranks must be started by the
+            fault-tolerance agent, ``lightning-sync launch``); None: on exactly when they were.
         **kwargs: Lightning's components only (``accelerator``, ``cluster_environment``, ...); any other
             argument raises a ``ValueError`` naming it.
 
     If a rank fails, its peers raise in the next sync's all-reduce once the process group notices
-    (connection closed, or ``timeout``).
+    (connection closed, or ``timeout``). Started by the fault-tolerance agent they keep training instead: a
+    period is the unit the members commit, and one that lost a member is trained again from its start by the
+    survivors, on the same samples (:mod:`lightning_sync.strategies._live_window`).
     """
 
     _per_rank_optimizer_state = True  # every rank steps an optimizer of its own
     _ckpt_key: str  # where the syncer's state goes in Lightning's checkpoint
+    _live_capable = True
+    _live_step_in_vote = True  # the period's sync is what the members commit
 
     def __init__(
         self,
@@ -81,6 +89,7 @@ class PeriodicStrategy(ProcessGroupStrategy):
         process_group_backend: str | None = None,
         timeout: float | timedelta = 1800.0,
         start_method: str = "popen",
+        fault_tolerant: bool | None = None,
         **kwargs: Any,
     ) -> None:
         self.sync_every = check_int("sync_every", sync_every, 1)
@@ -96,6 +105,14 @@ class PeriodicStrategy(ProcessGroupStrategy):
         self._pending_averager: dict[str, Any] | None = None  # loaded before setup_optimizers built the syncer
         self._stashed: list[torch.Tensor] | None = None  # this rank's replica during an evaluation
         self._own_pending: dict[str, Any] | None = None  # this rank's replica, to put back
+        self._period_start: tuple[Any, ...] | None = None  # live: the state a replayed period starts from
+        if live_requested(type(self).__name__, fault_tolerant):
+            check_live_settings(
+                type(self).__name__,
+                process_group_backend=(process_group_backend, (None, "gloo")),
+                start_method=(start_method, ("popen",)),
+            )
+            self._go_live(self._timeout.total_seconds())
 
     # ------------------------------------------------------------------ what a subclass says
     def _make_syncer(self) -> Any:
@@ -134,12 +151,62 @@ class PeriodicStrategy(ProcessGroupStrategy):
         if self.averager is not None:
             self._after_step()
 
+    # ------------------------------------------------------------------ live fault tolerance: a period at a time
+    @override
+    def _live_commits_step(self) -> bool:
+        """A period's last step commits it (so does each warm-up step, a period of its own)."""
+        return self.averager is None or self.averager.period_ends_next()
+
+    @override
+    def _live_mark(self) -> None:
+        """A period starts: keep what its replay starts from, the module, every optimizer's state and the syncer's
+        (a copy: a replay would otherwise step the very tensors kept)."""
+        module = self.lightning_module
+        self._period_start = (
+            {k: v.detach().clone() for k, v in module.state_dict().items()},
+            [copy.deepcopy(o.state_dict()) for o in self.optimizers],
+            copy.deepcopy(self.averager.state_dict()) if self.averager is not None else None,
+        )
+
+    @override
+    def _live_reset(self) -> None:
+        """Back to the period's start: an aborted period's inner steps, and a sync that completed on some members
+        only, are undone on every member before the survivors train it again."""
+        if self._period_start is None:
+            return
+        module_state, optimizer_states, syncer = self._period_start
+        self.lightning_module.load_state_dict(module_state)
+        for optimizer, state in zip(self.optimizers, optimizer_states):
+            optimizer.load_state_dict(copy.deepcopy(state))
+        if syncer is not None:
+            self.averager.load_state_dict(copy.deepcopy(syncer))
+
+    @override
+    def _live_state(self) -> dict[str, Any]:
+        """The syncer's state (DiLoCo's global model and outer momentum, the step counters), the same on every
+        member; a replacement takes the rest (its replica, the inner optimizer's state) from the checkpoint its
+        peer sends, at a period's start, where every replica is the synchronized model."""
+        return {"syncer": self.averager.state_dict()} if self.averager is not None else {}
+
+    @override
+    def _live_load(self, state: dict[str, Any]) -> None:
+        if "syncer" in state:
+            self.averager.load_state_dict(state["syncer"])
+
+    def _synchronize_guarded(self, tensors: list[torch.Tensor]) -> None:
+        """:meth:`_synchronize` outside a committed period (an evaluation, a checkpoint): live, a loss leaves the
+        values as they are, and the failure passes the checkpoint over and aborts the period."""
+        if self.live is not None:
+            self.live.guarded(lambda: self._synchronize(tensors), lambda: None)
+        else:
+            self._synchronize(tensors)
+
     # ------------------------------------------------------------------ evaluation on the synchronized model
     def _average_for_evaluation(self) -> None:
         if self._drifted() and self._stashed is None:
             tensors = self._averaged_tensors()
             self._stashed = [t.detach().clone() for t in tensors]
-            self._synchronize(tensors)
+            self._synchronize_guarded(tensors)
 
     def _restore_after_evaluation(self) -> None:
         if self._stashed is not None:
@@ -190,7 +257,7 @@ class PeriodicStrategy(ProcessGroupStrategy):
         assert self.model is not None
         live = self.model.state_dict(keep_vars=True)
         averaged = {id(t): t.detach().clone() for t in self._averaged_tensors()}
-        self._synchronize(list(averaged.values()))
+        self._synchronize_guarded(list(averaged.values()))
         return {k: averaged.get(id(live.get(k)), v) for k, v in state.items()}
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:

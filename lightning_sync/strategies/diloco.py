@@ -63,6 +63,8 @@ class DiLoCoStrategy(PeriodicStrategy):
         process_group_backend: ``"gloo"``, ``"nccl"`` or None (Lightning picks for the accelerator).
         timeout: collective timeout in seconds (or a ``timedelta``).
         start_method: ``"popen"`` (re-run the script per rank), ``"spawn"``, ``"fork"`` or ``"forkserver"``.
+        fault_tolerant: keep training when a rank is lost, a period at a time (the ranks must be started by the
+            fault-tolerance agent); None: on exactly when they were.
 
     Any other argument (``bucketed_ddp``'s ``compression`` or ``bucket_cap_mb``, LocalSGD's ``warmup_steps``)
     raises a ``ValueError`` naming it and listing these.
@@ -80,10 +82,11 @@ class DiLoCoStrategy(PeriodicStrategy):
         process_group_backend: str | None = None,
         timeout: float | timedelta = 1800.0,
         start_method: str = "popen",
+        fault_tolerant: bool | None = None,
         **kwargs: Any,
     ) -> None:
         check_outer(outer_lr, outer_momentum, nesterov)
-        super().__init__(sync_every, process_group_backend, timeout, start_method, **kwargs)
+        super().__init__(sync_every, process_group_backend, timeout, start_method, fault_tolerant, **kwargs)
         self.outer_lr, self.outer_momentum, self.nesterov = float(outer_lr), float(outer_momentum), nesterov
 
     def _trainable(self) -> list[torch.Tensor]:

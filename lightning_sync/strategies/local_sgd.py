@@ -80,6 +80,8 @@ class LocalSGDStrategy(PeriodicStrategy):
         process_group_backend: ``"gloo"``, ``"nccl"`` or None (Lightning picks for the accelerator).
         timeout: collective timeout in seconds (or a ``timedelta``).
         start_method: ``"popen"`` (re-run the script per rank), ``"spawn"``, ``"fork"`` or ``"forkserver"``.
+        fault_tolerant: keep training when a rank is lost, a period at a time (the ranks must be started by the
+            fault-tolerance agent); None: on exactly when they were.
 
     ``bucketed_ddp``'s other arguments raise a ``ValueError``: the warm-up is the exact synchronous phase of
     post-local SGD (no ``compression``, no ``powersgd_*``), the syncs use the backend's all-reduce (no
@@ -101,6 +103,7 @@ class LocalSGDStrategy(PeriodicStrategy):
         process_group_backend: str | None = None,
         timeout: float | timedelta = 1800.0,
         start_method: str = "popen",
+        fault_tolerant: bool | None = None,
         **kwargs: Any,
     ) -> None:
         self.warmup_steps = check_int("warmup_steps", warmup_steps, 0)
@@ -110,7 +113,7 @@ class LocalSGDStrategy(PeriodicStrategy):
         self.bucket_cap_mb, self.first_bucket_mb = bucket_cap_mb, first_bucket_mb
         self.gradient_as_bucket_view = check_bool("gradient_as_bucket_view", gradient_as_bucket_view)
         self.find_unused_parameters = check_bool("find_unused_parameters", find_unused_parameters)
-        super().__init__(sync_every, process_group_backend, timeout, start_method, **kwargs)
+        super().__init__(sync_every, process_group_backend, timeout, start_method, fault_tolerant, **kwargs)
         self.bucketer: GradBucketer | None = None  # the warm-up's; built at setup when warmup_steps > 0
         self._pending_bucketer: dict[str, Any] | None = None  # loaded before configure_ddp built the bucketer
 
@@ -195,6 +198,26 @@ class LocalSGDStrategy(PeriodicStrategy):
     def _synchronize(self, tensors: list[torch.Tensor]) -> None:
         """The average of the replicas (a collective)."""
         average_tensors(tensors, self.comm)
+
+    # ------------------------------------------------------------------ live fault tolerance
+    @override
+    def _live_state(self) -> dict[str, Any]:
+        state = super()._live_state()
+        if self.bucketer is not None:  # the warm-up's bucket layout, which a replacement takes without a collective
+            state["bucketer"] = self.bucketer.live_state()
+        return state
+
+    @override
+    def _live_load(self, state: dict[str, Any]) -> None:
+        super()._live_load(state)
+        if self.bucketer is not None and "bucketer" in state:
+            self.bucketer.adopt(state["bucketer"])
+
+    @override
+    def _live_reset(self) -> None:
+        if self.bucketer is not None:  # a warm-up step's all-reduce in flight holds the failed group
+            self.bucketer.abort_backward()
+        super()._live_reset()
 
     # ------------------------------------------------------------------ checkpoints
     @override

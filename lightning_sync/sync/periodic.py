@@ -116,6 +116,11 @@ class PeriodicAverager:
         self.sync()
         return True
 
+    def period_ends_next(self) -> bool:
+        """Whether the next step ends a period (a warm-up step is a period of its own)."""
+        local = self.steps + 1 - self.warmup_steps
+        return local <= 0 or local % self.sync_every == 0
+
     def sync(self) -> None:
         """Average the parameters (and the optimizer state if asked) now; a collective."""
         tensors = list(self.params)
@@ -173,6 +178,10 @@ class DiLoCoOuter:
             return False
         self.sync()
         return True
+
+    def period_ends_next(self) -> bool:
+        """Whether the next inner step ends a period (an outer step follows it)."""
+        return (self.steps + 1) % self.sync_every == 0
 
     def sync(self) -> None:
         """Outer step now: average the pseudo-gradients, step the global parameters, copy them back."""

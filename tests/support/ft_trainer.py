@@ -38,7 +38,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_sync.comms.membership_keys import ENV_MEMBER
 from lightning_sync.models.digits import DigitsDataModule, DigitsMLP
-from lightning_sync.strategies import BucketedDDPStrategy
+from lightning_sync.strategies import BucketedDDPStrategy, DiLoCoStrategy, LocalSGDStrategy
 
 DEVICES = int(os.environ.get("FT_DEVICES", 3))
 NODES = int(os.environ.get("FT_NODES", 1))
@@ -51,11 +51,16 @@ STEP_S = float(os.environ.get("FT_STEP_S", 0))  # seconds of sleep in each train
 # the member the run waits for (a replacement): until it is in the membership, each step sleeps FT_STEP_S, and
 # 1 s from half the steps on, so that it joins however long it takes to start on a loaded machine
 UNTIL = os.environ.get("FT_UNTIL_MEMBER", "")
+STRATEGY = os.environ.get("FT_STRATEGY", "bucketed_ddp")  # or local_sgd, diloco (FT_SYNC_EVERY, FT_WARMUP)
+SYNC_EVERY = int(os.environ.get("FT_SYNC_EVERY", 4))
+WARMUP = int(os.environ.get("FT_WARMUP", 0))  # local_sgd's warm-up steps
+LR_INTERVAL = os.environ.get("FT_LR_INTERVAL", "epoch")  # the step LR schedule's interval: "epoch" or "step"
 KILLS = {tuple(k.split(":")[:2]): k.split(":")[2] for k in os.environ.get("FT_KILL", "").split(",") if k}
 
 
 FIRST: list[int] = []  # the global step this process trained first (a replacement's is its admission's)
 DRAWS: dict[str, float] = {}  # global step -> the last torch.rand draw of training_step in it
+MEMBERS: dict[str, list[str]] = {}  # global step -> the members that committed it (a period's: its last step's)
 
 
 def maybe_die(trainer: pl.Trainer, point: str) -> None:
@@ -90,6 +95,12 @@ class Model(DigitsMLP):
     def on_before_optimizer_step(self, optimizer: Any) -> None:
         maybe_die(self.trainer, "step")
 
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        live = getattr(self.trainer.strategy, "live", None)
+        step = str(self.trainer.global_step - 1)  # the step this batch ended, if it ended one
+        if live is not None and self.trainer.global_step > (FIRST[0] if FIRST else 0) and step not in MEMBERS:
+            MEMBERS[step] = list(live.membership.members)
+
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         maybe_die(self.trainer, "save")
 
@@ -99,7 +110,17 @@ class Model(DigitsMLP):
 
     def configure_optimizers(self) -> Any:
         optimizer = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
-        return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 5, 0.5)}
+        schedule = {"scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 5, 0.5), "interval": LR_INTERVAL}
+        return {"optimizer": optimizer, "lr_scheduler": schedule}
+
+
+def make_strategy() -> Any:
+    """The strategy under test (fault-tolerant because the agent started the process)."""
+    if STRATEGY == "local_sgd":
+        return LocalSGDStrategy(sync_every=SYNC_EVERY, warmup_steps=WARMUP, timeout=60.0)
+    if STRATEGY == "diloco":
+        return DiLoCoStrategy(sync_every=SYNC_EVERY, timeout=60.0)
+    return BucketedDDPStrategy(timeout=60.0, compression=COMPRESSION, powersgd_rank=1, powersgd_warmup_steps=2)
 
 
 def main() -> None:
@@ -112,9 +133,7 @@ def main() -> None:
         accelerator="cpu",
         devices=1 if reference else DEVICES,
         num_nodes=1 if reference else NODES,
-        strategy="ddp"
-        if reference
-        else BucketedDDPStrategy(timeout=60.0, compression=COMPRESSION, powersgd_rank=1, powersgd_warmup_steps=2),
+        strategy="ddp" if reference else make_strategy(),
         max_steps=STEPS,
         accumulate_grad_batches=ACCUMULATE,
         limit_val_batches=2,
@@ -139,6 +158,7 @@ def main() -> None:
     figures = strategy.live.gauges() if strategy.live is not None else {}
     member = os.environ.get(ENV_MEMBER, "solo")
     record = {"global_step": trainer.global_step, "rank": trainer.global_rank, "draws": DRAWS, **figures}
+    record["members"] = MEMBERS
     (out / f"{member}.json").write_text(json.dumps(record))
     torch.save(state, out / f"{member}.pt")
 

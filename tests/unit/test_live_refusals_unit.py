@@ -1,6 +1,7 @@
-"""Under the fault-tolerance agent (its member id in the environment) only ``bucketed_ddp`` is built: every other
-strategy refuses at construction, before Lightning could start ranks of its own, naming the one that works. And
-what ``bucketed_ddp`` keeps of its compressor for a replacement and for a replay."""
+"""Under the fault-tolerance agent (its member id in the environment) only ``bucketed_ddp``, ``local_sgd`` and
+``diloco`` are built: every other strategy refuses at construction, before Lightning could start ranks of its own,
+naming those that work. And what each keeps for a replacement and for a replay: ``bucketed_ddp`` its compressor's
+state, the periodic strategies the whole period's start."""
 
 from __future__ import annotations
 
@@ -20,20 +21,15 @@ from lightning_sync.strategies import (
 
 @pytest.mark.parametrize(
     "build",
-    [
-        LocalSGDStrategy,
-        DiLoCoStrategy,
-        HogwildStrategy,
-        AsyncParameterServerStrategy,
-        lambda: ShardedStrategy(stage=3),
-    ],
-    ids=["local_sgd", "diloco", "hogwild", "async_ps", "zero3"],
+    [HogwildStrategy, AsyncParameterServerStrategy, lambda: ShardedStrategy(stage=3)],
+    ids=["hogwild", "async_ps", "zero3"],
 )
 def test_a_strategy_that_cannot_follow_the_membership_refuses_the_agents_process(
     build: object, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv(ENV_MEMBER, "n0s1i0")
-    with pytest.raises(ValueError, match=r"does not keep training through a lost rank yet.*BucketedDDPStrategy"):
+    pattern = r"does not keep training through a lost rank yet.*BucketedDDPStrategy.*LocalSGDStrategy or DiLoCoStrategy"
+    with pytest.raises(ValueError, match=pattern):
         build()  # type: ignore[operator]
 
 
@@ -49,6 +45,20 @@ def test_bucketed_ddp_follows_the_agent_by_itself(monkeypatch: pytest.MonkeyPatc
     for setting, value in (("process_group_backend", "nccl"), ("comm_algorithm", "ring"), ("start_method", "spawn")):
         with pytest.raises(ValueError, match=rf"{setting}={value!r} is not supported with live fault tolerance"):
             BucketedDDPStrategy(**{setting: value})
+
+
+@pytest.mark.parametrize("build", [LocalSGDStrategy, DiLoCoStrategy], ids=["local_sgd", "diloco"])
+def test_the_periodic_strategies_follow_the_agent_by_themselves(build: type, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert build().live is None
+    monkeypatch.setenv(ENV_MEMBER, "n0s2i0")
+    strategy = build()
+    assert strategy.live is not None and strategy.cluster_environment is strategy.live.environment
+    assert strategy._live_step_in_vote  # the period's sync is inside the vote: a replay undoes it
+    with pytest.raises(ValueError, match="fault_tolerant=False, but this process was started by"):
+        build(fault_tolerant=False)
+    for setting, value in (("process_group_backend", "nccl"), ("start_method", "spawn")):
+        with pytest.raises(ValueError, match=rf"{setting}={value!r} is not supported with live fault tolerance"):
+            build(**{setting: value})
 
 
 def test_powersgd_state_for_a_replacement_and_for_a_replay() -> None:

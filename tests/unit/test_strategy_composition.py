@@ -31,20 +31,13 @@ __all__: list[str] = []
 
 CONF = Path(__file__).resolve().parents[2] / "conf" / "strategy"
 LIGHTNING = ["accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin"]
-LAUNCH = ["process_group_backend", "timeout", "start_method"]
+LAUNCH = ["process_group_backend", "timeout", "start_method", "fault_tolerant"]
 DILOCO_ACCEPTS = ["sync_every", "outer_lr", "outer_momentum", "nesterov", *LAUNCH, *LIGHTNING]
 WARMUP_BUCKETS = ["bucket_cap_mb", "first_bucket_mb", "gradient_as_bucket_view", "find_unused_parameters"]
 LOCAL_SGD_ACCEPTS = ["sync_every", "warmup_steps", "average_optimizer_state", *WARMUP_BUCKETS, *LAUNCH, *LIGHTNING]
 # bucketed_ddp's arguments LocalSGD refuses: its warm-up is exact synchronous SGD with the backend's all-reduce,
-# and buffers are averaged at every sync instead of broadcast at every step; live fault tolerance is bucketed_ddp's
-LOCAL_SGD_REFUSES = {
-    "compression",
-    "powersgd_rank",
-    "powersgd_warmup_steps",
-    "comm_algorithm",
-    "broadcast_buffers",
-    "fault_tolerant",
-}
+# and buffers are averaged at every sync instead of broadcast at every step
+LOCAL_SGD_REFUSES = {"compression", "powersgd_rank", "powersgd_warmup_steps", "comm_algorithm", "broadcast_buffers"}
 
 
 def _bucketed_default(arg: str) -> Any:

@@ -166,7 +166,7 @@ _SHARDED: list[tuple[str, Any, str]] = [
     (KWARGS, {"stages": 2}, r"unknown arguments \['stages'\]; besides its own it accepts"),
 ]
 
-_LAUNCH = [row for row in _BUCKETED if row[0] in ("process_group_backend", "start_method", "timeout")]
+_LAUNCH = [row for row in _BUCKETED if row[0] in ("process_group_backend", "start_method", "timeout", "fault_tolerant")]
 # What LocalSGD's warm-up bucketer takes
 _WARMUP = [
     row

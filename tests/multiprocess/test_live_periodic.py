@@ -1,0 +1,98 @@
+"""Live fault tolerance for ``local_sgd`` and ``diloco``: a period is committed whole or trained again.
+
+Each case runs :mod:`support.ft_trainer` as 3 rank processes under the agent with the periodic strategy, and kills
+one or two of them. The guarantee under test: a period is committed only by the members that finished it (its
+sync inside the vote), and a period that lost a member is trained again from its start by the survivors, on the
+same global batches shared out over them; so every sample of the global order is trained once, in committed
+periods, and the run equals replicas trained on each committed period's shares. :mod:`support.periodic_reference`
+trains exactly that in one process, following the membership rank 0 recorded for each step.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from support.periodic_reference import simulate
+from test_live_lightning import _run
+
+# float32 on 1-3 replicas: the shares and the averages only reorder additions (measured 6e-8 to 6e-7 after 12-40
+# steps with losses, replays and a heal); the bar the issue sets for replicated strategies is 5e-5
+TOL = 5e-5
+
+pytestmark = [pytest.mark.timeout(240)]
+
+
+def _check(env: dict[str, str], records: dict[str, dict[str, Any]], members: int, failures: int) -> None:
+    """Every member that finished ran every step and holds the one-process simulation's weights."""
+    steps = int(env["FT_STEPS"])
+    assert records, "no member finished"
+    schedule = max((r["members"] for r in records.values()), key=len)  # a replacement's starts at its admission
+    want = simulate(
+        env["FT_STRATEGY"],
+        schedule,
+        int(env["FT_BATCH"]),
+        int(env["FT_ACCUMULATE"]),
+        steps,
+        int(env["FT_SYNC_EVERY"]),
+        int(env.get("FT_WARMUP", 0)),
+        env["FT_LR_INTERVAL"],
+    )
+    for member, record in records.items():
+        assert record["global_step"] == steps and record["ft/members"] == members, (member, record)
+        mine = record["members"]
+        assert mine == {step: schedule[step] for step in mine}, member  # every member saw the same memberships
+        for name, value in want.items():
+            torch.testing.assert_close(record["weights"][name], value, rtol=0, atol=TOL, msg=f"{member} {name}")
+    survivors = [r for m, r in records.items() if m.endswith("i0")]
+    assert all(r["ft/failures"] == failures for r in survivors), records
+    # the test can tell: the same run without its losses ends elsewhere
+    uninterrupted = {step: ["n0s0i0", "n0s1i0", "n0s2i0"] for step in schedule}
+    other = simulate(env["FT_STRATEGY"], uninterrupted, int(env["FT_BATCH"]), int(env["FT_ACCUMULATE"]), steps,
+                     int(env["FT_SYNC_EVERY"]), int(env.get("FT_WARMUP", 0)), env["FT_LR_INTERVAL"])  # fmt: skip
+    gap = max((other[k] - want[k]).abs().max().item() for k in want)
+    assert gap > 100 * TOL, gap
+
+
+def test_local_sgd_loses_a_rank_in_its_warm_up_and_another_inside_a_period(tmp_path: Path) -> None:
+    """Rank 2 dies in a warm-up step's backward (its all-reduce in flight: that step, a period of its own, is
+    trained again by two), rank 1 in the forward of an inner step: the period is trained again from its start by
+    rank 0 alone. Micro-batches of 15 shared 8/7, accumulation 2, a learning rate that changes every step."""
+    env = {"FT_STRATEGY": "local_sgd", "FT_SYNC_EVERY": "3", "FT_WARMUP": "2", "FT_STEPS": "14"}
+    env.update(FT_BATCH="5", FT_ACCUMULATE="2", FT_LR_INTERVAL="step", FT_KILL="n0s2i0:1:backward,n0s1i0:6:forward")
+    agent, status, records = _run(tmp_path, **env)
+    assert status == 0 and [loss.member for loss in agent.losses] == ["n0s2i0", "n0s1i0"], agent.losses
+    assert list(records) == ["n0s0i0"]
+    assert records["n0s0i0"]["members"]["1"] == ["n0s0i0", "n0s1i0"]
+    assert records["n0s0i0"]["members"]["7"] == ["n0s0i0"]  # the period 5-7 committed by rank 0 alone
+    _check(env, records, members=1, failures=2)
+
+
+def test_diloco_loses_rank_0_and_heals_a_replacement_across_an_epoch(tmp_path: Path) -> None:
+    """Rank 0 dies before an inner step's optimizer step; the survivors train the period again and its successor
+    takes over; the replacement is admitted at a period's start and takes the global model, the outer momentum
+    and the counters from a live peer. The run crosses an epoch (30 steps of 48 samples each), with a period
+    spanning it, and the learning rate changes every step."""
+    env = {"FT_STRATEGY": "diloco", "FT_SYNC_EVERY": "4", "FT_STEPS": "40", "FT_BATCH": "16", "FT_ACCUMULATE": "1"}
+    env.update(FT_LR_INTERVAL="step", FT_KILL="n0s0i0:5:step", FT_STEP_S="0.05", FT_UNTIL_MEMBER="n0s0i1")
+    agent, status, records = _run(tmp_path, max_restarts=1, **env)
+    assert status == 0 and agent.restarts == 1, agent.losses
+    assert sorted(records) == ["n0s0i1", "n0s1i0", "n0s2i0"]
+    assert records["n0s0i1"]["ft/failures"] == 0 and records["n0s0i1"]["rank"] == 2  # joined last
+    _check(env, records, members=3, failures=1)
+
+
+def test_local_sgd_checkpoints_inside_a_period_are_whole_or_passed_over(tmp_path: Path) -> None:
+    """A checkpoint inside a period averages the replicas (a collective); rank 1 dies while the step-6 one is
+    assembled: that one is passed over, every file written is whole, and the period is trained again."""
+    env = {"FT_STRATEGY": "local_sgd", "FT_SYNC_EVERY": "4", "FT_STEPS": "12", "FT_BATCH": "8", "FT_ACCUMULATE": "1"}
+    env.update(FT_LR_INTERVAL="epoch", FT_KILL="n0s1i0:6:save", FT_CKPT_EVERY="2")
+    agent, status, records = _run(tmp_path, **env)
+    assert status == 0 and [loss.member for loss in agent.losses] == ["n0s1i0"]
+    _check(env, records, members=2, failures=1)
+    saved = sorted(
+        torch.load(path, weights_only=True)["global_step"] for path in (tmp_path / "run" / "ckpt").glob("*.ckpt")
+    )
+    assert saved == [2, 4, 8, 10, 12], saved
