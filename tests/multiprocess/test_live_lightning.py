@@ -36,7 +36,7 @@ pytestmark = [pytest.mark.timeout(240)]
 
 def _reference(tmp_path: Path, env: dict[str, str]) -> dict[str, torch.Tensor]:
     """One process on the same global batches (a per-rank batch x 3, the same accumulation and steps)."""
-    key = tuple(sorted((k, v) for k, v in env.items() if k in ("FT_BATCH", "FT_ACCUMULATE", "FT_STEPS")))
+    key = tuple(sorted((k, v) for k, v in env.items() if k in ("FT_BATCH", "FT_ACCUMULATE", "FT_STEPS", "FT_NODES")))
     if key not in _REFERENCES:
         out = tmp_path / "reference"
         out.mkdir()
@@ -200,6 +200,36 @@ def test_a_replacement_lost_before_its_first_step_is_replaced_again(tmp_path: Pa
     assert [loss.member for loss in agent.losses] == ["n0s1i0", "n0s1i1"]
     assert sorted(records) == ["n0s0i0", "n0s1i2", "n0s2i0"]
     _check(tmp_path, env, records, members=3, failures=2)
+
+
+def test_a_lost_node_leaves_the_other_node_training_with_the_global_batch_held(tmp_path: Path) -> None:
+    """Two emulated nodes of 2 ranks each (``Trainer(devices=2, num_nodes=2)``): node 1's agent is killed at step
+    4, its two ranks die with it, node 0's agent sees its beat stand still for 3 s and loses the node; node 0's two
+    ranks train on with the whole global batch of 4 x 8, shared 16 each."""
+    env = {"FT_KILL": "n1s0i0:4:agent", "FT_DEVICES": "2", "FT_NODES": "2", "FT_STEPS": "10"}
+    out = tmp_path / "run"
+    out.mkdir()
+    command = [sys.executable, str(SCRIPT), str(out)]
+    agent = Agent(command, 2, nnodes=2, env=env, hang_timeout=3.0)
+    node1 = subprocess.Popen(
+        [sys.executable, "-m", "lightning_sync.launch.agent", "--node", "1", "--nnodes", "2", "--host", "127.0.0.1",
+         "--port", str(agent.store.port), "--nproc", "2", "--", *command],
+        env={**os.environ, **env},
+    )  # fmt: skip
+    try:
+        status = agent.run()
+        node1_status = node1.wait(timeout=60)
+    finally:
+        if node1.poll() is None:
+            node1.kill()
+            node1.wait()
+    assert status == 0 and node1_status == -9 and agent.lost_nodes == [1], (status, node1_status, agent.losses)
+    assert sorted(loss.member for loss in agent.losses) == ["n1s0i0", "n1s1i0"]
+    records = {p.stem: json.loads(p.read_text()) for p in sorted(out.glob("*.json"))}
+    assert sorted(records) == ["n0s0i0", "n0s1i0"]
+    for member in records:
+        records[member]["weights"] = torch.load(out / f"{member}.pt")
+    _check(tmp_path, env, records, members=2, failures=1)
 
 
 def _train(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess[str]:

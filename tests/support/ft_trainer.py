@@ -10,7 +10,8 @@ too).
 (in ``training_step``), ``backward`` (in backward, with the first buckets' all-reduce in flight), ``step`` (after
 the vote, before the optimizer applies the step), ``save`` (in ``on_save_checkpoint``, with ``FT_CKPT_EVERY``:
 a ``ModelCheckpoint`` every that many steps into ``OUT/ckpt``), ``validation`` (in ``validation_step``) or
-``hang`` (the member stops itself with SIGSTOP in ``training_step``); ``step`` is the global step, counted from
+``hang`` (the member stops itself with SIGSTOP in ``training_step``) or ``agent`` (in ``training_step`` it kills its
+node's agent, and so its node: every rank dies with its agent); ``step`` is the global step, counted from
 the run's start, or ``+N``: N steps after the member's first (a replacement's first is where it was admitted).
 
 ``setup`` (in the module's ``setup`` hook) kills a replacement after it received the state and before its first
@@ -71,6 +72,9 @@ def maybe_die(trainer: pl.Trainer, point: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     if point == "forward" and "hang" in mine:  # stopped, not dead: its sockets stay open, its heartbeat stops
         os.kill(os.getpid(), signal.SIGSTOP)
+    if point == "forward" and "agent" in mine:  # its node's agent is lost: the node's ranks die with it
+        os.kill(os.getppid(), signal.SIGKILL)
+        signal.pause()  # only the parent-death signal ends this
 
 
 class Model(DigitsMLP):
