@@ -41,6 +41,7 @@ import time
 import traceback
 from collections.abc import Callable
 
+import torch
 import torch.distributed as dist
 
 from lightning_sync.comms.membership_keys import BEAT_S, ENV_MEMBER, ENV_STORE, MembershipKeys, parse_members
@@ -69,7 +70,10 @@ class Membership:
     Args:
         store: the agent's store (a client ``TCPStore``), or None to connect to :data:`ENV_STORE`.
         member: this process's member id, or None to read :data:`ENV_MEMBER`.
-        backend: the process groups' backend (``"gloo"``; NCCL needs a communicator abort, not here yet).
+        backend: the process groups' backend: ``"gloo"``, or ``"nccl"`` with ``device``. A gloo collective with a
+            lost peer fails by itself once the peer's sockets close; an NCCL one waits on the GPU, so this member's
+            heartbeat thread aborts the epoch's communicators once the agent closes the epoch (see :meth:`_beat`).
+        device: this rank's CUDA device (``"nccl"`` only).
         timeout: seconds a collective of an epoch's group may take, and how long :meth:`next_epoch` waits for the
             agent to publish a new epoch before it gives up.
         keys: the protocol's keys (their job prefix).
@@ -84,9 +88,13 @@ class Membership:
         keys: MembershipKeys | None = None,
         heal: Callable[[int], None] | None = None,
         on_enter: Callable[[], None] | None = None,
+        device: torch.device | None = None,
     ) -> None:
-        if backend != "gloo":
-            raise ValueError(f"Membership: backend={backend!r} is not supported; allowed: 'gloo'")
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"Membership: backend={backend!r} is not supported; allowed: ['gloo', 'nccl']")
+        if backend == "nccl" and (device is None or torch.device(device).type != "cuda"):
+            raise ValueError(f"Membership: backend='nccl' needs this rank's CUDA device, got device={device!r}")
+        self.device = torch.device(device) if device is not None else None
         self.store = store if store is not None else connect_store(timeout)
         self.member = member if member is not None else os.environ[ENV_MEMBER]
         self.backend, self.timeout = backend, float(timeout)
@@ -107,6 +115,12 @@ class Membership:
         self._admitting = False  # the last committed step admits replacements: enter_admitted() moves on
         self._beating: threading.Thread | None = None
         self._stop_beating = threading.Event()
+        # the epoch whose group is up, or -1; the heartbeat thread aborts it (NCCL) under this lock, which the main
+        # thread holds to tear a group down
+        self._group_lock = threading.Lock()
+        self._group_epoch = -1
+        #: how many epochs' communicators this member aborted because the agent closed them (NCCL)
+        self.aborts = 0
 
     # ------------------------------------------------------------------ the epoch
     @property
@@ -169,11 +183,12 @@ class Membership:
             if not self._all_present(epoch, members):
                 after = epoch
                 continue
-            if dist.is_initialized():
-                dist.destroy_process_group()  # a group that lost a member is never reused
+            self._destroy_group()  # a group that lost a member is never reused
             self.epoch, self.members = epoch, members
             if epoch == 0:
                 self.healed = set(members)
+            if self.device is not None:
+                torch.cuda.set_device(self.device)  # NCCL's communicators start lazily, at the first collective
             dist.init_process_group(
                 self.backend,
                 store=dist.PrefixStore(self.keys.group(epoch), self.store),
@@ -181,6 +196,7 @@ class Membership:
                 world_size=self.world_size,
                 timeout=datetime.timedelta(seconds=self.timeout),
             )
+            self._group_epoch = epoch
             if self.on_enter is not None:
                 self.on_enter()
             if self._healed_here():
@@ -211,9 +227,35 @@ class Membership:
         while not self._stop_beating.is_set():
             try:
                 store.add(key, 1)
+                if self.backend == "nccl":
+                    self.abort_if_closed(store)
             except (RuntimeError, dist.DistError):  # the agent's store is gone: the job is over
                 return
             self._stop_beating.wait(BEAT_S)
+
+    def abort_if_closed(self, store: dist.Store) -> bool:
+        """Abort the current epoch's group if the agent closed the epoch (a member was lost). An NCCL collective
+        with a lost peer does not fail by itself: it waits on the GPU, and the main thread with it, until the
+        communicator is aborted; the collective then raises, and the loss goes on as with gloo. True if it did."""
+        epoch = self._group_epoch
+        if epoch < 0 or not store.check([self.keys.closed(epoch)]):
+            return False
+        with self._group_lock:
+            if self._group_epoch != epoch or not dist.is_initialized():
+                return False
+            self._group_epoch = -1
+            try:  # every backend's communicators; the group stays registered until the main thread tears it down
+                dist.group.WORLD.abort()
+            except RuntimeError:  # already failing by itself: the heartbeat must go on, or the agent evicts this one
+                return False
+            self.aborts += 1
+        return True
+
+    def _destroy_group(self) -> None:
+        with self._group_lock:
+            self._group_epoch = -1
+            if dist.is_initialized():
+                dist.destroy_process_group()
 
     def _is_waiting(self) -> bool:
         """Whether this member is a replacement the agent started and the membership has not admitted yet; if so,
@@ -245,7 +287,7 @@ class Membership:
         frames, which held it; the young generations' collection catches what is left in reference cycles (a full
         one would cost about 90 ms with torch loaded, nine times the teardown itself)."""
         if dist.is_initialized():
-            dist.destroy_process_group()
+            self._destroy_group()
             gc.collect(1)
 
     def close(self) -> None:

@@ -28,6 +28,10 @@ __all__ = ["NodeAgent", "node_of", "start_rank"]
 
 _POLL_S = 0.01  # between two looks at the rank processes and the orders
 _PR_SET_PDEATHSIG = 1
+# NCCL, where a rank's collectives are NCCL's: wait() blocks until the collective completed and raises when its
+# communicator is aborted, so a member votes on a step only once its all-reduce is done (gloo's wait already does),
+# and NCCL's own watchdog does not end the process on an error the membership handles
+NCCL_LIVE = {"TORCH_NCCL_BLOCKING_WAIT": "1", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}
 
 
 def node_of(member: str) -> int:
@@ -42,7 +46,7 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
 
 def start_rank(command: Sequence[str], env: dict[str, str], store: str, member: str) -> subprocess.Popen[bytes]:
     """Start one rank process of ``member`` against the store at ``store`` (``host:port``); it dies with this one."""
-    full = {**os.environ, **env, ENV_STORE: store, ENV_MEMBER: member}
+    full = {**os.environ, **NCCL_LIVE, **env, ENV_STORE: store, ENV_MEMBER: member}
     return subprocess.Popen(list(command), env=full, preexec_fn=_die_with_parent)  # noqa: PLW1509
 
 

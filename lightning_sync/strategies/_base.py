@@ -158,7 +158,7 @@ class SyncStrategy(StrategyParts, DDPStrategy):
             return
         reset_seed()
         self.set_world_ranks()  # the nominal size, until the membership says who is here
-        self._process_group_backend = "gloo"
+        self._process_group_backend = self._get_process_group_backend()
         self.live.connect()
 
     @property

@@ -116,7 +116,12 @@ class LiveTraining:
         if self.membership is not None:
             self._owner.set_world_ranks()
             return
-        self.membership = Membership(timeout=self.timeout, heal=self._heal, on_enter=self._entered)
+        owner = self._owner
+        backend = owner._get_process_group_backend()
+        device = owner.root_device if backend == "nccl" else None  # gloo keeps the heal's bytes on the host
+        self.membership = Membership(
+            backend=backend, device=device, timeout=self.timeout, heal=self._heal, on_enter=self._entered
+        )
         self.environment.membership = self.membership
         self.membership.join()
         nominal = self.environment.nominal_world_size
@@ -153,16 +158,17 @@ class LiveTraining:
         blob = self._snapshot if sending else None
         if sending and blob is None:  # only in an epoch entered by an admission, which took the snapshot
             raise RuntimeError("LiveTraining: a heal without the state taken at the window's start")
-        size = torch.tensor([len(blob) if blob is not None else 0], dtype=torch.int64)
+        device = membership.device or torch.device("cpu")  # NCCL sends device tensors only
+        size = torch.tensor([len(blob) if blob is not None else 0], dtype=torch.int64, device=device)
         comm.broadcast(size, src=source)
         data = (
-            torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+            torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(device)
             if blob is not None
-            else torch.empty(int(size), dtype=torch.uint8)
+            else torch.empty(int(size), dtype=torch.uint8, device=device)
         )
         comm.broadcast(data, src=source)
         if not self._holds_state:
-            self.healed_checkpoint, self._holds_state = load_training_state(data.numpy().tobytes()), True
+            self.healed_checkpoint, self._holds_state = load_training_state(data.cpu().numpy().tobytes()), True
 
     def setup(self, trainer: Any) -> None:
         """At ``setup``: Lightning's own per-batch broadcast of the SIGTERM flag goes through :meth:`guarded` (it

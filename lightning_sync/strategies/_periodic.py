@@ -109,7 +109,7 @@ class PeriodicStrategy(ProcessGroupStrategy):
         if live_requested(type(self).__name__, fault_tolerant):
             check_live_settings(
                 type(self).__name__,
-                process_group_backend=(process_group_backend, (None, "gloo")),
+                process_group_backend=(process_group_backend, (None, "gloo", "nccl")),
                 start_method=(start_method, ("popen",)),
             )
             self._go_live(self._timeout.total_seconds())

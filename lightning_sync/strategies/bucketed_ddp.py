@@ -131,7 +131,7 @@ class BucketedDDPStrategy(SyncStrategy):
         if live_requested(type(self).__name__, fault_tolerant):
             check_live_settings(
                 type(self).__name__,
-                process_group_backend=(process_group_backend, (None, "gloo")),
+                process_group_backend=(process_group_backend, (None, "gloo", "nccl")),
                 start_method=(start_method, ("popen",)),
                 compression=(compression, (None, "none", *COMPRESSIONS)),
                 comm_algorithm=(comm_algorithm, ("backend",)),

@@ -49,12 +49,14 @@ STEPS = int(os.environ.get("FT_STEPS", 12))
 COMPRESSION = os.environ.get("FT_COMPRESSION") or None  # bucketed_ddp's compression (powersgd: rank 1, warm-up 2)
 CKPT_EVERY = int(os.environ.get("FT_CKPT_EVERY", 0))  # a ModelCheckpoint every this many steps into OUT/ckpt
 STEP_S = float(os.environ.get("FT_STEP_S", 0))  # seconds of sleep in each training_step: a replacement joins mid-run
-# the member the run waits for (a replacement): until it is in the membership, each step sleeps FT_STEP_S, and
-# 1 s from half the steps on, so that it joins however long it takes to start on a loaded machine
+# the member the run waits for (a replacement): until it is in the membership, each step sleeps FT_STEP_S, and from
+# half the steps on waits for every replacement the agent started to be up, so that it joins however long it takes
+# to start on a loaded machine
 UNTIL = os.environ.get("FT_UNTIL_MEMBER", "")
 STRATEGY = os.environ.get("FT_STRATEGY", "bucketed_ddp")  # or local_sgd, diloco (FT_SYNC_EVERY, FT_WARMUP)
 SYNC_EVERY = int(os.environ.get("FT_SYNC_EVERY", 4))
 WARMUP = int(os.environ.get("FT_WARMUP", 0))  # local_sgd's warm-up steps
+ACCELERATOR = os.environ.get("FT_ACCELERATOR", "cpu")  # "cuda": one GPU a rank, NCCL
 LR_INTERVAL = os.environ.get("FT_LR_INTERVAL", "epoch")  # the step LR schedule's interval: "epoch" or "step"
 KILLS = {tuple(k.split(":")[:2]): k.split(":")[2] for k in os.environ.get("FT_KILL", "").split(",") if k}
 
@@ -77,6 +79,21 @@ def maybe_die(trainer: pl.Trainer, point: str) -> None:
         signal.pause()  # only the parent-death signal ends this
 
 
+def wait_for_replacements(membership: Any, timeout: float = 120.0) -> None:
+    """Hold this step while a replacement the agent started is not up yet (then the vote that ends the step admits
+    it). A replacement's start is all imports; the steps must not run out before it, or its planned kill never
+    comes; past ``timeout`` the run goes on, and the test's own checks say what went wrong."""
+    store, keys = membership.store, membership.keys
+    deadline = time.monotonic() + timeout
+
+    def starting() -> list[str]:
+        waiting = store.get(keys.waiting).decode().split(",") if store.check([keys.waiting]) else []
+        return [m for m in waiting if m and not store.check([keys.ready(m)])]
+
+    while starting() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 class Model(DigitsMLP):
     def training_step(self, batch: Any, batch_idx: int) -> Any:
         if not FIRST:  # its first step: for a replacement the state it healed from says which
@@ -87,7 +104,10 @@ class Model(DigitsMLP):
         maybe_die(self.trainer, "forward")
         live = getattr(self.trainer.strategy, "live", None)
         if UNTIL and live is not None and UNTIL not in live.membership.members:
-            time.sleep(STEP_S if self.trainer.global_step < STEPS // 2 else 1.0)
+            if self.trainer.global_step < STEPS // 2:
+                time.sleep(STEP_S)
+            else:  # however long a replacement takes to start on a loaded machine, it is admitted before the end
+                wait_for_replacements(live.membership)
         loss = super().training_step(batch, batch_idx)
         if KILLS:
             loss.register_hook(lambda g: maybe_die(self.trainer, "backward"))
@@ -134,7 +154,7 @@ def main() -> None:
     model = Model()
     data = DigitsDataModule(batch_size=BATCH * DEVICES * NODES if reference else BATCH)
     trainer = pl.Trainer(
-        accelerator="cpu",
+        accelerator=ACCELERATOR,
         devices=1 if reference else DEVICES,
         num_nodes=1 if reference else NODES,
         strategy="ddp" if reference else make_strategy(),
@@ -154,7 +174,7 @@ def main() -> None:
         deterministic=True,
     )
     trainer.fit(model, datamodule=data)
-    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     if reference:
         torch.save(state, out / "reference.pt")
         return
@@ -163,6 +183,7 @@ def main() -> None:
     member = os.environ.get(ENV_MEMBER, "solo")
     record = {"global_step": trainer.global_step, "rank": trainer.global_rank, "draws": DRAWS, **figures}
     record["members"] = MEMBERS
+    record["aborts"] = strategy.live.membership.aborts if strategy.live is not None else 0
     (out / f"{member}.json").write_text(json.dumps(record))
     torch.save(state, out / f"{member}.pt")
 

@@ -42,7 +42,8 @@ def test_bucketed_ddp_follows_the_agent_by_itself(monkeypatch: pytest.MonkeyPatc
     assert (strategy.cluster_environment.node_rank(), strategy.cluster_environment.local_rank()) == (0, 1)
     with pytest.raises(ValueError, match="fault_tolerant=False, but this process was started by"):
         BucketedDDPStrategy(fault_tolerant=False)
-    for setting, value in (("process_group_backend", "nccl"), ("comm_algorithm", "ring"), ("start_method", "spawn")):
+    assert BucketedDDPStrategy(process_group_backend="nccl").live is not None  # a communicator abort, on CUDA
+    for setting, value in (("comm_algorithm", "ring"), ("start_method", "spawn")):
         with pytest.raises(ValueError, match=rf"{setting}={value!r} is not supported with live fault tolerance"):
             BucketedDDPStrategy(**{setting: value})
 
@@ -56,9 +57,8 @@ def test_the_periodic_strategies_follow_the_agent_by_themselves(build: type, mon
     assert strategy._live_step_in_vote  # the period's sync is inside the vote: a replay undoes it
     with pytest.raises(ValueError, match="fault_tolerant=False, but this process was started by"):
         build(fault_tolerant=False)
-    for setting, value in (("process_group_backend", "nccl"), ("start_method", "spawn")):
-        with pytest.raises(ValueError, match=rf"{setting}={value!r} is not supported with live fault tolerance"):
-            build(**{setting: value})
+    with pytest.raises(ValueError, match=r"start_method='spawn' is not supported with live fault tolerance"):
+        build(start_method="spawn")
 
 
 def test_powersgd_state_for_a_replacement_and_for_a_replay() -> None:

@@ -5,11 +5,16 @@ The multi-process behaviour, with SIGKILL and real gloo groups, is ``tests/multi
 
 from __future__ import annotations
 
+import json
+import sys
+from pathlib import Path
+
 import pytest
 import torch.distributed as dist
 
 from lightning_sync.comms.membership import Membership, MembershipKeys, MembershipLost
 from lightning_sync.launch.agent import Agent
+from lightning_sync.launch.node import start_rank
 
 
 @pytest.fixture
@@ -80,8 +85,10 @@ def test_an_evicted_member_is_told_so(store: dist.TCPStore) -> None:
 
 
 def test_bad_arguments_name_the_value_and_the_allowed_ones(store: dist.TCPStore) -> None:
-    with pytest.raises(ValueError, match="backend='nccl' is not supported; allowed: 'gloo'"):
-        Membership(store, "m0", backend="nccl")
+    with pytest.raises(ValueError, match=r"backend='mpi' is not supported; allowed: \['gloo', 'nccl'\]"):
+        Membership(store, "m0", backend="mpi")
+    with pytest.raises(ValueError, match=r"backend='nccl' needs this rank's CUDA device, got device='cpu'"):
+        Membership(store, "m0", backend="nccl", device="cpu")
     with pytest.raises(ValueError, match=r"nproc must be an int >= 1, got 0"):
         Agent(["python", "x.py"], 0)
     with pytest.raises(ValueError, match=r"command=\[\] is empty"):
@@ -96,3 +103,37 @@ def test_a_missing_store_address_says_how_to_start_the_job(monkeypatch: pytest.M
     monkeypatch.delenv("LIGHTNING_SYNC_FT_STORE", raising=False)
     with pytest.raises(ValueError, match="start the job with"):
         Membership(member="m0")
+
+
+def test_the_epochs_group_is_aborted_once_the_agent_closes_it_and_only_then(store: dist.TCPStore) -> None:
+    """What the heartbeat thread does for NCCL, whose collectives with a lost peer wait on the GPU until their
+    communicator is aborted. Here on a real one-process gloo group, where the abort itself does nothing: the check
+    is when it happens, once per epoch, and that the group stays registered for the main thread to tear down."""
+    member = Membership(store, "m0", timeout=2.0)
+    member.members = ["m0"]
+    member.keys = MembershipKeys(prefix="abort")
+    try:
+        dist.init_process_group("gloo", store=dist.PrefixStore("abort/g", store), rank=0, world_size=1)
+        member.epoch, member._group_epoch = 3, 3
+        assert member.abort_if_closed(store) is False and member.aborts == 0  # the epoch is open
+        store.set(member.keys.closed(3), b"1")
+        assert member.abort_if_closed(store) is True and member.aborts == 1
+        assert dist.is_initialized()  # aborted, not destroyed: the main thread's leave() tears it down
+        assert member.abort_if_closed(store) is False and member.aborts == 1  # once
+        member.leave()
+        assert not dist.is_initialized() and member._group_epoch == -1
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def test_a_rank_process_gets_the_nccl_settings_its_membership_relies_on(tmp_path: Path) -> None:
+    """A collective's ``wait()`` must block until it completed, and raise once its communicator is aborted (then a
+    member votes only on a finished all-reduce); NCCL's watchdog must leave errors to the membership. An explicit
+    environment for the ranks still wins."""
+    names = ("TORCH_NCCL_BLOCKING_WAIT", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "LIGHTNING_SYNC_FT_MEMBER")
+    out = tmp_path / "env.json"
+    script = f"import json, os; open({str(out)!r}, 'w').write(json.dumps([os.environ.get(k) for k in {names!r}]))"
+    for env, blocking in (({}, "1"), ({"TORCH_NCCL_BLOCKING_WAIT": "0"}, "0")):
+        assert start_rank([sys.executable, "-c", script], env, "127.0.0.1:1", "n0s2i1").wait(timeout=60) == 0
+        assert json.loads(out.read_text()) == [blocking, "0", "n0s2i1"]
