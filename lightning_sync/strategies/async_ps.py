@@ -55,7 +55,10 @@ Failure
     A worker that raises, or the server's own update (its optimizer step, clipping, a scheduler on the
     global clock), makes every worker's waiting or next request fail with an error naming the
     exception; the server's rank keeps answering until every worker has heard it (at most ``timeout``).
-    A worker process that dies silently blocks peers waiting on the bound until ``timeout``.
+    A worker process that dies silently (SIGKILL) is given up on once the others wait for it and it has sent
+    nothing for ``timeout`` seconds: every request then fails naming it. If the server's process dies, every
+    worker's next request fails at once naming the server's rank. Either ends the job; a rerun resumes from the
+    newest checkpoint (the fault-tolerance agent is refused: no live membership here).
 """
 
 from __future__ import annotations
@@ -189,7 +192,7 @@ class AsyncParameterServerStrategy(NoProcessGroupStrategy):
             if self._pending_state is not None:
                 self.server.load_state_dict(self._pending_state)
             host(self.server)
-            link: Any = LocalLink(self.server)
+            link: Any = LocalLink(self.server, self._timeout.total_seconds())
         else:
             link = RpcLink(self.server_rank, ctx=self.comm)
         if fitting:

@@ -104,3 +104,34 @@ def test_a_server_that_finished_normally_has_nobody_to_wait_for() -> None:
     server.finish(0)
     server.finish(1).wait()
     assert server.error is None and server.wait_stopped(timeout=0.0)
+
+
+def test_a_worker_silent_for_the_timeout_fails_whoever_waits_for_it_naming_it() -> None:
+    """K = 3, s = 0: workers 0 and 2 push and wait for worker 1 (the bound holds version 1 back until it pushes).
+    Worker 1 never does: once it has sent nothing for the timeout, every waiting and later request fails naming it,
+    and it alone (0 and 2 wait on the server, they are not silent)."""
+    server = _server(3, 0, fail_at=99)
+    server._heard = [0.0, 0.0, 0.0]  # as if every worker's last request were long ago
+    assert server.expire(5.0) is False  # nobody waits: nothing to give up on
+    held = [_push(server, 0), _push(server, 2)]
+    assert not any(f.done() for f in held)
+    assert server.expire(1e9) is False  # not silent for that long
+    assert server.expire(5.0) is True
+    want = "parameter server: worker 1 sent nothing for 5 s while the others waited for it (its process lost?)"
+    for future in held:
+        assert _error_of(future).startswith(want)
+    with pytest.raises(RuntimeError, match=re.escape(want)):
+        server.pull(0)
+    assert server.expire(5.0) is False  # once
+
+
+def test_a_local_request_gives_up_on_a_silent_worker_after_the_timeout() -> None:
+    """What the server's own rank does while its worker waits: the link asks the server to expire silent workers
+    every second, so a worker lost without a word cannot hold it for ever."""
+    from lightning_sync.sync.ps.worker import LocalLink
+
+    server = _server(2, 0, fail_at=99)
+    link = LocalLink(server, timeout=0.5)
+    grads = server.layout.flatten([torch.ones_like(p) for p in server.params])
+    with pytest.raises(RuntimeError, match=r"parameter server: worker 1 sent nothing for 0\.5 s"):
+        link.push(0, 0, grads, [True] * len(server.params), [], None)  # held by worker 1, which never pushes

@@ -38,9 +38,10 @@ Failure
     exception, and the model, possibly half-stepped, can no longer be checkpointed. After either,
     :meth:`ParameterServer.wait_stopped` tells the server's host when every worker has reported back,
     so it keeps answering until each one has heard why training stopped. A worker process that dies
-    without a word never pushes again, so a peer waiting on the bound blocks until the transport's
-    timeout; if the server's process dies, every request fails at once. A worker that finishes
-    normally (:meth:`ParameterServer.finish`) stops counting against the bound.
+    without a word never pushes again: whoever waits on the server calls :meth:`ParameterServer.expire`
+    now and then, which fails every request, naming the worker, once the others wait for it and it has
+    sent nothing for the timeout. If the server's process dies, every request fails at once. A worker
+    that finishes normally (:meth:`ParameterServer.finish`) stops counting against the bound.
 
 Restoring
     A server built with ``restoring=True`` serves pulls but holds every push until
@@ -61,6 +62,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -147,6 +149,7 @@ class ParameterServer:
         self.on_global_step: Callable[[int], None] | None = None
         self.schedulers: list[Any] = []
         self._read = [0] * num_workers  # every worker starts computing on version 0
+        self._heard = [time.monotonic()] * num_workers  # each worker's last request
         self._done = [False] * num_workers
         self._pending: list[Push] = []
         self._finishing: list[torch.futures.Future] = []
@@ -248,6 +251,32 @@ class ParameterServer:
             self._changed.notify_all()
         self._complete(done)
 
+    def expire(self, timeout: float) -> bool:
+        """Fail every waiting request, and every later one, if a worker the server waits for (one that has not
+        finished nor reported a failure) has sent nothing for ``timeout`` seconds: its process is presumably lost
+        (a SIGKILL says nothing). Whoever waits on the server calls it now and then; True if it failed them."""
+        now = time.monotonic()
+        with self.lock:
+            waiting = {p.worker for p in self._pending}  # a worker whose push is held waits on the server
+            silent = [
+                w
+                for w in range(self.num_workers)
+                if not self._done[w]
+                and w not in self._reported
+                and w not in waiting
+                and now - self._heard[w] >= timeout
+            ]
+            if self._error is not None or not silent or not (self._pending or self._finishing):
+                return False
+            names = ", ".join(str(w) for w in silent)
+            done = self._fail(
+                f"parameter server: worker {names} sent nothing for {timeout:g} s while the others waited for it "
+                f"(its process lost?), so training stopped"
+            )
+            self._changed.notify_all()
+        self._complete(done)
+        return True
+
     def wait_stopped(self, timeout: float) -> bool:
         """Whether every worker has stopped, waiting up to ``timeout`` seconds: each one has reported a
         failure (:meth:`abort`: it heard why training stopped), or all finished normally. A worker whose
@@ -273,6 +302,7 @@ class ParameterServer:
             raise ValueError(f"worker must be an int in [0, {self.num_workers - 1}], got {worker!r}")
         if self._done[worker]:
             raise RuntimeError(f"worker {worker} already finished")
+        self._heard[worker] = time.monotonic()
 
     @staticmethod
     def _complete(done: list[tuple[torch.futures.Future, Any]]) -> None:

@@ -60,10 +60,20 @@ class ServerLink(Protocol):
 
 
 class LocalLink:
-    """The server is in this process: direct calls, no bytes on any wire."""
+    """The server is in this process: direct calls, no bytes on any wire. While a request waits (on the staleness
+    bound, or for every worker to finish), it asks the server every second to give up on a worker silent for
+    ``timeout`` seconds (:meth:`ParameterServer.expire`): a worker lost without a word would otherwise hold every
+    other one for ever, since nothing else waits with a deadline in this process."""
 
-    def __init__(self, server: ParameterServer) -> None:
-        self.server = server
+    def __init__(self, server: ParameterServer, timeout: float = 1800.0) -> None:
+        self.server, self.timeout = server, float(timeout)
+
+    def _wait(self, future: torch.futures.Future) -> Any:
+        answered = threading.Event()
+        future.add_done_callback(lambda _: answered.set())
+        while not answered.wait(_EXPIRY_CHECK_S):
+            self.server.expire(self.timeout)
+        return future.wait()
 
     def pull(self, worker: int) -> Reply:
         return self.server.pull(worker)
@@ -77,10 +87,10 @@ class LocalLink:
         buffers: list[torch.Tensor],
         clip: tuple[str, float] | None,
     ) -> Reply:
-        return self.server.push(worker, read_version, grads, present, buffers, clip).wait()
+        return self._wait(self.server.push(worker, read_version, grads, present, buffers, clip))
 
     def finish(self, worker: int) -> Reply:
-        return self.server.finish(worker).wait()
+        return self._wait(self.server.finish(worker))
 
     def abort(self, worker: int, message: str) -> None:
         self.server.abort(worker, message)
@@ -88,6 +98,9 @@ class LocalLink:
     def snapshot(self) -> dict[str, Any]:
         return self.server.snapshot()
 
+
+_EXPIRY_CHECK_S = 1.0  # between two looks for a silent worker while a local request waits
+_SERVER_SAID = "parameter server:"  # how the server's own errors begin (ParameterServer.abort / expire / _fail)
 
 _HOSTED: dict[str, Any] = {"server": None}
 _HOSTED_READY = threading.Condition()
@@ -162,7 +175,16 @@ class RpcLink:
     def _call(self, fn: Any, *args: Any) -> Any:
         from lightning_sync.comms import rpc
 
-        return rpc.rpc_call(self.server_rank, fn, *args, ctx=self.ctx)
+        try:
+            return rpc.rpc_call(self.server_rank, fn, *args, ctx=self.ctx)
+        except RuntimeError as exc:
+            if _SERVER_SAID in str(exc):  # the server answered with why training stopped
+                raise
+            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise RuntimeError(
+                f"the parameter server on rank {self.server_rank} is unreachable (its process lost?), so training "
+                f"stopped: {first}"
+            ) from exc
 
     def pull(self, worker: int) -> Reply:
         return self._call(_remote_pull, worker)
