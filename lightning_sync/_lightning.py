@@ -40,8 +40,10 @@ __all__ = [
     "explicit_checkpoint_io",
     "finish_restored_epoch",
     "hidden_from_setup_broadcast",
+    "logged_state",
     "next_restored",
     "replace_sigterm_broadcast",
+    "restore_logged_state",
     "restore_next",
     "set_logger_version",
     "restored_at_epoch_end",
@@ -82,6 +84,8 @@ INTERNALS: dict[str, str] = {
     "replacement, and where Lightning restores it from after setup",
     "Logger._version / CSV _ExperimentWriter (.metrics_file_path, .metrics_keys)": "a replacement logs into the "
     "run's version, and a new rank 0 continues the CSV file its lost predecessor wrote (live fault tolerance)",
+    "_TrainingEpochLoop._results / _ResultMetric (.value, .cumulated_batch_size, .has_reset)": "what the epoch "
+    "accumulated of self.log(on_epoch=True), put back before a live replay trains its window again",
 }
 
 Stateful = _Stateful
@@ -259,3 +263,27 @@ def continue_csv(logger: Any) -> None:
         out = csv.DictWriter(file, fieldnames=writer.metrics_keys)
         out.writeheader()
         out.writerows(rows)
+
+
+def logged_state(trainer: Any) -> dict[str, tuple[Any, Any, bool]]:
+    """What the training epoch has accumulated so far of each ``self.log(..., on_epoch=True)`` tensor value. The
+    accumulation assigns new tensors (``value = value + ...``), so keeping references is a snapshot."""
+    results = trainer.fit_loop.epoch_loop._results
+    return {
+        key: (metric.value, getattr(metric, "cumulated_batch_size", None), metric.has_reset)
+        for key, metric in results.items()
+        if metric.is_tensor
+    }
+
+
+def restore_logged_state(trainer: Any, state: dict[str, tuple[Any, Any, bool]]) -> None:
+    """Put :func:`logged_state` back: what was logged since is forgotten (a key first logged since, reset)."""
+    for key, metric in trainer.fit_loop.epoch_loop._results.items():
+        if not metric.is_tensor:
+            continue  # a torchmetrics Metric logged as such: its own state is the module's (live_window)
+        if key not in state:
+            metric.reset()
+            continue
+        metric.value, cumulated, metric.has_reset = state[key]
+        if cumulated is not None:
+            metric.cumulated_batch_size = cumulated

@@ -24,6 +24,9 @@ Imports nothing from Lightning.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Any
+
+from torch.utils.data import DataLoader
 
 from lightning_sync.sampler import GlobalOrderSampler
 
@@ -64,6 +67,22 @@ class LiveBatches:
         #: micro-step -> the (rank, world size) its yielded indices were made for
         self.made: dict[int, tuple[int, int]] = {}
         self._order: list[int] = []
+
+    @classmethod
+    def install(cls, loader: Any, view: Callable[[], tuple[int, int]], owner: str) -> LiveBatches:
+        """Make ``loader`` (a training ``DataLoader`` over Lightning's ``DistributedSampler``, made a
+        :class:`GlobalOrderSampler`) yield this member's shares; ``owner`` names the strategy in the error."""
+        sampler = getattr(getattr(loader, "batch_sampler", None), "sampler", None)
+        if not isinstance(loader, DataLoader) or not isinstance(sampler, GlobalOrderSampler):
+            raise ValueError(
+                f"{owner}: live fault tolerance shares out each global batch from the training loader's "
+                f"DistributedSampler; this loader has {type(sampler).__name__}. Use a map-style dataset with a "
+                f"DataLoader(batch_size=...) and Trainer(use_distributed_sampler=True)"
+            )
+        batches = cls(sampler, loader.batch_size, loader.drop_last, view)
+        # a DataLoader refuses a new batch sampler once built, but reads it anew for every iterator
+        object.__setattr__(loader, "batch_sampler", batches)
+        return batches
 
     @property
     def micro(self) -> int:

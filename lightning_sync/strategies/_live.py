@@ -40,15 +40,20 @@ from typing import Any, TypeVar
 import torch
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
-from torch.utils.data import DataLoader
 from torchmetrics import Metric
 from torchmetrics.utilities.distributed import gather_all_tensors
 
-from lightning_sync._lightning import batch_index, closure_for, replace_sigterm_broadcast, trainer_of
+from lightning_sync._lightning import (
+    batch_index,
+    closure_for,
+    logged_state,
+    replace_sigterm_broadcast,
+    restore_logged_state,
+    trainer_of,
+)
 from lightning_sync.comms.membership import Membership
 from lightning_sync.live_batches import LiveBatches, share_of, weight_of
 from lightning_sync.resume import set_rng_state
-from lightning_sync.sampler import GlobalOrderSampler
 from lightning_sync.strategies._live_env import LiveEnvironment
 from lightning_sync.strategies._live_handover import (
     load_training_state,
@@ -56,7 +61,13 @@ from lightning_sync.strategies._live_handover import (
     take_training_state,
     training_state,
 )
-from lightning_sync.strategies._live_window import MicroBatch, WindowRecord, hyperparameters, set_hyperparameters
+from lightning_sync.strategies._live_window import (
+    MetricMarks,
+    MicroBatch,
+    WindowRecord,
+    hyperparameters,
+    set_hyperparameters,
+)
 
 __all__ = ["FT_FAILURES", "FT_MEMBERS", "FT_REPLAYED", "FT_SECONDS_LOST", "LiveTraining"]
 
@@ -89,7 +100,7 @@ class LiveTraining:
         self.environment = LiveEnvironment()
         self.membership: Membership | None = None
         self.batches: LiveBatches | None = None
-        self._loader: DataLoader | None = None
+        self._loader: Any = None  # the training DataLoader
         #: the state a replacement received from a live peer, for Lightning to restore after setup
         self.healed_checkpoint: dict[str, Any] | None = None
         #: a replacement between its heal and its first training step: it runs no collective
@@ -206,17 +217,7 @@ class LiveTraining:
     # ------------------------------------------------------------------ data
     def install(self, loader: Any) -> Any:
         """The training loader's batches become this member's shares (:class:`LiveBatches`)."""
-        sampler = getattr(getattr(loader, "batch_sampler", None), "sampler", None)
-        if not isinstance(loader, DataLoader) or not isinstance(sampler, GlobalOrderSampler):
-            raise ValueError(
-                f"{type(self._owner).__name__}: live fault tolerance shares out each global batch from the "
-                f"training loader's DistributedSampler; this loader has {type(sampler).__name__}. Use a map-style "
-                f"dataset with a DataLoader(batch_size=...) and Trainer(use_distributed_sampler=True)"
-            )
-        batches = LiveBatches(sampler, loader.batch_size, loader.drop_last, self._place)
-        # a DataLoader refuses a new batch sampler once built, but reads it anew for every iterator
-        object.__setattr__(loader, "batch_sampler", batches)
-        self.batches, self._loader = batches, loader
+        self.batches, self._loader = LiveBatches.install(loader, self._place, type(self._owner).__name__), loader
         return loader
 
     def _place(self) -> tuple[int, int]:
@@ -249,7 +250,9 @@ class LiveTraining:
             set_rng_state(self._rng, self._owner.root_device)
             self._rng = None
         self.quiet, self._snapshot = False, None
-        self.window.start()
+        trainer = trainer_of(self._owner.lightning_module)
+        module = self._owner.lightning_module
+        self.window.start(logged=(trainer.current_epoch, logged_state(trainer), MetricMarks(module)))
         self._owner._live_mark()
         if membership.admitting:
             before = membership.members
@@ -305,6 +308,8 @@ class LiveTraining:
         committed by the members' vote, either before ``step`` (the strategy has nothing to undo: only a committed
         step reaches the optimizer) or around it (the strategy puts back the window's start before a replay)."""
         owner = self._owner
+        if not self.window.open:  # its only micro-batch runs in this step, and a failure already skips it
+            self._start_window()
         settings = hyperparameters(optimizer)
         if not owner._live_commits_step():  # inside a period: its samples are recorded, to replay if it aborts
             out = step(closure)
@@ -376,6 +381,10 @@ class LiveTraining:
         owner = self._owner
         owner._live_reset()
         trainer = trainer_of(owner.lightning_module)
+        epoch, logged, marks = self.window.logged
+        if epoch == trainer.current_epoch:  # what the window logged counts once (an ended epoch's is logged already)
+            restore_logged_state(trainer, logged)
+            marks.restore()
         last = batch_index(trainer)  # the window's last micro-batch, trained or not (a failure skips it)
         started = time.perf_counter()
         try:

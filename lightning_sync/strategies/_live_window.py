@@ -11,6 +11,10 @@ micro-batch shared out over the new members. :class:`WindowRecord` keeps what th
 * for each of the window's earlier optimizer steps, the optimizer's hyperparameters it stepped with (the learning
   rate a per-step schedule set then), since the schedulers have moved on and are not rewound.
 
+A replayed window also logs again. :class:`MetricMarks` keeps the torchmetrics states of the module at a window's
+start, so that each micro-batch counts once in them too (Lightning's own epoch accumulation of logged tensors is
+put back by :func:`lightning_sync._lightning.restore_logged_state`).
+
 Imports nothing from Lightning.
 """
 
@@ -20,7 +24,10 @@ import copy
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["MicroBatch", "WindowRecord", "hyperparameters", "set_hyperparameters"]
+import torch
+from torchmetrics import Metric
+
+__all__ = ["MetricMarks", "MicroBatch", "WindowRecord", "hyperparameters", "set_hyperparameters"]
 
 #: a micro-batch: its index in its epoch, and the global-order entries (dataset indices) of the whole micro-batch
 MicroBatch = tuple[int, list[int]]
@@ -49,10 +56,12 @@ class WindowRecord:
     now: list[dict[str, Any]] = field(default_factory=list)
     #: whether a window is in progress (it opens at its first micro-batch and closes when committed)
     open: bool = False
+    #: what was logged at its start (the epoch, Lightning's accumulation, :class:`MetricMarks`), put back by a replay
+    logged: Any = None
 
-    def start(self) -> None:
+    def start(self, logged: Any = None) -> None:
         """A window's first micro-batch."""
-        self.steps, self.micro, self.now, self.open = [], [], [], True
+        self.steps, self.micro, self.now, self.open, self.logged = [], [], [], True, logged
 
     def add(self, j: int, entries: list[int]) -> None:
         """Micro-batch ``j`` of its epoch, trained for the first time (a replay adds nothing)."""
@@ -66,9 +75,39 @@ class WindowRecord:
 
     def close(self) -> None:
         """The window was committed: nothing of it is replayed any more."""
-        self.steps, self.micro, self.now, self.open = [], [], [], False
+        self.steps, self.micro, self.now, self.open, self.logged = [], [], [], False, None
 
     def earlier_micro(self, last: int) -> list[MicroBatch]:
         """The step in progress's micro-batches before its last, ``last`` (whether the failed attempt trained that
         one or not). They are all in the current epoch."""
         return [m for m in self.micro if m[0] != last]
+
+
+class MetricMarks:
+    """The states of every torchmetrics ``Metric`` in a module at a window's start, put back before its replay.
+
+    A tensor state is cloned (updates add in place); a list state (``cat`` metrics, growing all epoch) is only
+    measured, since updates append to it, and cut back to that length: a mark costs the few scalars a metric
+    holds, not the epoch's values again.
+    """
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self._marks: list[tuple[Metric, dict[str, Any], int]] = []
+        for metric in module.modules():
+            if isinstance(metric, Metric):
+                states = {
+                    name: len(value) if isinstance(value, list) else value.detach().clone()
+                    for name in metric._defaults
+                    for value in [getattr(metric, name)]
+                }
+                self._marks.append((metric, states, metric._update_count))
+
+    def restore(self) -> None:
+        for metric, states, count in self._marks:
+            for name, value in states.items():
+                if isinstance(value, int):
+                    del getattr(metric, name)[value:]
+                else:
+                    setattr(metric, name, value.clone())
+            metric._update_count = count
+            metric._computed = None

@@ -80,6 +80,13 @@ def _check(
         for name, value in want.items():
             torch.testing.assert_close(record["weights"][name], value, rtol=0, atol=TOL, msg=f"{member} {name}")
     assert sorted(r["rank"] for r in records.values()) == list(range(members))
+    # every sample of its committed shares counted once, in its torchmetrics metric and in Lightning's epoch sum,
+    # the replayed windows' first attempts forgotten
+    nominal = int(env.get("FT_DEVICES", 3)) * int(env.get("FT_NODES", 1))
+    batch, accumulate = int(env.get("FT_BATCH", ft_trainer.BATCH)), int(env.get("FT_ACCUMULATE", 1))
+    for member, record in records.items():
+        want_seen = ft_trainer.samples_trained(member, record["members"], batch, accumulate, nominal)
+        assert record["seen_metric"] == record["seen_logged"] == want_seen, (member, record)
     survivors = [r for m, r in records.items() if m.endswith("i0")]
     assert all(r["ft/failures"] == failures for r in survivors), records
 

@@ -36,6 +36,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from torchmetrics import SumMetric
 
 from lightning_sync.comms.membership_keys import ENV_MEMBER
 from lightning_sync.models.digits import DigitsDataModule, DigitsMLP
@@ -95,6 +96,10 @@ def wait_for_replacements(membership: Any, timeout: float = 120.0) -> None:
 
 
 class Model(DigitsMLP):
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen = SumMetric(sync_on_compute=False)  # this member's own count
+
     def training_step(self, batch: Any, batch_idx: int) -> Any:
         if not FIRST:  # its first step: for a replacement the state it healed from says which
             FIRST.append(self.trainer.global_step)
@@ -108,6 +113,10 @@ class Model(DigitsMLP):
                 time.sleep(STEP_S)
             else:  # however long a replacement takes to start on a loaded machine, it is admitted before the end
                 wait_for_replacements(live.membership)
+        # what this member trained, counted twice over: by a torchmetrics metric and by Lightning's own epoch
+        # accumulation; a replay must count each sample once in both
+        self.seen.update(float(len(batch[1])))
+        self.log("seen", float(len(batch[1])), on_step=False, on_epoch=True, reduce_fx="sum")
         loss = super().training_step(batch, batch_idx)
         if KILLS:
             loss.register_hook(lambda g: maybe_die(self.trainer, "backward"))
@@ -183,6 +192,8 @@ def main() -> None:
     member = os.environ.get(ENV_MEMBER, "solo")
     record = {"global_step": trainer.global_step, "rank": trainer.global_rank, "draws": DRAWS, **figures}
     record["members"] = MEMBERS
+    record["seen_metric"] = float(model.seen.compute())
+    record["seen_logged"] = float(trainer.callback_metrics["seen"]) if "seen" in trainer.callback_metrics else 0.0
     record["aborts"] = strategy.live.membership.aborts if strategy.live is not None else 0
     (out / f"{member}.json").write_text(json.dumps(record))
     torch.save(state, out / f"{member}.pt")
@@ -190,3 +201,16 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def samples_trained(
+    member: str, committed: dict[str, list[str]], batch: int, accumulate: int, nominal: int, since: int = 0
+) -> int:
+    """How many samples ``member`` trained in the committed windows from step ``since`` on: each micro-batch's
+    ``batch x nominal`` entries shared strided over the members that committed its step (``committed``: step ->
+    members, a period's steps mapped to the members of its last)."""
+    total = 0
+    for step, members in committed.items():
+        if int(step) >= since and member in members:
+            total += accumulate * len(range(members.index(member), batch * nominal, len(members)))
+    return total

@@ -26,7 +26,8 @@ from support import ft_trainer
 NOMINAL = 3  # the job's full size: the global order and each micro-batch's entries are made for it
 
 
-def _period_end(strategy: str, step: int, sync_every: int, warmup: int) -> int:
+def period_end(strategy: str, step: int, sync_every: int, warmup: int) -> int:
+    """The last step of the period that ``step`` is in (the one whose vote commits it)."""
     if strategy == "local_sgd" and step < warmup:
         return step  # a warm-up step is a period of its own
     base = warmup if strategy == "local_sgd" else 0
@@ -68,7 +69,7 @@ def simulate(
     global_params = [p.detach().clone() for p in module.parameters()]
     outer = torch.optim.SGD([torch.nn.Parameter(g) for g in global_params], lr=0.7, momentum=0.9, nesterov=True)
     for step in range(steps):
-        end = _period_end(strategy, step, sync_every, warmup)
+        end = period_end(strategy, step, sync_every, warmup)
         now = members[str(end)]
         first = replicas[now[0]] if now[0] in replicas else None
         replicas = {m: replicas.get(m) or new_replica(first) for m in now}  # the lost go, a replacement copies rank 0

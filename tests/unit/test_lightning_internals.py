@@ -284,6 +284,25 @@ def _csv_hand_over() -> None:
     assert lines[1].endswith("1.0,0") and lines[2] == "0.9,0.5,1", lines
 
 
+def _logged_state() -> None:
+    """What the epoch accumulated of logged tensors is put back: the values logged since are forgotten, and a key
+    first logged since is reset (absent from the epoch's metrics)."""
+
+    class Logging(_Tiny):
+        def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+            if batch_idx == 1:
+                self.mark = compat.logged_state(self.trainer)  # what batch 0 logged
+            self.log("x", torch.tensor(float(batch_idx**2)), on_step=False, on_epoch=True)  # 0, 1, 4, 9
+            if batch_idx == 2:
+                self.log("y", torch.tensor(1.0), on_step=False, on_epoch=True)
+                compat.restore_logged_state(self.trainer, self.mark)  # batches 1 and 2 logged nothing after all
+            return super().training_step(batch, batch_idx)
+
+    trainer = Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_progress_bar=False)
+    trainer.fit(Logging())
+    assert float(trainer.callback_metrics["x"]) == 4.5 and "y" not in trainer.callback_metrics  # (0 + 9) / 2
+
+
 _CHECKS: dict[str, Callable[[], None]] = {
     "lightning.fabric.utilities.types._Stateful": _stateful,
     "lightning.pytorch.strategies.launchers._MultiProcessingLauncher": _multiprocessing_launcher,
@@ -306,6 +325,7 @@ _CHECKS: dict[str, Callable[[], None]] = {
     "_TrainingEpochLoop._broadcast_sigterm_tensor": _sigterm_broadcast,
     "Trainer._checkpoint_connector (.dump_checkpoint, ._loaded_checkpoint)": _checkpoint_connector,
     "Logger._version / CSV _ExperimentWriter (.metrics_file_path, .metrics_keys)": _csv_hand_over,
+    "_TrainingEpochLoop._results / _ResultMetric (.value, .cumulated_batch_size, .has_reset)": _logged_state,
 }
 
 

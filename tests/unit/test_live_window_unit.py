@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lightning_sync.strategies import DiLoCoStrategy, LocalSGDStrategy
-from lightning_sync.strategies._live_window import WindowRecord, hyperparameters, set_hyperparameters
+from lightning_sync.strategies._live_window import MetricMarks, WindowRecord, hyperparameters, set_hyperparameters
 from lightning_sync.sync.periodic import DiLoCoOuter, PeriodicAverager
 
 
@@ -101,3 +101,23 @@ def test_a_replay_goes_back_to_the_periods_start_however_often_it_was_written_in
         assert strategy.averager.steps == want[2]
         for g, value in zip(getattr(strategy.averager, "global_params", []), want[3]):
             torch.testing.assert_close(g, value, rtol=0, atol=0)
+
+
+def test_a_modules_torchmetrics_go_back_to_the_windows_start() -> None:
+    """A replay updates the module's metrics again with the window's micro-batches: put back at its start, each one
+    counts once. Tensor states are copied (updates add in place); list states (``cat``) are cut back to their
+    length, not copied, as they grow all epoch."""
+    from torchmetrics import CatMetric, MeanMetric
+
+    module = torch.nn.Module()
+    module.mean, module.seen = MeanMetric(), CatMetric()
+    module.mean.update(torch.tensor([1.0, 3.0]))
+    module.seen.update(torch.tensor([1.0, 3.0]))
+    marks = MetricMarks(module)
+    for _ in range(2):  # a failed attempt and a replay that failed again: each time back to the mark
+        module.mean.update(torch.tensor([100.0]))
+        module.seen.update(torch.tensor([100.0]))
+        assert float(module.mean.compute()) > 2.0
+        marks.restore()
+        assert float(module.mean.compute()) == 2.0 and module.mean._update_count == 1
+        assert module.seen.compute().tolist() == [1.0, 3.0]
