@@ -230,6 +230,12 @@ class SyncStrategy(StrategyParts, DDPStrategy):
         if self.live is not None:
             self.live.flush_logs()
 
+    @override
+    def on_train_end(self) -> None:
+        if self.live is not None and self.optimizers:  # a window left open by the fit's end is committed too
+            self.live.finish_fit(self.optimizers[0])
+        super().on_train_end()
+
     def _live_state(self) -> dict[str, Any]:
         """What a replacement takes of this strategy's own state from a live peer (nothing here)."""
         return {}

@@ -45,10 +45,8 @@ from torchmetrics.utilities.distributed import gather_all_tensors
 
 from lightning_sync._lightning import (
     batch_index,
-    closure_for,
     logged_state,
     replace_sigterm_broadcast,
-    restore_logged_state,
     trainer_of,
 )
 from lightning_sync.comms.membership import Membership
@@ -61,13 +59,7 @@ from lightning_sync.strategies._live_handover import (
     take_training_state,
     training_state,
 )
-from lightning_sync.strategies._live_window import (
-    MetricMarks,
-    MicroBatch,
-    WindowRecord,
-    hyperparameters,
-    set_hyperparameters,
-)
+from lightning_sync.strategies._live_window import MetricMarks, WindowRecord, WindowReplay, hyperparameters
 
 __all__ = ["FT_FAILURES", "FT_MEMBERS", "FT_REPLAYED", "FT_SECONDS_LOST", "LiveTraining"]
 
@@ -109,9 +101,8 @@ class LiveTraining:
         self._holds_state = False
         self._snapshot: bytes | None = None  # the state at this window's start, while replacements are admitted
         self.window = WindowRecord()  # what the window in progress trained, to train it again after a loss
-        self._replaying: MicroBatch | None = None
+        self.replay = WindowReplay(owner, self.window, lambda j: self.batches.entries(j))
         self.weight = 1.0  # on this micro-batch's loss (LiveBatches.weight)
-        self._redone = 0.0  # seconds the last replay spent on the window's earlier micro-batches
         self._failed_at: float | None = None  # when this window's first collective failed
         self._rank = -1  # this member's rank in the epoch it was in before
         self._admitted_at: float | None = None  # when this member entered an epoch that admitted replacements
@@ -229,16 +220,16 @@ class LiveTraining:
         """Before ``training_step``: a window's start (admitting replacements), and this member's share of the
         micro-batch for the current membership, rebuilt if the one Lightning passes was made for another."""
         assert self.batches is not None
-        if self._replaying is None:
+        if self.replay.current is None:
             j = batch_index(trainer_of(self._owner.lightning_module))
             if not self.window.open:
                 self._start_window()
             entries = self.batches.entries(j)
             self.window.add(j, entries)
         else:
-            j, entries = self._replaying
+            j, entries = self.replay.current
         rank, world = self._place()
-        if self._replaying is not None or self.batches.is_stale(j, rank, world):
+        if self.replay.current is not None or self.batches.is_stale(j, rank, world):
             args = (self._rebuild(share_of(entries, rank, world)), *args[1:])
         self.weight = weight_of(entries, rank, world)
         return args
@@ -332,7 +323,7 @@ class LiveTraining:
         out: list[Any] = []
         # a period's loss may show in an inner step: the steps trained since are lost too
         started, first, replays = min(time.perf_counter(), self._failed_at or float("inf")), [True], []
-        self._redone = 0.0
+        self.replay.redone = 0.0
 
         def attempt() -> None:
             replay, first[0] = not first[0], False
@@ -343,7 +334,7 @@ class LiveTraining:
                     out[:] = [closure() if step is None else step(closure)]
                 else:
                     replays.append(time.perf_counter())
-                    out[:] = [self._replay(optimizer, closure, step)]
+                    out[:] = [self.replay.run(optimizer, closure, step)]
             except RuntimeError:
                 # the buckets' handles hold the failed group: they go before the membership tears it down, or a
                 # peer blocked in a collective with this member would wait out the group's timeout
@@ -359,7 +350,7 @@ class LiveTraining:
             rank_zero_info(f"live: the first step with the replacement committed {waited:.2f} s after its admission")
             self._admitted_at = None
         if aborted:  # the aborted attempts, the new epoch, and the window's earlier micro-batches trained again
-            lost = (replays[-1] if replays else time.perf_counter()) - started + self._redone
+            lost = (replays[-1] if replays else time.perf_counter()) - started + self.replay.redone
             self.failures += aborted
             self.replayed += 1
             self.seconds_lost += lost
@@ -371,44 +362,30 @@ class LiveTraining:
             )
         return out[0]
 
-    def _replay(
-        self, optimizer: Any, closure: Callable[[], Any], step: Callable[[Callable[[], Any]], Any] | None
-    ) -> Any:
-        """The window again, for this member's new share of each micro-batch, from the state at its start: its
-        earlier optimizer steps (a period's) with the settings they had, then the step in progress, whose earlier
-        micro-batches run through closures Lightning builds for them (no collective until the last) and the last
-        through Lightning's own."""
-        owner = self._owner
-        owner._live_reset()
-        trainer = trainer_of(owner.lightning_module)
-        epoch, logged, marks = self.window.logged
-        if epoch == trainer.current_epoch:  # what the window logged counts once (an ended epoch's is logged already)
-            restore_logged_state(trainer, logged)
-            marks.restore()
-        last = batch_index(trainer)  # the window's last micro-batch, trained or not (a failure skips it)
-        started = time.perf_counter()
-        try:
-            for micro, settings in self.window.steps:
-                set_hyperparameters(optimizer, settings)
-                *accumulated, (j, entries) = micro
-                self._run_micro(trainer, optimizer, accumulated)
-                self._replaying = (j, entries)
-                owner._live_inner_step(optimizer, closure_for(trainer, optimizer, j, None))
-            set_hyperparameters(optimizer, self.window.now)
-            self._run_micro(trainer, optimizer, self.window.earlier_micro(last))
-            self._redone = time.perf_counter() - started
-            assert self.batches is not None
-            self._replaying = (last, self.batches.entries(last))
-            return closure() if step is None else step(closure)
-        finally:
-            self._replaying = None
+    def finish_fit(self, optimizer: Any) -> None:
+        """At the fit's end inside a window (a period its last steps did not finish): the members vote on the steps
+        it trained, and after a loss train them again at the new membership (without the sync the period never
+        reached), so that its samples too are trained once."""
+        membership, trainer = self.membership, trainer_of(self._owner.lightning_module)
+        if membership is None or not self.window.open or not self.window.steps or self.window.micro:
+            return
+        first, tail = [True], len(self.window.steps)
 
-    def _run_micro(self, trainer: Any, optimizer: Any, micro: list[MicroBatch]) -> None:
-        """Micro-batches that accumulate gradients without a step (each rebuilt in ``training_step``)."""
-        for j, entries in micro:
-            self._replaying = (j, entries)
-            with self._owner.block_backward_sync():
-                closure_for(trainer, optimizer, j, None)()
+        def attempt() -> None:
+            replay, first[0] = not first[0], False
+            if self.failure is not None:
+                raise WindowFailed(f"a collective of this window failed: {self.failure}")
+            if replay:
+                self.replay.run_steps(optimizer)
+
+        aborted = membership.run_committed(int(trainer.global_step), attempt)
+        self.window.close()
+        if aborted:
+            self.failures, self.replayed = self.failures + aborted, self.replayed + 1
+            rank_zero_info(
+                f"live: the fit's last {tail} steps, a period it ended inside, trained again by "
+                f"{membership.world_size} members ({', '.join(membership.members)})"
+            )
 
     def gauges(self) -> dict[str, float]:
         """What the logger shows of it after each step."""

@@ -11,23 +11,31 @@ micro-batch shared out over the new members. :class:`WindowRecord` keeps what th
 * for each of the window's earlier optimizer steps, the optimizer's hyperparameters it stepped with (the learning
   rate a per-step schedule set then), since the schedulers have moved on and are not rewound.
 
+:class:`WindowReplay` trains a recorded window again: from the state at its start (the strategy's
+``_live_reset``), each earlier step's micro-batches through closures Lightning builds for them and its optimizer
+step with the settings it had, then the step in progress, its last micro-batch through Lightning's own closure.
+
 A replayed window also logs again. :class:`MetricMarks` keeps the torchmetrics states of the module at a window's
 start, so that each micro-batch counts once in them too (Lightning's own epoch accumulation of logged tensors is
 put back by :func:`lightning_sync._lightning.restore_logged_state`).
 
-Imports nothing from Lightning.
+Imports Lightning only through :mod:`lightning_sync._lightning`.
 """
 
 from __future__ import annotations
 
 import copy
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torchmetrics import Metric
 
-__all__ = ["MetricMarks", "MicroBatch", "WindowRecord", "hyperparameters", "set_hyperparameters"]
+from lightning_sync._lightning import batch_index, closure_for, restore_logged_state, trainer_of
+
+__all__ = ["MetricMarks", "MicroBatch", "WindowRecord", "WindowReplay", "hyperparameters", "set_hyperparameters"]
 
 #: a micro-batch: its index in its epoch, and the global-order entries (dataset indices) of the whole micro-batch
 MicroBatch = tuple[int, list[int]]
@@ -111,3 +119,69 @@ class MetricMarks:
                     setattr(metric, name, value.clone())
             metric._update_count = count
             metric._computed = None
+
+
+class WindowReplay:
+    """Trains the window ``window`` records again, for this member's new shares (module docstring).
+
+    Args:
+        owner: the strategy (``_live_reset``, ``_live_inner_step``, ``block_backward_sync``).
+        window: the record of the window in progress.
+        entries: the global-order entries of micro-batch ``j`` of the current epoch.
+    """
+
+    def __init__(self, owner: Any, window: WindowRecord, entries: Callable[[int], list[int]]) -> None:
+        self._owner, self._window, self._entries = owner, window, entries
+        #: the micro-batch being replayed, whose share ``training_step`` rebuilds; None outside a replay
+        self.current: MicroBatch | None = None
+        self.redone = 0.0  # seconds the last replay spent before its last micro-batch
+
+    def run(self, optimizer: Any, closure: Callable[[], Any], step: Callable[[Callable[[], Any]], Any] | None) -> Any:
+        """The whole window, ending with the step in progress: ``closure()`` (Lightning's, for its last
+        micro-batch, trained or not: a failure skips it), or ``step(closure)`` where the step is in the vote."""
+        trainer = self._restart(optimizer)
+        last = batch_index(trainer)
+        started = time.perf_counter()
+        try:
+            set_hyperparameters(optimizer, self._window.now)
+            self._accumulate(trainer, optimizer, self._window.earlier_micro(last))
+            self.redone += time.perf_counter() - started
+            self.current = (last, self._entries(last))
+            return closure() if step is None else step(closure)
+        finally:
+            self.current = None
+
+    def run_steps(self, optimizer: Any) -> None:
+        """The window's finished steps only (a fit that ended inside a period), the settings put back after."""
+        settings = hyperparameters(optimizer)
+        self._restart(optimizer)
+        set_hyperparameters(optimizer, settings)
+
+    def _restart(self, optimizer: Any) -> Any:
+        """Back to the window's start (the strategy's state and what it logged), then its earlier steps again."""
+        owner = self._owner
+        owner._live_reset()
+        trainer = trainer_of(owner.lightning_module)
+        epoch, logged, marks = self._window.logged
+        if epoch == trainer.current_epoch:  # what the window logged counts once (an ended epoch's is logged already)
+            restore_logged_state(trainer, logged)
+            marks.restore()
+        started = time.perf_counter()
+        try:
+            for micro, settings in self._window.steps:
+                set_hyperparameters(optimizer, settings)
+                *accumulated, (j, entries) = micro
+                self._accumulate(trainer, optimizer, accumulated)
+                self.current = (j, entries)
+                owner._live_inner_step(optimizer, closure_for(trainer, optimizer, j, None))
+        finally:
+            self.current = None
+        self.redone = time.perf_counter() - started
+        return trainer
+
+    def _accumulate(self, trainer: Any, optimizer: Any, micro: list[MicroBatch]) -> None:
+        """Micro-batches that accumulate gradients without a step (each rebuilt in ``training_step``)."""
+        for j, entries in micro:
+            self.current = (j, entries)
+            with self._owner.block_backward_sync():
+                closure_for(trainer, optimizer, j, None)()

@@ -192,6 +192,9 @@ def main() -> None:
     member = os.environ.get(ENV_MEMBER, "solo")
     record = {"global_step": trainer.global_step, "rank": trainer.global_rank, "draws": DRAWS, **figures}
     record["members"] = MEMBERS
+    # the members at the fit's end: a window the fit ended inside is committed by them (at on_train_end, after the
+    # module's hooks), so its steps' entries above may still name the members before a loss
+    record["final_members"] = list(strategy.live.membership.members) if strategy.live is not None else []
     record["seen_metric"] = float(model.seen.compute())
     record["seen_logged"] = float(trainer.callback_metrics["seen"]) if "seen" in trainer.callback_metrics else 0.0
     record["aborts"] = strategy.live.membership.aborts if strategy.live is not None else 0

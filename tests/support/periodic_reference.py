@@ -8,7 +8,8 @@ each micro-batch's global-order entries shared strided over the period's members
 members' mean is the micro-batch's, and at each period's end the replicas averaged (``local_sgd``) or DiLoCo's
 outer Nesterov step. A replacement starts from rank 0's replica, optimizer and schedule, as its heal gives it.
 
-``members`` is what the run's rank 0 recorded: for each global step, the members that committed it.
+``members`` is what a member recorded: for each global step, the members that committed it; ``final``, the members
+at the fit's end, who commit the steps of a period the fit ended inside.
 """
 
 from __future__ import annotations
@@ -43,8 +44,11 @@ def simulate(
     sync_every: int,
     warmup: int = 0,
     lr_interval: str = "epoch",
-) -> dict[str, torch.Tensor]:
-    """The final synchronized weights (every member holds them after the last period's sync)."""
+    final: list[str] | None = None,
+) -> dict[str, dict[str, torch.Tensor]]:
+    """Each member's final replica (every one the synchronized model if the run ended with a sync; a run that
+    ends inside a period ends with the replicas apart, its last steps trained by the members that committed them
+    at the fit's end, recorded as that period's)."""
     torch.manual_seed(0)  # what the script's seed_everything(0) gives torch before it builds the model
     module = ft_trainer.Model()
     data = DigitsDataModule(batch_size=batch)
@@ -70,7 +74,7 @@ def simulate(
     outer = torch.optim.SGD([torch.nn.Parameter(g) for g in global_params], lr=0.7, momentum=0.9, nesterov=True)
     for step in range(steps):
         end = period_end(strategy, step, sync_every, warmup)
-        now = members[str(end)]
+        now = members[str(end)] if end < steps else final or members[str(steps - 1)]  # a period the fit ended in
         first = replicas[now[0]] if now[0] in replicas else None
         replicas = {m: replicas.get(m) or new_replica(first) for m in now}  # the lost go, a replacement copies rank 0
         epoch, in_epoch = divmod(step, steps_per_epoch)
@@ -98,8 +102,7 @@ def simulate(
                 scheduler.step()
         if step == end:
             _sync(strategy, [r[0] for r in replicas.values()], outer)
-    model = replicas[members[str(steps - 1)][0]][0]
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return {m: {k: v.detach().clone() for k, v in r[0].state_dict().items()} for m, r in replicas.items()}
 
 
 def _sync(strategy: str, models: list[Any], outer: torch.optim.Optimizer) -> None:
