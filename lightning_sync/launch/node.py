@@ -9,10 +9,8 @@ lost node, and no rank it started trains on unwatched.
 
 from __future__ import annotations
 
-import ctypes
 import datetime
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -22,12 +20,12 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 
 from lightning_sync._checks import check_int
+from lightning_sync._process import die_with_parent
 from lightning_sync.comms.membership_keys import ENV_MEMBER, ENV_STORE, MembershipKeys, place_of
 
 __all__ = ["NodeAgent", "node_of", "start_rank"]
 
 _POLL_S = 0.01  # between two looks at the rank processes and the orders
-_PR_SET_PDEATHSIG = 1
 # NCCL, where a rank's collectives are NCCL's: wait() blocks until the collective completed and raises when its
 # communicator is aborted, so a member votes on a step only once its all-reduce is done (gloo's wait already does),
 # and NCCL's own watchdog does not end the process on an error the membership handles
@@ -39,15 +37,10 @@ def node_of(member: str) -> int:
     return place_of(member)[0]
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
 def start_rank(command: Sequence[str], env: dict[str, str], store: str, member: str) -> subprocess.Popen[bytes]:
     """Start one rank process of ``member`` against the store at ``store`` (``host:port``); it dies with this one."""
     full = {**os.environ, **NCCL_LIVE, **env, ENV_STORE: store, ENV_MEMBER: member}
-    return subprocess.Popen(list(command), env=full, preexec_fn=_die_with_parent)  # noqa: PLW1509
+    return subprocess.Popen(list(command), env=full, preexec_fn=die_with_parent)  # noqa: PLW1509
 
 
 @dataclass

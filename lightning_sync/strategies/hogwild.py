@@ -45,7 +45,8 @@ What is synchronized, and when:
   in a shared tensor, one slot per process (one writer each, so no lock); rank 0 logs how many updates the
   others made during each of its steps (:mod:`lightning_sync.strategies._telemetry`).
 
-If a process fails, the others raise at the next barrier or collective (or at ``timeout``).
+If a process fails, the others raise at the next barrier or collective (or at ``timeout``), and Lightning's launcher
+ends the job naming it. If the launching process is killed, every worker dies with it (Linux's parent-death signal).
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_sync._lightning import MultiProcessingLauncher, ddp_start_method, set_launcher
+from lightning_sync._process import die_with_parent
 from lightning_sync.resume import RANK_STATES
 from lightning_sync.strategies._base import ProcessGroupStrategy
 from lightning_sync.strategies._common import as_timedelta, check_bool, check_launch_args
@@ -78,6 +80,7 @@ class _SharedMemoryLauncher(MultiProcessingLauncher):
         module = trainer.lightning_module if trainer is not None else None
         if module is not None:
             module.share_memory()
+        self._strategy.launcher_pid = os.getpid()  # each worker dies with this process (setup_environment)
         return super().launch(function, *args, trainer=trainer, **kwargs)
 
     @override
@@ -144,6 +147,7 @@ class HogwildStrategy(ProcessGroupStrategy):
         self._updates: torch.Tensor | None = None  # shared: optimizer steps taken, one slot per process
         self._count_updates = False  # a logger is attached: count them (for the staleness figure)
         self._mapped_optimizer_states: list[dict[str, Any]] | None = None  # from a checkpoint of another size
+        self.launcher_pid: int | None = None  # the process that started the workers
 
     @override
     def _configure_launcher(self) -> None:
@@ -171,6 +175,8 @@ class HogwildStrategy(ProcessGroupStrategy):
 
     @override
     def setup_environment(self) -> None:
+        if self.launcher_pid not in (None, os.getpid()):  # a worker: a killed launcher must not leave it training
+            die_with_parent(self.launcher_pid)
         if not isinstance(self.accelerator, CPUAccelerator) or self.root_device.type != "cpu":
             raise ValueError(
                 f"{type(self).__name__} runs on CPU (shared host memory), got "

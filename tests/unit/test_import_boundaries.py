@@ -341,8 +341,8 @@ def test_no_import_cycles() -> None:
 #: package's own ``__init__`` is ``lightning_sync``), lowest layer first. A module may import its own layer and
 #: the layers below it, never one above (:func:`test_imports_point_down_the_layers`). The order:
 #:
-#: 1. leaf helpers: argument checks, the config's location, the optional dependencies, and the global batch
-#:    arithmetic; they import nothing of the package but each other;
+#: 1. leaf helpers: argument checks, the config's location, the optional dependencies, a child process's bond
+#:    to its parent, and the global batch arithmetic; they import nothing of the package but each other;
 #: 2. ``comms``, the collectives layer every byte goes through;
 #: 3. ``sync`` (the algorithms) and ``checkpoint`` (reading and atomic writing of files), both free of
 #:    Lightning; ``sync`` talks to ``comms`` and reads its checkpoints through ``checkpoint``;
@@ -354,7 +354,7 @@ def test_no_import_cycles() -> None:
 #: 7. what is used beside a strategy: callbacks (``diagnostics``, ``lr_rules``), cluster launching, the models;
 #: 8. the applications: the command line, benchmarks, consolidation, and the multi-process test harness.
 LAYERS: list[tuple[str, ...]] = [
-    ("_checks", "_config", "_extras", "batch"),
+    ("_checks", "_config", "_extras", "_process", "batch"),
     ("comms",),
     ("sync", "checkpoint"),
     ("_lightning", "sampler", "live_batches", "resume"),
