@@ -175,8 +175,9 @@ class HogwildStrategy(ProcessGroupStrategy):
 
     @override
     def setup_environment(self) -> None:
-        if self.launcher_pid not in (None, os.getpid()):  # a worker: a killed launcher must not leave it training
-            die_with_parent(self.launcher_pid)
+        if self.launcher_pid not in (None, os.getpid()) and ddp_start_method(self) != "forkserver":
+            die_with_parent(self.launcher_pid)  # a worker: a killed launcher must not leave it training
+            # (a forkserver's worker is the server's child, not the launcher's: it keeps torch's own bond)
         if not isinstance(self.accelerator, CPUAccelerator) or self.root_device.type != "cpu":
             raise ValueError(
                 f"{type(self).__name__} runs on CPU (shared host memory), got "
