@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import torch
 from lightning.fabric.utilities.types import _Stateful
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
@@ -54,6 +55,7 @@ __all__ = [
     "should_accumulate",
     "trainer_of",
     "unwrap_optimizer",
+    "warm_logging",
 ]
 
 #: The private Lightning names used below, each with what we use it for. The unit test checks every one
@@ -86,6 +88,8 @@ INTERNALS: dict[str, str] = {
     "run's version, and a new rank 0 continues the CSV file its lost predecessor wrote (live fault tolerance)",
     "_TrainingEpochLoop._results / _ResultMetric (.value, .cumulated_batch_size, .has_reset)": "what the epoch "
     "accumulated of self.log(on_epoch=True), put back before a live replay trains its window again",
+    "lightning.pytorch.trainer.connectors.logger_connector.result._ResultCollection.log": "a live replacement's "
+    "first self.log, run before it joins (cold, it costs 0.2 s its peers would wait)",
 }
 
 Stateful = _Stateful
@@ -287,3 +291,13 @@ def restore_logged_state(trainer: Any, state: dict[str, tuple[Any, Any, bool]]) 
         metric.value, cumulated, metric.has_reset = state[key]
         if cumulated is not None:
             metric.cumulated_batch_size = cumulated
+
+
+def warm_logging(device: Any) -> None:
+    """Log one value the way ``self.log`` does, into a collection of its own. A process's first ``self.log`` costs
+    about 0.2 s, the cold ``collections.abc`` checks of Lightning's ``apply_to_collection`` as it moves the new
+    result to the device; a live replacement pays it here, before it joins, not in its first step, where its peers
+    wait for it. (Done earlier, at process start, it is lost: later imports register types and clear those caches.)"""
+    from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultCollection
+
+    _ResultCollection(training=True).log("training_step", "warm", torch.zeros((), device=device), batch_size=1)

@@ -138,13 +138,23 @@ class Membership:
         """Start this member's heartbeat and enter the newest epoch, waiting for the agent to publish the first one.
         A replacement (a member the agent started after a loss) waits to be admitted at a step boundary and starts
         at that epoch's step."""
+        self.start()
+        self._enter_after(-1)
+        if self.epoch > 0:
+            self.start_step = int(self.store.get(self.keys.start(self.epoch)))
+
+    def start(self) -> None:
+        """Start this member's heartbeat (:meth:`join` does it first): the agent watches a process from its start."""
         if self._beating is None:
             self._beating = threading.Thread(target=self._beat, args=(self.store.clone(),), daemon=True)
             self._beating.start()
             atexit.register(self.close)
-        self._enter_after(-1)
-        if self.epoch > 0:
-            self.start_step = int(self.store.get(self.keys.start(self.epoch)))
+
+    def waits_to_join(self) -> bool:
+        """Whether this process is a replacement the agent started for a running job (the agent lists it as
+        waiting before it starts it): it is admitted at a step boundary, after its peers' next commit."""
+        waiting = self.store.get(self.keys.waiting) if self.store.check([self.keys.waiting]) else b""
+        return self.member in parse_members(waiting)
 
     def next_epoch(self) -> None:
         """After a failure: leave the current epoch's group and enter the next epoch the agent publishes."""

@@ -18,8 +18,9 @@ there (:class:`~lightning_sync.strategies._live_window.WindowRecord`): each micr
 share for the new membership, run through Lightning's own closures, each earlier step with the optimizer settings
 it had, so the global batch, and every sample in it, is trained exactly once in the committed window.
 
-**Healing.** A replacement joins when the members enter the epoch that admits it, at the start of a window (the
-admitting step applied, Lightning's loop between two batches). Every member then takes the state as a Lightning
+**Healing.** A replacement sets itself up first (no group exists yet) and asks to join at the end of its setup;
+it joins when the members enter the epoch that admits it, at the start of a window (the admitting step applied,
+Lightning's loop between two batches). Every member then takes the state as a Lightning
 checkpoint would hold it (weights, optimizers, LR schedulers, loop counters and data position, callbacks,
 precision) with the strategy's own and rank 0's RNG streams, and rank 0 sends it to the replacement in one
 broadcast. The replacement hands it to Lightning as the checkpoint to restore after setup, and until its first
@@ -48,6 +49,7 @@ from lightning_sync._lightning import (
     logged_state,
     replace_sigterm_broadcast,
     trainer_of,
+    warm_logging,
 )
 from lightning_sync.comms.membership import Membership
 from lightning_sync.live_batches import LiveBatches, share_of, weight_of
@@ -107,6 +109,7 @@ class LiveTraining:
         self._rank = -1  # this member's rank in the epoch it was in before
         self._admitted_at: float | None = None  # when this member entered an epoch that admitted replacements
         self._rng: dict[str, Any] | None = None  # a replacement's RNG streams from its peer, until its first step
+        self._replacing = False  # this process joins a running job
         self.failures = 0
         self.replayed = 0
         self.seconds_lost = 0.0
@@ -125,7 +128,20 @@ class LiveTraining:
             backend=backend, device=device, timeout=self.timeout, heal=self._heal, on_enter=self._entered
         )
         self.environment.membership = self.membership
+        if self.membership.waits_to_join():
+            # a replacement: it sets itself up (model, optimizers) before it joins at the end of setup, since its
+            # peers wait for it from its admission on; until then it runs no collective (no group exists)
+            self.membership.start()
+            self.environment.replacing = self.quiet = self._replacing = True
+            owner.set_world_ranks()
+            return
+        self._join()
+
+    def _join(self) -> None:
+        """Enter the membership (a replacement waits to be admitted there and is healed inside)."""
+        assert self.membership is not None
         self.membership.join()
+        self.environment.replacing = False
         nominal = self.environment.nominal_world_size
         if self.membership.epoch == 0 and self.membership.world_size != nominal:
             raise ValueError(
@@ -136,8 +152,8 @@ class LiveTraining:
 
     @property
     def replacement(self) -> bool:
-        """Whether this process joined a running job (it restores the state a peer sent, not a checkpoint)."""
-        return self.healed_checkpoint is not None
+        """Whether this process joins a running job (it restores the state a peer sends, not a checkpoint)."""
+        return self._replacing
 
     def _entered(self) -> None:
         """A new epoch: this member's rank and world size changed; its collectives are whole again."""
@@ -189,6 +205,9 @@ class LiveTraining:
         for metric in self._owner.lightning_module.modules():  # torchmetrics sync with torch directly
             if isinstance(metric, Metric):
                 metric.dist_sync_fn = self._metric_sync
+        if self.replacement and self.healed_checkpoint is None:  # set up: now it joins, and is healed
+            warm_logging(root)
+            self._join()
         if self.replacement:
             assert self.healed_checkpoint is not None
             self._rng = take_training_state(self._owner, trainer, self.healed_checkpoint)

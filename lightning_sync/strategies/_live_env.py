@@ -34,6 +34,7 @@ class LiveEnvironment(ClusterEnvironment):
         self.member = os.environ.get(ENV_MEMBER, "n0s0i0")
         self.nominal_world_size = nominal_world_size
         self.membership: Membership | None = None  # set once joined
+        self.replacing = False  # a replacement that has not joined yet (it sets itself up first)
 
     @property
     @override
@@ -65,7 +66,11 @@ class LiveEnvironment(ClusterEnvironment):
 
     @override
     def global_rank(self) -> int:
-        return self.membership.rank if self._joined() else self.local_rank()
+        if self._joined():
+            return self.membership.rank
+        # a replacement setting itself up before it joins: the rank it takes when the job is whole again (the agent
+        # lists replacements last), never rank 0's, whose logging and checkpoints are its peer's
+        return self.nominal_world_size - 1 if self.replacing else self.local_rank()
 
     @override
     def set_global_rank(self, rank: int) -> None:

@@ -197,16 +197,18 @@ def test_powersgd_replicas_stay_identical_through_a_loss_and_a_heal(tmp_path: Pa
             torch.testing.assert_close(record["weights"][name], value, rtol=0, atol=0, msg=f"{member} {name}")
 
 
-def test_a_replacement_lost_before_its_first_step_is_replaced_again(tmp_path: Path) -> None:
-    """The first replacement dies in its ``setup`` hook, after the heal, while its peers wait for it in their
-    window: they replay that window without it and admit the next one."""
-    env = {"FT_KILL": "n0s1i0:2:forward,n0s1i1:any:setup", "FT_BATCH": "4", "FT_STEPS": "110"}
+@pytest.mark.parametrize(("point", "failures"), [("healed", 2), ("setup", 1)])
+def test_a_replacement_lost_before_its_first_step_is_replaced_again(tmp_path: Path, point: str, failures: int) -> None:
+    """The first replacement dies before its first step: ``healed``, once admitted and healed (in ``on_fit_start``),
+    while its peers wait for it in their window: they replay that window without it and admit the next one;
+    ``setup``, while it sets itself up, before it joins: its peers never wait for it, nothing is replayed."""
+    env = {"FT_KILL": f"n0s1i0:2:forward,n0s1i1:any:{point}", "FT_BATCH": "4", "FT_STEPS": "110"}
     env.update(FT_STEP_S="0.05", FT_UNTIL_MEMBER="n0s1i2")
     agent, status, records = _run(tmp_path, max_restarts=2, **env)
     assert status == 0 and agent.restarts == 2, agent.losses
     assert [loss.member for loss in agent.losses] == ["n0s1i0", "n0s1i1"]
     assert sorted(records) == ["n0s0i0", "n0s1i2", "n0s2i0"]
-    _check(tmp_path, env, records, members=3, failures=2)
+    _check(tmp_path, env, records, members=3, failures=failures)
 
 
 def test_a_lost_node_leaves_the_other_node_training_with_the_global_batch_held(tmp_path: Path) -> None:

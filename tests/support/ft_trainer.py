@@ -14,8 +14,9 @@ a ``ModelCheckpoint`` every that many steps into ``OUT/ckpt``), ``validation`` (
 node's agent, and so its node: every rank dies with its agent); ``step`` is the global step, counted from
 the run's start, or ``+N``: N steps after the member's first (a replacement's first is where it was admitted).
 
-``setup`` (in the module's ``setup`` hook) kills a replacement after it received the state and before its first
-step, while its peers wait for it in their window; its ``step`` is ``any``.
+``setup`` (in the module's ``setup`` hook) kills a replacement while it sets itself up, before it joins; ``healed``
+(in ``on_fit_start``, after the strategy's setup) kills it after it was admitted and received the state, before its
+first step, while its peers wait for it in their window. Their ``step`` is ``any``.
 
 Each member writes ``OUT/<member>.json`` when it finishes (the global step, its rank and the live figures:
 failures, replayed steps, members) and ``OUT/<member>.pt``, its final weights.
@@ -124,6 +125,9 @@ class Model(DigitsMLP):
 
     def setup(self, stage: str) -> None:
         maybe_die(self.trainer, "setup")
+
+    def on_fit_start(self) -> None:
+        maybe_die(self.trainer, "healed")
 
     def on_before_optimizer_step(self, optimizer: Any) -> None:
         maybe_die(self.trainer, "step")

@@ -303,6 +303,16 @@ def _logged_state() -> None:
     assert float(trainer.callback_metrics["x"]) == 4.5 and "y" not in trainer.callback_metrics  # (0 + 9) / 2
 
 
+def _warm_logging() -> None:
+    """The warm-up logs as self.log does, into a collection of its own (no trainer needed)."""
+    from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultCollection
+
+    compat.warm_logging(torch.device("cpu"))
+    collection = _ResultCollection(training=True)
+    collection.log("training_step", "x", torch.tensor(2.0), batch_size=1)
+    assert float(collection["training_step.x"].value) == 2.0
+
+
 _CHECKS: dict[str, Callable[[], None]] = {
     "lightning.fabric.utilities.types._Stateful": _stateful,
     "lightning.pytorch.strategies.launchers._MultiProcessingLauncher": _multiprocessing_launcher,
@@ -326,6 +336,7 @@ _CHECKS: dict[str, Callable[[], None]] = {
     "Trainer._checkpoint_connector (.dump_checkpoint, ._loaded_checkpoint)": _checkpoint_connector,
     "Logger._version / CSV _ExperimentWriter (.metrics_file_path, .metrics_keys)": _csv_hand_over,
     "_TrainingEpochLoop._results / _ResultMetric (.value, .cumulated_batch_size, .has_reset)": _logged_state,
+    "lightning.pytorch.trainer.connectors.logger_connector.result._ResultCollection.log": _warm_logging,
 }
 
 

@@ -40,6 +40,11 @@ def test_bucketed_ddp_follows_the_agent_by_itself(monkeypatch: pytest.MonkeyPatc
     assert strategy.live is not None and strategy.cluster_environment is strategy.live.environment
     assert strategy.cluster_environment.creates_processes_externally  # Lightning starts no rank of its own
     assert (strategy.cluster_environment.node_rank(), strategy.cluster_environment.local_rank()) == (0, 1)
+    environment = strategy.cluster_environment
+    environment.set_world_size(3)
+    assert environment.global_rank() == 1  # before the membership: the slot's own
+    environment.replacing = True  # a replacement setting itself up before it joins: never rank 0's duties
+    assert environment.global_rank() == 2 and environment.world_size() == 3
     with pytest.raises(ValueError, match="fault_tolerant=False, but this process was started by"):
         BucketedDDPStrategy(fault_tolerant=False)
     assert BucketedDDPStrategy(process_group_backend="nccl").live is not None  # a communicator abort, on CUDA

@@ -137,3 +137,13 @@ def test_a_rank_process_gets_the_nccl_settings_its_membership_relies_on(tmp_path
     for env, blocking in (({}, "1"), ({"TORCH_NCCL_BLOCKING_WAIT": "0"}, "0")):
         assert start_rank([sys.executable, "-c", script], env, "127.0.0.1:1", "n0s2i1").wait(timeout=60) == 0
         assert json.loads(out.read_text()) == [blocking, "0", "n0s2i1"]
+
+
+def test_a_replacement_knows_it_is_one_before_it_joins(store: dist.TCPStore) -> None:
+    """The agent lists a replacement as waiting before it starts it, so the process can set itself up first and
+    join at the end of its setup; one of the job's first members is not on that list."""
+    keys = MembershipKeys(prefix="waits")
+    store.set(keys.waiting, b"n0s1i1,n1s0i2")
+    assert Membership(store, "n0s1i1", keys=keys).waits_to_join()
+    assert not Membership(store, "n0s1i0", keys=keys).waits_to_join()
+    assert not Membership(store, "n0s0i0", keys=MembershipKeys(prefix="none")).waits_to_join()  # no list at all
