@@ -266,7 +266,7 @@ class LiveTraining:
         self._owner._live_mark()
         if membership.admitting:
             before = membership.members
-            self._snapshot = training_state(self._owner, trainer_of(self._owner.lightning_module))
+            self._snapshot = training_state(self._owner, trainer)
             self._admitted_at = time.perf_counter()
             membership.enter_admitted()
             rank_zero_info(

@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 import torch
 from support import ft_trainer
+from support.node_agents import run_with_node_1
 
 from lightning_sync.launch.agent import Agent
 
@@ -59,11 +60,15 @@ def _run(
     out.mkdir()
     command = [sys.executable, str(SCRIPT), str(out)]
     agent = Agent(command, 3, env=env, max_restarts=max_restarts, hang_timeout=hang_timeout)
-    status = agent.run()
+    return agent, agent.run(), _records(out)
+
+
+def _records(out: Path) -> dict[str, dict[str, Any]]:
+    """Each finished member's record, with its final weights."""
     records = {p.stem: json.loads(p.read_text()) for p in sorted(out.glob("*.json"))}
     for member in records:
         records[member]["weights"] = torch.load(out / f"{member}.pt")
-    return agent, status, records
+    return records
 
 
 def _check(
@@ -220,24 +225,11 @@ def test_a_lost_node_leaves_the_other_node_training_with_the_global_batch_held(t
     out.mkdir()
     command = [sys.executable, str(SCRIPT), str(out)]
     agent = Agent(command, 2, nnodes=2, env=env, hang_timeout=3.0)
-    node1 = subprocess.Popen(
-        [sys.executable, "-m", "lightning_sync.launch.agent", "--node", "1", "--nnodes", "2", "--host", "127.0.0.1",
-         "--port", str(agent.store.port), "--nproc", "2", "--", *command],
-        env={**os.environ, **env},
-    )  # fmt: skip
-    try:
-        status = agent.run()
-        node1_status = node1.wait(timeout=60)
-    finally:
-        if node1.poll() is None:
-            node1.kill()
-            node1.wait()
+    status, node1_status = run_with_node_1(agent, command, 2, env)
     assert status == 0 and node1_status == -9 and agent.lost_nodes == [1], (status, node1_status, agent.losses)
     assert sorted(loss.member for loss in agent.losses) == ["n1s0i0", "n1s1i0"]
-    records = {p.stem: json.loads(p.read_text()) for p in sorted(out.glob("*.json"))}
+    records = _records(out)
     assert sorted(records) == ["n0s0i0", "n0s1i0"]
-    for member in records:
-        records[member]["weights"] = torch.load(out / f"{member}.pt")
     _check(tmp_path, env, records, members=2, failures=1)
 
 

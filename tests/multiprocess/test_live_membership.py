@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 from support import ft_worker
+from support.node_agents import run_with_node_1
 
 from lightning_sync.launch.agent import Agent
 
@@ -204,35 +205,7 @@ def _run_two_nodes(
         max_restarts=max_restarts,
         hang_timeout=hang_timeout,
     )
-    node1 = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "lightning_sync.launch.agent",
-            "--node",
-            "1",
-            "--nnodes",
-            "2",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(agent.store.port),
-            "--nproc",
-            "1",
-            "--",
-            sys.executable,
-            str(WORKER),
-            str(tmp_path),
-        ],
-        env={**os.environ, **env},
-    )
-    try:
-        status = agent.run()
-        node1_status = node1.wait(timeout=60)
-    finally:
-        if node1.poll() is None:
-            node1.kill()
-            node1.wait()
+    status, node1_status = run_with_node_1(agent, [sys.executable, str(WORKER), str(tmp_path)], 1, env)
     logs = {p.stem: [json.loads(line) for line in p.read_text().splitlines()] for p in tmp_path.glob("*.jsonl")}
     return agent, status, node1_status, logs
 

@@ -39,7 +39,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torchmetrics import SumMetric
 
-from lightning_sync.comms.membership_keys import ENV_MEMBER
+from lightning_sync.comms.membership_keys import ENV_MEMBER, parse_members
 from lightning_sync.models.digits import DigitsDataModule, DigitsMLP
 from lightning_sync.strategies import BucketedDDPStrategy, DiLoCoStrategy, LocalSGDStrategy
 
@@ -89,8 +89,8 @@ def wait_for_replacements(membership: Any, timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
 
     def starting() -> list[str]:
-        waiting = store.get(keys.waiting).decode().split(",") if store.check([keys.waiting]) else []
-        return [m for m in waiting if m and not store.check([keys.ready(m)])]
+        waiting = parse_members(store.get(keys.waiting)) if store.check([keys.waiting]) else []
+        return [m for m in waiting if not store.check([keys.ready(m)])]
 
     while starting() and time.monotonic() < deadline:
         time.sleep(0.05)
