@@ -337,11 +337,11 @@ def _train_under_agent(cfg: Any) -> None:
     from lightning_sync.launch.agent import Agent
 
     target = str(cfg.strategy.get("_target_", ""))
-    if not target.endswith((".BucketedDDPStrategy", ".LocalSGDStrategy", ".DiLoCoStrategy")):
+    if not target.endswith((".BucketedDDPStrategy", ".LocalSGDStrategy", ".DiLoCoStrategy", ".ShardedStrategy")):
         raise ValueError(
-            f"launch.fault_tolerant=true keeps training through a lost rank with strategy=bucketed_ddp, local_sgd "
-            f"or diloco; this job has {target!r}. Use one of those, or launch.fault_tolerant=false (a failure then "
-            f"ends the job and a rerun resumes from its newest checkpoint)"
+            f"launch.fault_tolerant=true keeps training through a lost rank with strategy=bucketed_ddp, local_sgd, "
+            f"diloco or zero1/zero2/zero3; this job has {target!r}. Use one of those, or launch.fault_tolerant=false "
+            f"(a failure then ends the job and a rerun resumes from its newest checkpoint)"
         )
     if cfg.launch.get("name") != "local":
         raise ValueError(

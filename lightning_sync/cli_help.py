@@ -47,7 +47,7 @@ COMMON_OVERRIDES = (
     ("checkpoint.every_n_train_steps=100", "also checkpoint every this many steps (mid-epoch, exact resume)"),
     ("final_checkpoint=model.ckpt", "save the trained model here after fit"),
     ("seed=0", "seeds the model, the data order and every rank's RNG"),
-    ("launch.fault_tolerant=true", "keep training when a rank is lost (bucketed_ddp; the agent starts the ranks)"),
+    ("launch.fault_tolerant=true", "keep training when a rank is lost (bucketed_ddp, zero*; the agent starts ranks)"),
     ("launch.max_restarts=3", "with fault_tolerant: lost ranks started again, in all; each heals from a live peer"),
 )
 """``key=example value`` and what it does: the train overrides most runs set (``--cfg job`` shows every key)."""

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Generator, Mapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -177,10 +177,23 @@ class SyncStrategy(StrategyParts, DDPStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self.live is not None:  # this member's share of the micro-batch, for the membership current now
             args = self.live.training_step_args(args)
+            if self.live.failure is not None:  # the window is trained again whole after its vote: nothing counts
+                return self._skipped_step()
+        return self._run_training_step(*args, **kwargs)
+
+    def _skipped_step(self) -> torch.Tensor:
+        """What a live training step skipped after a failure returns: Lightning refuses None in distributed training,
+        so a zero that requires a gradient, whose backward :meth:`backward` skips."""
+        return torch.zeros((), device=self.root_device, requires_grad=True)
+
+    def _run_training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """The training step itself (Lightning's), on the arguments :meth:`training_step` settled."""
         return super().training_step(*args, **kwargs)
 
     @override
     def backward(self, closure_loss: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self.live is not None and self.live.failure is not None:  # a skipped step (or one that just failed)
+            return closure_loss
         if self.live is not None and self.live.weight != 1.0:  # an uneven share of the micro-batch
             closure_loss = closure_loss * self.live.weight
         return super().backward(closure_loss, *args, **kwargs)
@@ -248,6 +261,23 @@ class SyncStrategy(StrategyParts, DDPStrategy):
 
     def _live_reset(self) -> None:
         """Before a replay: forget what the failed attempt left half done (nothing here)."""
+
+    def _live_abort(self) -> None:
+        """An attempt failed: drop what holds its group, before the membership tears the group down."""
+        self._live_reset()
+
+    def _live_admitted(self) -> None:
+        """The members entered an epoch that admitted replacements and healed them (nothing more here)."""
+
+    def _live_handing_over(self) -> AbstractContextManager[None]:
+        """Around the checkpoint dump a replacement heals from (nothing changes here)."""
+        return nullcontext()
+
+    def _live_before_vote(self) -> None:
+        """The window's last step ran in this attempt: what else the members commit with it (nothing here)."""
+
+    def _live_committed(self) -> None:
+        """The members committed the window (nothing more here)."""
 
     # ------------------------------------------------------------------ Lightning's hooks
     @override

@@ -93,12 +93,18 @@ class GatheredCallbacks:
     Args:
         context: returns the context the hooks run in (the engine's full parameters, or nothing yet).
         extra: callback classes whose every overridden hook is gathered (the strategy's ``gathered_callbacks``).
+        run: calls a wrapped hook (``run(call)``): the strategy's guard, which skips it once a live window lost a
+            member (its gather would need the lost rank); None: it is called as it is.
     """
 
     def __init__(
-        self, context: Callable[[], AbstractContextManager[Any]], extra: Sequence[type[Callback]] = ()
+        self,
+        context: Callable[[], AbstractContextManager[Any]],
+        extra: Sequence[type[Callback]] = (),
+        run: Callable[[Callable[[], Any]], Any] | None = None,
     ) -> None:
         self._context = context
+        self._run = run or (lambda hook: hook())
         self._extra = tuple(extra)
         self._wrapped: list[tuple[Callback, str, Any]] = []  # (callback, hook, its own instance attribute or None)
 
@@ -122,8 +128,11 @@ class GatheredCallbacks:
     def _gathered(self, hook: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(hook)
         def gathered(*args: Any, **kwargs: Any) -> Any:
-            with self._context():
-                return hook(*args, **kwargs)
+            def call() -> Any:
+                with self._context():
+                    return hook(*args, **kwargs)
+
+            return self._run(call)
 
         return gathered
 

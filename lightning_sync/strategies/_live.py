@@ -35,7 +35,8 @@ from __future__ import annotations
 
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 import torch
@@ -110,6 +111,7 @@ class LiveTraining:
         self._admitted_at: float | None = None  # when this member entered an epoch that admitted replacements
         self._rng: dict[str, Any] | None = None  # a replacement's RNG streams from its peer, until its first step
         self._replacing = False  # this process joins a running job
+        self._inside = False  # in a guarded call or in the vote's attempt: a failure propagates to it
         self.failures = 0
         self.replayed = 0
         self.seconds_lost = 0.0
@@ -205,12 +207,17 @@ class LiveTraining:
         for metric in self._owner.lightning_module.modules():  # torchmetrics sync with torch directly
             if isinstance(metric, Metric):
                 metric.dist_sync_fn = self._metric_sync
-        if self.replacement and self.healed_checkpoint is None:  # set up: now it joins, and is healed
-            warm_logging(root)
-            self._join()
+        self.join_now()  # a replacement, set up: now it joins, and is healed
         if self.replacement:
             assert self.healed_checkpoint is not None
             self._rng = take_training_state(self._owner, trainer, self.healed_checkpoint)
+
+    def join_now(self) -> None:
+        """A replacement that has not joined yet joins here (and is healed): at the end of its setup, or earlier where
+        the strategy needs its place in the membership to set up (ZeRO shards over it)."""
+        if self.replacement and self.healed_checkpoint is None:
+            warm_logging(self._owner.root_device)
+            self._join()
 
     def _metric_sync(self, tensor: torch.Tensor, group: Any = None) -> list[torch.Tensor]:
         """torchmetrics' gather, through :meth:`guarded`: after a loss, this member's values alone."""
@@ -269,6 +276,7 @@ class LiveTraining:
             self._snapshot = training_state(self._owner, trainer)
             self._admitted_at = time.perf_counter()
             membership.enter_admitted()
+            self._owner._live_admitted()
             rank_zero_info(
                 f"live: epoch {membership.epoch} admits {[m for m in membership.members if m not in before]}: "
                 f"{membership.world_size} members, the state sent in {time.perf_counter() - self._admitted_at:.2f} s"
@@ -285,14 +293,21 @@ class LiveTraining:
     def guarded(self, collective: Callable[[], T], alone: Callable[[], T]) -> T:
         """``collective()``, or ``alone()`` (this member's value as if it were the only one) while it may run
         none: a replacement before its first step, or a window whose collective already failed. A failure is
-        recorded for the vote and leaves the group, so that peers blocked with this member fail at once too."""
+        recorded for the vote and leaves the group, so that peers blocked with this member fail at once too.
+        Inside the vote's attempt, or inside another guarded call, a failure propagates instead: the attempt
+        aborts, and the outer call does not go on with collectives on a group that is gone."""
         if self.quiet or self.failure is not None:
             return alone()
+        if self._inside:
+            return collective()
+        self._inside = True
         try:
             return collective()
         except RuntimeError as exc:
             self.fail(exc)
             return alone()
+        finally:
+            self._inside = False
 
     def save(self, filepath: Any, gather: Callable[[], None]) -> None:
         """A checkpoint's collectives (every rank's state gathered on rank 0): a failure passes the checkpoint
@@ -322,7 +337,9 @@ class LiveTraining:
             self._start_window()
         settings = hyperparameters(optimizer)
         if not owner._live_commits_step():  # inside a period: its samples are recorded, to replay if it aborts
-            out = step(closure)
+            # a failure (or one before) skips the step: the window is trained again whole after its vote aborts.
+            # Lightning's closure runs all the same (its training step then returns None), as Lightning requires
+            out = self.guarded(lambda: step(closure), closure)
             self.window.end_step(settings)
             return out
         self.window.now = settings
@@ -348,20 +365,17 @@ class LiveTraining:
             replay, first[0] = not first[0], False
             if self.failure is not None:
                 raise WindowFailed(f"a collective of this window failed: {self.failure}")
-            try:
+            with self._voting():
                 if not replay:
                     out[:] = [closure() if step is None else step(closure)]
                 else:
                     replays.append(time.perf_counter())
                     out[:] = [self.replay.run(optimizer, closure, step)]
-            except RuntimeError:
-                # the buckets' handles hold the failed group: they go before the membership tears it down, or a
-                # peer blocked in a collective with this member would wait out the group's timeout
-                self._owner._live_reset()
-                raise
+                self._owner._live_before_vote()
 
         before = list(membership.members)
         aborted = membership.run_committed(int(trainer.global_step), attempt)
+        self._owner._live_committed()
         self.window.close()
         self._failed_at = None
         if self._admitted_at is not None:  # the survivors waited for the replacement's setup in this step
@@ -381,6 +395,20 @@ class LiveTraining:
             )
         return out[0]
 
+    @contextmanager
+    def _voting(self) -> Iterator[None]:
+        """An attempt's part before the vote: a failure in it propagates (the attempt aborts), and the strategy drops
+        what holds the failed group first (the buckets' handles): a peer blocked in a collective with this member
+        would otherwise wait out the group's timeout, since the membership tears the group down only then."""
+        self._inside = True
+        try:
+            yield
+        except RuntimeError:
+            self._owner._live_abort()
+            raise
+        finally:
+            self._inside = False
+
     def finish_fit(self, optimizer: Any) -> None:
         """At the fit's end inside a window (a period its last steps did not finish): the members vote on the steps
         it trained, and after a loss train them again at the new membership (without the sync the period never
@@ -395,7 +423,8 @@ class LiveTraining:
             if self.failure is not None:
                 raise WindowFailed(f"a collective of this window failed: {self.failure}")
             if replay:
-                self.replay.run_steps(optimizer)
+                with self._voting():
+                    self.replay.run_steps(optimizer)
 
         aborted = membership.run_committed(int(trainer.global_step), attempt)
         self.window.close()

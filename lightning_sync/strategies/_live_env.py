@@ -124,7 +124,7 @@ def refuse_under_agent(strategy: str) -> None:
         raise ValueError(
             f"{strategy} does not keep training through a lost rank yet, and this process was started by the "
             f"fault-tolerance agent ({ENV_MEMBER} is set). Use BucketedDDPStrategy (strategy=bucketed_ddp), "
-            f"LocalSGDStrategy or DiLoCoStrategy, or "
+            f"LocalSGDStrategy, DiLoCoStrategy or ShardedStrategy (zero1/2/3), or "
             f"start the job without the agent: a lost rank then ends the job, named by the hang watchdog, and a "
             f"rerun resumes from its newest checkpoint"
         )

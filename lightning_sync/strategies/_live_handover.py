@@ -36,7 +36,8 @@ _NOT_SENT = ("hyper_parameters", "hparams_name", "datamodule_hyper_parameters")
 
 def training_state(strategy: Any, trainer: Any) -> bytes:
     """The training state as a Lightning checkpoint holds it, with the strategy's own and the RNG streams."""
-    checkpoint = dump_training_state(trainer)
+    with strategy._live_handing_over():  # what the strategy sends otherwise (its shards) is not in the checkpoint
+        checkpoint = dump_training_state(trainer)
     for key in _NOT_SENT:
         checkpoint.pop(key, None)
     checkpoint[_LIVE] = {

@@ -72,8 +72,10 @@ class WindowRecord:
         self.steps, self.micro, self.now, self.open, self.logged = [], [], [], True, logged
 
     def add(self, j: int, entries: list[int]) -> None:
-        """Micro-batch ``j`` of its epoch, trained for the first time (a replay adds nothing)."""
-        self.micro.append((j, list(entries)))
+        """Micro-batch ``j`` of its epoch, trained for the first time (a replay adds nothing, nor does a closure that
+        runs again: a step that failed part way runs Lightning's closure once more, skipped)."""
+        if not self.micro or self.micro[-1][0] != j:
+            self.micro.append((j, list(entries)))
 
     def end_step(self, settings: list[dict[str, Any]]) -> None:
         """An optimizer step inside the window, with the settings it applied: its micro-batches become an earlier

@@ -44,7 +44,7 @@ class StrategyParts:
         #: :class:`~lightning_sync.comms.CommStats` observer that measures them (``comm.observer = None``
         #: measures nothing); nothing of it is shared with another strategy
         self.comm: comms.CommContext = new_comm()
-        self.telemetry = CommTelemetry(self, self._comm_counters, self._comm_gauges)
+        self.telemetry = CommTelemetry(self, self._comm_counters, self._gauges)
         super().__init__(**kwargs)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -76,6 +76,12 @@ class StrategyParts:
     # ------------------------------------------------------------------ what a subclass adds to a step
     def _after_optimizer_step(self) -> None:
         """Synchronize what follows an optimizer step (nothing here)."""
+
+    def _gauges(self) -> dict[str, float]:
+        """The subclass's gauges and, where it trains live, the fault-tolerance figures."""
+        gauges = self._comm_gauges()
+        live = getattr(self, "live", None)
+        return {**gauges, **live.gauges()} if live is not None else gauges
 
     def _comm_counters(self) -> dict[str, float]:
         """Cumulative counts whose per-step increase is logged (none here)."""

@@ -207,8 +207,7 @@ class BucketedDDPStrategy(SyncStrategy):
 
     @override
     def _comm_gauges(self) -> dict[str, float]:
-        gauges = {BUCKETS: float(len(self.bucketer.buckets))} if self.bucketer is not None else {}
-        return {**gauges, **self.live.gauges()} if self.live is not None else gauges
+        return {BUCKETS: float(len(self.bucketer.buckets))} if self.bucketer is not None else {}
 
     # ------------------------------------------------------------------ live fault tolerance
     @override

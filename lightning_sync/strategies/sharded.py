@@ -77,11 +77,14 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
+from lightning_sync._checks import check_int
 from lightning_sync._lightning import hidden_from_setup_broadcast
 from lightning_sync.strategies._base import SyncStrategy
 from lightning_sync.strategies._common import as_timedelta, check_bool, check_launch_args, no_sync_of
 from lightning_sync.strategies._gathered_callbacks import GatheredCallbacks, resolve_gathered_callbacks
+from lightning_sync.strategies._live_env import check_live_settings, live_requested
 from lightning_sync.strategies._sharded_checkpoint import ShardedCheckpointing
+from lightning_sync.strategies._sharded_live import FT_SNAPSHOT_MIB, ShardedLive
 from lightning_sync.strategies._telemetry import BUCKETS
 from lightning_sync.sync import zero
 from lightning_sync.sync.bucketing import check_mib
@@ -103,7 +106,7 @@ from lightning_sync.sync.zero.materialize import check_no_hidden_meta, has_meta,
 __all__ = ["ShardedStrategy"]
 
 
-class ShardedStrategy(ShardedCheckpointing, SyncStrategy):
+class ShardedStrategy(ShardedLive, ShardedCheckpointing, SyncStrategy):
     """ZeRO-1/2/3 data parallelism with explicit all-gather and reduce-scatter (see the module docstring).
 
     Args:
@@ -137,6 +140,11 @@ class ShardedStrategy(ShardedCheckpointing, SyncStrategy):
             convention (``best_model_path``, ``load_from_checkpoint``, moving between ``ddp`` and ZeRO) assumes
             one file; ``"sharded"`` at stage 3, which is chosen when one rank cannot hold the model, so rank 0
             could not hold a full checkpoint either.
+        fault_tolerant: keep training when a rank is lost (live membership; the ranks must be started by the
+            fault-tolerance agent, ``lightning-sync launch``); None: on exactly when they were. The survivors go
+            back to the last buddy snapshot and train the steps since again (:mod:`._sharded_live`).
+        snapshot_every: with ``fault_tolerant``: optimizer steps between two buddy snapshots of every rank's
+            shards, and so the most steps a loss costs (>= 1).
     """
 
     strategy_name = "sharded"
@@ -159,9 +167,12 @@ class ShardedStrategy(ShardedCheckpointing, SyncStrategy):
         timeout: float | timedelta = 1800.0,
         start_method: str = "popen",
         state_dict_type: str | None = None,
+        fault_tolerant: bool | None = None,
+        snapshot_every: int = 10,
         **kwargs: Any,
     ) -> None:
         check_stage(stage)
+        self.snapshot_every = check_int("snapshot_every", snapshot_every, 1)
         self.state_dict_type = resolve_state_dict_type(state_dict_type, stage)
         check_mib("bucket_cap_mb", bucket_cap_mb)
         self.coalesce_mb = check_mib("coalesce_mb", coalesce_mb, zero=True)
@@ -192,11 +203,21 @@ class ShardedStrategy(ShardedCheckpointing, SyncStrategy):
         self.reshard_after_forward, self.bucket_cap_mb = reshard_after_forward, bucket_cap_mb
         self.offload, self.activation_checkpointing = offload, activation_checkpointing
         self.find_unused_parameters, self.gathered_callbacks = find_unused_parameters, gathered_callbacks
-        self._callbacks = GatheredCallbacks(self._full_params, gathered)
+        self._callbacks = GatheredCallbacks(
+            self._full_params, gathered, run=lambda hook: self._guard(hook, lambda: None)
+        )
         self.engine: ZeroEngine | None = None
         # the engine a teardown closed, once it gave the module its full parameters back: its shards and the
         # optimizer's state in them, for checkpoints written after fit
         self._finished: ZeroEngine | None = None
+        self._init_live()
+        if live_requested(type(self).__name__, fault_tolerant):
+            check_live_settings(
+                type(self).__name__,
+                process_group_backend=(process_group_backend, (None, "gloo", "nccl")),
+                start_method=(start_method, ("popen",)),
+            )
+            self._go_live(self._timeout.total_seconds())
 
     # ------------------------------------------------------------------ setup / teardown
     @override
@@ -243,9 +264,12 @@ class ShardedStrategy(ShardedCheckpointing, SyncStrategy):
     @override
     def setup_optimizers(self, trainer: Any) -> None:
         super().setup_optimizers(trainer)
-        self._build_engine(self.optimizers or None)
+        replacement = self._live_join_first()  # a live replacement shards over the membership that admits it
+        self._build_engine(self.optimizers or None, broadcast=not replacement)
+        if replacement:
+            self._live_healed()
 
-    def _build_engine(self, optimizers: list[torch.optim.Optimizer] | None) -> None:
+    def _build_engine(self, optimizers: list[torch.optim.Optimizer] | None, broadcast: bool = True) -> None:
         assert self.model is not None
         if self.engine is not None:
             self.engine.unshard()
@@ -265,6 +289,7 @@ class ShardedStrategy(ShardedCheckpointing, SyncStrategy):
             offload=self.offload,
             activation_checkpointing=self.activation_checkpointing,
             find_unused_parameters=self.find_unused_parameters,
+            broadcast=broadcast,
         )
         units = [u for u in self.engine.units if u.numel]
         rank_zero_info(
@@ -292,23 +317,32 @@ class ShardedStrategy(ShardedCheckpointing, SyncStrategy):
     def teardown(self) -> None:
         self._callbacks.remove()
         if self.engine is not None:
-            self.engine.unshard()  # the module holds the full trained parameters again
+            if self._live_whole():
+                self.engine.unshard()  # the module holds the full trained parameters again
+            else:  # a loss the survivors could not recover from: their group cannot gather the shards
+                self.engine.close()
             self._finished, self.engine = self.engine, None
         super().teardown()
 
     # ------------------------------------------------------------------ step functions
     def _gathered(self, fn: Any, *args: Any, evaluation: bool, **kwargs: Any) -> Any:
-        if self.engine is not None:
-            self.engine.gather_root()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            if evaluation and self.engine is not None:
-                self.engine.reshard()
+        """A step function with the root unit gathered (an evaluation's resharded after); live, outside the vote,
+        a failure in it is recorded and the step is skipped (:meth:`_skipped_step`; an evaluation's returns None)."""
+
+        def run() -> Any:
+            if self.engine is not None:
+                self.engine.gather_root()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                if evaluation and self.engine is not None:
+                    self.engine.reshard()
+
+        return self._guard(run, (lambda: None) if evaluation else self._skipped_step)
 
     @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._gathered(super().training_step, *args, evaluation=False, **kwargs)
+    def _run_training_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._gathered(super()._run_training_step, *args, evaluation=False, **kwargs)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -343,7 +377,10 @@ class ShardedStrategy(ShardedCheckpointing, SyncStrategy):
 
     @override
     def _comm_gauges(self) -> dict[str, float]:
-        return {BUCKETS: float(sum(1 for u in self.engine.units if u.numel))} if self.engine is not None else {}
+        gauges = {BUCKETS: float(sum(1 for u in self.engine.units if u.numel))} if self.engine is not None else {}
+        if self.live is not None:
+            gauges[FT_SNAPSHOT_MIB] = self.snapshot_bytes() / 2**20
+        return gauges
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The consolidated full ``state_dict`` on rank 0 (``{}`` on the others): the module's keys, shapes and

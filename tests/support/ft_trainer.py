@@ -41,7 +41,7 @@ from torchmetrics import SumMetric
 
 from lightning_sync.comms.membership_keys import ENV_MEMBER, parse_members
 from lightning_sync.models.digits import DigitsDataModule, DigitsMLP
-from lightning_sync.strategies import BucketedDDPStrategy, DiLoCoStrategy, LocalSGDStrategy
+from lightning_sync.strategies import BucketedDDPStrategy, DiLoCoStrategy, LocalSGDStrategy, ShardedStrategy
 
 DEVICES = int(os.environ.get("FT_DEVICES", 3))
 NODES = int(os.environ.get("FT_NODES", 1))
@@ -55,7 +55,8 @@ STEP_S = float(os.environ.get("FT_STEP_S", 0))  # seconds of sleep in each train
 # half the steps on waits for every replacement the agent started to be up, so that it joins however long it takes
 # to start on a loaded machine
 UNTIL = os.environ.get("FT_UNTIL_MEMBER", "")
-STRATEGY = os.environ.get("FT_STRATEGY", "bucketed_ddp")  # or local_sgd, diloco (FT_SYNC_EVERY, FT_WARMUP)
+STRATEGY = os.environ.get("FT_STRATEGY", "bucketed_ddp")  # or local_sgd, diloco (FT_SYNC_EVERY, FT_WARMUP), zero1-3
+SNAPSHOT_EVERY = int(os.environ.get("FT_SNAPSHOT_EVERY", 3))  # zero1-3: steps between two buddy snapshots
 SYNC_EVERY = int(os.environ.get("FT_SYNC_EVERY", 4))
 WARMUP = int(os.environ.get("FT_WARMUP", 0))  # local_sgd's warm-up steps
 ACCELERATOR = os.environ.get("FT_ACCELERATOR", "cpu")  # "cuda": one GPU a rank, NCCL
@@ -157,6 +158,8 @@ def make_strategy() -> Any:
         return LocalSGDStrategy(sync_every=SYNC_EVERY, warmup_steps=WARMUP, timeout=60.0)
     if STRATEGY == "diloco":
         return DiLoCoStrategy(sync_every=SYNC_EVERY, timeout=60.0)
+    if STRATEGY.startswith("zero"):  # ZeRO: the survivors go back to the last buddy snapshot (FT_SNAPSHOT_EVERY)
+        return ShardedStrategy(stage=int(STRATEGY[-1]), snapshot_every=SNAPSHOT_EVERY, timeout=60.0)
     return BucketedDDPStrategy(timeout=60.0, compression=COMPRESSION, powersgd_rank=1, powersgd_warmup_steps=2)
 
 

@@ -1,9 +1,11 @@
-"""Under the fault-tolerance agent (its member id in the environment) only ``bucketed_ddp``, ``local_sgd`` and
-``diloco`` are built: every other strategy refuses at construction, before Lightning could start ranks of its own,
-naming those that work. And what each keeps for a replacement and for a replay: ``bucketed_ddp`` its compressor's
-state, the periodic strategies the whole period's start."""
+"""Under the fault-tolerance agent (its member id in the environment) only ``bucketed_ddp``, ``local_sgd``,
+``diloco`` and ZeRO are built: every other strategy refuses at construction, before Lightning could start ranks of
+its own, naming those that work. And what each keeps for a replacement and for a replay: ``bucketed_ddp`` its
+compressor's state, the periodic strategies the whole period's start."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import pytest
 import torch
@@ -19,16 +21,15 @@ from lightning_sync.strategies import (
 )
 
 
-@pytest.mark.parametrize(
-    "build",
-    [HogwildStrategy, AsyncParameterServerStrategy, lambda: ShardedStrategy(stage=3)],
-    ids=["hogwild", "async_ps", "zero3"],
-)
+@pytest.mark.parametrize("build", [HogwildStrategy, AsyncParameterServerStrategy], ids=["hogwild", "async_ps"])
 def test_a_strategy_that_cannot_follow_the_membership_refuses_the_agents_process(
     build: object, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv(ENV_MEMBER, "n0s1i0")
-    pattern = r"does not keep training through a lost rank yet.*BucketedDDPStrategy.*LocalSGDStrategy or DiLoCoStrategy"
+    pattern = (
+        r"does not keep training through a lost rank yet.*BucketedDDPStrategy.*LocalSGDStrategy, DiLoCoStrategy or "
+        r"ShardedStrategy \(zero1/2/3\)"
+    )
     with pytest.raises(ValueError, match=pattern):
         build()  # type: ignore[operator]
 
@@ -53,13 +54,17 @@ def test_bucketed_ddp_follows_the_agent_by_itself(monkeypatch: pytest.MonkeyPatc
             BucketedDDPStrategy(**{setting: value})
 
 
-@pytest.mark.parametrize("build", [LocalSGDStrategy, DiLoCoStrategy], ids=["local_sgd", "diloco"])
-def test_the_periodic_strategies_follow_the_agent_by_themselves(build: type, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    "build",
+    [LocalSGDStrategy, DiLoCoStrategy, lambda **kw: ShardedStrategy(stage=3, **kw)],
+    ids=["local_sgd", "diloco", "zero3"],
+)
+def test_the_windowed_strategies_follow_the_agent_by_themselves(build: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     assert build().live is None
     monkeypatch.setenv(ENV_MEMBER, "n0s2i0")
     strategy = build()
     assert strategy.live is not None and strategy.cluster_environment is strategy.live.environment
-    assert strategy._live_step_in_vote  # the period's sync is inside the vote: a replay undoes it
+    assert strategy._live_step_in_vote  # the period's sync (ZeRO: the snapshot) is inside the vote: a replay undoes it
     with pytest.raises(ValueError, match="fault_tolerant=False, but this process was started by"):
         build(fault_tolerant=False)
     with pytest.raises(ValueError, match=r"start_method='spawn' is not supported with live fault tolerance"):

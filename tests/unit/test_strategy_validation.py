@@ -158,10 +158,11 @@ _SHARDED: list[tuple[str, Any, str]] = [
         ["NoSuchCallback"],
         r"gathered_callbacks names 'NoSuchCallback', which is not an importable class",
     ),
+    *[("snapshot_every", v, got("snapshot_every", "an int >= 1", v)) for v in (0, -1, 2.5, "10", True, None)],
     *[
         (arg, v, pattern)
         for arg, v, pattern in _BUCKETED
-        if arg in ("process_group_backend", "start_method", "timeout")
+        if arg in ("process_group_backend", "start_method", "timeout", "fault_tolerant")
     ],
     (KWARGS, {"stages": 2}, r"unknown arguments \['stages'\]; besides its own it accepts"),
 ]

@@ -29,7 +29,8 @@ all-reduce of a per-parameter count, after the reduce-scatters, makes it a decis
 ``find_unused_parameters=True`` opts in to training such parameters on zero gradients instead.
 
 A rank that fails mid-step leaves its peers blocked in that unit's collective until the process group
-times out or notices the dead peer; nothing here retries.
+times out or notices the dead peer; nothing here retries. Under live fault tolerance the strategy then calls
+:meth:`ZeroEngine.abort` and puts a buddy snapshot back for the survivors (:mod:`lightning_sync.sync.zero.buddy`).
 """
 
 from __future__ import annotations
@@ -96,7 +97,9 @@ class ZeroEngine(Stage3Forward, BackwardEngine):
         param_dtype: dtype parameters are gathered and computed in (None: their own).
         reduce_dtype: dtype gradients are reduced in (None: the compute dtype).
         bucket_cap_mb: stages 1/2: gradient bucket size (each bucket is one flat shard).
-        broadcast: broadcast rank 0's parameters and buffers first.
+        broadcast: broadcast rank 0's parameters and buffers first, and initialize the meta-device ones from rank 0's
+            random state; False: build without any collective (a replacement joining a running job, whose values
+            then come from its peers: :func:`~lightning_sync.sync.zero.buddy.relayout`).
         init_device: where tensors built on the meta device get their storage (None: the CPU); see
             :class:`~lightning_sync.sync.zero.materialize.DeferredInit` (``ValueError`` when a module that owns
             such tensors has no ``reset_parameters``).
@@ -149,6 +152,7 @@ class ZeroEngine(Stage3Forward, BackwardEngine):
         #: full parameters (and a tied weight's scratch). None for a model built eagerly, which existed whole on
         #: every rank before the build.
         self.init_peak_bytes: int | None = None
+        self._broadcast = broadcast
         if broadcast and comm.world_size > 1:
             broadcast_module_states(module, comm)  # the meta ones are initialized alike instead
         self._window_open = False
@@ -195,7 +199,7 @@ class ZeroEngine(Stage3Forward, BackwardEngine):
             return [t for f in built[ui] for t in (f.master, f.full) if t is not None]
 
         if self._deferred is not None:  # each unit is built as soon as its parameters are initialized
-            self._deferred.run(self.comm, [[ps for _, ps in plan] for plan in plans], build)
+            self._deferred.run(self.comm, [[ps for _, ps in plan] for plan in plans], build, alone=not self._broadcast)
             self.init_peak_bytes, self._deferred = self._deferred.peak_bytes, None
         else:
             for ui, plan in enumerate(plans):
@@ -359,6 +363,17 @@ class ZeroEngine(Stage3Forward, BackwardEngine):
         if self.stage < 3:
             self._after_step(None, None, None)
         self._cast_frozen()
+
+    def abort(self) -> None:
+        """Forget a step that failed part way (a peer lost mid-collective, its group gone): nothing in flight is
+        waited for, no gradient is kept, and the next backward starts afresh. The masters stay as they are."""
+        self.abort_backward()
+        self._window_open = False
+        self._reducing, self._launched = [], set()
+        if self._offload is not None:
+            self._offload.forget()
+        for f in self.flats:
+            f.abort()
 
     # ------------------------------------------------------------------ inspection
     def memory_bytes(self) -> dict[str, int]:

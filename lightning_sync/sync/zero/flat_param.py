@@ -161,6 +161,34 @@ class FlatParam:
             self._gather_src = self._gather_source()
         return self.comm.all_gather_into(self.full, self._gather_src, async_op=True)
 
+    def abort(self) -> None:
+        """Forget what a failed step left in flight (its group is gone, nothing is waited for): gathers,
+        reduce-scatters and the window's gradients; stage 3 frees the full parameters."""
+        self._gather_work = self._gather_src = self._reduce = self._reduced = None
+        self.grad_full, self._touched = None, set()
+        self.master.grad = None
+        if self.stage == 3:
+            self.free()
+
+    def relayout(self, layout: FlatShard, full: torch.Tensor) -> None:
+        """Take ``layout`` (another number of ranks, or another rank) with ``full`` as the values: the padded flat
+        tensor in the master dtype, on the device. The master keeps its identity (the optimizer's groups and state
+        are keyed by it); its data becomes this rank's new shard."""
+        self.abort()
+        self.layout, self._storage = layout, None
+        with torch.no_grad():
+            if self.stage < 3:
+                self.full = full.to(self.compute_dtype, copy=True)
+                self._point_params(self.full)
+            shard = layout.shard(full)
+            if self._offloaded is not None:
+                self._offloaded.reset(shard)
+            elif self.aliased:
+                assert self.full is not None
+                self.master.data = layout.shard(self.full)
+            else:
+                self.master.data = shard.to(self.master_dtype, copy=True)
+
     # ------------------------------------------------------------------ gradients
     def _grad_buffer(self) -> torch.Tensor:
         if self.grad_full is None:  # uninitialised: each parameter's first gradient is copied in

@@ -227,9 +227,20 @@ class Stage3Forward:
                 f"ZeroEngine: ranks ran the wrap units in different orders {orders}; every rank "
                 f"must run the same units in the same order"
             )
-        self._forward_order = list(orders[0]) + [
+        self.adopt_forward_order(list(orders[0]) + [
             u.index for u in self.units if not u.is_root and u.index not in orders[0]
-        ]
+        ])  # fmt: skip
+
+    @property
+    def forward_order(self) -> list[int] | None:
+        """Stage 3: the units' forward order the ranks agreed on in the first backward (None before it)."""
+        return self._forward_order
+
+    def adopt_forward_order(self, order: list[int]) -> None:
+        """Take ``order`` (the ranks' :attr:`forward_order`) as this engine's, unchecked: a rank that joins a running
+        job takes its peers', which they checked in their first backward and do not check again."""
+        self._order_checked = True
+        self._forward_order = list(order)
         # cut from the end, so that the last group, which stays gathered into backward, is a full one
         backward = consecutive_groups(
             self._forward_order[::-1], {u.index: u.gathered_bytes for u in self.units}, self.coalesce_bytes

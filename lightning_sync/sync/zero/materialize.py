@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import TYPE_CHECKING
 
 import torch
@@ -192,10 +192,17 @@ class DeferredInit:
         self.peak_bytes = 0
         self._held = 0
 
-    def run(self, comm: Communicator, units: Sequence[Sequence[Sequence[nn.Parameter]]], build: BuildUnit) -> None:
+    def run(
+        self,
+        comm: Communicator,
+        units: Sequence[Sequence[Sequence[nn.Parameter]]],
+        build: BuildUnit,
+        alone: bool = False,
+    ) -> None:
         """Walk the modules and materialize every meta tensor; ``units[u]`` lists unit ``u``'s flat parameters'
         parameters (in flattening order), and ``build(u, buffers)`` is called once per unit as soon as all of
-        its parameters hold their initial values. A collective (:func:`rank0_rng`)."""
+        its parameters hold their initial values. A collective (:func:`rank0_rng`), unless ``alone``: this rank's
+        own random state then, for values its peers replace."""
         self._layouts = [[FlatShard([p.shape for p in ps], comm.world_size, comm.rank) for ps in u] for u in units]
         self._units, self._build = units, build
         self._unit_of = {id(p): u for u, flats in enumerate(units) for ps in flats for p in ps}
@@ -207,7 +214,7 @@ class DeferredInit:
         for u, pending in enumerate(self._pending):
             if pending == 0:  # built eagerly: flattened by the engine as usual
                 self._complete(u, [None] * len(units[u]))
-        with rank0_rng(comm, self.module, self.device), torch.no_grad():
+        with nullcontext() if alone else rank0_rng(comm, self.module, self.device), torch.no_grad():
             for name, mod in self._modules:
                 self._visit(name, mod)
 

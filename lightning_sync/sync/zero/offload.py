@@ -120,6 +120,10 @@ class HostOffload:
             target.add_(addend)
         self._adds.clear()
 
+    def forget(self) -> None:
+        """Drop the gradients still to be added (a failed step's): nothing waits for its copies."""
+        self._adds.clear()
+
     def upload(self) -> None:
         """Copy every updated master shard to its device shard (after an optimizer step or a load)."""
         self.synchronize()  # no copy in flight still reads a master or staging buffer the CPU is about to write
@@ -166,6 +170,15 @@ class OffloadedShard:
             with self.owner.side():
                 self.device_shard.copy_(self.staging, non_blocking=True)
             self._ready = self.owner.record()
+
+    def reset(self, shard: torch.Tensor) -> None:
+        """Another layout's shard (on the device, in the master dtype): the master and every buffer take its size."""
+        with torch.no_grad():
+            self.master.data = shard.to("cpu", copy=True)
+            self.device_shard = shard.to(self.device_shard.dtype, copy=True)
+        self.staging = self.owner.host_empty(shard.numel(), self.device_shard.dtype)
+        self._grad = self._addend = None
+        self._ready = None
 
     def gather_source(self) -> torch.Tensor:
         """The device shard, once its latest copy has landed (for the stream that issues the all-gather)."""

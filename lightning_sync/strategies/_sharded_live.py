@@ -1,0 +1,257 @@
+"""``ShardedStrategy``'s part in live fault tolerance: windows of ``snapshot_every`` steps, each starting from a
+buddy snapshot of every rank's shards.
+
+Under ZeRO a lost rank takes its shards with it, so the survivors cannot go on from where they are, as
+``bucketed_ddp``'s do. They go back to the last :class:`~lightning_sync.sync.zero.buddy.BuddySnapshot`, rebuild
+it sharded over their new number (a lost rank's slices come from the copy its buddy holds) and train the steps
+since again, on the same samples. So a live window is ``snapshot_every`` optimizer steps:
+
+* its last step runs inside the members' commit vote, and so does the snapshot of the state that step leaves,
+  each rank's copy sent to its buddy: a committed window always leaves a complete snapshot, and an aborted one
+  still has the one its start had;
+* its earlier steps run as they come; the first collective to fail records the loss, and the rest of the window
+  is skipped (no training step, no optimizer step) up to its vote, which aborts;
+* after the abort the survivors put the window's starting snapshot back at their new membership
+  (:meth:`ShardedLive._live_reset`) and train its steps again
+  (:class:`~lightning_sync.strategies._live_window.WindowReplay`).
+
+Work lost to a failure is at most the window, ``snapshot_every`` steps. The snapshot costs each rank host memory
+for two copies of its shards (its own and its buddy's: parameters and per-element optimizer state, in the master
+dtype), and twice that while the window's last step takes the next one (the last one is kept until the vote
+commits): :meth:`ShardedLive.snapshot_bytes`, logged as ``ft/snapshot_mib``. Every collective the strategy runs
+outside the vote (evaluation steps, accumulation micro-batches, checkpoints, gathered callbacks) is guarded: a
+failure there is recorded for the vote, never raised into Lightning's loop, and a checkpoint it interrupts is
+passed over.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any, TypeVar
+
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from typing_extensions import override
+
+from lightning_sync._lightning import next_restored, unwrap_optimizer
+from lightning_sync.comms.membership_keys import place_of
+from lightning_sync.strategies._sharded_checkpoint import optimizer_state_of
+from lightning_sync.sync.zero.buddy import BuddySnapshot, ShardsLost, relayout, take_snapshot
+
+__all__ = ["FT_SNAPSHOT_MIB", "ShardedLive"]
+
+T = TypeVar("T")
+
+FT_SNAPSHOT_MIB = "ft/snapshot_mib"
+
+
+class ShardedLive:
+    """The live window of a ZeRO strategy (module docstring); a mixin before the strategy's other bases."""
+
+    live: Any
+    engine: Any
+    snapshot_every: int
+    comm: Any
+    precision_plugin: Any
+
+    _live_capable = True
+    _live_step_in_vote = True  # the window's last step, and the snapshot it leaves, are what the members commit
+
+    def _init_live(self) -> None:
+        self._buddy: BuddySnapshot | None = None  # the window's start: what a replay goes back to
+        self._next_buddy: BuddySnapshot | None = None  # taken in the vote's attempt; the start once committed
+        self._handover = False  # dumping the checkpoint a replacement heals from
+
+    def _guard(self, collective: Callable[[], T], alone: Callable[[], T]) -> T:
+        """``collective()``; live, outside the vote, a failure in it is recorded and ``alone()`` answers instead."""
+        return collective() if self.live is None else self.live.guarded(collective, alone)
+
+    def _live_whole(self) -> bool:
+        """Whether the engine's shards are whole over the current group (always, unless a loss was left unrecovered:
+        a failure recorded, or shards laid out for another number of ranks)."""
+        if self.live is None or self.engine is None or not self.engine.flats:
+            return True
+        laid_out = self.engine.flats[0].layout.world_size
+        return self.live.failure is None and torch.distributed.is_initialized() and laid_out == self.comm.world_size
+
+    def snapshot_bytes(self) -> int:
+        """Host bytes this rank's buddy snapshot holds (0 without one)."""
+        return self._buddy.nbytes() if self._buddy is not None else 0
+
+    # ------------------------------------------------------------------ the window
+    @override
+    def _live_commits_step(self) -> bool:
+        return len(self.live.window.steps) + 1 >= self.snapshot_every
+
+    @override
+    def _live_mark(self) -> None:
+        """A window starts from the snapshot the last one's commit left; the first takes one (every rank, here)."""
+        if self._buddy is None and self.engine is not None:
+            self._guard(self._first_snapshot, lambda: None)
+
+    def _first_snapshot(self) -> None:
+        self._buddy = self._snapshot()
+        shards = sum(c.nbytes() for c in self._buddy.own)
+        rank_zero_info(
+            f"live: a buddy snapshot every {self.snapshot_every} steps: {self._buddy.nbytes() / 2**20:.2f} MiB of "
+            f"host memory a rank (its shards, {shards / 2**20:.2f} MiB, and one other rank's)"
+        )
+
+    def _snapshot(self) -> BuddySnapshot:
+        membership = self.live.membership
+        nodes = [str(place_of(m)[0]) for m in membership.members]
+        snapshot = take_snapshot(self.engine, self.comm, membership.members, nodes)
+        module = self.engine.module
+        snapshot.extra["buffers"] = {n: b.detach().to("cpu", copy=True) for n, b in module.named_buffers()}
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        if scaler is not None:
+            snapshot.extra["scaler"] = scaler.state_dict()
+        return snapshot
+
+    @override
+    def _live_before_vote(self) -> None:
+        if self.engine is not None:
+            self._next_buddy = self._snapshot()
+
+    @override
+    def _live_committed(self) -> None:
+        if self._next_buddy is not None:
+            self._buddy, self._next_buddy = self._next_buddy, None
+
+    @override
+    def _live_abort(self) -> None:
+        self._next_buddy = None
+        if self.engine is not None:
+            self.engine.abort()
+
+    @override
+    def _live_reset(self) -> None:
+        """Before a replay, in the new epoch: the window's starting snapshot, sharded over the members now."""
+        self._live_abort()
+        if self.engine is None:
+            return
+        if self._buddy is None:
+            raise ShardsLost(
+                f"{type(self).__name__}: a rank was lost before the first buddy snapshot was complete; this job "
+                f"ends here (resume from the newest checkpoint)"
+            )
+        membership = self.live.membership
+        relayout(self.engine, self._buddy, membership.member, membership.members)
+        module = self.engine.module
+        with torch.no_grad():
+            for name, buffer in module.named_buffers():
+                buffer.copy_(self._buddy.extra["buffers"][name])
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        if scaler is not None and "scaler" in self._buddy.extra:
+            scaler.load_state_dict(self._buddy.extra["scaler"])
+
+    # ------------------------------------------------------------------ healing a replacement
+    def _live_join_first(self) -> bool:
+        """A replacement joins (and is healed) before its engine is built: its shards are laid out over the
+        membership that admits it. True if this process is one."""
+        if self.live is None or not self.live.replacement:
+            return False
+        self.live.join_now()
+        return True
+
+    def _live_healed(self) -> None:
+        """A replacement's engine, built without collectives: its shards from its peers, which relayout with it."""
+        state = self.live.healed_checkpoint["lightning_sync/live"]["strategy"]
+        self._buddy = BuddySnapshot.empty(state["buddy"]["members"], state["buddy"]["shift"])
+        if state["forward_order"] is not None:
+            self.engine.adopt_forward_order(state["forward_order"])
+        self._buddy.extra["buffers"] = {
+            n: b.detach().to("cpu", copy=True) for n, b in self.engine.module.named_buffers()
+        }
+        self._live_admitted()
+
+    @override
+    def _live_admitted(self) -> None:
+        """Every member, the replacements included, takes its shards of the state at the window's start (the
+        snapshot's) over the membership that admitted them; a failure here aborts the window, as any other."""
+        membership = self.live.membership
+
+        def heal() -> None:
+            relayout(self.engine, self._buddy, membership.member, membership.members)
+
+        if self.live.quiet:  # a replacement: its peers wait for it in this collective, which it must run
+            try:
+                heal()
+            except RuntimeError as exc:
+                self.live.fail(exc)
+        else:
+            self._guard(heal, lambda: None)
+
+    @override
+    def _live_state(self) -> dict[str, Any]:
+        """Where the shards of the window's start are (the snapshot's members and buddy shift), for a replacement to
+        take its part in a rollback, and rank 0's module buffers (which no shard holds)."""
+        assert self._buddy is not None and self.engine is not None
+        buffers = {n: b.detach().to("cpu", copy=True) for n, b in self.engine.module.named_buffers()}
+        order = self.engine.forward_order  # stage 3's groups, which its peers' collectives follow
+        return {
+            "buddy": {"members": self._buddy.members, "shift": self._buddy.shift},
+            "buffers": buffers,
+            "forward_order": order,
+        }
+
+    @override
+    def _live_load(self, state: dict[str, Any]) -> None:
+        with torch.no_grad():
+            for name, buffer in self.engine.module.named_buffers():
+                buffer.copy_(state["buffers"][name])
+
+    @contextmanager
+    def _handing_over(self) -> Iterator[None]:
+        self._handover = True
+        try:
+            yield
+        finally:
+            self._handover = False
+
+    @override
+    def _live_handing_over(self) -> AbstractContextManager[None]:
+        """The healing checkpoint holds no shards (each member sends them in :meth:`_live_admitted`), only the
+        optimizers' hyperparameters."""
+        return self._handing_over()
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        if self.live is not None and self.live.replacement:  # what a live peer sent, not the file
+            return next_restored(self.lightning_module.trainer)
+        return super().load_checkpoint(checkpoint_path, weights_only)  # type: ignore[misc]
+
+    # ------------------------------------------------------------------ collectives outside the vote
+    @override
+    def backward(self, closure_loss: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        parent = super().backward  # type: ignore[misc]
+        return self._guard(lambda: parent(closure_loss, *args, **kwargs), lambda: closure_loss)
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        if self._handover:
+            return {}
+        parent = super().lightning_module_state_dict  # type: ignore[misc]
+        return self._guard(parent, dict)
+
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        if self._handover:
+            return optimizer_state_of(self.engine, unwrap_optimizer(optimizer), "sharded")
+        parent = super().optimizer_state  # type: ignore[misc]
+        return self._guard(lambda: parent(optimizer), dict)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        parent = super().save_checkpoint  # type: ignore[misc]
+        if self.live is None:
+            parent(checkpoint, filepath, storage_options)
+        else:  # interrupted, it writes nothing where the checkpoint goes, and the window's vote aborts
+            self.live.save(filepath, lambda: parent(checkpoint, filepath, storage_options))
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.live is not None and self.live.failure is not None:
+            return  # the checkpoint meant to replace it was passed over: keep it
+        super().remove_checkpoint(filepath)  # type: ignore[misc]

@@ -1,0 +1,244 @@
+"""Buddy copies of a ZeRO engine's shards: what lets its ranks keep training when one of them is lost.
+
+A rank's shard of the parameters and of the optimizer state exists nowhere else, so a lost rank takes its slice of
+the model with it. A :class:`BuddySnapshot` keeps, in host memory, this rank's own shards and those of one other
+rank, which that rank sent it (its *buddy* holds them), all taken at the same step boundary. This is Gemini's
+redundant in-memory copy (Wang et al., SOSP 2023): the buddy is the rank a fixed shift away in the membership,
+chosen so that as many ranks as possible send to another node (:func:`buddy_shift`), which a lost node then
+leaves recoverable.
+
+After a loss the survivors rebuild the state of the snapshot's step for their new number of ranks
+(:func:`relayout`), one collective per flat parameter and per-element optimizer state: each survivor contributes
+the old slices it holds (its own, and the copy of a lost rank it holds), the sum of those zero-padded slices is the
+full flat tensor, exactly (every element is one rank's value plus zeros), and each rank keeps its new slice. A
+rank lost together with the rank that holds its copy cannot be rebuilt: :class:`ShardsLost` names both.
+
+Nothing here imports Lightning: the strategy decides when to take a snapshot and when to go back to it.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from lightning_sync.sync.communicator import Communicator
+from lightning_sync.sync.flat import FlatShard
+
+if TYPE_CHECKING:
+    from lightning_sync.sync.zero.engine import ZeroEngine
+
+__all__ = ["BuddySnapshot", "FlatCopy", "ShardsLost", "buddy_shift", "contributors", "relayout", "take_snapshot"]
+
+
+class ShardsLost(Exception):
+    """A lost rank's shards are nowhere: the rank that held its copy was lost too. Not a ``RuntimeError``, which the
+    live membership takes for a lost member to train past: this ends the job."""
+
+
+@dataclass
+class FlatCopy:
+    """One flat parameter's shard as one rank held it: the master values and the optimizer's state of them."""
+
+    master: torch.Tensor
+    #: optimizer states with one value per shard element (``exp_avg``, ``momentum_buffer``), sorted by name
+    elementwise: dict[str, torch.Tensor] = field(default_factory=dict)
+    #: the other optimizer states (``step``): the same on every rank, which steps its shard with the others
+    scalars: dict[str, Any] = field(default_factory=dict)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """What a buddy receives of it, in a fixed order."""
+        return [self.master, *self.elementwise.values()]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+
+def _copies(engine: ZeroEngine) -> list[FlatCopy]:
+    """This rank's shards now, copied to host memory."""
+    out = []
+    for f in engine.flats:
+        optimizer = engine.optimizer_of(f)
+        state = optimizer.state.get(f.master, {}) if optimizer is not None else {}
+        per_element = {
+            k: v.detach().to("cpu", copy=True)
+            for k, v in sorted(state.items())
+            if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == f.layout.shard_numel
+        }
+        scalars = {
+            k: v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else copy.deepcopy(v)
+            for k, v in state.items()
+            if k not in per_element
+        }
+        out.append(FlatCopy(f.master.detach().to("cpu", copy=True), per_element, scalars))
+    return out
+
+
+def buddy_shift(nodes: Sequence[str]) -> int:
+    """The shift ``s`` such that rank ``r`` sends its copy to rank ``(r + s) % K`` (``nodes``: each rank's node, in
+    rank order): the one that sends the most copies to another node, the smallest of those; 0 for one rank. A shift
+    makes every rank hold exactly one copy."""
+    k = len(nodes)
+    if k < 2:
+        return 0
+    return max(range(1, k), key=lambda s: (sum(nodes[r] != nodes[(r + s) % k] for r in range(k)), -s))
+
+
+@dataclass
+class BuddySnapshot:
+    """The state of every rank's shards at one step, spread over the ranks (module docstring).
+
+    ``members`` are the ranks of the epoch it was taken in, in rank order; this process was ``members[rank]``.
+    It holds its own shards (``own``) and those of ``members[(rank - shift) % K]`` (``held``); every rank holds
+    exactly one other rank's. ``extra`` is the strategy's own per-rank state taken with it (module buffers).
+    """
+
+    members: list[str]
+    rank: int
+    shift: int
+    own: list[FlatCopy]
+    held: list[FlatCopy] | None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def empty(cls, members: Sequence[str], shift: int) -> BuddySnapshot:
+        """A snapshot's layout without its copies: what a rank that joined after it was taken knows of it."""
+        return cls(list(members), -1, shift, [], None)
+
+    def nbytes(self) -> int:
+        """Host bytes it holds: the two copies of the shards (parameters and per-element optimizer state)."""
+        return sum(c.nbytes() for c in self.own) + sum(c.nbytes() for c in self.held or [])
+
+
+def take_snapshot(
+    engine: ZeroEngine, comm: Communicator, members: Sequence[str], nodes: Sequence[str]
+) -> BuddySnapshot:
+    """Copy this rank's shards to host memory and exchange copies with the buddies (a collective: every rank sends
+    one and receives one, point to point, on the device the collectives run on)."""
+    own = _copies(engine)
+    k, rank = comm.world_size, comm.rank
+    shift = buddy_shift(nodes)
+    if k < 2:
+        return BuddySnapshot(list(members), rank, shift, own, None)
+    device = engine.flats[0].device if engine.flats else torch.device("cpu")
+    mine = [t for c in own for t in c.tensors()]
+    sent = _pack(mine, device)
+    received = {dtype: torch.empty_like(buffer) for dtype, buffer in sent.items()}
+    works = []
+    for dtype in sent:  # every rank posts both before it waits for either: no pair waits on the other
+        works.append(comm.send(sent[dtype], (rank + shift) % k, async_op=True))
+        works.append(comm.recv(received[dtype], (rank - shift) % k, async_op=True))
+    for work in works:
+        work.wait()
+    held = _unpack(received, own)
+    return BuddySnapshot(list(members), rank, shift, own, held)
+
+
+def _pack(tensors: list[torch.Tensor], device: torch.device) -> dict[torch.dtype, torch.Tensor]:
+    """One flat buffer per dtype, in order."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t.reshape(-1))
+    return {dtype: torch.cat(ts).to(device) for dtype, ts in by_dtype.items()}
+
+
+def _unpack(buffers: dict[torch.dtype, torch.Tensor], like: list[FlatCopy]) -> list[FlatCopy]:
+    """:func:`_pack`'s buffers back into copies shaped like ``like`` (a buddy's shards are as large as this rank's,
+    and its optimizer holds the same states), on the host."""
+    offsets = dict.fromkeys(buffers, 0)
+    host = {dtype: buffer.to("cpu") for dtype, buffer in buffers.items()}
+
+    def take(t: torch.Tensor) -> torch.Tensor:
+        start = offsets[t.dtype]
+        offsets[t.dtype] = start + t.numel()
+        return host[t.dtype][start : start + t.numel()].clone()
+
+    return [FlatCopy(take(c.master), {k: take(v) for k, v in c.elementwise.items()}) for c in like]
+
+
+def contributors(then: Sequence[str], shift: int, now: Sequence[str]) -> dict[int, str]:
+    """Old rank -> the member of ``now`` that holds its shards: itself if it is still a member, else its buddy.
+    Raises :class:`ShardsLost` naming a lost rank whose buddy was lost too."""
+    k = len(then)
+    out: dict[int, str] = {}
+    for q, owner in enumerate(then):
+        holder = then[(q + shift) % k] if shift else owner
+        if owner in now:
+            out[q] = owner
+        elif holder in now and holder != owner:
+            out[q] = holder
+        else:
+            raise ShardsLost(
+                f"the shards of {owner} (rank {q} of {k} when they were last copied) are lost: {owner} was lost "
+                f"and so was {holder}, which held their copy. A ZeRO job survives any loss that leaves every rank "
+                f"or the rank holding its copy; this one ends here (resume from the newest checkpoint)"
+            )
+    return out
+
+
+def relayout(engine: ZeroEngine, snapshot: BuddySnapshot, member: str, members: Sequence[str]) -> None:
+    """Put the snapshot's state back into ``engine``, sharded over the current ranks ``members`` (``member`` is this
+    process): a collective every current rank calls. A rank that holds nothing of it (a replacement, whose snapshot
+    is :meth:`BuddySnapshot.empty`) contributes nothing and gets its slices. Nothing of the engine changes until every
+    collective has completed, so a failure leaves it as it was."""
+    comm = engine.comm
+    contrib = contributors(snapshot.members, snapshot.shift, members)
+    # every rank runs the same collectives: the states' names and the scalars come from the member holding old rank
+    # 0's shards (its own copies have them all), which every rank can name
+    meta = None
+    if member == contrib[0]:
+        meta = [([(k, v.dtype) for k, v in c.elementwise.items()], c.scalars) for c in snapshot.own]
+    meta = comm.broadcast_object(meta, src=list(members).index(contrib[0]))
+    mine: dict[int, list[FlatCopy]] = {}
+    for q, who in contrib.items():
+        if who == member:  # its own shards, or those of the lost rank whose copy it holds
+            held = snapshot.own if q == snapshot.rank else snapshot.held
+            assert held is not None
+            mine[q] = held
+    layouts, rebuilt = [], []
+    for i, f in enumerate(engine.flats):
+        old = FlatShard(f.layout.shapes, len(snapshot.members), 0)
+        new = FlatShard(f.layout.shapes, comm.world_size, comm.rank)
+        keys, scalars = meta[i]
+        master = _whole(comm, {q: c[i].master for q, c in mine.items()}, old, new, f.master_dtype, f.device)
+        states = {
+            key: new.shard(_whole(comm, {q: c[i].elementwise[key] for q, c in mine.items()}, old, new, dtype, f.device))
+            for key, dtype in keys
+        }
+        layouts.append(new)
+        rebuilt.append((master, states, scalars))
+    for f, new, (master, states, scalars) in zip(engine.flats, layouts, rebuilt):
+        f.relayout(new, master)
+        optimizer = engine.optimizer_of(f)
+        if optimizer is None:
+            continue
+        where = f.master.device
+        state = {k: v.to(where, copy=True) for k, v in states.items()}
+        state.update({k: v.to(where) if isinstance(v, torch.Tensor) else v for k, v in scalars.items()})
+        optimizer.state.pop(f.master, None)
+        if state:
+            optimizer.state[f.master] = state
+    engine.abort()  # nothing in flight, no gradient: the next step starts afresh
+
+
+def _whole(
+    comm: Communicator,
+    slices: dict[int, torch.Tensor],
+    old: FlatShard,
+    new: FlatShard,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> torch.Tensor:
+    """The whole flat tensor, padded for ``new``, from the ``old`` rank -> slice pieces every rank holds (each old
+    rank's held by exactly one): their zero-padded sum over the ranks, exact."""
+    values = torch.zeros(old.padded, dtype=dtype, device=device)
+    n = old.shard_numel
+    for q, piece in slices.items():
+        values[q * n : (q + 1) * n] = piece.to(device)
+    comm.all_reduce(values, op="sum")
+    padded = torch.zeros(new.padded, dtype=dtype, device=device)
+    padded[: new.total] = values[: old.total]
+    return padded
