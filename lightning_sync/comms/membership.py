@@ -312,23 +312,31 @@ class Membership:
         self.leave()
 
     # ------------------------------------------------------------------ the commit vote
-    def vote(self, step: int, ok: bool) -> bool:
+    def vote(self, step: int, ok: bool, admits: bool = True) -> bool:
         """Whether step ``step`` is committed in this epoch: every member's part completed (``ok`` is this
         member's). A collective over the store, not the group, so it works with the group broken; see the module
-        docstring for why every member reads the same decision."""
-        self.cast(step, ok)
+        docstring for why every member reads the same decision. A committed step admits the replacements that are
+        ready only where every member's ``admits`` says it may (its state is whole for a heal after this step)."""
+        self.cast(step, ok, admits)
         return self.decision(step)
 
-    def cast(self, step: int, ok: bool) -> None:
+    def cast(self, step: int, ok: bool, admits: bool = True) -> None:
         """This member's vote on ``step``; the member whose vote completes the count seals the decision."""
         key = self.keys.vote(self.epoch, step)
-        self.store.set(f"{key}/vote/{self.rank}", b"1" if ok else b"0")
+        self.store.set(f"{key}/vote/{self.rank}", (b"1" if admits else b"2") if ok else b"0")
         if self.store.add(f"{key}/votes", 1) == self.world_size:
             votes = self.store.multi_get([f"{key}/vote/{r}" for r in range(self.world_size)])
-            commit = all(v == b"1" for v in votes)
-            if commit and (ready := self._ready_replacements()):  # before the decision: whoever reads it, reads this
+            commit = all(v != b"0" for v in votes)
+            admit = commit and all(v == b"1" for v in votes)
+            if admit and (ready := self._ready_replacements()):  # before the decision: whoever reads it, reads this
                 self.store.compare_set(self.keys.admit(self.epoch), "", f"{step}:{','.join(ready)}")
             self.store.compare_set(f"{key}/decision", "", "commit" if commit else "abort")
+
+    def replacements_waiting(self) -> bool:
+        """Whether the agent started replacements that are not admitted yet (one may be admitted at a coming step)."""
+        return (
+            bool(parse_members(self.store.get(self.keys.waiting))) if self.store.check([self.keys.waiting]) else False
+        )
 
     def _ready_replacements(self) -> list[str]:
         if not self.store.check([self.keys.waiting]):
@@ -355,12 +363,13 @@ class Membership:
             self.store.compare_set(decision, "", "abort")
         return self.store.get(decision) == b"commit"
 
-    def run_committed(self, step: int, attempt: Callable[[], None]) -> int:
+    def run_committed(self, step: int, attempt: Callable[[], None], admits: Callable[[], bool] | None = None) -> int:
         """Run ``attempt`` (this member's part of step ``step``, its collectives included) until the members commit
         it; after an abort, enter the next epoch and run it again there (``attempt`` reads :attr:`rank` and
         :attr:`world_size` anew). Returns how many attempts were aborted. An error that no lost member explains
         (no new epoch follows) is raised again once :meth:`next_epoch` gives up. A commit that admits replacements
-        is entered by :meth:`enter_admitted`, once the caller has applied the step."""
+        is entered by :meth:`enter_admitted`, once the caller has applied the step; ``admits()``, asked after a
+        completed attempt, says whether this member lets the step admit any (:meth:`vote`)."""
         aborted = 0
         while True:
             error: BaseException | None = None
@@ -374,7 +383,7 @@ class Membership:
                 # follows)
                 traceback.clear_frames(exc.__traceback__)
                 self.leave()
-            if self.vote(step, error is None):
+            if self.vote(step, error is None, error is None and (admits is None or admits())):
                 self.healed |= set(self.members)
                 self._admitting = self.admitted_after(step)
                 return aborted

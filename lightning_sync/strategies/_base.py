@@ -212,6 +212,10 @@ class SyncStrategy(StrategyParts, DDPStrategy):
     #: window's start (:meth:`_live_mark`); False: the vote comes first and only a committed step is applied
     _live_step_in_vote = False
 
+    #: live: a window's inner optimizer steps communicate (ZeRO's gathers), so a failure in one is recorded and the
+    #: rest of the window skipped; False: they run no collective, and run whatever happened
+    _live_guards_inner_steps = False
+
     def _live_commits_step(self) -> bool:
         """Whether the coming optimizer step ends a live window, which the members then commit (every step here)."""
         return True
@@ -265,6 +269,15 @@ class SyncStrategy(StrategyParts, DDPStrategy):
     def _live_abort(self) -> None:
         """An attempt failed: drop what holds its group, before the membership tears the group down."""
         self._live_reset()
+
+    def _live_closes_window(self) -> bool:
+        """Whether the committed step that comes ends the window (every one here): else the window goes on after it,
+        and a later loss replays it from the window's start."""
+        return True
+
+    def _live_admits(self) -> bool:
+        """Whether the step this member just ran may admit replacements once committed (always here)."""
+        return True
 
     def _live_admitted(self) -> None:
         """The members entered an epoch that admitted replacements and healed them (nothing more here)."""

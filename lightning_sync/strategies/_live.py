@@ -337,9 +337,12 @@ class LiveTraining:
             self._start_window()
         settings = hyperparameters(optimizer)
         if not owner._live_commits_step():  # inside a period: its samples are recorded, to replay if it aborts
-            # a failure (or one before) skips the step: the window is trained again whole after its vote aborts.
-            # Lightning's closure runs all the same (its training step then returns None), as Lightning requires
-            out = self.guarded(lambda: step(closure), closure)
+            if owner._live_guards_inner_steps:
+                # a failure (or one before) skips the step: the window is trained again whole after its vote aborts.
+                # Lightning's closure runs all the same (its training step then skipped), as Lightning requires
+                out = self.guarded(lambda: step(closure), closure)
+            else:  # no collective in it: it runs (its training step skipped after a failure), the strategy counts it
+                out = step(closure)
             self.window.end_step(settings)
             return out
         self.window.now = settings
@@ -374,9 +377,13 @@ class LiveTraining:
                 self._owner._live_before_vote()
 
         before = list(membership.members)
-        aborted = membership.run_committed(int(trainer.global_step), attempt)
+        closes = self._owner._live_closes_window()  # else a step inside the window is committed (ZeRO's first)
+        aborted = membership.run_committed(int(trainer.global_step), attempt, self._owner._live_admits)
         self._owner._live_committed()
-        self.window.close()
+        if closes:
+            self.window.close()
+        else:
+            self.window.end_step(self.window.now)
         self._failed_at = None
         if self._admitted_at is not None:  # the survivors waited for the replacement's setup in this step
             waited = time.perf_counter() - self._admitted_at

@@ -66,6 +66,8 @@ class WindowRecord:
     open: bool = False
     #: what was logged at its start (the epoch, Lightning's accumulation, :class:`MetricMarks`), put back by a replay
     logged: Any = None
+    #: the window committed last, its steps and what was logged at its start, while a replay may still need it
+    previous: tuple[list[tuple[list[MicroBatch], list[dict[str, Any]]]], Any] | None = None
 
     def start(self, logged: Any = None) -> None:
         """A window's first micro-batch."""
@@ -84,8 +86,23 @@ class WindowRecord:
         self.micro = []
 
     def close(self) -> None:
-        """The window was committed: nothing of it is replayed any more."""
+        """The window was committed: it is replayed again only after :meth:`reopen_previous`."""
+        last = [(self.micro, self.now)] if self.micro else []
+        self.previous = ([*self.steps, *last], self.logged)
         self.steps, self.micro, self.now, self.open, self.logged = [], [], [], False, None
+
+    def reopen_previous(self) -> None:
+        """The window before goes back in front of this one (the strategy's state goes back to its start): a replay
+        trains both. For a strategy whose state at this window's start is not safe yet when a loss comes (ZeRO's
+        snapshot, still on its way to the buddies)."""
+        if self.previous is None:
+            raise RuntimeError("WindowRecord: no committed window to reopen")
+        steps, logged = self.previous
+        self.steps, self.logged, self.previous = [*steps, *self.steps], logged, None
+
+    def forget_previous(self) -> None:
+        """The state at this window's start is safe: the window before is never replayed again."""
+        self.previous = None
 
     def earlier_micro(self, last: int) -> list[MicroBatch]:
         """The step in progress's micro-batches before its last, ``last`` (whether the failed attempt trained that

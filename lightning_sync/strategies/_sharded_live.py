@@ -2,26 +2,28 @@
 buddy snapshot of every rank's shards.
 
 Under ZeRO a lost rank takes its shards with it, so the survivors cannot go on from where they are, as
-``bucketed_ddp``'s do. They go back to the last :class:`~lightning_sync.sync.zero.buddy.BuddySnapshot`, rebuild
-it sharded over their new number (a lost rank's slices come from the copy its buddy holds) and train the steps
-since again, on the same samples. So a live window is ``snapshot_every`` optimizer steps:
+``bucketed_ddp``'s do. They go back to a :class:`~lightning_sync.sync.zero.buddy.BuddySnapshot`, rebuild it sharded
+over their new number (a lost rank's slices come from the copy its buddy holds) and train the steps since again, on
+the same samples. So a live window is ``snapshot_every`` optimizer steps:
 
-* its last step runs inside the members' commit vote, and so does the snapshot of the state that step leaves,
-  each rank's copy sent to its buddy: a committed window always leaves a complete snapshot, and an aborted one
-  still has the one its start had;
-* its earlier steps run as they come; the first collective to fail records the loss, and the rest of the window
-  is skipped (no training step, no optimizer step) up to its vote, which aborts;
-* after the abort the survivors put the window's starting snapshot back at their new membership
-  (:meth:`ShardedLive._live_reset`) and train its steps again
-  (:class:`~lightning_sync.strategies._live_window.WindowReplay`).
+* its last step runs inside the members' commit vote, and takes the snapshot of the state it leaves: each rank's own
+  copy at once, in host memory, and the copy for its buddy sent point to point, asynchronously;
+* the snapshot travels while the next window's first step trains, and that step's attempt waits for it and is
+  committed by a vote too: from then on it is the snapshot a replay goes back to. A loss before that goes back to
+  the snapshot before, and replays the window before as well (:meth:`WindowRecord.reopen_previous`);
+* its other steps run as they come; the first collective to fail records the loss, and the rest of the window is
+  skipped (no training step, no optimizer step) up to its next vote, which aborts;
+* after the abort the survivors put the snapshot back at their new membership (:meth:`ShardedLive._live_reset`) and
+  train the steps since again (:class:`~lightning_sync.strategies._live_window.WindowReplay`).
 
-Work lost to a failure is at most the window, ``snapshot_every`` steps. The snapshot costs each rank host memory
-for two copies of its shards (its own and its buddy's: parameters and per-element optimizer state, in the master
-dtype), and twice that while the window's last step takes the next one (the last one is kept until the vote
-commits): :meth:`ShardedLive.snapshot_bytes`, logged as ``ft/snapshot_mib``. Every collective the strategy runs
-outside the vote (evaluation steps, accumulation micro-batches, checkpoints, gathered callbacks) is guarded: a
-failure there is recorded for the vote, never raised into Lightning's loop, and a checkpoint it interrupts is
-passed over.
+Work lost to a failure is at most ``snapshot_every`` steps, or ``snapshot_every + 1`` for a loss in the step that
+waits for the snapshot. A replacement is admitted only after a window's last step that waited for its snapshot (its
+members see a replacement waiting), so a heal starts from a snapshot every buddy holds. The snapshots cost each
+rank host memory for two copies of its shards (its own and its buddy's: parameters and per-element optimizer state,
+in the master dtype), and twice that while the next one travels: :meth:`ShardedLive.snapshot_bytes`, logged as
+``ft/snapshot_mib``. Every collective the strategy runs outside a vote (evaluation steps, accumulation
+micro-batches, checkpoints, gathered callbacks) is guarded: a failure there is recorded for the vote, never raised
+into Lightning's loop, and a checkpoint it interrupts is passed over.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from typing_extensions import override
 from lightning_sync._lightning import next_restored, unwrap_optimizer
 from lightning_sync.comms.membership_keys import place_of
 from lightning_sync.strategies._sharded_checkpoint import optimizer_state_of
-from lightning_sync.sync.zero.buddy import BuddySnapshot, ShardsLost, relayout, take_snapshot
+from lightning_sync.sync.zero.buddy import BuddySnapshot, PendingSnapshot, ShardsLost, relayout, take_snapshot
 
 __all__ = ["FT_SNAPSHOT_MIB", "ShardedLive"]
 
@@ -57,10 +59,15 @@ class ShardedLive:
 
     _live_capable = True
     _live_step_in_vote = True  # the window's last step, and the snapshot it leaves, are what the members commit
+    _live_guards_inner_steps = True  # every step gathers and reduce-scatters
 
     def _init_live(self) -> None:
-        self._buddy: BuddySnapshot | None = None  # the window's start: what a replay goes back to
-        self._next_buddy: BuddySnapshot | None = None  # taken in the vote's attempt; the start once committed
+        self._buddy: BuddySnapshot | None = None  # the newest snapshot every buddy holds: what a replay goes back to
+        self._start_safe = True  # _buddy is the state at this window's start (else the window's before: see above)
+        self._pending: PendingSnapshot | None = None  # the snapshot of this window's start, on its way to the buddies
+        self._taken: PendingSnapshot | None = None  # taken in this attempt: the next window's start once committed
+        self._arrived: BuddySnapshot | None = None  # _pending, arrived in this attempt: safe once committed
+        self._settled = False  # _taken arrived in this attempt too: the commit may admit replacements
         self._handover = False  # dumping the checkpoint a replacement heals from
 
     def _guard(self, collective: Callable[[], T], alone: Callable[[], T]) -> T:
@@ -76,12 +83,19 @@ class ShardedLive:
         return self.live.failure is None and torch.distributed.is_initialized() and laid_out == self.comm.world_size
 
     def snapshot_bytes(self) -> int:
-        """Host bytes this rank's buddy snapshot holds (0 without one)."""
-        return self._buddy.nbytes() if self._buddy is not None else 0
+        """Host bytes this rank's buddy snapshots hold now: the one a replay goes back to, and one on its way."""
+        held = [self._buddy, self._pending.snapshot if self._pending is not None else None]
+        return sum(s.nbytes() for s in held if s is not None)
 
     # ------------------------------------------------------------------ the window
     @override
     def _live_commits_step(self) -> bool:
+        """The window's last step, and its first while the snapshot of its start is on its way: committing that one
+        makes the snapshot the one a replay goes back to."""
+        return self._live_closes_window() or (self._pending is not None and not self.live.window.steps)
+
+    @override
+    def _live_closes_window(self) -> bool:
         return len(self.live.window.steps) + 1 >= self.snapshot_every
 
     @override
@@ -91,46 +105,72 @@ class ShardedLive:
             self._guard(self._first_snapshot, lambda: None)
 
     def _first_snapshot(self) -> None:
-        self._buddy = self._snapshot()
+        self._buddy, self._start_safe = self._snapshot().wait(), True
         shards = sum(c.nbytes() for c in self._buddy.own)
         rank_zero_info(
             f"live: a buddy snapshot every {self.snapshot_every} steps: {self._buddy.nbytes() / 2**20:.2f} MiB of "
             f"host memory a rank (its shards, {shards / 2**20:.2f} MiB, and one other rank's)"
         )
 
-    def _snapshot(self) -> BuddySnapshot:
+    def _snapshot(self) -> PendingSnapshot:
         membership = self.live.membership
         nodes = [str(place_of(m)[0]) for m in membership.members]
-        snapshot = take_snapshot(self.engine, self.comm, membership.members, nodes)
+        pending = take_snapshot(self.engine, self.comm, membership.members, nodes)
         module = self.engine.module
-        snapshot.extra["buffers"] = {n: b.detach().to("cpu", copy=True) for n, b in module.named_buffers()}
+        pending.snapshot.extra["buffers"] = {n: b.detach().to("cpu", copy=True) for n, b in module.named_buffers()}
         scaler = getattr(self.precision_plugin, "scaler", None)
         if scaler is not None:
-            snapshot.extra["scaler"] = scaler.state_dict()
-        return snapshot
+            pending.snapshot.extra["scaler"] = scaler.state_dict()
+        return pending
 
     @override
     def _live_before_vote(self) -> None:
-        if self.engine is not None:
-            self._next_buddy = self._snapshot()
+        """Inside the vote's attempt: the snapshot of this window's start arrives (a peer lost meanwhile aborts the
+        step), and the window's last step sends the next one on its way; where replacements wait to be admitted it
+        waits for it too, so that a heal after this step starts from a snapshot every buddy holds."""
+        if self.engine is None:
+            return
+        if self._pending is not None:
+            self._arrived = self._pending.wait()
+        self._taken, self._settled = None, False
+        if self._live_closes_window():
+            self._taken = self._snapshot()
+            if self.live.membership.replacements_waiting():
+                self._taken.wait()
+                self._settled = True
+
+    @override
+    def _live_admits(self) -> bool:
+        return self._settled
 
     @override
     def _live_committed(self) -> None:
-        if self._next_buddy is not None:
-            self._buddy, self._next_buddy = self._next_buddy, None
+        if self._arrived is not None:
+            self._buddy, self._start_safe, self._pending, self._arrived = self._arrived, True, None, None
+            self.live.window.forget_previous()
+        if self._taken is not None:
+            if self._settled:
+                self._buddy, self._start_safe = self._taken.snapshot, True
+            else:
+                self._pending, self._start_safe = self._taken, False
+            self._taken, self._settled = None, False
 
     @override
     def _live_abort(self) -> None:
-        self._next_buddy = None
+        self._taken, self._arrived, self._settled = None, None, False
         if self.engine is not None:
             self.engine.abort()
 
     @override
     def _live_reset(self) -> None:
-        """Before a replay, in the new epoch: the window's starting snapshot, sharded over the members now."""
+        """Before a replay, in the new epoch: the window's starting snapshot, sharded over the members now. If that
+        snapshot may not have reached every buddy, the one before it, and the window before goes back in the replay."""
         self._live_abort()
         if self.engine is None:
             return
+        if not self._start_safe:
+            self.live.window.reopen_previous()
+            self._pending, self._start_safe = None, True
         if self._buddy is None:
             raise ShardsLost(
                 f"{type(self).__name__}: a rank was lost before the first buddy snapshot was complete; this job "
@@ -145,6 +185,14 @@ class ShardedLive:
         scaler = getattr(self.precision_plugin, "scaler", None)
         if scaler is not None and "scaler" in self._buddy.extra:
             scaler.load_state_dict(self._buddy.extra["scaler"])
+
+    @override
+    def on_train_end(self) -> None:
+        """A snapshot still on its way when the fit ends arrives before the group goes (no transfer is left open)."""
+        super().on_train_end()  # type: ignore[misc]
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            self._guard(pending.wait, lambda: None)
 
     # ------------------------------------------------------------------ healing a replacement
     def _live_join_first(self) -> bool:

@@ -37,7 +37,8 @@ pytestmark = [pytest.mark.timeout(240)]
 
 def _reference(tmp_path: Path, env: dict[str, str]) -> dict[str, torch.Tensor]:
     """One process on the same global batches (a per-rank batch x 3, the same accumulation and steps)."""
-    key = tuple(sorted((k, v) for k, v in env.items() if k in ("FT_BATCH", "FT_ACCUMULATE", "FT_STEPS", "FT_NODES")))
+    shape = ("FT_BATCH", "FT_ACCUMULATE", "FT_STEPS", "FT_NODES", "FT_DEVICES", "FT_LR_INTERVAL")
+    key = tuple(sorted((k, v) for k, v in env.items() if k in shape))
     if key not in _REFERENCES:
         out = tmp_path / "reference"
         out.mkdir()

@@ -1,10 +1,11 @@
 """A plain Lightning ``Trainer`` script under the fault-tolerance agent, for the live tests.
 
 ``python ft_trainer.py OUT`` fits :class:`~lightning_sync.models.digits.DigitsMLP` on scikit-learn's digits with
-``BucketedDDPStrategy`` (fault-tolerant because the agent started it), ``Trainer(devices=FT_DEVICES,
-num_nodes=FT_NODES)``, a per-rank batch of ``FT_BATCH``, ``FT_ACCUMULATE`` micro-batches a step and ``FT_STEPS``
-steps, SGD with momentum (optimizer state that a replacement must heal) and a step LR schedule (scheduler state
-too).
+``BucketedDDPStrategy`` (fault-tolerant because the agent started it; ``FT_STRATEGY`` names another: ``local_sgd``,
+``diloco``, or ``zero1``-``zero3`` with a buddy snapshot every ``FT_SNAPSHOT_EVERY`` steps),
+``Trainer(devices=FT_DEVICES, num_nodes=FT_NODES)``, a per-rank batch of ``FT_BATCH``, ``FT_ACCUMULATE``
+micro-batches a step and ``FT_STEPS`` steps, SGD with momentum (optimizer state that a replacement must heal) and
+a step LR schedule (scheduler state too).
 
 ``FT_KILL`` names where a member kills itself with SIGKILL: ``member:step:point[,...]``; ``point`` is ``forward``
 (in ``training_step``), ``backward`` (in backward, with the first buckets' all-reduce in flight), ``step`` (after
@@ -67,6 +68,9 @@ KILLS = {tuple(k.split(":")[:2]): k.split(":")[2] for k in os.environ.get("FT_KI
 FIRST: list[int] = []  # the global step this process trained first (a replacement's is its admission's)
 DRAWS: dict[str, float] = {}  # global step -> the last torch.rand draw of training_step in it
 MEMBERS: dict[str, list[str]] = {}  # global step -> the members that committed it (a period's: its last step's)
+# step (of the first epoch) -> the members when its micro-batches were last trained: a replay's, which is the
+# committed training of a window (ZeRO's windows, whose earlier steps MEMBERS records before a loss)
+TRAINED: dict[str, list[str]] = {}
 
 
 def maybe_die(trainer: pl.Trainer, point: str) -> None:
@@ -118,6 +122,8 @@ class Model(DigitsMLP):
         # what this member trained, counted twice over: by a torchmetrics metric and by Lightning's own epoch
         # accumulation; a replay must count each sample once in both
         self.seen.update(float(len(batch[1])))
+        if live is not None:
+            TRAINED[str(batch_idx // ACCUMULATE)] = list(live.membership.members)
         self.log("seen", float(len(batch[1])), on_step=False, on_epoch=True, reduce_fx="sum")
         loss = super().training_step(batch, batch_idx)
         if KILLS:
@@ -198,7 +204,7 @@ def main() -> None:
     figures = strategy.live.gauges() if strategy.live is not None else {}
     member = os.environ.get(ENV_MEMBER, "solo")
     record = {"global_step": trainer.global_step, "rank": trainer.global_rank, "draws": DRAWS, **figures}
-    record["members"] = MEMBERS
+    record["members"], record["trained_by"] = MEMBERS, TRAINED
     # the members at the fit's end: a window the fit ended inside is committed by them (at on_train_end, after the
     # module's hooks), so its steps' entries above may still name the members before a loss
     record["final_members"] = list(strategy.live.membership.members) if strategy.live is not None else []

@@ -98,8 +98,8 @@ def main() -> None:
 
     cast = membership.cast
 
-    def cast_then_maybe_die(step: int, ok: bool) -> None:  # a member that votes to commit and dies before the decision
-        cast(step, ok)
+    def cast_then_maybe_die(step: int, ok: bool, admits: bool = True) -> None:  # votes, dies before the decision
+        cast(step, ok, admits)
         if ok:
             maybe_die(step, "voted")
 

@@ -29,6 +29,31 @@ def test_a_window_records_its_micro_batches_by_step_and_forgets_them_once_commit
     assert not window.open and window.steps == [] and window.micro == []
 
 
+def test_the_window_before_goes_back_in_front_until_this_ones_start_is_safe() -> None:
+    """ZeRO's window starts from a snapshot still on its way to the buddies: a loss before it arrives replays the
+    window before as well, from what was logged at that one's start; once it arrived, never again."""
+    window = WindowRecord()
+    window.start(logged="first")
+    window.add(0, [0])
+    window.add(0, [0])  # Lightning's closure run again after a step failed part way: one micro-batch still
+    window.end_step([{"lr": 0.1}])
+    window.add(1, [1])
+    window.now = [{"lr": 0.2}]
+    window.close()
+    window.start(logged="second")
+    window.add(2, [2])
+    window.reopen_previous()
+    assert window.logged == "first" and window.micro == [(2, [2])]
+    assert window.steps == [([(0, [0])], [{"lr": 0.1}]), ([(1, [1])], [{"lr": 0.2}])]
+    with pytest.raises(RuntimeError, match="no committed window to reopen"):
+        window.reopen_previous()  # taken: a second loss replays from the same start, once
+    window.close()
+    window.start(logged="third")
+    window.forget_previous()
+    with pytest.raises(RuntimeError, match="no committed window to reopen"):
+        window.reopen_previous()
+
+
 def test_the_settings_a_step_applied_are_put_back_as_they_were() -> None:
     weight = torch.nn.Parameter(torch.ones(2))
     optimizer = torch.optim.SGD([weight], lr=torch.tensor(0.5), momentum=0.9)

@@ -147,3 +147,22 @@ def test_a_replacement_knows_it_is_one_before_it_joins(store: dist.TCPStore) -> 
     assert Membership(store, "n0s1i1", keys=keys).waits_to_join()
     assert not Membership(store, "n0s1i0", keys=keys).waits_to_join()
     assert not Membership(store, "n0s0i0", keys=MembershipKeys(prefix="none")).waits_to_join()  # no list at all
+
+
+@pytest.mark.parametrize(("admits", "want"), [((True, True), "3:r1"), ((True, False), None)])
+def test_a_commit_admits_a_ready_replacement_only_where_every_member_lets_it(
+    store: dist.TCPStore, admits: tuple[bool, bool], want: str | None
+) -> None:
+    """A member whose state is not whole for a heal after this step (ZeRO's snapshot still on its way) votes to commit
+    without admitting: the step commits, and the replacement waits for a later one."""
+    keys = MembershipKeys()
+    store.set(keys.waiting, b"r1")
+    store.set(keys.ready("r1"), b"1")
+    members = _members(store, 2)
+    for m, admit in zip(members, admits):
+        m.cast(3, True, admit)
+    assert [m.decision(3) for m in members] == [True, True]
+    key = keys.admit(0)
+    assert (store.get(key).decode() if store.check([key]) else None) == want
+    assert [m.admitted_after(3) for m in members] == [want is not None] * 2
+    assert members[0].replacements_waiting()

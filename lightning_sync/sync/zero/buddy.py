@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 
 from lightning_sync.sync.communicator import Communicator
 from lightning_sync.sync.flat import FlatShard
@@ -31,7 +32,16 @@ from lightning_sync.sync.flat import FlatShard
 if TYPE_CHECKING:
     from lightning_sync.sync.zero.engine import ZeroEngine
 
-__all__ = ["BuddySnapshot", "FlatCopy", "ShardsLost", "buddy_shift", "contributors", "relayout", "take_snapshot"]
+__all__ = [
+    "BuddySnapshot",
+    "FlatCopy",
+    "PendingSnapshot",
+    "ShardsLost",
+    "buddy_shift",
+    "contributors",
+    "relayout",
+    "take_snapshot",
+]
 
 
 class ShardsLost(Exception):
@@ -113,28 +123,49 @@ class BuddySnapshot:
         return sum(c.nbytes() for c in self.own) + sum(c.nbytes() for c in self.held or [])
 
 
+class PendingSnapshot:
+    """A snapshot whose copies are on their way to the buddies: this rank's own copy is taken, the exchange is in
+    flight (point to point, asynchronous) and :meth:`wait` completes it. Until then the training goes on; the copy
+    a rank receives is what it holds of its buddy once :meth:`wait` returned on every rank."""
+
+    def __init__(
+        self,
+        snapshot: BuddySnapshot,
+        works: list[Any],
+        sent: dict[torch.dtype, torch.Tensor],
+        received: dict[torch.dtype, torch.Tensor],
+    ) -> None:
+        self.snapshot, self._works, self._sent, self._received = snapshot, works, sent, received
+
+    def wait(self) -> BuddySnapshot:
+        """Wait for this rank's send and receive (raises ``RuntimeError`` if a peer was lost meanwhile)."""
+        for work in self._works:
+            work.wait()
+        if self._works:
+            self.snapshot.held = _unpack(self._received, self.snapshot.own)
+        self._works, self._sent, self._received = [], {}, {}
+        return self.snapshot
+
+
 def take_snapshot(
     engine: ZeroEngine, comm: Communicator, members: Sequence[str], nodes: Sequence[str]
-) -> BuddySnapshot:
-    """Copy this rank's shards to host memory and exchange copies with the buddies (a collective: every rank sends
-    one and receives one, point to point, on the device the collectives run on)."""
+) -> PendingSnapshot:
+    """Copy this rank's shards to host memory and start exchanging copies with the buddies (every rank sends one and
+    receives one, point to point, on the device the collectives run on); :meth:`PendingSnapshot.wait` completes it."""
     own = _copies(engine)
     k, rank = comm.world_size, comm.rank
     shift = buddy_shift(nodes)
+    snapshot = BuddySnapshot(list(members), rank, shift, own, None)
     if k < 2:
-        return BuddySnapshot(list(members), rank, shift, own, None)
+        return PendingSnapshot(snapshot, [], {}, {})
     device = engine.flats[0].device if engine.flats else torch.device("cpu")
-    mine = [t for c in own for t in c.tensors()]
-    sent = _pack(mine, device)
+    sent = _pack([t for c in own for t in c.tensors()], device)
     received = {dtype: torch.empty_like(buffer) for dtype, buffer in sent.items()}
     works = []
     for dtype in sent:  # every rank posts both before it waits for either: no pair waits on the other
-        works.append(comm.send(sent[dtype], (rank + shift) % k, async_op=True))
-        works.append(comm.recv(received[dtype], (rank - shift) % k, async_op=True))
-    for work in works:
-        work.wait()
-    held = _unpack(received, own)
-    return BuddySnapshot(list(members), rank, shift, own, held)
+        works.append(comm.send(sent[dtype], _global(comm, (rank + shift) % k), async_op=True))
+        works.append(comm.recv(received[dtype], _global(comm, (rank - shift) % k), async_op=True))
+    return PendingSnapshot(snapshot, works, sent, received)
 
 
 def _pack(tensors: list[torch.Tensor], device: torch.device) -> dict[torch.dtype, torch.Tensor]:
@@ -191,7 +222,7 @@ def relayout(engine: ZeroEngine, snapshot: BuddySnapshot, member: str, members: 
     meta = None
     if member == contrib[0]:
         meta = [([(k, v.dtype) for k, v in c.elementwise.items()], c.scalars) for c in snapshot.own]
-    meta = comm.broadcast_object(meta, src=list(members).index(contrib[0]))
+    meta = comm.broadcast_object(meta, src=_global(comm, list(members).index(contrib[0])))
     mine: dict[int, list[FlatCopy]] = {}
     for q, who in contrib.items():
         if who == member:  # its own shards, or those of the lost rank whose copy it holds
@@ -242,3 +273,9 @@ def _whole(
     padded = torch.zeros(new.padded, dtype=dtype, device=device)
     padded[: new.total] = values[: old.total]
     return padded
+
+
+def _global(comm: Communicator, rank: int) -> int:
+    """The global rank of ``comm``'s group rank ``rank`` (what point-to-point calls and a broadcast's source name)."""
+    group = getattr(comm, "group", None)
+    return rank if group is None else dist.get_global_rank(group, rank)
