@@ -119,6 +119,8 @@ class Membership:
         # thread holds to tear a group down
         self._group_lock = threading.Lock()
         self._group_epoch = -1
+        #: NCCL: the epoch's gloo group of the same ranks, for host tensors (None on gloo, whose group takes them)
+        self.host_group: dist.ProcessGroup | None = None
         #: how many epochs' communicators this member aborted because the agent closed them (NCCL)
         self.aborts = 0
 
@@ -207,6 +209,10 @@ class Membership:
                 timeout=datetime.timedelta(seconds=self.timeout),
             )
             self._group_epoch = epoch
+            # NCCL moves device memory only: a gloo group beside it carries what lives on the host (ZeRO's buddy
+            # copies go from one rank's host memory to another's, off the GPU)
+            timeout = datetime.timedelta(seconds=self.timeout)
+            self.host_group = dist.new_group(backend="gloo", timeout=timeout) if self.backend == "nccl" else None
             if self.on_enter is not None:
                 self.on_enter()
             if self._healed_here():
@@ -263,7 +269,7 @@ class Membership:
 
     def _destroy_group(self) -> None:
         with self._group_lock:
-            self._group_epoch = -1
+            self._group_epoch, self.host_group = -1, None
             if dist.is_initialized():
                 dist.destroy_process_group()
 
@@ -305,6 +311,10 @@ class Membership:
         thread still inside a store call while the interpreter shuts down aborts the process (SIGABRT), which the
         agent would count as a loss."""
         if self._beating is not None:
+            try:  # before the beat stops: the agent then gives the exit its time
+                self.store.set(self.keys.leaving(self.member), b"1")
+            except (RuntimeError, dist.DistError):  # the agent's store is gone: the job is over
+                pass
             self._stop_beating.set()
             self._beating.join(timeout=5.0)
             self._beating = None

@@ -56,6 +56,11 @@ class MembershipKeys:
         stands still (a hung process: stopped, or stuck where no collective fails)."""
         return f"{self.prefix}/beat/{member}"
 
+    def leaving(self, member: str) -> str:
+        """Present once ``member`` closed its membership (its run is over, it exits): it beats no more, and its
+        silence while the interpreter tears down is not a hang."""
+        return f"{self.prefix}/leaving/{member}"
+
     def node(self, node: int) -> str:
         """Node ``node``'s agent registers its number of rank processes here (node 0 waits for every node)."""
         return f"{self.prefix}/node/{node}"

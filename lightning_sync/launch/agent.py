@@ -39,6 +39,9 @@ from lightning_sync.launch.node import NodeAgent, node_of, start_rank
 __all__ = ["Agent", "Loss", "main"]
 
 _POLL_S = 0.01  # between two looks at the rank processes
+#: seconds more a rank that closed its membership may stay silent before it is taken for hung: its exit (the
+#: interpreter's teardown of torch and its groups) takes seconds on a loaded machine, and beats no more
+LEAVING_S = 60.0
 
 
 @dataclass
@@ -249,7 +252,8 @@ class Agent:
 
     def _kill_hung(self) -> None:
         """Kill every rank process whose heartbeat stood still for ``hang_timeout`` (it is then seen as lost). After a
-        pause of the agent itself (a loaded machine) the clocks restart: it did not watch, so it judges no one."""
+        pause of the agent itself (a loaded machine) the clocks restart: it did not watch, so it judges no one. A rank
+        that closed its membership (it exits) has :data:`LEAVING_S` more: its interpreter's teardown beats no more."""
         now = time.monotonic()
         paused, self._looked = now - self._looked > self.hang_timeout / 4, now
         for r in self._ranks:
@@ -259,7 +263,7 @@ class Agent:
             beats = int(self.store.add(key, 0)) if self.store.check([key]) else 0
             if beats != r.beats or paused:
                 r.beats, r.seen = beats, now
-            elif beats and now - r.seen > self.hang_timeout:
+            elif beats and now - r.seen > self.hang_timeout + (LEAVING_S if self._leaving(r.member) else 0.0):
                 print(
                     f"lightning-sync agent: rank process {r.member} has not beaten for {now - r.seen:.1f} s: hung; "
                     f"killing it",
@@ -269,6 +273,9 @@ class Agent:
                 self._kill(r)
                 self.hung.append(r.member)
                 r.seen = now  # its exit comes next (from another node, through the store)
+
+    def _leaving(self, member: str) -> bool:
+        return self.store.check([self.keys.leaving(member)])
 
     def _restart(self, member: str) -> None:
         """Start a replacement for ``member``'s slot (its next incarnation) if restarts are left."""

@@ -100,9 +100,14 @@ class ShardedLive:
 
     @override
     def _live_mark(self) -> None:
-        """A window starts from the snapshot the last one's commit left; the first takes one (every rank, here)."""
-        if self._buddy is None and self.engine is not None:
+        """A window starts from the snapshot the last one's commit left; the first takes one (every rank, here).
+        Before an admission the last step's prefetched gathers land (stage 3): the epoch's group goes next."""
+        if self.engine is None:
+            return
+        if self._buddy is None:
             self._guard(self._first_snapshot, lambda: None)
+        if self.live.membership.admitting:
+            self._guard(self.engine.reshard, lambda: None)
 
     def _first_snapshot(self) -> None:
         self._buddy, self._start_safe = self._snapshot().wait(), True
@@ -115,7 +120,7 @@ class ShardedLive:
     def _snapshot(self) -> PendingSnapshot:
         membership = self.live.membership
         nodes = [str(place_of(m)[0]) for m in membership.members]
-        pending = take_snapshot(self.engine, self.comm, membership.members, nodes)
+        pending = take_snapshot(self.engine, self.comm, membership.members, nodes, membership.host_group)
         module = self.engine.module
         pending.snapshot.extra["buffers"] = {n: b.detach().to("cpu", copy=True) for n, b in module.named_buffers()}
         scaler = getattr(self.precision_plugin, "scaler", None)
@@ -203,17 +208,6 @@ class ShardedLive:
         self.live.join_now()
         return True
 
-    def _live_healed(self) -> None:
-        """A replacement's engine, built without collectives: its shards from its peers, which relayout with it."""
-        state = self.live.healed_checkpoint["lightning_sync/live"]["strategy"]
-        self._buddy = BuddySnapshot.empty(state["buddy"]["members"], state["buddy"]["shift"])
-        if state["forward_order"] is not None:
-            self.engine.adopt_forward_order(state["forward_order"])
-        self._buddy.extra["buffers"] = {
-            n: b.detach().to("cpu", copy=True) for n, b in self.engine.module.named_buffers()
-        }
-        self._live_admitted()
-
     @override
     def _live_admitted(self) -> None:
         """Every member, the replacements included, takes its shards of the state at the window's start (the
@@ -246,9 +240,18 @@ class ShardedLive:
 
     @override
     def _live_load(self, state: dict[str, Any]) -> None:
+        """A replacement, its engine built without collectives: rank 0's buffers and unit order, and its shards from
+        its peers' snapshot, resharded with them (its first collective after the heal, as theirs)."""
         with torch.no_grad():
             for name, buffer in self.engine.module.named_buffers():
                 buffer.copy_(state["buffers"][name])
+        if state["forward_order"] is not None:
+            self.engine.adopt_forward_order(state["forward_order"])
+        self._buddy = BuddySnapshot.empty(state["buddy"]["members"], state["buddy"]["shift"])
+        self._buddy.extra["buffers"] = {
+            n: b.detach().to("cpu", copy=True) for n, b in self.engine.module.named_buffers()
+        }
+        self._live_admitted()
 
     @contextmanager
     def _handing_over(self) -> Iterator[None]:

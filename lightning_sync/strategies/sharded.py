@@ -265,9 +265,7 @@ class ShardedStrategy(ShardedLive, ShardedCheckpointing, SyncStrategy):
     def setup_optimizers(self, trainer: Any) -> None:
         super().setup_optimizers(trainer)
         replacement = self._live_join_first()  # a live replacement shards over the membership that admits it
-        self._build_engine(self.optimizers or None, broadcast=not replacement)
-        if replacement:
-            self._live_healed()
+        self._build_engine(self.optimizers or None, broadcast=not replacement)  # its values: _live_load
 
     def _build_engine(self, optimizers: list[torch.optim.Optimizer] | None, broadcast: bool = True) -> None:
         assert self.model is not None

@@ -4,8 +4,8 @@ An NCCL collective with a lost peer does not fail by itself, as gloo's does once
 on the GPU. So a survivor's heartbeat thread aborts the epoch's communicators once the agent closes the epoch, the
 blocked collective raises, and the loss goes on as on gloo: the vote aborts, the survivors build a new NCCL group
 and replay the step. Two ranks of :mod:`support.ft_trainer` on two GPUs under the agent; rank 1 dies in backward
-with its buckets' all-reduce in flight. Rank 0 must abort its communicator (``aborts``), finish every step alone
-with the whole global batch, and end with one process's weights on one GPU.
+with its buckets' all-reduce (ZeRO: its reduce-scatter) in flight. Rank 0 must abort its communicator
+(``aborts``), finish every step alone with the whole global batch, and end with one process's weights on one GPU.
 """
 
 from __future__ import annotations
@@ -32,8 +32,12 @@ SCRIPT = Path(ft_trainer.__file__)
 TOL = 5e-5
 
 
-def test_a_survivor_aborts_its_nccl_communicator_and_trains_on(tmp_path: Path) -> None:
+@pytest.mark.parametrize("strategy", ["bucketed_ddp", "zero3"])
+def test_a_survivor_aborts_its_nccl_communicator_and_trains_on(tmp_path: Path, strategy: str) -> None:
+    """``zero3``: the survivor also rebuilds rank 1's shards from the buddy copy it holds (the snapshot's copies sent
+    host to host on the epoch's gloo group, the resharding's all-reduce on the GPU) and trains the window again."""
     env = {"FT_ACCELERATOR": "cuda", "FT_DEVICES": "2", "FT_KILL": "n0s1i0:4:backward", "FT_STEPS": "10"}
+    env.update(FT_STRATEGY=strategy, FT_SNAPSHOT_EVERY="3")
     (tmp_path / "run").mkdir()
     agent = Agent([sys.executable, str(SCRIPT), str(tmp_path / "run")], 2, env=env)
     assert agent.run() == 0 and [loss.member for loss in agent.losses] == ["n0s1i0"], agent.losses

@@ -166,3 +166,20 @@ def test_a_commit_admits_a_ready_replacement_only_where_every_member_lets_it(
     assert (store.get(key).decode() if store.check([key]) else None) == want
     assert [m.admitted_after(3) for m in members] == [want is not None] * 2
     assert members[0].replacements_waiting()
+
+
+def test_a_rank_that_finished_is_not_taken_for_hung_while_it_exits(tmp_path: Path) -> None:
+    """A rank stops beating when it closes its membership at exit; the rest of its exit (the interpreter's teardown,
+    seconds on a loaded machine) is no hang, and killing it there turned a finished job's status into a failure."""
+    script = tmp_path / "slow_exit.py"
+    script.write_text(
+        "import time\n"
+        "from lightning_sync.comms.membership import Membership\n"
+        "membership = Membership()\n"
+        "membership.start()\n"
+        "time.sleep(1.0)\n"
+        "membership.close()\n"
+        "time.sleep(2.0)  # a slow exit, silent\n"
+    )
+    agent = Agent([sys.executable, str(script)], 1, hang_timeout=0.5)
+    assert agent.run() == 0 and agent.hung == [], agent.losses

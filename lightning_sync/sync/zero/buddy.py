@@ -148,24 +148,49 @@ class PendingSnapshot:
 
 
 def take_snapshot(
-    engine: ZeroEngine, comm: Communicator, members: Sequence[str], nodes: Sequence[str]
+    engine: ZeroEngine,
+    comm: Communicator,
+    members: Sequence[str],
+    nodes: Sequence[str],
+    host_group: dist.ProcessGroup | None = None,
 ) -> PendingSnapshot:
     """Copy this rank's shards to host memory and start exchanging copies with the buddies (every rank sends one and
-    receives one, point to point, on the device the collectives run on); :meth:`PendingSnapshot.wait` completes it."""
+    receives one, point to point); :meth:`PendingSnapshot.wait` completes it. The copies travel host to host over
+    ``host_group`` (a gloo group of the same ranks, beside an NCCL one), else on the device ``comm`` runs on."""
     own = _copies(engine)
     k, rank = comm.world_size, comm.rank
     shift = buddy_shift(nodes)
     snapshot = BuddySnapshot(list(members), rank, shift, own, None)
     if k < 2:
         return PendingSnapshot(snapshot, [], {}, {})
-    device = engine.flats[0].device if engine.flats else torch.device("cpu")
+    on_host = host_group is not None or not engine.flats
+    device = torch.device("cpu") if on_host else engine.flats[0].device
     sent = _pack([t for c in own for t in c.tensors()], device)
     received = {dtype: torch.empty_like(buffer) for dtype, buffer in sent.items()}
     works = []
+    dst, src = _global(comm, (rank + shift) % k), _global(comm, (rank - shift) % k)
     for dtype in sent:  # every rank posts both before it waits for either: no pair waits on the other
-        works.append(comm.send(sent[dtype], _global(comm, (rank + shift) % k), async_op=True))
-        works.append(comm.recv(received[dtype], _global(comm, (rank - shift) % k), async_op=True))
+        works.extend(_exchange(comm, sent[dtype], dst, received[dtype], src, host_group))
     return PendingSnapshot(snapshot, works, sent, received)
+
+
+def _exchange(
+    comm: Communicator,
+    send: torch.Tensor,
+    dst: int,
+    receive: torch.Tensor,
+    src: int,
+    group: dist.ProcessGroup | None,
+) -> list[Any]:
+    """Send ``send`` to ``dst`` and receive ``receive`` from ``src`` (global ranks) on ``group`` (None: ``comm``'s),
+    both in flight; the handles. NCCL runs a send and a receive with one peer (two ranks: ``dst == src``) on one
+    stream, where each rank's send would wait for the other's receive queued behind its own: there they are posted
+    as one batch."""
+    group = group if group is not None else getattr(comm, "group", None)
+    if dist.get_backend(group) == "nccl":
+        ops = [dist.P2POp(dist.isend, send, dst, group), dist.P2POp(dist.irecv, receive, src, group)]
+        return list(dist.batch_isend_irecv(ops))
+    return [comm.send(send, dst, group=group, async_op=True), comm.recv(receive, src, group=group, async_op=True)]
 
 
 def _pack(tensors: list[torch.Tensor], device: torch.device) -> dict[torch.dtype, torch.Tensor]:

@@ -75,6 +75,7 @@ class FlatParam:
         self.host = offload  # the engine's offload (its side stream), or None: the master stays on the device
         self._offloaded: OffloadedShard | None = None
         self._reduced: Any = None  # offload on a side stream: CUDA event, the reduce-scatter has completed
+        self._orphans: list[Any] = []  # what aborted collectives had in flight, until their group is gone
         with torch.no_grad():
             flat = packed if packed is not None else self.layout.flatten([p.detach() for p in params])
             if stage < 3:
@@ -162,19 +163,27 @@ class FlatParam:
         return self.comm.all_gather_into(self.full, self._gather_src, async_op=True)
 
     def abort(self) -> None:
-        """Forget what a failed step left in flight (its group is gone, nothing is waited for): gathers,
-        reduce-scatters and the window's gradients; stage 3 frees the full parameters."""
+        """Forget what a failed step left in flight (nothing is waited for): gathers, reduce-scatters and the window's
+        gradients; stage 3 frees the full parameters. Until its group is torn down, the backend may still write what
+        peers send into the buffers in flight, or read the ones it sends: they stay referenced until
+        :meth:`relayout`, which runs once that group is gone."""
+        held = (self._gather_work, self._gather_src, self._reduce, self.grad_full, self._storage)
+        self._orphans.extend(t for t in held if t is not None)
         self._gather_work = self._gather_src = self._reduce = self._reduced = None
         self.grad_full, self._touched = None, set()
         self.master.grad = None
         if self.stage == 3:
+            self._storage = None  # kept among the orphans: a new buffer for the next gather
             self.free()
 
     def relayout(self, layout: FlatShard, full: torch.Tensor) -> None:
         """Take ``layout`` (another number of ranks, or another rank) with ``full`` as the values: the padded flat
         tensor in the master dtype, on the device. The master keeps its identity (the optimizer's groups and state
-        are keyed by it); its data becomes this rank's new shard."""
+        are keyed by it); its data becomes this rank's new shard. Nothing may be in flight on a live group (a
+        gathered flat is waited for and resharded first, :meth:`ZeroEngine.reshard`): what a failed step left in
+        flight belonged to a group torn down since, so its buffers go now."""
         self.abort()
+        self._orphans.clear()
         self.layout, self._storage = layout, None
         with torch.no_grad():
             if self.stage < 3:
