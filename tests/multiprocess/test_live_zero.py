@@ -61,7 +61,8 @@ def _check(tmp_path: Path, env: dict[str, str], records: dict[str, dict[str, Any
     ("strategy", "kill", "accumulate", "replayed"),
     [
         # an inner step's backward, its gradients' reduce-scatter in flight: the rest of the window is skipped,
-        # and steps 3-5 are trained again by two from the snapshot of step 3's start
+        # and steps 3-5 are trained again by two from the snapshot of step 3's start; the master shards and the
+        # optimizer state offloaded to host memory
         ("zero3", "n0s1i0:4:backward", "2", 1),
         # the first step of a window, which waits for the snapshot of its start: that one may not have reached
         # every buddy, so the survivors go back to the one before and train steps 0-3 again
@@ -75,7 +76,7 @@ def test_survivors_go_back_to_the_buddy_snapshot_and_end_with_one_process_weight
     tmp_path: Path, strategy: str, kill: str, accumulate: str, replayed: int
 ) -> None:
     env = {"FT_STRATEGY": strategy, "FT_SNAPSHOT_EVERY": "3", "FT_STEPS": "10", "FT_BATCH": "8", **STEP_LR}
-    env.update(FT_KILL=kill, FT_ACCUMULATE=accumulate, FT_CKPT_EVERY="2")
+    env.update(FT_KILL=kill, FT_ACCUMULATE=accumulate, FT_CKPT_EVERY="2", FT_OFFLOAD=str(int(strategy == "zero3")))
     agent, status, records = _run(tmp_path, **env)
     assert status == 0 and [loss.member for loss in agent.losses] == [kill.split(":")[0]], agent.losses
     assert len(records) == 2 and all(r["ft/replayed_steps"] == replayed for r in records.values()), records
@@ -119,11 +120,13 @@ def test_a_rank_lost_with_the_one_holding_its_copy_ends_the_job_naming_both(tmp_
 
 def test_a_replacement_takes_its_shards_from_its_peers_and_survives_rank_0s_loss(tmp_path: Path) -> None:
     """Rank 1 dies; its replacement sets itself up, joins after a window that waited for its snapshot, and takes
-    its shards of that snapshot, resharded over three again; then rank 0 dies in the next window, and the
-    replacement, which holds nothing of the snapshot it goes back to, gets its shards from the others again (step 13:
-    by step 11 the replacement is in, since from step 10 on each step waits for it to be up)."""
+    its shards of that snapshot (offloaded to host memory), resharded over three again; then rank 0 dies in the
+    next window, and the replacement, which holds nothing of the snapshot it goes back to, gets its shards from the
+    others again (step 13: by step 11 the replacement is in, since from step 10 on each step waits for it to be
+    up)."""
     env = {"FT_STRATEGY": "zero2", "FT_SNAPSHOT_EVERY": "3", "FT_STEPS": "20", "FT_BATCH": "8", **STEP_LR}
     env.update(FT_KILL="n0s1i0:4:backward,n0s0i0:13:forward", FT_STEP_S="0.05", FT_UNTIL_MEMBER="n0s1i1")
+    env.update(FT_OFFLOAD="1")  # the replacement's offloaded shards take their size from its peers' too
     agent, status, records = _run(tmp_path, max_restarts=1, **env)
     assert status == 0 and [loss.member for loss in agent.losses] == ["n0s1i0", "n0s0i0"], agent.losses
     assert sorted(records) == ["n0s1i1", "n0s2i0"]

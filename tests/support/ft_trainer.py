@@ -2,7 +2,8 @@
 
 ``python ft_trainer.py OUT`` fits :class:`~lightning_sync.models.digits.DigitsMLP` on scikit-learn's digits with
 ``BucketedDDPStrategy`` (fault-tolerant because the agent started it; ``FT_STRATEGY`` names another: ``local_sgd``,
-``diloco``, or ``zero1``-``zero3`` with a buddy snapshot every ``FT_SNAPSHOT_EVERY`` steps),
+``diloco``, or ``zero1``-``zero3`` with a buddy snapshot every ``FT_SNAPSHOT_EVERY`` steps, offloaded with
+``FT_OFFLOAD=1``),
 ``Trainer(devices=FT_DEVICES, num_nodes=FT_NODES)``, a per-rank batch of ``FT_BATCH``, ``FT_ACCUMULATE``
 micro-batches a step and ``FT_STEPS`` steps, SGD with momentum (optimizer state that a replacement must heal) and
 a step LR schedule (scheduler state too).
@@ -165,7 +166,8 @@ def make_strategy() -> Any:
     if STRATEGY == "diloco":
         return DiLoCoStrategy(sync_every=SYNC_EVERY, timeout=60.0)
     if STRATEGY.startswith("zero"):  # ZeRO: the survivors go back to the last buddy snapshot (FT_SNAPSHOT_EVERY)
-        return ShardedStrategy(stage=int(STRATEGY[-1]), snapshot_every=SNAPSHOT_EVERY, timeout=60.0)
+        offload = os.environ.get("FT_OFFLOAD") == "1"  # the master shards and optimizer state in host memory
+        return ShardedStrategy(stage=int(STRATEGY[-1]), snapshot_every=SNAPSHOT_EVERY, offload=offload, timeout=60.0)
     return BucketedDDPStrategy(timeout=60.0, compression=COMPRESSION, powersgd_rank=1, powersgd_warmup_steps=2)
 
 
