@@ -17,8 +17,10 @@ the same samples. So a live window is ``snapshot_every`` optimizer steps:
   train the steps since again (:class:`~lightning_sync.strategies._live_window.WindowReplay`).
 
 Work lost to a failure is at most ``snapshot_every`` steps, or ``snapshot_every + 1`` for a loss in the step that
-waits for the snapshot. A replacement is admitted only after a window's last step that waited for its snapshot (its
-members see a replacement waiting), so a heal starts from a snapshot every buddy holds. The snapshots cost each
+waits for the snapshot. With ``snapshot_async=False`` the window's last step waits for its snapshot inside its own
+vote instead: at most ``snapshot_every`` steps, and the copy's transfer on the critical path. A replacement is
+admitted only after a window's last step that waited for its snapshot (its members see a replacement waiting), so a
+heal starts from a snapshot every buddy holds. The snapshots cost each
 rank host memory for two copies of its shards (its own and its buddy's: parameters and per-element optimizer state,
 in the master dtype), and twice that while the next one travels: :meth:`ShardedLive.snapshot_bytes`, logged as
 ``ft/snapshot_mib``. Every collective the strategy runs outside a vote (evaluation steps, accumulation
@@ -54,6 +56,7 @@ class ShardedLive:
     live: Any
     engine: Any
     snapshot_every: int
+    snapshot_async: bool
     comm: Any
     precision_plugin: Any
 
@@ -140,7 +143,7 @@ class ShardedLive:
         self._taken, self._settled = None, False
         if self._live_closes_window():
             self._taken = self._snapshot()
-            if self.live.membership.replacements_waiting():
+            if not self.snapshot_async or self.live.membership.replacements_waiting():
                 self._taken.wait()
                 self._settled = True
 

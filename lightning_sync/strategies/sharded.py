@@ -144,7 +144,9 @@ class ShardedStrategy(ShardedLive, ShardedCheckpointing, SyncStrategy):
             fault-tolerance agent, ``lightning-sync launch``); None: on exactly when they were. The survivors go
             back to the last buddy snapshot and train the steps since again (:mod:`._sharded_live`).
         snapshot_every: with ``fault_tolerant``: optimizer steps between two buddy snapshots of every rank's
-            shards, and so the most steps a loss costs (>= 1).
+            shards (>= 1): a loss costs at most that many steps, plus one with ``snapshot_async``.
+        snapshot_async: send each snapshot to the buddies while the next step trains, off the critical path (a
+            loss in that step goes back to the snapshot before); False: inside the vote of the step that takes it.
     """
 
     strategy_name = "sharded"
@@ -169,10 +171,12 @@ class ShardedStrategy(ShardedLive, ShardedCheckpointing, SyncStrategy):
         state_dict_type: str | None = None,
         fault_tolerant: bool | None = None,
         snapshot_every: int = 10,
+        snapshot_async: bool = True,
         **kwargs: Any,
     ) -> None:
         check_stage(stage)
         self.snapshot_every = check_int("snapshot_every", snapshot_every, 1)
+        self.snapshot_async = check_bool("snapshot_async", snapshot_async)
         self.state_dict_type = resolve_state_dict_type(state_dict_type, stage)
         check_mib("bucket_cap_mb", bucket_cap_mb)
         self.coalesce_mb = check_mib("coalesce_mb", coalesce_mb, zero=True)

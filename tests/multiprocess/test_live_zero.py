@@ -58,32 +58,53 @@ def _check(tmp_path: Path, env: dict[str, str], records: dict[str, dict[str, Any
 
 
 @pytest.mark.parametrize(
-    ("strategy", "kill", "accumulate", "replayed"),
+    ("strategy", "kill", "accumulate", "back"),
     [
         # an inner step's backward, its gradients' reduce-scatter in flight: the rest of the window is skipped,
         # and steps 3-5 are trained again by two from the snapshot of step 3's start; the master shards and the
         # optimizer state offloaded to host memory
-        ("zero3", "n0s1i0:4:backward", "2", 1),
+        ("zero3", "n0s1i0:4:backward", "2", 3),
         # the first step of a window, which waits for the snapshot of its start: that one may not have reached
         # every buddy, so the survivors go back to the one before and train steps 0-3 again
-        ("zero2", "n0s2i0:3:forward", "1", 1),
-        # rank 0, while a (full, one-file) checkpoint is gathered: that one is passed over, a new rank 0 writes
-        # the next ones
-        ("zero1", "n0s0i0:6:save", "1", 1),
+        ("zero2", "n0s2i0:3:forward", "1", 0),
+        # rank 0, while the step-6 checkpoint (full, one file) is gathered, after the vote of step 5 that took a
+        # snapshot still on its way: that checkpoint is passed over, steps 3-6 trained again, and a new rank 0
+        # writes the next ones
+        ("zero1", "n0s0i0:6:save", "1", 3),
     ],
 )
 def test_survivors_go_back_to_the_buddy_snapshot_and_end_with_one_process_weights(
-    tmp_path: Path, strategy: str, kill: str, accumulate: str, replayed: int
+    tmp_path: Path, strategy: str, kill: str, accumulate: str, back: int
 ) -> None:
     env = {"FT_STRATEGY": strategy, "FT_SNAPSHOT_EVERY": "3", "FT_STEPS": "10", "FT_BATCH": "8", **STEP_LR}
     env.update(FT_KILL=kill, FT_ACCUMULATE=accumulate, FT_CKPT_EVERY="2", FT_OFFLOAD=str(int(strategy == "zero3")))
     agent, status, records = _run(tmp_path, **env)
     assert status == 0 and [loss.member for loss in agent.losses] == [kill.split(":")[0]], agent.losses
-    assert len(records) == 2 and all(r["ft/replayed_steps"] == replayed for r in records.values()), records
+    assert len(records) == 2 and all(r["ft/replayed_steps"] == 1 for r in records.values()), records
     _check(tmp_path, env, records, members=2)
+    # the replay went back to step ``back``'s start: the steps before stay the three members' in the committed run
+    for record in records.values():
+        trained = record["trained_by"]
+        assert back == 0 or len(trained[str(back - 1)]) == 3, trained
+        assert len(trained[str(back)]) == 2, trained
     steps = sorted(torch.load(p / "lightning.pt" if p.is_dir() else p, weights_only=True)["global_step"]
                    for p in (tmp_path / "run" / "ckpt").glob("*.ckpt"))  # fmt: skip
     assert steps == ([2, 4, 8, 10] if kill.endswith(":save") else [2, 4, 6, 8, 10]), steps
+
+
+def test_a_snapshot_waited_for_in_its_own_step_costs_a_loss_only_the_steps_since(tmp_path: Path) -> None:
+    """``snapshot_async=False``: step 2 waits for its snapshot inside its vote, so a loss in step 3 (the next
+    window's first) goes back only to step 3's start, not to the snapshot before: one step replayed, where the
+    asynchronous refresh replays four (the case above)."""
+    env = {"FT_STRATEGY": "zero2", "FT_SNAPSHOT_EVERY": "3", "FT_STEPS": "10", "FT_BATCH": "8", **STEP_LR}
+    env.update(FT_KILL="n0s2i0:3:forward", FT_SNAPSHOT_ASYNC="0")
+    agent, status, records = _run(tmp_path, **env)
+    assert status == 0 and [loss.member for loss in agent.losses] == ["n0s2i0"], agent.losses
+    assert len(records) == 2 and all(r["ft/replayed_steps"] == 1 for r in records.values()), records
+    _check(tmp_path, env, records, members=2)
+    # the replay trained step 3 alone again: steps 0-2 stay the three members' in the committed run
+    assert all(r["trained_by"]["2"] == ["n0s0i0", "n0s1i0", "n0s2i0"] for r in records.values()), records
+    assert all(r["trained_by"]["3"] == ["n0s0i0", "n0s1i0"] for r in records.values()), records
 
 
 def test_two_ranks_lost_at_once_are_rebuilt_from_their_buddies(tmp_path: Path) -> None:

@@ -167,7 +167,14 @@ def make_strategy() -> Any:
         return DiLoCoStrategy(sync_every=SYNC_EVERY, timeout=60.0)
     if STRATEGY.startswith("zero"):  # ZeRO: the survivors go back to the last buddy snapshot (FT_SNAPSHOT_EVERY)
         offload = os.environ.get("FT_OFFLOAD") == "1"  # the master shards and optimizer state in host memory
-        return ShardedStrategy(stage=int(STRATEGY[-1]), snapshot_every=SNAPSHOT_EVERY, offload=offload, timeout=60.0)
+        sync = os.environ.get("FT_SNAPSHOT_ASYNC") == "0"  # each snapshot waited for in the step that takes it
+        return ShardedStrategy(
+            stage=int(STRATEGY[-1]),
+            snapshot_every=SNAPSHOT_EVERY,
+            snapshot_async=not sync,
+            offload=offload,
+            timeout=60.0,
+        )
     return BucketedDDPStrategy(timeout=60.0, compression=COMPRESSION, powersgd_rank=1, powersgd_warmup_steps=2)
 
 

@@ -159,6 +159,7 @@ _SHARDED: list[tuple[str, Any, str]] = [
         r"gathered_callbacks names 'NoSuchCallback', which is not an importable class",
     ),
     *[("snapshot_every", v, got("snapshot_every", "an int >= 1", v)) for v in (0, -1, 2.5, "10", True, None)],
+    *[("snapshot_async", v, got("snapshot_async", _BOOL, v)) for v in (1, "yes", None)],
     *[
         (arg, v, pattern)
         for arg, v, pattern in _BUCKETED
