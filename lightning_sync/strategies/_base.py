@@ -42,6 +42,7 @@ from lightning_sync.checkpoint.reading import guarded_load
 from lightning_sync.strategies._common import PASSTHROUGH
 from lightning_sync.strategies._exact_data import ExactData
 from lightning_sync.strategies._live import LiveTraining
+from lightning_sync.strategies._live_env import check_live_settings, live_requested
 from lightning_sync.strategies._parts import StrategyParts
 from lightning_sync.sync.replicas import broadcast_module_states
 
@@ -144,10 +145,28 @@ class SyncStrategy(StrategyParts, DDPStrategy):
         self.live: LiveTraining | None = None
         super().__init__(**kwargs)
 
-    def _go_live(self, timeout: float) -> None:
-        """Join the fault-tolerance agent's membership instead of Lightning's process group: ranks follow the
-        membership epochs, failures stay inside the strategy (:mod:`lightning_sync.strategies._live`)."""
-        self.live = LiveTraining(self, timeout)
+    def _go_live(
+        self,
+        fault_tolerant: bool | None,
+        process_group_backend: str | None,
+        start_method: str,
+        **settings: tuple[Any, tuple[Any, ...]],
+    ) -> None:
+        """Where ``fault_tolerant`` asks for it (None: where the fault-tolerance agent started this process), join the
+        agent's membership instead of Lightning's process group: ranks follow the membership epochs, failures stay
+        inside the strategy (:mod:`lightning_sync.strategies._live`). Refuses first what live training does not
+        support: a backend other than gloo or NCCL, a start method other than popen, and the strategy's own
+        ``settings`` (name -> (value, allowed values))."""
+        name = type(self).__name__
+        if not live_requested(name, fault_tolerant):
+            return
+        check_live_settings(
+            name,
+            process_group_backend=(process_group_backend, (None, "gloo", "nccl")),
+            start_method=(start_method, ("popen",)),
+            **settings,
+        )
+        self.live = LiveTraining(self, self._timeout.total_seconds())
         self.cluster_environment = self.live.environment
 
     # ------------------------------------------------------------------ live fault tolerance

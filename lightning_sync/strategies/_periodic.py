@@ -37,7 +37,6 @@ from typing_extensions import override
 from lightning_sync.resume import RANK_STATES
 from lightning_sync.strategies._base import ProcessGroupStrategy, check_own_arguments
 from lightning_sync.strategies._common import as_timedelta, check_launch_args
-from lightning_sync.strategies._live_env import check_live_settings, live_requested
 from lightning_sync.sync.periodic import check_int
 
 __all__ = ["PeriodicStrategy"]
@@ -106,13 +105,7 @@ class PeriodicStrategy(ProcessGroupStrategy):
         self._stashed: list[torch.Tensor] | None = None  # this rank's replica during an evaluation
         self._own_pending: dict[str, Any] | None = None  # this rank's replica, to put back
         self._period_start: tuple[Any, ...] | None = None  # live: the state a replayed period starts from
-        if live_requested(type(self).__name__, fault_tolerant):
-            check_live_settings(
-                type(self).__name__,
-                process_group_backend=(process_group_backend, (None, "gloo", "nccl")),
-                start_method=(start_method, ("popen",)),
-            )
-            self._go_live(self._timeout.total_seconds())
+        self._go_live(fault_tolerant, process_group_backend, start_method)
 
     # ------------------------------------------------------------------ what a subclass says
     def _make_syncer(self) -> Any:

@@ -124,8 +124,7 @@ class ShardedLive:
         membership = self.live.membership
         nodes = [str(place_of(m)[0]) for m in membership.members]
         pending = take_snapshot(self.engine, self.comm, membership.members, nodes, membership.host_group)
-        module = self.engine.module
-        pending.snapshot.extra["buffers"] = {n: b.detach().to("cpu", copy=True) for n, b in module.named_buffers()}
+        pending.snapshot.extra["buffers"] = self._host_buffers()
         scaler = getattr(self.precision_plugin, "scaler", None)
         if scaler is not None:
             pending.snapshot.extra["scaler"] = scaler.state_dict()
@@ -186,10 +185,7 @@ class ShardedLive:
             )
         membership = self.live.membership
         relayout(self.engine, self._buddy, membership.member, membership.members)
-        module = self.engine.module
-        with torch.no_grad():
-            for name, buffer in module.named_buffers():
-                buffer.copy_(self._buddy.extra["buffers"][name])
+        self._put_buffers(self._buddy.extra["buffers"])
         scaler = getattr(self.precision_plugin, "scaler", None)
         if scaler is not None and "scaler" in self._buddy.extra:
             scaler.load_state_dict(self._buddy.extra["scaler"])
@@ -233,28 +229,31 @@ class ShardedLive:
         """Where the shards of the window's start are (the snapshot's members and buddy shift), for a replacement to
         take its part in a rollback, and rank 0's module buffers (which no shard holds)."""
         assert self._buddy is not None and self.engine is not None
-        buffers = {n: b.detach().to("cpu", copy=True) for n, b in self.engine.module.named_buffers()}
-        order = self.engine.forward_order  # stage 3's groups, which its peers' collectives follow
         return {
             "buddy": {"members": self._buddy.members, "shift": self._buddy.shift},
-            "buffers": buffers,
-            "forward_order": order,
+            "buffers": self._host_buffers(),
+            "forward_order": self.engine.forward_order,  # stage 3's groups, which its peers' collectives follow
         }
 
     @override
     def _live_load(self, state: dict[str, Any]) -> None:
         """A replacement, its engine built without collectives: rank 0's buffers and unit order, and its shards from
         its peers' snapshot, resharded with them (its first collective after the heal, as theirs)."""
-        with torch.no_grad():
-            for name, buffer in self.engine.module.named_buffers():
-                buffer.copy_(state["buffers"][name])
+        self._put_buffers(state["buffers"])
         if state["forward_order"] is not None:
             self.engine.adopt_forward_order(state["forward_order"])
         self._buddy = BuddySnapshot.empty(state["buddy"]["members"], state["buddy"]["shift"])
-        self._buddy.extra["buffers"] = {
-            n: b.detach().to("cpu", copy=True) for n, b in self.engine.module.named_buffers()
-        }
+        self._buddy.extra["buffers"] = self._host_buffers()
         self._live_admitted()
+
+    def _host_buffers(self) -> dict[str, torch.Tensor]:
+        """The module's buffers (each rank's own under ZeRO, in no shard), copied to host memory."""
+        return {n: b.detach().to("cpu", copy=True) for n, b in self.engine.module.named_buffers()}
+
+    def _put_buffers(self, saved: dict[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            for name, buffer in self.engine.module.named_buffers():
+                buffer.copy_(saved[name])
 
     @contextmanager
     def _handing_over(self) -> Iterator[None]:

@@ -44,7 +44,6 @@ from lightning_sync.comms.algorithms import ALGORITHMS
 from lightning_sync.resume import RANK_STATES
 from lightning_sync.strategies._base import SyncStrategy
 from lightning_sync.strategies._common import as_timedelta, check_bool, check_launch_args, no_sync_of
-from lightning_sync.strategies._live_env import check_live_settings, live_requested
 from lightning_sync.strategies._telemetry import BUCKETS
 from lightning_sync.sync.bucketing import GradBucketer, check_mib
 from lightning_sync.sync.compression import COMPRESSIONS, make_compressor
@@ -128,15 +127,13 @@ class BucketedDDPStrategy(SyncStrategy):
         self.bucketer: GradBucketer | None = None
         self._pending_state: dict[str, Any] | None = None  # loaded before configure_ddp built the bucketer
         self._live_compressor: dict[str, Any] | None = None  # the compressor's state at the live window's start
-        if live_requested(type(self).__name__, fault_tolerant):
-            check_live_settings(
-                type(self).__name__,
-                process_group_backend=(process_group_backend, (None, "gloo", "nccl")),
-                start_method=(start_method, ("popen",)),
-                compression=(compression, (None, "none", *COMPRESSIONS)),
-                comm_algorithm=(comm_algorithm, ("backend",)),
-            )
-            self._go_live(self._timeout.total_seconds())
+        self._go_live(
+            fault_tolerant,
+            process_group_backend,
+            start_method,
+            compression=(compression, (None, "none", *COMPRESSIONS)),
+            comm_algorithm=(comm_algorithm, ("backend",)),
+        )
 
     # ------------------------------------------------------------------ setup / teardown
     @override

@@ -82,7 +82,6 @@ from lightning_sync._lightning import hidden_from_setup_broadcast
 from lightning_sync.strategies._base import SyncStrategy
 from lightning_sync.strategies._common import as_timedelta, check_bool, check_launch_args, no_sync_of
 from lightning_sync.strategies._gathered_callbacks import GatheredCallbacks, resolve_gathered_callbacks
-from lightning_sync.strategies._live_env import check_live_settings, live_requested
 from lightning_sync.strategies._sharded_checkpoint import ShardedCheckpointing
 from lightning_sync.strategies._sharded_live import FT_SNAPSHOT_MIB, ShardedLive
 from lightning_sync.strategies._telemetry import BUCKETS
@@ -215,13 +214,7 @@ class ShardedStrategy(ShardedLive, ShardedCheckpointing, SyncStrategy):
         # optimizer's state in them, for checkpoints written after fit
         self._finished: ZeroEngine | None = None
         self._init_live()
-        if live_requested(type(self).__name__, fault_tolerant):
-            check_live_settings(
-                type(self).__name__,
-                process_group_backend=(process_group_backend, (None, "gloo", "nccl")),
-                start_method=(start_method, ("popen",)),
-            )
-            self._go_live(self._timeout.total_seconds())
+        self._go_live(fault_tolerant, process_group_backend, start_method)
 
     # ------------------------------------------------------------------ setup / teardown
     @override

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_sync.sync.communicator import Communicator
-from lightning_sync.sync.flat import FlatShard
+from lightning_sync.sync.flat import FlatLayout, FlatShard
 
 if TYPE_CHECKING:
     from lightning_sync.sync.zero.engine import ZeroEngine
@@ -131,19 +131,25 @@ class PendingSnapshot:
     def __init__(
         self,
         snapshot: BuddySnapshot,
-        works: list[Any],
-        sent: dict[torch.dtype, torch.Tensor],
-        received: dict[torch.dtype, torch.Tensor],
+        works: Sequence[Any] = (),
+        layout: FlatLayout | None = None,
+        sent: Sequence[torch.Tensor] = (),
+        received: Sequence[torch.Tensor] = (),
     ) -> None:
-        self.snapshot, self._works, self._sent, self._received = snapshot, works, sent, received
+        self.snapshot, self._works, self._layout = snapshot, list(works), layout
+        self._sent, self._received = list(sent), list(received)  # the send buffers live until the sends complete
 
     def wait(self) -> BuddySnapshot:
         """Wait for this rank's send and receive (raises ``RuntimeError`` if a peer was lost meanwhile)."""
         for work in self._works:
             work.wait()
-        if self._works:
-            self.snapshot.held = _unpack(self._received, self.snapshot.own)
-        self._works, self._sent, self._received = [], {}, {}
+        if self._layout is not None:
+            # the buddy's shards are as large as this rank's and its optimizer holds the same states: they unpack in
+            # this rank's own layout, as views of the received buffers moved to the host
+            views = iter(self._layout.views([buffer.to("cpu") for buffer in self._received]))
+            own = self.snapshot.own
+            self.snapshot.held = [FlatCopy(next(views), {k: next(views) for k in c.elementwise}) for c in own]
+        self._works, self._layout, self._sent, self._received = [], None, [], []
         return self.snapshot
 
 
@@ -162,16 +168,19 @@ def take_snapshot(
     shift = buddy_shift(nodes)
     snapshot = BuddySnapshot(list(members), rank, shift, own, None)
     if k < 2:
-        return PendingSnapshot(snapshot, [], {}, {})
+        return PendingSnapshot(snapshot)
     on_host = host_group is not None or not engine.flats
-    device = torch.device("cpu") if on_host else engine.flats[0].device
-    sent = _pack([t for c in own for t in c.tensors()], device)
-    received = {dtype: torch.empty_like(buffer) for dtype, buffer in sent.items()}
+    tensors = [t for c in own for t in c.tensors()]
+    layout = FlatLayout(tensors, device=torch.device("cpu") if on_host else engine.flats[0].device)
+    sent = layout.flatten(tensors)
+    received = [torch.empty_like(buffer) for buffer in sent]
     works = []
     dst, src = _global(comm, (rank + shift) % k), _global(comm, (rank - shift) % k)
-    for dtype in sent:  # every rank posts both before it waits for either: no pair waits on the other
-        works.extend(_exchange(comm, sent[dtype], dst, received[dtype], src, host_group))
-    return PendingSnapshot(snapshot, works, sent, received)
+    for out, into in zip(
+        sent, received
+    ):  # every rank posts both before it waits for either: no pair waits on the other
+        works.extend(_exchange(comm, out, dst, into, src, host_group))
+    return PendingSnapshot(snapshot, works, layout, sent, received)
 
 
 def _exchange(
@@ -191,28 +200,6 @@ def _exchange(
         ops = [dist.P2POp(dist.isend, send, dst, group), dist.P2POp(dist.irecv, receive, src, group)]
         return list(dist.batch_isend_irecv(ops))
     return [comm.send(send, dst, group=group, async_op=True), comm.recv(receive, src, group=group, async_op=True)]
-
-
-def _pack(tensors: list[torch.Tensor], device: torch.device) -> dict[torch.dtype, torch.Tensor]:
-    """One flat buffer per dtype, in order."""
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for t in tensors:
-        by_dtype.setdefault(t.dtype, []).append(t.reshape(-1))
-    return {dtype: torch.cat(ts).to(device) for dtype, ts in by_dtype.items()}
-
-
-def _unpack(buffers: dict[torch.dtype, torch.Tensor], like: list[FlatCopy]) -> list[FlatCopy]:
-    """:func:`_pack`'s buffers back into copies shaped like ``like`` (a buddy's shards are as large as this rank's,
-    and its optimizer holds the same states), on the host."""
-    offsets = dict.fromkeys(buffers, 0)
-    host = {dtype: buffer.to("cpu") for dtype, buffer in buffers.items()}
-
-    def take(t: torch.Tensor) -> torch.Tensor:
-        start = offsets[t.dtype]
-        offsets[t.dtype] = start + t.numel()
-        return host[t.dtype][start : start + t.numel()].clone()
-
-    return [FlatCopy(take(c.master), {k: take(v) for k, v in c.elementwise.items()}) for c in like]
 
 
 def contributors(then: Sequence[str], shift: int, now: Sequence[str]) -> dict[int, str]:
