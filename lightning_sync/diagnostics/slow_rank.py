@@ -1,9 +1,12 @@
 """``SlowRank``: make one rank a straggler, by a known factor, to see what a strategy does with it.
 
 Rank ``rank`` measures its own compute time of every training batch (from the batch start to the end
-of backward: forward, loss and backward, plus whatever a strategy synchronizes inside backward) and
-then sleeps ``(factor - 1)`` times that, so its steps take about ``factor`` times as long. Other ranks
-are untouched; synchronous strategies then wait for the slow one, asynchronous ones need not.
+of backward: forward, loss and backward, less the time it was blocked in the strategy's collectives,
+where the strategy measures it) and then sleeps ``(factor - 1)`` times that, so its work takes about
+``factor`` times as long: a rank at ``1/factor`` the speed, whose time grows with the samples it is
+given. From optimizer step ``after_step`` on (0: from the start), so that a rank can also slow down
+in the middle of a run, as a throttled GPU does. Other ranks are untouched; synchronous strategies
+then wait for the slow one, asynchronous ones need not.
 
 From Hydra (any training job)::
 
@@ -19,6 +22,7 @@ from typing import Any
 import lightning.pytorch as pl
 
 from lightning_sync._checks import check_int
+from lightning_sync.diagnostics._comm import blocked_seconds
 
 __all__ = ["SlowRank"]
 
@@ -29,20 +33,22 @@ class SlowRank(pl.Callback):
     Args:
         rank: the global rank to slow down (>= 0).
         factor: how many times slower its steps become (a finite number >= 1; 1 does nothing).
+        after_step: the optimizer step from which it is slow (an int >= 0).
 
     Attributes:
         measured: this rank's compute seconds per batch (only on the slowed rank).
         delays: the seconds slept after each batch (only on the slowed rank).
     """
 
-    def __init__(self, rank: int, factor: float) -> None:
+    def __init__(self, rank: int, factor: float, after_step: int = 0) -> None:
         check_int("rank", rank, 0)
+        self.after_step = check_int("after_step", after_step, 0)
         if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 1 <= factor < math.inf:
             raise ValueError(f"factor must be a finite number >= 1, got {factor!r}")
         self.rank, self.factor = rank, float(factor)
         self.measured: list[float] = []
         self.delays: list[float] = []
-        self._start: float | None = None
+        self._start: tuple[float, float] | None = None  # (clock, blocked seconds) at the micro-batch's start
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.rank >= trainer.world_size:
@@ -52,15 +58,16 @@ class SlowRank(pl.Callback):
             )
 
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
-        self._start = time.perf_counter()
+        self._start = (time.perf_counter(), blocked_seconds(trainer))
 
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if trainer.global_rank != self.rank or self._start is None:
+        if trainer.global_rank != self.rank or self._start is None or trainer.global_step < self.after_step:
             return
-        elapsed = time.perf_counter() - self._start
+        started, blocked = self._start
+        elapsed = (time.perf_counter() - started) - (blocked_seconds(trainer) - blocked)
         delay = (self.factor - 1.0) * elapsed
         self.measured.append(elapsed)
         self.delays.append(delay)
         if delay > 0:
             time.sleep(delay)
-        self._start = time.perf_counter()  # the next micro-batch of an accumulation window starts now
+        self._start = (time.perf_counter(), blocked_seconds(trainer))  # the window's next micro-batch starts now

@@ -33,6 +33,7 @@ import lightning.pytorch as pl
 import torch
 
 from lightning_sync._checks import check_int
+from lightning_sync.diagnostics._comm import blocked_seconds
 from lightning_sync.diagnostics._steps import optimizer_step_ended
 
 __all__ = ["StragglerDetector"]
@@ -60,12 +61,12 @@ class StragglerDetector(pl.Callback):
         self._steps = 0
 
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
-        self._start = (time.perf_counter(), _blocked_seconds(trainer))
+        self._start = (time.perf_counter(), blocked_seconds(trainer))
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         if self._start is not None:
             started, blocked = self._start
-            self._busy += (time.perf_counter() - started) - (_blocked_seconds(trainer) - blocked)
+            self._busy += (time.perf_counter() - started) - (blocked_seconds(trainer) - blocked)
             self._start = None
         if not optimizer_step_ended(trainer):
             return  # mid-window of an accumulated step: the same decision on every rank
@@ -95,10 +96,3 @@ class StragglerDetector(pl.Callback):
                         trainer.global_step - self.every_n_steps + 1,
                         trainer.global_step,
                     )
-
-
-def _blocked_seconds(trainer: pl.Trainer) -> float:
-    """Seconds this rank has spent blocked in its strategy's collectives (0 where the strategy measures none: a
-    waiting rank is then counted as busy, which can only hide a straggler, never invent one)."""
-    observer = getattr(getattr(trainer.strategy, "comm", None), "observer", None)
-    return observer.blocked_seconds() if observer is not None else 0.0

@@ -37,6 +37,7 @@ from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from typing_extensions import override
 
 from lightning_sync import comms
+from lightning_sync._checks import check_bool, check_int
 from lightning_sync._lightning import calling_metric_key, next_restored, trainer_of
 from lightning_sync.checkpoint.reading import guarded_load
 from lightning_sync.strategies._common import PASSTHROUGH
@@ -44,6 +45,7 @@ from lightning_sync.strategies._exact_data import ExactData
 from lightning_sync.strategies._live import LiveTraining
 from lightning_sync.strategies._live_env import check_live_settings, live_requested
 from lightning_sync.strategies._parts import StrategyParts
+from lightning_sync.strategies._rebalance import Rebalancing
 from lightning_sync.sync.replicas import broadcast_module_states
 
 __all__ = [
@@ -143,7 +145,24 @@ class SyncStrategy(StrategyParts, DDPStrategy):
         self.exact_data = ExactData(self, self._per_rank_optimizer_state)
         #: the rank's part in live fault tolerance, where a subclass switches it on (:meth:`_go_live`)
         self.live: LiveTraining | None = None
+        #: each rank's share of the global batch by measured speed, where a subclass switches it on (:meth:`_rebalance`)
+        self.rebalance: Rebalancing | None = None
         super().__init__(**kwargs)
+
+    def _rebalance(self, rebalance: bool, every: int) -> None:
+        """Where ``rebalance`` asks for it, split each global batch over the ranks by their measured speed, every
+        ``every`` optimizer steps (:mod:`lightning_sync.strategies._rebalance`). Not with live fault tolerance,
+        whose membership already splits each global batch over the ranks training now."""
+        check_bool("rebalance", rebalance)
+        check_int("rebalance_every", every, 1)
+        if not rebalance:
+            return
+        if self.live is not None:
+            raise ValueError(
+                f"{type(self).__name__}: rebalance=True is not supported under the fault-tolerance agent "
+                f"(fault_tolerant=True): allowed there is rebalance=False; or run without the agent"
+            )
+        self.rebalance = Rebalancing(self, every)
 
     def _go_live(
         self,
@@ -194,6 +213,8 @@ class SyncStrategy(StrategyParts, DDPStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.rebalance is not None:  # this rank's share of the micro-batch by speed
+            args = self.rebalance.training_step_args(args)
         if self.live is not None:  # this member's share of the micro-batch, for the membership current now
             args = self.live.training_step_args(args)
             if self.live.failure is not None:  # the window is trained again whole after its vote: nothing counts
@@ -213,9 +234,18 @@ class SyncStrategy(StrategyParts, DDPStrategy):
     def backward(self, closure_loss: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         if self.live is not None and self.live.failure is not None:  # a skipped step (or one that just failed)
             return closure_loss
-        if self.live is not None and self.live.weight != 1.0:  # an uneven share of the micro-batch
-            closure_loss = closure_loss * self.live.weight
-        return super().backward(closure_loss, *args, **kwargs)
+        shared = self.live or self.rebalance
+        if shared is not None and shared.weight != 1.0:  # an uneven share of the micro-batch
+            closure_loss = closure_loss * shared.weight
+        out = super().backward(closure_loss, *args, **kwargs)
+        if self.rebalance is not None:
+            self.rebalance.backward_done()
+        return out
+
+    @override
+    def _after_optimizer_step(self) -> None:
+        if self.rebalance is not None:
+            self.rebalance.step_done()
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
@@ -328,6 +358,8 @@ class SyncStrategy(StrategyParts, DDPStrategy):
         trainer = trainer_of(self.lightning_module)
         if self.live is not None and trainer is not None and trainer.training:
             loader = self.live.install(loader)
+        if self.rebalance is not None and trainer is not None and trainer.training:
+            loader = self.rebalance.install(loader)
         return loader
 
     @override

@@ -6,7 +6,8 @@ things from the strategy's Lightning hooks:
 
 * **Training:** the strategy's :class:`~lightning_sync.resume.ExactResume` makes the training loader resumable
   (its position in the epoch's global order rides in Lightning's checkpoint), gathers every rank's RNG states
-  into each checkpoint and sets them again when training starts.
+  into each checkpoint and sets them again when training starts. Where the strategy rebalances, the split of the
+  global batch rides in the checkpoint too (:mod:`lightning_sync.strategies._rebalance`).
 * **Evaluation:** Lightning's ``DistributedSampler`` pads an evaluation set to a multiple of the world size
   by repeating samples, which synced metrics then count twice (and ``trainer.validate()`` warns about it).
   :func:`~lightning_sync.sampler.shard_for_evaluation` deals the set out without repeats whenever every rank
@@ -26,6 +27,7 @@ from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from lightning_sync._lightning import epoch_batches, finish_restored_epoch, set_epoch_batches, trainer_of
 from lightning_sync.resume import RANK_STATES, ExactResume, stash_positions, unstash_positions
 from lightning_sync.sampler import shard_for_evaluation
+from lightning_sync.strategies._rebalance import REBALANCE
 
 __all__ = ["ExactData"]
 
@@ -134,12 +136,18 @@ class ExactData:
             extra["optimizer_states"] = [owner.optimizer_state(o) for o in owner.optimizers]
         checkpoint[RANK_STATES] = self.resume.gather(owner.comm, extra, owner.root_device)
         stash_positions(checkpoint)
+        rebalance = getattr(owner, "rebalance", None)
+        if rebalance is not None and rebalance.state_dict() is not None:  # the split: the same on every rank
+            checkpoint[REBALANCE] = rebalance.state_dict()
 
     def take_rank_state(self, checkpoint: dict[str, Any]) -> dict[str, Any] | None:
         """This rank's entry of ``checkpoint``'s per-rank states (None when absent or from another world size);
         its own optimizer states, if it has them, are kept for :meth:`take_own_optimizer_states`. The training
         loaders' positions go back where Lightning restores them from."""
         unstash_positions(checkpoint)
+        rebalance = getattr(self._owner, "rebalance", None)
+        if rebalance is not None:
+            rebalance.load_state_dict(checkpoint.get(REBALANCE))
         mine = self.resume.take(checkpoint.get(RANK_STATES), self._owner.global_rank, self._owner.world_size)
         self._own_optimizer_states = mine.get("optimizer_states") if mine is not None else None
         return mine

@@ -7,7 +7,7 @@ sees the exception, because ``_call_and_handle_interrupt`` would tear the run do
 
 **A window is committed or replayed whole.** A window is an accumulation window (``bucketed_ddp``) or a period of
 inner steps ending in a sync (``local_sgd``, ``diloco``). Every micro-batch's share of the global batch comes from
-:class:`~lightning_sync.live_batches.LiveBatches` for the membership current when it trains (a batch the loader
+:class:`~lightning_sync.shares.SharedBatches` for the membership current when it trains (a batch the loader
 prefetched for an older one is rebuilt from the dataset). The optimizer step that ends the window runs the last
 closure (Lightning's) and the members vote (:meth:`Membership.run_committed`): gradient averaging votes before the
 optimizer, so only a committed step reaches it; a periodic strategy votes after its sync, and goes back to the
@@ -53,8 +53,8 @@ from lightning_sync._lightning import (
     warm_logging,
 )
 from lightning_sync.comms.membership import Membership
-from lightning_sync.live_batches import LiveBatches, share_of, weight_of
 from lightning_sync.resume import set_rng_state
+from lightning_sync.shares import SharedBatches, rebuild, share_of, weight_of
 from lightning_sync.strategies._live_env import LiveEnvironment
 from lightning_sync.strategies._live_handover import (
     load_training_state,
@@ -94,7 +94,7 @@ class LiveTraining:
         self.timeout = timeout
         self.environment = LiveEnvironment()
         self.membership: Membership | None = None
-        self.batches: LiveBatches | None = None
+        self.batches: SharedBatches | None = None
         self._loader: Any = None  # the training DataLoader
         #: the state a replacement received from a live peer, for Lightning to restore after setup
         self.healed_checkpoint: dict[str, Any] | None = None
@@ -105,7 +105,7 @@ class LiveTraining:
         self._snapshot: bytes | None = None  # the state at this window's start, while replacements are admitted
         self.window = WindowRecord()  # what the window in progress trained, to train it again after a loss
         self.replay = WindowReplay(owner, self.window, lambda j: self.batches.entries(j))
-        self.weight = 1.0  # on this micro-batch's loss (LiveBatches.weight)
+        self.weight = 1.0  # on this micro-batch's loss (SharedBatches.weight)
         self._failed_at: float | None = None  # when this window's first collective failed
         self._rank = -1  # this member's rank in the epoch it was in before
         self._admitted_at: float | None = None  # when this member entered an epoch that admitted replacements
@@ -233,8 +233,9 @@ class LiveTraining:
 
     # ------------------------------------------------------------------ data
     def install(self, loader: Any) -> Any:
-        """The training loader's batches become this member's shares (:class:`LiveBatches`)."""
-        self.batches, self._loader = LiveBatches.install(loader, self._place, type(self._owner).__name__), loader
+        """The training loader's batches become this member's shares (:class:`SharedBatches`)."""
+        name = type(self._owner).__name__
+        self.batches, self._loader = SharedBatches.install(loader, self._place, name, "live fault tolerance"), loader
         return loader
 
     def _place(self) -> tuple[int, int]:
@@ -256,7 +257,7 @@ class LiveTraining:
             j, entries = self.replay.current
         rank, world = self._place()
         if self.replay.current is not None or self.batches.is_stale(j, rank, world):
-            args = (self._rebuild(share_of(entries, rank, world)), *args[1:])
+            args = (rebuild(self._loader, self._owner, share_of(entries, rank, world)), *args[1:])
         self.weight = weight_of(entries, rank, world)
         return args
 
@@ -281,13 +282,6 @@ class LiveTraining:
                 f"live: epoch {membership.epoch} admits {[m for m in membership.members if m not in before]}: "
                 f"{membership.world_size} members, the state sent in {time.perf_counter() - self._admitted_at:.2f} s"
             )
-
-    def _rebuild(self, indices: list[int]) -> Any:
-        loader, owner = self._loader, self._owner
-        assert loader is not None
-        batch = loader.collate_fn([loader.dataset[i] for i in indices])
-        batch = owner.lightning_module._on_before_batch_transfer(batch, dataloader_idx=0)
-        return owner.batch_to_device(batch, dataloader_idx=0)
 
     # ------------------------------------------------------------------ collectives outside the vote
     def guarded(self, collective: Callable[[], T], alone: Callable[[], T]) -> T:

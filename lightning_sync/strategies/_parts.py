@@ -78,10 +78,12 @@ class StrategyParts:
         """Synchronize what follows an optimizer step (nothing here)."""
 
     def _gauges(self) -> dict[str, float]:
-        """The subclass's gauges and, where it trains live, the fault-tolerance figures."""
+        """The subclass's gauges and, where it trains live or rebalances, the fault-tolerance or the split's figures."""
         gauges = self._comm_gauges()
-        live = getattr(self, "live", None)
-        return {**gauges, **live.gauges()} if live is not None else gauges
+        for part in (getattr(self, "live", None), getattr(self, "rebalance", None)):
+            if part is not None:
+                gauges.update(part.gauges())
+        return gauges
 
     def _comm_counters(self) -> dict[str, float]:
         """Cumulative counts whose per-step increase is logged (none here)."""

@@ -73,6 +73,9 @@ class BucketedDDPStrategy(SyncStrategy):
         start_method: ``"popen"`` (re-run the script per rank), ``"spawn"``, ``"fork"`` or ``"forkserver"``.
         fault_tolerant: keep training when a rank is lost (live membership; the ranks must be started by the
             fault-tolerance agent, ``lightning-sync launch``); None: on exactly when they were.
+        rebalance: split each global batch over the ranks by their measured speed, the gradient still the exact
+            global mean (:mod:`lightning_sync.strategies._rebalance`).
+        rebalance_every: optimizer steps between two measurements of the ranks' speeds.
     """
 
     strategy_name = "bucketed_ddp"
@@ -93,6 +96,8 @@ class BucketedDDPStrategy(SyncStrategy):
         timeout: float | timedelta = 1800.0,
         start_method: str = "popen",
         fault_tolerant: bool | None = None,
+        rebalance: bool = False,
+        rebalance_every: int = 10,
         **kwargs: Any,
     ) -> None:
         check_mib("bucket_cap_mb", bucket_cap_mb)
@@ -134,6 +139,7 @@ class BucketedDDPStrategy(SyncStrategy):
             compression=(compression, (None, "none", *COMPRESSIONS)),
             comm_algorithm=(comm_algorithm, ("backend",)),
         )
+        self._rebalance(rebalance, rebalance_every)
 
     # ------------------------------------------------------------------ setup / teardown
     @override

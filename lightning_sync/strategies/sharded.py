@@ -146,6 +146,9 @@ class ShardedStrategy(ShardedLive, ShardedCheckpointing, SyncStrategy):
             shards (>= 1): a loss costs at most that many steps, plus one with ``snapshot_async``.
         snapshot_async: send each snapshot to the buddies while the next step trains, off the critical path (a
             loss in that step goes back to the snapshot before); False: inside the vote of the step that takes it.
+        rebalance: split each global batch over the ranks by their measured speed, the gradient still the exact
+            global mean (:mod:`lightning_sync.strategies._rebalance`); the sharding does not depend on the batch.
+        rebalance_every: optimizer steps between two measurements of the ranks' speeds.
     """
 
     strategy_name = "sharded"
@@ -171,6 +174,8 @@ class ShardedStrategy(ShardedLive, ShardedCheckpointing, SyncStrategy):
         fault_tolerant: bool | None = None,
         snapshot_every: int = 10,
         snapshot_async: bool = True,
+        rebalance: bool = False,
+        rebalance_every: int = 10,
         **kwargs: Any,
     ) -> None:
         check_stage(stage)
@@ -215,6 +220,7 @@ class ShardedStrategy(ShardedLive, ShardedCheckpointing, SyncStrategy):
         self._finished: ZeroEngine | None = None
         self._init_live()
         self._go_live(fault_tolerant, process_group_backend, start_method)
+        self._rebalance(rebalance, rebalance_every)
 
     # ------------------------------------------------------------------ setup / teardown
     @override

@@ -50,6 +50,7 @@ __all__ = [
     "VOCAB",
     "_QUIET",
     "_Sections",
+    "_IndexedModule",
     "_TiedModule",
     "_TiedNet",
     "_assert_section",
@@ -169,6 +170,28 @@ class _TiedModule(pl.LightningModule):
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(self.ds, batch_size=BATCH, shuffle=True)  # Lightning swaps in a DistributedSampler
+
+
+class _IndexedModule(_TiedModule):
+    """``_TiedModule`` (a per-step StepLR with ``scheduler``) on ``n`` token samples whose batches of ``batch`` carry
+    their sample indices, recorded per micro-batch in ``seen``; ``loader``: more ``DataLoader`` arguments."""
+
+    def __init__(
+        self, optimizer: str = "sgd", n: int = N_TRAIN, batch: int = BATCH, scheduler: bool = True, **loader: Any
+    ) -> None:
+        super().__init__(optimizer, _token_data(n), scheduler=scheduler)
+        ids, y = self.ds.tensors
+        self.indexed = TensorDataset(ids, y, torch.arange(len(y)))
+        self.batch, self.loader = batch, loader
+        self.seen: list[list[int]] = []
+
+    def training_step(self, batch: tuple[torch.Tensor, ...], batch_idx: int) -> torch.Tensor:
+        ids, y, idx = batch
+        self.seen.append(idx.tolist())
+        return super().training_step((ids, y), batch_idx)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.indexed, batch_size=self.batch, shuffle=True, **self.loader)
 
 
 def _rank_batches(n: int, world: int, epoch: int, batch: int = BATCH) -> list[list[list[int]]]:

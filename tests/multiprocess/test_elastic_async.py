@@ -40,6 +40,7 @@ from _lightning_reference import (
     ENV,
     EQ_TOL,
     MIN_MOVE,
+    _IndexedModule,
     _quiet_rank,
     _rank_batches,
     _reference,
@@ -60,24 +61,10 @@ from lightning_sync.testing import Checks, run_distributed
 PS_N = 24  # samples: 2 global steps an epoch at a global batch of 12, 3 at one of 8
 
 
-class _PSModule(_TiedModule):
+def _ps_module(batch: int) -> _IndexedModule:
     """SGD with momentum and a per-step StepLR (on the server's global clock); a per-rank batch of ``batch``;
     records the sample indices of each of its steps."""
-
-    def __init__(self, batch: int) -> None:
-        super().__init__("sgd", _token_data(PS_N), scheduler=True)
-        ids, y = self.ds.tensors
-        self.indexed = TensorDataset(ids, y, torch.arange(len(y)))
-        self.batch = batch
-        self.seen: list[list[int]] = []
-
-    def training_step(self, batch: tuple[torch.Tensor, ...], batch_idx: int) -> torch.Tensor:
-        ids, y, idx = batch
-        self.seen.append(idx.tolist())
-        return super().training_step((ids, y), batch_idx)
-
-    def train_dataloader(self) -> DataLoader:
-        return DataLoader(self.indexed, batch_size=self.batch, shuffle=True)
+    return _IndexedModule("sgd", PS_N, batch)
 
 
 class _Lines(logging.Handler):
@@ -94,7 +81,7 @@ def _ps_first(rank: int, world: int, tmpdir: str, batch: int, steps: int) -> Non
     _quiet_rank()
     every = ModelCheckpoint(dirpath=tmpdir, filename="{step}", every_n_train_steps=steps, save_top_k=-1)
     strategy = AsyncParameterServerStrategy(max_staleness=0, server_rank=world - 1)
-    _trainer(world, strategy, max_steps=steps, callbacks=[every], enable_checkpointing=True).fit(_PSModule(batch))
+    _trainer(world, strategy, max_steps=steps, callbacks=[every], enable_checkpointing=True).fit(_ps_module(batch))
 
 
 def _ps_resumed(rank: int, world: int, ckpt: str, batch: int, steps: int) -> dict[str, Any]:
@@ -102,7 +89,7 @@ def _ps_resumed(rank: int, world: int, ckpt: str, batch: int, steps: int) -> dic
     lines = _Lines()
     logging.getLogger("lightning.pytorch").addHandler(lines)
     logging.getLogger("lightning.pytorch").setLevel(logging.INFO)
-    module = _PSModule(batch)
+    module = _ps_module(batch)
     strategy = AsyncParameterServerStrategy(max_staleness=0, server_rank=world - 1)
     _trainer(world, strategy, max_steps=steps).fit(module, ckpt_path=ckpt)
     final = strategy._final["state"] if strategy._final is not None else None  # rank 0: the server's, at the end
@@ -112,7 +99,7 @@ def _ps_resumed(rank: int, world: int, ckpt: str, batch: int, steps: int) -> dic
 def _replay(ckpt: dict[str, Any], world: int, batch: int, steps: int) -> dict[str, torch.Tensor]:
     """The checkpoint's model, optimizer and scheduler stepped ``steps`` times in this process on the next
     epoch's batches of ``world`` ranks (the mean of their gradients: what the server applies at s = 0)."""
-    module = _PSModule(batch)
+    module = _ps_module(batch)
     module.load_state_dict(ckpt["state_dict"])
     configured = module.configure_optimizers()
     optimizer, scheduler = configured["optimizer"], configured["lr_scheduler"]["scheduler"]

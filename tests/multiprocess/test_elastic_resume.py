@@ -24,6 +24,7 @@ import torch
 from _lightning_reference import (
     ENV,
     MIN_MOVE,
+    _IndexedModule,
     _quiet_rank,
     _rank_batches,
     _reference,
@@ -35,7 +36,7 @@ from _lightning_reference import (
 from lightning.pytorch.callbacks import ModelCheckpoint
 from support.cli_ranks import run as cli_run
 from support.cli_ranks import weights
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import TensorDataset
 
 from lightning_sync import BucketedDDPStrategy, ShardedStrategy
 from lightning_sync.resume import POSITIONS
@@ -60,22 +61,9 @@ def _make(strategy: str) -> Any:
     return ShardedStrategy(stage=3, bucket_cap_mb=0.001)
 
 
-class _Recorded(_TiedModule):
-    """``_TiedModule`` with batches of ``BATCH`` that carry their sample indices, recorded per micro-batch."""
-
-    def __init__(self, optimizer: str) -> None:
-        super().__init__(optimizer, _data(), scheduler=True)
-        ids, y = self.ds.tensors
-        self.indexed = TensorDataset(ids, y, torch.arange(len(y)))
-        self.seen: list[list[int]] = []
-
-    def training_step(self, batch: tuple[torch.Tensor, ...], batch_idx: int) -> torch.Tensor:
-        ids, y, idx = batch
-        self.seen.append(idx.tolist())
-        return super().training_step((ids, y), batch_idx)
-
-    def train_dataloader(self) -> DataLoader:
-        return DataLoader(self.indexed, batch_size=BATCH, shuffle=True, **LOADER[self.optimizer_name])
+def _recorded(optimizer: str) -> _IndexedModule:
+    """The run's module: batches of ``BATCH`` that carry their sample indices, recorded per micro-batch."""
+    return _IndexedModule(optimizer, N, BATCH, **LOADER[optimizer])
 
 
 def _data() -> TensorDataset:
@@ -103,7 +91,7 @@ def _part(rank: int, world: int, tmpdir: str, steps: int, previous: tuple[int, i
             saver = ModelCheckpoint(
                 dirpath=_checkpoints(tmpdir, strategy, optimizer, world), every_n_train_steps=4, save_top_k=-1
             )
-            module = _Recorded(optimizer)
+            module = _recorded(optimizer)
             trainer = _trainer(
                 world,
                 _make(strategy),
@@ -124,7 +112,7 @@ def _refused(tmpdir: str, previous: tuple[int, int]) -> None:
     """A resume that would change the global batch (48 -> 8 x 3 x 1 = 24) is refused before any step,
     naming both shapes and the accumulation that keeps 48."""
     (ckpt,) = _checkpoints(tmpdir, "bucketed_ddp", "sgd", previous[0]).glob(f"*-step={previous[1]}.ckpt")
-    module = _Recorded("sgd")
+    module = _recorded("sgd")
     trainer = _trainer(3, _make("bucketed_ddp"), max_steps=previous[1] + 1, accumulate_grad_batches=1)
     with pytest.raises(ValueError) as refusal:
         trainer.fit(module, ckpt_path=ckpt)
@@ -251,7 +239,7 @@ def _epoch_part(rank: int, world: int, tmpdir: str, steps: int, ckpt: str | None
     epoch's end), from ``ckpt``; this rank's sample indices of every micro-batch."""
     _quiet_rank()
     saver = ModelCheckpoint(dirpath=Path(tmpdir) / f"world{world}", every_n_train_steps=6, save_top_k=-1)
-    module = _Recorded("sgd")
+    module = _recorded("sgd")
     accumulate = GLOBAL // (BATCH * world)
     trainer = _trainer(
         world,

@@ -1,4 +1,4 @@
-"""``StragglerDetector`` on 3 real gloo ranks with ``SlowRank(rank=1, factor=4)``: every window flags rank 1
+"""``StragglerDetector`` on 3 real gloo ranks with ``SlowRank(rank=1, factor=8)``: every window flags rank 1
 and only rank 1, and rank 1's measured time agrees with the sleeps SlowRank itself recorded; without a
 straggler nothing is flagged. Training still reaches the single-process reference (the detector only
 measures)."""
@@ -20,12 +20,13 @@ def _worker(rank: int, world: int) -> tuple[list[str], int]:
     ck = Checks()
     module, init = _TiedModule("sgd"), _state(_TiedModule("sgd"))
     ref = _reference(_TiedModule("sgd"), module.ds, world, steps=STEPS)["state"]
-    detector, slow = StragglerDetector(every_n_steps=EVERY, threshold=2.0), SlowRank(rank=1, factor=4)
+    detector, slow = StragglerDetector(every_n_steps=EVERY, threshold=2.0), SlowRank(rank=1, factor=8)
     _trainer(world, BucketedDDPStrategy(), max_steps=STEPS, callbacks=[slow, detector]).fit(module)
     _check_against(ck, "[with the detector]", module, ref, init)
     ck.true("one window per 4 steps", len(detector.windows) == STEPS // EVERY, detector.windows)
     flagged = sorted({r for _, r, _ in detector.flags})
-    # SlowRank sleeps 3x the measured compute: rank 1 takes ~4x the others, far above the threshold 2
+    # SlowRank sleeps 7x rank 1's compute: it takes ~8x the others, far above the threshold 2 even when this
+    # machine's contention (3 ranks on 2 cores, beside other tests) makes another rank's window 2x slow
     ck.true(
         "rank 1, and only rank 1, flagged in every window",
         flagged == [1] and len(detector.flags) == STEPS // EVERY,
@@ -36,8 +37,8 @@ def _worker(rank: int, world: int) -> tuple[list[str], int]:
     )
     if rank == 1:
         # the independent record: SlowRank's own sleeps. Rank 1's measured time per step is that sleep plus
-        # its compute, and SlowRank sleeps 3x its compute (which it measures with any wait inside backward
-        # included), so the measure lies between the sleep and 4/3 of it (+ the optimizer step: 1.6x, 2 ms)
+        # its compute, and SlowRank sleeps 7x its compute (waits in collectives taken out, as the detector
+        # takes them out), so the measure lies between the sleep and 8/7 of it (+ the optimizer step: 1.6x, 2 ms)
         for w, times in enumerate(detector.windows):
             sleep = sum(slow.delays[w * EVERY : (w + 1) * EVERY]) / EVERY
             ck.true(

@@ -357,7 +357,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("_checks", "_config", "_extras", "_process", "batch"),
     ("comms",),
     ("sync", "checkpoint"),
-    ("_lightning", "sampler", "live_batches", "resume"),
+    ("_lightning", "sampler", "shares", "resume"),
     ("strategies",),
     ("lightning_sync", "_registration"),
     ("diagnostics", "launch", "lr_rules", "models"),

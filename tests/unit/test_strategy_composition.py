@@ -36,8 +36,17 @@ DILOCO_ACCEPTS = ["sync_every", "outer_lr", "outer_momentum", "nesterov", *LAUNC
 WARMUP_BUCKETS = ["bucket_cap_mb", "first_bucket_mb", "gradient_as_bucket_view", "find_unused_parameters"]
 LOCAL_SGD_ACCEPTS = ["sync_every", "warmup_steps", "average_optimizer_state", *WARMUP_BUCKETS, *LAUNCH, *LIGHTNING]
 # bucketed_ddp's arguments LocalSGD refuses: its warm-up is exact synchronous SGD with the backend's all-reduce,
-# and buffers are averaged at every sync instead of broadcast at every step
-LOCAL_SGD_REFUSES = {"compression", "powersgd_rank", "powersgd_warmup_steps", "comm_algorithm", "broadcast_buffers"}
+# and buffers are averaged at every sync instead of broadcast at every step; rebalancing splits the global batch of
+# a synchronous step, which a period of local steps does not have
+LOCAL_SGD_REFUSES = {
+    "compression",
+    "powersgd_rank",
+    "powersgd_warmup_steps",
+    "comm_algorithm",
+    "broadcast_buffers",
+    "rebalance",
+    "rebalance_every",
+}
 
 
 def _bucketed_default(arg: str) -> Any:
@@ -78,7 +87,11 @@ def test_local_sgd_refuses_the_bucketed_ddp_arguments_its_warm_up_does_not_use(a
     with pytest.raises(ValueError) as error:
         LocalSGDStrategy(warmup_steps=2, **{arg: _bucketed_default(arg)})
     message = str(error.value)
-    assert message.startswith(f"LocalSGDStrategy does not take ['{arg}'] (BucketedDDPStrategy takes '{arg}')"), message
+    # who takes it: bucketed_ddp alone, or with ZeRO (rebalancing)
+    takers = (
+        "BucketedDDPStrategy and ShardedStrategy take" if arg.startswith("rebalance") else "BucketedDDPStrategy takes"
+    )
+    assert message.startswith(f"LocalSGDStrategy does not take ['{arg}'] ({takers} '{arg}')"), message
     assert message.endswith(f"; it accepts {LOCAL_SGD_ACCEPTS}"), message
 
 

@@ -98,6 +98,8 @@ _BUCKETED: list[tuple[str, Any, str]] = [
     # live fault tolerance: True needs the agent's ranks (this process was not started by it)
     *[("fault_tolerant", v, got("fault_tolerant", "True, False or None", v)) for v in (1, "true", 0)],
     ("fault_tolerant", True, r"fault_tolerant=True needs the ranks started by the fault-tolerance agent"),
+    *[("rebalance", v, got("rebalance", _BOOL, v)) for v in (1, "true", None)],
+    *[("rebalance_every", v, got("rebalance_every", "an int >= 1", v)) for v in (0, -1, 2.5, "10", True, None)],
     (KWARGS, {"bucket_cap": 5}, r"unknown arguments \['bucket_cap'\]; besides its own it accepts \['accelerator'"),
 ]
 
@@ -163,7 +165,7 @@ _SHARDED: list[tuple[str, Any, str]] = [
     *[
         (arg, v, pattern)
         for arg, v, pattern in _BUCKETED
-        if arg in ("process_group_backend", "start_method", "timeout", "fault_tolerant")
+        if arg in ("process_group_backend", "start_method", "timeout", "fault_tolerant", "rebalance", "rebalance_every")
     ],
     (KWARGS, {"stages": 2}, r"unknown arguments \['stages'\]; besides its own it accepts"),
 ]

@@ -1,4 +1,4 @@
-"""``LiveBatches`` in one process: the batch sampler that shares each micro-step of the global order out over the
+"""``SharedBatches`` in one process: the batch sampler that shares each micro-step of the global order out over the
 members training now (live fault tolerance's data side).
 
 What must hold, and why it is tested here without a process group or a Trainer:
@@ -25,8 +25,8 @@ import pytest
 import torch
 from torch.utils.data import BatchSampler, DistributedSampler
 
-from lightning_sync.live_batches import LiveBatches
 from lightning_sync.sampler import GlobalOrderSampler
+from lightning_sync.shares import SharedBatches
 
 # (dataset size N, nominal world W0, per-rank batch B, drop_last): a whole number of micro-steps; N not a multiple
 # of W0 * B (a short last micro-step, kept or dropped); N not a multiple of W0 (DistributedSampler pads by
@@ -68,9 +68,9 @@ def _live(
     view: Callable[[], tuple[int, int]],
     epoch: int = 0,
     sampler_drop_last: bool = False,
-) -> LiveBatches:
+) -> SharedBatches:
     sampler = GlobalOrderSampler(_base(n, world, rank, epoch, sampler_drop_last))
-    return LiveBatches(sampler, batch_size, drop_last, view)
+    return SharedBatches(sampler, batch_size, drop_last, view)
 
 
 def _nominal(

@@ -1,0 +1,150 @@
+"""``Rebalancing``: a synchronous strategy's share of each global batch per rank, set by each rank's measured speed.
+
+The strategy owns one when built with ``rebalance=True``. The training loader's batches become this rank's shares
+(:class:`~lightning_sync.shares.SharedBatches`): every micro-batch is the same ``B x W`` entries of the global order
+as in a plain run, split by the counts the :class:`~lightning_sync.sync.rebalance.Rebalancer` holds. Each rank's
+loss is weighted by its share (:func:`~lightning_sync.shares.weight_of`), so the all-reduced gradient is the mean
+over the global batch, not the mean of the ranks' means: the result is a single process's on the same batches.
+
+**What is measured.** Each rank times its own work on a micro-batch: from ``training_step``'s start to the end of
+backward, less the seconds it spent blocked in the strategy's collectives (``CommStats.blocked_seconds``), so a fast
+rank waiting for a slow one does not count as slow. The first ``every`` steps of a fit are set aside (their first
+step carries one-time costs: allocations, caches). Then every ``every`` optimizer steps the ranks all-gather their
+seconds and samples (one small collective) and each updates the same rebalancer with the same numbers: the new
+split needs no other message, and it applies from the next micro-batch on. A batch the loader prefetched under the
+old split is made again from the dataset in this process (:func:`~lightning_sync.shares.rebuild`).
+
+**Checkpoints.** The split and the smoothed speeds travel in the checkpoint (the same on every rank), so a resume
+at the same world size continues with them; at another world size, or with another per-rank batch, it starts even.
+The position in the epoch is that of the global order, which rebalancing does not change.
+
+Imports nothing of Lightning's internals.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from lightning_sync._lightning import batch_index, trainer_of
+from lightning_sync.shares import SharedBatches, rebuild
+from lightning_sync.sync.rebalance import Rebalancer
+
+__all__ = ["REBALANCE", "SAVED", "SHARE", "Rebalancing"]
+
+#: the checkpoint key of the rebalancing state
+REBALANCE = "lightning_sync_rebalance"
+#: logged gauges: each rank's fraction of a micro-batch, and the compute seconds the split saved so far
+SHARE, SAVED = "rebalance/share_rank_{}", "rebalance/seconds_saved"
+
+
+class Rebalancing:
+    """One rank's part in rebalancing (module docstring); the strategy calls each method from the hook its name says.
+
+    Args:
+        owner: the strategy (its ranks, communication context, module and device).
+        every: optimizer steps between two measurements (and so between two possible moves of the split).
+    """
+
+    def __init__(self, owner: Any, every: int) -> None:
+        self._owner = owner
+        self.every = every
+        self.rebalancer: Rebalancer | None = None
+        self.batches: SharedBatches | None = None
+        self.weight = 1.0  # on this micro-batch's loss
+        #: samples this rank computed in this fit (read by the straggler detector)
+        self.samples = 0
+        self._loader: Any = None
+        self._saved: Mapping[str, Any] | None = None  # from a checkpoint, for the rebalancer made at install
+        self._started: tuple[float, float] | None = None  # (clock, blocked seconds) at this micro-batch's start
+        self._busy, self._window_samples, self._steps = 0.0, 0, 0
+        self._share = 0  # samples of the micro-batch in progress
+        self._warm = False  # a first window was measured and set aside (it carries the fit's one-time costs)
+
+    # ------------------------------------------------------------------ data
+    def install(self, loader: Any) -> Any:
+        """The training loader's batches become this rank's shares of the split in force when each is trained."""
+        owner = self._owner
+        self.batches = SharedBatches.install(loader, self._place, type(owner).__name__, "rebalance=True")
+        self._loader = loader
+        self._busy, self._window_samples, self._steps, self._warm = 0.0, 0, 0, False
+        world, micro = owner.world_size, self.batches.micro
+        if self.rebalancer is None or (self.rebalancer.world, self.rebalancer.micro) != (world, micro):
+            self.rebalancer = Rebalancer(world, micro)
+        if self._saved is not None:
+            self.rebalancer.load_state_dict(self._saved)
+            self._saved = None
+        return loader
+
+    def _place(self) -> tuple[int, int, tuple[int, ...]]:
+        assert self.rebalancer is not None
+        return self._owner.global_rank, self._owner.world_size, tuple(self.rebalancer.counts)
+
+    def training_step_args(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        """Before ``training_step``: this rank's share of the micro-batch for the split in force now (rebuilt if the
+        loader made it for another), its loss weight, and the start of its timing."""
+        assert self.batches is not None
+        j = batch_index(trainer_of(self._owner.lightning_module))
+        place = self._place()
+        indices = self.batches.share(j, *place)
+        if self.batches.is_stale(j, *place):
+            args = (rebuild(self._loader, self._owner, indices), *args[1:])
+        self.weight = self.batches.weight(j, *place)
+        self._share = len(indices)
+        self._started = (time.perf_counter(), self._blocked())
+        return args
+
+    # ------------------------------------------------------------------ measuring
+    def _blocked(self) -> float:
+        observer = self._owner.comm.observer
+        blocked = getattr(observer, "blocked_seconds", None)
+        return blocked() if blocked is not None else 0.0
+
+    def backward_done(self) -> None:
+        """After backward: this micro-batch's own compute seconds join the window's."""
+        if self._started is None:
+            return
+        started, blocked = self._started
+        self._started = None
+        self._busy += (time.perf_counter() - started) - (self._blocked() - blocked)
+        self._window_samples += self._share
+        self.samples += self._share
+
+    def step_done(self) -> None:
+        """After an optimizer step: every ``every`` of them, the ranks exchange their measurements and move the split
+        alike (the same decision from the same gathered numbers on every rank)."""
+        self._steps += 1
+        if self._steps < self.every or self.rebalancer is None:
+            return
+        if not self._warm:  # the same decision on every rank: each counts the same steps
+            self._warm = True
+            self._busy, self._window_samples, self._steps = 0.0, 0, 0
+            return
+        mine = torch.tensor([self._busy, float(self._window_samples)], dtype=torch.float64)
+        self._busy, self._window_samples, self._steps = 0.0, 0, 0
+        gathered = self._owner.comm.all_gather(mine)
+        seconds = [float(g[0]) for g in gathered]
+        samples = [int(g[1]) for g in gathered]
+        self.rebalancer.update(seconds, samples)
+
+    # ------------------------------------------------------------------ reporting and checkpoints
+    def gauges(self) -> dict[str, float]:
+        if self.rebalancer is None:
+            return {}
+        shares = {SHARE.format(r): s for r, s in enumerate(self.rebalancer.shares())}
+        return {**shares, SAVED: self.rebalancer.seconds_saved}
+
+    def state_dict(self) -> dict[str, Any] | None:
+        return None if self.rebalancer is None else self.rebalancer.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any] | None) -> None:
+        """A checkpoint's state, taken by the rebalancer the training loader's install makes (or has made)."""
+        if state is None:
+            return
+        if self.rebalancer is not None and self.batches is not None:
+            self.rebalancer.load_state_dict(state)
+        else:
+            self._saved = state
