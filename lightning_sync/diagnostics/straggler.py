@@ -10,6 +10,9 @@ its own time, and only a straggler well above the others stands out.) Every ``ev
 optimizer steps the ranks all-gather their mean per step; a rank above ``threshold`` x the median is
 flagged: one warning naming it, with its time, the median and the steps, and the metrics
 ``straggler/max_ratio`` and ``straggler/slowest_rank`` (logged on every window, flagged or not).
+Under a strategy that rebalances (``rebalance=True``) every rank's step takes about as long, which is the point: the
+ranks are compared by their time per sample instead, and the warning says what share of each batch the slow rank
+computes and the compute seconds the split saved so far (logged as ``rebalance/*`` by the strategy).
 :attr:`StragglerDetector.flags` keeps ``(global_step, rank, ratio)`` of every flag.
 
 With 2 ranks the median is the mean of both, so a rank k times slower shows a ratio of 2k / (k + 1)
@@ -59,9 +62,13 @@ class StragglerDetector(pl.Callback):
         self._start: tuple[float, float] | None = None
         self._busy = 0.0
         self._steps = 0
+        self._samples: int | None = None  # under rebalancing: the samples this rank had computed at the window's start
 
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
         self._start = (time.perf_counter(), blocked_seconds(trainer))
+        rebalance = getattr(trainer.strategy, "rebalance", None)
+        if rebalance is not None and self._samples is None:
+            self._samples = rebalance.samples
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         if self._start is not None:
@@ -73,12 +80,18 @@ class StragglerDetector(pl.Callback):
         self._steps += 1
         if self._steps < self.every_n_steps:
             return
-        mine = torch.tensor([self._busy / self._steps], dtype=torch.float64)
-        self._busy, self._steps = 0.0, 0
-        times = [float(t) for t in trainer.strategy.all_gather(mine).reshape(-1)]
+        rebalance = getattr(trainer.strategy, "rebalance", None)
+        samples = rebalance.samples - self._samples if rebalance is not None and self._samples is not None else 0
+        mine = torch.tensor([self._busy / self._steps, float(samples)], dtype=torch.float64)
+        self._busy, self._steps, self._samples = 0.0, 0, None
+        gathered = trainer.strategy.all_gather(mine).reshape(-1, 2)
+        times = [float(t) for t in gathered[:, 0]]
         self.windows.append(times)
-        median = statistics.median(times)
-        ratios = [t / median if median > 0 else 1.0 for t in times]
+        # under rebalancing every rank's step takes about as long (that is its point): compare time per sample
+        counts = [float(n) for n in gathered[:, 1]]
+        per = [t / n for t, n in zip(times, counts)] if min(counts) > 0 else times
+        median = statistics.median(per)
+        ratios = [t / median if median > 0 else 1.0 for t in per]
         slowest = max(range(len(ratios)), key=ratios.__getitem__)
         pl_module.log_dict(
             {"straggler/max_ratio": ratios[slowest], "straggler/slowest_rank": float(slowest)}, rank_zero_only=True
@@ -88,11 +101,25 @@ class StragglerDetector(pl.Callback):
                 self.flags.append((trainer.global_step, rank, ratio))
                 if trainer.is_global_zero:
                     log.warning(
-                        "straggler: rank %d took %.2fx the median step time (%.1f ms against %.1f ms) over steps %d-%d",
+                        "straggler: rank %d took %.2fx the median %s (%.1f ms against %.1f ms) over steps %d-%d%s",
                         rank,
                         ratio,
-                        1e3 * times[rank],
+                        "time per sample" if per is not times else "step time",
+                        1e3 * per[rank],
                         1e3 * median,
                         trainer.global_step - self.every_n_steps + 1,
                         trainer.global_step,
+                        _rebalanced(rebalance, rank),
                     )
+
+
+def _rebalanced(rebalance: Any, rank: int) -> str:
+    """What rebalancing does about it, for the warning: the rank's share of each batch and the seconds saved."""
+    rebalancer = getattr(rebalance, "rebalancer", None)
+    if rebalancer is None:
+        return ""
+    share = rebalancer.shares()[rank]
+    return (
+        f"; rebalanced: it computes {100 * share:.0f}% of each batch (even: {100 / rebalancer.world:.0f}%), "
+        f"{rebalancer.seconds_saved:.2f} s of compute saved so far"
+    )

@@ -6,14 +6,17 @@ Rank 1 is made slow with ``SlowRank`` (its compute time, collectives' waits take
 * every optimizer step trains on the same global batch as a plain run (the same set of sample indices);
 * the final weights equal the single-process reference of a plain run within ``TOL``, for SGD with momentum and
   AdamW (two loader workers: batches prefetched under an old split are made again), accumulation 2, at 2 and at 3
-  ranks, under ``bucketed_ddp`` and ZeRO-2;
+  ranks, under ``bucketed_ddp``, ZeRO-2 and ZeRO-3;
 * without a slow rank the split stays even (the dead band holds against this machine's noise);
+* the logger shows the split and the seconds it saved, and the straggler detector still names the slow rank;
 * a mid-epoch checkpoint resumes exactly: at the same world size with the split it saved, and at another world
   size (2 -> 3 ranks, the global batch of 48 held by the accumulation) from an even split.
 """
 
 from __future__ import annotations
 
+import csv
+import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -35,13 +38,15 @@ from _lightning_reference import (
     _trainer,
 )
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
 
 from lightning_sync import BucketedDDPStrategy, ShardedStrategy
-from lightning_sync.diagnostics import SlowRank
-from lightning_sync.strategies._rebalance import REBALANCE
+from lightning_sync.diagnostics import SlowRank, StragglerDetector
+from lightning_sync.strategies._rebalance import REBALANCE, SAVED, SHARE
 from lightning_sync.testing import assert_all_ranks_passed, run_distributed
 
 N, BATCH = 288, 8
+KINDS = ("bucketed_ddp", "zero2", "zero3")
 STEPS, EVERY = 10, 2  # 10 optimizer steps, the split measured (and possibly moved) every 2
 #: Final weights against the reference. The same samples per step, summed in another order (per rank over shares
 #: of other sizes, then across ranks, each share's mean scaled back by its size), so float32 rounding differs:
@@ -70,7 +75,8 @@ class _Paced(pl.Callback):
 def _strategy(kind: str, bucket_cap_mb: float) -> Any:
     if kind == "bucketed_ddp":
         return BucketedDDPStrategy(bucket_cap_mb=bucket_cap_mb, rebalance=True, rebalance_every=EVERY)
-    return ShardedStrategy(stage=2, bucket_cap_mb=bucket_cap_mb, rebalance=True, rebalance_every=EVERY)
+    stage = int(kind[-1])
+    return ShardedStrategy(stage=stage, bucket_cap_mb=bucket_cap_mb, rebalance=True, rebalance_every=EVERY)
 
 
 def _fit(world: int, kind: str, optimizer: str, steps: int, accumulate: int, slow: bool, **kw: Any) -> Any:
@@ -93,7 +99,7 @@ def _fit(world: int, kind: str, optimizer: str, steps: int, accumulate: int, slo
 
 def _equivalence(rank: int, world: int, sections: _Sections) -> None:
     """Slow rank 1: each run's global batches and final weights, for the test process to compare."""
-    for kind in ("bucketed_ddp", "zero2"):
+    for kind in KINDS:
         for optimizer in ("sgd", "adamw"):
             key = f"{kind}/{optimizer}"
 
@@ -140,12 +146,60 @@ def _resume_same_world(rank: int, world: int, tmpdir: str, sections: _Sections) 
     sections.run("resume-same", run)
 
 
+class _Warnings(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def _visible(rank: int, world: int, tmpdir: str, sections: _Sections) -> None:
+    """The split and the seconds it saved reach the logger, and the straggler detector still names the slow rank
+    (by its time per sample: under rebalancing every rank's step takes about as long) and says what was done."""
+
+    def run(ck: Any) -> None:
+        # SlowRank 3x on one of 2 ranks: its time per sample is 2 x 3 / (1 + 3) = 1.5x the median
+        detector, warnings = StragglerDetector(every_n_steps=5, threshold=1.3), _Warnings()
+        logging.getLogger("lightning_sync.diagnostics").addHandler(warnings)
+        strategy = _strategy("bucketed_ddp", 0.001)
+        trainer = _trainer(
+            world,
+            strategy,
+            max_steps=STEPS,
+            accumulate_grad_batches=2,
+            callbacks=[SlowRank(1, 3.0), detector],
+            logger=CSVLogger(tmpdir, name="visible"),
+            log_every_n_steps=1,
+        )
+        try:
+            trainer.fit(_recorded("sgd"))
+        finally:
+            logging.getLogger("lightning_sync.diagnostics").removeHandler(warnings)
+        ck.true("the detector flags rank 1 alone", {r for _, r, _ in detector.flags} == {1}, detector.flags)
+        if rank != 0:
+            return
+        ck.true(
+            "the warning names the split",
+            any("rank 1" in line and "time per sample" in line and "rebalanced:" in line for line in warnings.lines),
+            warnings.lines,
+        )
+        rows = list(csv.DictReader((Path(trainer.logger.log_dir) / "metrics.csv").read_text().splitlines()))
+        last = [r for r in rows if r.get(SAVED)][-1]
+        ck.true("the shares are logged", float(last[SHARE.format(1)]) < 0.5 < float(last[SHARE.format(0)]), last)
+        ck.true("the seconds saved are logged", float(last[SAVED]) > 0, last)
+
+    sections.run("visible", run)
+
+
 def _two_ranks(rank: int, world: int, tmpdir: str) -> dict[str, Any]:
     _quiet_rank()
     sections = _Sections()
     _equivalence(rank, world, sections)
     _steady(rank, world, sections)
     _resume_same_world(rank, world, tmpdir, sections)
+    _visible(rank, world, tmpdir, sections)
 
     def save(ck: Any) -> None:  # the 2-rank half of the resume at another world size: 4 steps, saved at 2
         saver = ModelCheckpoint(dirpath=Path(tmpdir) / "elastic", every_n_train_steps=2, save_top_k=-1)
@@ -201,7 +255,7 @@ def _check_against_reference(results: list[dict[str, Any]], world: int) -> None:
         init = _state(_TiedModule(optimizer, ds, scheduler=True))
         ref = _reference(_TiedModule(optimizer, ds, scheduler=True), ds, world, STEPS, 2, BATCH)["state"]
         assert max((ref[k] - init[k]).abs().max().item() for k in ref) > MIN_MOVE, "the reference did not train"
-        for kind in ("bucketed_ddp", "zero2"):
+        for kind in KINDS:
             key = f"{kind}/{optimizer}"
             seen = [r[key][0] for r in results]
             assert _global_batches(seen, 2) == expected, f"{key}: a global batch differs from a plain run's"

@@ -55,6 +55,20 @@ def test_bucketed_ddp_follows_the_agent_by_itself(monkeypatch: pytest.MonkeyPatc
 
 
 @pytest.mark.parametrize(
+    "build", [BucketedDDPStrategy, lambda **kw: ShardedStrategy(stage=2, **kw)], ids=["ddp", "zero2"]
+)
+def test_rebalancing_is_refused_under_the_agent_naming_what_works(build: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the membership already shares each global batch over the members training now; two splits would fight
+    assert build(rebalance=True).rebalance is not None  # no agent: rebalancing on
+    monkeypatch.setenv(ENV_MEMBER, "n0s1i0")
+    with pytest.raises(
+        ValueError, match=r"rebalance=True is not supported under the fault-tolerance agent.*rebalance=False"
+    ):
+        build(rebalance=True)
+    assert build(rebalance=False).rebalance is None
+
+
+@pytest.mark.parametrize(
     "build",
     [LocalSGDStrategy, DiLoCoStrategy, lambda **kw: ShardedStrategy(stage=3, **kw)],
     ids=["local_sgd", "diloco", "zero3"],
