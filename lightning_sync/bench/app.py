@@ -160,6 +160,13 @@ def run_bench(cfg: DictConfig, out_dir: Path) -> Report | None:
         if report is not None:
             with open(out_dir / "report.md", "a") as f:
                 f.write("\n\n" + (out_dir / "goodput.md").read_text())
+    if (cfg.get("stragglers") or {}).get("enabled"):
+        from lightning_sync.bench.stragglers import run_stragglers
+
+        run_stragglers(cfg, out_dir, meta)
+        if report is not None:
+            with open(out_dir / "report.md", "a") as f:
+                f.write("\n\n" + (out_dir / "stragglers.md").read_text())
     if cfg.memory.enabled:
         from lightning_sync.bench.memory import run_memory
 

@@ -1,12 +1,13 @@
 """``SlowRank``: make one rank a straggler, by a known factor, to see what a strategy does with it.
 
-Rank ``rank`` measures its own compute time of every training batch (from the batch start to the end
-of backward: forward, loss and backward, less the time it was blocked in the strategy's collectives,
-where the strategy measures it) and then sleeps ``(factor - 1)`` times that, so its work takes about
-``factor`` times as long: a rank at ``1/factor`` the speed, whose time grows with the samples it is
-given. From optimizer step ``after_step`` on (0: from the start), so that a rank can also slow down
-in the middle of a run, as a throttled GPU does. Other ranks are untouched; synchronous strategies
-then wait for the slow one, asynchronous ones need not.
+Rank ``rank`` measures its own compute time of every training batch (forward and loss, less the time
+it was blocked in the strategy's collectives, where the strategy measures it; its backward estimated
+from the last batch's ratio of backward to forward) and sleeps ``(factor - 1)`` times that before its
+backward starts, so its work takes about ``factor`` times as long and its gradients go out that much
+later: a device at ``1/factor`` the speed, whose time grows with the samples it is given. It is slow
+from optimizer step ``after_step`` on (0: from the start), so that a rank can also slow down in the
+middle of a run, as a throttled GPU does. Other ranks are untouched; synchronous strategies then wait
+for the slow one, asynchronous ones need not.
 
 From Hydra (any training job)::
 
@@ -28,7 +29,7 @@ __all__ = ["SlowRank"]
 
 
 class SlowRank(pl.Callback):
-    """Delay rank ``rank``'s training steps by ``(factor - 1)`` x its measured compute time.
+    """Delay rank ``rank``'s training batches by ``(factor - 1)`` x their compute time, before their backward.
 
     Args:
         rank: the global rank to slow down (>= 0).
@@ -36,8 +37,9 @@ class SlowRank(pl.Callback):
         after_step: the optimizer step from which it is slow (an int >= 0).
 
     Attributes:
-        measured: this rank's compute seconds per batch (only on the slowed rank).
-        delays: the seconds slept after each batch (only on the slowed rank).
+        measured: this rank's compute seconds per batch, forward measured and backward estimated (only on the
+            slowed rank).
+        delays: the seconds slept in each batch, ``(factor - 1)`` x measured (only on the slowed rank).
     """
 
     def __init__(self, rank: int, factor: float, after_step: int = 0) -> None:
@@ -49,6 +51,9 @@ class SlowRank(pl.Callback):
         self.measured: list[float] = []
         self.delays: list[float] = []
         self._start: tuple[float, float] | None = None  # (clock, blocked seconds) at the micro-batch's start
+        self._backward: tuple[float, float] | None = None  # the same at its backward's start
+        self._forward = 0.0  # the micro-batch's own forward seconds
+        self._backward_ratio = 2.0  # backward over forward seconds, as last measured (2 before any: a typical net)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.rank >= trainer.world_size:
@@ -60,14 +65,30 @@ class SlowRank(pl.Callback):
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
         self._start = (time.perf_counter(), blocked_seconds(trainer))
 
-    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if trainer.global_rank != self.rank or self._start is None or trainer.global_step < self.after_step:
+    def _own_seconds(self, trainer: pl.Trainer, since: tuple[float, float]) -> float:
+        started, blocked = since
+        return (time.perf_counter() - started) - (blocked_seconds(trainer) - blocked)
+
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Any) -> None:
+        if trainer.global_rank != self.rank or self._start is None:
             return
-        started, blocked = self._start
-        elapsed = (time.perf_counter() - started) - (blocked_seconds(trainer) - blocked)
-        delay = (self.factor - 1.0) * elapsed
-        self.measured.append(elapsed)
-        self.delays.append(delay)
-        if delay > 0:
-            time.sleep(delay)
+        forward = self._own_seconds(trainer, self._start)
+        if trainer.global_step >= self.after_step:
+            # the whole micro-batch's extra time, slept before any gradient is sent: a slower device is slow before
+            # its peers can use its gradients, not after (backward's share estimated from the last micro-batch)
+            compute = forward * (1.0 + self._backward_ratio)
+            delay = (self.factor - 1.0) * compute
+            self.measured.append(compute)
+            self.delays.append(delay)
+            if delay > 0:
+                time.sleep(delay)
+        self._forward, self._backward = forward, (time.perf_counter(), blocked_seconds(trainer))
+
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.global_rank != self.rank or self._backward is None:
+            return
+        backward = self._own_seconds(trainer, self._backward)
+        if self._forward > 0:
+            self._backward_ratio = backward / self._forward
+        self._backward = None
         self._start = (time.perf_counter(), blocked_seconds(trainer))  # the window's next micro-batch starts now
