@@ -8,8 +8,8 @@ over the global batch, not the mean of the ranks' means: the result is a single 
 
 **What is measured.** Each rank times its own work on a micro-batch: from ``training_step``'s start to the end of
 backward, less the seconds it spent blocked in the strategy's collectives (``CommStats.blocked_seconds``), so a fast
-rank waiting for a slow one does not count as slow. The first ``every`` steps of a fit are set aside (their first
-step carries one-time costs: allocations, caches). Then every ``every`` optimizer steps the ranks all-gather their
+rank waiting for a slow one does not count as slow. The first optimizer step of a fit is set aside (it carries
+one-time costs: allocations, caches). Then every ``every`` optimizer steps the ranks all-gather their
 seconds and samples (one small collective) and each updates the same rebalancer with the same numbers: the new
 split needs no other message, and it applies from the next micro-batch on. A batch the loader prefetched under the
 old split is made again from the dataset in this process (:func:`~lightning_sync.shares.rebuild`).
@@ -62,7 +62,7 @@ class Rebalancing:
         self._started: tuple[float, float] | None = None  # (clock, blocked seconds) at this micro-batch's start
         self._busy, self._window_samples, self._steps = 0.0, 0, 0
         self._share = 0  # samples of the micro-batch in progress
-        self._warm = False  # a first window was measured and set aside (it carries the fit's one-time costs)
+        self._warm = False  # the fit's first optimizer step was measured and set aside (it carries one-time costs)
 
     # ------------------------------------------------------------------ data
     def install(self, loader: Any) -> Any:
@@ -116,12 +116,12 @@ class Rebalancing:
     def step_done(self) -> None:
         """After an optimizer step: every ``every`` of them, the ranks exchange their measurements and move the split
         alike (the same decision from the same gathered numbers on every rank)."""
-        self._steps += 1
-        if self._steps < self.every or self.rebalancer is None:
-            return
         if not self._warm:  # the same decision on every rank: each counts the same steps
             self._warm = True
             self._busy, self._window_samples, self._steps = 0.0, 0, 0
+            return
+        self._steps += 1
+        if self._steps < self.every or self.rebalancer is None:
             return
         mine = torch.tensor([self._busy, float(self._window_samples)], dtype=torch.float64)
         self._busy, self._window_samples, self._steps = 0.0, 0, 0

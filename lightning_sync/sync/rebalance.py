@@ -11,8 +11,10 @@ on the same numbers, so all reach the same split without another message:
 
 * **speed**: samples per second of each rank over the window, smoothed, ``s <- (1 - smoothing) s + smoothing x
   speed``: a noisy window moves it only part of the way;
-* **target**: a micro-batch of M samples split in proportion to the speeds, whole samples, at least one each
-  (:func:`proportional`);
+* **target**: a micro-batch of M samples split in proportion to the speeds, whole samples, at least one each and
+  none more than :data:`MOST` (1.5) times its even share (:func:`proportional`): a rank given more samples needs
+  more activation memory, and a slow rank whose time is mostly a step's fixed costs would otherwise hand the
+  others all but one sample;
 * **dead band**: the split moves only when the target's predicted compute time per micro-batch, ``max_r n_r /
   s_r``, is below the current split's by more than ``tolerance`` of it: equal speeds, measured with noise, leave it
   put.
@@ -30,16 +32,31 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["Rebalancer", "proportional"]
+__all__ = ["MOST", "Rebalancer", "proportional"]
+
+#: the largest share of a micro-batch one rank may get, as a multiple of its even share: the activation memory a rank
+#: was sized for grows by half at most, however much faster it is than the others
+MOST = 1.5
 
 
-def proportional(weights: Sequence[float], total: int) -> list[int]:
-    """``total`` whole samples in proportion to ``weights`` (largest remainder; ties to the lower rank), at least
-    one each where ``total`` allows it (a rank with no sample would run no backward, and its collectives none)."""
+def proportional(weights: Sequence[float], total: int, cap: int | None = None) -> list[int]:
+    """``total`` whole samples in proportion to ``weights`` (largest remainder; ties to the lower rank), none above
+    ``cap`` (what a capped rank would get beyond it goes to the others, in proportion), and at least one each where
+    ``total`` allows it (a rank with no sample would run no backward, and its collectives none)."""
     whole = sum(weights)
     if not weights or whole <= 0 or any(w < 0 for w in weights):
         raise ValueError(f"weights must be non-negative with a positive sum, got {list(weights)}")
+    if cap is not None and cap * len(weights) < total:
+        raise ValueError(f"{len(weights)} ranks of at most {cap} samples cannot take {total}")
     exact = [w * total / whole for w in weights]
+    capped: set[int] = set()
+    while cap is not None and (over := {r for r, x in enumerate(exact) if x > cap} - capped):
+        capped |= over
+        free = [r for r in range(len(weights)) if r not in capped]
+        rest, share = total - cap * len(capped), sum(weights[r] for r in free)
+        exact = [
+            cap if r in capped else rest * (weights[r] / share if share else 1 / len(free)) for r in range(len(exact))
+        ]
     counts = [int(x) for x in exact]
     for r in sorted(range(len(exact)), key=lambda r: (counts[r] - exact[r], r))[: total - sum(counts)]:
         counts[r] += 1
@@ -73,6 +90,8 @@ class Rebalancer:
         if not tolerance >= 0:
             raise ValueError(f"tolerance must be >= 0, got {tolerance!r}")
         self.world, self.micro, self.smoothing, self.tolerance = world, micro, smoothing, tolerance
+        #: the most samples one rank may get: 1.5 x its even share, so that its activation memory grows by half at most
+        self.cap = int(MOST * micro / world)
         self.counts: list[int] = self.even()
         self.speeds: list[float] | None = None
         self.seconds_saved = 0.0
@@ -99,7 +118,7 @@ class Rebalancer:
         self.speeds = speeds if self.speeds is None else [(1 - a) * s + a * x for s, x in zip(self.speeds, speeds)]
         micro_batches = sum(samples) / self.micro
         self.seconds_saved += micro_batches * max(0.0, self.predicted(self.even()) - self.predicted(self.counts))
-        target = proportional(self.speeds, self.micro)
+        target = proportional(self.speeds, self.micro, cap=self.cap)
         now, then = self.predicted(self.counts), self.predicted(target)
         if target == self.counts or then >= now * (1 - self.tolerance):
             return False
@@ -131,9 +150,11 @@ class Rebalancer:
             not isinstance(counts, list)
             or len(counts) != self.world
             or sum(counts) != self.micro
-            or any(not isinstance(n, int) or n < 1 for n in counts)
+            or any(not isinstance(n, int) or not 1 <= n <= self.cap for n in counts)
         ):
-            raise ValueError(f"a rebalancing state's counts must be {self.world} ints >= 1 summing to {self.micro}")
+            raise ValueError(
+                f"a rebalancing state's counts must be {self.world} ints in 1..{self.cap} summing to {self.micro}"
+            )
         if speeds is not None and (len(speeds) != self.world or any(not float(s) > 0 for s in speeds)):
             raise ValueError(f"a rebalancing state's speeds must be {self.world} positive numbers, got {speeds!r}")
         self.counts = list(counts)

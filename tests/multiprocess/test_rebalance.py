@@ -126,8 +126,8 @@ def _steady(rank: int, world: int, sections: _Sections) -> None:
 
 
 def _resume_same_world(rank: int, world: int, tmpdir: str, sections: _Sections) -> None:
-    """Train 8 steps saving at step 5 (mid-epoch: 9 steps per epoch; the split first moves at step 4, after the
-    set-aside window), then resume a fresh run from step 5."""
+    """Train 8 steps saving at step 5 (mid-epoch: 9 steps per epoch; the split first moves at step 3, after the
+    set-aside first step), then resume a fresh run from step 5."""
 
     def run(ck: Any) -> None:
         where = Path(tmpdir) / "same"

@@ -54,6 +54,36 @@ def test_proportional_counts_sum_to_the_total_and_leave_no_rank_without_a_sample
         assert abs(n - w * total / sum(weights)) < 1 + 1e-9 or n == 1, (counts, weights)
 
 
+@pytest.mark.parametrize(
+    ("weights", "cap", "expected"),
+    [
+        ([1.0, 100.0], 48, [16, 48]),  # the fast rank at its cap, the rest to the slow one
+        ([100.0, 1.0, 1.0], 48, [48, 24, 24]),  # the capped rank's excess shared by the others in proportion
+        ([100.0, 100.0, 1.0], 48, [47, 48, 1]),  # both fast ranks at the cap would leave none: one sample each at least
+        ([3.0, 1.0], 64, [48, 16]),  # a cap above the proportional counts changes nothing
+    ],
+)
+def test_proportional_keeps_every_rank_within_its_cap(weights: list[float], cap: int, expected: list[int]) -> None:
+    total = 64 if len(weights) == 2 else 96
+    assert proportional(weights, total, cap=cap) == expected
+    with pytest.raises(ValueError, match="cannot take"):
+        proportional(weights, total, cap=total // len(weights) - 1)
+
+
+def test_a_slow_rank_with_mostly_fixed_costs_keeps_its_share_within_the_cap() -> None:
+    # rank 1's time is almost all fixed cost: without a cap the fixed point would hand rank 0 all but one sample
+    rebalancer = Rebalancer(2, 64)
+    _simulate(rebalancer, [1e6, 1e6], 10, fixed=0.01)  # equal: stays even
+    assert rebalancer.counts == [32, 32]
+
+    def seconds(counts: list[int]) -> list[float]:  # 10 micro-batches; rank 1 three times slower, fixed cost and all
+        return [10 * (0.001 + counts[0] / 1e5), 10 * 3 * (0.001 + counts[1] / 1e5)]
+
+    for _ in range(10):
+        rebalancer.update(seconds(rebalancer.counts), [10 * n for n in rebalancer.counts])
+    assert rebalancer.counts == [48, 16], "1.5 x the even 32 at most"
+
+
 def test_proportional_refuses_weights_it_cannot_split_by() -> None:
     for bad in ([], [0.0, 0.0], [1.0, -1.0]):
         with pytest.raises(ValueError, match="non-negative with a positive sum"):
@@ -156,8 +186,8 @@ def test_the_state_survives_a_checkpoint_and_a_crafted_one_is_refused() -> None:
     assert again.state_dict() == state
     other = Rebalancer(3, 24)  # another world size: starts even
     assert not other.load_state_dict(state) and other.counts == [8, 8, 8]
-    for counts in ([16, 0], [10, 10], [8.0, 8.0], "8,8", [8, 7, 1]):
-        with pytest.raises(ValueError, match="counts must be 2 ints >= 1 summing to 16"):
+    for counts in ([16, 0], [10, 10], [8.0, 8.0], "8,8", [8, 7, 1], [13, 3]):  # 13: above 1.5 x its even 8
+        with pytest.raises(ValueError, match=r"counts must be 2 ints in 1\.\.12 summing to 16"):
             Rebalancer(2, 16).load_state_dict({**state, "counts": counts})
     with pytest.raises(ValueError, match="speeds must be 2 positive numbers"):
         Rebalancer(2, 16).load_state_dict({**state, "speeds": [1.0, -1.0]})
