@@ -36,12 +36,12 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from typing_extensions import override
 
-from lightning_sync import comms
 from lightning_sync._checks import check_bool, check_int
-from lightning_sync._lightning import calling_metric_key, next_restored, trainer_of
+from lightning_sync._lightning import next_restored, trainer_of
 from lightning_sync.checkpoint.reading import guarded_load
 from lightning_sync.strategies._common import PASSTHROUGH
 from lightning_sync.strategies._exact_data import ExactData
+from lightning_sync.strategies._lightning_collectives import LightningCollectives
 from lightning_sync.strategies._live import LiveTraining
 from lightning_sync.strategies._live_env import check_live_settings, live_requested
 from lightning_sync.strategies._parts import StrategyParts
@@ -55,14 +55,6 @@ __all__ = [
     "own_arguments",
     "registered_strategies",
 ]
-
-_REDUCE_OPS = {"mean": "avg", "avg": "avg", "sum": "sum", "max": "max", "min": "min"}
-_TORCH_OPS = {
-    torch.distributed.ReduceOp.SUM: "sum",
-    torch.distributed.ReduceOp.MAX: "max",
-    torch.distributed.ReduceOp.MIN: "min",
-    torch.distributed.ReduceOp.AVG: "avg",
-}
 
 
 def own_arguments(cls: type) -> list[str]:
@@ -114,22 +106,7 @@ def check_own_arguments(cls: type, kwargs: Mapping[str, Any]) -> None:
     )
 
 
-class _AllGatherWithGrad(torch.autograd.Function):
-    """``CommContext.all_gather`` whose backward sends each rank the gradient of its own slice."""
-
-    @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, comm: comms.CommContext) -> torch.Tensor:
-        ctx.comm = comm
-        return torch.stack(comm.all_gather(tensor.contiguous()))
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        grad = grad.contiguous()
-        ctx.comm.all_reduce(grad, op="sum")
-        return grad[comms.get_rank()], None
-
-
-class SyncStrategy(StrategyParts, DDPStrategy):
+class SyncStrategy(StrategyParts, LightningCollectives, DDPStrategy):
     """What every lightning_sync strategy on a process group holds and does (module docstring).
 
     ``comm``, ``telemetry``, pickling, the atomic ``checkpoint_io`` and the per-step hooks come from
@@ -371,55 +348,6 @@ class SyncStrategy(StrategyParts, DDPStrategy):
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         """This rank's own optimizer state where the checkpoint has it, else Lightning's (rank 0's)."""
         super().load_optimizer_state_dict(self.exact_data.optimizer_checkpoint(checkpoint))
-
-    # ------------------------------------------------------------------ Lightning's collectives, through comm
-    @override
-    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
-        if not isinstance(tensor, torch.Tensor) or not torch.distributed.is_initialized():
-            return tensor
-        name = _TORCH_OPS.get(reduce_op, reduce_op) if reduce_op is not None else "mean"
-        if not isinstance(name, str) or name.lower() not in _REDUCE_OPS:
-            raise ValueError(f"reduce_op {reduce_op!r} is not supported; allowed: {sorted(_REDUCE_OPS)}")
-        op = _REDUCE_OPS[name.lower()]
-        out = tensor.detach().clone()
-        if op == "avg" and not out.is_floating_point():
-            out = out.float()
-        # Lightning's result collection passes the tensor alone; the key it syncs is on the caller's metadata. As
-        # the all-reduce's label, it lets the hang watchdog tell apart ranks that sync different keys of one shape.
-        label = calling_metric_key()
-        if self.live is not None:
-            return self.live.guarded(lambda: self.comm.all_reduce(out, op=op, group=group, label=label), lambda: out)
-        return self.comm.all_reduce(out, op=op, group=group, label=label)
-
-    @override
-    def all_gather(self, tensor: torch.Tensor, group: Any | None = None, sync_grads: bool = False) -> torch.Tensor:
-        if not torch.distributed.is_initialized():
-            return tensor
-        if self.live is not None:
-            return self.live.guarded(lambda: self._all_gather(tensor, group, sync_grads), lambda: tensor.unsqueeze(0))
-        return self._all_gather(tensor, group, sync_grads)
-
-    def _all_gather(self, tensor: torch.Tensor, group: Any | None, sync_grads: bool) -> torch.Tensor:
-        if sync_grads:
-            return _AllGatherWithGrad.apply(tensor, self.comm)
-        return torch.stack(self.comm.all_gather(tensor.detach().contiguous(), group=group))
-
-    @override
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not torch.distributed.is_initialized():
-            return obj
-        if self.live is not None:
-            return self.live.guarded(lambda: self.comm.broadcast_object(obj, src=src), lambda: obj)
-        return self.comm.broadcast_object(obj, src=src)
-
-    @override
-    def barrier(self, *args: Any, **kwargs: Any) -> None:
-        if not torch.distributed.is_initialized():
-            return
-        if self.live is not None:
-            self.live.guarded(self.comm.barrier, lambda: None)
-        else:
-            self.comm.barrier()
 
 
 class ProcessGroupStrategy(SyncStrategy):
