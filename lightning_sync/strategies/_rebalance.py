@@ -18,6 +18,8 @@ old split is made again from the dataset in this process (:func:`~lightning_sync
 at the same world size continues with them; at another world size, or with another per-rank batch, it starts even.
 The position in the epoch is that of the global order, which rebalancing does not change.
 
+Rank 0 says each move in the log (``rebalance: each micro-batch of 64 now split [40, 24] over the ranks ...``).
+
 Imports nothing of Lightning's internals.
 """
 
@@ -28,6 +30,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_sync._lightning import batch_index, trainer_of
 from lightning_sync.shares import SharedBatches, rebuild
@@ -128,7 +131,12 @@ class Rebalancing:
         gathered = self._owner.comm.all_gather(mine)
         seconds = [float(g[0]) for g in gathered]
         samples = [int(g[1]) for g in gathered]
-        self.rebalancer.update(seconds, samples)
+        if self.rebalancer.update(seconds, samples):
+            speeds = ", ".join(f"{s:.0f}" for s in self.rebalancer.speeds or [])
+            rank_zero_info(
+                f"rebalance: each micro-batch of {self.rebalancer.micro} now split {self.rebalancer.counts} over the "
+                f"ranks (measured samples/s: {speeds}); {self.rebalancer.seconds_saved:.2f} s of compute saved so far"
+            )
 
     # ------------------------------------------------------------------ reporting and checkpoints
     def gauges(self) -> dict[str, float]:

@@ -6,7 +6,7 @@ Rank 1 is made slow with ``SlowRank`` (its compute time, collectives' waits take
 * every optimizer step trains on the same global batch as a plain run (the same set of sample indices);
 * the final weights equal the single-process reference of a plain run within ``TOL``, for SGD with momentum and
   AdamW (two loader workers: batches prefetched under an old split are made again), accumulation 2, at 2 and at 3
-  ranks, under ``bucketed_ddp``, ZeRO-2 and ZeRO-3;
+  ranks, under ``bucketed_ddp`` and ZeRO-1, -2 and -3;
 * without a slow rank the split stays even (the dead band holds against this machine's noise);
 * the logger shows the split and the seconds it saved, and the straggler detector still names the slow rank;
 * a mid-epoch checkpoint resumes exactly: at the same world size with the split it saved, and at another world
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import csv
 import logging
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,8 @@ from _lightning_reference import (
 )
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
+from support.cli_ranks import run as cli_run
+from support.cli_ranks import weights
 
 from lightning_sync import BucketedDDPStrategy, ShardedStrategy
 from lightning_sync.diagnostics import SlowRank, StragglerDetector
@@ -46,7 +49,7 @@ from lightning_sync.strategies._rebalance import REBALANCE, SAVED, SHARE
 from lightning_sync.testing import assert_all_ranks_passed, run_distributed
 
 N, BATCH = 288, 8
-KINDS = ("bucketed_ddp", "zero2", "zero3")
+KINDS = ("bucketed_ddp", "zero1", "zero2", "zero3")
 STEPS, EVERY = 10, 2  # 10 optimizer steps, the split measured (and possibly moved) every 2
 #: Final weights against the reference. The same samples per step, summed in another order (per rank over shares
 #: of other sizes, then across ranks, each share's mean scaled back by its size), so float32 rounding differs:
@@ -281,3 +284,28 @@ def test_rebalanced_training_equals_a_single_process_and_resumes_at_any_world_si
     for name, value in three[0]["elastic"].items():
         err = (value - ref[name]).abs().max().item()
         assert err <= TOL, f"2 -> 3 ranks {name}: max |resumed - reference| = {err:.3g} > {TOL}"
+
+
+#: The CLI's runs: the digits MLP with Adam (the train app's default), 12 steps, rank 1 slowed 3x.
+CLI = [
+    "trainer.max_steps=12",
+    "+trainer.callbacks=[{_target_: lightning_sync.diagnostics.SlowRank, rank: 1, factor: 3}]",
+]
+#: Final weights of the rebalanced CLI run against the plain one: the same samples per step, summed in shares of
+#: other sizes (Adam on a 2-layer MLP, 12 steps), bound as the elastic CLI test's.
+CLI_TOL = 5e-5
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_the_cli_rebalances_with_one_override_and_trains_the_plain_runs_model(tmp_path: Path) -> None:
+    rebalanced, plain = tmp_path / "rebalanced", tmp_path / "plain"
+    out = cli_run(2, rebalanced, [*CLI, "strategy.rebalance=true", "strategy.rebalance_every=2"], timeout=240)
+    cli_run(2, plain, CLI, timeout=240)
+    moves = re.findall(r"rebalance: each micro-batch of \d+ now split \[(\d+), (\d+)\]", out[0])
+    assert moves and int(moves[-1][1]) < int(moves[-1][0]), f"the slow rank's share never fell:\n{out[0][-3000:]}"
+    got, want = weights(rebalanced / "final.ckpt"), weights(plain / "final.ckpt")
+    assert got.keys() == want.keys()
+    for name in want:
+        err = (got[name] - want[name]).abs().max().item()
+        assert err <= CLI_TOL, f"{name}: max |rebalanced - plain| = {err:.3g} > {CLI_TOL}"
