@@ -18,6 +18,13 @@ old split is made again from the dataset in this process (:func:`~lightning_sync
 at the same world size continues with them; at another world size, or with another per-rank batch, it starts even.
 The position in the epoch is that of the global order, which rebalancing does not change.
 
+**The deadline** (``deadline``, off by default) is an approximation, documented as one: a micro-batch whose forward
+alone took longer than ``deadline`` x the median rank's predicted compute for its share (a rank stalled for a
+moment) is dropped. Its rank skips its backward and sends zeros in every gradient bucket (the all-reduces must
+still run), and before the optimizer step the ranks all-reduce how many samples arrived, so the gradient becomes
+the mean over the samples that arrived. The dropped samples are not trained in this epoch: the step is no longer
+the synchronous one, and the global batch of that step is smaller.
+
 Rank 0 says each move in the log (``rebalance: each micro-batch of 64 now split [40, 24] over the ranks ...``).
 
 Imports nothing of Lightning's internals.
@@ -25,6 +32,7 @@ Imports nothing of Lightning's internals.
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -36,12 +44,13 @@ from lightning_sync._lightning import batch_index, trainer_of
 from lightning_sync.shares import SharedBatches, rebuild
 from lightning_sync.sync.rebalance import Rebalancer
 
-__all__ = ["REBALANCE", "SAVED", "SHARE", "Rebalancing"]
+__all__ = ["DROPPED", "REBALANCE", "SAVED", "SHARE", "Rebalancing"]
 
 #: the checkpoint key of the rebalancing state
 REBALANCE = "lightning_sync_rebalance"
-#: logged gauges: each rank's fraction of a micro-batch, and the compute seconds the split saved so far
-SHARE, SAVED = "rebalance/share_rank_{}", "rebalance/seconds_saved"
+#: logged gauges: each rank's fraction of a micro-batch, the compute seconds the split saved so far, and the
+#: micro-batches dropped past the deadline (all ranks)
+SHARE, SAVED, DROPPED = "rebalance/share_rank_{}", "rebalance/seconds_saved", "rebalance/dropped"
 
 
 class Rebalancing:
@@ -50,11 +59,20 @@ class Rebalancing:
     Args:
         owner: the strategy (its ranks, communication context, module and device).
         every: optimizer steps between two measurements (and so between two possible moves of the split).
+        deadline: drop a micro-batch whose forward alone took longer than this many times the median rank's
+            predicted compute for its share (None: never; :meth:`late`).
     """
 
-    def __init__(self, owner: Any, every: int) -> None:
+    def __init__(self, owner: Any, every: int, deadline: float | None = None) -> None:
         self._owner = owner
-        self.every = every
+        self.every, self.deadline = every, deadline
+        #: micro-batches dropped past the deadline, all ranks together
+        self.dropped = 0
+        #: this rank's dropped micro-batches, as (epoch, batch index)
+        self.dropped_here: list[tuple[int, int]] = []
+        self._late = False  # this micro-batch was dropped
+        self._arrived = self._expected = 0  # samples of this optimizer window: this rank's that arrived, all ranks' due
+        self._dropped_here = 0  # micro-batches this rank dropped in this optimizer window
         self.rebalancer: Rebalancer | None = None
         self.batches: SharedBatches | None = None
         self.weight = 1.0  # on this micro-batch's loss
@@ -97,6 +115,8 @@ class Rebalancing:
             args = (rebuild(self._loader, self._owner, indices), *args[1:])
         self.weight = self.batches.weight(j, *place)
         self._share = len(indices)
+        self._expected += len(self.batches.entries(j))
+        self._late = False
         self._started = (time.perf_counter(), self._blocked())
         return args
 
@@ -113,8 +133,47 @@ class Rebalancing:
         started, blocked = self._started
         self._started = None
         self._busy += (time.perf_counter() - started) - (self._blocked() - blocked)
-        self._window_samples += self._share
-        self.samples += self._share
+        done = 0 if self._late else self._share
+        self._dropped_here += int(self._late)
+        self._window_samples += done
+        self.samples += done
+        self._arrived += done
+
+    # ------------------------------------------------------------------ the deadline
+    def late(self) -> bool:
+        """Before backward, with a ``deadline``: whether this micro-batch's forward alone already took longer than
+        ``deadline`` x the median rank's predicted compute for its share (from the smoothed speeds). Such a
+        micro-batch is dropped: its backward is skipped (:meth:`nothing`) and its samples do not count."""
+        r = self.rebalancer
+        if self.deadline is None or r is None or r.speeds is None or self._started is None:
+            return False
+        started, blocked = self._started
+        own = (time.perf_counter() - started) - (self._blocked() - blocked)
+        self._late = own > self.deadline * statistics.median(n / s for n, s in zip(r.counts, r.speeds))
+        if self._late:
+            trainer = trainer_of(self._owner.lightning_module)
+            self.dropped_here.append((trainer.current_epoch, batch_index(trainer)))
+        return self._late
+
+    def nothing(self, module: Any) -> torch.Tensor:
+        """What a dropped micro-batch backpropagates instead of its loss: zero gradients for every trainable
+        parameter at next to no cost, so that every gradient bucket is still all-reduced, with zeros from here."""
+        params = [p for p in module.parameters() if p.requires_grad]
+        return torch.stack([(p * 0).sum() for p in params]).sum()
+
+    def reweigh(self, params: Any) -> None:
+        """After the window's last backward, before the optimizer step (with a ``deadline``): the samples that arrived
+        on every rank, all-reduced, and the gradients scaled from the mean over the whole global batch (every rank's
+        loss was weighted for it) to the mean over what arrived. Nothing dropped: nothing changes, bit for bit."""
+        mine = torch.tensor([float(self._arrived), float(self._dropped_here)], dtype=torch.float64)
+        arrived, dropped = (float(x) for x in self._owner.comm.all_reduce(mine, op="sum"))
+        expected, self._arrived, self._expected, self._dropped_here = self._expected, 0, 0, 0
+        self.dropped += int(dropped)
+        if arrived in (expected, 0.0):  # all arrived; or nothing did, and the gradients are zeros anyway
+            return
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(expected / arrived)
 
     def step_done(self) -> None:
         """After an optimizer step: every ``every`` of them, the ranks exchange their measurements and move the split
@@ -143,7 +202,8 @@ class Rebalancing:
         if self.rebalancer is None:
             return {}
         shares = {SHARE.format(r): s for r, s in enumerate(self.rebalancer.shares())}
-        return {**shares, SAVED: self.rebalancer.seconds_saved}
+        dropped = {DROPPED: float(self.dropped)} if self.deadline is not None else {}
+        return {**shares, SAVED: self.rebalancer.seconds_saved, **dropped}
 
     def state_dict(self) -> dict[str, Any] | None:
         return None if self.rebalancer is None else self.rebalancer.state_dict()

@@ -76,6 +76,9 @@ class BucketedDDPStrategy(SyncStrategy):
         rebalance: split each global batch over the ranks by their measured speed, the gradient still the exact
             global mean (:mod:`lightning_sync.strategies._rebalance`).
         rebalance_every: optimizer steps between two measurements of the ranks' speeds.
+        rebalance_deadline: with ``rebalance``: drop a micro-batch whose forward alone took longer than this many
+            times the median rank's predicted compute (a stalled rank), the gradient then the mean over the samples
+            that arrived, an approximation; None (default): never.
     """
 
     strategy_name = "bucketed_ddp"
@@ -98,6 +101,7 @@ class BucketedDDPStrategy(SyncStrategy):
         fault_tolerant: bool | None = None,
         rebalance: bool = False,
         rebalance_every: int = 10,
+        rebalance_deadline: float | None = None,
         **kwargs: Any,
     ) -> None:
         check_mib("bucket_cap_mb", bucket_cap_mb)
@@ -139,7 +143,7 @@ class BucketedDDPStrategy(SyncStrategy):
             compression=(compression, (None, "none", *COMPRESSIONS)),
             comm_algorithm=(comm_algorithm, ("backend",)),
         )
-        self._rebalance(rebalance, rebalance_every)
+        self._rebalance(rebalance, rebalance_every, rebalance_deadline)
 
     # ------------------------------------------------------------------ setup / teardown
     @override

@@ -58,6 +58,9 @@ STEPS, EVERY = 10, 2  # 10 optimizer steps, the split measured (and possibly mov
 TOL = 2e-5
 #: 2 -> 3 ranks: a global batch of 48 is 8 x 2 x 3 and 8 x 3 x 2
 GLOBAL = 48
+#: the deadline case: 8 steps of 2 micro-batches; rank 1 stalls 0.5 s in micro-batch 9 (step 5, after the first
+#: exchange at step 3 gave the speeds); a micro-batch here computes in ~1 ms, so 3x the median is far below that
+DEADLINE_STEPS, STALL_AT, STALL_S = 8, (0, 9), 0.5
 #: seconds per sample every rank spends in the equal-speeds case: 32 ms per share of 8, against ~3 ms of compute
 PACE = 0.004
 
@@ -196,6 +199,31 @@ def _visible(rank: int, world: int, tmpdir: str, sections: _Sections) -> None:
     sections.run("visible", run)
 
 
+class _Stalling(_IndexedModule):
+    """Rank 1 stalls for ``STALL_S`` inside its forward of micro-batch ``STALL_AT`` of epoch 0."""
+
+    def training_step(self, batch: tuple[torch.Tensor, ...], batch_idx: int) -> torch.Tensor:
+        if self.trainer.global_rank == 1 and (self.trainer.current_epoch, batch_idx) == STALL_AT:
+            time.sleep(STALL_S)
+        return super().training_step(batch, batch_idx)
+
+
+def _deadline(rank: int, world: int, sections: _Sections) -> None:
+    """The deadline drops the stalled micro-batch; each rank's seen batches and drops, for the test process to
+    build the reference from (a noisy micro-batch dropped too would be in there as well)."""
+
+    def run(ck: Any) -> None:
+        module = _Stalling("sgd", N, BATCH)
+        strategy = BucketedDDPStrategy(bucket_cap_mb=0.001, rebalance=True, rebalance_every=2, rebalance_deadline=3.0)
+        _trainer(world, strategy, max_steps=DEADLINE_STEPS, accumulate_grad_batches=2).fit(module)
+        dropped = strategy.rebalance.dropped_here
+        ck.true("rank 1 dropped its stalled micro-batch", rank != 1 or STALL_AT in dropped, dropped)
+        ck.true("the drops are counted on every rank", strategy.rebalance.dropped >= 1, strategy.rebalance.dropped)
+        sections.extra["deadline"] = (module.seen, dropped, _state(module) if rank == 0 else None)
+
+    sections.run("deadline", run)
+
+
 def _two_ranks(rank: int, world: int, tmpdir: str) -> dict[str, Any]:
     _quiet_rank()
     sections = _Sections()
@@ -203,6 +231,7 @@ def _two_ranks(rank: int, world: int, tmpdir: str) -> dict[str, Any]:
     _steady(rank, world, sections)
     _resume_same_world(rank, world, tmpdir, sections)
     _visible(rank, world, tmpdir, sections)
+    _deadline(rank, world, sections)
 
     def save(ck: Any) -> None:  # the 2-rank half of the resume at another world size: 4 steps, saved at 2
         saver = ModelCheckpoint(dirpath=Path(tmpdir) / "elastic", every_n_train_steps=2, save_top_k=-1)
@@ -269,6 +298,35 @@ def _check_against_reference(results: list[dict[str, Any]], world: int) -> None:
                 assert err <= TOL, f"{key} {name}: max |rebalanced - reference| = {err:.3g} > {TOL}"
 
 
+def _check_deadline(results: list[dict[str, Any]]) -> None:
+    """The deadline run against one process that trains each step on the mean loss over the samples that arrived
+    (every micro-batch not dropped, on every rank): what the reweighting must give."""
+    ds = _token_data(N)
+    x, y = ds.tensors
+    module = _TiedModule("sgd", ds, scheduler=True)
+    configured = module.configure_optimizers()
+    opt, sched = configured["optimizer"], configured["lr_scheduler"]["scheduler"]
+    short = 0
+    for step in range(DEADLINE_STEPS):
+        arrived = [
+            i
+            for seen, dropped, _ in (r["deadline"] for r in results)
+            for j in (2 * step, 2 * step + 1)
+            if (0, j) not in dropped
+            for i in seen[j]
+        ]
+        short += len(arrived) < 2 * 2 * BATCH
+        opt.zero_grad(set_to_none=True)
+        module.training_step((x[arrived], y[arrived]), step).backward()
+        opt.step()
+        sched.step()
+    assert short >= 1, "no step lost a micro-batch: the reweighting was not exercised"
+    for name, value in results[0]["deadline"][2].items():
+        err = (value - module.state_dict()[name]).abs().max().item()
+        # the same samples per step, averaged in another order: as the equivalence's bound
+        assert err <= TOL, f"deadline {name}: max |dropped - reference over what arrived| = {err:.3g} > {TOL}"
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_rebalanced_training_equals_a_single_process_and_resumes_at_any_world_size(
@@ -279,6 +337,7 @@ def test_rebalanced_training_equals_a_single_process_and_resumes_at_any_world_si
     _check_against_reference(two, 2)
     three = run_distributed(_three_ranks, 3, str(tmp_path), timeout=400, env=ENV)
     _check_against_reference(three, 3)
+    _check_deadline(two)
     ds = _token_data(N)
     ref = _reference(_TiedModule("sgd", ds, scheduler=True), ds, 2, 7, GLOBAL // (BATCH * 2), BATCH)["state"]
     for name, value in three[0]["elastic"].items():

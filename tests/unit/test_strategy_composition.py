@@ -46,6 +46,7 @@ LOCAL_SGD_REFUSES = {
     "broadcast_buffers",
     "rebalance",
     "rebalance_every",
+    "rebalance_deadline",
 }
 
 
@@ -88,9 +89,8 @@ def test_local_sgd_refuses_the_bucketed_ddp_arguments_its_warm_up_does_not_use(a
         LocalSGDStrategy(warmup_steps=2, **{arg: _bucketed_default(arg)})
     message = str(error.value)
     # who takes it: bucketed_ddp alone, or with ZeRO (rebalancing)
-    takers = (
-        "BucketedDDPStrategy and ShardedStrategy take" if arg.startswith("rebalance") else "BucketedDDPStrategy takes"
-    )
+    both = arg in ("rebalance", "rebalance_every")
+    takers = "BucketedDDPStrategy and ShardedStrategy take" if both else "BucketedDDPStrategy takes"
     assert message.startswith(f"LocalSGDStrategy does not take ['{arg}'] ({takers} '{arg}')"), message
     assert message.endswith(f"; it accepts {LOCAL_SGD_ACCEPTS}"), message
 

@@ -100,6 +100,11 @@ _BUCKETED: list[tuple[str, Any, str]] = [
     ("fault_tolerant", True, r"fault_tolerant=True needs the ranks started by the fault-tolerance agent"),
     *[("rebalance", v, got("rebalance", _BOOL, v)) for v in (1, "true", None)],
     *[("rebalance_every", v, got("rebalance_every", "an int >= 1", v)) for v in (0, -1, 2.5, "10", True, None)],
+    *[
+        ("rebalance_deadline", v, got("rebalance_deadline", "None or a finite number > 1", v))
+        for v in (1, 0.5, -2.0, math.inf, math.nan, "2", True)
+    ],
+    ("rebalance_deadline", 2.0, r"rebalance_deadline=2\.0 needs rebalance=True; allowed without it: None"),
     (KWARGS, {"bucket_cap": 5}, r"unknown arguments \['bucket_cap'\]; besides its own it accepts \['accelerator'"),
 ]
 
