@@ -8,6 +8,7 @@ Rank 1 is made slow with ``SlowRank`` (its compute time, collectives' waits take
   AdamW (two loader workers: batches prefetched under an old split are made again), accumulation 2, at 2 and at 3
   ranks, under ``bucketed_ddp`` and ZeRO-1, -2 and -3;
 * without a slow rank the split stays even (the dead band holds against this machine's noise);
+* torchmetrics metrics sync over the uneven shares to the global figures;
 * the logger shows the split and the seconds it saved, and the straggler detector still names the slow rank;
 * a mid-epoch checkpoint resumes exactly: at the same world size with the split it saved, and at another world
   size (2 -> 3 ranks, the global batch of 48 held by the accumulation) from an even split.
@@ -25,6 +26,7 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
+import torchmetrics
 from _lightning_reference import (
     ENV,
     MIN_MOVE,
@@ -199,6 +201,39 @@ def _visible(rank: int, world: int, tmpdir: str, sections: _Sections) -> None:
     sections.run("visible", run)
 
 
+class _Metered(_IndexedModule):
+    """Two torchmetrics metrics updated per sample: how many samples were trained, and the mean of their indices."""
+
+    def __init__(self) -> None:
+        super().__init__("sgd", N, BATCH)
+        # float64 states: the sums of integer indices are exact, so the synced mean can be compared to 1e-9
+        self.count = torchmetrics.SumMetric().set_dtype(torch.float64)
+        self.mean_index = torchmetrics.MeanMetric().set_dtype(torch.float64)
+
+    def training_step(self, batch: tuple[torch.Tensor, ...], batch_idx: int) -> torch.Tensor:
+        self.count.update(torch.tensor(float(len(batch[2]))))
+        self.mean_index.update(batch[2].double())
+        return super().training_step(batch, batch_idx)
+
+
+def _metrics(rank: int, world: int, sections: _Sections) -> None:
+    """torchmetrics syncs over uneven shares: the counts add up to the global batches', and a per-sample mean is
+    the mean over every sample trained (each rank's states hold its own share, summed at compute)."""
+
+    def run(ck: Any) -> None:
+        module = _Metered()
+        strategy = _strategy("bucketed_ddp", 0.001)
+        _trainer(world, strategy, max_steps=STEPS, accumulate_grad_batches=2, callbacks=[SlowRank(1, 3.0)]).fit(module)
+        ck.true("the split moved", strategy.rebalance.rebalancer.moves > 0, strategy.rebalance.rebalancer.counts)
+        plain = [i for batch in _plain_batches(world, STEPS, 2) for i in batch]
+        ck.close("synced count", module.count.compute().double(), torch.tensor(float(len(plain)), dtype=torch.float64))
+        # exact up to float64 rounding of the sums (integers below 2^53 sum exactly; the mean divides once)
+        want = torch.tensor(plain, dtype=torch.float64).mean()
+        ck.close("synced mean over every sample", module.mean_index.compute().double(), want, rtol=0, atol=1e-9)
+
+    sections.run("metrics", run)
+
+
 class _Stalling(_IndexedModule):
     """Rank 1 stalls for ``STALL_S`` inside its forward of micro-batch ``STALL_AT`` of epoch 0."""
 
@@ -232,6 +267,7 @@ def _two_ranks(rank: int, world: int, tmpdir: str) -> dict[str, Any]:
     _resume_same_world(rank, world, tmpdir, sections)
     _visible(rank, world, tmpdir, sections)
     _deadline(rank, world, sections)
+    _metrics(rank, world, sections)
 
     def save(ck: Any) -> None:  # the 2-rank half of the resume at another world size: 4 steps, saved at 2
         saver = ModelCheckpoint(dirpath=Path(tmpdir) / "elastic", every_n_train_steps=2, save_top_k=-1)
