@@ -239,3 +239,20 @@ def test_membership_change_mid_epoch_switches_to_the_new_shares() -> None:
     # the shares are not trivially the nominal batches: 12 entries over 3 members are 4 each, not 3
     assert [len(b) for b in got[2:4]] == [4, 4]
     assert got[:2] == nominal[:2] and got[4:] == nominal[4:]
+
+
+def test_install_refuses_a_loader_without_the_global_order_naming_the_strategy_and_the_feature() -> None:
+    from torch.utils.data import DataLoader, RandomSampler
+
+    data = list(range(12))
+    loader = DataLoader(data, batch_size=2, sampler=RandomSampler(data))
+    with pytest.raises(ValueError) as refusal:
+        SharedBatches.install(loader, lambda: (0, 2), "BucketedDDPStrategy", "rebalance=True")
+    message = str(refusal.value)
+    for said in ("BucketedDDPStrategy: rebalance=True shares out each global batch", "RandomSampler", "DataLoader("):
+        assert said in message, (said, message)
+    # the loader Lightning builds (its DistributedSampler made a GlobalOrderSampler) is taken, its batches ours
+    ordered = DataLoader(data, batch_size=2, sampler=GlobalOrderSampler(_base(12, 2, 1)))
+    batches = SharedBatches.install(ordered, lambda: (1, 2), "BucketedDDPStrategy", "rebalance=True")
+    assert ordered.batch_sampler is batches
+    assert [b.tolist() for b in ordered] == _nominal(12, 2, 2, False)[1]
