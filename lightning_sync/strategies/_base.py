@@ -27,7 +27,6 @@ names it, says which strategies take it and lists the ones this strategy accepts
 from __future__ import annotations
 
 import inspect
-import math
 from collections.abc import Generator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
@@ -37,7 +36,6 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from typing_extensions import override
 
-from lightning_sync._checks import check_bool, check_int
 from lightning_sync._lightning import next_restored, trainer_of
 from lightning_sync.checkpoint.reading import guarded_load
 from lightning_sync.strategies._common import PASSTHROUGH
@@ -128,26 +126,9 @@ class SyncStrategy(StrategyParts, LightningCollectives, DDPStrategy):
         super().__init__(**kwargs)
 
     def _rebalance(self, rebalance: bool, every: int, deadline: float | None = None) -> None:
-        """Where ``rebalance`` asks for it, split each global batch over the ranks by their measured speed, every
-        ``every`` optimizer steps, dropping micro-batches past ``deadline``
-        (:mod:`lightning_sync.strategies._rebalance`). Not with live fault tolerance, whose membership already
-        splits each global batch over the ranks training now."""
-        check_bool("rebalance", rebalance)
-        check_int("rebalance_every", every, 1)
-        if deadline is not None and (
-            isinstance(deadline, bool) or not isinstance(deadline, (int, float)) or not 1 < deadline < math.inf
-        ):
-            raise ValueError(f"rebalance_deadline must be None or a finite number > 1, got {deadline!r}")
-        if deadline is not None and not rebalance:
-            raise ValueError(f"rebalance_deadline={deadline!r} needs rebalance=True; allowed without it: None")
-        if not rebalance:
-            return
-        if self.live is not None:
-            raise ValueError(
-                f"{type(self).__name__}: rebalance=True is not supported under the fault-tolerance agent "
-                f"(fault_tolerant=True): allowed there is rebalance=False; or run without the agent"
-            )
-        self.rebalance = Rebalancing(self, every, None if deadline is None else float(deadline))
+        """Where ``rebalance`` asks for it, split each global batch over the ranks by their measured speed
+        (:meth:`Rebalancing.make <lightning_sync.strategies._rebalance.Rebalancing.make>` checks the settings)."""
+        self.rebalance = Rebalancing.make(self, rebalance, every, deadline)
 
     def _go_live(
         self,
@@ -236,8 +217,8 @@ class SyncStrategy(StrategyParts, LightningCollectives, DDPStrategy):
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        if self.rebalance is not None and self.rebalance.deadline is not None:
-            closure = self._reweighed(closure)
+        if self.rebalance is not None:
+            closure = self.rebalance.reweighed(closure)
         if self.live is None:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
 
@@ -245,19 +226,6 @@ class SyncStrategy(StrategyParts, LightningCollectives, DDPStrategy):
             return super(SyncStrategy, self).optimizer_step(optimizer, run, model, **kwargs)
 
         return self.live.optimizer_step(optimizer, closure, step)
-
-    def _reweighed(self, closure: Any) -> Any:
-        """``closure`` (the window's last training step and backward), then the gradients made the mean over the
-        samples that arrived by the deadline, before clipping and the optimizer see them."""
-        rebalance = self.rebalance
-        assert rebalance is not None
-
-        def run(*args: Any, **kwargs: Any) -> Any:
-            out = closure(*args, **kwargs)
-            rebalance.reweigh(self.lightning_module.parameters())
-            return out
-
-        return run
 
     #: live: the optimizer step (and what follows it) runs inside the commit vote, and a replay starts from the
     #: window's start (:meth:`_live_mark`); False: the vote comes first and only a committed step is applied

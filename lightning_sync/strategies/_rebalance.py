@@ -32,6 +32,7 @@ Imports nothing of Lightning's internals.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Mapping
@@ -40,6 +41,7 @@ from typing import Any
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from lightning_sync._checks import check_bool, check_int
 from lightning_sync._lightning import batch_index, trainer_of
 from lightning_sync.shares import SharedBatches, rebuild
 from lightning_sync.sync.rebalance import Rebalancer
@@ -84,6 +86,28 @@ class Rebalancing:
         self._busy, self._window_samples, self._steps = 0.0, 0, 0
         self._share = 0  # samples of the micro-batch in progress
         self._warm = False  # the fit's first optimizer step was measured and set aside (it carries one-time costs)
+
+    @classmethod
+    def make(cls, owner: Any, rebalance: bool, every: int, deadline: float | None) -> Rebalancing | None:
+        """The strategy's ``rebalance``, ``rebalance_every`` and ``rebalance_deadline``, checked: one for ``owner``,
+        or None without ``rebalance``. Not with live fault tolerance, whose membership already splits each global
+        batch over the ranks training now."""
+        check_bool("rebalance", rebalance)
+        check_int("rebalance_every", every, 1)
+        if deadline is not None and (
+            isinstance(deadline, bool) or not isinstance(deadline, (int, float)) or not 1 < deadline < math.inf
+        ):
+            raise ValueError(f"rebalance_deadline must be None or a finite number > 1, got {deadline!r}")
+        if deadline is not None and not rebalance:
+            raise ValueError(f"rebalance_deadline={deadline!r} needs rebalance=True; allowed without it: None")
+        if not rebalance:
+            return None
+        if owner.live is not None:
+            raise ValueError(
+                f"{type(owner).__name__}: rebalance=True is not supported under the fault-tolerance agent "
+                f"(fault_tolerant=True): allowed there is rebalance=False; or run without the agent"
+            )
+        return cls(owner, every, None if deadline is None else float(deadline))
 
     # ------------------------------------------------------------------ data
     def install(self, loader: Any) -> Any:
@@ -160,6 +184,19 @@ class Rebalancing:
         parameter at next to no cost, so that every gradient bucket is still all-reduced, with zeros from here."""
         params = [p for p in module.parameters() if p.requires_grad]
         return torch.stack([(p * 0).sum() for p in params]).sum()
+
+    def reweighed(self, closure: Any) -> Any:
+        """``closure`` (the window's last training step and backward) followed, with a ``deadline``, by
+        :meth:`reweigh`, before clipping and the optimizer see the gradients; without one, ``closure`` itself."""
+        if self.deadline is None:
+            return closure
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            out = closure(*args, **kwargs)
+            self.reweigh(self._owner.lightning_module.parameters())
+            return out
+
+        return run
 
     def reweigh(self, params: Any) -> None:
         """After the window's last backward, before the optimizer step (with a ``deadline``): the samples that arrived
