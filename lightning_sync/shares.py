@@ -38,7 +38,7 @@ from torch.utils.data import DataLoader
 from lightning_sync.sampler import GlobalOrderSampler
 from lightning_sync.sync.rebalance import proportional
 
-__all__ = ["Place", "SharedBatches", "deal", "rebuild", "share_of", "weight_of"]
+__all__ = ["Place", "SharedBatches", "deal", "rebuild", "share_of", "size_of", "weight_of"]
 
 #: ``(rank, world)``: the even, strided split over ``world``; ``(rank, world, counts)``: ``counts[r]`` samples of a
 #: whole micro-batch to rank r (:func:`deal`)
@@ -51,13 +51,14 @@ def deal(entries: Sequence[int], counts: Sequence[int]) -> list[list[int]]:
     if sum(counts) != len(entries) or min(counts, default=0) < 0:
         raise ValueError(f"counts {list(counts)} do not split {len(entries)} entries")
     out: list[list[int]] = [[] for _ in counts]
-    left, r, world = list(counts), 0, len(counts)
-    for e in entries:
-        while not left[r]:
-            r = (r + 1) % world
-        out[r].append(e)
-        left[r] -= 1
-        r = (r + 1) % world
+    active, done, start = [r for r, n in enumerate(counts) if n], 0, 0
+    while active:  # rounds in which the same ranks take one entry each, in rank order: one slice per rank
+        rounds = min(counts[r] for r in active) - done
+        block = entries[start : start + rounds * len(active)]
+        for i, r in enumerate(active):
+            out[r].extend(block[i :: len(active)])
+        start, done = start + len(block), done + rounds
+        active = [r for r in active if counts[r] > done]
     return out
 
 
@@ -76,13 +77,18 @@ def share_of(entries: list[int], *place: Any) -> list[int]:
     return entries[rank::world] if counts is None else deal(entries, counts)[rank]
 
 
+def size_of(entries: list[int], *place: Any) -> int:
+    """How many of a micro-batch of ``entries`` this rank takes for ``place``, without dealing them out."""
+    rank, world = place[0], place[1]
+    counts = _counts(entries, place)
+    return len(range(rank, len(entries), world)) if counts is None else counts[rank]
+
+
 def weight_of(entries: list[int], *place: Any) -> float:
     """The factor on this rank's mean-loss gradient of a micro-batch of ``entries`` that makes the ranks' average
     the micro-batch's mean: its share of the samples times ``world`` (exactly 1 for equal shares)."""
-    rank, world = place[0], place[1]
-    total = len(entries)
-    counts = _counts(entries, place)
-    mine = len(range(rank, total, world)) if counts is None else counts[rank]
+    world, total = place[1], len(entries)
+    mine = size_of(entries, *place)
     return 1.0 if mine * world == total else mine * world / total
 
 

@@ -43,7 +43,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_sync._checks import check_bool, check_int
 from lightning_sync._lightning import batch_index, trainer_of
-from lightning_sync.shares import SharedBatches, rebuild
+from lightning_sync.shares import SharedBatches, rebuild, share_of, size_of, weight_of
 from lightning_sync.sync.rebalance import Rebalancer
 
 __all__ = ["DROPPED", "REBALANCE", "SAVED", "SHARE", "Rebalancing"]
@@ -74,7 +74,7 @@ class Rebalancing:
         self.dropped_here: list[tuple[int, int]] = []
         self._late = False  # this micro-batch was dropped
         self._arrived = self._expected = 0  # samples of this optimizer window: this rank's that arrived, all ranks' due
-        self._dropped_here = 0  # micro-batches this rank dropped in this optimizer window
+        self._window_drops = 0  # micro-batches this rank dropped in this optimizer window
         self.rebalancer: Rebalancer | None = None
         self.batches: SharedBatches | None = None
         self.weight = 1.0  # on this micro-batch's loss
@@ -133,32 +133,35 @@ class Rebalancing:
         loader made it for another), its loss weight, and the start of its timing."""
         assert self.batches is not None
         j = batch_index(trainer_of(self._owner.lightning_module))
-        place = self._place()
-        indices = self.batches.share(j, *place)
-        if self.batches.is_stale(j, *place):
-            args = (rebuild(self._loader, self._owner, indices), *args[1:])
-        self.weight = self.batches.weight(j, *place)
-        self._share = len(indices)
-        self._expected += len(self.batches.entries(j))
+        place, entries = self._place(), self.batches.entries(j)
+        if self.batches.is_stale(j, *place):  # dealt out only then: a prefetched batch is this share already
+            args = (rebuild(self._loader, self._owner, share_of(entries, *place)), *args[1:])
+        self.weight = weight_of(entries, *place)
+        self._share = size_of(entries, *place)
+        self._expected += len(entries)
         self._late = False
         self._started = (time.perf_counter(), self._blocked())
         return args
 
     # ------------------------------------------------------------------ measuring
     def _blocked(self) -> float:
-        observer = self._owner.comm.observer
-        blocked = getattr(observer, "blocked_seconds", None)
-        return blocked() if blocked is not None else 0.0
+        stats = self._owner.telemetry.stats()  # the context's statistics, read where the telemetry reads them
+        return stats.blocked_seconds() if stats is not None else 0.0
+
+    def _own_seconds(self) -> float:
+        """This micro-batch's seconds since its start, less those blocked in collectives meanwhile."""
+        assert self._started is not None
+        started, blocked = self._started
+        return (time.perf_counter() - started) - (self._blocked() - blocked)
 
     def backward_done(self) -> None:
         """After backward: this micro-batch's own compute seconds join the window's."""
         if self._started is None:
             return
-        started, blocked = self._started
+        self._busy += self._own_seconds()
         self._started = None
-        self._busy += (time.perf_counter() - started) - (self._blocked() - blocked)
         done = 0 if self._late else self._share
-        self._dropped_here += int(self._late)
+        self._window_drops += int(self._late)
         self._window_samples += done
         self.samples += done
         self._arrived += done
@@ -171,9 +174,7 @@ class Rebalancing:
         r = self.rebalancer
         if self.deadline is None or r is None or r.speeds is None or self._started is None:
             return False
-        started, blocked = self._started
-        own = (time.perf_counter() - started) - (self._blocked() - blocked)
-        self._late = own > self.deadline * statistics.median(n / s for n, s in zip(r.counts, r.speeds))
+        self._late = self._own_seconds() > self.deadline * statistics.median(n / s for n, s in zip(r.counts, r.speeds))
         if self._late:
             trainer = trainer_of(self._owner.lightning_module)
             self.dropped_here.append((trainer.current_epoch, batch_index(trainer)))
@@ -202,9 +203,9 @@ class Rebalancing:
         """After the window's last backward, before the optimizer step (with a ``deadline``): the samples that arrived
         on every rank, all-reduced, and the gradients scaled from the mean over the whole global batch (every rank's
         loss was weighted for it) to the mean over what arrived. Nothing dropped: nothing changes, bit for bit."""
-        mine = torch.tensor([float(self._arrived), float(self._dropped_here)], dtype=torch.float64)
+        mine = torch.tensor([float(self._arrived), float(self._window_drops)], dtype=torch.float64)
         arrived, dropped = (float(x) for x in self._owner.comm.all_reduce(mine, op="sum"))
-        expected, self._arrived, self._expected, self._dropped_here = self._expected, 0, 0, 0
+        expected, self._arrived, self._expected, self._window_drops = self._expected, 0, 0, 0
         self.dropped += int(dropped)
         if arrived in (expected, 0.0):  # all arrived; or nothing did, and the gradients are zeros anyway
             return
