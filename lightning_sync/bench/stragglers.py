@@ -38,8 +38,9 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from lightning_sync.bench.rows import FIT, QUIET, fmt, median, node, pyplot, schedule
+from lightning_sync.bench.rows import FIT, fmt, median, node, pyplot, schedule
 from lightning_sync.bench.runner import quiet
+from lightning_sync.bench.tradeoff import validate_alone
 from lightning_sync.diagnostics._comm import blocked_seconds
 from lightning_sync.diagnostics._steps import optimizer_step_ended
 
@@ -114,13 +115,8 @@ def _fit(rank: int, world: int, trial: StragglerTrial, out: str) -> None:
     callbacks = [_Timeline(out), SlowRank(rank=1, factor=trial.factor, after_step=trial.after)]
     kw = {"devices": world, "strategy": instantiate(trial.strategy), "max_steps": trial.steps}
     pl.Trainer(accelerator="cpu", callbacks=callbacks, **kw, **FIT).fit(model, datamodule=data)
-    if rank != 0:
-        return
-    if torch.distributed.is_initialized():  # left by the strategy; rank 0 evaluates on the whole validation set alone
-        torch.distributed.destroy_process_group()
-    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy="auto", num_sanity_val_steps=0, **QUIET)
-    loss = float(trainer.validate(model, datamodule=data, verbose=False)[0]["val_loss"])
-    Path(out, "val_loss.json").write_text(json.dumps(loss))
+    if rank == 0:
+        Path(out, "val_loss.json").write_text(json.dumps(validate_alone(model, data)["val_loss"]))
 
 
 @dataclass

@@ -25,7 +25,7 @@ from lightning_sync.bench.runner import quiet, stats_of
 from lightning_sync.bench.style import WHISKER, colour, label, legend_below, log_axis, look, paged, save_fig, whisker
 
 __all__ = ["BYTES_LOSS", "TradeoffResult", "TradeoffRow", "plot_bytes_loss", "plot_tradeoff", "run_tradeoff"]
-__all__ += ["tradeoff_markdown", "tradeoff_rows"]
+__all__ += ["tradeoff_markdown", "tradeoff_rows", "validate_alone"]
 
 log = logging.getLogger("lightning_sync.bench")
 
@@ -82,9 +82,13 @@ def _fit(rank: int, world: int, trial: TradeoffTrial, out_dir: str) -> dict[str,
         callbacks.append(SlowRank(rank=1, factor=float(trial.slow_factor)))
     kw = {"devices": trial.world, "strategy": instantiate(trial.strategy), "max_steps": trial.steps}
     pl.Trainer(accelerator="cpu", callbacks=callbacks, **kw, **FIT).fit(model, datamodule=data)
-    if rank != 0:
-        return None
-    if torch.distributed.is_initialized():  # left by the strategy; rank 0 evaluates on the whole validation set alone
+    return validate_alone(model, data) if rank == 0 else None
+
+
+def validate_alone(model: pl.LightningModule, data: pl.LightningDataModule) -> dict[str, float]:
+    """After a fit, on rank 0: the trained ``model`` evaluated on the whole validation set in this process alone, the
+    same way for every row whatever its strategy did with the data (the fit's process group is left first)."""
+    if torch.distributed.is_initialized():  # left by the strategy
         torch.distributed.destroy_process_group()
     trainer = pl.Trainer(accelerator="cpu", devices=1, strategy="auto", num_sanity_val_steps=0, **QUIET)
     return {k: float(v) for k, v in trainer.validate(model, datamodule=data, verbose=False)[0].items()}
