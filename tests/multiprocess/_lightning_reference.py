@@ -51,6 +51,7 @@ __all__ = [
     "_QUIET",
     "_Sections",
     "_IndexedModule",
+    "_LogLines",
     "_TiedModule",
     "_TiedNet",
     "_assert_section",
@@ -298,6 +299,17 @@ def _trainer(world: int, strategy: Strategy, **kw: Any) -> pl.Trainer:
 
 
 # --------------------------------------------------------------------------- sections of one spawned group
+
+
+class _LogLines(logging.Handler):
+    """Keeps the messages of the records at ``level`` and above that reach the logger it is added to."""
+
+    def __init__(self, level: int = logging.INFO) -> None:
+        super().__init__(level)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
 
 
 class _Sections:

@@ -41,6 +41,7 @@ from _lightning_reference import (
     EQ_TOL,
     MIN_MOVE,
     _IndexedModule,
+    _LogLines,
     _quiet_rank,
     _rank_batches,
     _reference,
@@ -67,15 +68,6 @@ def _ps_module(batch: int) -> _IndexedModule:
     return _IndexedModule("sgd", PS_N, batch)
 
 
-class _Lines(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-
 def _ps_first(rank: int, world: int, tmpdir: str, batch: int, steps: int) -> None:
     """The run that stops: ``steps`` global steps (one epoch), its checkpoint written at the last one."""
     _quiet_rank()
@@ -86,7 +78,7 @@ def _ps_first(rank: int, world: int, tmpdir: str, batch: int, steps: int) -> Non
 
 def _ps_resumed(rank: int, world: int, ckpt: str, batch: int, steps: int) -> dict[str, Any]:
     _quiet_rank()
-    lines = _Lines()
+    lines = _LogLines()
     logging.getLogger("lightning.pytorch").addHandler(lines)
     logging.getLogger("lightning.pytorch").setLevel(logging.INFO)
     module = _ps_module(batch)

@@ -31,6 +31,7 @@ from _lightning_reference import (
     ENV,
     MIN_MOVE,
     _IndexedModule,
+    _LogLines,
     _quiet_rank,
     _rank_batches,
     _reference,
@@ -154,22 +155,13 @@ def _resume_same_world(rank: int, world: int, tmpdir: str, sections: _Sections) 
     sections.run("resume-same", run)
 
 
-class _Warnings(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-
 def _visible(rank: int, world: int, tmpdir: str, sections: _Sections) -> None:
     """The split and the seconds it saved reach the logger, and the straggler detector still names the slow rank
     (by its time per sample: under rebalancing every rank's step takes about as long) and says what was done."""
 
     def run(ck: Any) -> None:
         # SlowRank 3x on one of 2 ranks: its time per sample is 2 x 3 / (1 + 3) = 1.5x the median
-        detector, warnings = StragglerDetector(every_n_steps=5, threshold=1.3), _Warnings()
+        detector, warnings = StragglerDetector(every_n_steps=5, threshold=1.3), _LogLines(logging.WARNING)
         logging.getLogger("lightning_sync.diagnostics").addHandler(warnings)
         strategy = _strategy("bucketed_ddp", 0.001)
         trainer = _trainer(
