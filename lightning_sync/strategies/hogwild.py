@@ -14,7 +14,9 @@ What is synchronized, and when:
 * **Parameters:** never exchanged; they *are* shared. Each process's optimizer (its own state, e.g.
   momentum) steps the shared tensors after every backward. Gradients are private to each process.
 * **Start:** the launcher moves the module into shared memory before starting the processes (``fork``
-  by default; ``spawn`` and ``forkserver`` share it through torch.multiprocessing's pickling).
+  by default; ``spawn`` and ``forkserver`` share it through torch.multiprocessing's pickling). No
+  process trains before every one has reached the start of training (a barrier): a resumed model is
+  loaded by all of them, and a late one must not write it over a faster one's first updates.
 * **Validation, test and checkpoints:** a barrier stops every process before evaluation or a
   checkpoint's snapshot, and another releases them after, so these see one consistent model (no
   update in flight) and metrics are reduced across processes as usual.
@@ -160,6 +162,10 @@ class HogwildStrategy(ProcessGroupStrategy):
         trainer = self.lightning_module.trainer
         self._count_updates = self._updates is not None and bool(trainer.loggers)
         super().on_train_start()  # builds the telemetry, which reads the counts from the start
+        # Lightning calls this after the callbacks' and the module's own on_train_start: until every process
+        # is here, none updates the shared model, so each has loaded the checkpoint into it and each hook saw
+        # the model as loaded, not a faster peer's first steps
+        self._quiesce()
 
     @override
     def _after_optimizer_step(self) -> None:

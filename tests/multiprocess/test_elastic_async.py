@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -167,6 +168,7 @@ MAX_PROC, ROWS, DIM, LR, MOMENTUM = 3, 3, 4, 0.5, 0.5
 HW_N, HW_GLOBAL, HW_STOP, HW_STEPS = 36, 6, 3, 6  # 6 steps an epoch; stopped mid-epoch
 LR_STEP, LR_GAMMA = 2, 0.5  # a per-step StepLR: 0.5, 0.5, 0.25, 0.25, 0.125, 0.125 (dyadic)
 HW_SEED = 7
+LATE_S = 1.0  # the last process loads the checkpoint, and starts, this late: the others must wait for it
 
 
 def _initial() -> torch.Tensor:
@@ -203,8 +205,19 @@ class _OwnRows(pl.LightningModule):
             "lr": optimizer.param_groups[0]["lr"],
         }
 
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # the shared model is loaded by every process: one that loads late must not overwrite updates the
+        # others made meanwhile (the strategy holds them until all have loaded)
+        self._late()
+
     def on_train_start(self) -> None:
+        # what a process sees at the start of training is the loaded model, whatever its peers' pace
+        self._late()
         self.start = self._now()
+
+    def _late(self) -> None:
+        if self.global_rank == self.trainer.world_size - 1:
+            time.sleep(LATE_S)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         (samples,) = batch
