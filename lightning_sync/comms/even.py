@@ -17,12 +17,13 @@ import torch
 import torch.distributed as dist
 
 from lightning_sync.comms.collectives import Collectives
-from lightning_sync.comms.pairwise import all_gather_exchange, reduce_scatter_exchange
+from lightning_sync.comms.pairwise import all_gather_exchange, all_to_all_exchange, reduce_scatter_exchange
 from lightning_sync.comms.payload import (
     ALL_GATHER_SINGLE,
     REDUCE_SCATTER_SINGLE,
     check_even,
     check_reduce,
+    get_world_size,
     handles_of,
     is_gloo,
     nbytes,
@@ -44,6 +45,32 @@ class EvenCollectives(Collectives):
         group = self._g(group)
         launch, finish = self._gather_parts(output, input, group)
         return self._issue("all_gather", nbytes(input), launch, finish, async_op, group=group, like=input)
+
+    def all_to_all_into(
+        self, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None = None, async_op: bool = False
+    ) -> torch.Tensor | Work[torch.Tensor]:
+        """Chunk j of every rank's flat ``input`` (world_size equal chunks) goes to rank j, where rank r's lands in
+        chunk r of ``output`` (as large as ``input``). What a codec whose chunks cannot be summed as they travel
+        sends to each chunk's owner. ``input`` is only read, and must stay unchanged until the call completes."""
+        group = self._g(group)
+        world = get_world_size(group)
+        if output.shape != input.shape or output.dtype != input.dtype or input.numel() % world:
+            raise ValueError(
+                f"all_to_all_into needs an output of the input's shape and dtype, in {world} equal chunks: got "
+                f"input {tuple(input.shape)} {input.dtype}, output {tuple(output.shape)} {output.dtype}"
+            )
+        if self._exchanges(group, input.reshape(-1)[: input.numel() // world]):
+            launch, finish = all_to_all_exchange(output, input, group)
+        else:
+
+            def launch(blocking: bool) -> list[Any]:
+                flat_out, flat_in = output.view(-1), input.reshape(-1)
+                return handles_of(dist.all_to_all_single(flat_out, flat_in, group=group, async_op=not blocking))
+
+            def finish() -> torch.Tensor:
+                return output
+
+        return self._issue("all_to_all", nbytes(input), launch, finish, async_op, group=group, like=input)
 
     def reduce_scatter_into(
         self,

@@ -8,6 +8,8 @@ receives the peers' chunks for itself, all K - 1 pairs in flight at once: each r
 buffer, as a ring does, in one latency step instead of K - 1.
 
 * **all-gather**: rank r's ``input`` goes to every peer and lands in chunk r of everyone's ``output``.
+* **all-to-all**: rank r sends chunk j of its ``input`` to rank j, and rank j's chunk r lands in chunk j of
+  its ``output``.
 * **reduce-scatter**: rank r sends chunk j of its ``input`` to rank j and receives every peer's chunk r; the
   reduction of its own chunk with theirs runs on this rank when the handle is waited on. The first peer's chunk
   lands in ``output`` itself and only K > 2 needs a buffer, of (K - 2) chunks; ``input`` is only read.
@@ -27,7 +29,7 @@ import torch.distributed as dist
 
 from lightning_sync.comms.payload import get_rank, get_world_size, group_ranks
 
-__all__ = ["EXCHANGE_TAG", "REDUCERS", "all_gather_exchange", "reduce_scatter_exchange"]
+__all__ = ["EXCHANGE_TAG", "REDUCERS", "all_gather_exchange", "all_to_all_exchange", "reduce_scatter_exchange"]
 
 #: the tag of every exchange message (any fixed value other than torch's default 0)
 EXCHANGE_TAG = 0x5A17
@@ -57,6 +59,21 @@ def all_gather_exchange(
         mine = chunks[rank]
         mine.copy_(input.reshape(-1))
         return _post([(ranks[j], mine, chunks[j]) for j in range(world) if j != rank], group)
+
+    return launch, lambda: output
+
+
+def all_to_all_exchange(
+    output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None
+) -> tuple[Launch, Callable[[], torch.Tensor]]:
+    """``(launch, finish)``: ``launch`` copies this rank's own chunk across and starts the exchange of the others;
+    ``finish`` returns ``output``. ``input`` is only read."""
+    world, rank, ranks = get_world_size(group), get_rank(group), group_ranks(group)
+    sent, received = input.reshape(-1).chunk(world), output.view(-1).chunk(world)
+
+    def launch(blocking: bool) -> list[Any]:
+        received[rank].copy_(sent[rank])
+        return _post([(ranks[j], sent[j], received[j]) for j in range(world) if j != rank], group)
 
     return launch, lambda: output
 

@@ -105,7 +105,7 @@ class PeriodicStrategy(ProcessGroupStrategy):
         self._stashed: list[torch.Tensor] | None = None  # this rank's replica during an evaluation
         self._own_pending: dict[str, Any] | None = None  # this rank's replica, to put back
         self._period_start: tuple[Any, ...] | None = None  # live: the state a replayed period starts from
-        self._go_live(fault_tolerant, process_group_backend, start_method)
+        self._go_live(fault_tolerant, process_group_backend, start_method, **self._live_settings())
 
     # ------------------------------------------------------------------ what a subclass says
     def _make_syncer(self) -> Any:
@@ -123,6 +123,10 @@ class PeriodicStrategy(ProcessGroupStrategy):
     def _synchronize(self, tensors: list[torch.Tensor]) -> None:
         """Turn ``tensors`` (copies, parallel to :meth:`_averaged_tensors`) into the synchronized model, in place."""
         raise NotImplementedError
+
+    def _live_settings(self) -> dict[str, tuple[Any, tuple[Any, ...]]]:
+        """The subclass's settings live training supports only some values of: name -> (value, those values)."""
+        return {}
 
     def _averaged_tensors(self) -> list[torch.Tensor]:
         """The tensors a replica is made of: the parameters and the floating-point buffers."""

@@ -46,8 +46,11 @@ from typing import Any
 import torch
 from typing_extensions import override
 
+from lightning_sync.resume import RANK_STATES
 from lightning_sync.strategies._periodic import PeriodicStrategy
-from lightning_sync.sync.periodic import DiLoCoOuter, average_tensors, check_outer
+from lightning_sync.sync.outer import DiLoCoOuter, check_outer, check_streaming
+from lightning_sync.sync.periodic import average_tensors, check_int
+from lightning_sync.sync.quantize import OUTER_DTYPES, OuterCodec
 
 __all__ = ["DiLoCoStrategy"]
 
@@ -60,6 +63,14 @@ class DiLoCoStrategy(PeriodicStrategy):
         outer_lr: outer SGD learning rate (> 0; 0.7).
         outer_momentum: outer momentum in [0, 1) (0.9).
         nesterov: Nesterov outer momentum (True).
+        fragments: F, the fragments the model is synced in, each on its own schedule (1: DiLoCo's whole model;
+            in [1, sync_every]).
+        overlap_steps: tau, inner steps a fragment's outer all-reduce runs behind before its outer step lands (0:
+            DiLoCo's blocking sync; in [0, sync_every)).
+        outer_dtype: what the pseudo-gradient travels as: ``"fp32"`` (DiLoCo's), ``"bf16"``, ``"int8"`` or
+            ``"int4"`` (the last two with error feedback).
+        overlap_alpha: with ``overlap_steps > 0``, the weight the local fragment keeps when its global value
+            lands (``alpha local + (1 - alpha) global``; the paper's 0.5), in [0, 1].
         process_group_backend: ``"gloo"``, ``"nccl"`` or None (Lightning picks for the accelerator).
         timeout: collective timeout in seconds (or a ``timedelta``).
         start_method: ``"popen"`` (re-run the script per rank), ``"spawn"``, ``"fork"`` or ``"forkserver"``.
@@ -79,6 +90,10 @@ class DiLoCoStrategy(PeriodicStrategy):
         outer_lr: float = 0.7,
         outer_momentum: float = 0.9,
         nesterov: bool = True,
+        fragments: int = 1,
+        overlap_steps: int = 0,
+        outer_dtype: str = "fp32",
+        overlap_alpha: float = 0.5,
         process_group_backend: str | None = None,
         timeout: float | timedelta = 1800.0,
         start_method: str = "popen",
@@ -86,8 +101,24 @@ class DiLoCoStrategy(PeriodicStrategy):
         **kwargs: Any,
     ) -> None:
         check_outer(outer_lr, outer_momentum, nesterov)
+        check_streaming(check_int("sync_every", sync_every, 1), fragments, overlap_steps, overlap_alpha)
+        if outer_dtype not in OUTER_DTYPES:
+            raise ValueError(f"outer_dtype must be one of {list(OUTER_DTYPES)}, got {outer_dtype!r}")
+        self.fragments, self.overlap_steps, self.outer_dtype = fragments, overlap_steps, outer_dtype
+        self.overlap_alpha = float(overlap_alpha)
+        self._pending_errors: dict[str, Any] | None = None  # this rank's error feedback, from a checkpoint
         super().__init__(sync_every, process_group_backend, timeout, start_method, fault_tolerant, **kwargs)
         self.outer_lr, self.outer_momentum, self.nesterov = float(outer_lr), float(outer_momentum), nesterov
+
+    @override
+    def _live_settings(self) -> dict[str, tuple[Any, tuple[Any, ...]]]:
+        # a live period is committed or trained again whole: a fragment's sync inside it, a sync in flight across
+        # its end, or error feedback a replay would count twice have no place in it
+        return {
+            "fragments": (self.fragments, (1,)),
+            "overlap_steps": (self.overlap_steps, (0,)),
+            "outer_dtype": (self.outer_dtype, ("fp32", "bf16")),
+        }
 
     def _trainable(self) -> list[torch.Tensor]:
         assert self.model is not None
@@ -95,14 +126,22 @@ class DiLoCoStrategy(PeriodicStrategy):
 
     @override
     def _make_syncer(self) -> DiLoCoOuter:
-        return DiLoCoOuter(
+        outer = DiLoCoOuter(
             self._trainable(),
             self.comm,
             self.sync_every,
             self.outer_lr,
             self.outer_momentum,
             self.nesterov,
+            fragments=self.fragments,
+            overlap_steps=self.overlap_steps,
+            outer_dtype=self.outer_dtype,
+            overlap_alpha=self.overlap_alpha,
         )
+        if self._pending_errors is not None:
+            outer.load_rank_state(self._pending_errors)
+            self._pending_errors = None
+        return outer
 
     @override
     def _after_step(self) -> None:
@@ -113,7 +152,28 @@ class DiLoCoStrategy(PeriodicStrategy):
 
     @override
     def _drifted(self) -> bool:
-        return self.averager is not None and self.averager.steps % self.averager.sync_every != 0
+        return self.averager is not None and not self.averager.in_sync()
+
+    @override
+    def _rank_state(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
+        """Besides the replica: int8 / int4's error feedback, this rank's own."""
+        state = super()._rank_state(checkpoint)
+        errors = self.averager.rank_state() if self.averager is not None and state else {}
+        return {**state, "outer_errors": errors} if errors else state
+
+    @override
+    def _restore_rank_state(self, mine: dict[str, Any] | None, checkpoint: dict[str, Any]) -> None:
+        super()._restore_rank_state(mine, checkpoint)
+        states = checkpoint.get(RANK_STATES) or []
+        if mine is not None:
+            self._pending_errors = mine.get("outer_errors")
+        elif any("outer_errors" in s for s in states):  # another world size: what they carry is kept
+            self._pending_errors = OuterCodec.regrouped(
+                [s.get("outer_errors", {}) for s in states], self.world_size, self.global_rank
+            )
+        if self._pending_errors is not None and self.averager is not None:
+            self.averager.load_rank_state(self._pending_errors)
+            self._pending_errors = None
 
     @override
     def _synchronize(self, tensors: list[torch.Tensor]) -> None:

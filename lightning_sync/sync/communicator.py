@@ -60,6 +60,10 @@ class Communicator(Protocol):
         self, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None = None, async_op: bool = False
     ) -> Any: ...
 
+    def all_to_all_into(
+        self, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None = None, async_op: bool = False
+    ) -> Any: ...
+
     def reduce_scatter_into(
         self,
         output: torch.Tensor,
@@ -150,6 +154,19 @@ class LoopbackCommunicator:
             raise ValueError(f"output has {output.numel()} elements, expected {self._world} x {input.numel()}")
         self.calls.append(("all_gather_into", input.numel()))
         output.view(self._world, -1).copy_(input.reshape(1, -1))
+        return CompletedWork(output) if async_op else output
+
+    def all_to_all_into(
+        self, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None = None, async_op: bool = False
+    ) -> Any:
+        """Every rank holds ``input``, so each chunk this rank receives is the chunk ``rank`` of ``input``."""
+        if output.shape != input.shape or input.numel() % self._world:
+            raise ValueError(
+                f"output {tuple(output.shape)} must be input's {tuple(input.shape)}, in {self._world} chunks"
+            )
+        self.calls.append(("all_to_all_into", input.numel()))
+        n = input.numel() // self._world
+        output.view(self._world, n).copy_(input.reshape(-1)[self._rank * n : (self._rank + 1) * n].view(1, n))
         return CompletedWork(output) if async_op else output
 
     def reduce_scatter_into(

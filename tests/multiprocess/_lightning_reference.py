@@ -267,6 +267,44 @@ def _reference(
     return {"state": _state(module), "usage": usage, "norms": norms, "lrs": lrs, "optimizer": opt}
 
 
+def _train_replicas(
+    reps: list[Any],
+    opts: list[torch.optim.Optimizer],
+    scheds: list[Any],
+    n: int,
+    steps: int,
+    accumulate: int,
+    epoch: int = 0,
+    batch: int = BATCH,
+    before_step: Callable[[], None] | None = None,
+    after_step: Callable[[], None] | None = None,
+) -> None:
+    """K replicas trained side by side, each on the batches its rank gets (``accumulate`` micro-batches a step,
+    epochs running on), with its own optimizer and per-step scheduler: what the periodic strategies' ranks do
+    between their syncs. ``before_step``: after the gradients, before the optimizers step (a synchronous step's
+    average); ``after_step``: after they stepped (a sync)."""
+    x, y = reps[0].ds.tensors
+    micro, batches = 0, _rank_batches(n, len(reps), epoch, batch)
+    for _ in range(steps):
+        for o in opts:
+            o.zero_grad(set_to_none=True)
+        for _ in range(accumulate):
+            if micro == len(batches[0]):
+                epoch, micro = epoch + 1, 0
+                batches = _rank_batches(n, len(reps), epoch, batch)
+            for r, m in enumerate(reps):
+                idx = batches[r][micro]
+                (m.training_step((x[idx], y[idx]), micro) / accumulate).backward()
+            micro += 1
+        if before_step is not None:
+            before_step()
+        for o, s in zip(opts, scheds):
+            o.step()
+            s.step()
+        if after_step is not None:
+            after_step()
+
+
 def _state(module: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in module.state_dict().items()}
 

@@ -30,10 +30,10 @@ from _lightning_reference import (
     EQ_TOL,
     MIN_MOVE,
     _quiet_rank,
-    _rank_batches,
     _state,
     _TiedModule,
     _token_data,
+    _train_replicas,
     _trainer,
 )
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -156,25 +156,15 @@ def _reference(
             for g, saved in zip(global_params, start[KEYS[kind]]["global_params"]):
                 g.copy_(saved)
         outer.load_state_dict(start[KEYS[kind]]["outer_optimizer"])
-    x, y = reps[0].ds.tensors
-    micro, batches = 0, _rank_batches(N, world, epoch, BATCH)
-    for _ in range(steps):
-        for o in opts:
-            o.zero_grad(set_to_none=True)
-        for _ in range(ACCUMULATE):
-            if micro == len(batches[0]):
-                epoch, micro = epoch + 1, 0
-                batches = _rank_batches(N, world, epoch, BATCH)
-            for r, m in enumerate(reps):
-                idx = batches[r][micro]
-                (m.training_step((x[idx], y[idx]), micro) / ACCUMULATE).backward()
-            micro += 1
-        if kind == "local_sgd" and done < WARMUP:  # synchronous: every replica steps with the mean gradient
+    counter = {"done": done}
+
+    def synchronous() -> None:
+        if kind == "local_sgd" and counter["done"] < WARMUP:  # every replica steps with the mean gradient
             _mean_into([[p.grad for p in m.parameters() if p.grad is not None] for m in reps])
-        for o, s in zip(opts, scheds):
-            o.step()
-            s.step()
-        done += 1
+
+    def sync() -> None:
+        counter["done"] += 1
+        done = counter["done"]
         if kind == "local_sgd" and done > WARMUP and (done - WARMUP) % H == 0:
             _mean_into([[p.data for p in m.parameters()] for m in reps])
         if kind == "diloco" and done % H == 0:
@@ -187,6 +177,8 @@ def _reference(
                 for t in trainables:
                     for p, g in zip(t, global_params):
                         p.copy_(g)
+
+    _train_replicas(reps, opts, scheds, N, steps, ACCUMULATE, epoch, BATCH, synchronous, sync)
     return [_state(m) for m in reps]
 
 

@@ -101,3 +101,15 @@ def test_powersgd_state_for_a_replacement_and_for_a_replay() -> None:
         source._live_reset()
         torch.testing.assert_close(source._compressor._error[3], torch.ones(4, 3), rtol=0, atol=0)
         torch.testing.assert_close(source._compressor._q[3], torch.arange(6.0).reshape(3, 2), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    ("setting", "value"), [("fragments", 2), ("overlap_steps", 1), ("outer_dtype", "int4"), ("outer_dtype", "int8")]
+)
+def test_streaming_diloco_is_refused_under_the_agent(setting: str, value: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A live period is committed or trained again whole: a fragment's sync inside it, a sync in flight across its
+    end, or error feedback a replay would count twice are refused, naming the values that work."""
+    monkeypatch.setenv(ENV_MEMBER, "n0s1i0")
+    with pytest.raises(ValueError, match=rf"{setting}={value!r} is not supported with live fault tolerance"):
+        DiLoCoStrategy(sync_every=4, **{setting: value})
+    assert DiLoCoStrategy(sync_every=4, outer_dtype="bf16").live is not None  # no state of its own: allowed

@@ -32,7 +32,8 @@ __all__: list[str] = []
 CONF = Path(__file__).resolve().parents[2] / "conf" / "strategy"
 LIGHTNING = ["accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin"]
 LAUNCH = ["process_group_backend", "timeout", "start_method", "fault_tolerant"]
-DILOCO_ACCEPTS = ["sync_every", "outer_lr", "outer_momentum", "nesterov", *LAUNCH, *LIGHTNING]
+DILOCO_STREAMING = ["fragments", "overlap_steps", "outer_dtype", "overlap_alpha"]
+DILOCO_ACCEPTS = ["sync_every", "outer_lr", "outer_momentum", "nesterov", *DILOCO_STREAMING, *LAUNCH, *LIGHTNING]
 WARMUP_BUCKETS = ["bucket_cap_mb", "first_bucket_mb", "gradient_as_bucket_view", "find_unused_parameters"]
 LOCAL_SGD_ACCEPTS = ["sync_every", "warmup_steps", "average_optimizer_state", *WARMUP_BUCKETS, *LAUNCH, *LIGHTNING]
 # bucketed_ddp's arguments LocalSGD refuses: its warm-up is exact synchronous SGD with the backend's all-reduce,

@@ -242,6 +242,18 @@ _DILOCO_OWN: list[tuple[str, Any, str]] = [
         r"nesterov must be True or False \(True needs outer_momentum > 0\), got True with "
         r"outer_momentum=0",
     ),  # with outer_momentum=0, set below
+    *[("fragments", v, got("fragments", "an int >= 1", v)) for v in (0, -1, 1.5, "2", True)],
+    ("fragments", 600, r"fragments must be in \[1, sync_every=500\] \(one start step each\), got 600"),
+    *[("overlap_steps", v, got("overlap_steps", "an int >= 0", v)) for v in (-1, 1.5, "2", True)],
+    ("overlap_steps", 500, r"overlap_steps must be in \[0, sync_every=500\) \(a fragment's outer step lands"),
+    *[
+        ("outer_dtype", v, r"outer_dtype must be one of \['fp32', 'bf16', 'int8', 'int4'\], got " + re.escape(repr(v)))
+        for v in ("fp16", "INT4", 4, None)
+    ],
+    *[
+        ("overlap_alpha", v, got("overlap_alpha", "a number in \\[0, 1\\]", v))
+        for v in (-0.1, 1.5, math.nan, "0.5", True)
+    ],
     *_LAUNCH,
     *[
         (arg, v, refused(DiLoCoStrategy, arg, "BucketedDDPStrategy", "sync_every"))
