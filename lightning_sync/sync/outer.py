@@ -274,7 +274,10 @@ class DiLoCoOuter:
                     f"DiLoCo state holds an outer step in flight for parameters {flight.indices} that do not match "
                     f"this model's"
                 )
-            flight.averages = [a.clone() for a in averages]
+            # from a checkpoint: on the CPU, the parameters maybe on a GPU
+            flight.averages = [
+                a.to(self.params[i].device, self.params[i].dtype, copy=True) for i, a in zip(members, averages)
+            ]
             flights.append(flight)
         with torch.no_grad():
             for g, s in zip(self.global_params, saved):

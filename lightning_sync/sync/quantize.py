@@ -174,7 +174,7 @@ class _Quantized:
         vector[: self.numel] = flat.reshape(-1)
         error = codec.worker_errors.get(key)
         if error is not None and error.numel() == self.numel:
-            vector[: self.numel] += error
+            vector[: self.numel] += error.to(vector.device)  # from a checkpoint: on the CPU
         pieces = [encode(part, self.dtype) for part in vector.view(world, self.segment)]
         # the padding is zeros and decodes to zeros: its error is nil
         codec.worker_errors[key] = (vector - torch.cat([decoded for _, decoded in pieces]))[: self.numel]
@@ -201,7 +201,7 @@ class _Quantized:
         mean /= world
         error = self.codec.server_errors.get(self.key)
         if error is not None and error.numel() == mean.numel():
-            mean += error
+            mean += error.to(mean.device)
         mine, decoded = encode(mean, self.dtype)
         self.codec.server_errors[self.key] = mean - decoded
         self.comm.record(CODEC_OP, 0, time.perf_counter() - started, calls=1)
