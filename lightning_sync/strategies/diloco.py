@@ -1,11 +1,11 @@
 """``DiLoCoStrategy``: local inner steps, and every H steps an outer Nesterov step on the averaged
 pseudo-gradient (Douillard et al., "DiLoCo", 2023; torchft's ``DiLoCo``).
 
-The Lightning adapter of :class:`lightning_sync.sync.periodic.DiLoCoOuter`, on the plumbing it shares with
+The Lightning adapter of :class:`lightning_sync.sync.outer.DiLoCoOuter`, on the plumbing it shares with
 LocalSGD (:mod:`lightning_sync.strategies._periodic`). Where each piece is:
 
 * the **outer step** (pseudo-gradient average, outer Nesterov SGD, the global parameters copied into the
-  replica) is :meth:`DiLoCoOuter.step <lightning_sync.sync.periodic.DiLoCoOuter.step>`; the strategy holds
+  replica) is :meth:`DiLoCoOuter.step <lightning_sync.sync.outer.DiLoCoOuter.step>`; the strategy holds
   that object as ``self.averager``, built in :meth:`DiLoCoStrategy._make_syncer` once the optimizers exist;
 * the **buffer averaging** that follows an outer step is :meth:`DiLoCoStrategy._after_step`, here;
 * the **synchronized model** evaluation and checkpoints see is :meth:`DiLoCoStrategy._synchronize`, here;
@@ -20,6 +20,11 @@ when:
   all-reduce-averaged (one flat message per dtype), the outer SGD (``outer_lr`` 0.7, momentum 0.9,
   Nesterov by default) steps the global parameters, which are copied into every replica; floating
   buffers are averaged.
+* **Streaming** (``fragments``, ``overlap_steps``, ``outer_dtype``; :mod:`lightning_sync.sync.outer`): the model is
+  synced in F fragments, fragment f at the steps ``t mod H = f H / F``; a fragment's outer step lands
+  ``overlap_steps`` inner steps after its all-reduce was issued, merged into the replica with ``overlap_alpha``;
+  the pseudo-gradient travels as fp32, bf16, or int8/int4 codes with error feedback. Floating buffers are
+  averaged when the last fragment's outer step lands. With the defaults (1, 0, fp32) it is DiLoCo as above.
 * **Validation / test** run on the global parameters of the last outer step (identical on every
   rank) with averaged buffers; each rank's replica is restored afterwards (``trainer.validate``/``test``
   after fit too). ``full_state_dict()`` returns that model on rank 0.
@@ -33,7 +38,9 @@ when:
   3Ψ + 2KΨ. At another world size every replica starts from the mean of the checkpoint's replicas (the
   inner progress since the last outer step is kept, as the next outer step would have averaged it) with
   rank 0's inner optimizer state; the outer state and the counter continue, so the next outer step comes
-  on schedule, averaging the new ranks' pseudo-gradients.
+  on schedule, averaging the new ranks' pseudo-gradients. Streaming adds the syncs in flight (waited for when
+  saving, the same on every rank; their outer steps land on schedule after a resume) and, per rank, int8/int4's
+  error feedback, regrouped at another world size so that it carries the same total.
 * **Failure:** if a rank fails, its peers raise in the next outer step's all-reduce once the process
   group notices (connection closed, or ``timeout``).
 """
