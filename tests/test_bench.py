@@ -669,3 +669,43 @@ def test_tradeoff_smoke_runs_every_strategy_and_writes_the_plot(tmp_path: Path) 
     assert rows[("char_gpt", "bucketed_ddp")][10] == "[8, 8]"
     for cells in rows.values():
         assert math.isfinite(float(cells[3])), cells  # a real validation loss for every row
+
+
+# --------------------------------------------------------------------------- Streaming DiLoCo
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_streaming_suite_measures_peak_and_total_bytes_and_checks_the_goals(tmp_path: Path) -> None:
+    """Every streaming row on a small deep_mlp for 8 steps at H=4, tau=1 (the last syncs still in flight at the
+    end): the report, its goals and the plot exist; the per-step byte counts add up exactly (DiLoCo's peak is one
+    of its two syncs, bucketed DDP's one of its eight all-reduces); the fp32 streaming rows send DiLoCo's bytes
+    in all but at most the larger fragment's at their busiest step, and int4 sends far fewer."""
+    small = ["models.deep_mlp.model.in_features=32", "models.deep_mlp.data.in_features=32"]
+    small += ["+models.deep_mlp.model.hidden=64", "models.deep_mlp.data.num_samples=512"]
+    every = ["streaming.steps=8", "streaming.sync_every=4", "streaming.overlap_steps=1"]
+    proc = run_cli(["bench", "suite=streaming", "~streaming.models.char_gpt", *every, *small], tmp_path, timeout=150)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    (report,) = (tmp_path / "outputs" / "bench").glob("*/*/streaming.md")
+    assert (report.parent / "streaming.png").stat().st_size > 0
+    text = report.read_text()
+    names = ["bucketed_ddp", "local_sgd", "diloco"] + [f"streaming_f{f}_{d}" for f in (2, 4) for d in ("fp32", "int4")]
+    rows = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) == 14 and cells[0] == "deep_mlp":
+            rows[cells[1]] = cells
+    assert list(rows) == names
+    for cells in rows.values():
+        assert math.isfinite(float(cells[5])) and float(cells[12]) >= 0, cells  # val loss, exposed seconds
+    assert rows["diloco"][9] == "0.2500" and rows["streaming_f2_fp32"][2:5] == ["2", "1", "fp32"]
+    got = {r["name"]: r for r in json.loads((report.parent / "streaming.json").read_text())}
+    assert got["diloco"]["peak_bytes"] * 2 == got["diloco"]["bytes"]
+    assert got["bucketed_ddp"]["peak_bytes"] * 8 == pytest.approx(got["bucketed_ddp"]["bytes"], rel=1e-3)
+    for f in (2, 4):
+        fp32, int4 = got[f"streaming_f{f}_fp32"], got[f"streaming_f{f}_int4"]
+        assert fp32["bytes"] == got["diloco"]["bytes"]  # every fragment synced twice in 8 steps, as DiLoCo's model
+        assert fp32["bytes"] / (2 * f) <= fp32["peak_bytes"] < got["diloco"]["peak_bytes"]
+        assert int4["bytes"] < fp32["bytes"] / 4 and int4["peak_bytes"] < fp32["peak_bytes"] / 4
+        assert f"- deep_mlp streaming_f{f}_fp32: bytes x0.2500 of bucketed_ddp <= 0.0100: MISSED; peak/step x" in text
+        assert re.search(rf"- deep_mlp streaming_f{f}_int4: .* of streaming_f{f}_fp32 <= 1.01: (met|MISSED)", text)

@@ -108,7 +108,8 @@ def _meta(cfg: DictConfig, worlds: list[int]) -> dict[str, Any]:
 def run_bench(cfg: DictConfig, out_dir: Path) -> Report | None:
     """Run the suite (``mode=calibrate``: :func:`run_calibration`) and write its report, plots and ``raw.json`` into
     ``out_dir``: the strategy rows at every world size (with :data:`COMPUTE_ROW` for the cost model and the bucket
-    sweep at the smallest), the single-process rows (T1 and :func:`host_rows`), the trade-off, the memory table."""
+    sweep at the smallest), the single-process rows (T1 and :func:`host_rows`), the trade-off, the streaming
+    table, the memory table."""
     from lightning_sync.testing import run_distributed
 
     worlds, threads = world_sizes(cfg), int(cfg.threads_per_rank)
@@ -167,6 +168,13 @@ def run_bench(cfg: DictConfig, out_dir: Path) -> Report | None:
         if report is not None:
             with open(out_dir / "report.md", "a") as f:
                 f.write("\n\n" + (out_dir / "stragglers.md").read_text())
+    if (cfg.get("streaming") or {}).get("enabled"):
+        from lightning_sync.bench.streaming import run_streaming
+
+        run_streaming(cfg, out_dir, meta)
+        if report is not None:
+            with open(out_dir / "report.md", "a") as f:
+                f.write("\n\n" + (out_dir / "streaming.md").read_text())
     if cfg.memory.enabled:
         from lightning_sync.bench.memory import run_memory
 

@@ -122,14 +122,15 @@ def strategy_class(strategy: dict[str, Any]) -> str:
 
 def require_plots(cfg: DictConfig) -> None:
     """Fail now, naming the extra, if the run will plot (a calibration, strategy rows, a bucket sweep, the
-    trade-off, the goodput runs) and matplotlib is missing: before the runners' Lightning import (seconds) and
-    any trial."""
+    trade-off, the goodput runs, the streaming table) and matplotlib is missing: before the runners' Lightning
+    import (seconds) and any trial."""
     mode = str(cfg.get("mode", "run"))
     plotted = (
         cfg.run_models,
         cfg.bucket_sweep.enabled,
         cfg.tradeoff.enabled,
         (cfg.get("goodput") or {}).get("enabled"),
+        (cfg.get("streaming") or {}).get("enabled"),
     )
     if mode == "calibrate" or any(bool(p) for p in plotted):
         pyplot()

@@ -36,6 +36,11 @@ PALETTE: dict[str, str] = {
     "zero3": "#a63603",
     "local_sgd": "#2ca02c",
     "diloco": "#9467bd",
+    # Streaming DiLoCo, DiLoCo's purple family: lighter with more fragments, pinker in int4
+    "streaming_f2_fp32": "#6a51a3",
+    "streaming_f4_fp32": "#bcbddc",
+    "streaming_f2_int4": "#ae017e",
+    "streaming_f4_int4": "#f768a1",
     "async_ps": "#e377c2",
     "hogwild": "#d62728",
 }

@@ -25,7 +25,7 @@ from lightning_sync.bench.runner import quiet, stats_of
 from lightning_sync.bench.style import WHISKER, colour, label, legend_below, log_axis, look, paged, save_fig, whisker
 
 __all__ = ["BYTES_LOSS", "TradeoffResult", "TradeoffRow", "plot_bytes_loss", "plot_tradeoff", "run_tradeoff"]
-__all__ += ["tradeoff_markdown", "tradeoff_rows", "validate_alone"]
+__all__ += ["fit_trial", "tradeoff_markdown", "tradeoff_rows", "validate_alone"]
 
 log = logging.getLogger("lightning_sync.bench")
 
@@ -69,20 +69,28 @@ class _Probe(pl.Callback):
 
 def _fit(rank: int, world: int, trial: TradeoffTrial, out_dir: str) -> dict[str, float] | None:
     """One trial on this rank (or, for Hogwild, in the driver); rank 0 returns the validation metrics."""
+    from lightning_sync.diagnostics import SlowRank
+
+    callbacks: list[pl.Callback] = [_Probe(out_dir)]
+    if trial.slow_factor is not None:
+        callbacks.append(SlowRank(rank=1, factor=float(trial.slow_factor)))
+    model, data, _ = fit_trial(trial, callbacks)
+    return validate_alone(model, data) if rank == 0 else None
+
+
+def fit_trial(trial: TradeoffTrial, callbacks: list[pl.Callback]) -> tuple[Any, Any, pl.Trainer]:
+    """``trial``'s fit on this rank, seeded and quiet, with ``callbacks``: its model, data module and trainer."""
     from hydra.utils import instantiate
 
     import lightning_sync  # noqa: F401 - registers the strategy names
-    from lightning_sync.diagnostics import SlowRank
 
     quiet(1)
     pl.seed_everything(trial.seed, verbose=False)
     model, data = instantiate(trial.model_cfg), instantiate(trial.data_cfg)
-    callbacks: list[pl.Callback] = [_Probe(out_dir)]
-    if trial.slow_factor is not None:
-        callbacks.append(SlowRank(rank=1, factor=float(trial.slow_factor)))
     kw = {"devices": trial.world, "strategy": instantiate(trial.strategy), "max_steps": trial.steps}
-    pl.Trainer(accelerator="cpu", callbacks=callbacks, **kw, **FIT).fit(model, datamodule=data)
-    return validate_alone(model, data) if rank == 0 else None
+    trainer = pl.Trainer(accelerator="cpu", callbacks=callbacks, **kw, **FIT)
+    trainer.fit(model, datamodule=data)
+    return model, data, trainer
 
 
 def validate_alone(model: pl.LightningModule, data: pl.LightningDataModule) -> dict[str, float]:
@@ -263,6 +271,8 @@ def _handles(results: list[TradeoffResult]) -> list[Any]:
     line = pyplot().Line2D
     handles = [line([], [], marker="o", ls="", label=n, **look(n)) for n in dict.fromkeys(r.name for r in results)]
     note = style.repeats_note([len({r.round for r in results})])
+    if not any(r.slow for r in results):  # no straggler rows: no markers to tell apart
+        return [*handles, line([], [], color="gray", marker="o", ls="", label=note)]
     handles.append(line([], [], color="gray", marker="o", ls="", label=f"no straggler ({note})"))
     return [*handles, line([], [], color="gray", marker="s", mfc="none", ls="", label="rank 1 slowed")]
 
