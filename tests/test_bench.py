@@ -681,8 +681,8 @@ def test_streaming_suite_measures_peak_and_total_bytes_and_checks_the_goals(tmp_
     end): the report, its goals and the plot exist; the per-step byte counts add up exactly (DiLoCo's peak is one
     of its two syncs, bucketed DDP's one of its eight all-reduces); the fp32 streaming rows send DiLoCo's bytes
     in all but at most the larger fragment's at their busiest step, and int4 sends far fewer."""
-    small = ["models.deep_mlp.model.in_features=32", "models.deep_mlp.data.in_features=32"]
-    small += ["+models.deep_mlp.model.hidden=64", "models.deep_mlp.data.num_samples=512"]
+    small = ["models.deep_mlp.model.in_features=32", "streaming.models.deep_mlp.data.in_features=32"]
+    small += ["+models.deep_mlp.model.hidden=64", "streaming.models.deep_mlp.data.num_samples=512"]
     every = ["streaming.steps=8", "streaming.sync_every=4", "streaming.overlap_steps=1"]
     proc = run_cli(["bench", "suite=streaming", "~streaming.models.char_gpt", *every, *small], tmp_path, timeout=150)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -7,9 +7,11 @@ every H inner steps the pseudo-gradient ``global - local`` is averaged over the 
 local ones. Streaming DiLoCo (Douillard et al., "Streaming DiLoCo with overlapping communication", 2025) adds
 three things, each a setting of :class:`DiLoCoOuter`:
 
-* ``fragments`` (F): the parameters, in module order, are cut into F fragments of about equal size; fragment f
-  syncs every H steps too, but at the steps ``t`` with ``t mod H = f H / F`` (the first after ``f H / F`` steps).
-  One sync then moves about 1/F of the model, so the peak bandwidth drops F-fold for the same total bytes.
+* ``fragments`` (F): the trainable values, in module order, are cut into F consecutive runs of equal size (to one
+  value; a run may start or end inside a tensor); fragment f syncs every H steps too, but at the steps ``t`` with
+  ``t mod H = f H / F`` (the first after ``f H / F`` steps). One sync then moves 1/F of the model, so the peak
+  bandwidth drops F-fold for the same total bytes. The outer SGD is elementwise, so a tensor cut in two takes its
+  two outer steps at different steps, each on its own values and their momentum.
 * ``overlap_steps`` (tau): a fragment's average is issued at its step and waited for ``tau`` inner steps later,
   when its outer step is applied; the inner steps between run while it travels. The local fragment has moved
   on meanwhile, so it is merged, not overwritten: ``local <- alpha local + (1 - alpha) global`` (the paper's
@@ -82,33 +84,44 @@ def distinct(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
-def split_fragments(sizes: list[int], fragments: int) -> list[list[int]]:
-    """Indices of consecutive tensors (``sizes`` in module order) cut into ``fragments`` non-empty runs of about
-    equal total size: run k starts at the first tensor whose middle lies past k / F of the total."""
-    n = len(sizes)
-    if fragments > n:
-        raise ValueError(f"fragments={fragments} is more than the {n} trainable parameters to split")
-    total = sum(sizes) or 1
-    middles, before = [], 0
-    for size in sizes:
-        middles.append(before + size / 2)
-        before += size
-    bounds = [0]
-    for k in range(1, fragments):
-        cut = next((i for i, m in enumerate(middles) if m >= k * total / fragments), n)
-        bounds.append(min(max(cut, bounds[-1] + 1), n - (fragments - k)))  # non-empty, room for the rest
-    bounds.append(n)
-    return [list(range(bounds[k], bounds[k + 1])) for k in range(fragments)]
+Piece = tuple[int, int, int]
+"""A fragment's part of one parameter: its index and the first and past-the-last element of its flat values."""
+
+
+def split_fragments(sizes: list[int], fragments: int) -> list[list[Piece]]:
+    """The values of consecutive tensors (``sizes`` in module order) cut into ``fragments`` runs of equal size, to
+    one value: run k holds values ``[k N / F, (k + 1) N / F)`` of the N, as pieces of the tensors they fall in. An
+    empty tensor goes with the run its place falls in (a no-op outer step, as DiLoCo's)."""
+    total = sum(sizes)
+    if fragments > max(total, 1):
+        raise ValueError(f"fragments={fragments} is more than the {total} trainable values to split")
+    bounds = [k * total // fragments for k in range(fragments + 1)]
+    out: list[list[Piece]] = [[] for _ in range(fragments)]
+    start = 0
+    for i, size in enumerate(sizes):
+        end = start + size
+        for k in range(fragments):
+            lo, hi = max(bounds[k], start), min(bounds[k + 1], end)
+            if lo < hi or (size == 0 and (bounds[k] <= start < bounds[k + 1] or k == fragments - 1)):
+                out[k].append((i, lo - start, hi - start) if size else (i, 0, 0))
+                if size == 0:
+                    break
+        start = end
+    return out
 
 
 class _Flight:
     """One fragment's average: issued at one step, its outer step applied at step ``due``."""
 
-    def __init__(self, fragment: int, indices: list[int], due: int, overlapped: bool) -> None:
-        self.fragment, self.indices, self.due, self.overlapped = fragment, indices, due, overlapped
+    def __init__(self, fragment: int, pieces: list[Piece], due: int, overlapped: bool) -> None:
+        self.fragment, self.pieces, self.due, self.overlapped = fragment, pieces, due, overlapped
         self.layout: FlatLayout | None = None
         self.handles: list[Any] = []
-        self.averages: list[torch.Tensor] | None = None  # per non-empty parameter, once waited for
+        self.averages: list[torch.Tensor] | None = None  # per non-empty piece (flat), once waited for
+
+    @property
+    def sent(self) -> list[Piece]:
+        return [piece for piece in self.pieces if piece[2] > piece[1]]
 
     def advance(self) -> None:
         for handle in self.handles:
@@ -132,7 +145,7 @@ class DiLoCoOuter:
         outer_lr: outer SGD learning rate (> 0; the paper's 0.7).
         outer_momentum: outer momentum in [0, 1) (the paper's 0.9).
         nesterov: Nesterov momentum (needs ``outer_momentum > 0``).
-        fragments: F in [1, H], and at most the number of parameters.
+        fragments: F in [1, H], and at most the number of trainable values.
         overlap_steps: tau in [0, H): inner steps between a fragment's launch and its outer step.
         outer_dtype: ``"fp32"``, ``"bf16"``, ``"int8"`` or ``"int4"``.
         overlap_alpha: with tau > 0, the weight the local fragment keeps when the global one lands, in [0, 1].
@@ -205,11 +218,12 @@ class DiLoCoOuter:
             self._apply(self._launch(f, 0))
 
     def _launch(self, fragment: int, overlap: int) -> _Flight:
-        indices = self.fragments[fragment]
-        flight = _Flight(fragment, indices, self.steps + overlap, overlapped=overlap > 0)
-        members = [i for i in indices if self.params[i].numel()]
+        flight = _Flight(fragment, self.fragments[fragment], self.steps + overlap, overlapped=overlap > 0)
         with torch.no_grad():
-            deltas = [self.global_params[i].detach() - self.params[i].detach() for i in members]
+            deltas = [
+                self.global_params[i].detach().view(-1)[lo:hi] - self.params[i].detach().view(-1)[lo:hi]
+                for i, lo, hi in flight.sent
+            ]
         if deltas:
             flight.layout = FlatLayout(deltas, by_device=True)
             flats = flight.layout.flatten(deltas)
@@ -222,23 +236,43 @@ class DiLoCoOuter:
         """The fragment's outer step on its average, merged into the local fragment."""
         if flight in self.in_flight:
             self.in_flight.remove(flight)
-        members = [i for i in flight.indices if self.params[i].numel()]
-        for i, average in zip(members, flight.wait(), strict=True):
-            self.global_params[i].grad = average
-        for i in flight.indices:
-            if self.global_params[i].grad is None:  # an empty parameter steps too (a no-op), as DiLoCo's did
-                self.global_params[i].grad = torch.zeros_like(self.global_params[i])
-        self.outer_optimizer.step()
-        self.outer_optimizer.zero_grad(set_to_none=True)
+        averages = dict(zip(flight.sent, flight.wait(), strict=True))
+        if all(lo == 0 and hi == self.params[i].numel() for i, lo, hi in flight.pieces):
+            # whole tensors (DiLoCo's one fragment, or tensors a cut missed): the outer optimizer's own step
+            for piece in flight.pieces:
+                g = self.global_params[piece[0]]
+                g.grad = averages[piece].view_as(g) if piece in averages else torch.zeros_like(g)
+            self.outer_optimizer.step()
+            self.outer_optimizer.zero_grad(set_to_none=True)
+        else:
+            with torch.no_grad():
+                for piece, average in averages.items():
+                    self._outer_step(piece, average)
         with torch.no_grad():
-            for i in flight.indices:
-                local, new = self.params[i], self.global_params[i]
+            for i, lo, hi in flight.pieces:
+                local, new = self.params[i].view(-1)[lo:hi], self.global_params[i].detach().view(-1)[lo:hi]
                 if flight.overlapped:  # the local fragment moved on while the average travelled: merge
                     local.mul_(self.overlap_alpha).add_(new, alpha=1 - self.overlap_alpha)
                 else:
                     local.copy_(new)
         self.syncs += 1
         return flight.fragment == len(self.fragments) - 1
+
+    def _outer_step(self, piece: Piece, grad: torch.Tensor) -> None:
+        """The outer SGD step on the values of one piece, written as torch's SGD takes it (elementwise: the values
+        outside the piece, and their momentum, are left as they are)."""
+        i, lo, hi = piece
+        g = self.global_params[i]
+        group = self.outer_optimizer.param_groups[0]
+        lr, momentum, nesterov = group["lr"], group["momentum"], group["nesterov"]
+        if momentum:
+            state = self.outer_optimizer.state[g]
+            if "momentum_buffer" not in state:  # zero where no step ran yet: m * 0 + grad is torch's first buffer
+                state["momentum_buffer"] = torch.zeros_like(g, memory_format=torch.preserve_format)
+            buf = state["momentum_buffer"].view(-1)[lo:hi]
+            buf.mul_(momentum).add_(grad)
+            grad = grad.add(buf, alpha=momentum) if nesterov else buf
+        g.detach().view(-1)[lo:hi].add_(grad, alpha=-lr)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -252,7 +286,7 @@ class DiLoCoOuter:
         }
         if self.in_flight:
             state["in_flight"] = [
-                {"fragment": f.fragment, "indices": list(f.indices), "due": f.due, "averages": f.wait()}
+                {"fragment": f.fragment, "pieces": [list(p) for p in f.pieces], "due": f.due, "averages": f.wait()}
                 for f in self.in_flight
             ]
         return state
@@ -266,17 +300,18 @@ class DiLoCoOuter:
             )
         flights = []
         for entry in state.get("in_flight", []):
-            flight = _Flight(int(entry["fragment"]), [int(i) for i in entry["indices"]], int(entry["due"]), True)
-            members = [i for i in flight.indices if 0 <= i < len(self.params) and self.params[i].numel()]
+            pieces = [(int(i), int(lo), int(hi)) for i, lo, hi in entry["pieces"]]
+            flight = _Flight(int(entry["fragment"]), pieces, int(entry["due"]), True)
             averages = list(entry["averages"])
-            if len(members) != len(averages) or any(a.shape != self.params[i].shape for i, a in zip(members, averages)):
+            fits = all(0 <= i < len(self.params) and 0 <= lo <= hi <= self.params[i].numel() for i, lo, hi in pieces)
+            if not fits or [hi - lo for _, lo, hi in flight.sent] != [a.numel() for a in averages]:
                 raise ValueError(
-                    f"DiLoCo state holds an outer step in flight for parameters {flight.indices} that do not match "
-                    f"this model's"
+                    f"DiLoCo state holds an outer step in flight for the values {pieces} that do not match this model's"
                 )
             # from a checkpoint: on the CPU, the parameters maybe on a GPU
             flight.averages = [
-                a.to(self.params[i].device, self.params[i].dtype, copy=True) for i, a in zip(members, averages)
+                a.to(self.params[i].device, self.params[i].dtype, copy=True)
+                for (i, _, _), a in zip(flight.sent, averages)
             ]
             flights.append(flight)
         with torch.no_grad():

@@ -97,22 +97,44 @@ def test_error_feedback_regrouped_for_another_world_size_keeps_what_it_carries()
 @pytest.mark.parametrize(
     ("sizes", "fragments", "want"),
     [
-        ([10, 10, 10, 10], 2, [[0, 1], [2, 3]]),
-        ([100, 1, 1, 1], 2, [[0], [1, 2, 3]]),  # a big first tensor is a fragment of its own
-        ([1, 1, 1, 100], 3, [[0, 1], [2], [3]]),  # every fragment gets at least one tensor
-        ([5, 5, 5], 3, [[0], [1], [2]]),
-        ([7], 1, [[0]]),
+        ([10, 10, 10, 10], 2, [[(0, 0, 10), (1, 0, 10)], [(2, 0, 10), (3, 0, 10)]]),
+        ([100, 1, 1, 1], 2, [[(0, 0, 51)], [(0, 51, 100), (1, 0, 1), (2, 0, 1), (3, 0, 1)]]),  # a cut inside a tensor
+        ([1, 0, 2, 0], 3, [[(0, 0, 1)], [(1, 0, 0), (2, 0, 1)], [(2, 1, 2), (3, 0, 0)]]),  # empty ones ride along
+        ([7], 1, [[(0, 0, 7)]]),
+        ([3], 3, [[(0, 0, 1)], [(0, 1, 2)], [(0, 2, 3)]]),
     ],
 )
-def test_fragments_are_consecutive_runs_of_about_equal_size(
-    sizes: list[int], fragments: int, want: list[list[int]]
+def test_fragments_are_consecutive_runs_of_equal_size(
+    sizes: list[int], fragments: int, want: list[list[tuple[int, int, int]]]
 ) -> None:
-    assert split_fragments(sizes, fragments) == want
+    got = split_fragments(sizes, fragments)
+    assert got == want
+    counts = [sum(hi - lo for _, lo, hi in run) for run in got]
+    assert max(counts) - min(counts) <= 1 and sum(counts) == sum(sizes), "every value once, to one value equal"
 
 
-def test_more_fragments_than_parameters_is_refused() -> None:
-    with pytest.raises(ValueError, match="fragments=3 is more than the 2 trainable parameters"):
-        split_fragments([4, 4], 3)
+def test_more_fragments_than_values_is_refused() -> None:
+    with pytest.raises(ValueError, match="fragments=3 is more than the 2 trainable values"):
+        split_fragments([1, 1], 3)
+
+
+def test_the_outer_step_on_pieces_is_torchs_sgd_on_the_whole_tensor() -> None:
+    """A tensor cut in two takes its outer Nesterov steps a piece at a time; the same gradients given to torch's
+    SGD whole step it to the same values and momentum (the same elementwise arithmetic; the tolerance is an fp32
+    rounding of a multiply-add chain, which the two evaluate alike)."""
+    p = nn.Parameter(torch.randn(10))
+    outer = DiLoCoOuter([p], LoopbackCommunicator(1), 4, fragments=2)
+    whole = torch.nn.Parameter(p.detach().clone())
+    sgd = torch.optim.SGD([whole], lr=0.7, momentum=0.9, nesterov=True)
+    for r in range(3):
+        grad = torch.randn(10, generator=torch.Generator().manual_seed(r))
+        outer._outer_step((0, 0, 5), grad[:5].clone())
+        outer._outer_step((0, 5, 10), grad[5:].clone())
+        whole.grad = grad
+        sgd.step()
+    assert torch.allclose(outer.global_params[0], whole, rtol=0, atol=1e-6)
+    buf = outer.outer_optimizer.state[outer.global_params[0]]["momentum_buffer"]
+    assert torch.allclose(buf, sgd.state[whole]["momentum_buffer"], rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize(
@@ -133,7 +155,7 @@ def test_bad_streaming_settings_are_named(kw: dict[str, Any], named: str) -> Non
 
 
 class _Log(LoopbackCommunicator):
-    """Records at which inner step each all-reduce is issued, and of how many values (a fragment's size)."""
+    """Records at which inner step each all-reduce is issued, and of how many values."""
 
     def __init__(self, world: int) -> None:
         super().__init__(world)
@@ -146,13 +168,13 @@ class _Log(LoopbackCommunicator):
 
 
 def test_each_fragment_syncs_on_its_own_schedule_and_lands_tau_steps_later() -> None:
-    """H = 8, F = 4 (offsets 0, 2, 4, 6), tau = 3: fragment f is sent at the steps t = f*2 (mod 8) and its global
-    value changes at t + 3, never before; sizes 1..4 tell the fragments apart."""
+    """H = 8, F = 4 (offsets 0, 2, 4, 6), tau = 3: fragment f (tensor f, 5 values each) is sent at the steps
+    t = 2f (mod 8) and its global value changes at t + 3, never before."""
     H, F, TAU = 8, 4, 3
-    params = [nn.Parameter(torch.zeros(f + 1)) for f in range(F)]
+    params = [nn.Parameter(torch.zeros(5)) for _ in range(F)]
     comm = _Log(2)
     outer = DiLoCoOuter(params, comm, H, fragments=F, overlap_steps=TAU)
-    assert outer.fragments == [[0], [1], [2], [3]] and outer.offsets == [0, 2, 4, 6]
+    assert outer.fragments == [[(f, 0, 5)] for f in range(F)] and outer.offsets == [0, 2, 4, 6]
     landed: list[tuple[int, int]] = []
     for step in range(1, 3 * H + 1):
         comm.step = step
@@ -162,9 +184,8 @@ def test_each_fragment_syncs_on_its_own_schedule_and_lands_tau_steps_later() -> 
         before = [g.detach().clone() for g in outer.global_params]
         outer.step()
         landed += [(step, f) for f, g in enumerate(outer.global_params) if not torch.equal(g, before[f])]
-    sent = [(step, numel - 1) for step, numel in comm.issued]
     want_sent = [(t, f) for t in range(1, 3 * H + 1) for f in range(F) if t % H == 2 * f and t >= max(2 * f, 1)]
-    assert sent == want_sent
+    assert comm.issued == [(t, 5) for t, _ in want_sent]
     assert landed == sorted((t + TAU, f) for t, f in want_sent if t + TAU <= 3 * H)
     assert outer.syncs == len(landed)
 
@@ -213,6 +234,6 @@ def test_in_flight_state_round_trips_and_is_checked() -> None:
     again.load_state_dict(state)
     assert [(f.fragment, f.due) for f in again.in_flight] == [(0, 7)]
     assert torch.equal(again.in_flight[0].averages[0], outer.in_flight[0].wait()[0])
-    bad = {**state, "in_flight": [{**state["in_flight"][0], "averages": [torch.zeros(4)]}]}
-    with pytest.raises(ValueError, match="outer step in flight for parameters"):
+    bad = {**state, "in_flight": [{**state["in_flight"][0], "averages": [torch.zeros(9)]}]}
+    with pytest.raises(ValueError, match="outer step in flight for the values"):
         again.load_state_dict(bad)
