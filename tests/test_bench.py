@@ -683,7 +683,7 @@ def test_streaming_suite_measures_peak_and_total_bytes_and_checks_the_goals(tmp_
     in all but at most the larger fragment's at their busiest step, and int4 sends far fewer."""
     small = ["models.deep_mlp.model.in_features=32", "streaming.models.deep_mlp.data.in_features=32"]
     small += ["+models.deep_mlp.model.hidden=64", "streaming.models.deep_mlp.data.num_samples=512"]
-    every = ["streaming.steps=8", "streaming.sync_every=4", "streaming.overlap_steps=1"]
+    every = ["streaming.steps=8", "streaming.sync_every=4", "streaming.overlap_steps=1", "streaming.seeds=[0]"]
     proc = run_cli(["bench", "suite=streaming", "~streaming.models.char_gpt", *every, *small], tmp_path, timeout=150)
     assert proc.returncode == 0, proc.stderr[-4000:]
     (report,) = (tmp_path / "outputs" / "bench").glob("*/*/streaming.md")
@@ -705,7 +705,8 @@ def test_streaming_suite_measures_peak_and_total_bytes_and_checks_the_goals(tmp_
     for f in (2, 4):
         fp32, int4 = got[f"streaming_f{f}_fp32"], got[f"streaming_f{f}_int4"]
         assert fp32["bytes"] == got["diloco"]["bytes"]  # every fragment synced twice in 8 steps, as DiLoCo's model
-        assert fp32["bytes"] / (2 * f) <= fp32["peak_bytes"] < got["diloco"]["peak_bytes"]
+        # a fragment is 1/F of the values, to one value: the busiest step moves 1/F of what DiLoCo's does
+        assert fp32["peak_bytes"] == pytest.approx(got["diloco"]["peak_bytes"] / f, rel=1e-3)
         assert int4["bytes"] < fp32["bytes"] / 4 and int4["peak_bytes"] < fp32["peak_bytes"] / 4
         assert f"- deep_mlp streaming_f{f}_fp32: bytes x0.2500 of bucketed_ddp <= 0.0100: MISSED; peak/step x" in text
-        assert re.search(rf"- deep_mlp streaming_f{f}_int4: .* of streaming_f{f}_fp32 <= 1.01: (met|MISSED)", text)
+        assert re.search(rf"- deep_mlp streaming_f{f}_int4: .* of streaming_f{f}_fp32 <= 1.01 \(median\): (met|MISSED)", text)

@@ -113,7 +113,9 @@ def streaming_trials(cfg: Any) -> list[TradeoffTrial]:
     whose ``sync_every`` does not divide the step budget raises (it would end mid-period, its bytes not those of
     whole periods), as do a reference or baseline that is not a row."""
     s = cfg.streaming
-    steps, world, seed = int(s.steps), int(s.world_size), int(s.seed)
+    steps, world, seeds = int(s.steps), int(s.world_size), [int(seed) for seed in s.seeds]
+    if not seeds:
+        raise ValueError("streaming.seeds must name at least one seed, got []")
     for key in ("reference", "baseline"):  # every goal is a ratio to one of them: fail before any trial
         if str(s[key]) not in s.rows:
             raise ValueError(f"streaming.{key} must be a row of streaming.rows {list(s.rows)}, got {s[key]!r}")
@@ -122,9 +124,9 @@ def streaming_trials(cfg: Any) -> list[TradeoffTrial]:
             raise ValueError(f"streaming.steps={steps} must be a multiple of row {name}'s sync_every={row.sync_every}")
     out = []
     for model, m in s.models.items():
-        for i, name in enumerate(schedule(list(s.rows), int(s.pairs))):
+        for i, name in enumerate(schedule(list(s.rows), len(seeds))):  # a round per seed, the order alternating
             args = (str(name), str(model), node(s.rows[name]), node(m.model), node(m.data), steps, world)
-            out.append(TradeoffTrial(*args, None, i // len(s.rows), seed))
+            out.append(TradeoffTrial(*args, None, i // len(s.rows), seeds[i // len(s.rows)]))
     return out
 
 
@@ -148,8 +150,9 @@ def run_streaming(cfg: Any, out_dir: Path, meta: dict[str, Any] | None = None) -
 
     s = cfg.streaming
     trials, timeout = streaming_trials(cfg), float(s.timeout_s)
-    env, results = {"OMP_NUM_THREADS": "1", "PL_GLOBAL_SEED": str(int(s.seed))}, []
+    results = []
     for i, trial in enumerate(trials, 1):
+        env = {"OMP_NUM_THREADS": "1", "PL_GLOBAL_SEED": str(trial.seed)}
         log.info("streaming %d/%d: %s/%s", i, len(trials), trial.model, trial.name)
         with tempfile.TemporaryDirectory(prefix="ls_streaming_") as probe_dir:
             args = (trial, probe_dir)
@@ -164,11 +167,24 @@ def run_streaming(cfg: Any, out_dir: Path, meta: dict[str, Any] | None = None) -
     return results
 
 
-def _ratio(results: list[StreamingResult], model: str, name: str, other: str, key: str) -> float:
-    """The median over rounds of row ``name``'s ``key`` over row ``other``'s in the same round (NaN: none)."""
+def _ratios(results: list[StreamingResult], model: str, name: str, other: str, key: str) -> list[float]:
+    """Row ``name``'s ``key`` over row ``other``'s in the same round (the same seed), one per round."""
     ref = {r.round: getattr(r, key) for r in results if (r.model, r.name) == (model, other)}
     mine = [r for r in results if (r.model, r.name) == (model, name)]
-    return median([getattr(r, key) / ref[r.round] for r in mine if ref.get(r.round)])
+    return [getattr(r, key) / ref[r.round] for r in mine if ref.get(r.round)]
+
+
+def _ratio(results: list[StreamingResult], model: str, name: str, other: str, key: str) -> float:
+    """The median over rounds of :func:`_ratios` (NaN: none)."""
+    return median(_ratios(results, model, name, other, key))
+
+
+def _spread(results: list[StreamingResult], model: str, name: str, other: str, key: str) -> str:
+    """The median ratio and, over several rounds, its range: ``1.0123 (0.9810-1.0400)``."""
+    ratios = _ratios(results, model, name, other, key)
+    if len(ratios) < 2:
+        return fmt(median(ratios), ".4f")
+    return f"{median(ratios):.4f} ({min(ratios):.4f}-{max(ratios):.4f})"
 
 
 def _settings(row: Any) -> tuple[int, int, str] | None:
@@ -200,11 +216,13 @@ def _goals(results: list[StreamingResult], cfg: Any, model: str) -> list[str]:
             checks.append(f"peak/step x{x_peak:.3f} of {base} <= 1/{frags}: {_met(x_peak <= 1 / frags + PEAK_SLACK)}")
         else:
             checks.append(f"peak/step x{x_peak:.3f} of {base} (reported: {dtype} against {base_dtype})")
-        checks.append(f"loss x{x_loss:.4f} of {ref} <= {MAX_LOSS}: {_met(x_loss <= MAX_LOSS)}")
+        spread = _spread(results, model, name, ref, "val_loss")
+        checks.append(f"loss x{spread} of {ref} <= {MAX_LOSS} (median): {_met(x_loss <= MAX_LOSS)}")
         twin = next((n for n, (f, _, d) in streamed.items() if f == frags and d == "fp32"), None)
         if dtype == "int4" and twin is not None:
             x_twin = _ratio(results, model, name, twin, "val_loss")
-            checks.append(f"loss x{x_twin:.4f} of {twin} <= {MAX_INT4_LOSS}: {_met(x_twin <= MAX_INT4_LOSS)}")
+            spread = _spread(results, model, name, twin, "val_loss")
+            checks.append(f"loss x{spread} of {twin} <= {MAX_INT4_LOSS} (median): {_met(x_twin <= MAX_INT4_LOSS)}")
         lines.append(f"- {model} {name}: " + "; ".join(checks))
     return lines
 
@@ -213,17 +231,18 @@ def streaming_markdown(results: list[StreamingResult], cfg: Any, meta: dict[str,
     """The table (medians over rounds; ratios are same-round) and the goals per model, as Markdown."""
     s = cfg.streaming
     ref, base = str(s.reference), str(s.baseline)
-    lines = [f"## Streaming DiLoCo: {int(s.steps)} global steps of {int(s.world_size)} ranks, {int(s.pairs)} rounds"]
+    lines = [f"## Streaming DiLoCo: {int(s.steps)} global steps of {int(s.world_size)} ranks, seeds {list(s.seeds)}"]
     lines.append("")
     if m := meta:
         versions = f"Python {m['python']}, torch {m['torch']}, lightning {m['lightning']}"
         lines += [f"Measured {m['date']} on {m['cpu']}; {versions}. Command: `{m['command']}`", ""]
     lines += [
-        f"Every row trains the same samples from the same seed. Val loss: rank 0 after the fit, on the synchronized "
+        f"A round is a seed: in it every row trains the same samples from the same initial model. Val loss: rank 0 "
+        f"after the fit, on the synchronized "
         f"model (a fragment's sync still in flight at the end has not landed); replica loss: rank 0's own replica. "
         f"`x loss`, `x bytes`: same-round ratios to `{ref}`; peak/step: the most bytes sent in one optimizer step, "
         f"all ranks; `x peak`: to `{base}`'s; exposed: seconds a rank was blocked on communication (mean over "
-        f"ranks); wall: the fit, first rank's start to last rank's end. Medians over rounds.",
+        f"ranks); wall: the fit, first rank's start to last rank's end. Medians over rounds; `x loss` with its range.",
         "",
         "| model | row | F | tau | outer dtype | val loss | x loss | replica loss | MiB sent | x bytes | "
         "peak KiB/step | x peak | exposed s | wall s |",
@@ -236,7 +255,7 @@ def streaming_markdown(results: list[StreamingResult], cfg: Any, meta: dict[str,
         mid = {k: median([getattr(t, k) for t in trials]) for k in keys}
         lines.append(
             f"| {model} | {name} | {f} | {tau} | {dtype} | {mid['val_loss']:.4f} | "
-            f"{fmt(_ratio(results, model, name, ref, 'val_loss'), '.4f')} | {mid['replica_loss']:.4f} | "
+            f"{_spread(results, model, name, ref, 'val_loss')} | {mid['replica_loss']:.4f} | "
             f"{mid['bytes'] / 2**20:.2f} | {fmt(_ratio(results, model, name, ref, 'bytes'), '.4f')} | "
             f"{mid['peak_bytes'] / 2**10:.1f} | {fmt(_ratio(results, model, name, base, 'peak_bytes'), '.3f')} | "
             f"{mid['exposed_s']:.2f} | {mid['wall_s']:.1f} |"
