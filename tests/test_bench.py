@@ -709,4 +709,6 @@ def test_streaming_suite_measures_peak_and_total_bytes_and_checks_the_goals(tmp_
         assert fp32["peak_bytes"] == pytest.approx(got["diloco"]["peak_bytes"] / f, rel=1e-3)
         assert int4["bytes"] < fp32["bytes"] / 4 and int4["peak_bytes"] < fp32["peak_bytes"] / 4
         assert f"- deep_mlp streaming_f{f}_fp32: bytes x0.2500 of bucketed_ddp <= 0.0100: MISSED; peak/step x" in text
-        assert re.search(rf"- deep_mlp streaming_f{f}_int4: .* of streaming_f{f}_fp32 <= 1.01 \(median\): (met|MISSED)", text)
+        assert re.search(
+            rf"- deep_mlp streaming_f{f}_int4: .* of streaming_f{f}_fp32 <= 1.01 \(median\): (met|MISSED)", text
+        )
