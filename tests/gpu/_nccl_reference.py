@@ -1,12 +1,16 @@
-"""What the NCCL tests share: a small regression model, its data, and the single-process reference that
-walks the same global batches as Lightning's DistributedSampler hands the ranks (perm[r::W])."""
+"""What the NCCL tests share: a small regression model, its data, the single-process reference that
+walks the same global batches as Lightning's DistributedSampler hands the ranks (perm[r::W]), and one fit on one
+GPU that a resume test stops and resumes."""
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
@@ -21,6 +25,30 @@ def data() -> TensorDataset:
 def net(hidden: int) -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(16, hidden), nn.Tanh(), nn.Linear(hidden, 1))
+
+
+def fit_on_gpu(
+    strategy: Any, hidden: int, tmpdir: str, max_steps: int, callbacks: list[Any], ckpt: Path | None = None
+) -> dict[str, torch.Tensor]:
+    """One fit of a :class:`RegressionModule` (momentum 0.9, seed 0) on one GPU under ``strategy``, resumed from
+    ``ckpt`` if given; the module's state, on the CPU."""
+    torch.manual_seed(0)
+    module = RegressionModule(hidden, momentum=0.9)
+    trainer = pl.Trainer(
+        accelerator="gpu",
+        devices=1,
+        strategy=strategy,
+        max_steps=max_steps,
+        logger=False,
+        enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+        default_root_dir=tmpdir,
+    )
+    trainer.fit(module, DataLoader(data(), batch_size=BATCH, shuffle=True), ckpt_path=ckpt)
+    assert all(p.device.type == "cuda" for p in module.parameters())
+    return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
 
 
 def built_on(device: torch.device, hidden: int) -> nn.Module:

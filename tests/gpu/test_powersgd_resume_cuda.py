@@ -15,9 +15,8 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from _nccl_reference import BATCH, RegressionModule, data
+from _nccl_reference import fit_on_gpu
 from lightning.pytorch.callbacks import ModelCheckpoint
-from torch.utils.data import DataLoader
 
 from lightning_sync import BucketedDDPStrategy
 from lightning_sync.resume import RANK_STATES
@@ -40,25 +39,10 @@ class _CompressorDevices(pl.Callback):
 
 
 def _fit(tmpdir: str, max_steps: int, callbacks: list[Any], ckpt: Path | None = None) -> dict[str, torch.Tensor]:
-    torch.manual_seed(0)
-    module = RegressionModule(HIDDEN, momentum=0.9)
     strategy = BucketedDDPStrategy(
         compression="powersgd", powersgd_warmup_steps=1, bucket_cap_mb=0.001, first_bucket_mb=0.001
     )
-    trainer = pl.Trainer(
-        accelerator="gpu",
-        devices=1,
-        strategy=strategy,
-        max_steps=max_steps,
-        logger=False,
-        enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=callbacks,
-        default_root_dir=tmpdir,
-    )
-    trainer.fit(module, DataLoader(data(), batch_size=BATCH, shuffle=True), ckpt_path=ckpt)
-    return {k: v.detach().cpu() for k, v in module.state_dict().items()}
+    return fit_on_gpu(strategy, HIDDEN, tmpdir, max_steps, callbacks, ckpt)
 
 
 def _stop_and_resume(rank: int, world: int, tmpdir: str) -> dict[str, Any]:

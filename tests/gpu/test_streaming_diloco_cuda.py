@@ -14,12 +14,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import lightning.pytorch as pl
 import pytest
 import torch
-from _nccl_reference import BATCH, RegressionModule, data
+from _nccl_reference import fit_on_gpu
 from lightning.pytorch.callbacks import ModelCheckpoint
-from torch.utils.data import DataLoader
 
 from lightning_sync import DiLoCoStrategy, comms
 from lightning_sync.sync.quantize import CHUNK, OuterCodec, decode, encode
@@ -31,24 +29,8 @@ STEPS, CKPT_STEP = 10, 5  # H = 3, F = 2, tau = 2: fragment 1, sent at step 4, i
 
 
 def _fit(tmpdir: str, max_steps: int, callbacks: list[Any], ckpt: Path | None = None) -> dict[str, torch.Tensor]:
-    torch.manual_seed(0)
-    module = RegressionModule(HIDDEN, momentum=0.9)
     strategy = DiLoCoStrategy(sync_every=3, fragments=2, overlap_steps=2, outer_dtype="int4")
-    trainer = pl.Trainer(
-        accelerator="gpu",
-        devices=1,
-        strategy=strategy,
-        max_steps=max_steps,
-        logger=False,
-        enable_checkpointing=bool(callbacks),
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=callbacks,
-        default_root_dir=tmpdir,
-    )
-    trainer.fit(module, DataLoader(data(), batch_size=BATCH, shuffle=True), ckpt_path=ckpt)
-    assert all(p.device.type == "cuda" for p in module.parameters())
-    return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
+    return fit_on_gpu(strategy, HIDDEN, tmpdir, max_steps, callbacks, ckpt)
 
 
 def test_int4_round_trip_on_the_gpu_is_the_cpus() -> None:
