@@ -30,6 +30,7 @@ own step after a resume). The error-feedback buffers are each rank's own (:meth:
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Iterable
 from typing import Any
@@ -99,14 +100,13 @@ def split_fragments(sizes: list[int], fragments: int) -> list[list[Piece]]:
     out: list[list[Piece]] = [[] for _ in range(fragments)]
     start = 0
     for i, size in enumerate(sizes):
-        end = start + size
+        if size == 0:  # the run its place falls in (the bounds rise strictly: F <= N)
+            out[min(bisect.bisect_right(bounds, start) - 1, fragments - 1)].append((i, 0, 0))
         for k in range(fragments):
-            lo, hi = max(bounds[k], start), min(bounds[k + 1], end)
-            if lo < hi or (size == 0 and (bounds[k] <= start < bounds[k + 1] or k == fragments - 1)):
-                out[k].append((i, lo - start, hi - start) if size else (i, 0, 0))
-                if size == 0:
-                    break
-        start = end
+            lo, hi = max(bounds[k], start), min(bounds[k + 1], start + size)
+            if lo < hi:
+                out[k].append((i, lo - start, hi - start))
+        start += size
     return out
 
 
@@ -236,19 +236,10 @@ class DiLoCoOuter:
         """The fragment's outer step on its average, merged into the local fragment."""
         if flight in self.in_flight:
             self.in_flight.remove(flight)
-        averages = dict(zip(flight.sent, flight.wait(), strict=True))
-        if all(lo == 0 and hi == self.params[i].numel() for i, lo, hi in flight.pieces):
-            # whole tensors (DiLoCo's one fragment, or tensors a cut missed): the outer optimizer's own step
-            for piece in flight.pieces:
-                g = self.global_params[piece[0]]
-                g.grad = averages[piece].view_as(g) if piece in averages else torch.zeros_like(g)
-            self.outer_optimizer.step()
-            self.outer_optimizer.zero_grad(set_to_none=True)
-        else:
-            with torch.no_grad():
-                for piece, average in averages.items():
-                    self._outer_step(piece, average)
         with torch.no_grad():
+            averages = iter(flight.wait())
+            for piece in flight.pieces:  # an empty tensor steps too (nothing moves; its momentum is kept, empty)
+                self._outer_step(piece, next(averages) if piece[2] > piece[1] else self.params[piece[0]].new_zeros(0))
             for i, lo, hi in flight.pieces:
                 local, new = self.params[i].view(-1)[lo:hi], self.global_params[i].detach().view(-1)[lo:hi]
                 if flight.overlapped:  # the local fragment moved on while the average travelled: merge
@@ -259,8 +250,10 @@ class DiLoCoOuter:
         return flight.fragment == len(self.fragments) - 1
 
     def _outer_step(self, piece: Piece, grad: torch.Tensor) -> None:
-        """The outer SGD step on the values of one piece, written as torch's SGD takes it (elementwise: the values
-        outside the piece, and their momentum, are left as they are)."""
+        """The outer SGD step on the values of one piece, written as torch's SGD (single-tensor) takes it, so a
+        whole tensor steps as ``outer_optimizer.step()`` would step it; elementwise, so the values outside the
+        piece and their momentum are left as they are. The optimizer holds the settings and the momentum buffers
+        (what a checkpoint saves), not the step."""
         i, lo, hi = piece
         g = self.global_params[i]
         group = self.outer_optimizer.param_groups[0]
