@@ -57,7 +57,7 @@ from lightning_sync.resume import RANK_STATES
 from lightning_sync.strategies._periodic import PeriodicStrategy
 from lightning_sync.sync.outer import DiLoCoOuter, check_outer, check_streaming
 from lightning_sync.sync.periodic import average_tensors, check_int
-from lightning_sync.sync.quantize import OUTER_DTYPES, OuterCodec
+from lightning_sync.sync.quantize import OuterCodec, check_outer_dtype
 
 __all__ = ["DiLoCoStrategy"]
 
@@ -109,8 +109,7 @@ class DiLoCoStrategy(PeriodicStrategy):
     ) -> None:
         check_outer(outer_lr, outer_momentum, nesterov)
         check_streaming(check_int("sync_every", sync_every, 1), fragments, overlap_steps, overlap_alpha)
-        if outer_dtype not in OUTER_DTYPES:
-            raise ValueError(f"outer_dtype must be one of {list(OUTER_DTYPES)}, got {outer_dtype!r}")
+        check_outer_dtype(outer_dtype)
         self.fragments, self.overlap_steps, self.outer_dtype = fragments, overlap_steps, outer_dtype
         self.overlap_alpha = float(overlap_alpha)
         self._pending_errors: dict[str, Any] | None = None  # this rank's error feedback, from a checkpoint

@@ -35,13 +35,19 @@ import torch
 from lightning_sync.sync.communicator import Communicator, WorkLike
 from lightning_sync.sync.compression import CODEC_OP
 
-__all__ = ["CHUNK", "OUTER_DTYPES", "OuterCodec", "decode", "encode", "encoded_bytes"]
+__all__ = ["CHUNK", "OUTER_DTYPES", "OuterCodec", "check_outer_dtype", "decode", "encode", "encoded_bytes"]
 
 OUTER_DTYPES = ("fp32", "bf16", "int8", "int4")
 CHUNK = 128
 """Values per scale: the scales cost 4 bytes per 128 values (3 % of int8's bytes, 6 % of int4's)."""
 
 _LEVELS = {"int8": 127, "int4": 7}
+
+
+def check_outer_dtype(dtype: Any) -> None:
+    """A ValueError naming ``dtype`` and the codecs there are, unless it is one of them."""
+    if dtype not in OUTER_DTYPES:
+        raise ValueError(f"outer_dtype must be one of {list(OUTER_DTYPES)}, got {dtype!r}")
 
 
 def encoded_bytes(numel: int, dtype: str) -> int:
@@ -85,8 +91,7 @@ class OuterCodec:
     buffers of ``int8`` / ``int4`` are kept; they are this rank's own (:meth:`rank_state`)."""
 
     def __init__(self, dtype: str = "fp32") -> None:
-        if dtype not in OUTER_DTYPES:
-            raise ValueError(f"outer_dtype must be one of {list(OUTER_DTYPES)}, got {dtype!r}")
+        check_outer_dtype(dtype)
         self.dtype = dtype
         self.worker_errors: dict[str, torch.Tensor] = {}  # key -> this rank's vector's carried error
         self.server_errors: dict[str, torch.Tensor] = {}  # key -> the carried error of the segment it owns
