@@ -35,7 +35,16 @@ import torch
 from lightning_sync.sync.communicator import Communicator, WorkLike
 from lightning_sync.sync.compression import CODEC_OP
 
-__all__ = ["CHUNK", "OUTER_DTYPES", "OuterCodec", "check_outer_dtype", "decode", "encode", "encoded_bytes"]
+__all__ = [
+    "CHUNK",
+    "OUTER_DTYPES",
+    "OuterCodec",
+    "check_outer_dtype",
+    "decode",
+    "encode",
+    "encoded_bytes",
+    "segment_of",
+]
 
 OUTER_DTYPES = ("fp32", "bf16", "int8", "int4")
 CHUNK = 128
@@ -48,6 +57,12 @@ def check_outer_dtype(dtype: Any) -> None:
     """A ValueError naming ``dtype`` and the codecs there are, unless it is one of them."""
     if dtype not in OUTER_DTYPES:
         raise ValueError(f"outer_dtype must be one of {list(OUTER_DTYPES)}, got {dtype!r}")
+
+
+def segment_of(numel: int, world: int) -> int:
+    """Values of each rank's segment of a vector of ``numel`` values: whole chunks, padded so world segments hold
+    it all."""
+    return -(-numel // (world * CHUNK)) * CHUNK
 
 
 def encoded_bytes(numel: int, dtype: str) -> int:
@@ -142,7 +157,7 @@ class OuterCodec:
             if any(part is None for part in servers):
                 continue  # a launch whose second half never ran: no server error yet
             whole = torch.cat(servers)[:numel]
-            segment = -(-numel // (world * CHUNK)) * CHUNK
+            segment = segment_of(numel, world)
             mine = whole.new_zeros(segment)
             piece = whole[rank * segment : (rank + 1) * segment]
             mine[: piece.numel()] = piece
@@ -172,8 +187,9 @@ class _Quantized:
     def __init__(self, codec: OuterCodec, key: str, flat: torch.Tensor, comm: Communicator) -> None:
         self.codec, self.key, self.comm, self.dtype = codec, key, comm, codec.dtype
         self.numel, self.like = flat.numel(), flat
-        world = comm.world_size
-        self.segment = -(-self.numel // (world * CHUNK)) * CHUNK  # values per rank's segment
+        self.world = world = comm.world_size
+        self.segment = segment_of(self.numel, world)
+        self.per = encoded_bytes(self.segment, self.dtype)  # bytes of one encoded segment
         started = time.perf_counter()
         vector = flat.new_zeros(world * self.segment, dtype=torch.float32)
         vector[: self.numel] = flat.reshape(-1)
@@ -198,19 +214,18 @@ class _Quantized:
         self._first.wait()
         self._first = None
         started = time.perf_counter()
-        world, per = self.comm.world_size, encoded_bytes(self.segment, self.dtype)
-        received = self._received.view(world, per)
+        received = self._received.view(self.world, self.per)
         mean = decode(received[0], self.segment, self.dtype)
-        for r in range(1, world):  # rank order: the same sum on any run
+        for r in range(1, self.world):  # rank order: the same sum on any run
             mean += decode(received[r], self.segment, self.dtype)
-        mean /= world
+        mean /= self.world
         error = self.codec.server_errors.get(self.key)
         if error is not None and error.numel() == mean.numel():
             mean += error.to(mean.device)
         mine, decoded = encode(mean, self.dtype)
         self.codec.server_errors[self.key] = mean - decoded
         self.comm.record(CODEC_OP, 0, time.perf_counter() - started, calls=1)
-        self._gathered = mine.new_empty(world * per)
+        self._gathered = mine.new_empty(self.world * self.per)
         self._second = self.comm.all_gather_into(self._gathered, mine, async_op=True)
 
     def wait(self) -> torch.Tensor:
@@ -219,9 +234,8 @@ class _Quantized:
             assert self._second is not None and self._gathered is not None
             self._second.wait()
             started = time.perf_counter()
-            world, per = self.comm.world_size, encoded_bytes(self.segment, self.dtype)
-            parts = self._gathered.view(world, per)
-            average = torch.cat([decode(parts[r], self.segment, self.dtype) for r in range(world)])
+            parts = self._gathered.view(self.world, self.per)
+            average = torch.cat([decode(part, self.segment, self.dtype) for part in parts])
             self._result = average[: self.numel].view_as(self.like).to(self.like.dtype)
             self.comm.record(CODEC_OP, 0, time.perf_counter() - started, calls=1)
         return self._result
