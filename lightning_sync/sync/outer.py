@@ -212,11 +212,6 @@ class DiLoCoOuter:
         """Whether every replica is the global model now (never while streaming: some fragment is apart)."""
         return not self.streaming and self.steps % self.sync_every == 0
 
-    def sync(self) -> None:
-        """Every fragment's outer step now, not overlapped (every rank must call it)."""
-        for f in range(len(self.fragments)):
-            self._apply(self._launch(f, 0))
-
     def _launch(self, fragment: int, overlap: int) -> _Flight:
         flight = _Flight(fragment, self.fragments[fragment], self.steps + overlap, overlapped=overlap > 0)
         with torch.no_grad():
