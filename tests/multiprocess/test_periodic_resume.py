@@ -107,6 +107,13 @@ def _outer(strategy: Any) -> dict[str, torch.Tensor]:
 def _fit(
     kind: str, max_steps: int, callbacks: list[Any], ckpt: Path | None = None, **kw: Any
 ) -> tuple[pl.Trainer, _Recorded]:
+    return _fit_recorded(_strategy(kind), max_steps, callbacks, ckpt, **kw)
+
+
+def _fit_recorded(
+    strategy: Any, max_steps: int, callbacks: list[Any], ckpt: Path | None = None, **kw: Any
+) -> tuple[pl.Trainer, _Recorded]:
+    """A :class:`_Recorded` fit under ``strategy`` on this rank's group, with accumulation, resumed from ``ckpt``."""
     # every fit starts from the same RNG states; a resume must replace them with the saved ones
     random.seed(100 + comms.get_rank())
     np.random.seed(200)
@@ -114,7 +121,7 @@ def _fit(
     module = _Recorded()
     trainer = _trainer(
         comms.get_world_size(),
-        _strategy(kind),
+        strategy,
         max_steps=max_steps,
         accumulate_grad_batches=ACCUMULATE,
         callbacks=callbacks,

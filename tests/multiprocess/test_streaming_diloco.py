@@ -14,19 +14,17 @@
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-import numpy as np
 import pytest
 import torch
-from _lightning_reference import ENV, EQ_TOL, MIN_MOVE, _quiet_rank, _state, _TiedModule, _train_replicas, _trainer
+from _lightning_reference import ENV, EQ_TOL, MIN_MOVE, _quiet_rank, _state, _TiedModule, _train_replicas
 from lightning.pytorch.callbacks import ModelCheckpoint
 from support.diloco_reference import TodaysDiLoCo
 from test_exact_resume import BATCH, N
-from test_periodic_resume import _Recorded
+from test_periodic_resume import ACCUMULATE, _fit_recorded, _Recorded
 
 from lightning_sync import DiLoCoStrategy, comms
 from lightning_sync.resume import RANK_STATES
@@ -232,28 +230,15 @@ def test_streaming_outer_loop_matches_todays_diloco_and_the_reference() -> None:
 # --------------------------------------------------------------------------- in Lightning: 2 ranks, then 1
 
 H, F, TAU, DTYPE = 3, 2, 2, "int4"  # fragment 0 sent at 3, 6, 9 and lands at 5, 8, 11; fragment 1 at 1, 4, 7, 10
-ACCUMULATE, STEPS = 2, 10  # N = 128, BATCH = 4: 2 ranks take 16 micro-batches an epoch, 8 optimizer steps
+STEPS = 10  # N = 128, BATCH = 4, ACCUMULATE = 2: 2 ranks take 16 micro-batches an epoch, 8 optimizer steps
 MID, EPOCH_END = 5, 8  # after step 5 fragment 1 (sent at 4) is in flight; after step 8, fragment 1 (sent at 7)
 
 
 def _fit(max_steps: int, callbacks: list[Any], ckpt: Path | None = None, **kw: Any) -> tuple[pl.Trainer, _Recorded]:
-    random.seed(100 + comms.get_rank())
-    np.random.seed(200)
-    torch.manual_seed(300)
-    module = _Recorded()
     strategy = DiLoCoStrategy(
         sync_every=H, outer_lr=LR, outer_momentum=MOMENTUM, fragments=F, overlap_steps=TAU, outer_dtype=DTYPE
     )
-    trainer = _trainer(
-        comms.get_world_size(),
-        strategy,
-        max_steps=max_steps,
-        accumulate_grad_batches=ACCUMULATE,
-        callbacks=callbacks,
-        **kw,
-    )
-    trainer.fit(module, ckpt_path=ckpt)
-    return trainer, module
+    return _fit_recorded(strategy, max_steps, callbacks, ckpt, **kw)
 
 
 def _trained_reference(world: int, steps: int, start: dict[str, Any] | None = None, epoch: int = 0) -> _Reference:
